@@ -1,0 +1,322 @@
+"""The call contract: every argument of ``chunk_gated_delta_rule`` checked and normalized.
+
+A :class:`GDNProblem` is what every backend receives. Building one is the only place user
+input is validated, so a backend may rely on everything stated here: shapes agree, tensors
+share one device and are contiguous, ``cu_seqlens`` is a valid partition of ``T``, and the
+chunk tables are already computed (see :mod:`gdn_dispatch.varlen`).
+
+Derived dimensions, used with these meanings everywhere in the package:
+
+``B``  batch size; ``T`` tokens per batch row; ``H`` query/key heads; ``HV`` value heads
+(a multiple of ``H``; v-head ``j`` reads q/k head ``j // (HV // H)``); ``K`` query/key head
+dim; ``V`` value head dim; ``N`` sequences (``B`` without ``cu_seqlens``, else
+``len(cu_seqlens) - 1``); ``C`` = 64 the chunk length.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from gdn_dispatch.registry import backend_names
+from gdn_dispatch.varlen import ChunkTable, build_chunk_table
+
+MAX_HEAD_DIM = 256
+CHUNK_SIZE = 64
+
+QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class GDNInputError(ValueError):
+    """A call argument breaks the contract; the message names it, what was expected and what came."""
+
+
+class StateLayout(str, enum.Enum):
+    """How a recurrent state of one sequence and v-head is stored.
+
+    ``KV``: ``[K, V]`` (fla's default); ``VK``: ``[V, K]`` (fla's ``state_v_first=True``).
+    """
+
+    KV = "kv"
+    VK = "vk"
+
+    @classmethod
+    def parse(cls, value: "str | StateLayout") -> "StateLayout":
+        if isinstance(value, StateLayout):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise GDNInputError(
+                f"state_layout: expected one of {[m.value for m in cls]}, got {value!r}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class GDNProblem:
+    """A validated ``chunk_gated_delta_rule`` call.
+
+    Attributes
+    ----------
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    v : Tensor ``[B, T, HV, V]``, same dtype as q, contiguous.
+    g : Tensor ``[B, T, HV]``, any float dtype, log-space per-token decay (not cumulated).
+    beta : Tensor ``[B, T, HV]``, any float dtype.
+    scale : float, the output scale (default ``K ** -0.5``).
+    initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), any float
+        dtype, contiguous; or None (zero state).
+    output_final_state : bool
+    state_layout : StateLayout, the layout of initial_state and of the returned final state.
+    use_qk_l2norm : bool, l2-normalize q and k over K before use.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]`` on the tensors' device, or None.
+    chunks : ChunkTable, per-chunk and per-sequence index tables (always present; a
+        uniform batch is described as ``B`` sequences of ``T`` tokens each).
+    backend : str or None, a backend name forced for this call.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+    initial_state: torch.Tensor | None
+    output_final_state: bool
+    state_layout: StateLayout
+    use_qk_l2norm: bool
+    cu_seqlens: torch.Tensor | None
+    chunks: ChunkTable
+    backend: str | None
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def K(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def HV(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def V(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def N(self) -> int:
+        return self.chunks.num_seqs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """``[N, HV, K, V]`` for "kv", ``[N, HV, V, K]`` for "vk"."""
+        if self.state_layout is StateLayout.KV:
+            return (self.N, self.HV, self.K, self.V)
+        return (self.N, self.HV, self.V, self.K)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _require_tensor(name: str, value, ndim: int, dims: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise GDNInputError(f"{name}: expected a torch.Tensor {dims}, got {type(value).__name__}")
+    if value.ndim != ndim:
+        raise GDNInputError(f"{name}: expected {ndim} dims {dims}, got {_describe(value)}")
+    return value
+
+
+def _require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise GDNInputError(
+            f"{name}: expected dtype in {[str(d) for d in allowed]}, got {t.dtype}"
+        )
+
+
+def _require_contiguous(name: str, t: torch.Tensor) -> None:
+    # Kernels address rows with fixed strides; copying behind the caller's back would hide
+    # a full extra pass over the tensor, so the caller decides.
+    if not t.is_contiguous():
+        raise GDNInputError(
+            f"{name}: expected a contiguous tensor (call .contiguous() first), "
+            f"got {_describe(t)} with strides {tuple(t.stride())}"
+        )
+
+
+def _check_cu_seqlens(cu_host: torch.Tensor, T: int) -> None:
+    n = cu_host.numel()
+    if n < 2:
+        raise GDNInputError(f"cu_seqlens: expected at least 2 entries [N + 1], got {n}")
+    if int(cu_host[0]) != 0:
+        raise GDNInputError(f"cu_seqlens: expected to start at 0, got {int(cu_host[0])}")
+    steps = cu_host[1:] - cu_host[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0])
+        raise GDNInputError(
+            f"cu_seqlens: expected non-decreasing values, got {int(cu_host[i])} then "
+            f"{int(cu_host[i + 1])} at positions {i}, {i + 1}"
+        )
+    if int(cu_host[-1]) != T:
+        raise GDNInputError(
+            f"cu_seqlens: expected to end at T = {T} (q.shape[1]), got {int(cu_host[-1])}"
+        )
+
+
+def _resolve_layout(state_layout, state_v_first) -> StateLayout:
+    """``state_layout`` wins; fla's ``state_v_first=True`` means "vk"; both must agree."""
+    if state_layout is None:
+        return StateLayout.VK if state_v_first else StateLayout.KV
+    layout = StateLayout.parse(state_layout)
+    if state_v_first is not None and bool(state_v_first) != (layout is StateLayout.VK):
+        raise GDNInputError(
+            f"state_v_first: {state_v_first} contradicts state_layout={layout.value!r}; pass one of them"
+        )
+    return layout
+
+
+def make_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    state_layout: str | StateLayout | None = None,
+    backend: str | None = None,
+    state_v_first: bool | None = None,
+    head_first: bool | None = None,
+) -> GDNProblem:
+    """Validate a ``chunk_gated_delta_rule`` call and return it as a :class:`GDNProblem`.
+
+    Raises :class:`GDNInputError` for the first broken rule. With ``cu_seqlens_cpu``
+    given, nothing here synchronizes with the device; without it, ``cu_seqlens`` is read
+    back once (one device-to-host copy) to validate it and size the chunk tables.
+    """
+    if head_first is not None and head_first:
+        raise GDNInputError(
+            "head_first: [B, H, T, ...] inputs are not supported; pass q, k as [B, T, H, K] "
+            "and v as [B, T, HV, V] (e.g. q.transpose(1, 2).contiguous())"
+        )
+    layout = _resolve_layout(state_layout, state_v_first)
+    q = _require_tensor("q", q, 4, "[B, T, H, K]")
+    k = _require_tensor("k", k, 4, "[B, T, H, K]")
+    v = _require_tensor("v", v, 4, "[B, T, HV, V]")
+    g = _require_tensor("g", g, 3, "[B, T, HV]")
+    beta = _require_tensor("beta", beta, 3, "[B, T, HV]")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+
+    if k.shape != q.shape:
+        raise GDNInputError(f"k: expected the shape of q {tuple(q.shape)} [B, T, H, K], got {_describe(k)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise GDNInputError(f"v: expected [B, T] = {(B, T)} as q, got {_describe(v)}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, HV):
+            raise GDNInputError(f"{name}: expected shape [B, T, HV] = {(B, T, HV)}, got {_describe(t)}")
+    if H == 0 or HV % H != 0:
+        raise GDNInputError(f"v: expected HV (v.shape[2]) to be a multiple of H = {H}, got HV = {HV}")
+    for name, dim, size in (("q", "K", K), ("v", "V", V)):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise GDNInputError(f"{name}: expected head dim {dim} in [1, {MAX_HEAD_DIM}], got {size}")
+
+    _require_dtype("q", q, QKV_DTYPES)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise GDNInputError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+    _require_dtype("g", g, FLOAT_DTYPES)
+    _require_dtype("beta", beta, FLOAT_DTYPES)
+
+    device = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != device:
+            raise GDNInputError(f"{name}: expected device {device} (q's), got {t.device}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_contiguous(name, t)
+
+    cu_host = None
+    if cu_seqlens is not None:
+        cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens, 1, "[N + 1]")
+        _require_dtype("cu_seqlens", cu_seqlens, INDEX_DTYPES)
+        if B != 1:
+            raise GDNInputError(
+                f"cu_seqlens: requires B == 1 (sequences packed along T), got q with B = {B}"
+            )
+        if cu_seqlens_cpu is not None:
+            cu_seqlens_cpu = _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1, "[N + 1]")
+            _require_dtype("cu_seqlens_cpu", cu_seqlens_cpu, INDEX_DTYPES)
+            if cu_seqlens_cpu.device.type != "cpu":
+                raise GDNInputError(f"cu_seqlens_cpu: expected a CPU tensor, got device {cu_seqlens_cpu.device}")
+            if cu_seqlens_cpu.numel() != cu_seqlens.numel():
+                raise GDNInputError(
+                    f"cu_seqlens_cpu: expected {cu_seqlens.numel()} entries like cu_seqlens, "
+                    f"got {cu_seqlens_cpu.numel()}"
+                )
+            cu_host = cu_seqlens_cpu
+        else:
+            cu_host = cu_seqlens.cpu()
+        _check_cu_seqlens(cu_host, T)
+    elif cu_seqlens_cpu is not None:
+        raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
+
+    chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device)
+    N = chunks.num_seqs
+
+    if initial_state is not None:
+        initial_state = _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V] or [N, HV, V, K]")
+        _require_dtype("initial_state", initial_state, FLOAT_DTYPES)
+        expected = (N, HV, K, V) if layout is StateLayout.KV else (N, HV, V, K)
+        if tuple(initial_state.shape) != expected:
+            dims = "[N, HV, K, V]" if layout is StateLayout.KV else "[N, HV, V, K]"
+            raise GDNInputError(
+                f"initial_state: expected {dims} = {expected} for state_layout={layout.value!r} "
+                f"and N = {N} sequences, got {_describe(initial_state)}"
+            )
+        _require_contiguous("initial_state", initial_state)
+
+    if scale is None:
+        scale = K ** -0.5
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if backend is not None:
+        names = backend_names()
+        if backend not in names:
+            raise GDNInputError(f"backend: expected one of {names} or None, got {backend!r}")
+
+    return GDNProblem(
+        q=q, k=k, v=v, g=g, beta=beta, scale=float(scale),
+        initial_state=initial_state, output_final_state=bool(output_final_state),
+        state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        cu_seqlens=cu_seqlens, chunks=chunks, backend=backend,
+    )

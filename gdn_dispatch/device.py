@@ -1,0 +1,159 @@
+"""What the device can do, read through the CUDA driver API (cuda-python), not torch.cuda.
+
+The probe answers without creating a CUDA context in torch, works on machines with no
+driver (it reports why there is no device instead of raising), and caches per device.
+Tests and ``info --assume`` build :class:`DeviceInfo` values directly, or hand a
+:class:`DeviceProbe` of their own to the functions that take one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device as dispatch sees it.
+
+    ``kind`` is "cuda" or "cpu". For CUDA devices: ``capability`` (major, minor),
+    ``sm_count`` multiprocessors, ``smem_optin`` the opt-in shared memory per block in bytes.
+    """
+
+    kind: str
+    index: int | None = None
+    name: str = ""
+    capability: tuple[int, int] | None = None
+    sm_count: int = 0
+    smem_optin: int = 0
+
+    @property
+    def label(self) -> str:
+        """"cuda:0" or "cpu": the key GDN_BACKEND maps use."""
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+    @property
+    def arch(self) -> str:
+        """"sm_90", "sm_100"... or "cpu"."""
+        if self.capability is None:
+            return self.kind
+        return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+CPU = DeviceInfo(kind="cpu", name="host CPU")
+
+# Representative parts, for `info --assume` and the dispatch matrix in tests.
+_ASSUMED = {
+    75: ("Tesla T4 (assumed)", 40, 65536),
+    80: ("A100 (assumed)", 108, 166912),
+    86: ("RTX A6000 (assumed)", 84, 101376),
+    89: ("L40S (assumed)", 142, 101376),
+    90: ("H100/H200 (assumed)", 132, 232448),
+    100: ("B200 (assumed)", 148, 232448),
+    103: ("B300 (assumed)", 148, 232448),
+    120: ("RTX PRO 6000 Blackwell (assumed)", 188, 101376),
+    121: ("DGX Spark GB10 (assumed)", 48, 101376),
+}
+
+
+def assumed_device(arch: str) -> DeviceInfo:
+    """A hypothetical device for "sm_90", "sm_100a", "90", "cpu"...: no hardware needed."""
+    text = arch.strip().lower()
+    if text == "cpu":
+        return CPU
+    m = re.fullmatch(r"(?:sm_?)?(\d+)a?", text)
+    if m is None:
+        raise ValueError(f"--assume: expected 'cpu' or an architecture like sm_90 or sm_100, got {arch!r}")
+    number = int(m.group(1))
+    major, minor = divmod(number, 10)
+    name, sms, smem = _ASSUMED.get(number, (f"sm_{number} (assumed)", 0, 0))
+    return DeviceInfo(kind="cuda", index=0, name=name, capability=(major, minor), sm_count=sms, smem_optin=smem)
+
+
+class DeviceProbe:
+    """Reads CUDA devices through the driver API; cached, safe without a driver."""
+
+    def __init__(self):
+        self._error: str | None = None
+        self._driver = None
+
+    def _load(self):
+        if self._driver is not None or self._error is not None:
+            return self._driver
+        try:
+            from cuda.bindings import driver
+        except Exception as exc:  # no cuda-python: a reason, not a crash
+            self._error = f"cuda-python not importable: {type(exc).__name__}: {exc}"
+            return None
+        try:
+            (err,) = driver.cuInit(0)
+        except Exception as exc:  # no driver library on this machine
+            self._error = f"no CUDA driver: {type(exc).__name__}: {exc}"
+            return None
+        if err != driver.CUresult.CUDA_SUCCESS:
+            self._error = f"no CUDA device: cuInit returned {err.name}"
+            return None
+        self._driver = driver
+        return driver
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why there are no CUDA devices here, or None when the driver answered."""
+        self._load()
+        return self._error
+
+    @functools.cache
+    def count(self) -> int:
+        driver = self._load()
+        if driver is None:
+            return 0
+        err, n = driver.cuDeviceGetCount()
+        return n if err == driver.CUresult.CUDA_SUCCESS else 0
+
+    @functools.cache
+    def info(self, index: int) -> DeviceInfo:
+        """DeviceInfo of CUDA device ``index``; ValueError when there is no such device."""
+        driver = self._load()
+        if driver is None or not 0 <= index < self.count():
+            raise ValueError(f"cuda:{index}: no such CUDA device ({self._error or f'{self.count()} present'})")
+        err, dev = driver.cuDeviceGet(index)
+        attr = driver.CUdevice_attribute
+
+        def get(a):
+            e, value = driver.cuDeviceGetAttribute(a, dev)
+            return value if e == driver.CUresult.CUDA_SUCCESS else 0
+
+        err, raw = driver.cuDeviceGetName(256, dev)
+        name = raw.split(b"\0", 1)[0].decode(errors="replace")
+        return DeviceInfo(
+            kind="cuda",
+            index=index,
+            name=name,
+            capability=(get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                        get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            sm_count=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            smem_optin=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        )
+
+    def all(self) -> list[DeviceInfo]:
+        """Every CUDA device, then the CPU."""
+        return [self.info(i) for i in range(self.count())] + [CPU]
+
+    def for_torch_device(self, device) -> DeviceInfo:
+        """DeviceInfo for a torch.device ("cpu", "cuda", "cuda:1")."""
+        if device.type == "cpu":
+            return CPU
+        if device.type != "cuda":
+            raise ValueError(f"device {device}: only cuda and cpu devices are supported")
+        index = device.index
+        if index is None:
+            import torch  # the current device is torch's notion, asked only for "cuda" without index
+            index = torch.cuda.current_device()
+        return self.info(index)
+
+
+@functools.cache
+def default_probe() -> DeviceProbe:
+    """The process-wide probe (created on first use, never at import)."""
+    return DeviceProbe()

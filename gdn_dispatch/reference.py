@@ -1,0 +1,129 @@
+"""The float32 torch oracle, and the ``reference`` backend.
+
+Two independent formulations of the same function:
+
+* :func:`forward_recurrent` walks the tokens one by one, exactly as the contract states
+  the semantics (``S = S * exp(g_t); u = beta_t (v_t - S^T k_t); S = S + k_t u^T;
+  o_t = scale * S^T q_t``).
+* :func:`forward` (the backend entry point) walks chunks of ``C`` tokens in the WY form
+  that the GPU kernels use, with the triangular system solved exactly.
+
+Agreement of the two (to relative error 1e-5) is what lets the chunked one serve as the
+oracle for every kernel at sizes where the per-token walk would be too slow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_dispatch.contract import GDNProblem, StateLayout
+
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, in x's dtype (fla's l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int):
+    """Float32 inputs of sequence ``n`` (tokens ``bos:eos`` of the packed axis), q/k heads
+    expanded to the v-heads. Returns q, k ``[L, HV, K]``, v ``[L, HV, V]``, g, beta
+    ``[L, HV]``, and the initial state ``[HV, K, V]`` (zeros when none)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, *t.shape[2:])[bos:eos].float()
+
+    group = problem.HV // problem.H
+    q, k = rows(problem.q), rows(problem.k)
+    if problem.use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q.repeat_interleave(group, dim=1)
+    k = k.repeat_interleave(group, dim=1)
+    if problem.initial_state is None:
+        s0 = q.new_zeros(problem.HV, problem.K, problem.V)
+    else:
+        s0 = problem.initial_state[n].float()
+        if problem.state_layout is StateLayout.VK:
+            s0 = s0.transpose(-1, -2)
+    return q, k, rows(problem.v), rows(problem.g), rows(problem.beta), s0.clone()
+
+
+def _recurrent_sequence(q, k, v, g, beta, s, scale: float):
+    """Per-token walk; shapes as :func:`_sequence_inputs`. Returns o ``[L, HV, V]`` and S."""
+    o = v.new_empty(v.shape)
+    for t in range(q.shape[0]):
+        s = s * torch.exp(g[t])[:, None, None]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], s))
+        s = s + k[t][:, :, None] * u[:, None, :]
+        o[t] = scale * torch.einsum("hk,hkv->hv", q[t], s)
+    return o, s
+
+
+def _chunked_sequence(q, k, v, g, beta, s, scale: float, chunk_size: int):
+    """WY-form chunk walk; shapes as :func:`_sequence_inputs`. Returns o ``[L, HV, V]`` and S."""
+    o = v.new_empty(v.shape)
+    for c0 in range(0, q.shape[0], chunk_size):
+        # [HV, C, *] per chunk so that every product below is a batched matmul over v-heads.
+        qc, kc, vc = (x[c0:c0 + chunk_size].transpose(0, 1) for x in (q, k, v))
+        gc = g[c0:c0 + chunk_size].transpose(0, 1).cumsum(-1)
+        bc = beta[c0:c0 + chunk_size].transpose(0, 1)
+        L = gc.shape[-1]
+        decay = torch.exp(gc[:, :, None] - gc[:, None, :])
+        strict = torch.ones(L, L, dtype=torch.bool, device=q.device).tril(-1)
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        a = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0)
+        eye = torch.eye(L, device=q.device).expand_as(a)
+        w = torch.linalg.solve_triangular(eye + a, (bc * torch.exp(gc))[..., None] * kc, upper=False)
+        u = torch.linalg.solve_triangular(eye + a, bc[..., None] * vc, upper=False)
+        v_new = u - w @ s
+        attn = ((qc @ kc.transpose(-1, -2)) * decay).masked_fill(~causal, 0)
+        oc = scale * ((qc @ s) * torch.exp(gc)[..., None] + attn @ v_new)
+        o[c0:c0 + chunk_size] = oc.transpose(0, 1)
+        g_last = gc[:, -1:]
+        s = s * torch.exp(g_last)[..., None] + kc.transpose(-1, -2) @ (v_new * torch.exp(g_last - gc)[..., None])
+    return o, s
+
+
+def _run(problem: GDNProblem, walk) -> tuple[torch.Tensor, torch.Tensor | None]:
+    o = torch.empty(problem.B * problem.T, problem.HV, problem.V, dtype=torch.float32, device=problem.device)
+    final = []
+    bounds = problem.chunks.cu_seqlens_host
+    if bounds is None:
+        bounds = problem.chunks.cu_seqlens.cpu()
+    for n in range(problem.N):
+        bos, eos = int(bounds[n]), int(bounds[n + 1])
+        q, k, v, g, beta, s = _sequence_inputs(problem, n, bos, eos)
+        o_seq, s = walk(q, k, v, g, beta, s, problem.scale)
+        o[bos:eos] = o_seq
+        final.append(s)
+    o = o.reshape(problem.B, problem.T, problem.HV, problem.V).to(problem.dtype)
+    if not problem.output_final_state:
+        return o, None
+    state = torch.stack(final) if final else o.new_zeros(0, problem.HV, problem.K, problem.V, dtype=torch.float32)
+    if problem.state_layout is StateLayout.VK:
+        state = state.transpose(-1, -2)
+    return o, state.contiguous()
+
+
+def forward_recurrent(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-token recurrence: the contract's semantics, literally.
+
+    Returns o ``[B, T, HV, V]`` in q's dtype and, when asked, the final state float32
+    ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk").
+    """
+    return _run(problem, _recurrent_sequence)
+
+
+def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked (C = 64) float32 computation; the ``reference`` backend's entry point.
+
+    Returns o ``[B, T, HV, V]`` in q's dtype and, when asked, the final state float32
+    ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk").
+    """
+    size = problem.chunks.chunk_size
+    return _run(problem, lambda *args: _chunked_sequence(*args, chunk_size=size))
+
+
+def kernels_for_aot() -> list:
+    """The reference backend has no kernels to compile."""
+    return []

@@ -1,0 +1,366 @@
+"""Backend selection: registry.toml rows, checked against a device and a call.
+
+Each check is a *reason function*: it returns the first reason a row cannot serve, or
+None. Automatic selection walks rows by priority and takes the first with no reason; an
+explicit choice (the ``backend=`` argument or ``GDN_BACKEND``) turns the reason into an
+error instead of moving on. Backend modules are imported only when a row is about to be
+taken; an import failure becomes that row's reason, verbatim.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from gdn_dispatch.device import DeviceInfo
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ENV_VAR = "GDN_BACKEND"
+_FEATURES = ("varlen", "grouped_value_heads", "initial_state", "final_state", "qk_l2norm")
+
+
+class GDNDispatchError(RuntimeError):
+    """No backend can run this call, or an explicit backend choice cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registry.toml row. Field meanings are documented at the top of registry.toml."""
+
+    name: str
+    module: str
+    priority: int
+    device: str
+    capabilities: tuple[tuple[int, int], ...] | None
+    min_capability: tuple[int, int] | None
+    interpreter_on_cpu: bool
+    requires: tuple[tuple[str, str], ...]
+    dtypes: tuple[str, ...]
+    head_dims: tuple[int, ...] | None
+    max_head_dim: int
+    features: frozenset[str]
+    state_layouts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """The parts of a call that decide which backend may run it."""
+
+    dtype: str = "bfloat16"
+    K: int = 128
+    V: int = 128
+    varlen: bool = True
+    grouped_value_heads: bool = True
+    state_layout: str = "kv"
+    initial_state: bool = True
+    final_state: bool = True
+    qk_l2norm: bool = False
+
+    @classmethod
+    def from_problem(cls, problem) -> "CallSpec":
+        return cls(
+            dtype=str(problem.dtype).removeprefix("torch."),
+            K=problem.K,
+            V=problem.V,
+            varlen=problem.is_varlen,
+            grouped_value_heads=problem.HV != problem.H,
+            state_layout=problem.state_layout.value,
+            initial_state=problem.initial_state is not None,
+            final_state=problem.output_final_state,
+            qk_l2norm=problem.use_qk_l2norm,
+        )
+
+
+#: A Qwen3.5-shaped call (the one `info` explains when no call is given).
+QWEN35_CALL = CallSpec()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str  # "selected", "rejected", "passed over", "not available"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every row's verdict for one device and call, and the row chosen (or None)."""
+
+    device: DeviceInfo
+    call: CallSpec
+    verdicts: tuple[Verdict, ...]
+    selected: str | None
+    forced: str | None = None
+    forced_by: str | None = None
+
+    def format(self) -> str:
+        lines = []
+        if self.forced:
+            lines.append(f"  forced: {self.forced} (by {self.forced_by})")
+        width = max(len(v.name) for v in self.verdicts)
+        for v in self.verdicts:
+            lines.append(f"  {v.name:<{width}}  {v.status:<13}  {v.reason}")
+        lines.append(f"selected: {self.selected or 'NONE'}")
+        return "\n".join(lines)
+
+
+def _parse_capability(text: str) -> tuple[int, int]:
+    major, minor = str(text).split(".")
+    return int(major), int(minor)
+
+
+def registry_path() -> Path:
+    """registry.toml: inside the package in a wheel, at the project root in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "registry.toml", here.parent / "registry.toml"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"registry.toml not found next to {here} or in {here.parent}")
+
+
+@functools.cache
+def load_registry(path: Path | None = None) -> tuple[BackendSpec, ...]:
+    """Parse registry.toml into BackendSpec rows, highest priority first."""
+    with open(path or registry_path(), "rb") as f:
+        data = tomllib.load(f)
+    rows = []
+    for raw in data.get("backend", []):
+        caps = raw.get("capabilities")
+        floor = raw.get("min_capability")
+        rows.append(BackendSpec(
+            name=raw["name"],
+            module=raw["module"],
+            priority=int(raw["priority"]),
+            device=raw["device"],
+            capabilities=None if caps is None else tuple(_parse_capability(c) for c in caps),
+            min_capability=None if floor is None else _parse_capability(floor),
+            interpreter_on_cpu=bool(raw.get("interpreter_on_cpu", False)),
+            requires=tuple(sorted(raw.get("requires", {}).items())),
+            dtypes=tuple(raw["dtypes"]),
+            head_dims=None if "head_dims" not in raw else tuple(raw["head_dims"]),
+            max_head_dim=int(raw["max_head_dim"]),
+            features=frozenset(f for f in _FEATURES if raw.get(f, False)),
+            state_layouts=tuple(raw["state_layouts"]),
+        ))
+    names = [r.name for r in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"registry.toml: duplicate backend names in {names}")
+    return tuple(sorted(rows, key=lambda r: -r.priority))
+
+
+def backend_names(rows: tuple[BackendSpec, ...] | None = None) -> list[str]:
+    return [r.name for r in (rows or load_registry())]
+
+
+def interpreter_enabled(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_reason(spec: BackendSpec, device: DeviceInfo, *, explicit: bool = False,
+                  interpret: bool = False) -> str | None:
+    """Why ``spec`` cannot run on ``device``, or None."""
+    if device.kind == "cpu":
+        if spec.device == "any":
+            return None
+        if spec.interpreter_on_cpu and interpret and explicit:
+            return None
+        if spec.interpreter_on_cpu:
+            return "needs a CUDA device (CPU only when chosen explicitly under TRITON_INTERPRET=1)"
+        return "needs a CUDA device"
+    cap = device.capability
+    if spec.capabilities is not None and cap not in spec.capabilities:
+        wanted = ", ".join(f"sm_{a}{b}" for a, b in spec.capabilities)
+        return f"needs compute capability in {{{wanted}}}, device is {device.arch}"
+    if spec.min_capability is not None and cap < spec.min_capability:
+        a, b = spec.min_capability
+        return f"needs compute capability >= sm_{a}{b}, device is {device.arch}"
+    return None
+
+
+def installed_versions(packages) -> dict[str, str | None]:
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def version_reason(spec: BackendSpec, versions: dict[str, str | None] | None = None) -> str | None:
+    """Why the installed packages do not meet ``spec.requires``, or None.
+
+    ``versions`` maps package name to version (None: not installed); by default the
+    installed versions are read with importlib.metadata.
+    """
+    if versions is None:
+        versions = installed_versions(p for p, _ in spec.requires)
+    for pkg, spec_text in spec.requires:
+        have = versions.get(pkg)
+        if have is None:
+            return f"needs {pkg}{spec_text}, which is not installed"
+        try:
+            ok = Version(have) in SpecifierSet(spec_text, prereleases=True)
+        except (InvalidSpecifier, InvalidVersion) as exc:
+            return f"cannot check {pkg}{spec_text} against {have}: {exc}"
+        if not ok:
+            return f"needs {pkg}{spec_text}, found {have}"
+    return None
+
+
+def call_reason(spec: BackendSpec, call: CallSpec) -> str | None:
+    """Why ``spec`` does not support this call's dtype, head dims or features, or None."""
+    if call.dtype not in spec.dtypes:
+        return f"q/k/v dtype {call.dtype} not in {list(spec.dtypes)}"
+    for dim, size in (("K", call.K), ("V", call.V)):
+        if spec.head_dims is not None and size not in spec.head_dims:
+            return f"needs {dim} in {set(spec.head_dims)}, got {size}"
+        if size > spec.max_head_dim:
+            return f"needs {dim} <= {spec.max_head_dim}, got {size}"
+    if call.state_layout not in spec.state_layouts:
+        return f"state layout {call.state_layout!r} not in {list(spec.state_layouts)}"
+    for feature in _FEATURES:
+        if getattr(call, feature) and feature not in spec.features:
+            return f"does not support {feature.replace('_', ' ')}"
+    return None
+
+
+@functools.cache
+def _import_backend(module: str) -> tuple[ModuleType | None, str | None]:
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # every import failure is the row's reason, verbatim
+        return None, f"not available: {type(exc).__name__}: {exc}"
+
+
+def parse_override(value: str, names: list[str]) -> dict[str, str]:
+    """Parse GDN_BACKEND: "name" (every device) or "cuda:0=a,cuda:1=b,cpu=c".
+
+    Returns a map from device key ("*", "cpu", "cuda", "cuda:N") to backend name.
+    """
+    text = value.strip()
+    if not text:
+        return {}
+    entries = {}
+    if "=" not in text and "," not in text:
+        entries["*"] = text
+    else:
+        for part in text.split(","):
+            key, sep, name = (s.strip() for s in part.partition("="))
+            if not sep or not key or not name:
+                raise GDNDispatchError(
+                    f"{ENV_VAR}={value!r}: malformed entry {part.strip()!r}; expected a backend name "
+                    f"or a map like 'cuda:0=gluon_sm100,cuda:1=triton_generic,cpu=reference'"
+                )
+            if not (key in ("cpu", "cuda") or (key.startswith("cuda:") and key[5:].isdigit())):
+                raise GDNDispatchError(
+                    f"{ENV_VAR}={value!r}: unknown device {key!r}; expected 'cpu', 'cuda' or 'cuda:N'"
+                )
+            if key in entries:
+                raise GDNDispatchError(f"{ENV_VAR}={value!r}: device {key!r} given twice")
+            entries[key] = name
+    for key, name in entries.items():
+        if name not in names:
+            raise GDNDispatchError(
+                f"{ENV_VAR}={value!r}: unknown backend {name!r}; valid names: {', '.join(names)}"
+            )
+    return entries
+
+
+def override_for(device: DeviceInfo, env: dict[str, str] | None = None,
+                 names: list[str] | None = None) -> str | None:
+    """The backend GDN_BACKEND forces on ``device``, or None. Read at call time."""
+    env = os.environ if env is None else env
+    value = env.get(ENV_VAR)
+    if value is None:
+        return None
+    entries = parse_override(value, names or backend_names())
+    return entries.get(device.label) or entries.get(device.kind) or entries.get("*")
+
+
+def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
+            backend: str | None = None, env: dict[str, str] | None = None,
+            versions: dict[str, str | None] | None = None,
+            rows: tuple[BackendSpec, ...] | None = None) -> Explanation:
+    """Every row's verdict for ``device`` and ``call``, and the one chosen.
+
+    ``backend`` (a call's explicit choice) wins over ``GDN_BACKEND`` in ``env``. Rows are
+    imported only as far as needed to find the winner; ``problem`` (a GDNProblem), when
+    given, is also offered to a backend module's ``unsupported_reason(problem)``.
+    """
+    rows = rows or load_registry()
+    names = backend_names(rows)
+    env = os.environ if env is None else env
+    forced, forced_by = backend, "backend= argument"
+    if forced is None:
+        forced, forced_by = override_for(device, env, names), f"{ENV_VAR}={env.get(ENV_VAR)!r}"
+    if forced is not None and forced not in names:
+        raise GDNDispatchError(f"backend {forced!r} is unknown; valid names: {', '.join(names)}")
+    interpret = interpreter_enabled(env)
+
+    verdicts, selected = [], None
+    for spec in rows:
+        if forced is not None and spec.name != forced:
+            verdicts.append(Verdict(spec.name, "passed over", f"{forced} forced by {forced_by}"))
+            continue
+        reason = (device_reason(spec, device, explicit=forced is not None, interpret=interpret)
+                  or version_reason(spec, None if versions is None else versions)
+                  or call_reason(spec, call))
+        if reason is not None:
+            verdicts.append(Verdict(spec.name, "rejected", reason))
+            continue
+        if selected is not None:
+            verdicts.append(Verdict(spec.name, "passed over", f"{selected} has higher priority"))
+            continue
+        module, reason = _import_backend(spec.module)
+        if reason is None and problem is not None and hasattr(module, "unsupported_reason"):
+            reason = module.unsupported_reason(problem)
+        if reason is not None:
+            verdicts.append(Verdict(spec.name, "not available" if module is None else "rejected", reason))
+            continue
+        selected = spec.name
+        verdicts.append(Verdict(spec.name, "selected", f"priority {spec.priority}"))
+    return Explanation(device=device, call=call, verdicts=tuple(verdicts), selected=selected,
+                       forced=forced, forced_by=forced_by if forced else None)
+
+
+@dataclass(frozen=True)
+class Selection:
+    spec: BackendSpec
+    module: ModuleType
+    explanation: Explanation = field(repr=False)
+
+
+def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) -> Selection:
+    """The backend that runs ``problem`` on ``device``; GDNDispatchError when none can.
+
+    An explicit choice that cannot run raises with its reason; it never falls back.
+    """
+    explanation = explain(device, CallSpec.from_problem(problem), problem=problem,
+                          backend=problem.backend, env=env)
+    if explanation.selected is None:
+        if explanation.forced is not None:
+            verdict = next(v for v in explanation.verdicts if v.name == explanation.forced)
+            raise GDNDispatchError(
+                f"backend {explanation.forced!r} (forced by {explanation.forced_by}) cannot run this "
+                f"call on {device.label} ({device.arch}): {verdict.reason}"
+            )
+        details = "; ".join(f"{v.name}: {v.reason}" for v in explanation.verdicts)
+        raise GDNDispatchError(f"no backend can run this call on {device.label} ({device.arch}): {details}")
+    spec = next(r for r in load_registry() if r.name == explanation.selected)
+    module, _ = _import_backend(spec.module)
+    return Selection(spec=spec, module=module, explanation=explanation)
