@@ -327,6 +327,8 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
             verdicts.append(Verdict(spec.name, "passed over", f"{selected} has higher priority"))
             continue
         module, reason = _import_backend(spec.module)
+        if module is not None and not callable(getattr(module, "forward", None)):
+            module, reason = None, f"not available: module {spec.module} defines no forward(problem)"
         if reason is None and problem is not None and hasattr(module, "unsupported_reason"):
             reason = module.unsupported_reason(problem)
         if reason is not None:

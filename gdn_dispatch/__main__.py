@@ -1,0 +1,99 @@
+"""Command line: ``python -m gdn_dispatch {info,run,bench,compile}``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Versions, devices, and every backend's verdict per device."""
+    from gdn_dispatch import __version__
+    from gdn_dispatch.device import assumed_device, default_probe
+    from gdn_dispatch.registry import ENV_VAR, QWEN35_CALL, GDNDispatchError, explain
+
+    print(f"gdn-dispatch {__version__}")
+    for pkg in ("torch", "triton", "cuda-python", "cuda-bindings"):
+        print(f"{pkg:<14} {_version(pkg)}")
+    print(f"{ENV_VAR:<14} {os.environ.get(ENV_VAR, '(not set)')}")
+    call = QWEN35_CALL
+    print(f"call explained: {call.dtype}, K={call.K}, V={call.V}, varlen, grouped value heads, "
+          f"state layout {call.state_layout!r}, initial and final state")
+    if args.assume:
+        devices = [assumed_device(a) for a in args.assume]
+    else:
+        probe = default_probe()
+        if probe.unavailable_reason:
+            print(f"CUDA: none ({probe.unavailable_reason})")
+        devices = probe.all()
+    status = 0
+    for device in devices:
+        print()
+        cap = "" if device.capability is None else f", capability {device.capability[0]}.{device.capability[1]} ({device.arch})"
+        extra = "" if device.kind == "cpu" else f", {device.sm_count} SMs, {device.smem_optin // 1024} KiB smem/block"
+        print(f"[{device.label}] {device.name}{cap}{extra}")
+        try:
+            print(explain(device, call).format())
+        except GDNDispatchError as exc:
+            print(f"  error: {exc}\nselected: NONE")
+            status = 1
+    return status
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gdn_dispatch.job import run_main_job
+    return run_main_job(device=args.device, seed=args.seed)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gdn_dispatch import bench
+    return bench.run(args)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from gdn_dispatch import aot
+    return aot.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gdn_dispatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="versions, devices, and which backend each device gets and why")
+    info.add_argument("--assume", action="append", metavar="ARCH",
+                      help="explain for a hypothetical device instead (sm_90, sm_100, sm_120, cpu...); repeatable")
+    info.set_defaults(func=cmd_info)
+
+    run = sub.add_parser("run", help="the main job: a Qwen3.5-shaped ragged prefill, timed and checked")
+    run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    run.add_argument("--seed", type=int, default=0)
+    run.set_defaults(func=cmd_run)
+
+    bench_parser = sub.add_parser("bench", help="time every backend (and fla, if installed) side by side")
+    from gdn_dispatch import bench
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=cmd_bench)
+
+    comp = sub.add_parser("compile", help="compile backends' kernels ahead of time for a target (no GPU needed)")
+    from gdn_dispatch import aot
+    aot.add_arguments(comp)
+    comp.set_defaults(func=cmd_compile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Random GDN calls and the error metric, shared by the tests, the CLI and the benchmarks.
+
+Inputs are drawn the way a Qwen3.5 layer produces them, so that decays, step sizes and
+state magnitudes are realistic: k (and q) unit-norm, g = logsigmoid(randn) (a decay in
+(0, 1) per token), beta = sigmoid(randn), a small random initial state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (fla's relative RMS metric).
+
+    NaN or Inf anywhere in ``actual`` gives ``inf``, so an unwritten (NaN-poisoned) or
+    blown-up output never passes a tolerance.
+    """
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(a.device, torch.float64)
+    if a.shape != e.shape:
+        raise ValueError(f"rel_rms_error: shapes differ, {tuple(a.shape)} vs {tuple(e.shape)}")
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    denom = e.norm()
+    if denom == 0:
+        return float((a - e).norm())
+    return float((a - e).norm() / denom)
+
+
+def random_call(
+    *,
+    lengths: list[int] | None = None,
+    batch: tuple[int, int] | None = None,
+    H: int = 2,
+    HV: int = 4,
+    K: int = 32,
+    V: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    initial_state: bool = True,
+    state_layout: str = "kv",
+    normalize_qk: bool = True,
+) -> dict:
+    """Keyword arguments for one random ``chunk_gated_delta_rule`` call.
+
+    Give either ``lengths`` (a packed ragged batch: B = 1 with cu_seqlens and
+    cu_seqlens_cpu) or ``batch = (B, T)`` (a uniform batch). ``normalize_qk=False`` leaves
+    q and k un-normalized, for calls that ask the kernel to l2-normalize them.
+    Returns q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]`` float32;
+    initial_state float32 in ``state_layout`` (or None); cu_seqlens / cu_seqlens_cpu; and
+    state_layout.
+    """
+    if (lengths is None) == (batch is None):
+        raise ValueError("random_call: give exactly one of lengths or batch")
+    gen = torch.Generator().manual_seed(seed)
+    if lengths is not None:
+        B, T = 1, int(sum(lengths))
+        cu_host = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        N = len(lengths)
+    else:
+        B, T = batch
+        cu_host = None
+        N = B
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(B, T, H, K), randn(B, T, H, K)
+    if normalize_qk:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    call = dict(
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=randn(B, T, HV, V).to(dtype),
+        g=F.logsigmoid(randn(B, T, HV)),
+        beta=torch.sigmoid(randn(B, T, HV)),
+        initial_state=None,
+        state_layout=state_layout,
+    )
+    if initial_state:
+        dims = (K, V) if state_layout == "kv" else (V, K)
+        call["initial_state"] = 0.1 * randn(N, HV, *dims)
+    if cu_host is not None:
+        call["cu_seqlens"] = cu_host
+        call["cu_seqlens_cpu"] = cu_host
+    out = {}
+    for name, value in call.items():
+        out[name] = value.to(device) if isinstance(value, torch.Tensor) and name != "cu_seqlens_cpu" else value
+    return out

@@ -1,0 +1,134 @@
+"""Every broken rule of the call contract raises GDNInputError naming what came."""
+
+import pytest
+import torch
+
+from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.testing import random_call
+
+
+def base_call(**over):
+    call = random_call(batch=(2, 10), H=2, HV=4, K=8, V=12, dtype=torch.float32, seed=1)
+    call.update(over)
+    return call
+
+
+def varlen_call(**over):
+    call = random_call(lengths=[3, 0, 7], H=2, HV=4, K=8, V=12, dtype=torch.float32, seed=2)
+    call.update(over)
+    return call
+
+
+def _int(values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+BAD_CALLS = [
+    pytest.param(lambda c: c.update(q=c["q"][0]), r"q: expected 4 dims \[B, T, H, K\], got shape \(10, 2, 8\)", id="q-rank"),
+    pytest.param(lambda c: c.update(v=c["v"][..., 0]), r"v: expected 4 dims", id="v-rank"),
+    pytest.param(lambda c: c.update(g=c["g"][..., None]), r"g: expected 3 dims \[B, T, HV\]", id="g-rank"),
+    pytest.param(lambda c: c.update(q="q"), r"q: expected a torch.Tensor", id="q-not-tensor"),
+    pytest.param(lambda c: c.update(k=c["k"][:, :9].contiguous()), r"k: expected the shape of q \(2, 10, 2, 8\)", id="k-T"),
+    pytest.param(lambda c: c.update(v=c["v"][:1].contiguous()), r"v: expected \[B, T\] = \(2, 10\)", id="v-B"),
+    pytest.param(lambda c: c.update(g=c["g"][:, :7].contiguous()), r"g: expected shape \[B, T, HV\] = \(2, 10, 4\), got shape \(2, 7, 4\)", id="g-T"),
+    pytest.param(lambda c: c.update(beta=c["beta"][..., :3].contiguous()), r"beta: expected shape \[B, T, HV\]", id="beta-HV"),
+    pytest.param(lambda c: c.update(k=torch.randn(2, 10, 1, 8)), r"k: expected the shape of q", id="qk-heads"),
+    pytest.param(lambda c: c.update(k=torch.randn(2, 10, 2, 16)), r"k: expected the shape of q", id="qk-dims"),
+    pytest.param(lambda c: c.update(v=torch.randn(2, 10, 3, 12), g=torch.randn(2, 10, 3), beta=torch.rand(2, 10, 3)),
+                 r"v: expected HV \(v.shape\[2\]\) to be a multiple of H = 2, got HV = 3", id="HV-not-multiple"),
+    pytest.param(lambda c: c.update(q=torch.randn(2, 10, 2, 320), k=torch.randn(2, 10, 2, 320)),
+                 r"q: expected head dim K in \[1, 256\], got 320", id="K-too-large"),
+    pytest.param(lambda c: c.update(v=torch.randn(2, 10, 4, 300)), r"v: expected head dim V in \[1, 256\], got 300", id="V-too-large"),
+    pytest.param(lambda c: c.update(q=c["q"].double(), k=c["k"].double(), v=c["v"].double()),
+                 r"q: expected dtype in .*got torch.float64", id="q-float64"),
+    pytest.param(lambda c: c.update(v=c["v"].half()), r"v: expected q's dtype torch.float32, got torch.float16", id="v-dtype"),
+    pytest.param(lambda c: c.update(g=c["g"].to(torch.int32)), r"g: expected dtype in", id="g-int"),
+    pytest.param(lambda c: c.update(beta=c["beta"].to(torch.bool)), r"beta: expected dtype in", id="beta-bool"),
+    pytest.param(lambda c: c.update(q=c["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+                 r"q: expected a contiguous tensor \(call .contiguous\(\) first\)", id="q-strided"),
+    pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 12, 8)),
+                 r"initial_state: expected \[N, HV, K, V\] = \(2, 4, 8, 12\) for state_layout='kv' and N = 2 sequences, got shape \(2, 4, 12, 8\)",
+                 id="h0-kv-shape"),
+    pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 8, 12), state_layout="vk"),
+                 r"initial_state: expected \[N, HV, V, K\] = \(2, 4, 12, 8\) for state_layout='vk'", id="h0-vk-shape"),
+    pytest.param(lambda c: c.update(initial_state=torch.randn(3, 4, 8, 12)), r"initial_state: expected .* N = 2 sequences", id="h0-N"),
+    pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 8, 12).to(torch.int64)), r"initial_state: expected dtype in", id="h0-dtype"),
+    pytest.param(lambda c: c.update(state_layout="kvv"), r"state_layout: expected one of \['kv', 'vk'\], got 'kvv'", id="layout-unknown"),
+    pytest.param(lambda c: c.update(state_v_first=True, state_layout="kv"), r"state_v_first: True contradicts state_layout='kv'", id="layout-contradiction"),
+    pytest.param(lambda c: c.update(backend="cutlass"), r"backend: expected one of \[.*'reference'\] or None, got 'cutlass'", id="backend-unknown"),
+    pytest.param(lambda c: c.update(head_first=True), r"head_first: .* not supported; pass q, k as \[B, T, H, K\]", id="head-first"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 5, 20])), r"cu_seqlens: requires B == 1 .* got q with B = 2", id="cu-B"),
+    pytest.param(lambda c: c.update(scale="1"), r"scale: expected a float or None, got str", id="scale-type"),
+]
+
+BAD_VARLEN = [
+    pytest.param(lambda c: c.update(cu_seqlens=_int([[0, 10]]), cu_seqlens_cpu=None), r"cu_seqlens: expected 1 dims \[N \+ 1\]", id="cu-2d"),
+    pytest.param(lambda c: c.update(cu_seqlens=torch.tensor([0.0, 10.0]), cu_seqlens_cpu=None), r"cu_seqlens: expected dtype in \['torch.int32', 'torch.int64'\], got torch.float32", id="cu-float"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([1, 3, 10]), cu_seqlens_cpu=None), r"cu_seqlens: expected to start at 0, got 1", id="cu-start"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 6, 3, 10]), cu_seqlens_cpu=None),
+                 r"cu_seqlens: expected non-decreasing values, got 6 then 3 at positions 1, 2", id="cu-decreasing"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 9]), cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 9", id="cu-end"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0]), cu_seqlens_cpu=None), r"cu_seqlens: expected at least 2 entries", id="cu-short"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 10])), r"cu_seqlens_cpu: expected 4 entries like cu_seqlens, got 2", id="cu-cpu-len"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 3, 3, 11])), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 11", id="cu-cpu-end"),
+    pytest.param(lambda c: c.update(cu_seqlens=None), r"cu_seqlens_cpu: given without cu_seqlens", id="cu-cpu-alone"),
+    pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 8, 12)), r"initial_state: expected .* = \(3, 4, 8, 12\) .* N = 3 sequences", id="h0-N-varlen"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", BAD_CALLS)
+def test_bad_call_raises(mutate, message):
+    call = base_call()
+    mutate(call)
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call)
+
+
+@pytest.mark.parametrize("mutate, message", BAD_VARLEN)
+def test_bad_varlen_call_raises(mutate, message):
+    call = varlen_call()
+    mutate(call)
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call)
+
+
+def test_input_error_is_value_error():
+    assert issubclass(GDNInputError, ValueError)
+
+
+def test_tensors_on_different_devices_are_rejected():
+    call = base_call()
+    call["g"] = call["g"].to("meta")
+    with pytest.raises(GDNInputError, match=r"g: expected device cpu \(q's\), got meta"):
+        chunk_gated_delta_rule(**call)
+
+
+def test_normalized_problem():
+    call = varlen_call(state_layout=None, state_v_first=True, initial_state=torch.randn(3, 4, 12, 8))
+    problem = make_problem(**call, output_final_state=True)
+    assert problem.state_layout is StateLayout.VK
+    assert (problem.B, problem.T, problem.H, problem.HV, problem.K, problem.V, problem.N) == (1, 10, 2, 4, 8, 12, 3)
+    assert problem.scale == pytest.approx(8 ** -0.5)
+    assert problem.state_shape == (3, 4, 12, 8)
+    assert problem.is_varlen
+
+
+def test_chunk_table_varlen():
+    call = random_call(lengths=[1, 0, 64, 65, 130], K=8, V=8, dtype=torch.float32)
+    table = make_problem(**call).chunks
+    assert table.num_seqs == 5 and table.num_chunks == 1 + 0 + 1 + 2 + 3
+    assert table.chunk_seq.tolist() == [0, 2, 3, 3, 4, 4, 4]
+    assert table.chunk_local.tolist() == [0, 0, 0, 1, 0, 1, 2]
+    assert table.seq_chunk_start.tolist() == [0, 1, 1, 2, 4, 7]
+    assert table.cu_seqlens.dtype == torch.int32 and not table.uniform
+
+
+def test_chunk_table_uniform():
+    call = random_call(batch=(3, 130), K=8, V=8, dtype=torch.float32)
+    table = make_problem(**call).chunks
+    assert table.num_seqs == 3 and table.num_chunks == 9 and table.uniform
+    assert table.cu_seqlens.tolist() == [0, 130, 260, 390]
+    assert table.chunk_seq.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert table.chunk_local.tolist() == [0, 1, 2] * 3
+    assert table.seq_chunk_start.tolist() == [0, 3, 6, 9]

@@ -1,0 +1,188 @@
+"""Dispatch: the registry's choice per architecture, GDN_BACKEND, versions, features."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gdn_dispatch import GDNDispatchError, chunk_gated_delta_rule
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.device import CPU, assumed_device
+from gdn_dispatch.registry import (
+    QWEN35_CALL,
+    CallSpec,
+    explain,
+    load_registry,
+    parse_override,
+    select,
+    version_reason,
+)
+from gdn_dispatch.testing import random_call
+
+NAMES = [r.name for r in load_registry()]
+
+# What each architecture gets for a Qwen3.5-shaped bf16 call with the backends that exist.
+EXPECTED_CHOICE = {
+    "sm_75": "reference",  # below triton_generic's sm_80 floor: the torch oracle is the last resort
+    "sm_80": "triton_generic",
+    "sm_86": "triton_generic",
+    "sm_89": "triton_generic",
+    "sm_90": "triton_generic",
+    "sm_100": "gluon_sm100",
+    "sm_103": "gluon_sm100",
+    "sm_120": "triton_generic",  # consumer Blackwell: no TMEM, never gluon_sm100
+    "cpu": "reference",
+}
+
+
+def _row(name):
+    return next(r for r in load_registry() if r.name == name)
+
+
+def _verdict(explanation, name):
+    return next(v for v in explanation.verdicts if v.name == name)
+
+
+@pytest.mark.parametrize("arch, expected", EXPECTED_CHOICE.items())
+def test_dispatch_matrix(arch, expected):
+    explanation = explain(assumed_device(arch), QWEN35_CALL, env={})
+    available = {v.name for v in explanation.verdicts if v.status != "not available"}
+    if expected not in available:
+        pytest.skip(f"{expected} is not importable here: {_verdict(explanation, expected).reason}")
+    assert explanation.selected == expected
+    assert explanation.format().splitlines()[-1] == f"selected: {expected}"
+
+
+@pytest.mark.parametrize("arch", ["sm_120", "sm_121", "sm_90", "sm_89"])
+def test_gluon_sm100_never_matches_other_parts(arch):
+    verdict = _verdict(explain(assumed_device(arch), QWEN35_CALL, env={}), "gluon_sm100")
+    assert verdict.status == "rejected"
+    assert "needs compute capability in {sm_100, sm_103}" in verdict.reason
+
+
+def test_every_row_has_a_verdict_with_reason():
+    explanation = explain(assumed_device("sm_90"), QWEN35_CALL, env={})
+    assert [v.name for v in explanation.verdicts] == NAMES
+    assert all(v.reason for v in explanation.verdicts)
+
+
+def test_missing_module_is_not_available_and_selection_moves_on():
+    ghost = dataclasses.replace(_row("triton_generic"), name="ghost", module="backends.not_written_yet", priority=999)
+    rows = (ghost, *load_registry())
+    explanation = explain(assumed_device("sm_90"), QWEN35_CALL, env={}, rows=rows)
+    verdict = _verdict(explanation, "ghost")
+    assert verdict.status == "not available"
+    assert "ModuleNotFoundError" in verdict.reason and "backends.not_written_yet" in verdict.reason
+    assert explanation.selected != "ghost"
+
+
+def test_version_requirement_rejects_old_triton():
+    row = _row("triton_generic")
+    assert version_reason(row, {"triton": "3.5.1"}) == "needs triton>=3.6, found 3.5.1"
+    assert version_reason(row, {"triton": None}) == "needs triton>=3.6, which is not installed"
+    assert version_reason(row, {"triton": "3.6.0"}) is None
+    explanation = explain(assumed_device("sm_90"), QWEN35_CALL, env={}, versions={"triton": "3.4.0", "torch": "2.9.0"})
+    assert _verdict(explanation, "triton_generic").reason == "needs triton>=3.6, found 3.4.0"
+    assert explanation.selected == "reference"
+
+
+@pytest.mark.parametrize(
+    "call, backend, reason",
+    [
+        (CallSpec(dtype="float32"), "gluon_sm100", "q/k/v dtype float32 not in ['bfloat16', 'float16']"),
+        (CallSpec(K=96), "gluon_sm100", "needs K in {64, 128}, got 96"),
+        (CallSpec(V=256), "gluon_sm100", "needs V in {64, 128}, got 256"),
+    ],
+)
+def test_call_features_reject(call, backend, reason):
+    explanation = explain(assumed_device("sm_100"), call, env={})
+    assert _verdict(explanation, backend).reason == reason
+    assert explanation.selected != backend
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("triton_generic", {"*": "triton_generic"}),
+        (" reference ", {"*": "reference"}),
+        ("cuda:0=gluon_sm100,cuda:1=triton_generic,cpu=reference",
+         {"cuda:0": "gluon_sm100", "cuda:1": "triton_generic", "cpu": "reference"}),
+        ("cuda=triton_generic", {"cuda": "triton_generic"}),
+        ("", {}),
+    ],
+)
+def test_parse_override(value, expected):
+    assert parse_override(value, NAMES) == expected
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("cutlass", r"unknown backend 'cutlass'; valid names: gluon_sm100, triton_generic, reference"),
+        ("cuda:0=gluon_sm100,cuda:1", r"malformed entry 'cuda:1'"),
+        ("cuda:0=", r"malformed entry 'cuda:0='"),
+        ("gpu0=reference", r"unknown device 'gpu0'"),
+        ("cuda:x=reference", r"unknown device 'cuda:x'"),
+        ("cpu=reference,cpu=reference", r"device 'cpu' given twice"),
+        ("cpu=cutlass", r"unknown backend 'cutlass'"),
+    ],
+)
+def test_parse_override_errors(value, message):
+    with pytest.raises(GDNDispatchError, match=message):
+        parse_override(value, NAMES)
+
+
+def test_override_per_device():
+    env = {"GDN_BACKEND": "cuda:0=reference,cuda:1=triton_generic"}
+    dev0 = assumed_device("sm_100")
+    dev1 = dataclasses.replace(dev0, index=1)
+    assert explain(dev0, QWEN35_CALL, env=env).selected == "reference"
+    assert explain(dev1, QWEN35_CALL, env=env).selected == "triton_generic"
+    # cuda:2 has no entry: automatic choice
+    dev2 = dataclasses.replace(dev0, index=2)
+    assert explain(dev2, QWEN35_CALL, env=env).forced is None
+
+
+def test_forced_backend_that_cannot_run_raises_with_reason(monkeypatch):
+    monkeypatch.setenv("GDN_BACKEND", "triton_generic")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    call = random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)
+    with pytest.raises(GDNDispatchError, match=r"backend 'triton_generic' \(forced by GDN_BACKEND='triton_generic'\) "
+                                               r"cannot run this call on cpu \(cpu\): needs a CUDA device"):
+        chunk_gated_delta_rule(**call)
+
+
+def test_forced_argument_wins_over_env(monkeypatch):
+    monkeypatch.setenv("GDN_BACKEND", "triton_generic")
+    call = random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)
+    o, _ = chunk_gated_delta_rule(**call, backend="reference")
+    assert o.shape == (1, 8, 4, 8)
+
+
+def test_malformed_env_raises_at_call_time(monkeypatch):
+    call = random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)
+    monkeypatch.setenv("GDN_BACKEND", "cpu=")
+    with pytest.raises(GDNDispatchError, match="malformed entry"):
+        chunk_gated_delta_rule(**call)
+    monkeypatch.setenv("GDN_BACKEND", "cpu=reference")
+    chunk_gated_delta_rule(**call)
+
+
+def test_interpreter_admits_triton_generic_on_cpu_only_when_forced():
+    env = {"TRITON_INTERPRET": "1"}
+    assert explain(CPU, QWEN35_CALL, env=env).selected == "reference"
+    forced = explain(CPU, QWEN35_CALL, env=env, backend="triton_generic")
+    assert _verdict(forced, "triton_generic").status in ("selected", "not available")
+
+
+def test_select_returns_module_with_forward():
+    call = random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)
+    selection = select(CPU, make_problem(**call), env={})
+    assert selection.spec.name == "reference" and callable(selection.module.forward)
+
+
+def test_registry_rows_are_sorted_and_complete():
+    rows = load_registry()
+    assert [r.priority for r in rows] == sorted((r.priority for r in rows), reverse=True)
+    assert rows[-1].name == "reference" and rows[-1].device == "any"
+    assert _row("gluon_sm100").capabilities == ((10, 0), (10, 3))
