@@ -3,12 +3,23 @@
 A backend lists what it can launch as :class:`AotKernel` values (``kernels_for_aot``);
 this module compiles each for a target such as sm_90a or sm_100a and reads back what the
 hardware would be asked to do: the PTX, registers, spills, shared memory, and which of the
-instructions we care about the PTX holds.
+instructions we care about the PTX holds. Registers and spills come from running Triton's
+own ptxas with ``-v`` on the PTX (a compiled kernel only learns them when a driver loads
+it, and there is no driver here).
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from gdn_dispatch.device import assumed_device
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,8 @@ class AotKernel:
     constexprs : dict, argument name -> value for the constexpr arguments.
     dialect : "triton" or "gluon".
     num_warps, num_stages : launch options.
+    attrs : dict, argument-index tuple -> specialization hints, as a launch would pass
+        them (e.g. ``{(0,): [["tt.divisibility", 16]]}`` for a 16-byte-aligned pointer).
     """
 
     backend: str
@@ -37,3 +50,150 @@ class AotKernel:
     dialect: str = "triton"
     num_warps: int = 4
     num_stages: int = 3
+    attrs: dict | None = None
+
+
+# PTX spellings of the instructions the compile table reports, per column.
+INSTRUCTIONS = {
+    "tcgen05.mma": r"tcgen05\.mma",
+    "tcgen05.ld": r"tcgen05\.ld",
+    "tcgen05.alloc": r"tcgen05\.alloc",
+    "wgmma": r"wgmma\.mma_async",
+    "mma.sync": r"\bmma\.sync",
+    "tma": r"cp\.async\.bulk\.tensor",
+    "scatter4": r"tile::scatter4",
+    "mbarrier.wait": r"mbarrier\.try_wait",
+}
+
+#: Shared memory one block may use (opt-in), per compute capability major.minor.
+SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448,
+              (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What one compiled kernel asks of the hardware."""
+
+    kernel: AotKernel
+    target: str
+    ptx: str
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    instructions: dict
+
+    def row(self) -> list[str]:
+        k = self.kernel
+        present = ",".join(name for name, found in self.instructions.items() if found) or "-"
+        return [f"{k.backend}.{k.kernel}", k.specialization, str(self.registers), str(self.spill_bytes),
+                str(self.shared_bytes), present]
+
+
+def parse_target(text: str) -> tuple[int, int]:
+    """"sm_100a", "sm_90", "100" -> capability (major, minor)."""
+    info = assumed_device(text)
+    if info.capability is None:
+        raise ValueError(f"--target: expected a CUDA architecture like sm_90a or sm_100a, got {text!r}")
+    return info.capability
+
+
+def _gpu_target(capability: tuple[int, int]):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) from Triton's bundled ptxas -v."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        done = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
+             "-o", str(Path(tmp, "kernel.cubin"))],
+            capture_output=True, text=True,
+        )
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed for sm_{arch}:\n{log}")
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None:
+        raise RuntimeError(f"ptxas -v printed no register count:\n{log}")
+    return int(regs.group(1)), sum(int(a) + int(b) for a, b in spills)
+
+
+def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileReport:
+    """Compile one kernel for ``capability`` and report its resources and instructions."""
+    import triton
+
+    if kernel.dialect == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    target = _gpu_target(capability)
+    options = {"num_warps": kernel.num_warps}
+    if kernel.dialect == "triton":
+        options["num_stages"] = kernel.num_stages
+    compiled = triton.compile(Source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
+                              target=target, options=options)
+    ptx = compiled.asm["ptx"]
+    registers, spills = _ptxas_resources(ptx, target.arch)
+    found = {name: re.search(pattern, ptx) is not None for name, pattern in INSTRUCTIONS.items()}
+    return CompileReport(kernel=kernel, target=f"sm_{target.arch}", ptx=ptx, registers=registers,
+                         spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), instructions=found)
+
+
+def backends_for_target(capability: tuple[int, int]) -> list[str]:
+    """Backends whose registry row admits a CUDA device of ``capability`` (devices only)."""
+    from gdn_dispatch.registry import device_reason, load_registry
+
+    device = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    return [r.name for r in load_registry() if r.device == "cuda" and device_reason(r, device) is None]
+
+
+def kernels_for_target(capability: tuple[int, int], backends: list[str] | None = None) -> list[AotKernel]:
+    """Every AotKernel that the admitted backends can launch on ``capability``."""
+    from gdn_dispatch.registry import load_registry
+
+    rows = {r.name: r for r in load_registry()}
+    kernels = []
+    for name in backends or backends_for_target(capability):
+        module = importlib.import_module(rows[name].module)
+        kernels.extend(module.kernels_for_aot(capability))
+    return kernels
+
+
+def _format_table(rows: list[list[str]]) -> str:
+    header = ["kernel", "specialization", "regs", "spills", "smem", "instructions"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="sm_80, sm_90a, sm_100a, sm_103a, sm_120...")
+    parser.add_argument("--backend", action="append", help="only this backend (repeatable); default: every backend admitted on the target")
+    parser.add_argument("--dump", metavar="DIR", help="write each kernel's PTX as DIR/<backend>.<kernel>.<specialization>.ptx")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m gdn_dispatch compile``: compile, print the table, exit 1 on spills or smem overflow."""
+    capability = parse_target(args.target)
+    names = args.backend or backends_for_target(capability)
+    print(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}")
+    limit = SMEM_LIMIT.get(capability)
+    rows, status = [], 0
+    for kernel in kernels_for_target(capability, names):
+        report = compile_kernel(kernel, capability)
+        rows.append(report.row())
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            Path(args.dump, f"{kernel.backend}.{kernel.kernel}.{kernel.specialization}.ptx").write_text(report.ptx)
+        if report.spill_bytes or (limit is not None and report.shared_bytes > limit):
+            status = 1
+    print(_format_table(rows))
+    if limit is not None:
+        print(f"shared memory limit per block: {limit} bytes")
+    print(f"{len(rows)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED MEMORY"))
+    return status

@@ -244,7 +244,7 @@ def _import_backend(module: str) -> tuple[ModuleType | None, str | None]:
     try:
         return importlib.import_module(module), None
     except Exception as exc:  # every import failure is the row's reason, verbatim
-        return None, f"not available: {type(exc).__name__}: {exc}"
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def parse_override(value: str, names: list[str]) -> dict[str, str]:
@@ -328,7 +328,7 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
             continue
         module, reason = _import_backend(spec.module)
         if module is not None and not callable(getattr(module, "forward", None)):
-            module, reason = None, f"not available: module {spec.module} defines no forward(problem)"
+            module, reason = None, f"module {spec.module} defines no forward(problem)"
         if reason is None and problem is not None and hasattr(module, "unsupported_reason"):
             reason = module.unsupported_reason(problem)
         if reason is not None:
