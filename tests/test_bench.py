@@ -1,0 +1,532 @@
+"""``python -m gdn_dispatch bench``: its pure pieces on the CPU, one smoke run on a GPU."""
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from gdn_dispatch import bench
+from gdn_dispatch.bench import BenchShape, Measurement, ShapeResult
+from gdn_dispatch.device import assumed_device
+from gdn_dispatch.registry import GDNDispatchError
+
+SMALL = BenchShape("small", H=2, HV=4, B=3, T=5, K=8, V=16)
+RAGGED = BenchShape("ragged", H=2, HV=4, B=1, T=36, K=16, V=8, seqlens=(31, 0, 5))
+has_cuda = torch.cuda.is_available()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+class FakeProbe:
+    """A DeviceProbe stand-in: ``count`` devices, or none for ``reason``."""
+
+    def __init__(self, count=0, reason="no CUDA driver: RuntimeError: libcuda.so.1 not found"):
+        self._count, self.unavailable_reason = count, reason
+
+    def count(self):
+        return self._count
+
+
+# --------------------------------------------------------------------------- shapes and counts
+
+
+def test_default_shapes():
+    shapes = bench.default_shapes()
+    names = [s.name for s in shapes]
+    assert names == [
+        "H16-HV32-1x8192", "H16-HV32-1x32768", "H16-HV32-4x8192", "H16-HV32-8x4096", "H16-HV32-ragged16",
+        "H16-HV64-1x8192", "H16-HV64-1x32768", "H16-HV64-4x8192", "H16-HV64-8x4096", "H16-HV64-ragged16",
+    ]
+    for s in shapes:
+        assert (s.K, s.V) == (128, 128)
+        if s.is_varlen:
+            assert (s.B, s.T, s.N) == (1, sum(s.seqlens), 16)
+            assert all(1 <= n <= 8192 for n in s.seqlens)
+        else:
+            assert s.N == s.B and s.tokens == s.B * s.T
+
+
+def test_ragged_lengths_are_fixed_across_runs():
+    assert bench.ragged_lengths() == bench.ragged_lengths()
+    assert bench.ragged_lengths(seed=1) != bench.ragged_lengths()
+    assert len(set(bench.ragged_lengths())) > 1
+
+
+@pytest.mark.parametrize("patterns, expected", [
+    pytest.param(None, 10, id="all"),
+    pytest.param("H16-HV32-1x8192", ["H16-HV32-1x8192"], id="one-name"),
+    pytest.param("H16-HV64-ragged16, H16-HV32-1x8192", ["H16-HV32-1x8192", "H16-HV64-ragged16"], id="table-order"),
+    pytest.param("*ragged*", ["H16-HV32-ragged16", "H16-HV64-ragged16"], id="glob"),
+])
+def test_select_shapes(patterns, expected):
+    chosen = [s.name for s in bench.select_shapes(bench.default_shapes(), patterns)]
+    assert chosen == expected if isinstance(expected, list) else len(chosen) == expected
+
+
+def test_select_shapes_rejects_unknown():
+    with pytest.raises(ValueError, match=r"'H8-\*' matches no shape; valid names: H16-HV32-1x8192"):
+        bench.select_shapes(bench.default_shapes(), "H16-HV32-1x8192,H8-*")
+
+
+def test_flop_count_by_hand():
+    shape = BenchShape("x", H=16, HV=32, B=1, T=8192)
+    # 6KV + C(6K + 4V) + 2C^2/3 per token and v-head, K = V = 128, C = 64
+    per_token = 6 * 128 * 128 + 64 * (6 * 128 + 4 * 128) + 2 * 64 * 64 / 3
+    assert per_token == pytest.approx(182954.667, rel=1e-8)
+    assert bench.flop_count(shape) == pytest.approx(8192 * 32 * per_token, rel=1e-12)
+    assert bench.flop_count(RAGGED) == pytest.approx(36 * 4 * (6 * 16 * 8 + 64 * (6 * 16 + 4 * 8) + 2 * 64 * 64 / 3))
+
+
+def test_io_bytes_by_hand():
+    # 15 tokens, H=2, HV=4, K=8, V=16, N=3: q, k, v, o bf16; g fp32; beta bf16; states fp32
+    q = k = 15 * 2 * 8 * 2
+    v = o = 15 * 4 * 16 * 2
+    g, beta = 15 * 4 * 4, 15 * 4 * 2
+    state = 3 * 4 * 8 * 16 * 4
+    assert bench.io_bytes(SMALL) == (q + k + v + g + beta + state, o + state)
+    assert bench.min_bytes(SMALL) == q + k + v + g + beta + 2 * state + o
+
+
+def test_io_bytes_ragged_counts_one_state_per_sequence():
+    read, written = bench.io_bytes(RAGGED)
+    state = 3 * 4 * 16 * 8 * 4
+    assert written == 36 * 4 * 8 * 2 + state
+    assert read == 2 * 36 * 2 * 16 * 2 + 36 * 4 * 8 * 2 + 36 * 4 * 6 + state
+
+
+def test_io_bytes_qwen_shape():
+    read, written = bench.io_bytes(BenchShape("x", H=16, HV=32, B=1, T=8192))
+    assert read == 8192 * (2 * 16 * 128 * 2 + 32 * 128 * 2 + 32 * 6) + 32 * 128 * 128 * 4
+    assert written == 8192 * 32 * 128 * 2 + 32 * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("nbytes, flops, expected", [
+    pytest.param(4e9, 1e12, (1e-3, "memory"), id="memory-bound"),
+    pytest.param(4e6, 1e12, (1e-3 * 1e12 / 1e12 * 1.0, "compute"), id="compute-bound"),
+])
+def test_sol_bound(nbytes, flops, expected):
+    seconds, by = bench.sol_bound_s(nbytes, flops, bandwidth=4e12, matmul_rate=1e15)
+    assert by == expected[1]
+    assert seconds == pytest.approx(max(nbytes / 4e12, flops / 1e15))
+
+
+@pytest.mark.parametrize("set_bytes, l2_bytes, expected", [
+    pytest.param(1_000_000, 0, 8, id="tiny-capped"),
+    pytest.param(137_887_744, 0, 3, id="H16-HV32-1x8192"),
+    pytest.param(50_000_000, 0, 4, id="exact-multiple"),
+    pytest.param(2_000_000_000, 0, 2, id="huge-still-two"),
+    pytest.param(137_887_744, 126 * 2**20, 4, id="larger-l2-raises-budget"),
+])
+def test_rotation_count(set_bytes, l2_bytes, expected):
+    assert bench.rotation_count(set_bytes, l2_bytes) == expected
+
+
+def test_rotation_sets_exceed_the_budget():
+    for s in bench.default_shapes():
+        n = bench.rotation_count(bench.io_bytes(s)[0], 60 * 10**6)
+        assert 2 <= n <= bench.MAX_INPUT_SETS
+        assert n * bench.io_bytes(s)[0] > bench.ROTATION_BUDGET_BYTES
+
+
+# --------------------------------------------------------------------------- results, table, JSON, plot
+
+
+def fake_result() -> ShapeResult:
+    shape = BenchShape("H16-HV32-1x8192", H=16, HV=32, B=1, T=8192)
+    result = ShapeResult(shape=shape, min_bytes=bench.min_bytes(shape), flops=bench.flop_count(shape),
+                         bound_ms=0.05, bound_by="memory", input_sets=3)
+    result.measurements = [
+        bench.from_times("triton_generic", [0.30, 0.20, 0.25, 0.90]),
+        bench.from_times("fla", [0.50, 0.40, 0.45]),
+        Measurement("gluon_sm100", note="cannot run: needs compute capability in {sm_100, sm_103}"),
+    ]
+    return bench.finish(result)
+
+
+def test_finish_fills_ratios():
+    result = fake_result()
+    ours, fla, skipped = result.measurements
+    assert (ours.ms, ours.min_ms, ours.max_ms, ours.iters) == (0.275, 0.20, 0.90, 4)
+    assert ours.sol_ratio == pytest.approx(0.275 / 0.05)
+    assert ours.fla_ratio == pytest.approx(0.275 / 0.45)
+    assert fla.fla_ratio == 1.0
+    assert ours.tflops == pytest.approx(bench.flop_count(result.shape) / 0.275e-3 / 1e12)
+    assert skipped.ms is skipped.tflops is skipped.sol_ratio is skipped.fla_ratio is None
+
+
+def test_finish_without_fla_leaves_fla_ratio_empty():
+    result = fake_result()
+    result.measurements = [m for m in result.measurements if m.backend != "fla"]
+    assert bench.finish(result).measurements[0].fla_ratio is None
+
+
+def test_format_table():
+    text = bench.format_table([fake_result()])
+    lines = text.splitlines()
+    assert lines[0].split()[:7] == ["backend", "ms", "TFLOP/s", "x", "SOL", "x", "fla"]
+    assert "err o" not in lines[0]
+    assert lines[1].startswith("H16-HV32-1x8192: B=1 T=8192, H=16 HV=32 K=128 V=128;")
+    assert "bound 0.0500 ms (memory), 3 input sets" in lines[1]
+    row = lines[2].split()
+    assert row[:5] == ["triton_generic", "0.2750", f"{bench.flop_count(fake_result().shape) / 0.275e9:.1f}",
+                       "5.50", "0.611"]
+    assert lines[3].split()[:5] == ["fla", "0.4500", lines[3].split()[2], "9.00", "1.000"]
+    assert lines[4].split()[:5] == ["gluon_sm100", "-", "-", "-", "-"]
+    assert lines[4].endswith("cannot run: needs compute capability in {sm_100, sm_103}")
+
+
+def test_format_table_with_check_columns():
+    result = fake_result()
+    result.measurements[0].err_o, result.measurements[0].err_state = 1.234e-3, 5e-6
+    lines = bench.format_table([result], check=True).splitlines()
+    assert "err o" in lines[0] and "err state" in lines[0]
+    assert lines[2].split()[5:7] == ["1.23e-03", "5.00e-06"]
+    assert lines[4].split()[5:7] == ["-", "-"]
+
+
+def make_report(result=None):
+    return bench.build_report(
+        [result or fake_result()],
+        device={"name": "NVIDIA H200", "capability": "9.0", "arch": "sm_90", "sm_count": 132, "l2_bytes": 52428800},
+        versions={"torch": "2.11.0", "triton": "3.6.0", "gdn_dispatch": "0.1.0", "fla": None},
+        ceilings={"copy_bandwidth_GBps": 4000.0, "matmul_bf16_TFLOPs": 700.0, "chunk": 64},
+        settings={"iters": 30, "warmup": 5, "seed": 0},
+        command="python -m gdn_dispatch bench --json out.json",
+        date="2026-01-01T00:00:00+00:00",
+    )
+
+
+def test_json_round_trip(tmp_path):
+    report = make_report()
+    path = tmp_path / "bench.json"
+    bench.write_json(str(path), report)
+    loaded = json.loads(path.read_text())
+    assert loaded == report
+    shape = loaded["shapes"][0]
+    assert shape["name"] == "H16-HV32-1x8192" and shape["tokens"] == 8192 and shape["seqlens"] is None
+    assert shape["min_bytes"] == bench.min_bytes(fake_result().shape)
+    by_name = {m["backend"]: m for m in shape["results"]}
+    assert by_name["triton_generic"]["ms"] == 0.275
+    assert by_name["triton_generic"]["fla_ratio"] == pytest.approx(0.275 / 0.45)
+    assert by_name["gluon_sm100"]["ms"] is None and by_name["gluon_sm100"]["note"].startswith("cannot run")
+    assert loaded["command"].startswith("python -m gdn_dispatch bench")
+    assert loaded["device"]["capability"] == "9.0"
+
+
+def test_json_keeps_nan_and_inf_as_names(tmp_path):
+    result = fake_result()
+    result.measurements[0].err_o, result.measurements[0].err_state = float("nan"), float("inf")
+    path = tmp_path / "bench.json"
+    bench.write_json(str(path), make_report(result))
+    row = json.loads(path.read_text())["shapes"][0]["results"][0]
+    assert (row["err_o"], row["err_state"]) == ("nan", "inf")
+
+
+def test_json_ragged_lengths_are_a_list(tmp_path):
+    shape = bench.default_shapes()[4]
+    result = ShapeResult(shape=shape, min_bytes=1, flops=1.0, bound_ms=1.0, bound_by="memory", input_sets=2)
+    path = tmp_path / "bench.json"
+    bench.write_json(str(path), make_report(result))
+    assert json.loads(path.read_text())["shapes"][0]["seqlens"] == list(shape.seqlens)
+
+
+def test_plot_written_or_noted(tmp_path):
+    path = tmp_path / "bench.png"
+    note = bench.write_plot(str(path), make_report())
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert note.startswith("--plot: matplotlib not importable")
+        assert not path.exists()
+    else:
+        assert note is None
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise
+    note = bench.write_plot(str(tmp_path / "bench.png"), make_report())
+    assert note.startswith("--plot: matplotlib not importable") and "no plot written" in note
+
+
+def test_plot_with_nothing_timed_is_a_note(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = fake_result()
+    result.measurements = [result.measurements[2]]
+    assert bench.write_plot(str(tmp_path / "b.png"), make_report(result)) == "--plot: nothing was timed; no plot written"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    pytest.param(["/x/gdn_dispatch/__main__.py", "bench", "--shapes", "a b"],
+                 "python -m gdn_dispatch bench --shapes 'a b'", id="module"),
+    pytest.param(["/usr/bin/gdn-dispatch", "bench"], "/usr/bin/gdn-dispatch bench", id="script"),
+])
+def test_command_line(argv, expected):
+    assert bench.command_line(argv) == expected
+
+
+# --------------------------------------------------------------------------- inputs and callers
+
+
+@pytest.mark.parametrize("shape, qk_l2norm", [
+    pytest.param(SMALL, False, id="B3-T5-H2-HV4-K8-V16"),
+    pytest.param(RAGGED, True, id="ragged-31-0-5-l2norm-in-kernel"),
+])
+def test_make_input_sets(shape, qk_l2norm):
+    sets = bench.make_input_sets(shape, 3, "cpu", seed=7, qk_l2norm=qk_l2norm)
+    assert len(sets) == 3
+    x = sets[0]
+    B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
+    assert x.q.shape == x.k.shape == (B, T, H, K) and x.q.dtype == x.k.dtype == torch.bfloat16
+    assert x.v.shape == (B, T, HV, V) and x.v.dtype == torch.bfloat16
+    assert x.g.shape == (B, T, HV) and x.g.dtype == torch.float32 and bool((x.g <= 0).all())
+    assert x.beta.dtype == torch.bfloat16 and bool(((x.beta >= 0) & (x.beta <= 1)).all())
+    assert x.h0.shape == (shape.N, HV, K, V) and x.h0.dtype == torch.float32
+    assert x.scale == K ** -0.5 and x.qk_l2norm is qk_l2norm
+    norms = x.k.float().norm(dim=-1)
+    if qk_l2norm:
+        assert not torch.allclose(norms, torch.ones_like(norms), atol=0.05)
+    else:
+        assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    assert not torch.equal(sets[0].v, sets[1].v)
+    assert torch.equal(bench.make_input_sets(shape, 1, "cpu", seed=7, qk_l2norm=qk_l2norm)[0].v, x.v)
+    if shape.is_varlen:
+        assert x.cu_seqlens.tolist() == x.cu_seqlens_cpu.tolist() == [0, 31, 31, 36]
+        assert x.cu_seqlens.dtype == x.cu_seqlens_cpu.dtype == torch.int32
+        assert x.cu_seqlens_long.dtype == torch.int64
+        assert sets[1].cu_seqlens is x.cu_seqlens  # shared: fla caches its chunk indices per tensor
+    else:
+        assert x.cu_seqlens is x.cu_seqlens_cpu is x.cu_seqlens_long is None
+
+
+def test_fla_caller_passes_fla_arguments():
+    seen = {}
+
+    def fake_fla(q, k, v, g, beta, **kwargs):
+        seen.update(kwargs, q=q)
+        return v, kwargs["initial_state"]
+
+    x = bench.make_input_sets(RAGGED, 1, "cpu", seed=0)[0]
+    bench.fla_caller(fake_fla)(x)
+    assert seen["q"] is x.q and seen["initial_state"] is x.h0
+    assert seen["cu_seqlens"] is x.cu_seqlens_long and seen["cu_seqlens"].dtype == torch.int64
+    assert seen["output_final_state"] is True and seen["use_qk_l2norm_in_kernel"] is False
+    assert seen["scale"] == 16 ** -0.5
+    assert "cu_seqlens_cpu" not in seen and "backend" not in seen
+
+
+@pytest.mark.parametrize("shape", [pytest.param(SMALL, id="uniform"), pytest.param(RAGGED, id="ragged")])
+def test_ours_caller_runs_the_forced_backend(shape):
+    x = bench.make_input_sets(shape, 1, "cpu", seed=0)[0]
+    o, state = bench.ours_caller("reference")(x)
+    assert o.shape == (shape.B, shape.T, shape.HV, shape.V) and o.dtype == torch.bfloat16
+    assert state.shape == (shape.N, shape.HV, shape.K, shape.V) and state.dtype == torch.float32
+    if shape.is_varlen:  # the zero-length sequence keeps its initial state
+        assert torch.equal(state[1], x.h0[1])
+
+
+def test_load_fla_without_fla(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # makes `import fla...` raise
+    monkeypatch.setenv("FLA_FLASH_QLA", "unset below")  # so the undo also drops load_fla's value
+    monkeypatch.delenv("FLA_FLASH_QLA")
+    fn, version, reason = bench.load_fla()
+    assert fn is None and version is None
+    assert reason.startswith("not importable: ModuleNotFoundError: No module named 'fla.ops'")
+    assert os.environ["FLA_FLASH_QLA"] == "0"
+
+
+def test_load_fla_keeps_callers_flash_qla_choice(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setenv("FLA_FLASH_QLA", "1")
+    bench.load_fla()
+    assert os.environ["FLA_FLASH_QLA"] == "1"
+
+
+# --------------------------------------------------------------------------- one shape, fake timer
+
+
+def fake_timer(call, sets, warmup, iters):
+    """Runs the call once (so its errors surface as on a GPU) and returns fixed times."""
+    call(sets[0])
+    return [1.0, 2.0, 3.0]
+
+
+def test_bench_shape_with_fake_timer_and_check():
+    sets = bench.make_input_sets(RAGGED, 2, "cpu", seed=0)
+    reference = bench.ours_caller("reference")
+
+    def slow_fla(x):  # stands in for fla: the same answer, a little perturbed
+        o, state = reference(x)
+        return o, state * (1 + 1e-3)
+
+    def cannot(x):
+        raise GDNDispatchError("backend 'gluon_sm100' cannot run this call: needs sm_100")
+
+    def broken(x):
+        raise RuntimeError("illegal memory access")
+
+    callers = {"reference": reference, "gluon_sm100": cannot, "triton_generic": broken, "fla": slow_fla}
+    result = bench.bench_shape(RAGGED, sets, callers, bandwidth=1e12, matmul_rate=1e14, timer=fake_timer,
+                               warmup=1, iters=3, check_against=("fla", slow_fla))
+    by = {m.backend: m for m in result.measurements}
+    assert list(by) == ["reference", "gluon_sm100", "triton_generic", "fla"]
+    assert by["reference"].ms == 2.0 and by["reference"].fla_ratio == 1.0
+    assert by["reference"].err_o == 0.0 and by["reference"].err_state == pytest.approx(1e-3, rel=1e-2)
+    assert by["fla"].err_state == 0.0
+    assert by["gluon_sm100"].note.startswith("cannot run: ") and not by["gluon_sm100"].failed
+    assert by["triton_generic"].note == "error: RuntimeError: illegal memory access" and by["triton_generic"].failed
+    assert by["triton_generic"].err_o is None
+    bound = max(bench.min_bytes(RAGGED) / 1e12, bench.flop_count(RAGGED) / 1e14) * 1e3
+    assert result.bound_ms == pytest.approx(bound) and result.input_sets == 2
+    assert by["reference"].sol_ratio == pytest.approx(2.0 / bound)
+
+
+def test_bench_shape_fla_errors_are_notes_not_failures():
+    def fla_without_gva(x):
+        raise AssertionError("HV must equal H")
+
+    result = bench.bench_shape(SMALL, bench.make_input_sets(SMALL, 1, "cpu", 0), {"fla": fla_without_gva},
+                               bandwidth=1e12, matmul_rate=1e14, timer=fake_timer, warmup=0, iters=1)
+    m = result.measurements[0]
+    assert m.note == "error: AssertionError: HV must equal H" and not m.failed
+
+
+def test_bench_all_on_cpu_prints_each_shape():
+    out = io.StringIO()
+    reference = bench.ours_caller("reference")
+    results = bench.bench_all([SMALL, RAGGED], {"reference": reference}, "cpu", bandwidth=1e12, matmul_rate=1e14,
+                              timer=fake_timer, warmup=0, iters=3, seed=0, check_against=("reference", reference),
+                              out=out)
+    assert [r.shape.name for r in results] == ["small", "ragged"]
+    assert all(r.input_sets == bench.MAX_INPUT_SETS for r in results)  # tiny sets: the cap
+    assert all(r.measurements[0].err_o == 0.0 for r in results)
+    lines = out.getvalue().splitlines()
+    assert "err o" in lines[0] and lines[1].startswith("small: ") and lines[3].startswith("ragged: ")
+
+
+@pytest.mark.parametrize("failed, code", [pytest.param(False, 0, id="ok"), pytest.param(True, 1, id="failed")])
+def test_finish_run_writes_outputs_and_exit_code(tmp_path, failed, code, capsys):
+    result = fake_result()
+    result.measurements[0].failed = failed
+    args = parse("--json", str(tmp_path / "b.json"))
+    out = io.StringIO()
+    assert bench.finish_run(args, [result], make_report(result), out) == code
+    assert json.loads((tmp_path / "b.json").read_text())["shapes"][0]["name"] == "H16-HV32-1x8192"
+    assert f"wrote {tmp_path / 'b.json'}" in out.getvalue()
+    assert ("bench: failed: H16-HV32-1x8192/triton_generic" in capsys.readouterr().err) is failed
+
+
+# --------------------------------------------------------------------------- the subcommand on the CPU
+
+
+def test_defaults():
+    args = parse()
+    assert (args.iters, args.warmup, args.seed, args.device) == (30, 5, 0, 0)
+    assert not (args.check or args.qk_l2norm or args.list_shapes)
+    assert args.backends is args.shapes is args.json is args.plot is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--iters", "0"], "expected an integer >= 1", id="iters-0"),
+    pytest.param(["--warmup", "-1"], "expected an integer >= 0", id="warmup-negative"),
+    pytest.param(["--device", "cpu"], "expected cuda or cuda:N", id="device-cpu"),
+])
+def test_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, index", [("cuda", 0), ("cuda:3", 3), ("1", 1)])
+def test_device_flag(text, index):
+    assert parse("--device", text).device == index
+
+
+@pytest.mark.parametrize("text, expected", [
+    pytest.param(None, (["gluon_sm100", "triton_generic"], True), id="default-skips-reference"),
+    pytest.param("reference,fla", (["reference"], True), id="reference-on-request"),
+    pytest.param("triton_generic", (["triton_generic"], False), id="no-fla"),
+])
+def test_requested_backends(text, expected):
+    assert bench.requested_backends(text, ["gluon_sm100", "triton_generic", "reference"]) == expected
+
+
+def test_requested_backends_rejects_unknown():
+    with pytest.raises(ValueError, match=r"unknown backend 'flash'; valid names: a, reference, fla"):
+        bench.requested_backends("a,flash", ["a", "reference"])
+
+
+def test_no_gpu_exits_2_with_the_probe_reason(capsys):
+    code = bench.run(parse(), probe=FakeProbe(count=0))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == ("bench needs a CUDA device; found none: "
+                           "no CUDA driver: RuntimeError: libcuda.so.1 not found")
+
+
+@pytest.mark.skipif(has_cuda, reason="checks the real probe on a machine without a GPU")
+def test_no_gpu_exits_2_with_the_default_probe(capsys):
+    assert bench.run(parse()) == 2
+    assert capsys.readouterr().err.startswith("bench needs a CUDA device; found none: ")
+
+
+def test_device_index_beyond_count(capsys):
+    assert bench.run(parse("--device", "cuda:2"), probe=FakeProbe(count=1, reason=None)) == 2
+    assert "--device cuda:2 asked, but only 1 CUDA device(s) present" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--backends", "nope"], "bench: --backends: unknown backend 'nope'", id="backend"),
+    pytest.param(["--shapes", "H99*"], "bench: --shapes: 'H99*' matches no shape", id="shape"),
+])
+def test_bad_names_exit_2(argv, message, capsys):
+    assert bench.run(parse(*argv), probe=FakeProbe(count=1, reason=None)) == 2
+    assert capsys.readouterr().err.startswith(message)
+
+
+def test_list_shapes_needs_no_gpu():
+    out = io.StringIO()
+    assert bench.run(parse("--list-shapes", "--shapes", "*ragged*"), probe=FakeProbe(count=0), out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert [line.split()[0] for line in lines] == ["H16-HV32-ragged16", "H16-HV64-ragged16"]
+    assert "16 seqs" in lines[0]
+
+
+def test_discover_backends_reports_why_not():
+    runnable, skipped = bench.discover_backends(assumed_device("sm_90"), ["gluon_sm100"], qk_l2norm=False)
+    assert runnable == []
+    assert skipped == {"gluon_sm100": "needs compute capability in {sm_100, sm_103}, device is sm_90"}
+    runnable, skipped = bench.discover_backends(assumed_device("sm_90"), ["reference"], qk_l2norm=True)
+    assert runnable == ["reference"] and skipped == {}
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_cuda, reason="needs a CUDA GPU")
+def test_bench_smoke_on_gpu(tmp_path):
+    path = tmp_path / "bench.json"
+    out = io.StringIO()
+    code = bench.run(parse("--shapes", "H16-HV32-1x8192", "--iters", "3", "--warmup", "1", "--check",
+                           "--json", str(path)), out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "ceilings: copy" in text and "H16-HV32-1x8192:" in text
+    report = json.loads(path.read_text())
+    assert report["ceilings"]["copy_bandwidth_GBps"] > 0 and report["ceilings"]["matmul_bf16_TFLOPs"] > 0
+    rows = report["shapes"][0]["results"]
+    timed = [m for m in rows if m["ms"] is not None]
+    assert timed, text
+    for m in timed:
+        assert m["ms"] > 0 and math.isfinite(m["sol_ratio"]) and m["sol_ratio"] > 0
+        assert m["err_o"] is not None and m["err_o"] < 5e-2, m
