@@ -1,0 +1,101 @@
+"""The ``jit`` decorator of this backend, and the Triton helpers every stage shares.
+
+Why not plain ``triton.jit``: triton 3.6 decides at *decoration* time (module import) whether
+a kernel is compiled or interpreted, from ``TRITON_INTERPRET``. This backend must do both in
+one process: ahead-of-time compiles for sm_80/sm_90 (``kernels_for_aot``) next to CPU runs
+under the interpreter (tests, ``backend="triton_generic"`` on CPU tensors). :class:`Kernel`
+is a ``JITFunction`` (so ``triton.compile(ASTSource(...))`` and the GPU launcher see an
+ordinary kernel) that hands a launch to triton's ``InterpretedFunction`` when the
+interpreter is on *at launch time*; a helper called from an interpreted kernel body runs the
+same way. Import order and when the variable was set no longer matter.
+
+Helpers here: chunk bounds from the shared chunk tables, and ``_dot`` / ``_cast``, which keep
+the interpreter's bfloat16 numerics those of the GPU (its matmul multiplies raw bit patterns
+and its fp32 -> bf16 conversion truncates; see their docstrings).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+LOG2E = 1.4426950408889634
+#: eps of the fused q/k l2-normalization, as gdn_dispatch.reference.L2NORM_EPS.
+L2NORM_EPS = 1e-6
+
+
+def interpreting() -> bool:
+    """True when kernels launched now run in triton's interpreter (read at call time)."""
+    return bool(knobs.runtime.interpret)
+
+
+class Kernel(JITFunction):
+    """A ``JITFunction`` that runs in the interpreter when ``TRITON_INTERPRET`` is set at launch."""
+
+    def _interpreted(self) -> InterpretedFunction:
+        fn = self.__dict__.get("_interpreted_fn")
+        if fn is None:
+            fn = self.__dict__["_interpreted_fn"] = InterpretedFunction(self.fn)
+        return fn
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if interpreting():
+            return self._interpreted().run(*args, grid=grid, warmup=warmup, **kwargs)
+        return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        # Only reached from Python, i.e. from the body of an interpreted kernel.
+        return self._interpreted()(*args, **kwargs)
+
+
+def jit(fn=None, *, do_not_specialize=()):
+    """``triton.jit`` for this backend: the kernel runs compiled or interpreted, decided per launch."""
+
+    def decorate(f):
+        return Kernel(f, do_not_specialize=do_not_specialize)
+
+    return decorate(fn) if fn is not None else decorate
+
+
+@jit
+def _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c):
+    """``bos``, ``eos`` (int64 token offsets of chunk ``i_c``'s sequence) and ``i_t``, the
+    chunk's index within that sequence."""
+    i_n = tl.load(chunk_seq + i_c)
+    i_t = tl.load(chunk_local + i_c).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos, eos, i_t
+
+
+@jit
+def _dot(a, b, acc, PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation.
+
+    ``INTERP_BF16`` is set only under the interpreter with bfloat16 data: triton 3.6's
+    interpreter stores bfloat16 as uint16 and ``np.matmul``s the bit patterns. Upcasting the
+    (already bf16-rounded) operands gives what the tensor cores compute: exact products of
+    bf16 values summed in fp32.
+    """
+    if INTERP_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@jit
+def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """``x.to(dtype)``, rounding to nearest even (the GPU's conversion) also under the
+    interpreter, whose fp32 -> bf16 conversion truncates: a biased error that would make
+    the CPU tests judge worse numerics than the GPU has."""
+    if INTERP_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

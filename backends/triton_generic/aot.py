@@ -1,0 +1,77 @@
+"""What :func:`gdn_dispatch.aot` compiles for this backend: every kernel at the
+specializations a Qwen3-Next/Qwen3.5 layer launches (bf16, K = V = 128, 16 q/k heads and
+32 value heads, l2-norm fused), plus the state kernel in both layouts and a float32,
+odd-head-dim build of each stage so that masking paths compile too.
+"""
+
+from __future__ import annotations
+
+from gdn_dispatch.aot import AotKernel
+
+from backends.triton_generic.configs import intra_config, output_config, state_config, cumsum_config
+from backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
+from backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
+from backends.triton_generic.output import _output_fwd_kernel
+from backends.triton_generic.state import _state_fwd_kernel
+from backends.triton_generic.wu import _wu_fwd_kernel
+
+BACKEND = "triton_generic"
+_TYPES = {"bf16": ("*bf16", 2, "tf32"), "fp16": ("*fp16", 2, "tf32"), "fp32": ("*fp32", 4, "ieee")}
+
+
+def _kernel(name, spec, fn, pointers, constexprs, cfg) -> AotKernel:
+    signature = {**pointers, **{key: "constexpr" for key in constexprs}}
+    return AotKernel(backend=BACKEND, kernel=name, specialization=spec, fn=fn, signature=signature,
+                     constexprs=constexprs, dialect="triton", num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages)
+
+
+def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capability) -> list[AotKernel]:
+    ptr, elem, prec = _TYPES[dtype]
+    interp_bf16 = False
+    tag = f"H{H}-HV{HV}-K{K}-V{V}-{dtype}" + ("-l2" if l2 else "")
+    out = []
+    cfg = cumsum_config(HV)
+    out.append(_kernel("chunk_cumsum_fwd", f"HV{HV}", _chunk_cumsum_fwd_kernel,
+                       {"g": "*fp32", "g_cum": "*fp32", "cu_seqlens": "*i32", "chunk_seq": "*i32",
+                        "chunk_local": "*i32", "scale": "fp32"},
+                       {"HV": HV, "BT": 64, "BH": cfg.BH}, cfg))
+    cfg = intra_config(K, V, elem, capability)
+    qk = {"k": ptr, "g_cum": "*fp32", "beta": "*fp32"}
+    out.append(_kernel("kkt_solve_fwd", tag, _kkt_solve_fwd_kernel,
+                       {**qk, "A_inv": ptr, "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32"},
+                       {"H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK, "USE_L2NORM": l2,
+                        "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
+    out.append(_kernel("wu_fwd", tag + "-fused", _wu_fwd_kernel,
+                       {"k": ptr, "v": ptr, "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
+                        "u": ptr, "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32"},
+                       {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
+                        "FUSED_SOLVE": True, "USE_L2NORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
+                        "INTERP_BF16": interp_bf16}, cfg))
+    for layout, nhv in (("kv", 32), ("vk", 32), ("kv", 8 * HV)):
+        cfg = state_config(K, V, nhv, elem, capability)
+        out.append(_kernel("state_fwd", f"{tag}-{layout}-BV{cfg.BV}", _state_fwd_kernel,
+                           {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "h": ptr, "v_new": ptr,
+                            "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32", "seq_chunk_start": "*i32"},
+                           {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
+                            "USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
+                            "USE_L2NORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16, "INTERPRET": False}, cfg))
+    cfg = output_config(K, V, elem, capability)
+    out.append(_kernel("output_fwd", tag, _output_fwd_kernel,
+                       {"q": ptr, "k": ptr, "v_new": ptr, "h": ptr, "g_cum": "*fp32", "o": ptr,
+                        "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32", "scale": "fp32"},
+                       {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
+                        "USE_L2NORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
+    return out
+
+
+def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
+    """Every kernel of the backend at representative specializations.
+
+    ``capability`` (e.g. ``(9, 0)``) picks the launch configs of that part (shared memory
+    decides pipeline depth); None uses the sm_90 table. Signatures are ASTSource's:
+    ``{"k": "*bf16", "scale": "fp32", "BK": "constexpr", ...}``.
+    """
+    kernels = _stage_kernels("bf16", 16, 32, 128, 128, True, capability)
+    kernels += _stage_kernels("fp32", 2, 4, 100, 60, False, capability)
+    return kernels

@@ -1,0 +1,116 @@
+"""Launch configurations: a fixed table per stage, reasoned rather than autotuned.
+
+Why fixed: autotuning at the first call costs seconds of compiles per key and makes timings
+depend on what ran first. Each choice below is argued in one line; the H200 script
+(benchmarks/h200_triton_generic.py) times the alternatives so the table can be revisited
+with numbers.
+
+Shared memory: a software-pipelined loop keeps ``num_stages`` copies of its streamed tiles in
+shared memory, so stages are capped by the part's budget (sm_86/89/120 have ~100 KB per
+block, sm_80 ~164 KB, sm_90/100 ~228 KB).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from backends.triton_generic._jit import next_pow2
+
+#: Usable shared memory per block by compute capability major.minor, bytes (opt-in maximum).
+_SMEM_BUDGET = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
+                (10, 0): 227 * 1024, (10, 3): 227 * 1024}
+_SMEM_DEFAULT = 99 * 1024  # sm_86, sm_89, sm_120, sm_121 and anything unknown
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and launch options of one stage (0: the stage does not tile that dim)."""
+
+    num_warps: int
+    num_stages: int = 1
+    BK: int = 0
+    BV: int = 0
+    BH: int = 0
+
+
+def smem_budget(capability: tuple[int, int] | None) -> int:
+    if capability is None:  # the interpreter, or "any": assume the roomiest common part
+        return _SMEM_BUDGET[(9, 0)]
+    return _SMEM_BUDGET.get(tuple(capability), _SMEM_DEFAULT)
+
+
+def _stages(wanted: int, per_stage: int, fixed: int, capability) -> int:
+    """The most pipeline stages (<= wanted, >= 1) whose buffers fit the shared memory budget."""
+    budget = smem_budget(capability)
+    stages = wanted
+    while stages > 1 and fixed + stages * per_stage > budget:
+        stages -= 1
+    return stages
+
+
+def cumsum_config(HV: int) -> LaunchConfig:
+    # A [64, BH] fp32 tile: 64 columns at most keeps a program's tile at 16 KB.
+    BH = min(next_pow2(HV), 64)
+    return LaunchConfig(num_warps=2 if BH <= 16 else 4, BH=BH)
+
+
+def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
+    """kkt + solve + w/u, one program per (chunk, v-head).
+
+    BK/BV up to 128: a [64, 128] 16-bit operand tile is 16 KB; the inverse stays in
+    registers as a [64, 64] fp32 tile (32 registers per thread at 4 warps). The K and V
+    loops are one or two trips long, so two stages suffice.
+    """
+    BK, BV = min(next_pow2(K), 128), min(next_pow2(V), 128)
+    per_stage = 64 * max(BK, BV) * elem
+    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, 64 * 64 * 4 * 2, capability),
+                        BK=BK, BV=BV)
+
+
+def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
+                 sm_count: int = 132) -> LaunchConfig:
+    """The chunk-state recurrence, one program per (sequence, v-head, BV slice of V).
+
+    The whole K extent of the state is one register tile [BK, BV] (fp32), so BK * BV is
+    capped at 8192 (64 registers per thread at 4 warps). The recurrence is serial in chunks,
+    so parallelism comes only from N * HV * (V / BV) programs: BV starts at 64 and halves
+    (down to 16) until there are at least two programs per SM, which lets one program's
+    dependent MMA chain overlap another's loads. Three stages prefetch the next chunks' w,
+    k and u tiles, which do not depend on the state.
+    """
+    BK = next_pow2(K)
+    BV = min(next_pow2(V), 64, max(16, 8192 // BK))
+    while BV > 16 and NHV * -(-V // BV) < 2 * sm_count:
+        BV //= 2
+    per_stage = (2 * 64 * BK + 64 * BV) * elem + 64 * 4
+    return LaunchConfig(num_warps=4, num_stages=_stages(3, per_stage, BK * BV * elem + 64 * BV * elem,
+                                                        capability), BK=BK, BV=BV)
+
+
+def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
+    """The output, one program per (chunk, v-head, BV slice of V).
+
+    BV = V up to 128 so that q k^T is formed once per (chunk, head); BK = 64 keeps the
+    streamed q, k and h tiles at 8 + 8 + 16 KB per stage.
+    """
+    BK, BV = min(next_pow2(K), 64), min(next_pow2(V), 128)
+    per_stage = (2 * 64 * BK + BK * BV) * elem
+    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, (64 * 64 + 64 * BV) * elem,
+                                                        capability), BK=BK, BV=BV)
+
+
+@functools.cache
+def _device_facts(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, int]:
+    """(compute capability, SM count) of ``device``; (None, 1) for CPU tensors (interpreter)."""
+    if device.type != "cuda":
+        return None, 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_facts(index)

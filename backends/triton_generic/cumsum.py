@@ -1,0 +1,87 @@
+"""Stage 1: the gate's cumulative sum within each chunk, in log2 units.
+
+Every later stage needs ``g_cum[t] = sum_{s <= t in t's chunk} g[s]`` (a decay from the chunk
+start, inclusive); they take ``exp2`` of differences of it, so the sum is scaled by
+``log2(e)`` here once. One program owns one chunk and a ``[BT, BH]`` tile of value heads:
+rows of ``g`` are ``HV`` contiguous values, so the tile loads coalesced, and the scan runs
+down the tile's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.triton_generic._jit import _chunk_bounds, jit
+from backends.triton_generic.configs import cumsum_config
+
+
+@jit
+def _chunk_cumsum_fwd_kernel(
+    g,
+    g_cum,
+    cu_seqlens,
+    chunk_seq,
+    chunk_local,
+    scale,
+    HV: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+):
+    i_c, i_hb = tl.program_id(0), tl.program_id(1)
+    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
+    o_t = bos + i_t * BT + tl.arange(0, BT)
+    o_h = i_hb * BH + tl.arange(0, BH)
+    m_g = (o_t < eos)[:, None] & (o_h < HV)[None, :]
+    p_g = o_t[:, None] * HV + o_h[None, :]
+    b_g = tl.load(g + p_g, mask=m_g, other=0.0).to(tl.float32)
+    b_g = tl.cumsum(b_g, axis=0) * scale
+    tl.store(g_cum + p_g, b_g, mask=m_g)
+
+
+def chunk_cumsum_fwd(
+    g: torch.Tensor,
+    chunks: ChunkTable,
+    *,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunk-local inclusive cumulative sum of the gate, times ``scale``.
+
+    Parameters
+    ----------
+    g : Tensor ``[B, T, HV]`` (or ``[B * T, HV]``), any float dtype, contiguous: the
+        per-token log-decay.
+    chunks : ChunkTable of the call (``problem.chunks``); chunk ``c`` covers tokens
+        ``cu_seqlens[n] + 64 * chunk_local[c]`` onwards of sequence ``n = chunk_seq[c]``.
+    scale : float, multiplies the sums; the orchestrator passes ``log2(e)`` so that later
+        stages use ``exp2``.
+    out : optional float32 Tensor shaped like ``g`` to write into.
+
+    Returns
+    -------
+    g_cum : float32 Tensor shaped like ``g``: ``scale * sum of g over [chunk start, t]``.
+        Rows of no chunk (there are none: chunks tile every sequence) are not written.
+    """
+    HV = g.shape[-1]
+    g_cum = torch.empty(g.shape, dtype=torch.float32, device=g.device) if out is None else out
+    if chunks.num_chunks == 0 or HV == 0:
+        return g_cum
+    cfg = cumsum_config(HV)
+    grid = (chunks.num_chunks, triton.cdiv(HV, cfg.BH))
+    _chunk_cumsum_fwd_kernel[grid](
+        g=g,
+        g_cum=g_cum,
+        cu_seqlens=chunks.cu_seqlens,
+        chunk_seq=chunks.chunk_seq,
+        chunk_local=chunks.chunk_local,
+        scale=float(scale),
+        HV=HV,
+        BT=chunks.chunk_size,
+        BH=cfg.BH,
+        num_warps=cfg.num_warps,
+    )
+    return g_cum

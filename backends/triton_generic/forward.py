@@ -1,0 +1,55 @@
+"""The orchestrator: the five stages in order, for one validated call.
+
+    g_cum        = chunk_cumsum_fwd(g)                    # stage 1
+    w, u         = wu_fwd(k, v, g_cum, beta)              # stages 2 + 3, fused (T in registers)
+    h, v_new, S  = state_fwd(k, w, u, g_cum, S0)          # stage 4
+    o            = output_fwd(q, k, v_new, h, g_cum)      # stage 5
+
+Tensors ``[B, T, ...]`` are contiguous, so they are the packed ``[B * T, ...]`` token axis
+the chunk tables index; a uniform batch and a varlen batch take the same path. Nothing here
+reads a device value back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_dispatch.contract import GDNProblem, StateLayout
+
+from backends.triton_generic._jit import LOG2E, interpreting
+from backends.triton_generic.cumsum import chunk_cumsum_fwd
+from backends.triton_generic.output import output_fwd
+from backends.triton_generic.state import state_fwd
+from backends.triton_generic.wu import wu_fwd
+
+
+def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``chunk_gated_delta_rule`` for ``problem``.
+
+    Returns
+    -------
+    o : Tensor ``[B, T, HV, V]`` in q's dtype.
+    final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
+        None unless ``problem.output_final_state``.
+    """
+    chunks, l2 = problem.chunks, problem.use_qk_l2norm
+    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
+    h, v_new, final_state = state_fwd(
+        problem.k, w, u, g_cum, chunks,
+        initial_state=problem.initial_state,
+        output_final_state=problem.output_final_state,
+        state_vk=problem.state_layout is StateLayout.VK,
+        use_qk_l2norm=l2,
+    )
+    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2)
+    return o, final_state
+
+
+def unsupported_reason(problem: GDNProblem) -> str | None:
+    """What registry.toml cannot express: CPU tensors run only under the interpreter."""
+    if problem.device.type == "cpu" and not interpreting():
+        return "CPU tensors need TRITON_INTERPRET=1 (triton's interpreter)"
+    if problem.device.type not in ("cpu", "cuda"):
+        return f"needs CUDA tensors, got device {problem.device}"
+    return None

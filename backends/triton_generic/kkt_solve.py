@@ -1,0 +1,201 @@
+"""Stage 2: the intra-chunk matrix A = strictly-lower(beta_i k_i.k_j 2^(g_i - g_j)) and its
+unit-lower-triangular inverse T = (I + A)^-1, per chunk of 64 tokens and value head.
+
+The inverse is built in registers, block-recursively:
+
+    [[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]
+
+64 -> two 32s -> four 16s. A 16 x 16 diagonal block is strictly lower (nilpotent, a^16 = 0),
+so its inverse is the finite product (I - a)(I + a^2)(I + a^4)(I + a^8): six small MMAs
+instead of sixteen dependent row updates. All MMAs of the solve accumulate in fp32; their
+inputs are fp32 at ``SOLVE_PREC`` ("ieee" for float32 calls, "tf32" for 16-bit calls, whose
+A^-1 is rounded to 16 bits before use anyway).
+
+Quadrants are cut from and glued into register tiles with reshape/permute/split/join (the
+compiler moves data through shared memory as needed); nothing goes to global memory. The
+same tile function serves the standalone :func:`kkt_solve_fwd` (which stores T) and the
+fused w/u kernel of stage 3 (which keeps T in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, interpreting, jit
+from backends.triton_generic.configs import device_facts, intra_config
+
+
+@jit
+def _quadrants(x, M: tl.constexpr, N: tl.constexpr):
+    """The four [M, N] blocks of a [2M, 2N] tile: top-left, top-right, bottom-left, bottom-right."""
+    t = tl.permute(tl.reshape(x, [2, M, 2, N]), (1, 3, 0, 2))  # [M, N, row half, col half]
+    c0, c1 = tl.split(t)
+    x00, x10 = tl.split(c0)
+    x01, x11 = tl.split(c1)
+    return x00, x01, x10, x11
+
+
+@jit
+def _from_quadrants(x00, x01, x10, x11, M: tl.constexpr, N: tl.constexpr):
+    """Inverse of :func:`_quadrants`: glue four [M, N] blocks into a [2M, 2N] tile."""
+    t = tl.join(tl.join(x00, x10), tl.join(x01, x11))  # [M, N, row half, col half]
+    return tl.reshape(tl.permute(t, (2, 0, 3, 1)), [2 * M, 2 * N])
+
+
+@jit
+def _inv_unit_lower16(a, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [16, 16] fp32 tile: (I - a)(I + a^2)(I + a^4)(I + a^8)."""
+    o_i = tl.arange(0, 16)
+    eye = (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    b_x = eye - a
+    b_p = a
+    for _ in tl.static_range(3):
+        b_p = tl.dot(b_p, b_p, input_precision=PREC)
+        b_x = tl.dot(b_x, eye + b_p, input_precision=PREC)
+    return b_x
+
+
+@jit
+def _inv_unit_lower32(a, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [32, 32] fp32 tile, from its 16 x 16 quadrants."""
+    a00, a01, a10, a11 = _quadrants(a, 16, 16)
+    x00 = _inv_unit_lower16(a00, PREC)
+    x11 = _inv_unit_lower16(a11, PREC)
+    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PREC), input_precision=PREC)
+    return _from_quadrants(x00, tl.zeros_like(a01), x10, x11, 16, 16)
+
+
+@jit
+def _inv_unit_lower64(a, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [64, 64] fp32 tile, from its 32 x 32 quadrants."""
+    a00, a01, a10, a11 = _quadrants(a, 32, 32)
+    x00 = _inv_unit_lower32(a00, PREC)
+    x11 = _inv_unit_lower32(a11, PREC)
+    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision=PREC), input_precision=PREC)
+    return _from_quadrants(x00, tl.zeros_like(a01), x10, x11, 32, 32)
+
+
+@jit
+def _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
+                    DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """T = (I + A)^-1 of one chunk and v-head as a [BT, BT] fp32 register tile.
+
+    Also returns what the w/u stage reuses: ``b_g`` (g_cum rows), ``b_b`` (beta rows,
+    fp32) and ``b_r`` (k's l2-norm reciprocals, ones without USE_L2NORM); [BT] each.
+    """
+    o_t = bos + i_t * BT + tl.arange(0, BT)
+    m_t = o_t < eos
+    p_k = k + (o_t * H + i_h // (HV // H)) * K
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_kk = _dot(b_k, tl.trans(b_k), b_kk, DOT_PREC, INTERP_BF16)
+        if USE_L2NORM:
+            b_kf = b_k.to(tl.float32)
+            b_ss += tl.sum(b_kf * b_kf, axis=1)
+    if USE_L2NORM:
+        b_r = tl.rsqrt(b_ss + L2NORM_EPS)
+    else:
+        b_r = tl.full([BT], 1.0, dtype=tl.float32)
+    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
+    b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    # where(), not a multiply by the mask: 2^(g_i - g_j) overflows above the diagonal.
+    m_a = (o_t[:, None] > o_t[None, :]) & m_t[:, None]
+    b_a = tl.where(m_a, b_kk * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
+    b_a = b_a * (b_b * b_r)[:, None] * b_r[None, :]
+    return _inv_unit_lower64(b_a, SOLVE_PREC), b_g, b_b, b_r
+
+
+@jit
+def _kkt_solve_fwd_kernel(
+    k,
+    g_cum,
+    beta,
+    A_inv,
+    cu_seqlens,
+    chunk_seq,
+    chunk_local,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    # Grid axis 0 is (chunk, v-head) flattened, v-head fastest: v-heads sharing a k head
+    # run side by side and read the same k rows.
+    pid = tl.program_id(0).to(tl.int64)
+    i_c, i_h = pid // HV, pid % HV
+    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
+    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H, HV, K, BT, BK,
+                                         USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
+    o_t = bos + i_t * BT + tl.arange(0, BT)
+    p_a = A_inv + (o_t * HV + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    tl.store(p_a, _cast(b_x, A_inv.dtype.element_ty, INTERP_BF16), mask=(o_t < eos)[:, None])
+
+
+def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """(DOT_PREC, SOLVE_PREC): "ieee" throughout for float32 calls (tf32 would miss the 1e-5
+    bound); for 16-bit calls DOT_PREC does not apply and the solve runs at "tf32"."""
+    return ("ieee", "ieee") if dtype == torch.float32 else ("tf32", "tf32")
+
+
+def interp_bf16_dots(dtype: torch.dtype) -> bool:
+    """True under the interpreter with bfloat16 operands (see ``_jit._dot``)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def kkt_solve_fwd(
+    k: torch.Tensor,
+    g_cum: torch.Tensor,
+    beta: torch.Tensor,
+    chunks: ChunkTable,
+    *,
+    use_qk_l2norm: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Per chunk and value head, T = (I + A)^-1 with A = strictly-lower(beta_i k_i.k_j 2^(g_i - g_j)).
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous. Value head ``j`` reads k head
+        ``j // (HV // H)``.
+    g_cum : float32 Tensor ``[B, T, HV]``, the chunk-local gate cumsum in log2 units
+        (:func:`chunk_cumsum_fwd` with ``scale=log2(e)``).
+    beta : Tensor ``[B, T, HV]``, any float dtype.
+    chunks : ChunkTable of the call.
+    use_qk_l2norm : l2-normalize k rows (eps 1e-6, fp32) before forming A.
+    out_dtype : dtype of the result; default k's dtype.
+
+    Returns
+    -------
+    A_inv : Tensor ``[B, T, HV, 64]``: row ``t`` holds row ``t - c0`` of its chunk's T, where
+        ``c0`` is the chunk's first token (column ``j`` multiplies the chunk's token
+        ``c0 + j``). Unit lower triangular per chunk; columns past a short last chunk's end
+        are 0. Rows of no chunk do not exist (chunks tile every sequence).
+    """
+    B_T, H, K = k.shape[-3], k.shape[-2], k.shape[-1]
+    HV, BT = beta.shape[-1], chunks.chunk_size
+    A_inv = torch.empty(*beta.shape, BT, dtype=out_dtype or k.dtype, device=k.device)
+    if chunks.num_chunks == 0 or B_T == 0:
+        return A_inv
+    capability, _ = device_facts(k.device)
+    cfg = intra_config(K, K, k.element_size(), capability)
+    dot_prec, solve_prec = dot_precisions(k.dtype)
+    _kkt_solve_fwd_kernel[(chunks.num_chunks * HV,)](
+        k=k, g_cum=g_cum, beta=beta, A_inv=A_inv,
+        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm,
+        DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return A_inv

@@ -1,0 +1,138 @@
+"""Stage 5: the output of every chunk from its start state and its own tokens::
+
+    o = scale * (2^g (q h) + causal(q k^T 2^(g_i - g_j)) v_new)
+
+One program owns one (chunk, v-head, BV slice of V); with BV = V (up to 128) the [64, 64]
+score tile q k^T is formed once per chunk and head. The K loop streams q, k and h tiles
+and feeds both MMAs. With the fused l2-norm the raw q, k enter the MMAs and their row
+norms scale the results in fp32: q's on the rows of o, k's on the columns of the scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, jit
+from backends.triton_generic.configs import LaunchConfig, device_facts, output_config
+from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+
+
+@jit
+def _output_fwd_kernel(
+    q,
+    k,
+    v_new,
+    h,
+    g_cum,
+    o,
+    cu_seqlens,
+    chunk_seq,
+    chunk_local,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    # Axis 0: (chunk, v-head) flattened, v-head fastest (it may pass 65535); axis 1: V slice.
+    pid = tl.program_id(0).to(tl.int64)
+    i_c, i_h = pid // HV, pid % HV
+    i_v = tl.program_id(1)
+    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
+    o_t = bos + i_t * BT + tl.arange(0, BT)
+    m_t = o_t < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+
+    p_q = q + (o_t * H + i_h // (HV // H)) * K
+    p_k = k + (o_t * H + i_h // (HV // H)) * K
+    p_h = h + (i_c * HV + i_h) * K * V + o_v[None, :]
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ssq = tl.zeros([BT], dtype=tl.float32)
+    b_ssk = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(p_q[:, None] + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_kt = tl.load(p_k[None, :] + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_h = tl.load(p_h + o_k[:, None] * V, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o = _dot(b_q, b_h, b_o, DOT_PREC, INTERP_BF16)
+        b_s = _dot(b_q, b_kt, b_s, DOT_PREC, INTERP_BF16)
+        if USE_L2NORM:
+            b_qf, b_kf = b_q.to(tl.float32), b_kt.to(tl.float32)
+            b_ssq += tl.sum(b_qf * b_qf, axis=1)
+            b_ssk += tl.sum(b_kf * b_kf, axis=0)
+
+    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
+    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
+    b_o = b_o * tl.exp2(b_g)[:, None]
+    b_scale = tl.full([BT], scale, dtype=tl.float32)
+    if USE_L2NORM:
+        b_s = b_s * tl.rsqrt(b_ssk + L2NORM_EPS)[None, :]
+        b_scale = b_scale * tl.rsqrt(b_ssq + L2NORM_EPS)
+
+    p_vo = (o_t * HV + i_h)[:, None] * V + o_v[None, :]
+    m_vo = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v_new + p_vo, mask=m_vo, other=0.0)
+    b_o = _dot(_cast(b_s, v_new.dtype.element_ty, INTERP_BF16), b_v, b_o, DOT_PREC, INTERP_BF16)
+    tl.store(o + p_vo, _cast(b_o * b_scale[:, None], o.dtype.element_ty, INTERP_BF16), mask=m_vo)
+
+
+def output_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_new: torch.Tensor,
+    h: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunks: ChunkTable,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = False,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The output of every token.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    v_new : Tensor ``[B, T, HV, V]``, q's dtype (from :func:`state_fwd`).
+    h : Tensor ``[NT, HV, K, V]``, q's dtype: the state at each chunk's start.
+    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
+    chunks : ChunkTable of the call.
+    scale : float, the output scale.
+    use_qk_l2norm : q and k rows are l2-normalized (eps 1e-6) before use.
+    config : LaunchConfig override (BK, BV, num_warps, num_stages); default from the table.
+
+    Returns
+    -------
+    o : Tensor ``[B, T, HV, V]`` in q's dtype.
+    """
+    H, K = q.shape[-2], q.shape[-1]
+    HV, V, BT = v_new.shape[-2], v_new.shape[-1], chunks.chunk_size
+    o = torch.empty_like(v_new)
+    if chunks.num_chunks == 0 or HV == 0:
+        return o
+    capability, _ = device_facts(q.device)
+    cfg = config or output_config(K, V, q.element_size(), capability)
+    dot_prec, _ = dot_precisions(q.dtype)
+    grid = (chunks.num_chunks * HV, triton.cdiv(V, cfg.BV))
+    _output_fwd_kernel[grid](
+        q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, o=o,
+        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
+        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o

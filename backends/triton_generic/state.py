@@ -1,0 +1,208 @@
+"""Stage 4: the chunk-state recurrence, the one serial stage.
+
+Per sequence and value head, with S the [K, V] state at a chunk's start::
+
+    h[c] = S;  v_new = u - w S;  S = 2^(g_last) S + k^T (2^(g_last - g) v_new)
+
+One program owns one (sequence, v-head, BV slice of V) and walks the sequence's chunks with
+its [BK, BV] fp32 slice of S in registers; the slices are independent because w S and
+k^T v_new never mix columns of V. The loads of w, k, u and the gate do not depend on S, so
+the software pipeliner (num_stages) fetches them ahead; what remains serial per chunk is
+two MMAs. ``h`` (the state at every chunk start, for the output stage) is always stored
+[K, V]; only the caller's initial and final states follow ``state_layout``, read and
+written through a transposed view, never a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
+from backends.triton_generic.configs import LaunchConfig, device_facts, state_config
+from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+
+
+@jit
+def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr):
+    """Pointers and mask of a [BV, BK] ("vk") or [BK, BV] ("kv") tile of one [K, V] state."""
+    if STATE_VK:
+        p = base + o_v[:, None] * K + o_k[None, :]
+        m = (o_v < V)[:, None] & (o_k < K)[None, :]
+    else:
+        p = base + o_k[:, None] * V + o_v[None, :]
+        m = (o_k < K)[:, None] & (o_v < V)[None, :]
+    return p, m
+
+
+@jit
+def _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c, i_t, i_h, o_k, o_v,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                     INTERP_BF16: tl.constexpr):
+    """One chunk of the recurrence: store h[i_c] = S, write v_new, return the next S."""
+    m_k, m_v = o_k < K, o_v < V
+    t0 = bos + i_t * BT
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_h = h + (i_c * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_hc = _cast(b_h, h.dtype.element_ty, INTERP_BF16)
+    tl.store(p_h, b_hc, mask=m_k[:, None] & m_v[None, :])
+
+    p_w = w + (o_t * HV + i_h)[:, None] * K + o_k[None, :]
+    b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
+    p_u = (o_t * HV + i_h)[:, None] * V + o_v[None, :]
+    b_v = tl.load(u + p_u, mask=m_tv, other=0.0).to(tl.float32)
+    b_v -= _dot(b_w, b_hc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
+    tl.store(v_new + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_tv)
+
+    # Decay to the chunk's last token: the state by 2^g_last, each token's update by
+    # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm).
+    b_g_last = tl.load(g_cum + (tl.minimum(t0 + BT, eos) - 1) * HV + i_h)
+    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
+    b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
+    p_k = k + (o_t * H + i_h // (HV // H))[None, :] * K + o_k[:, None]
+    b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
+    if USE_L2NORM:
+        b_kf = b_kt.to(tl.float32)
+        b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
+    b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
+    return _dot(b_kt, b_v, b_h * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
+
+
+@jit
+def _state_fwd_kernel(
+    k,
+    w,
+    u,
+    g_cum,
+    h,
+    v_new,
+    h0,
+    ht,
+    cu_seqlens,
+    seq_chunk_start,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    STATE_VK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Axis 0 carries N * HV * NV (it may pass 65535), the V slice fastest: the slices of one
+    # head stream the same w and k rows at the same time, so L2 serves all but the first.
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_v, i_nh = pid % NV, pid // NV
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_c0 = tl.load(seq_chunk_start + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    if USE_H0:
+        p_s, m_s = _state_ptrs(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
+        b_h = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+        if STATE_VK:
+            b_h = tl.trans(b_h)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+
+    NT = tl.cdiv(eos - bos, BT)
+    if INTERPRET:
+        # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
+        # (int() of a 1-element array); a while loop reads the bound as a bool instead.
+        i_t = 0
+        while i_t < NT:
+            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c0 + i_t, i_t, i_h,
+                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+            i_t += 1
+    else:
+        for i_t in range(NT):
+            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c0 + i_t, i_t, i_h,
+                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+
+    if STORE_HT:
+        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
+        if STATE_VK:
+            tl.store(p_s, tl.trans(b_h), mask=m_s)
+        else:
+            tl.store(p_s, b_h, mask=m_s)
+
+
+def state_fwd(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunks: ChunkTable,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_vk: bool = False,
+    use_qk_l2norm: bool = False,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Run the recurrence over every sequence's chunks.
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    w : Tensor ``[B, T, HV, K]``, k's dtype (from :func:`wu_fwd`).
+    u : Tensor ``[B, T, HV, V]``, k's dtype (from :func:`wu_fwd`).
+    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
+    chunks : ChunkTable of the call.
+    initial_state : Tensor ``[N, HV, K, V]`` (``state_vk=False``) or ``[N, HV, V, K]``
+        (``state_vk=True``), any float dtype, contiguous; None means zeros.
+    output_final_state : also return the state after each sequence's last token.
+    state_vk : layout of initial_state and of the final state.
+    use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
+    config : LaunchConfig override (BV, num_warps, num_stages); default from the table.
+
+    Returns
+    -------
+    h : Tensor ``[NT, HV, K, V]``, k's dtype: the state at the start of every chunk (flat
+        chunk order of the ChunkTable), always [K, V].
+    v_new : Tensor ``[B, T, HV, V]``, k's dtype: ``u - w h``.
+    final_state : float32 Tensor ``[N, HV, K, V]`` or ``[N, HV, V, K]``, or None. A
+        zero-length sequence's final state is its initial state.
+    """
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V, BT = u.shape[-2], u.shape[-1], chunks.chunk_size
+    N = chunks.num_seqs
+    h = torch.empty(chunks.num_chunks, HV, K, V, dtype=k.dtype, device=k.device)
+    v_new = torch.empty_like(u)
+    final_state = None
+    if output_final_state:
+        shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
+        final_state = torch.empty(shape, dtype=torch.float32, device=k.device)
+    if N * HV == 0:
+        return h, v_new, final_state
+    capability, sm_count = device_facts(k.device)
+    cfg = config or state_config(K, V, N * HV, k.element_size(), capability, sm_count)
+    dot_prec, _ = dot_precisions(k.dtype)
+    grid = (N * HV * triton.cdiv(V, cfg.BV),)
+    _state_fwd_kernel[grid](
+        k=k, w=w, u=u, g_cum=g_cum, h=h, v_new=v_new,
+        h0=initial_state if initial_state is not None else g_cum,
+        ht=final_state if final_state is not None else g_cum,
+        cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=cfg.BV,
+        USE_H0=initial_state is not None, STORE_HT=final_state is not None, STATE_VK=state_vk,
+        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
+        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return h, v_new, final_state

@@ -1,0 +1,149 @@
+"""Stage 3: the WY representation of each chunk, w = T (beta 2^g k) and u = T (beta v).
+
+One program owns one (chunk, v-head). With ``FUSED_SOLVE`` (what the orchestrator runs) the
+program first forms T = (I + A)^-1 in registers with stage 2's tile function, so T never
+travels through global memory and k is read by a single kernel; without it T is loaded from
+:func:`kkt_solve_fwd`'s output. T multiplies at the input dtype (fp32 for float32 calls, the
+16-bit type otherwise: the same rounding w and u get when stored).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, jit
+from backends.triton_generic.configs import LaunchConfig, device_facts, intra_config
+from backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
+
+
+@jit
+def _k_rnorm(k, o_t, m_t, i_h, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """1 / ||k_t|| (eps 1e-6) of the chunk's k rows, [BT] fp32; ones without USE_L2NORM."""
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    if USE_L2NORM:
+        p_k = k + (o_t * H + i_h // (HV // H)) * K
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                          other=0.0).to(tl.float32)
+            b_ss += tl.sum(b_k * b_k, axis=1)
+        b_r = tl.rsqrt(b_ss + L2NORM_EPS)
+    else:
+        b_r = b_ss + 1.0
+    return b_r
+
+
+@jit
+def _wu_fwd_kernel(
+    k,
+    v,
+    g_cum,
+    beta,
+    A_inv,
+    w,
+    u,
+    cu_seqlens,
+    chunk_seq,
+    chunk_local,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    FUSED_SOLVE: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    i_c, i_h = pid // HV, pid % HV
+    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
+    o_t = bos + i_t * BT + tl.arange(0, BT)
+    m_t = o_t < eos
+    if FUSED_SOLVE:
+        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H, HV, K, BT, BK,
+                                             USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
+    else:
+        p_a = A_inv + (o_t * HV + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+        b_x = tl.load(p_a, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
+        b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_r = _k_rnorm(k, o_t, m_t, i_h, H, HV, K, BT, BK, USE_L2NORM)
+    # The per-token scales go on T's columns, in fp32, so that k and v enter the MMAs
+    # exactly as stored: w = (T diag(beta 2^g r)) k and u = (T diag(beta)) v, with r = 1/||k||
+    # under the fused l2-norm. One rounding (of the scaled T) per product instead of two.
+    b_xk = _cast(b_x * (b_b * tl.exp2(b_g) * b_r)[None, :], w.dtype.element_ty, INTERP_BF16)
+    b_xv = _cast(b_x * b_b[None, :], u.dtype.element_ty, INTERP_BF16)
+    p_k = k + (o_t * H + i_h // (HV // H)) * K
+    p_w = w + (o_t * HV + i_h) * K
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_k, other=0.0)
+        b_w = _dot(b_xk, b_k, tl.zeros([BT, BK], dtype=tl.float32), DOT_PREC, INTERP_BF16)
+        tl.store(p_w[:, None] + o_k[None, :], _cast(b_w, w.dtype.element_ty, INTERP_BF16), mask=m_k)
+
+    p_v = v + (o_t * HV + i_h) * V
+    p_u = u + (o_t * HV + i_h) * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(p_v[:, None] + o_v[None, :], mask=m_v, other=0.0)
+        b_u = _dot(b_xv, b_v, tl.zeros([BT, BV], dtype=tl.float32), DOT_PREC, INTERP_BF16)
+        tl.store(p_u[:, None] + o_v[None, :], _cast(b_u, u.dtype.element_ty, INTERP_BF16), mask=m_v)
+
+
+def wu_fwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_cum: torch.Tensor,
+    beta: torch.Tensor,
+    chunks: ChunkTable,
+    *,
+    A_inv: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The WY vectors of each chunk: ``w = T (beta 2^g_cum k)``, ``u = T (beta v)``.
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    v : Tensor ``[B, T, HV, V]``, k's dtype, contiguous.
+    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
+    beta : Tensor ``[B, T, HV]``, any float dtype.
+    chunks : ChunkTable of the call.
+    A_inv : Tensor ``[B, T, HV, 64]`` from :func:`kkt_solve_fwd`, or None (default) to
+        form T inside this kernel (fused: the fast path).
+    use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
+    config : LaunchConfig override (BK, BV, num_warps, num_stages); default from the table.
+
+    Returns
+    -------
+    w : Tensor ``[B, T, HV, K]``, k's dtype.
+    u : Tensor ``[B, T, HV, V]``, k's dtype.
+    """
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V, BT = v.shape[-2], v.shape[-1], chunks.chunk_size
+    w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
+    u = torch.empty_like(v)
+    if chunks.num_chunks == 0 or HV == 0:
+        return w, u
+    capability, _ = device_facts(k.device)
+    cfg = config or intra_config(K, V, k.element_size(), capability)
+    dot_prec, solve_prec = dot_precisions(k.dtype)
+    _wu_fwd_kernel[(chunks.num_chunks * HV,)](
+        k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
+        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
+        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
+        INTERP_BF16=interp_bf16_dots(k.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return w, u
