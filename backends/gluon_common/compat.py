@@ -44,3 +44,26 @@ def _tmem_reg_layout_impl(dtype, shape, tmem_layout, num_warps):
 def tmem_reg_layout(dtype, shape, tmem_layout, num_warps):
     """The register layout that one tcgen05.ld of a ``shape`` TMEM tile lands in."""
     return _tmem_reg_layout_impl(dtype, list(shape), tmem_layout, num_warps)
+
+
+# Re-bound (append-only): the definition above calls a plain Python helper, which triton's
+# dependency walker rejects as soon as a @gluon.jit function references tmem_reg_layout
+# ("Unsupported function referenced: <function _tmem_reg_layout_impl>"). A constexpr
+# function may only reference modules, classes, builtins and other jit/constexpr functions,
+# so the feature test moves out of its body into the choice of body.
+from triton.experimental.gluon.language.nvidia import blackwell as _blackwell  # noqa: E402
+
+if hasattr(_blackwell, "get_tmem_reg_layout"):
+
+    @gluon.constexpr_function
+    def tmem_reg_layout(dtype, shape, tmem_layout, num_warps):
+        """The register layout that one tcgen05.ld of a ``shape`` TMEM tile lands in."""
+        return _blackwell.get_tmem_reg_layout(dtype, list(shape), tmem_layout, num_warps)
+
+else:
+
+    @gluon.constexpr_function
+    def tmem_reg_layout(dtype, shape, tmem_layout, num_warps):
+        """The register layout that one tcgen05.ld of a ``shape`` TMEM tile lands in."""
+        desc_type = _blackwell.tensor_memory_descriptor_type(dtype, list(shape), tmem_layout, list(shape))
+        return desc_type.get_reg_layout(num_warps=num_warps)

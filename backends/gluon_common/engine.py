@@ -1,0 +1,144 @@
+"""The matrix engine both Gluon backends share: one call per MMA step on Blackwell and Hopper.
+
+Usage (for kernel authors; every helper takes ``IS_SM100: gl.constexpr`` last)::
+
+    from backends.gluon_common import engine as E
+
+    acc = E.acc_alloc(64, BV, IS_SM100)                  # TMEM descriptor (sm100) | fp32 zeros (sm90)
+    acc = E.mma(a_smem, b_smem, acc, False, bar, IS_SM100)  # issue acc = a @ b (use_acc=True: +=), async
+    acc = E.mma_wait(acc, bar, phase, IS_SM100)            # wait for every MMA issued so far
+    x = E.acc_read(acc, IS_SM100)                          # fp32 registers in E.acc_layout(64, BV, ...)
+    acc = E.acc_write(acc, x * 2.0, IS_SM100)              # overwrite the accumulator from registers
+
+* Operands ``a`` [M, K] and ``b`` [K, N] are shared-memory descriptors in an NVMMASharedLayout
+  (``E.smem_layout(shape, dtype)`` or a TMA descriptor's ``.layout``); ``b`` may be a
+  ``.permute((1, 0))`` view, and so may ``a`` for 16-bit types (k^T from a [64, K] k tile).
+* Always rebind the result (``acc = E.mma(...)``): on sm90 the accumulator is a value
+  (a wgmma token, then a register tensor), on sm100 the same TMEM descriptor comes back.
+* ``bar`` is one mbarrier per MMA site (``gl.allocate_shared_memory(gl.int64, [1],
+  mbarrier.MBarrierLayout())`` + ``mbarrier.init(bar, count=1)``; allocate it on both archs,
+  sm90 ignores it). ``E.mma`` commits every tcgen05 op issued so far to it, so it completes
+  once per call: wait with ``phase = (number of earlier completions) & 1``.
+* Before an MMA reads shared memory written from registers: ``smem.store(x)`` then
+  ``fence_async_shared()`` (generic -> async proxy). :func:`mma` issues a CTA barrier itself
+  so that every warp's stores (and TMEM stores from :func:`acc_write`) precede the issue.
+* Register layouts: ``E.acc_layout(M, N, IS_SM100, num_warps)`` is where ``acc_read`` lands
+  and what ``acc_write`` expects; rows as ``gl.SliceLayout(1, that)``. Use ``num_warps=4``
+  (one warpgroup: wgmma's M = 64 per warpgroup, tcgen05's 128 TMEM lanes).
+* TMEM budget (sm100): an fp32 [M, N] accumulator takes N columns (M <= 128); <= 512 in all.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    allocate_tensor_memory,
+    tcgen05_commit,
+    tcgen05_mma,
+)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from backends.gluon_common.compat import thread_barrier, tmem_reg_layout
+
+
+@gluon.constexpr_function
+def smem_layout(shape, dtype):
+    """NVMMASharedLayout for an MMA operand / TMA tile of ``shape`` (widest swizzle that fits)."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
+
+
+@gluon.constexpr_function
+def acc_tmem_layout(M, N):
+    """TMEM layout of an fp32 [M, N] accumulator (one MMA instruction tile: M <= 128 lanes)."""
+    return TensorMemoryLayout(block=(min(M, 128), N), col_stride=1)
+
+
+@gluon.constexpr_function
+def wgmma_layout(M, N, num_warps):
+    """Hopper fp32 accumulator layout: warps stack along M (16 rows each), instr N = N."""
+    warps_m = num_warps
+    while warps_m > 1 and M < 16 * warps_m:
+        warps_m //= 2
+    warps_n = num_warps // warps_m
+    n = N // warps_n
+    while n > 256 or N % n:
+        n //= 2
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def acc_layout(M, N, IS_SM100, num_warps):
+    """Register layout of an fp32 [M, N] accumulator read by :func:`acc_read` (and of
+    anything written back by :func:`acc_write`)."""
+    if IS_SM100:
+        return tmem_reg_layout(gl.float32, [M, N], acc_tmem_layout(M, N), num_warps)
+    return wgmma_layout(M, N, num_warps)
+
+
+@gluon.jit
+def acc_alloc(M: gl.constexpr, N: gl.constexpr, IS_SM100: gl.constexpr):
+    """A fresh fp32 [M, N] accumulator: TMEM (sm100, contents undefined) or zeros (sm90)."""
+    if IS_SM100:
+        acc = allocate_tensor_memory(gl.float32, [M, N], acc_tmem_layout(M, N))
+    else:
+        acc = gl.zeros([M, N], gl.float32, layout=wgmma_layout(M, N, gl.num_warps()))
+    return acc
+
+
+@gluon.jit
+def mma(a, b, acc, use_acc, bar, IS_SM100: gl.constexpr):
+    """Issue ``acc = a @ b (+ acc if use_acc)`` asynchronously; returns the accumulator handle.
+
+    sm100: tcgen05_mma into TMEM, then tcgen05_commit(bar): ``bar`` completes one phase when
+    this and every earlier tcgen05 op of the CTA are done. sm90: an async wgmma (its own
+    commit group); ``bar`` is unused.
+    """
+    # Every warp's shared-memory operand stores (fenced by the caller) and TMEM stores must
+    # land before the single issuing thread starts the MMA.
+    thread_barrier()
+    if IS_SM100:
+        tcgen05_mma(a, b, acc, use_acc=use_acc)
+        tcgen05_commit(bar)
+        out = acc
+    else:
+        out = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+    return out
+
+
+@gluon.jit
+def mma_wait(acc, bar, phase, IS_SM100: gl.constexpr):
+    """Wait until every MMA issued so far is complete; returns the (readable) accumulator."""
+    if IS_SM100:
+        mbarrier.wait(bar, phase)
+        out = acc
+    else:
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return out
+
+
+@gluon.jit
+def acc_read(acc, IS_SM100: gl.constexpr):
+    """The accumulator as fp32 registers in ``acc_layout(M, N, IS_SM100, num_warps)``."""
+    if IS_SM100:
+        M: gl.constexpr = acc.shape[0]
+        N: gl.constexpr = acc.shape[1]
+        out = acc.load(acc_layout(M, N, True, gl.num_warps()))
+    else:
+        out = acc
+    return out
+
+
+@gluon.jit
+def acc_write(acc, value, IS_SM100: gl.constexpr):
+    """Overwrite the accumulator with ``value`` (fp32 registers, any layout); returns it."""
+    M: gl.constexpr = value.shape[0]
+    N: gl.constexpr = value.shape[1]
+    v = gl.convert_layout(value, acc_layout(M, N, IS_SM100, gl.num_warps()))
+    if IS_SM100:
+        acc.store(v)
+        out = acc
+    else:
+        out = v
+    return out

@@ -1,0 +1,82 @@
+"""Ahead-of-time compiles of the Gluon backends (no GPU needed): sm_100a and sm_90a.
+
+Every ``kernels_for_aot`` entry of gluon_sm100 / gluon_sm90 is compiled for its target with
+``gdn_dispatch.aot.compile_kernel``; the PTX must hold the instructions the design relies on
+(tcgen05 MMA/TMEM/TMA/scatter on sm_100a, wgmma/TMA on sm_90a), with no spills, shared memory
+within the part's 232448 bytes and (sm_100a) at most 512 TMEM columns. A tiny probe kernel
+checks the shared matrix-engine helpers (backends/gluon_common/engine.py) on both targets.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+gluon_mod = pytest.importorskip("triton.experimental.gluon")
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+
+from backends.gluon_common import engine as E  # noqa: E402
+from backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
+from gdn_dispatch.aot import SMEM_LIMIT, AotKernel, compile_kernel  # noqa: E402
+
+SM100, SM90 = (10, 0), (9, 0)
+TMEM_COLUMNS = 512
+
+
+@gluon.jit
+def _engine_probe_kernel(a_desc, b_desc, c_desc, IS_SM100: gl.constexpr):
+    """c = a^T b + 0.5 (a b): one overwrite MMA, a register round trip, one accumulate MMA."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [BK, BN], b_desc.layout)
+    load_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mma_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(load_bar, count=1)
+    mbarrier.init(mma_bar, count=1)
+    mbarrier.expect(load_bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma_load(a_desc, [0, 0], load_bar, a_smem)
+    tma_load(b_desc, [0, 0], load_bar, b_smem)
+    mbarrier.wait(load_bar, 0)
+    acc = E.acc_alloc(BM, BN, IS_SM100)
+    acc = E.mma(a_smem, b_smem, acc, False, mma_bar, IS_SM100)
+    acc = E.mma_wait(acc, mma_bar, 0, IS_SM100)
+    acc = E.acc_write(acc, E.acc_read(acc, IS_SM100) * 0.5, IS_SM100)
+    acc = E.mma(a_smem.permute((1, 0)), b_smem, acc, True, mma_bar, IS_SM100)
+    acc = E.mma_wait(acc, mma_bar, 1, IS_SM100)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    c_smem.store(E.acc_read(acc, IS_SM100).to(c_desc.dtype))
+    fence_async_shared()  # generic smem writes -> TMA (async proxy) read
+    tma_store(c_desc, [0, 0], c_smem)
+    tma.store_wait(0)
+    mbarrier.invalidate(load_bar)
+    mbarrier.invalidate(mma_bar)
+
+
+def _probe(capability, BM, BN):
+    la = E.smem_layout([BM, BM], gl.bfloat16)
+    lb = E.smem_layout([BM, BN], gl.bfloat16)
+    sig = {"a_desc": f"tensordesc<bf16[{BM}, {BM}],{la!r}>", "b_desc": f"tensordesc<bf16[{BM}, {BN}],{lb!r}>",
+           "c_desc": f"tensordesc<bf16[{BM}, {BN}],{lb!r}>", "IS_SM100": "constexpr"}
+    return AotKernel(backend="probe", kernel="engine", specialization=f"M{BM}-N{BN}", fn=_engine_probe_kernel,
+                     signature=sig, constexprs={"IS_SM100": capability == SM100}, dialect="gluon")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("BM, BN", [(64, 64), (128, 32)], ids=["M64-N64", "M128-N32"])
+@pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100a", "sm90a"])
+def test_engine_probe_compiles(capability, BM, BN):
+    report = compile_kernel(_probe(capability, BM, BN), capability)
+    ptx = report.ptx
+    if capability == SM100:
+        for needle in ("tcgen05.mma", "tcgen05.ld", "tcgen05.st", "tcgen05.alloc", "tcgen05.commit"):
+            assert needle in ptx, needle
+        assert "wgmma" not in ptx
+    else:
+        assert "wgmma.mma_async" in ptx and "tcgen05" not in ptx
+    assert report.spill_bytes == 0
+    assert report.shared_bytes <= SMEM_LIMIT[capability]
