@@ -1,0 +1,277 @@
+"""Launch plans of the Gluon backends: what would be launched, computed without launching.
+
+:func:`plan` is a dry run of :func:`backends.gluon_common.forward.forward`: for a validated
+call and a compute capability it returns every Gluon kernel's grid, block sizes, constexprs
+and TMA descriptors (global shape, strides, block shape, shared-memory layout), touching no
+GPU and reading no tensor data, so it is testable with CPU tensors. ``forward`` launches
+exactly these plans; ``kernels_for_aot`` compiles the same constexprs and signatures.
+
+Stage plans come from the stage modules: ``plan_state`` (here), ``plan_wu``
+(:mod:`.wu`) and ``plan_output`` (:mod:`.output`). Convention: ``plan_<stage>(problem,
+device: DeviceInfo) -> LaunchPlan`` (``device.capability`` picks the engine,
+``device.sm_count`` may size blocks), with :class:`DescPlan` descriptors, so that one
+``ForwardPlan`` describes every launch and ``kernels_for_aot`` compiles the same constexprs.
+
+Descriptors view every ``[B, T, X, D]`` tensor as the 2-D ``[B * T, X * D]`` matrix it is in
+memory (rows = tokens), and ``h`` ``[NT, HV, K, V]`` as ``[NT * HV * K, V]``; a tile is
+addressed by (row, column) element coordinates (int32 in the TMA unit: see
+:func:`index_limits_reason`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.device import DeviceInfo, assumed_device
+
+#: Warps per program of every Gluon kernel: one warpgroup (wgmma M = 64 per warpgroup;
+#: 128 threads reach the 128 TMEM lanes).
+NUM_WARPS = 4
+#: Largest fp32 state tile ``K * BV`` a program holds: 64 registers per thread at 4 warps
+#: on sm_90a; on sm_100a the same cap keeps one tcgen05.ld of the state at 64 registers.
+MAX_STATE_TILE = 8192
+INT32_MAX = 2**31 - 1
+
+_SIG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def sig_dtype(dtype: torch.dtype) -> str:
+    """Triton's signature spelling of a torch dtype ("bf16", "fp16", "fp32")."""
+    return _SIG_DTYPE[dtype]
+
+
+def gl_dtype(dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+@dataclass(frozen=True)
+class DescPlan:
+    """One host-side TMA descriptor argument.
+
+    Attributes
+    ----------
+    arg : kernel argument name ("w_desc").
+    tensor : which tensor it views ("w", "u", "k", "h", "v_new", ...).
+    shape, strides : the 2-D global view, in elements (last stride 1).
+    block_shape : the tile one TMA message moves ([1, BN] for a TMA scatter row descriptor).
+    dtype : torch dtype of the tensor.
+    layout_shape : the shared-memory tile whose NVMMASharedLayout the descriptor carries
+        (the block shape, except for scatter descriptors: the staged [BT, BN] tile).
+    """
+
+    arg: str
+    tensor: str
+    shape: tuple[int, int]
+    strides: tuple[int, int]
+    block_shape: tuple[int, int]
+    dtype: torch.dtype
+    layout_shape: tuple[int, int] | None = None
+
+    @property
+    def layout(self):
+        """The NVMMASharedLayout of the shared tile (widest swizzle that fits)."""
+        from triton.experimental.gluon import language as gl
+
+        return gl.NVMMASharedLayout.get_default_for(list(self.layout_shape or self.block_shape), gl_dtype(self.dtype))
+
+    @property
+    def signature(self) -> str:
+        """``tensordesc<bf16[64, 128],NVMMASharedLayout(...)>``, as a launch would specialize."""
+        b0, b1 = self.block_shape
+        return f"tensordesc<{sig_dtype(self.dtype)}[{b0}, {b1}],{self.layout!r}>"
+
+    def build(self, tensor: torch.Tensor):
+        """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        rows, cols = self.shape
+        if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not tensor.is_contiguous():
+            raise ValueError(f"{self.arg}: planned {self.dtype} [{rows}, {cols}] contiguous, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)} contiguous={tensor.is_contiguous()}")
+        return TensorDescriptor(tensor, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One kernel launch.
+
+    Attributes
+    ----------
+    kernel : stage name ("wu_fwd", "state_fwd", "output_fwd").
+    grid : launch grid.
+    num_warps : warps per program.
+    blocks : block sizes by name ({"BT": 64, "BV": 64, ...}).
+    constexprs : the kernel's constexpr arguments (what kernels_for_aot compiles).
+    descriptors : TMA descriptor arguments, in no particular order (looked up by ``arg``).
+    scalars : runtime integer arguments by name ({"HV": 32, "GROUP": 2}).
+    notes : why the blocks were chosen (for humans and `plan` tests).
+    """
+
+    kernel: str
+    grid: tuple[int, ...]
+    num_warps: int
+    blocks: dict
+    constexprs: dict
+    descriptors: tuple[DescPlan, ...] = ()
+    scalars: dict = field(default_factory=dict)
+    notes: str = ""
+
+    def desc(self, arg: str) -> DescPlan:
+        return next(d for d in self.descriptors if d.arg == arg)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Every Gluon launch of one call, in order (wu, state, output), for one target."""
+
+    capability: tuple[int, int]
+    is_sm100: bool
+    state_layout: StateLayout
+    has_tails: bool
+    stages: tuple[LaunchPlan, ...]
+
+    def stage(self, kernel: str) -> LaunchPlan:
+        return next(s for s in self.stages if s.kernel == kernel)
+
+
+def has_tails(problem: GDNProblem) -> bool:
+    """True when some sequence may end inside a chunk: the kernels then mask rows past a
+    sequence's end and never write them (constexpr ``HAS_TAILS``).
+
+    Uniform batch: ``T % 64 != 0``. Varlen: some length is not a multiple of 64, read from
+    the host copy of cu_seqlens; without one (never read back) assume tails.
+    """
+    if not problem.is_varlen:
+        return problem.T % CHUNK_SIZE != 0
+    host = problem.chunks.cu_seqlens_host
+    if host is None:
+        return True
+    return bool(((host[1:] - host[:-1]) % CHUNK_SIZE != 0).any())
+
+
+def index_limits_reason(problem: GDNProblem) -> str | None:
+    """TMA coordinates are int32: rows B*T and NT*HV*K must stay below 2^31."""
+    rows = problem.B * problem.T
+    h_rows = problem.chunks.num_chunks * problem.HV * problem.K
+    if rows > INT32_MAX or h_rows > INT32_MAX:
+        return (f"TMA row coordinates are int32: needs B*T = {rows} and NT*HV*K = {h_rows} "
+                f"below 2^31")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Stage 4: the state recurrence
+
+
+def choose_bv(K: int, V: int, num_heads: int, sm_count: int) -> int:
+    """V-block of the state kernel: BV in {32, 64, 128}, BV <= V, K * BV <= 8192.
+
+    One program walks all chunks of one (sequence, v-head, V-block) serially, so the only
+    parallelism is ``num_heads * V / BV`` programs (``num_heads = N * HV``). Start from the
+    widest block (fewest programs re-reading w and k) and halve while there are fewer than
+    two programs per SM: few long sequences then still fill the part, and two resident
+    programs per SM hide each other's per-chunk MMA -> register -> MMA latency.
+    """
+    bv = 128
+    while bv > 32 and (bv > V or K * bv > MAX_STATE_TILE):
+        bv //= 2
+    while bv > 32 and num_heads * (V // bv) < 2 * max(sm_count, 1):
+        bv //= 2
+    return bv
+
+
+def state_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
+    """Shared memory of the state kernel: w/k/u double buffers, h, v_new and the scaled
+    v_new tiles, the fp32 initial/final state staging tile, barriers."""
+    rings = 2 * (BT * K * 2 + BT * BV) * elem
+    tiles = (K * BV + 2 * BT * BV) * elem
+    return rings + tiles + K * BV * 4 + 8 * 8
+
+
+def plan_state(problem: GDNProblem, device: DeviceInfo) -> LaunchPlan:
+    """Launch plan of :func:`backends.gluon_common.state.state_fwd` for ``problem``."""
+    B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
+    N, NT, dtype = problem.N, problem.chunks.num_chunks, problem.dtype
+    BT = CHUNK_SIZE
+    BV = choose_bv(K, V, N * HV, device.sm_count)
+    NV = V // BV
+    rows = B * T
+    descs = (
+        DescPlan("w_desc", "w", (rows, HV * K), (HV * K, 1), (BT, K), dtype),
+        DescPlan("u_desc", "u", (rows, HV * V), (HV * V, 1), (BT, BV), dtype),
+        DescPlan("k_desc", "k", (rows, H * K), (H * K, 1), (BT, K), dtype),
+        DescPlan("h_desc", "h", (NT * HV * K, V), (V, 1), (K, BV), dtype),
+        DescPlan("vn_desc", "v_new", (rows, HV * V), (HV * V, 1), (BT, BV), dtype),
+        DescPlan("vn_rows_desc", "v_new", (rows, HV * V), (HV * V, 1), (1, BV), dtype, (BT, BV)),
+    )
+    is_sm100 = device.capability[0] == 10
+    constexprs = {
+        "USE_H0": problem.initial_state is not None,
+        "STORE_HT": problem.output_final_state,
+        "STATE_VK": problem.state_layout is StateLayout.VK,
+        "USE_L2NORM": problem.use_qk_l2norm,
+        "HAS_TAILS": has_tails(problem),
+        "IS_SM100": is_sm100,
+    }
+    elem = torch.finfo(dtype).bits // 8
+    return LaunchPlan(
+        kernel="state_fwd",
+        grid=(N * HV * NV,),
+        num_warps=NUM_WARPS,
+        blocks={"BT": BT, "K": K, "BV": BV, "NV": NV, "smem_bytes": state_smem_bytes(K, BV, elem)},
+        constexprs=constexprs,
+        descriptors=descs,
+        scalars={"HV": HV, "GROUP": HV // H, "V": V},
+        notes=f"BV={BV}: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on {device.sm_count} SMs",
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Composition
+
+
+#: Stage planners in launch order (wu and output join as their modules land).
+_PLANNERS = (plan_state,)
+
+
+def resolve_device(problem: GDNProblem, capability: tuple[int, int] | None,
+                   device: DeviceInfo | None) -> DeviceInfo:
+    """The DeviceInfo block sizes come from: ``device`` if given, else the part assumed for
+    ``capability`` (dry runs), else the device of the problem's tensors."""
+    if device is not None:
+        return device
+    if capability is not None:
+        return assumed_device(f"sm_{capability[0]}{capability[1]}")
+    from gdn_dispatch.device import default_probe
+
+    return default_probe().for_torch_device(problem.device)
+
+
+def plan(problem: GDNProblem, capability: tuple[int, int] | None = None,
+         device: DeviceInfo | None = None) -> ForwardPlan:
+    """Dry run of the Gluon forward for ``problem`` on ``capability`` (e.g. ``(9, 0)``).
+
+    Parameters
+    ----------
+    problem : a validated call (its tensors may live on the CPU; none is read).
+    capability : compute capability to plan for; default: ``device``'s, else the tensors'.
+    device : DeviceInfo to take ``sm_count`` from; default: a representative part of
+        ``capability`` (gdn_dispatch.device.assumed_device).
+
+    Returns
+    -------
+    ForwardPlan with the stage plans that exist (wu, state, output), in launch order.
+    """
+    info = resolve_device(problem, capability, device)
+    cap = tuple(capability or info.capability)
+    if info.capability != cap:
+        info = DeviceInfo(kind="cuda", index=info.index, name=info.name, capability=cap,
+                          sm_count=info.sm_count, smem_optin=info.smem_optin)
+    stages = [planner(problem, info) for planner in _PLANNERS]
+    return ForwardPlan(capability=cap, is_sm100=cap[0] == 10, state_layout=problem.state_layout,
+                       has_tails=has_tails(problem), stages=tuple(stages))
