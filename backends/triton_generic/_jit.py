@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction
 
 LOG2E = 1.4426950408889634
 #: eps of the fused q/k l2-normalization, as gdn_dispatch.reference.L2NORM_EPS.
-L2NORM_EPS = 1e-6
+L2NORM_EPS = tl.constexpr(1e-6)
 
 
 def interpreting() -> bool:
@@ -61,14 +61,20 @@ def jit(fn=None, *, do_not_specialize=()):
 
 
 @jit
-def _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c):
-    """``bos``, ``eos`` (int64 token offsets of chunk ``i_c``'s sequence) and ``i_t``, the
-    chunk's index within that sequence."""
+def _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: tl.constexpr):
+    """Chunk ``i_c`` of the flat chunk list: ``t0``, its first token in the packed token axis
+    (int64), and ``n_t``, how many of its ``BT`` rows belong to its sequence (int32, >= 1).
+
+    Offset convention of every kernel: 64-bit scalar base pointers (``t0 * row_stride``)
+    plus 32-bit offsets within the chunk (``o_i * row_stride + column``, below 64 * HV * 256),
+    so that no [BT, BK] tile of 64-bit offsets occupies registers.
+    """
     i_n = tl.load(chunk_seq + i_c)
-    i_t = tl.load(chunk_local + i_c).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    return bos, eos, i_t
+    t0 = bos + tl.load(chunk_local + i_c).to(tl.int64) * BT
+    n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+    return t0, n_t
 
 
 @jit

@@ -60,11 +60,12 @@ def cumsum_config(HV: int) -> LaunchConfig:
 def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """kkt + solve + w/u, one program per (chunk, v-head).
 
-    BK/BV up to 128: a [64, 128] 16-bit operand tile is 16 KB; the inverse stays in
-    registers as a [64, 64] fp32 tile (32 registers per thread at 4 warps). The K and V
-    loops are one or two trips long, so two stages suffice.
+    BK/BV up to 128 for 16-bit data (a [64, 128] operand tile is 16 KB), 64 for float32;
+    the inverse stays in registers as a [64, 64] fp32 tile (32 registers per thread at 4
+    warps). The K and V loops are one or two trips long, so two stages suffice.
     """
-    BK, BV = min(next_pow2(K), 128), min(next_pow2(V), 128)
+    cap = 128 if elem <= 2 else 64
+    BK, BV = min(next_pow2(K), cap), min(next_pow2(V), cap)
     per_stage = 64 * max(BK, BV) * elem
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, 64 * 64 * 4 * 2, capability),
                         BK=BK, BV=BV)
@@ -74,29 +75,33 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
                  sm_count: int = 132) -> LaunchConfig:
     """The chunk-state recurrence, one program per (sequence, v-head, BV slice of V).
 
-    The whole K extent of the state is one register tile [BK, BV] (fp32), so BK * BV is
-    capped at 8192 (64 registers per thread at 4 warps). The recurrence is serial in chunks,
-    so parallelism comes only from N * HV * (V / BV) programs: BV starts at 64 and halves
-    (down to 16) until there are at least two programs per SM, which lets one program's
-    dependent MMA chain overlap another's loads. Three stages prefetch the next chunks' w,
-    k and u tiles, which do not depend on the state.
+    The whole K extent of the state is one register tile [BK, BV] (fp32). The recurrence is
+    serial in chunks, so parallelism comes only from N * HV * (V / BV) programs: BV = 64
+    when that gives every SM a program, else 32 (the slices of a head re-read the same w
+    and k tiles, from L2, so narrower slices trade L2 traffic for parallelism). BK * BV is
+    capped at 8192 (64 fp32 registers per thread at 4 warps), float32 data at 4096. Two
+    stages prefetch the next chunk's w, k and u tiles (they do not depend on the state),
+    leaving shared memory for two programs per SM.
     """
     BK = next_pow2(K)
-    BV = min(next_pow2(V), 64, max(16, 8192 // BK))
-    while BV > 16 and NHV * -(-V // BV) < 2 * sm_count:
-        BV //= 2
+    limit = 8192 if elem <= 2 else 4096
+    BV = min(next_pow2(V), 64, max(16, limit // BK))
+    if BV > 32 and NHV * -(-V // BV) < sm_count:
+        BV = 32
     per_stage = (2 * 64 * BK + 64 * BV) * elem + 64 * 4
-    return LaunchConfig(num_warps=4, num_stages=_stages(3, per_stage, BK * BV * elem + 64 * BV * elem,
+    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, BK * BV * elem + 64 * BV * elem,
                                                         capability), BK=BK, BV=BV)
 
 
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """The output, one program per (chunk, v-head, BV slice of V).
 
-    BV = V up to 128 so that q k^T is formed once per (chunk, head); BK = 64 keeps the
-    streamed q, k and h tiles at 8 + 8 + 16 KB per stage.
+    BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
+    the common case; BK = 64 (32 for float32) keeps the streamed q, k and h tiles at
+    8 + 8 + 16 KB per stage.
     """
-    BK, BV = min(next_pow2(K), 64), min(next_pow2(V), 128)
+    BK = min(next_pow2(K), 64 if elem <= 2 else 32)
+    BV = min(next_pow2(V), 128 if elem <= 2 else 64)
     per_stage = (2 * 64 * BK + BK * BV) * elem
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, (64 * 64 + 64 * BV) * elem,
                                                         capability), BK=BK, BV=BV)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import _chunk_bounds, jit
+from backends.triton_generic._jit import _chunk_rows, jit
 from backends.triton_generic.configs import cumsum_config
 
 
@@ -32,14 +32,14 @@ def _chunk_cumsum_fwd_kernel(
     BH: tl.constexpr,
 ):
     i_c, i_hb = tl.program_id(0), tl.program_id(1)
-    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
+    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    o_i = tl.arange(0, BT)
     o_h = i_hb * BH + tl.arange(0, BH)
-    m_g = (o_t < eos)[:, None] & (o_h < HV)[None, :]
-    p_g = o_t[:, None] * HV + o_h[None, :]
-    b_g = tl.load(g + p_g, mask=m_g, other=0.0).to(tl.float32)
+    m_g = (o_i < n_t)[:, None] & (o_h < HV)[None, :]
+    p_g = o_i[:, None] * HV + o_h[None, :]
+    b_g = tl.load(g + t0 * HV + p_g, mask=m_g, other=0.0).to(tl.float32)
     b_g = tl.cumsum(b_g, axis=0) * scale
-    tl.store(g_cum + p_g, b_g, mask=m_g)
+    tl.store(g_cum + t0 * HV + p_g, b_g, mask=m_g)
 
 
 def chunk_cumsum_fwd(

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, interpreting, jit
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
 from backends.triton_generic.configs import device_facts, intra_config
 
 
@@ -79,22 +79,23 @@ def _inv_unit_lower64(a, PREC: tl.constexpr):
 
 
 @jit
-def _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H: tl.constexpr, HV: tl.constexpr,
+def _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
                     DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """T = (I + A)^-1 of one chunk and v-head as a [BT, BT] fp32 register tile.
+    """T = (I + A)^-1 of the chunk starting at token ``t0`` (``n_t`` valid rows) for v-head
+    ``i_h``, as a [BT, BT] fp32 register tile.
 
     Also returns what the w/u stage reuses: ``b_g`` (g_cum rows), ``b_b`` (beta rows,
     fp32) and ``b_r`` (k's l2-norm reciprocals, ones without USE_L2NORM); [BT] each.
     """
-    o_t = bos + i_t * BT + tl.arange(0, BT)
-    m_t = o_t < eos
-    p_k = k + (o_t * H + i_h // (HV // H)) * K
+    o_i = tl.arange(0, BT)
+    m_t = o_i < n_t
+    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[:, None] * (H * K)
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_ss = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
         b_kk = _dot(b_k, tl.trans(b_k), b_kk, DOT_PREC, INTERP_BF16)
         if USE_L2NORM:
             b_kf = b_k.to(tl.float32)
@@ -103,10 +104,10 @@ def _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H: tl.constexpr, HV: tl.
         b_r = tl.rsqrt(b_ss + L2NORM_EPS)
     else:
         b_r = tl.full([BT], 1.0, dtype=tl.float32)
-    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
-    b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    b_b = tl.load(beta + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0).to(tl.float32)
     # where(), not a multiply by the mask: 2^(g_i - g_j) overflows above the diagonal.
-    m_a = (o_t[:, None] > o_t[None, :]) & m_t[:, None]
+    m_a = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
     b_a = tl.where(m_a, b_kk * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
     b_a = b_a * (b_b * b_r)[:, None] * b_r[None, :]
     return _inv_unit_lower64(b_a, SOLVE_PREC), b_g, b_b, b_r
@@ -135,18 +136,18 @@ def _kkt_solve_fwd_kernel(
     # run side by side and read the same k rows.
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
-    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
-    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H, HV, K, BT, BK,
+    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H, HV, K, BT, BK,
                                          USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
-    p_a = A_inv + (o_t * HV + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    tl.store(p_a, _cast(b_x, A_inv.dtype.element_ty, INTERP_BF16), mask=(o_t < eos)[:, None])
+    o_i = tl.arange(0, BT)
+    p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
+    tl.store(p_a, _cast(b_x, A_inv.dtype.element_ty, INTERP_BF16), mask=(o_i < n_t)[:, None])
 
 
 def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(DOT_PREC, SOLVE_PREC): "ieee" throughout for float32 calls (tf32 would miss the 1e-5
     bound); for 16-bit calls DOT_PREC does not apply and the solve runs at "tf32"."""
-    return ("ieee", "ieee") if dtype == torch.float32 else ("tf32", "tf32")
+    return ("tf32x3", "tf32x3") if dtype == torch.float32 else ("tf32", "tf32")
 
 
 def interp_bf16_dots(dtype: torch.dtype) -> bool:

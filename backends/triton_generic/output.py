@@ -16,7 +16,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, jit
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
 from backends.triton_generic.configs import LaunchConfig, device_facts, output_config
 from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 
@@ -48,15 +48,16 @@ def _output_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
     i_v = tl.program_id(1)
-    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
-    m_t = o_t < eos
+    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    o_i = tl.arange(0, BT)
+    m_t = o_i < n_t
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
 
-    p_q = q + (o_t * H + i_h // (HV // H)) * K
-    p_k = k + (o_t * H + i_h // (HV // H)) * K
-    p_h = h + (i_c * HV + i_h) * K * V + o_v[None, :]
+    o_qk = (t0 * H + i_h // (HV // H)) * K
+    p_q = q + o_qk + o_i[:, None] * (H * K)
+    p_k = k + o_qk + o_i[None, :] * (H * K)
+    p_h = h + (i_c * HV + i_h) * (K * V) + o_v[None, :]
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
     b_ssq = tl.zeros([BT], dtype=tl.float32)
@@ -64,8 +65,8 @@ def _output_fwd_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = tl.load(p_q[:, None] + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_kt = tl.load(p_k[None, :] + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        b_q = tl.load(p_q + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_kt = tl.load(p_k + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = tl.load(p_h + o_k[:, None] * V, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o = _dot(b_q, b_h, b_o, DOT_PREC, INTERP_BF16)
         b_s = _dot(b_q, b_kt, b_s, DOT_PREC, INTERP_BF16)
@@ -74,8 +75,8 @@ def _output_fwd_kernel(
             b_ssq += tl.sum(b_qf * b_qf, axis=1)
             b_ssk += tl.sum(b_kf * b_kf, axis=0)
 
-    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
-    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None]
+    b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
     b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
     b_o = b_o * tl.exp2(b_g)[:, None]
     b_scale = tl.full([BT], scale, dtype=tl.float32)
@@ -83,11 +84,12 @@ def _output_fwd_kernel(
         b_s = b_s * tl.rsqrt(b_ssk + L2NORM_EPS)[None, :]
         b_scale = b_scale * tl.rsqrt(b_ssq + L2NORM_EPS)
 
-    p_vo = (o_t * HV + i_h)[:, None] * V + o_v[None, :]
+    o_vo = (t0 * HV + i_h) * V
+    p_vo = o_i[:, None] * (HV * V) + o_v[None, :]
     m_vo = m_t[:, None] & m_v[None, :]
-    b_v = tl.load(v_new + p_vo, mask=m_vo, other=0.0)
+    b_v = tl.load(v_new + o_vo + p_vo, mask=m_vo, other=0.0)
     b_o = _dot(_cast(b_s, v_new.dtype.element_ty, INTERP_BF16), b_v, b_o, DOT_PREC, INTERP_BF16)
-    tl.store(o + p_vo, _cast(b_o * b_scale[:, None], o.dtype.element_ty, INTERP_BF16), mask=m_vo)
+    tl.store(o + o_vo + p_vo, _cast(b_o * b_scale[:, None], o.dtype.element_ty, INTERP_BF16), mask=m_vo)
 
 
 def output_fwd(

@@ -39,33 +39,34 @@ def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.c
 
 
 @jit
-def _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c, i_t, i_h, o_k, o_v,
+def _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c, i_h, o_k, o_v,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
                      INTERP_BF16: tl.constexpr):
-    """One chunk of the recurrence: store h[i_c] = S, write v_new, return the next S."""
-    m_k, m_v = o_k < K, o_v < V
-    t0 = bos + i_t * BT
-    o_t = t0 + tl.arange(0, BT)
-    m_t = o_t < eos
+    """One chunk (first token ``t0``, ``n_t`` valid rows, flat index ``i_c``) of the
+    recurrence: store h[i_c] = S, write v_new, return the next S."""
+    o_i = tl.arange(0, BT)
+    m_t, m_k, m_v = o_i < n_t, o_k < K, o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    p_h = h + (i_c * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    p_h = h + (i_c * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_hc = _cast(b_h, h.dtype.element_ty, INTERP_BF16)
     tl.store(p_h, b_hc, mask=m_k[:, None] & m_v[None, :])
 
-    p_w = w + (o_t * HV + i_h)[:, None] * K + o_k[None, :]
+    p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :]
     b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
-    p_u = (o_t * HV + i_h)[:, None] * V + o_v[None, :]
-    b_v = tl.load(u + p_u, mask=m_tv, other=0.0).to(tl.float32)
+    o_u = (t0 * HV + i_h) * V
+    p_u = o_i[:, None] * (HV * V) + o_v[None, :]
+    b_v = tl.load(u + o_u + p_u, mask=m_tv, other=0.0).to(tl.float32)
     b_v -= _dot(b_w, b_hc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
-    tl.store(v_new + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_tv)
+    tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_tv)
 
     # Decay to the chunk's last token: the state by 2^g_last, each token's update by
     # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm).
-    b_g_last = tl.load(g_cum + (tl.minimum(t0 + BT, eos) - 1) * HV + i_h)
-    b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
+    p_g = g_cum + t0 * HV + i_h
+    b_g_last = tl.load(p_g + (n_t - 1) * HV)
+    b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
     b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
-    p_k = k + (o_t * H + i_h // (HV // H))[None, :] * K + o_k[:, None]
+    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[None, :] * (H * K) + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
     if USE_L2NORM:
         b_kf = b_kt.to(tl.float32)
@@ -112,7 +113,6 @@ def _state_fwd_kernel(
     i_c0 = tl.load(seq_chunk_start + i_n).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
     if USE_H0:
         p_s, m_s = _state_ptrs(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
         b_h = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
@@ -127,13 +127,17 @@ def _state_fwd_kernel(
         # (int() of a 1-element array); a while loop reads the bound as a bool instead.
         i_t = 0
         while i_t < NT:
-            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c0 + i_t, i_t, i_h,
-                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h, o_k, o_v,
+                                   H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
             i_t += 1
     else:
         for i_t in range(NT):
-            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, bos, eos, i_c0 + i_t, i_t, i_h,
-                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h, o_k, o_v,
+                                   H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
 
     if STORE_HT:
         p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK)

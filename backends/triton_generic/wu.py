@@ -14,22 +14,22 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_bounds, _dot, jit
+from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
 from backends.triton_generic.configs import LaunchConfig, device_facts, intra_config
 from backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
 
 
 @jit
-def _k_rnorm(k, o_t, m_t, i_h, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
-    """1 / ||k_t|| (eps 1e-6) of the chunk's k rows, [BT] fp32; ones without USE_L2NORM."""
+def _k_rnorm(p_k, m_t, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+             USE_L2NORM: tl.constexpr):
+    """1 / ||k_t|| (eps 1e-6) of a chunk's k rows (``p_k``: [BT, 1] row pointers), [BT]
+    fp32; ones without USE_L2NORM."""
     b_ss = tl.zeros([BT], dtype=tl.float32)
     if USE_L2NORM:
-        p_k = k + (o_t * H + i_h // (HV // H)) * K
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
-            b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
-                          other=0.0).to(tl.float32)
+            b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+            b_k = b_k.to(tl.float32)
             b_ss += tl.sum(b_k * b_k, axis=1)
         b_r = tl.rsqrt(b_ss + L2NORM_EPS)
     else:
@@ -64,40 +64,41 @@ def _wu_fwd_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
-    bos, eos, i_t = _chunk_bounds(cu_seqlens, chunk_seq, chunk_local, i_c)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
-    m_t = o_t < eos
+    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    o_i = tl.arange(0, BT)
+    m_t = o_i < n_t
+    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[:, None] * (H * K)
     if FUSED_SOLVE:
-        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, bos, eos, i_t, i_h, H, HV, K, BT, BK,
+        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H, HV, K, BT, BK,
                                              USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     else:
-        p_a = A_inv + (o_t * HV + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+        p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
         b_x = tl.load(p_a, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_g = tl.load(g_cum + o_t * HV + i_h, mask=m_t, other=0.0)
-        b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_r = _k_rnorm(k, o_t, m_t, i_h, H, HV, K, BT, BK, USE_L2NORM)
+        b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+        b_b = tl.load(beta + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_r = _k_rnorm(p_k, m_t, K, BT, BK, USE_L2NORM)
+
     # The per-token scales go on T's columns, in fp32, so that k and v enter the MMAs
     # exactly as stored: w = (T diag(beta 2^g r)) k and u = (T diag(beta)) v, with r = 1/||k||
     # under the fused l2-norm. One rounding (of the scaled T) per product instead of two.
     b_xk = _cast(b_x * (b_b * tl.exp2(b_g) * b_r)[None, :], w.dtype.element_ty, INTERP_BF16)
     b_xv = _cast(b_x * b_b[None, :], u.dtype.element_ty, INTERP_BF16)
-    p_k = k + (o_t * H + i_h // (HV // H)) * K
-    p_w = w + (o_t * HV + i_h) * K
+    p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(p_k[:, None] + o_k[None, :], mask=m_k, other=0.0)
+        b_k = tl.load(p_k + o_k[None, :], mask=m_k, other=0.0)
         b_w = _dot(b_xk, b_k, tl.zeros([BT, BK], dtype=tl.float32), DOT_PREC, INTERP_BF16)
-        tl.store(p_w[:, None] + o_k[None, :], _cast(b_w, w.dtype.element_ty, INTERP_BF16), mask=m_k)
+        tl.store(p_w + o_k[None, :], _cast(b_w, w.dtype.element_ty, INTERP_BF16), mask=m_k)
 
-    p_v = v + (o_t * HV + i_h) * V
-    p_u = u + (o_t * HV + i_h) * V
+    p_v = v + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V)
+    p_u = u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(p_v[:, None] + o_v[None, :], mask=m_v, other=0.0)
+        b_v = tl.load(p_v + o_v[None, :], mask=m_v, other=0.0)
         b_u = _dot(b_xv, b_v, tl.zeros([BT, BV], dtype=tl.float32), DOT_PREC, INTERP_BF16)
-        tl.store(p_u[:, None] + o_v[None, :], _cast(b_u, u.dtype.element_ty, INTERP_BF16), mask=m_v)
+        tl.store(p_u + o_v[None, :], _cast(b_u, u.dtype.element_ty, INTERP_BF16), mask=m_v)
 
 
 def wu_fwd(
