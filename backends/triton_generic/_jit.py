@@ -1,30 +1,39 @@
 """The ``jit`` decorator of this backend, and the Triton helpers every stage shares.
 
-Why not plain ``triton.jit``: triton 3.6 decides at *decoration* time (module import) whether
-a kernel is compiled or interpreted, from ``TRITON_INTERPRET``. This backend must do both in
-one process: ahead-of-time compiles for sm_80/sm_90 (``kernels_for_aot``) next to CPU runs
-under the interpreter (tests, ``backend="triton_generic"`` on CPU tensors). :class:`Kernel`
-is a ``JITFunction`` (so ``triton.compile(ASTSource(...))`` and the GPU launcher see an
-ordinary kernel) that hands a launch to triton's ``InterpretedFunction`` when the
-interpreter is on *at launch time*; a helper called from an interpreted kernel body runs the
-same way. Import order and when the variable was set no longer matter.
+Why not plain ``triton.jit``: triton 3.6 decides at *decoration* time (import) whether a
+function is compiled or interpreted, from ``TRITON_INTERPRET`` -- for our kernels and for
+triton's own ``@jit`` library functions (``tl.sum``, ``tl.cdiv``...), which are decorated
+when triton is imported. This backend must do both in one process: ahead-of-time compiles
+for sm_80/sm_90 (``kernels_for_aot``) next to CPU runs under the interpreter (tests,
+``backend="triton_generic"`` on CPU tensors), whatever was imported first.
 
-Helpers here: chunk bounds from the shared chunk tables, and ``_dot`` / ``_cast``, which keep
-the interpreter's bfloat16 numerics those of the GPU (its matmul multiplies raw bit patterns
-and its fp32 -> bf16 conversion truncates; see their docstrings).
+:class:`Kernel` is a ``JITFunction`` (``triton.compile(ASTSource(...))`` and the GPU launcher
+see an ordinary kernel) whose launch, when the interpreter is on *at launch time*, runs
+triton's interpreter instead, within :func:`_interpreted_calls`: the ``triton.language``
+patching the interpreter applies to a kernel's module is applied to ``triton.language.core``
+as well, and any ``@jit`` function the kernel calls (ours or triton's) runs as interpreted
+Python; all of it is undone when the launch returns.
+
+Helpers here: the chunk bounds from the shared chunk tables, and ``_dot`` / ``_cast``, which
+keep the interpreter's bfloat16 numerics those of the GPU (its matmul multiplies raw bit
+patterns and its fp32 -> bf16 conversion truncates; see their docstrings).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
+import triton.language.core  # noqa: F401  (in this module's globals: see _interpreted_calls)
 from triton import knobs
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 LOG2E = 1.4426950408889634
 #: eps of the fused q/k l2-normalization, as gdn_dispatch.reference.L2NORM_EPS.
 L2NORM_EPS = tl.constexpr(1e-6)
+_lang_core = tl.core  # makes triton.language.core visible to _patch_lang(_patch_anchor)
 
 
 def interpreting() -> bool:
@@ -32,23 +41,46 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+_INTERPRETED: dict[int, InterpretedFunction] = {}
+
+
+def _interpreted(fn: JITFunction) -> InterpretedFunction:
+    key = id(fn.fn)
+    if key not in _INTERPRETED:
+        _INTERPRETED[key] = InterpretedFunction(fn.fn)
+    return _INTERPRETED[key]
+
+
+def _call_interpreted(fn: JITFunction, *args, **kwargs):
+    """``JITFunction.__call__`` during an interpreted launch: run the function's rewritten
+    Python body (the language is already patched by :func:`_interpreted_calls`)."""
+    return _interpreted(fn).rewrite()(*args, **kwargs)
+
+
+def _patch_anchor():
+    """A function whose globals hold both ``tl`` and ``tl.core`` (for ``_patch_lang``)."""
+
+
+@contextlib.contextmanager
+def _interpreted_calls():
+    scope = _patch_lang(_patch_anchor)
+    original = JITFunction.__call__
+    JITFunction.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+        scope.restore()
+
+
 class Kernel(JITFunction):
     """A ``JITFunction`` that runs in the interpreter when ``TRITON_INTERPRET`` is set at launch."""
 
-    def _interpreted(self) -> InterpretedFunction:
-        fn = self.__dict__.get("_interpreted_fn")
-        if fn is None:
-            fn = self.__dict__["_interpreted_fn"] = InterpretedFunction(self.fn)
-        return fn
-
     def run(self, *args, grid, warmup, **kwargs):
         if interpreting():
-            return self._interpreted().run(*args, grid=grid, warmup=warmup, **kwargs)
+            with _interpreted_calls():
+                return _interpreted(self).run(*args, grid=grid, warmup=warmup, **kwargs)
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        # Only reached from Python, i.e. from the body of an interpreted kernel.
-        return self._interpreted()(*args, **kwargs)
 
 
 def jit(fn=None, *, do_not_specialize=()):

@@ -175,7 +175,7 @@ def kkt_solve_fwd(
     beta : Tensor ``[B, T, HV]``, any float dtype.
     chunks : ChunkTable of the call.
     use_qk_l2norm : l2-normalize k rows (eps 1e-6, fp32) before forming A.
-    out_dtype : dtype of the result; default k's dtype.
+    out_dtype : dtype of the result, k's dtype (the default) or torch.float32.
 
     Returns
     -------
@@ -184,10 +184,12 @@ def kkt_solve_fwd(
         ``c0 + j``). Unit lower triangular per chunk; columns past a short last chunk's end
         are 0. Rows of no chunk do not exist (chunks tile every sequence).
     """
-    B_T, H, K = k.shape[-3], k.shape[-2], k.shape[-1]
+    if out_dtype is not None and out_dtype not in (k.dtype, torch.float32):
+        raise ValueError(f"out_dtype: expected k's dtype {k.dtype} or torch.float32, got {out_dtype}")
+    H, K = k.shape[-2], k.shape[-1]
     HV, BT = beta.shape[-1], chunks.chunk_size
     A_inv = torch.empty(*beta.shape, BT, dtype=out_dtype or k.dtype, device=k.device)
-    if chunks.num_chunks == 0 or B_T == 0:
+    if chunks.num_chunks == 0 or HV == 0:
         return A_inv
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)

@@ -1,0 +1,280 @@
+"""triton_generic against the float32 reference, stage by stage and end to end.
+
+On a machine without a GPU every case runs on CPU tensors under triton's interpreter
+(``TRITON_INTERPRET=1``, set per test: the backend's kernels decide compiled-or-interpreted
+at launch, so import order does not matter); with a GPU the same cases also run compiled,
+at real sizes. Every buffer the backend allocates starts NaN-filled, so an element a kernel
+forgets to write poisons the compared outputs (``rel_rms_error`` is ``inf`` on NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import backends.triton_generic as tg
+from backends.triton_generic import cumsum, kkt_solve, output, state, wu
+from backends.triton_generic._jit import LOG2E
+from backends.triton_generic.configs import LaunchConfig
+from gdn_dispatch import chunk_gated_delta_rule, reference
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.testing import random_call, rel_rms_error
+
+#: Relative RMS error per output tensor, by q/k/v dtype. float32 runs every product at
+#: fp32 accuracy ("ieee" in the interpreter, 3xTF32 on tensor cores); 16-bit calls round
+#: w, u, h and v_new to 16 bits between stages, as fla does.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
+
+HAS_GPU = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU runs the same cases "
+                                               "under TRITON_INTERPRET=1"),
+    ]),
+]
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    """The device under test; CPU tensors run in triton's interpreter, CUDA ones compiled."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return torch.device(request.param)
+
+
+class _PoisonedTorch:
+    """``torch`` as the backend modules see it, with empty/empty_like filled with NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch):
+    for module in (cumsum, kkt_solve, wu, state, output):
+        monkeypatch.setattr(module, "torch", _PoisonedTorch())
+
+
+def _case(case_id, dtype, cpu, gpu, layout="kv", h0=True, l2=False, marks=()):
+    return pytest.param(dtype, cpu, gpu, layout, h0, l2, id=case_id, marks=marks)
+
+
+# (q/k/v dtype, CPU shape, GPU shape, state layout, initial state, fused l2-norm). Lengths
+# 1, 63, 64, 65, 130 and 0 in one packed batch; HV / H of 1, 2 and 4; K, V not powers of two.
+VARLEN = [1, 63, 64, 65, 130, 0]
+CASES = [
+    _case("varlen-1.63.64.65.130.0-H2-HV4-K32-kv-h0-fp32", torch.float32,
+          dict(lengths=VARLEN, H=2, HV=4, K=32, V=32),
+          dict(lengths=VARLEN + [4096, 1000], H=16, HV=32, K=128, V=128)),
+    _case("varlen-1.63.64.65.130.0-H2-HV4-K32-vk-h0-l2-bf16", torch.bfloat16,
+          dict(lengths=VARLEN, H=2, HV=4, K=32, V=32),
+          dict(lengths=VARLEN + [4096, 1000], H=16, HV=32, K=128, V=128), layout="vk", l2=True),
+    _case("T63-H1-HV4-K32-vk-h0-bf16", torch.bfloat16,
+          dict(batch=(1, 63), H=1, HV=4, K=32, V=32),
+          dict(batch=(2, 2047), H=4, HV=16, K=128, V=128), layout="vk"),
+    _case("B2-T65-H1-HV1-K32-kv-l2-fp32", torch.float32,
+          dict(batch=(2, 65), H=1, HV=1, K=32, V=32),
+          dict(batch=(3, 1025), H=8, HV=8, K=128, V=128), h0=False, l2=True),
+    _case("T130-H1-HV2-K24-V40-vk-h0-l2-bf16", torch.bfloat16,
+          dict(batch=(1, 130), H=1, HV=2, K=24, V=40),
+          dict(batch=(1, 3000), H=8, HV=16, K=60, V=100), layout="vk", l2=True),
+    _case("T64-H2-HV2-K60-V100-kv-h0-fp32", torch.float32,
+          dict(batch=(1, 64), H=2, HV=2, K=60, V=100),
+          dict(batch=(2, 1500), H=4, HV=8, K=60, V=100)),
+    _case("T65-H1-HV2-K32-kv-fp16", torch.float16,
+          dict(batch=(1, 65), H=1, HV=2, K=32, V=32),
+          dict(batch=(1, 4096), H=16, HV=32, K=128, V=128), h0=False),
+    _case("B3-T1-H2-HV2-K16-vk-h0-bf16", torch.bfloat16,
+          dict(batch=(3, 1), H=2, HV=2, K=16, V=16),
+          dict(batch=(64, 1), H=16, HV=32, K=128, V=128), layout="vk"),
+    _case("varlen-130.1.0-H1-HV2-K256-V256-kv-h0-bf16", torch.bfloat16,
+          dict(lengths=[130, 1, 0], H=1, HV=2, K=256, V=256),
+          dict(lengths=[2000, 1, 0, 777], H=4, HV=8, K=256, V=256), marks=pytest.mark.slow),
+]
+
+
+def _problem(dtype, shape, layout, h0, l2, device, seed=0):
+    call = random_call(**shape, dtype=dtype, device=device, seed=seed, initial_state=h0,
+                       state_layout=layout, normalize_qk=not l2)
+    return make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype, cpu_shape, gpu_shape, layout, h0, l2", CASES)
+def test_forward_matches_reference(device, dtype, cpu_shape, gpu_shape, layout, h0, l2):
+    problem = _problem(dtype, cpu_shape if device.type == "cpu" else gpu_shape, layout, h0, l2, device)
+    o, ht = tg.forward(problem)
+    o_ref, ht_ref = reference.forward(problem)
+    assert o.shape == o_ref.shape and o.dtype == dtype
+    assert ht.shape == problem.state_shape and ht.dtype == torch.float32
+    assert rel_rms_error(o, o_ref) <= TOL[dtype]
+    assert rel_rms_error(ht, ht_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_zero_length_sequences_keep_their_state(device):
+    problem = _problem(torch.bfloat16, dict(lengths=[0, 0, 0], H=1, HV=2, K=16, V=16), "vk", True, False,
+                       device)
+    o, ht = tg.forward(problem)
+    assert o.shape == (1, 0, 2, 16)
+    torch.testing.assert_close(ht, problem.initial_state.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_no_final_state_requested(device):
+    call = random_call(batch=(1, 70), H=1, HV=2, K=16, V=16, dtype=torch.float32, device=device)
+    problem = make_problem(**call)
+    o, ht = tg.forward(problem)
+    assert ht is None
+    assert rel_rms_error(o, reference.forward(problem)[0]) <= TOL[torch.float32]
+
+
+def _chunk_rows(problem):
+    """Host list of (first token, rows) per chunk, in the ChunkTable's flat order."""
+    chunks = problem.chunks
+    bounds = chunks.cu_seqlens_host.tolist()
+    out = []
+    for n in range(problem.N):
+        for t0 in range(bounds[n], bounds[n + 1], chunks.chunk_size):
+            out.append((t0, min(chunks.chunk_size, bounds[n + 1] - t0)))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_chunk_cumsum_is_chunk_local(device):
+    problem = _problem(torch.float32, dict(lengths=VARLEN, H=1, HV=3, K=16, V=16), "kv", False, False, device)
+    g_cum = tg.chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    g = problem.g.reshape(-1, problem.HV).double()
+    expected = torch.full_like(g, float("nan"))
+    for t0, n in _chunk_rows(problem):
+        expected[t0:t0 + n] = g[t0:t0 + n].cumsum(0) * LOG2E
+    assert g_cum.shape == problem.g.shape and g_cum.dtype == torch.float32
+    torch.testing.assert_close(g_cum.reshape(-1, problem.HV).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("l2", [False, True], ids=["raw-k", "l2"])
+def test_kkt_solve_inverts_i_plus_a(device, l2):
+    problem = _problem(torch.float32, dict(lengths=[65, 0, 130, 1], H=1, HV=2, K=24, V=8), "kv", False, l2,
+                       device)
+    g_cum = tg.chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    a_inv = tg.kkt_solve_fwd(problem.k, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2,
+                             out_dtype=torch.float32)
+    assert a_inv.shape == (*problem.beta.shape, 64)
+    k = problem.k.reshape(-1, problem.H, problem.K).double()
+    if l2:
+        k = reference.l2_normalize(k)
+    k = k.repeat_interleave(problem.HV // problem.H, dim=1)
+    gc = g_cum.reshape(-1, problem.HV).double() / LOG2E
+    beta = problem.beta.reshape(-1, problem.HV).double()
+    rows = a_inv.reshape(-1, problem.HV, 64).double()
+    for t0, n in _chunk_rows(problem):
+        for h in range(problem.HV):
+            kc, gh = k[t0:t0 + n, h], gc[t0:t0 + n, h]
+            a = (beta[t0:t0 + n, h, None] * (kc @ kc.T) * torch.exp(gh[:, None] - gh[None, :])).tril(-1)
+            eye = torch.eye(n, dtype=a.dtype, device=a.device)
+            x = rows[t0:t0 + n, h, :n]
+            torch.testing.assert_close(x @ (eye + a), eye, rtol=0, atol=1e-5)
+            assert bool((rows[t0:t0 + n, h, n:] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_wu_from_stored_inverse_matches_fused(device):
+    problem = _problem(torch.float32, dict(lengths=[70, 64, 3], H=1, HV=2, K=40, V=24), "kv", False, True,
+                       device)
+    g_cum = tg.chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    a_inv = tg.kkt_solve_fwd(problem.k, g_cum, problem.beta, problem.chunks, use_qk_l2norm=True,
+                             out_dtype=torch.float32)
+    w0, u0 = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=True)
+    w1, u1 = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, A_inv=a_inv,
+                       use_qk_l2norm=True)
+    assert rel_rms_error(w1, w0) <= 1e-6 and rel_rms_error(u1, u0) <= 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_state_and_output_v_slices_agree(device, layout):
+    """Narrow V slices (several programs per head, a ragged last slice) give the same result."""
+    problem = _problem(torch.float32, dict(lengths=[130, 0, 20], H=1, HV=2, K=32, V=40), layout, True, False,
+                       device)
+    chunks, vk = problem.chunks, layout == "vk"
+    g_cum = tg.chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
+    w, u = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks)
+    runs = []
+    for bv in (None, 16):
+        state_cfg = None if bv is None else LaunchConfig(num_warps=4, num_stages=2, BV=bv)
+        out_cfg = None if bv is None else LaunchConfig(num_warps=4, num_stages=2, BK=16, BV=bv)
+        h, v_new, ht = tg.state_fwd(problem.k, w, u, g_cum, chunks, initial_state=problem.initial_state,
+                                    output_final_state=True, state_vk=vk, config=state_cfg)
+        o = tg.output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, config=out_cfg)
+        runs.append((o, ht))
+    o_ref, ht_ref = reference.forward(make_problem(**{**_call_of(problem), "output_final_state": True}))
+    for o, ht in runs:
+        assert rel_rms_error(o, o_ref) <= TOL[torch.float32]
+        assert rel_rms_error(ht, ht_ref) <= TOL[torch.float32]
+
+
+def _call_of(problem):
+    return dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta, scale=problem.scale,
+                initial_state=problem.initial_state, cu_seqlens=problem.cu_seqlens,
+                cu_seqlens_cpu=problem.chunks.cu_seqlens_host if problem.cu_seqlens is not None else None,
+                state_layout=problem.state_layout)
+
+
+def test_api_runs_triton_generic_on_cpu_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    call = random_call(lengths=[65, 1], H=1, HV=2, K=16, V=16, dtype=torch.bfloat16)
+    o_api, ht_api = chunk_gated_delta_rule(**call, output_final_state=True, backend="triton_generic")
+    monkeypatch.setenv("GDN_BACKEND", "cpu=triton_generic")
+    o_env, ht_env = chunk_gated_delta_rule(**call, output_final_state=True)
+    o, ht = tg.forward(make_problem(**call, output_final_state=True))
+    torch.testing.assert_close(o_api, o, rtol=0, atol=0)
+    torch.testing.assert_close(o_env, o, rtol=0, atol=0)
+    torch.testing.assert_close(ht_api, ht, rtol=0, atol=0)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    problem = make_problem(**random_call(batch=(1, 4), H=1, HV=1, K=16, V=16))
+    assert tg.unsupported_reason(problem) == "CPU tensors need TRITON_INTERPRET=1 (triton's interpreter)"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tg.unsupported_reason(problem) is None
+
+
+def test_kkt_solve_rejects_other_output_dtypes():
+    problem = make_problem(**random_call(batch=(1, 4), H=1, HV=1, K=16, V=16))
+    g_cum = torch.zeros(problem.g.shape)
+    with pytest.raises(ValueError, match=r"out_dtype: expected k's dtype torch.bfloat16 or torch.float32, "
+                                         r"got torch.float16"):
+        tg.kkt_solve_fwd(problem.k, g_cum, problem.beta, problem.chunks, out_dtype=torch.float16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [(8, 0), (9, 0)], ids=["sm_80", "sm_90"])
+def test_aot_kernels_compile_without_spills(target):
+    """Every kernels_for_aot entry compiles; the 16-bit (production) ones use no local memory."""
+    from gdn_dispatch.aot import compile_kernel
+
+    kernels = tg.kernels_for_aot(target)
+    assert {k.kernel for k in kernels} == {"chunk_cumsum_fwd", "kkt_solve_fwd", "wu_fwd", "state_fwd",
+                                           "output_fwd"}
+    for kernel in kernels:
+        report = compile_kernel(kernel, target)
+        if "bf16" in kernel.specialization or kernel.kernel == "chunk_cumsum_fwd":
+            assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"
+        assert report.shared_bytes <= {(8, 0): 166912, (9, 0): 232448}[target]
