@@ -1,0 +1,161 @@
+"""What the w/u and output kernels do to rows and columns of a chunk, independent of the
+matrix engine: where a chunk starts and how many of its 64 rows are its sequence's, the
+causal mask with the gate folded in, the fused l2 norm, and the store of a tile whose last
+rows belong to the next sequence.
+
+The causal mask is a bitmask per 16 columns (FlashAttention-3's trick, also in Triton's
+Gluon attention example): for row ``i`` and the 16-column group starting at column ``c``
+the allowed columns form the 16-bit word ``(1 << clamp(i + 1 - c, 0, 16)) - 1``; element
+``(i, c + b)`` is kept when bit ``b`` of its row's word is set. ``gl.map_elementwise`` runs
+the scalar test once per element, interleaved, so ptxas turns the word into predicates
+(R2P) instead of materialising a 64 x 64 comparison tile. The gate ``2^(g_i - g_j)`` is
+applied inside the same scalar function, and masked elements are *selected* to 0, never
+multiplied by a 0/1 mask: above the diagonal ``2^(g_i - g_j)`` may overflow to inf, and
+``inf * 0`` is NaN.
+
+Tails of a chunk (rows past its sequence's end) read as whatever the next sequence holds;
+kernels zero them in registers where they would leak into valid rows (w/u inputs) and
+never write them:
+
+* sm_100a: ``tma.async_scatter`` with row index ``0x7FFFFFFF`` (out of bounds, so dropped)
+  for the rows past the end;
+* sm_90a (no TMA scatter): the staged tile is read back from shared memory in a
+  coalesced register layout and written with masked ``gl.store``. Only a sequence's last
+  chunk takes this path; full chunks use one TMA store on both archs. (A device-side
+  descriptor bounded to the sequence would also work, but needs ``triton.set_allocator``
+  for its 128-byte tensormap scratch at every launch: global state we keep out of the
+  library.)
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import tma as _bw_tma
+
+from backends.gluon_common.compat import tma_store
+
+#: Row index handed to ``tma.async_scatter`` for a row that must not be written: far past
+#: any tensor's end, so the TMA unit drops it (negative indices are illegal instructions).
+SCATTER_SKIP_ROW = gl.constexpr(0x7FFFFFFF)
+#: eps of the fused q/k l2-normalization (gdn_dispatch.reference.L2NORM_EPS).
+L2NORM_EPS = gl.constexpr(1e-6)
+
+
+@gluon.constexpr_function
+def tile_layout(rows, cols, num_warps):
+    """Coalesced register layout of a ``[rows, cols]`` 16-bit tile: 16-byte vectors along
+    columns, a warp spanning whole rows, warps stacked down the rows."""
+    vec = min(8, cols)
+    tpw_col = min(32, max(cols // vec, 1))
+    return gl.BlockedLayout([1, vec], [32 // tpw_col, tpw_col], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def scatter_row_layout(num_warps):
+    """Layout of the row-index vector of ``tma.async_scatter``: 4 consecutive rows per
+    thread (one scatter4 message), broadcast over the lanes."""
+    return gl.SliceLayout(0, gl.BlockedLayout([1, 4], [32, 1], [1, num_warps], [1, 0]))
+
+
+@gluon.jit
+def chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
+    """First packed row of chunk ``i_c`` and how many of its ``BT`` rows its sequence owns.
+
+    Without tails (a uniform batch whose length is a multiple of ``BT``) chunk ``i_c``
+    starts at row ``i_c * BT`` and is full, so the tables are not read.
+    """
+    if HAS_TAILS:
+        i_n = gl.load(chunk_seq + i_c)
+        i_t = gl.load(chunk_local + i_c)
+        bos = gl.load(cu_seqlens + i_n)
+        eos = gl.load(cu_seqlens + i_n + 1)
+        row0 = bos + i_t * BT
+        n_valid = gl.minimum(eos - row0, BT)
+    else:
+        row0 = i_c * BT
+        n_valid = BT
+    return row0, n_valid
+
+
+@gluon.jit
+def row_vector(ptr, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
+    """``ptr[(row0 + r) * HV + i_h]`` for the chunk's ``BT`` rows (a ``[B, T, HV]`` tensor:
+    g_cum, beta) as fp32 in ``layout`` (a row SliceLayout); 0 for rows past the end."""
+    r = gl.arange(0, BT, layout=layout)
+    x = gl.load(ptr + (row0 + r).to(gl.int64) * HV + i_h, mask=r < n_valid, other=0.0)
+    return x.to(gl.float32)
+
+
+@gluon.jit
+def _causal_gate_scalar(s, g_row, g_col, n_allowed, group, bit):
+    # n_allowed = i + 1 columns of row i are causal; this element is bit `bit` of the
+    # 16-column group starting at `group`. The word of allowed bits of (row, group):
+    word = (1 << gl.minimum(gl.maximum(n_allowed - group, 0), 16)) - 1
+    keep = ((word >> bit) & 1) != 0
+    return gl.where(keep, s * gl.exp2(g_row - g_col), 0.0)
+
+
+@gluon.jit
+def causal_gate(s, g_row, g_col):
+    """``P[i, j] = s[i, j] * 2^(g_i - g_j)`` for ``j <= i``, exactly 0 above the diagonal.
+
+    Parameters
+    ----------
+    s : fp32 ``[BT, BT]`` register tile (any distributed layout ``L``).
+    g_row : fp32 ``[BT]`` in ``SliceLayout(1, L)``: log2 gate cumsum of the rows.
+    g_col : fp32 ``[BT]`` in ``SliceLayout(0, L)``: the same values, for the columns.
+    """
+    BT: gl.constexpr = s.shape[0]
+    layout: gl.constexpr = s.type.layout
+    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    n_allowed = gl.expand_dims(rows + 1, 1)
+    group = gl.expand_dims(cols & ~15, 0)
+    bit = gl.expand_dims(cols & 15, 0)
+    return gl.map_elementwise(_causal_gate_scalar, s, gl.expand_dims(g_row, 1), gl.expand_dims(g_col, 0),
+                              n_allowed, group, bit)
+
+
+@gluon.jit
+def row_rnorm(x_smem, layout: gl.constexpr):
+    """``1 / sqrt(sum_k x[i, k]^2 + 1e-6)`` of every row of a 16-bit shared tile, fp32
+    ``[rows]`` in ``SliceLayout(1, layout)`` (the fused qk l2 norm)."""
+    x = x_smem.load(layout).to(gl.float32)
+    return gl.rsqrt(gl.sum(x * x, axis=1) + L2NORM_EPS)
+
+
+@gluon.jit
+def store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid,
+                     HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+    """Write the staged ``[BT, BN]`` tile to rows ``row0 .. row0 + n_valid`` at column ``col0``.
+
+    The caller has stored ``smem`` and issued ``fence_async_shared()`` (the TMA unit reads
+    it through the async proxy), and waits with ``tma.store_wait`` before reusing it.
+
+    Parameters
+    ----------
+    desc : descriptor of the 2-D ``[rows, cols]`` destination, block ``[BT, BN]``.
+    rows_desc : the same tensor with block ``[1, BN]`` (sm_100a scatter; unused on sm_90a).
+    ptr, row_stride : the destination's base pointer and row stride in elements (sm_90a
+        tails only; unused on sm_100a).
+    """
+    BT: gl.constexpr = smem.shape[0]
+    BN: gl.constexpr = smem.shape[1]
+    if HAS_TAILS:
+        if n_valid < BT:
+            if IS_SM100:
+                rows = gl.arange(0, BT, layout=scatter_row_layout(gl.num_warps()))
+                rows = gl.where(rows < n_valid, row0 + rows, SCATTER_SKIP_ROW)
+                _bw_tma.async_scatter(rows_desc, rows, col0, smem)
+            else:
+                layout: gl.constexpr = tile_layout(BT, BN, gl.num_warps())
+                x = smem.load(layout)
+                rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+                cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+                offs = gl.expand_dims((row0 + rows).to(gl.int64) * row_stride, 1) + gl.expand_dims(col0 + cols, 0)
+                gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_valid, 1))
+        else:
+            tma_store(desc, [row0, col0], smem)
+    else:
+        tma_store(desc, [row0, col0], smem)
