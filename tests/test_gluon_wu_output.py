@@ -21,7 +21,9 @@ from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
 
 from backends.gluon_common.output import (  # noqa: E402
     _output_fwd_kernel, output_block_v, output_fwd, output_kernels_for_aot, plan_output)
-from backends.gluon_common.wu import _wu_fwd_kernel, plan_wu, wu_fwd, wu_kernels_for_aot  # noqa: E402
+from backends.gluon_common.plan import has_tails  # noqa: E402
+from backends.gluon_common.wu import (  # noqa: E402
+    _wu_fwd_kernel, chunks_have_tails, plan_wu, wu_fwd, wu_kernels_for_aot)
 
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
@@ -69,6 +71,14 @@ def test_plan_wu_varlen_tails_and_capability_tuple():
     assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
     assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False}
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
+
+
+@pytest.mark.parametrize("kw", [dict(B=2, T=128), dict(B=1, T=100), dict(lengths=[64, 0, 128]),
+                                dict(lengths=[1, 63, 64, 65, 130, 0])], ids=["T128", "T100", "varlen64", "varlen"])
+def test_tails_from_chunk_table_match_plan(kw):
+    # wu_fwd / output_fwd without a launch plan decide HAS_TAILS from the ChunkTable.
+    p = _problem(**kw)
+    assert chunks_have_tails(p.chunks, p.T) == has_tails(p)
 
 
 def test_plan_varlen_without_tails():

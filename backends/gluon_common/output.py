@@ -37,6 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
@@ -44,7 +45,8 @@ from backends.gluon_common.compat import tma_load
 from backends.gluon_common.masks import (
     causal_gate, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
 from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
-from backends.gluon_common.wu import aot_problem, as_device, engine_is_sm100, pointer_attrs, tile_desc
+from backends.gluon_common.wu import (
+    aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,10 +183,14 @@ def plan_output(problem: GDNProblem, device, *, block_v: int | None = None) -> L
         bare capability tuple (its representative part).
     block_v : BV override (64, or 128 when V = 128); default :func:`output_block_v`.
     """
-    info = as_device(device)
+    return _plan_output(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
+                        problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device),
+                        block_v)
+
+
+def _plan_output(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, block_v=None) -> LaunchPlan:
     is_sm100 = engine_is_sm100(info.capability)
-    rows, H, HV, K, V, dtype = problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype
-    NT, BT = problem.chunks.num_chunks, CHUNK_SIZE
+    BT = CHUNK_SIZE
     BV = block_v or output_block_v(V, NT, HV, info.sm_count)
     if BV not in (64, 128) or V % BV:
         raise ValueError(f"block_v: expected 64 or 128 dividing V = {V}, got {BV}")
@@ -207,8 +213,7 @@ def plan_output(problem: GDNProblem, device, *, block_v: int | None = None) -> L
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
                 "smem_bytes": (2 * BT * K + K * BV + BT * BV + BT * BT) * elem,
                 "tmem_columns": max(BV, BT) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": has_tails(problem), "USE_L2NORM": problem.use_qk_l2norm,
-                    "IS_SM100": is_sm100},
+        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "NV": NV},
         notes=f"BV={BV}: {NT} chunks x {HV} v-heads x {NV} V-blocks on {info.sm_count} SMs",
@@ -222,9 +227,12 @@ def output_fwd(
     h: torch.Tensor,
     g_cum: torch.Tensor,
     chunks: ChunkTable,
-    launch: LaunchPlan,
+    launch: LaunchPlan | None = None,
     *,
     scale: float,
+    use_qk_l2norm: bool = False,
+    device_info: DeviceInfo | None = None,
+    block_v: int | None = None,
 ) -> torch.Tensor:
     """The output of every token, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j)) v_new)``
     (one launch).
@@ -240,7 +248,10 @@ def output_fwd(
         chunk (flat chunk order of ``chunks``), ``[K, V]`` per chunk and v-head.
     g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
     chunks : ChunkTable of the call.
-    launch : the ``output_fwd`` LaunchPlan of :func:`plan_output`.
+    launch : the ``output_fwd`` LaunchPlan of :func:`plan_output` (what the orchestrator
+        passes); None plans from the tensors with ``use_qk_l2norm``, ``device_info``
+        (probed from q's device when None) and ``block_v``, which are ignored when
+        ``launch`` is given.
     scale : float, the output scale.
 
     Returns
@@ -248,9 +259,13 @@ def output_fwd(
     o : Tensor ``[B, T, HV, V]`` in q's dtype.
     """
     o = torch.empty_like(v_new)
-    B, T = q.shape[0], q.shape[1]
-    if chunks.num_chunks == 0 or B * T == 0 or v_new.shape[2] == 0:
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
         return o
+    if launch is None:
+        launch = _plan_output(B * T, H, HV, K, V, q.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
+                              use_qk_l2norm, device_of(q, device_info), block_v)
     tensors = {"q": q, "k": k, "h": h, "v_new": v_new, "o": o}
     descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
     _output_fwd_kernel[launch.grid](

@@ -175,9 +175,12 @@ def plan_wu(problem: GDNProblem, device) -> LaunchPlan:
     One program per (chunk, v-head), v-head fastest; whole K and V tiles (the w/u work per
     chunk is small, and T is then read once); 4 warps (one warpgroup: wgmma's M = 64).
     """
-    info = as_device(device)
+    return _plan_wu(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
+                    problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device))
+
+
+def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
     is_sm100 = engine_is_sm100(info.capability)
-    rows, H, HV, K, V, dtype = problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     descriptors = (
         tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)),
@@ -191,18 +194,36 @@ def plan_wu(problem: GDNProblem, device) -> LaunchPlan:
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wu_fwd",
-        grid=(problem.chunks.num_chunks * HV,),
+        grid=(NT * HV,),
         num_warps=NUM_WARPS,
         # TMEM: M = 64 accumulators take 16 of each 32-lane TMEM quarter, so the compiler
         # packs w and u side by side in lanes: max(K, V) columns, not K + V.
         blocks={"BT": BT, "K": K, "V": V, "smem_bytes": BT * (BT + K + V) * elem,
                 "tmem_columns": max(K, V) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": has_tails(problem), "USE_L2NORM": problem.use_qk_l2norm,
-                    "IS_SM100": is_sm100},
+        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{problem.chunks.num_chunks} chunks x {HV} v-heads, whole [64, {K}] / [64, {V}] tiles",
+        notes=f"{NT} chunks x {HV} v-heads, whole [64, {K}] / [64, {V}] tiles",
     )
+
+
+def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
+    """:func:`plan.has_tails` from a ChunkTable and the padded length ``T`` (no problem at hand)."""
+    if chunks.uniform:
+        return T % CHUNK_SIZE != 0
+    host = chunks.cu_seqlens_host
+    if host is None:
+        return True
+    return bool(((host[1:] - host[:-1]) % CHUNK_SIZE != 0).any())
+
+
+def device_of(tensor: torch.Tensor, device_info=None) -> DeviceInfo:
+    """``device_info``, else the probed DeviceInfo of ``tensor``'s device."""
+    if device_info is not None:
+        return device_info
+    from gdn_dispatch.device import default_probe
+
+    return default_probe().for_torch_device(tensor.device)
 
 
 def wu_fwd(
@@ -212,7 +233,10 @@ def wu_fwd(
     beta: torch.Tensor,
     A_inv: torch.Tensor,
     chunks: ChunkTable,
-    launch: LaunchPlan,
+    launch: LaunchPlan | None = None,
+    *,
+    use_qk_l2norm: bool = False,
+    device_info: DeviceInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk: ``w = T (beta 2^g_cum k)``, ``u = T (beta v)`` (one launch).
 
@@ -229,8 +253,9 @@ def wu_fwd(
         ``t - c0`` of its chunk's ``T = (I + A)^-1`` (triton_generic ``kkt_solve_fwd(k,
         g_cum, beta, chunks, use_qk_l2norm=...)`` with the same l2norm flag).
     chunks : ChunkTable of the call.
-    launch : the ``wu_fwd`` LaunchPlan of :func:`plan_wu` (constexprs HAS_TAILS,
-        USE_L2NORM, IS_SM100; descriptors; grid).
+    launch : the ``wu_fwd`` LaunchPlan of :func:`plan_wu` (what the orchestrator passes);
+        None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (probed
+        from k's device when None), which are ignored when ``launch`` is given.
 
     Returns
     -------
@@ -243,6 +268,9 @@ def wu_fwd(
     u = torch.empty_like(v)
     if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
         return w, u
+    if launch is None:
+        launch = _plan_wu(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
+                          use_qk_l2norm, device_of(k, device_info))
     tensors = {"A_inv": A_inv, "k": k, "v": v, "w": w, "u": u}
     descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
     _wu_fwd_kernel[launch.grid](
