@@ -22,6 +22,8 @@ from backends.gluon_common import engine as E  # noqa: E402
 from backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
 from gdn_dispatch.aot import SMEM_LIMIT, AotKernel, compile_kernel  # noqa: E402
 
+from backends import gluon_sm90, gluon_sm100  # noqa: E402
+
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
 
@@ -80,3 +82,63 @@ def test_engine_probe_compiles(capability, BM, BN):
         assert "wgmma.mma_async" in ptx and "tcgen05" not in ptx
     assert report.spill_bytes == 0
     assert report.shared_bytes <= SMEM_LIMIT[capability]
+
+
+# ---------------------------------------------------------------------------------------
+# Every kernels_for_aot entry of both backends
+
+def _entries(module, capability):
+    return [pytest.param(k, id=f"{k.kernel}-{k.specialization}") for k in module.kernels_for_aot(capability)]
+
+
+def _tmem_columns(kernel: AotKernel, capability) -> int:
+    """metadata.tmem_size of the compiled kernel (CompileReport does not carry it; the
+    compile is a cache hit after compile_kernel)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.backends.compiler import GPUTarget
+
+    compiled = triton.compile(GluonASTSource(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
+                              target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
+                              options={"num_warps": kernel.num_warps})
+    return int(getattr(compiled.metadata, "tmem_size", 0) or 0)
+
+
+def _check_common(report, capability):
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
+    assert report.shared_bytes <= SMEM_LIMIT[capability], f"{report.shared_bytes} B of shared memory"
+    ptx = report.ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert "mbarrier.try_wait" in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", _entries(gluon_sm100, SM100))
+def test_gluon_sm100_kernel_compiles(kernel):
+    report = compile_kernel(kernel, SM100)
+    _check_common(report, SM100)
+    ptx = report.ptx
+    for needle in ("tcgen05.mma", "tcgen05.ld", "tcgen05.alloc"):
+        assert needle in ptx, needle
+    if kernel.constexprs.get("HAS_TAILS"):
+        assert "tile::scatter4" in ptx, "a kernel storing varlen tails must use the TMA scatter"
+    assert "trap;" not in ptx  # TMEM over-subscription compiles into a trap-only kernel
+    assert _tmem_columns(kernel, SM100) <= TMEM_COLUMNS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", _entries(gluon_sm90, SM90))
+def test_gluon_sm90_kernel_compiles(kernel):
+    report = compile_kernel(kernel, SM90)
+    _check_common(report, SM90)
+    assert "wgmma.mma_async" in report.ptx
+    assert "tcgen05" not in report.ptx
+
+
+def test_kernel_lists_cover_both_layouts_and_tails():
+    for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
+        state = [k for k in module.kernels_for_aot(cap) if k.kernel == "state_fwd"]
+        assert {k.constexprs["STATE_VK"] for k in state} == {False, True}
+        assert {k.constexprs["HAS_TAILS"] for k in state} == {False, True}
+        assert {k.constexprs["IS_SM100"] for k in state} == {cap == SM100}
+        assert {(k.signature["w_desc"].split("[")[1].split("]")[0]) for k in state} >= {"64, 64", "64, 128"}
+        assert all(k.backend == module.BACKEND and k.dialect == "gluon" for k in state)

@@ -193,12 +193,19 @@ def state_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
     return rings + tiles + K * BV * 4 + 8 * 8
 
 
-def plan_state(problem: GDNProblem, device: DeviceInfo) -> LaunchPlan:
-    """Launch plan of :func:`backends.gluon_common.state.state_fwd` for ``problem``."""
+def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None = None) -> LaunchPlan:
+    """Launch plan of :func:`backends.gluon_common.state.state_fwd` for ``problem``.
+
+    ``block_v`` overrides :func:`choose_bv` (AOT lists and benchmarks); it must divide V
+    and keep ``K * BV <= 8192``.
+    """
     B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
     N, NT, dtype = problem.N, problem.chunks.num_chunks, problem.dtype
     BT = CHUNK_SIZE
-    BV = choose_bv(K, V, N * HV, device.sm_count)
+    BV = block_v or choose_bv(K, V, N * HV, device.sm_count)
+    if BV not in (32, 64, 128) or V % BV or K * BV > MAX_STATE_TILE:
+        raise ValueError(f"block_v: expected 32, 64 or 128 dividing V = {V} with K * BV <= "
+                         f"{MAX_STATE_TILE} (K = {K}), got {BV}")
     NV = V // BV
     rows = B * T
     descs = (
@@ -235,10 +242,6 @@ def plan_state(problem: GDNProblem, device: DeviceInfo) -> LaunchPlan:
 # Composition
 
 
-#: Stage planners in launch order (wu and output join as their modules land).
-_PLANNERS = (plan_state,)
-
-
 def resolve_device(problem: GDNProblem, capability: tuple[int, int] | None,
                    device: DeviceInfo | None) -> DeviceInfo:
     """The DeviceInfo block sizes come from: ``device`` if given, else the part assumed for
@@ -272,6 +275,10 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None,
     if info.capability != cap:
         info = DeviceInfo(kind="cuda", index=info.index, name=info.name, capability=cap,
                           sm_count=info.sm_count, smem_optin=info.smem_optin)
-    stages = [planner(problem, info) for planner in _PLANNERS]
+    # The stage modules import this one (dataclasses, has_tails): import them here, not at the top.
+    from backends.gluon_common.output import plan_output
+    from backends.gluon_common.wu import plan_wu
+
+    stages = [planner(problem, info) for planner in (plan_wu, plan_state, plan_output)]
     return ForwardPlan(capability=cap, is_sm100=cap[0] == 10, state_layout=problem.state_layout,
                        has_tails=has_tails(problem), stages=tuple(stages))

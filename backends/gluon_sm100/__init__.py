@@ -1,0 +1,51 @@
+"""gluon_sm100: the GDN chunked prefill in Triton Gluon for datacenter Blackwell (sm_100 /
+sm_103): tcgen05 MMAs into TMEM accumulators, TMA loads on mbarriers with next-chunk
+prefetch, TMA scatter (row 0x7FFFFFFF) for rows past a varlen sequence's end.
+
+A thin package: the kernels, the orchestrator and the launch plans live in
+:mod:`backends.gluon_common` and are shared with gluon_sm90 (wgmma on Hopper); this package
+binds them to the Blackwell matrix engine and names its capabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_dispatch.aot import AotKernel
+from gdn_dispatch.contract import GDNProblem
+from gdn_dispatch.device import DeviceInfo
+
+from backends.gluon_common import forward as _forward
+from backends.gluon_common import plan as _plan
+from backends.gluon_common.output import output_kernels_for_aot
+from backends.gluon_common.state import state_kernels_for_aot
+from backends.gluon_common.wu import wu_kernels_for_aot
+
+BACKEND = "gluon_sm100"
+#: Compute capabilities this backend compiles for (registry.toml's row says the same).
+CAPABILITIES = ((10, 0), (10, 3))
+
+
+def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(o, final_state)`` for ``problem``; see :func:`backends.gluon_common.forward.forward`."""
+    return _forward.forward(problem)
+
+
+def unsupported_reason(problem: GDNProblem) -> str | None:
+    """What registry.toml cannot express (CUDA tensors, TMA alignment, int32 coordinates)."""
+    return _forward.unsupported_reason(problem)
+
+
+def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
+         device: DeviceInfo | None = None) -> _plan.ForwardPlan:
+    """Dry run: every launch (grid, blocks, descriptors) ``forward`` would make on ``capability``."""
+    return _plan.plan(problem, capability, device)
+
+
+def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
+    """Every Gluon kernel specialization of the backend, for ``capability`` (default sm_100)."""
+    capability = tuple(capability or CAPABILITIES[0])
+    if capability not in CAPABILITIES:
+        raise ValueError(f"gluon_sm100 compiles for {CAPABILITIES}, got {capability}")
+    return (wu_kernels_for_aot(capability, BACKEND) + state_kernels_for_aot(capability, BACKEND)
+            + output_kernels_for_aot(capability, BACKEND))

@@ -1,0 +1,164 @@
+"""Dry runs of the Gluon launch plans on CPU tensors: grids, block sizes, descriptors.
+
+``plan(problem, capability)`` touches no GPU, so every case below runs anywhere; what it
+checks is what the kernels rely on: descriptor global shapes and strides (2-D views of the
+packed token axis), block shapes, grids over (sequence, v-head, V-block), the layout and
+tail flags.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.contract import make_problem  # noqa: E402
+from gdn_dispatch.device import assumed_device  # noqa: E402
+from gdn_dispatch.testing import random_call  # noqa: E402
+
+from backends.gluon_common.plan import (  # noqa: E402
+    MAX_STATE_TILE,
+    choose_bv,
+    has_tails,
+    index_limits_reason,
+    plan,
+    plan_state,
+    state_smem_bytes,
+)
+
+SM90, SM100 = (9, 0), (10, 0)
+SMEM_LIMIT = 232448
+
+
+def _problem(lengths=None, batch=None, H=2, HV=4, K=128, V=128, layout="kv", h0=True, ht=True, l2=False,
+             dtype=torch.bfloat16):
+    call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=dtype, initial_state=h0,
+                       state_layout=layout)
+    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+
+
+CASES = [
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), id="varlen-1-63-64-65-130-0"),
+    pytest.param(dict(batch=(2, 128)), id="B2-T128"),
+    pytest.param(dict(batch=(3, 100)), id="B3-T100-tails"),
+    pytest.param(dict(lengths=[64, 128]), id="varlen-no-tails"),
+]
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("H, HV", [(1, 1), (2, 4), (1, 4)], ids=["H1-HV1", "H2-HV4", "H1-HV4"])
+@pytest.mark.parametrize("shape", CASES)
+def test_state_plan_descriptors_and_grid(shape, H, HV, layout, capability):
+    p = _problem(**shape, H=H, HV=HV, layout=layout)
+    fp = plan(p, capability)
+    st = fp.stage("state_fwd")
+    K, V, BT = p.K, p.V, 64
+    BV, rows, NT = st.blocks["BV"], p.B * p.T, p.chunks.num_chunks
+    assert fp.is_sm100 == (capability == SM100) and st.constexprs["IS_SM100"] == fp.is_sm100
+    assert st.grid == (p.N * HV * (V // BV),)
+    assert st.num_warps == 4
+    assert st.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
+    assert st.constexprs["STATE_VK"] == (layout == "vk")
+    assert st.constexprs["HAS_TAILS"] == has_tails(p)
+    expected = {
+        "w_desc": ((rows, HV * K), (HV * K, 1), (BT, K)),
+        "u_desc": ((rows, HV * V), (HV * V, 1), (BT, BV)),
+        "k_desc": ((rows, H * K), (H * K, 1), (BT, K)),
+        "h_desc": ((NT * HV * K, V), (V, 1), (K, BV)),
+        "vn_desc": ((rows, HV * V), (HV * V, 1), (BT, BV)),
+        "vn_rows_desc": ((rows, HV * V), (HV * V, 1), (1, BV)),
+    }
+    for arg, (shape_, strides, block) in expected.items():
+        d = st.desc(arg)
+        assert (d.shape, d.strides, d.block_shape) == (shape_, strides, block), arg
+        assert d.dtype == p.dtype
+        # TMA: every stride but the last 16-byte aligned.
+        assert d.strides[0] * 2 % 16 == 0
+    # The scatter descriptor carries the layout of the staged [BT, BV] tile it reads.
+    assert st.desc("vn_rows_desc").layout == st.desc("vn_desc").layout
+    assert "tensordesc<bf16[1, " in st.desc("vn_rows_desc").signature
+
+
+def test_forward_plan_has_every_gluon_stage_in_launch_order():
+    fp = plan(_problem(lengths=[1, 63, 64, 65, 130, 0]), SM90)
+    assert [s.kernel for s in fp.stages] == ["wu_fwd", "state_fwd", "output_fwd"]
+    assert all(s.constexprs["IS_SM100"] is False for s in fp.stages)
+    assert len({s.constexprs["HAS_TAILS"] for s in fp.stages}) == 1
+
+
+def test_tails_flag():
+    assert has_tails(_problem(lengths=[1, 63]))
+    assert not has_tails(_problem(lengths=[64, 128]))
+    assert has_tails(_problem(batch=(2, 100)))
+    assert not has_tails(_problem(batch=(2, 128)))
+
+
+@pytest.mark.parametrize("h0, ht, l2", [(True, True, True), (False, False, False)])
+def test_state_plan_flags(h0, ht, l2):
+    st = plan(_problem(lengths=[5, 70], h0=h0, ht=ht, l2=l2), SM90).stage("state_fwd")
+    assert (st.constexprs["USE_H0"], st.constexprs["STORE_HT"], st.constexprs["USE_L2NORM"]) == (h0, ht, l2)
+
+
+@pytest.mark.parametrize(
+    "K, V, heads, sms, expected",
+    [
+        (128, 128, 32, 132, 32),     # 1 x 8192, HV = 32: few programs -> narrowest block
+        (128, 128, 512, 132, 64),    # 8 x 4096, HV = 64: K * BV <= 8192 caps BV at 64
+        (64, 128, 512, 132, 128),    # K = 64 allows the whole V
+        (64, 64, 512, 132, 64),      # BV <= V
+        (128, 128, 132, 132, 64),    # exactly two programs per SM at BV = 64
+        (128, 128, 131, 132, 32),
+        (128, 64, 1, 148, 32),       # never below 32
+    ],
+)
+def test_choose_bv(K, V, heads, sms, expected):
+    bv = choose_bv(K, V, heads, sms)
+    assert bv == expected
+    assert bv in (32, 64, 128) and bv <= V and K * bv <= MAX_STATE_TILE
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("BV", [32, 64, 128])
+def test_state_smem_budget(K, BV):
+    if K * BV <= MAX_STATE_TILE:
+        assert state_smem_bytes(K, BV, 2) <= SMEM_LIMIT
+
+
+def test_block_v_override_checked():
+    p = _problem(lengths=[10])
+    assert plan_state(p, assumed_device("sm_90"), block_v=64).blocks["BV"] == 64
+    with pytest.raises(ValueError, match="block_v"):
+        plan_state(p, assumed_device("sm_90"), block_v=128)  # K * BV = 16384 > 8192
+
+
+def test_plan_follows_the_device_sm_count():
+    p = _problem(batch=(8, 64), H=16, HV=64)  # N * HV = 512 (sequence, v-head) pairs
+    few = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=8))
+    assert few.stage("state_fwd").blocks["BV"] == 64
+    many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=1024))
+    assert many.stage("state_fwd").blocks["BV"] == 32
+
+
+def test_zero_length_sequences_plan():
+    p = _problem(lengths=[0, 0, 3])
+    st = plan(p, SM90).stage("state_fwd")
+    assert st.grid == (3 * 4 * (128 // st.blocks["BV"]),)
+    assert st.desc("h_desc").shape == (1 * 4 * 128, 128)
+
+
+def test_index_limits():
+    assert index_limits_reason(_problem(lengths=[3, 70])) is None
+
+
+def test_backend_packages_plan_and_reason():
+    from backends import gluon_sm90, gluon_sm100
+
+    p = _problem(lengths=[3, 70])
+    assert gluon_sm90.plan(p).capability == SM90 and not gluon_sm90.plan(p).is_sm100
+    assert gluon_sm100.plan(p).is_sm100
+    assert "needs CUDA tensors" in gluon_sm90.unsupported_reason(p)
+    assert "needs CUDA tensors" in gluon_sm100.unsupported_reason(p)
+    with pytest.raises(ValueError, match="gluon_sm90 compiles for"):
+        gluon_sm90.kernels_for_aot((10, 0))
