@@ -27,6 +27,7 @@ on each shape, and a per-stage breakdown of both backends. The compact table pri
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import statistics
 import sys
@@ -39,6 +40,7 @@ T_START = time.time()
 #: Seconds after which remaining work is skipped (and said so), to stay under 5 minutes.
 CORRECTNESS_BUDGET_S = 150
 TOTAL_BUDGET_S = 270
+WATCHDOG_S = 290
 TOL = {torch.bfloat16: 5e-3, torch.float16: 5e-3}
 LOG2E = math.log2(math.e)
 
@@ -239,6 +241,46 @@ def run_case(c, lengths, device, info, results):
                        initial_state=c["h0"], state_layout=c["layout"], normalize_qk=not c["l2"])
     tol = TOL[c["dtype"]]
     row = {"case": cid}
+    say(f"RUN  {cid}")  # a hang (the watchdog exits) or a device fault is then attributable
+    # Each stage alone, from the inputs it receives in the pipeline. Stages run first (a
+    # device fault poisons the context for everything after it, so it must name its stage)
+    # and each in its own try: a stage that raises hands the next one the torch result.
+    p = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=c["l2"])
+    chunks, dt = p.chunks, p.dtype
+    g_cum = chunk_cumsum_fwd(p.g, chunks, scale=LOG2E)
+    A_inv = kkt_solve_fwd(p.k, g_cum, p.beta, chunks, use_qk_l2norm=c["l2"])
+    w_ref, u_ref = ref_wu(p, A_inv, g_cum)
+    w, u = w_ref.to(dt).reshape(p.B, p.T, HV, K), u_ref.to(dt).reshape(p.B, p.T, HV, V)
+    try:
+        poison_allocator(device)
+        w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, chunks, plan_wu(p, info))
+        torch.cuda.synchronize()
+        row["wu_w"], row["wu_u"] = rel_rms_error(w.reshape(w_ref.shape), w_ref), rel_rms_error(u.reshape(u_ref.shape), u_ref)
+    except Exception as exc:
+        row["stage_error"] = f"wu: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    h_ref, vn_ref, ht_ref = ref_state(p, w, u, g_cum)
+    h, v_new = h_ref.to(dt), vn_ref.to(dt).reshape(u.shape)
+    try:
+        poison_allocator(device)
+        h, v_new, ht = state_fwd(p.k, w, u, g_cum, chunks, plan_state(p, info),
+                                 initial_state=p.initial_state, output_final_state=True)
+        torch.cuda.synchronize()
+        row["state_h"] = rel_rms_error(h, h_ref)
+        row["state_vnew"] = rel_rms_error(v_new.reshape(vn_ref.shape), vn_ref)
+        row["state_final"] = rel_rms_error(ht, ht_ref) if ht_ref is not None else 0.0
+    except Exception as exc:
+        row["stage_error"] = row.get("stage_error", "") + f" state: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    try:
+        o_ref = ref_output(p, v_new, h, g_cum)
+        poison_allocator(device)
+        o = output_fwd(p.q, p.k, v_new, h, g_cum, chunks, plan_output(p, info), scale=p.scale)
+        torch.cuda.synchronize()
+        row["out_o"] = rel_rms_error(o.reshape(o_ref.shape), o_ref)
+    except Exception as exc:
+        row["stage_error"] = row.get("stage_error", "") + f" output: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
     # Whole backend vs the float32 reference.
     try:
         poison_allocator(device)
@@ -250,33 +292,6 @@ def run_case(c, lengths, device, info, results):
         row["fwd_o"], row["fwd_state"] = rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref)
     except Exception as exc:
         row["fwd_error"] = f"{type(exc).__name__}: {exc}"
-        traceback.print_exc()
-    # Each stage alone, from the inputs it receives in the pipeline.
-    try:
-        p = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=c["l2"])
-        chunks = p.chunks
-        g_cum = chunk_cumsum_fwd(p.g, chunks, scale=LOG2E)
-        A_inv = kkt_solve_fwd(p.k, g_cum, p.beta, chunks, use_qk_l2norm=c["l2"])
-        poison_allocator(device)
-        w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, chunks, plan_wu(p, info))
-        torch.cuda.synchronize()
-        w_ref, u_ref = ref_wu(p, A_inv, g_cum)
-        row["wu_w"], row["wu_u"] = rel_rms_error(w.reshape(w_ref.shape), w_ref), rel_rms_error(u.reshape(u_ref.shape), u_ref)
-        poison_allocator(device)
-        h, v_new, ht = state_fwd(p.k, w, u, g_cum, chunks, plan_state(p, info),
-                                 initial_state=p.initial_state, output_final_state=True)
-        torch.cuda.synchronize()
-        h_ref, vn_ref, ht_ref = ref_state(p, w, u, g_cum)
-        row["state_h"] = rel_rms_error(h, h_ref)
-        row["state_vnew"] = rel_rms_error(v_new.reshape(vn_ref.shape), vn_ref)
-        row["state_final"] = rel_rms_error(ht, ht_ref) if ht_ref is not None else 0.0
-        poison_allocator(device)
-        o = output_fwd(p.q, p.k, v_new, h, g_cum, chunks, plan_output(p, info), scale=p.scale)
-        torch.cuda.synchronize()
-        o_ref = ref_output(p, v_new, h, g_cum)
-        row["out_o"] = rel_rms_error(o.reshape(o_ref.shape), o_ref)
-    except Exception as exc:
-        row["stage_error"] = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     errs = {k: v for k, v in row.items() if isinstance(v, float)}
     row["ok"] = "fwd_error" not in row and "stage_error" not in row and all(e <= tol for e in errs.values())
@@ -292,14 +307,20 @@ def correctness(device, info):
         "= one stage vs torch fp32 on the same inputs)")
     results = []
     lengths = [1, 63, 64, 65, 130, 0]
-    cases = [(c, lengths) for c in pairwise_cases()]
-    base = {"KV": (128, 128), "ratio": 2, "dtype": torch.bfloat16, "layout": "vk", "h0": True, "l2": True}
-    cases.append((base, [1000, 37, 0, 513]))  # many chunks per sequence: slots and phases wrap
+    base = {"KV": (128, 128), "ratio": 2, "dtype": torch.bfloat16, "layout": "kv", "h0": True, "l2": True}
+    cases = [(base, [64, 128])]  # no sequence ends inside a chunk: the path without tails, alone
+    cases += [(c, lengths) for c in pairwise_cases()]
+    cases.append(({**base, "layout": "vk"}, [1000, 37, 0, 513]))  # many chunks: slots and phases wrap
     for c, lens in cases:
         if elapsed() > CORRECTNESS_BUDGET_S:
             say(f"SKIP {case_id(c, lens)} (time budget)")
             continue
-        run_case(c, lens, device, info, results)
+        try:
+            run_case(c, lens, device, info, results)
+        except Exception as exc:  # inputs or references failed: report, go on
+            traceback.print_exc()
+            results.append({"case": case_id(c, lens), "ok": False, "stage_error": f"{type(exc).__name__}: {exc}"})
+            say(f"FAIL {case_id(c, lens)}  {type(exc).__name__}: {exc}")
     return results
 
 
@@ -446,6 +467,9 @@ def stages_str(st):
 
 
 def main() -> int:
+    # A device-side hang (an mbarrier never completing) would block forever inside a CUDA
+    # call; dump every thread's stack and exit before the 5-minute slot ends instead.
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     if not torch.cuda.is_available():
         say("no CUDA device")
         return 2
