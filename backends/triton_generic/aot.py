@@ -52,7 +52,7 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
                        {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                         "FUSED_SOLVE": True, "USE_L2NORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
                         "INTERP_BF16": interp_bf16}, cfg))
-    for layout, nhv in (("kv", 32), ("vk", 32), ("kv", 8 * HV)):
+    for layout, nhv in (("kv", HV), ("vk", HV), ("kv", 4096 * HV)):
         cfg = state_config(K, V, nhv, elem, capability)
         out.append(_kernel("state_fwd", f"{tag}-{layout}-BV{cfg.BV}", _state_fwd_kernel,
                            {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "h": ptr, "v_new": ptr,

@@ -43,10 +43,15 @@ def smem_budget(capability: tuple[int, int] | None) -> int:
 
 
 def _stages(wanted: int, per_stage: int, fixed: int, capability) -> int:
-    """The most pipeline stages (<= wanted, >= 1) whose buffers fit the shared memory budget."""
-    budget = smem_budget(capability)
+    """The most pipeline stages (<= wanted, >= 1) whose buffers fit the shared memory budget.
+
+    ``num_stages = S`` keeps about ``S - 1`` copies of the streamed tiles (``per_stage``
+    bytes) next to ``fixed`` bytes (MMA operands staged from registers, the extra buffer of
+    a tile an asynchronous MMA still reads); 4 KB of margin for the compiler's scratch.
+    """
+    budget = smem_budget(capability) - 4096
     stages = wanted
-    while stages > 1 and fixed + stages * per_stage > budget:
+    while stages > 1 and fixed + (stages - 1) * per_stage > budget:
         stages -= 1
     return stages
 
@@ -67,30 +72,31 @@ def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     cap = 128 if elem <= 2 else 64
     BK, BV = min(next_pow2(K), cap), min(next_pow2(V), cap)
     per_stage = 64 * max(BK, BV) * elem
-    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, 64 * 64 * 4 * 2, capability),
-                        BK=BK, BV=BV)
+    fixed = 64 * 64 * 4 + 64 * max(BK, BV) * elem
+    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)
 
 
 def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
                  sm_count: int = 132) -> LaunchConfig:
     """The chunk-state recurrence, one program per (sequence, v-head, BV slice of V).
 
-    The whole K extent of the state is one register tile [BK, BV] (fp32). The recurrence is
-    serial in chunks, so parallelism comes only from N * HV * (V / BV) programs: BV = 64
-    when that gives every SM a program, else 32 (the slices of a head re-read the same w
-    and k tiles, from L2, so narrower slices trade L2 traffic for parallelism). BK * BV is
-    capped at 8192 (64 fp32 registers per thread at 4 warps), float32 data at 4096. Two
-    stages prefetch the next chunk's w, k and u tiles (they do not depend on the state),
-    leaving shared memory for two programs per SM.
+    The whole K extent of the state is one fp32 register tile [BK, BV]. The recurrence is
+    serial in chunks, so parallelism comes only from N * HV * (V / BV) programs, and the
+    slices of one head each re-read the head's w and k tiles (from L2): BV = 32 gives a
+    single long sequence of 32 heads 128 programs while its four slices' reads stay within
+    L2 bandwidth; BV = 64 once there are enough (sequence, head) pairs to fill every SM
+    four times over. BK * BV is capped at 8192 (64 fp32 registers per thread at 4 warps),
+    for float32 data at 4096. Three stages: with two, Triton's pipeliner issues a chunk's
+    loads at the end of the previous iteration and waits for them at once; with three the
+    next chunk's w, k, u and gate tiles load while this chunk computes (at K = 128, BV = 32
+    about 100 KB of shared memory: two programs per H100/H200 SM).
     """
     BK = next_pow2(K)
     limit = 8192 if elem <= 2 else 4096
-    BV = min(next_pow2(V), 64, max(16, limit // BK))
-    if BV > 32 and NHV * -(-V // BV) < sm_count:
-        BV = 32
+    BV = min(next_pow2(V), 32 if NHV < 4 * sm_count else 64, max(16, limit // BK))
     per_stage = (2 * 64 * BK + 64 * BV) * elem + 64 * 4
-    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, BK * BV * elem + 64 * BV * elem,
-                                                        capability), BK=BK, BV=BV)
+    fixed = (64 * BK + BK * BV + 64 * BV) * elem
+    return LaunchConfig(num_warps=4, num_stages=_stages(3, per_stage, fixed, capability), BK=BK, BV=BV)
 
 
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
@@ -103,8 +109,16 @@ def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     BK = min(next_pow2(K), 64 if elem <= 2 else 32)
     BV = min(next_pow2(V), 128 if elem <= 2 else 64)
     per_stage = (2 * 64 * BK + BK * BV) * elem
-    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, (64 * 64 + 64 * BV) * elem,
-                                                        capability), BK=BK, BV=BV)
+    fixed = (64 * 64 + 64 * BV) * elem + per_stage
+    return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)
+
+
+def fuse_solve_into_wu(capability=None) -> bool:
+    """Whether the orchestrator forms (I + A)^-1 inside the w/u kernel (True) or stores it
+    with kkt_solve_fwd and reads it back in wu_fwd (False). Fused saves a [T, HV, 64] write
+    and read and one read of k; the split form lets each kernel run at higher occupancy.
+    The H200 script times both ("wu" in its config sweep)."""
+    return True
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """The orchestrator: the five stages in order, for one validated call.
 
     g_cum        = chunk_cumsum_fwd(g)                    # stage 1
-    w, u         = wu_fwd(k, v, g_cum, beta)              # stages 2 + 3, fused (T in registers)
+    w, u         = wu_fwd(k, v, g_cum, beta)              # stages 2 + 3 fused: T in registers
+                                                          # (or kkt_solve_fwd, then wu_fwd)
     h, v_new, S  = state_fwd(k, w, u, g_cum, S0)          # stage 4
     o            = output_fwd(q, k, v_new, h, g_cum)      # stage 5
 
@@ -17,7 +18,9 @@ import torch
 from gdn_dispatch.contract import GDNProblem, StateLayout
 
 from backends.triton_generic._jit import LOG2E, interpreting
+from backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from backends.triton_generic.cumsum import chunk_cumsum_fwd
+from backends.triton_generic.kkt_solve import kkt_solve_fwd
 from backends.triton_generic.output import output_fwd
 from backends.triton_generic.state import state_fwd
 from backends.triton_generic.wu import wu_fwd
@@ -34,7 +37,10 @@ def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     """
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
-    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
+    A_inv = None
+    if not fuse_solve_into_wu(device_facts(problem.device)[0]):
+        A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2)
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,
