@@ -62,8 +62,9 @@ def scatter_row_layout(num_warps):
 def chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
     """First packed row of chunk ``i_c`` and how many of its ``BT`` rows its sequence owns.
 
-    Without tails (a uniform batch whose length is a multiple of ``BT``) chunk ``i_c``
-    starts at row ``i_c * BT`` and is full, so the tables are not read.
+    Without tails (every sequence length a multiple of ``BT``, uniform batch or varlen)
+    chunks tile the packed rows back to back: chunk ``i_c`` starts at row ``i_c * BT`` and
+    is full, so the tables are not read.
     """
     if HAS_TAILS:
         i_n = gl.load(chunk_seq + i_c)

@@ -310,7 +310,8 @@ def wu_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype
 
 def wu_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) -> list:
     """Every w/u specialization launchable on ``capability``: K, V in {64, 128}, tails
-    (varlen) on/off, qk l2norm on/off, bf16/fp16 (beta in the same dtype, as models pass it)."""
+    (varlen) on/off, qk l2norm on/off, bf16/fp16, beta in float32 or in q's dtype (the
+    kernel reads either; models pass both)."""
     from gdn_dispatch.aot import AotKernel
 
     is_sm100 = engine_is_sm100(capability)
@@ -318,17 +319,19 @@ def wu_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) 
     device = as_device(capability)
     kernels = []
     for dtype in (torch.bfloat16, torch.float16):
-        for K in (64, 128):
-            for V in (64, 128):
-                for tails in (False, True):
-                    for l2 in (False, True):
-                        launch = plan_wu(aot_problem(K, V, dtype, tails, l2), device)
-                        tag = f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}-{sig_dtype(dtype)}"
-                        kernels.append(AotKernel(
-                            backend=backend, kernel="wu_fwd", specialization=tag, fn=_wu_fwd_kernel,
-                            signature=wu_signature(launch, dtype), constexprs=dict(launch.constexprs),
-                            dialect="gluon", num_warps=launch.num_warps,
-                            attrs=pointer_attrs(_wu_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta", "cu_seqlens",
-                                                                 "chunk_seq", "chunk_local"]),
-                        ))
+        for beta_dtype in (torch.float32, dtype):
+            for K in (64, 128):
+                for V in (64, 128):
+                    for tails in (False, True):
+                        for l2 in (False, True):
+                            launch = plan_wu(aot_problem(K, V, dtype, tails, l2), device)
+                            tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
+                                   f"-{sig_dtype(dtype)}-beta{sig_dtype(beta_dtype)}")
+                            kernels.append(AotKernel(
+                                backend=backend, kernel="wu_fwd", specialization=tag, fn=_wu_fwd_kernel,
+                                signature=wu_signature(launch, dtype, beta_dtype),
+                                constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
+                                attrs=pointer_attrs(_wu_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta",
+                                                                     "cu_seqlens", "chunk_seq", "chunk_local"]),
+                            ))
     return kernels
