@@ -9,6 +9,8 @@ forgets to write poisons the compared outputs (``rel_rms_error`` is ``inf`` on N
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ from backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import random_call, rel_rms_error
+
+ORCHESTRATOR = importlib.import_module("backends.triton_generic.forward")  # tg.forward is the function
 
 #: Relative RMS error per output tensor, by q/k/v dtype. float32 runs every product at
 #: fp32 accuracy ("ieee" in the interpreter, 3xTF32 on tensor cores); 16-bit calls round
@@ -123,6 +127,19 @@ def test_forward_matches_reference(device, dtype, cpu_shape, gpu_shape, layout, 
     assert ht.shape == problem.state_shape and ht.dtype == torch.float32
     assert rel_rms_error(o, o_ref) <= TOL[dtype]
     assert rel_rms_error(ht, ht_ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_forward_with_stored_inverse(device, monkeypatch):
+    """The unfused orchestration (kkt_solve_fwd stores T in bf16, wu_fwd reads it back)."""
+    monkeypatch.setattr(ORCHESTRATOR, "fuse_solve_into_wu", lambda capability=None: False)
+    shape = dict(lengths=VARLEN, H=2, HV=4, K=32, V=32) if device.type == "cpu" else \
+        dict(lengths=VARLEN + [4096], H=16, HV=32, K=128, V=128)
+    problem = _problem(torch.bfloat16, shape, "kv", True, True, device)
+    o, ht = tg.forward(problem)
+    o_ref, ht_ref = reference.forward(problem)
+    assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16]
+    assert rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
