@@ -187,10 +187,11 @@ def choose_bv(K: int, V: int, num_heads: int, sm_count: int) -> int:
 
 def state_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
     """Shared memory of the state kernel: w/k/u double buffers, h, v_new and the scaled
-    v_new tiles, the fp32 initial/final state staging tile, barriers."""
+    v_new tiles, barriers (the fp32 initial/final state tile is staged in the idle w/k ring;
+    the compiler's layout-conversion scratch comes on top)."""
     rings = 2 * (BT * K * 2 + BT * BV) * elem
     tiles = (K * BV + 2 * BT * BV) * elem
-    return rings + tiles + K * BV * 4 + 8 * 8
+    return rings + tiles + 8 * 8
 
 
 def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None = None) -> LaunchPlan:

@@ -53,7 +53,7 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
-from backends.gluon_common.compat import tma_load, tma_store
+from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier, tma_load, tma_store
 from backends.gluon_common.masks import row_rnorm, store_chunk_tile, tile_layout
 from backends.gluon_common.plan import LaunchPlan, MAX_STATE_TILE, plan_state, sig_dtype
 
@@ -84,54 +84,66 @@ def _tile_offsets(R: gl.constexpr, C: gl.constexpr, stride, r0, c0, layout: gl.c
 
 
 @gluon.jit
-def _state_in(h0, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+def _staging(ring, rows: gl.constexpr, cols: gl.constexpr):
+    """An fp32 [rows, cols] view of the w/k ring's bytes, for moving a state tile between
+    layouts while the ring is idle (rows * cols * 4 <= the ring's bytes: BV <= 128)."""
+    if HAS_PUBLIC_REINTERPRET:
+        view = ring.reinterpret(gl.float32, [rows, cols], _staging_layout())
+    else:
+        view = ring._reinterpret(gl.float32, [rows, cols], _staging_layout())
+    return view
+
+
+@gluon.jit
+def _state_in(h0, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
               STATE_VK: gl.constexpr, layout: gl.constexpr):
     """The initial state's [K, BV] tile (columns ``i_v * BV ...``) of (sequence, v-head)
-    ``i_nh`` as fp32 in ``layout``. "vk" tiles are read coalesced as [BV, K] and read back
-    through a transposed view of the staging buffer (no transpose kernel)."""
+    ``i_nh`` as fp32 in ``layout``, staged through the idle ``ring``. "vk" tiles are read
+    coalesced as [BV, K] and read back through a transposed view (no transpose kernel)."""
     base = h0 + i_nh.to(gl.int64) * (K * V)
     if STATE_VK:
         io_vk: gl.constexpr = _io_layout(BV, K, gl.num_warps())
-        x = gl.load(base + _tile_offsets(BV, K, K, i_v * BV, 0, io_vk)).to(gl.float32)
-        stage = gl.allocate_shared_memory(gl.float32, [BV, K], _staging_layout(), x)
+        stage = _staging(ring, BV, K)
+        stage.store(gl.load(base + _tile_offsets(BV, K, K, i_v * BV, 0, io_vk)).to(gl.float32))
         s = stage.permute((1, 0)).load(layout)
     else:
         io_kv: gl.constexpr = _io_layout(K, BV, gl.num_warps())
-        x = gl.load(base + _tile_offsets(K, BV, V, 0, i_v * BV, io_kv)).to(gl.float32)
-        stage = gl.allocate_shared_memory(gl.float32, [K, BV], _staging_layout(), x)
+        stage = _staging(ring, K, BV)
+        stage.store(gl.load(base + _tile_offsets(K, BV, V, 0, i_v * BV, io_kv)).to(gl.float32))
         s = stage.load(layout)
     return s
 
 
 @gluon.jit
-def _state_out(ht, s, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+def _state_out(ht, s, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                STATE_VK: gl.constexpr):
-    """Write the fp32 [K, BV] register tile ``s`` into the final state in its layout
-    (the mirror of :func:`_state_in`)."""
+    """Write the fp32 [K, BV] register tile ``s`` into the final state in its layout,
+    staged through the idle ``ring`` (the mirror of :func:`_state_in`)."""
     base = ht + i_nh.to(gl.int64) * (K * V)
     if STATE_VK:
-        stage = gl.allocate_shared_memory(gl.float32, [BV, K], _staging_layout())
+        stage = _staging(ring, BV, K)
         stage.permute((1, 0)).store(s)
         io_vk: gl.constexpr = _io_layout(BV, K, gl.num_warps())
         gl.store(base + _tile_offsets(BV, K, K, i_v * BV, 0, io_vk), stage.load(io_vk))
     else:
-        stage = gl.allocate_shared_memory(gl.float32, [K, BV], _staging_layout())
+        stage = _staging(ring, K, BV)
         stage.store(s)
         io_kv: gl.constexpr = _io_layout(K, BV, gl.num_warps())
         gl.store(base + _tile_offsets(K, BV, V, 0, i_v * BV, io_kv), stage.load(io_kv))
 
 
 @gluon.jit
-def _state_load(w_desc, u_desc, k_desc, w_smem, u_smem, k_smem, w_ready, u_ready, k_ready,
+def _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_ready,
                 buf, row, col_w, col_k, col_v, pred):
     """Issue the TMA loads of one chunk's w [BT, K], u [BT, BV] and k [BT, K] tiles into ring
-    slot ``buf``, each completing on its own ready barrier (skipped when not ``pred``)."""
+    slot ``buf`` (w: ``wk_smem[2 buf]``, k: ``wk_smem[2 buf + 1]``), each completing on its
+    own ready barrier (skipped when not ``pred``)."""
     mbarrier.expect(w_ready.index(buf), w_desc.block_type.nbytes, pred=pred)
-    tma_load(w_desc, [row, col_w], w_ready.index(buf), w_smem.index(buf), pred=pred)
+    tma_load(w_desc, [row, col_w], w_ready.index(buf), wk_smem.index(2 * buf), pred=pred)
     mbarrier.expect(u_ready.index(buf), u_desc.block_type.nbytes, pred=pred)
     tma_load(u_desc, [row, col_v], u_ready.index(buf), u_smem.index(buf), pred=pred)
     mbarrier.expect(k_ready.index(buf), k_desc.block_type.nbytes, pred=pred)
-    tma_load(k_desc, [row, col_k], k_ready.index(buf), k_smem.index(buf), pred=pred)
+    tma_load(k_desc, [row, col_k], k_ready.index(buf), wk_smem.index(2 * buf + 1), pred=pred)
 
 
 @gluon.jit
@@ -188,8 +200,9 @@ def _state_fwd_kernel(
     col_k = (i_h // GROUP) * K
     col_v = i_h * V + i_v * BV
 
-    w_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, K], w_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, K], k_desc.layout)
+    # w and k share one ring allocation (same tile shape and layout), so that its bytes can
+    # stage the fp32 state tile in and out while no chunk is in flight.
+    wk_smem = gl.allocate_shared_memory(dtype, [2 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
     h_smem = gl.allocate_shared_memory(dtype, [K, BV], h_desc.layout)
     vn_smem = gl.allocate_shared_memory(dtype, [BT, BV], vn_desc.layout)
@@ -206,17 +219,20 @@ def _state_fwd_kernel(
     mbarrier.init(p_bar, count=1)
     mbarrier.init(s_bar, count=1)
 
-    # Chunk 0's tiles fly while the initial state is read.
-    _state_load(w_desc, u_desc, k_desc, w_smem, u_smem, k_smem, w_ready, u_ready, k_ready,
-                0, bos, col_w, col_k, col_v, NT > 0)
     S = E.acc_alloc(K, BV, IS_SM100)
     P = E.acc_alloc(BT, BV, IS_SM100)
     s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
     if USE_H0:
-        s0 = _state_in(h0, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
+        s0 = _state_in(h0, wk_smem, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
+        # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
+        # bytes (async proxy), in every thread, before the one issuing thread starts them.
+        fence_async_shared()
+        thread_barrier()
     else:
         s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
     S = E.acc_write(S, s0, IS_SM100)
+    _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_ready,
+                0, bos, col_w, col_k, col_v, NT > 0)
 
     for t in range(NT):
         buf = t % NUM_BUF
@@ -224,7 +240,7 @@ def _state_fwd_kernel(
         mma_phase = t & 1
         row = bos + t * BT
         # Refill the other slot with chunk t + 1 (see the module docstring for why it is free).
-        _state_load(w_desc, u_desc, k_desc, w_smem, u_smem, k_smem, w_ready, u_ready, k_ready,
+        _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_ready,
                     1 - buf, row + BT, col_w, col_k, col_v, t + 1 < NT)
         m_t, b_d, decay = _state_gates(g_cum, row, eos, i_h, HV, BT, row_layout)
 
@@ -234,7 +250,7 @@ def _state_fwd_kernel(
         h_smem.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA and TMA reads (async proxy)
         mbarrier.wait(w_ready.index(buf), ready_phase)
-        p = E.mma(w_smem.index(buf), h_smem, P, False, p_bar, IS_SM100)
+        p = E.mma(wk_smem.index(2 * buf), h_smem, P, False, p_bar, IS_SM100)
         tma_store(h_desc, [((i_c0 + t) * HV + i_h) * K, i_v * BV], h_smem)
         # The decayed state becomes the accumulator of k^T vs (overlaps the w h_t MMA).
         S = E.acc_write(S, s_reg * decay, IS_SM100)
@@ -250,16 +266,18 @@ def _state_fwd_kernel(
 
         # S = 2^g_last S + k^T vs
         mbarrier.wait(k_ready.index(buf), ready_phase)
-        vs = _state_vs(b_v, b_d, m_t, k_smem.index(buf), USE_L2NORM)
+        k_tile = wk_smem.index(2 * buf + 1)
+        vs = _state_vs(b_v, b_d, m_t, k_tile, USE_L2NORM)
         vs_smem.store(vs.to(dtype))
         # Orders the vs writes *and* this chunk's register reads of u / k before the MMA and
         # before the TMA refill of this slot two chunks on (both async proxy).
         fence_async_shared()
-        S = E.mma(k_smem.index(buf).permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
+        S = E.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
         S = E.mma_wait(S, s_bar, mma_phase, IS_SM100)
 
     if STORE_HT:
-        _state_out(ht, E.acc_read(S, IS_SM100), i_nh, i_v, K, V, BV, STATE_VK)
+        # The ring is idle: every load landed and every MMA reading it was waited on.
+        _state_out(ht, E.acc_read(S, IS_SM100), wk_smem, i_nh, i_v, K, V, BV, STATE_VK)
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(w_ready.index(i))
