@@ -19,6 +19,8 @@ Usage (for kernel authors; every helper takes ``IS_SM100: gl.constexpr`` last)::
   mbarrier.MBarrierLayout())`` + ``mbarrier.init(bar, count=1)``; allocate it on both archs,
   sm90 ignores it). ``E.mma`` commits every tcgen05 op issued so far to it, so it completes
   once per call: wait with ``phase = (number of earlier completions) & 1``.
+* Two MMAs in flight at once: give each its own ``bar`` and wait each (on sm90 the first
+  ``mma_wait`` waits for both wgmma groups, the second returns at once).
 * Before an MMA reads shared memory written from registers: ``smem.store(x)`` then
   ``fence_async_shared()`` (generic -> async proxy). :func:`mma` issues a CTA barrier itself
   so that every warp's stores (and TMEM stores from :func:`acc_write`) precede the issue.
