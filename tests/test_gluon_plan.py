@@ -162,3 +162,56 @@ def test_backend_packages_plan_and_reason():
     assert "needs CUDA tensors" in gluon_sm100.unsupported_reason(p)
     with pytest.raises(ValueError, match="gluon_sm90 compiles for"):
         gluon_sm90.kernels_for_aot((10, 0))
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+def test_every_planned_descriptor_builds_on_its_tensor(capability):
+    """Host TMA descriptors accept the planned shapes/strides/blocks (alignment, block rules)."""
+    p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=2, HV=4)
+    for stage in plan(p, capability).stages:
+        for d in stage.descriptors:
+            t = torch.empty(d.shape, dtype=d.dtype)
+            desc = d.build(t)
+            assert list(desc.block_shape) == list(d.block_shape) and desc.layout == d.layout
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
+    """state_fwd's launch passes exactly the kernel's parameters (CPU: the launch is recorded)."""
+    from backends.gluon_common import state
+
+    launched = {}
+
+    class Recorder:
+        arg_names = state._state_fwd_kernel.arg_names
+
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                launched.update(grid=grid, **kwargs)
+            return launch
+
+    monkeypatch.setattr(state, "_state_fwd_kernel", Recorder())
+    p = _problem(lengths=[1, 63, 130, 0], layout=layout)
+    launch = plan(p, SM90).stage("state_fwd")
+    BT, HV, K, V = p.B * p.T, p.HV, p.K, p.V
+    w = torch.empty(p.B, p.T, HV, K, dtype=p.dtype)
+    u = torch.empty(p.B, p.T, HV, V, dtype=p.dtype)
+    g_cum = torch.empty(p.B, p.T, HV)
+    h, v_new, final = state.state_fwd(p.k, w, u, g_cum, p.chunks, launch, initial_state=p.initial_state,
+                                      output_final_state=True)
+    assert set(launched) - {"grid", "num_warps"} == set(Recorder.arg_names)
+    assert launched["grid"] == launch.grid and launched["num_warps"] == 4
+    assert h.shape == (p.chunks.num_chunks, HV, K, V) and v_new.shape == u.shape
+    assert final.shape == p.state_shape and final.dtype == torch.float32
+    assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == V
+
+
+def test_state_fwd_without_chunks_returns_the_initial_state():
+    from backends.gluon_common import state
+
+    p = _problem(lengths=[0, 0], layout="vk")
+    launch = plan(p, SM90).stage("state_fwd")
+    empty = torch.empty(1, 0, p.HV, p.K, dtype=p.dtype)
+    _, _, final = state.state_fwd(p.k, empty, empty, torch.empty(1, 0, p.HV), p.chunks, launch,
+                                  initial_state=p.initial_state, output_final_state=True)
+    torch.testing.assert_close(final, p.initial_state)
