@@ -103,10 +103,12 @@ def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """The output, one program per (chunk, v-head, BV slice of V).
 
     BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
-    the common case; BK = 64 (32 for float32) keeps the streamed q, k and h tiles at
-    8 + 8 + 16 KB per stage.
+    the common case; BK = 64 keeps the streamed q, k and h tiles at 8 + 8 + 16 KB per stage
+    (32 for float32, and on parts without wgmma, whose mma.sync accumulators then fit the
+    register file: 255 registers and spills at BK = 64 on sm_120).
     """
-    BK = min(next_pow2(K), 64 if elem <= 2 else 32)
+    wgmma = capability is None or capability[0] in (9, 10)
+    BK = min(next_pow2(K), 64 if elem <= 2 and wgmma else 32)
     BV = min(next_pow2(V), 128 if elem <= 2 else 64)
     per_stage = (2 * 64 * BK + BK * BV) * elem
     fixed = (64 * 64 + 64 * BV) * elem + per_stage

@@ -8,8 +8,8 @@ The inverse is built in registers, block-recursively:
 64 -> two 32s -> four 16s. A 16 x 16 diagonal block is strictly lower (nilpotent, a^16 = 0),
 so its inverse is the finite product (I - a)(I + a^2)(I + a^4)(I + a^8): six small MMAs
 instead of sixteen dependent row updates. All MMAs of the solve accumulate in fp32; their
-inputs are fp32 at ``SOLVE_PREC`` ("ieee" for float32 calls, "tf32" for 16-bit calls, whose
-A^-1 is rounded to 16 bits before use anyway).
+inputs are fp32 at ``SOLVE_PREC`` ("tf32x3" for float32 calls, "tf32" for 16-bit calls,
+whose A^-1 is rounded to 16 bits before use anyway; see :func:`dot_precisions`).
 
 Quadrants are cut from and glued into register tiles with reshape/permute/split/join (the
 compiler moves data through shared memory as needed); nothing goes to global memory. The
@@ -145,8 +145,13 @@ def _kkt_solve_fwd_kernel(
 
 
 def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """(DOT_PREC, SOLVE_PREC): "ieee" throughout for float32 calls (tf32 would miss the 1e-5
-    bound); for 16-bit calls DOT_PREC does not apply and the solve runs at "tf32"."""
+    """(DOT_PREC, SOLVE_PREC) for ``tl.dot`` on fp32 operands.
+
+    float32 calls: "tf32x3" (three TF32 MMAs per product, about fp32 accuracy; plain tf32
+    would miss the 1e-5 bound, and "ieee" lowers to FMA loops that spill). 16-bit calls:
+    DOT_PREC does not apply (16-bit operands) and the solve runs at "tf32", below the
+    16-bit rounding T gets before it is used. The interpreter computes every dot in fp32.
+    """
     return ("tf32x3", "tf32x3") if dtype == torch.float32 else ("tf32", "tf32")
 
 
