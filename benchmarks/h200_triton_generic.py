@@ -318,8 +318,7 @@ def index_safety(fla_fn, rows: list):
     rows.append(dict(shape=shape.name, l2=True, ours=ms, kern=None, fla=None, ref_o=max(err_o, err_o0),
                      ref_s=err_s, fla_o=None, fla_s=None, stages={}, note="index>2^31"))
     del o, ht, x, kw
-    if HAS_CUDA:
-        torch.cuda.empty_cache()
+    release()
 
     n_seq = 4096 if big else 40
     shape = BenchShape(name=f"{n_seq}x16", H=H, HV=HV, B=1, T=16 * n_seq, K=K, V=V, seqlens=(16,) * n_seq)
@@ -350,19 +349,38 @@ def index_safety(fla_fn, rows: list):
 
 
 def table(rows: list) -> str:
-    head = (f"{'shape':22s} {'l2':3s} {'ours ms':>8s} {'kern ms':>8s} {'fla ms':>8s} {'ours/fla':>8s} "
+    head = (f"{'shape':22s} {'l2':3s} {'ours ms':>8s} {'kern ms':>8s} {'fla ms':>8s} {'ours/fla':>8s} {'kern/fla':>8s} "
             f"{'ref o':>8s} {'ref S':>8s} {'fla o':>8s} {'fla S':>8s}  ok  stages ms (cumsum wu state output)")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = None if (r["ours"] is None or r["fla"] is None) else r["ours"] / r["fla"]
+        kratio = None if (r["kern"] is None or r["fla"] is None) else r["kern"] / r["fla"]
         errs = [e for e in (r["ref_o"], r["ref_s"]) if e is not None]
         ok = "yes" if errs and max(errs) <= TOL else "NO"
         stages = " ".join(f"{v:.3f}" for v in r["stages"].values())
         lines.append(f"{r['shape']:22s} {'on' if r['l2'] else 'off':3s} {fmt(r['ours']):>8s} {fmt(r['kern']):>8s} "
-                     f"{fmt(r['fla']):>8s} {fmt(ratio):>8s} {fmt(r['ref_o'], '.1e'):>8s} "
+                     f"{fmt(r['fla']):>8s} {fmt(ratio):>8s} {fmt(kratio):>8s} {fmt(r['ref_o'], '.1e'):>8s} "
                      f"{fmt(r['ref_s'], '.1e'):>8s} {fmt(r['fla_o'], '.1e'):>8s} {fmt(r['fla_s'], '.1e'):>8s}  "
                      f"{ok:3s} {stages} {r['note']}")
     return "\n".join(lines)
+
+
+def release():
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def run_shapes(shapes: list[BenchShape], l2: bool, fla_fn, rows: list):
+    for shape in shapes:
+        if over_budget(f"{shape.name} l2={l2}"):
+            continue
+        try:
+            bench_shape(shape, l2, fla_fn, rows)
+        except Exception:
+            say(f"{shape.name} l2={l2} FAILED:\n{traceback.format_exc(limit=6)}")
+            rows.append(dict(shape=shape.name, l2=l2, ours=None, kern=None, fla=None, ref_o=None, ref_s=None,
+                             fla_o=None, fla_s=None, stages={}, note="FAILED (see log)"))
+        release()
 
 
 def main(argv=None) -> int:
@@ -370,7 +388,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip section 2 (config sweep)")
     parser.add_argument("--no-index", action="store_true", help="skip section 3 (index safety)")
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds after which remaining sections are skipped (default 330)")
     args = parser.parse_args(argv)
+    if args.budget is not None:
+        global BUDGET_S
+        BUDGET_S = args.budget
     if HAS_CUDA:
         props = torch.cuda.get_device_properties(DEVICE)
         say(f"device {props.name} sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
@@ -385,18 +408,16 @@ def main(argv=None) -> int:
     if args.shapes:
         keys = args.shapes.split(",")
         shapes = [s for s in shapes if any(k in s.name for k in keys)]
-    for l2 in (False, True):
-        for shape in shapes:
-            if over_budget(f"{shape.name} l2={l2}"):
-                continue
-            try:
-                bench_shape(shape, l2, fla_fn, rows)
-            except Exception:
-                say(f"{shape.name} l2={l2} FAILED:\n{traceback.format_exc(limit=6)}")
-                rows.append(dict(shape=shape.name, l2=l2, ours=None, kern=None, fla=None, ref_o=None, ref_s=None,
-                                 fla_o=None, fla_s=None, stages={}, note="FAILED (see log)"))
-            if HAS_CUDA:
-                torch.cuda.empty_cache()
+    # Priority order under the time budget: every shape with l2=off, the index-safety
+    # cases, every shape with l2=on, then the config sweep.
+    run_shapes(shapes, False, fla_fn, rows)
+    if not args.no_index and not over_budget("index safety"):
+        try:
+            index_safety(fla_fn, rows)
+        except Exception:
+            say(f"index safety FAILED:\n{traceback.format_exc(limit=6)}")
+        release()
+    run_shapes(shapes, True, fla_fn, rows)
     if not args.no_sweep:
         sweep_shapes = ([s for s in default_shapes() if s.name in ("H16-HV32-1x32768", "H16-HV32-8x4096")]
                         if HAS_CUDA else smoke_shapes()[:1])
@@ -407,13 +428,7 @@ def main(argv=None) -> int:
                 sweep(shape)
             except Exception:
                 say(f"sweep {shape.name} FAILED:\n{traceback.format_exc(limit=6)}")
-            if HAS_CUDA:
-                torch.cuda.empty_cache()
-    if not args.no_index and not over_budget("index safety"):
-        try:
-            index_safety(fla_fn, rows)
-        except Exception:
-            say(f"index safety FAILED:\n{traceback.format_exc(limit=6)}")
+            release()
     print()
     print(table(rows))
     print(f"\ntotal {time.time() - T_START:.0f} s; tolerance {TOL} (rel. RMS vs the float32 reference)")
