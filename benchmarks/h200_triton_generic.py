@@ -37,7 +37,6 @@ goes on):
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
