@@ -25,7 +25,6 @@ import contextlib
 
 import triton
 import triton.language as tl
-import triton.language.core  # noqa: F401  (in this module's globals: see _interpreted_calls)
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
