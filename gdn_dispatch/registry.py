@@ -191,14 +191,17 @@ def device_reason(spec: BackendSpec, device: DeviceInfo, *, explicit: bool = Fal
     return None
 
 
+@functools.cache
+def _installed_version(pkg: str) -> str | None:
+    # importlib.metadata scans sys.path (about a millisecond): once per process, not per call.
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def installed_versions(packages) -> dict[str, str | None]:
-    out = {}
-    for pkg in packages:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return {pkg: _installed_version(pkg) for pkg in packages}
 
 
 def version_reason(spec: BackendSpec, versions: dict[str, str | None] | None = None) -> str | None:
