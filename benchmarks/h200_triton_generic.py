@@ -255,7 +255,7 @@ def fmt(x, spec=".3f"):
 # --------------------------------------------------------------------------- section 2
 
 
-def sweep(shape: BenchShape):
+def sweep(shape: BenchShape, kinds: set[str]):
     sets = make_input_sets(shape, n_sets_for(shape), DEVICE, seed=99, qk_l2norm=False)
     stages = [stage_inputs(make_problem(**call_kwargs(x))) for x in sets]
     n = len(stages)
@@ -274,6 +274,7 @@ def sweep(shape: BenchShape):
             results.append(("wu", f"fused BK=BV={bk} warps={w}", stage_calls(cfg_wu=cfg)["wu"]))
     results.append(("wu", "kkt_solve + wu (stored inverse)", stage_calls(wu_unfused=True)["wu"]))
     best = {}
+    results = [r for r in results if r[0] in kinds]
     for kind, label, fn in results:
         try:
             ms = median_ms(lambda i: fn(stages[i]), n)
@@ -387,6 +388,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip section 2 (config sweep)")
     parser.add_argument("--no-index", action="store_true", help="skip section 3 (index safety)")
     parser.add_argument("--shapes", default=None, help="comma-separated substrings of shape names to run")
+    parser.add_argument("--sweep-shapes", default="H16-HV32-1x32768,H16-HV32-8x4096",
+                        help="comma-separated shape names for the config sweep")
+    parser.add_argument("--sweep-kinds", default="state,output,wu", help="stages the sweep times")
+    parser.add_argument("--no-l2", action="store_true", help="skip the l2=on pass over the shapes")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds after which remaining sections are skipped (default 330)")
     args = parser.parse_args(argv)
@@ -416,15 +421,16 @@ def main(argv=None) -> int:
         except Exception:
             say(f"index safety FAILED:\n{traceback.format_exc(limit=6)}")
         release()
-    run_shapes(shapes, True, fla_fn, rows)
+    if not args.no_l2:
+        run_shapes(shapes, True, fla_fn, rows)
     if not args.no_sweep:
-        sweep_shapes = ([s for s in default_shapes() if s.name in ("H16-HV32-1x32768", "H16-HV32-8x4096")]
-                        if HAS_CUDA else smoke_shapes()[:1])
+        wanted = args.sweep_shapes.split(",")
+        sweep_shapes = ([s for s in default_shapes() if s.name in wanted] if HAS_CUDA else smoke_shapes()[:1])
         for shape in sweep_shapes:
             if over_budget(f"sweep {shape.name}"):
                 continue
             try:
-                sweep(shape)
+                sweep(shape, set(args.sweep_kinds.split(",")))
             except Exception:
                 say(f"sweep {shape.name} FAILED:\n{traceback.format_exc(limit=6)}")
             release()

@@ -16,9 +16,10 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
+from backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
 from backends.triton_generic.configs import LaunchConfig, device_facts, output_config
 from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+from backends.triton_generic.wu import _row_rnorm
 
 
 @jit
@@ -58,10 +59,12 @@ def _output_fwd_kernel(
     p_q = q + o_qk + o_i[:, None] * (H * K)
     p_k = k + o_qk + o_i[None, :] * (H * K)
     p_h = h + (i_c * HV + i_h) * (K * V) + o_v[None, :]
+    # Row norms in a pass of their own: summing them inside the pipelined MMA loop below
+    # gave wrong sums on sm_90 at K = 128 (two K tiles), though right in the interpreter.
+    b_rq = _row_rnorm(p_q, m_t, K, BT, BK, USE_L2NORM)
+    b_rk = _row_rnorm(k + o_qk + o_i[:, None] * (H * K), m_t, K, BT, BK, USE_L2NORM)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
-    b_ssq = tl.zeros([BT], dtype=tl.float32)
-    b_ssk = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -70,19 +73,14 @@ def _output_fwd_kernel(
         b_h = tl.load(p_h + o_k[:, None] * V, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o = _dot(b_q, b_h, b_o, DOT_PREC, INTERP_BF16)
         b_s = _dot(b_q, b_kt, b_s, DOT_PREC, INTERP_BF16)
-        if USE_L2NORM:
-            b_qf, b_kf = b_q.to(tl.float32), b_kt.to(tl.float32)
-            b_ssq += tl.sum(b_qf * b_qf, axis=1)
-            b_ssk += tl.sum(b_kf * b_kf, axis=0)
 
     b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
     b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
     b_o = b_o * tl.exp2(b_g)[:, None]
-    b_scale = tl.full([BT], scale, dtype=tl.float32)
     if USE_L2NORM:
-        b_s = b_s * tl.rsqrt(b_ssk + L2NORM_EPS)[None, :]
-        b_scale = b_scale * tl.rsqrt(b_ssq + L2NORM_EPS)
+        b_s = b_s * b_rk[None, :]
+    b_scale = b_rq * scale
 
     o_vo = (t0 * HV + i_h) * V
     p_vo = o_i[:, None] * (HV * V) + o_v[None, :]

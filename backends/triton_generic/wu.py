@@ -20,10 +20,10 @@ from backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, i
 
 
 @jit
-def _k_rnorm(p_k, m_t, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def _row_rnorm(p_k, m_t, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
              USE_L2NORM: tl.constexpr):
-    """1 / ||k_t|| (eps 1e-6) of a chunk's k rows (``p_k``: [BT, 1] row pointers), [BT]
-    fp32; ones without USE_L2NORM."""
+    """1 / ||x_t|| (eps 1e-6) of a chunk's q or k rows (``p_k``: [BT, 1] row pointers),
+    [BT] fp32; ones without USE_L2NORM."""
     b_ss = tl.zeros([BT], dtype=tl.float32)
     if USE_L2NORM:
         for i_k in range(tl.cdiv(K, BK)):
@@ -76,7 +76,7 @@ def _wu_fwd_kernel(
         b_x = tl.load(p_a, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
         b_b = tl.load(beta + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0).to(tl.float32)
-        b_r = _k_rnorm(p_k, m_t, K, BT, BK, USE_L2NORM)
+        b_r = _row_rnorm(p_k, m_t, K, BT, BK, USE_L2NORM)
 
     # The per-token scales go on T's columns, in fp32, so that k and v enter the MMAs
     # exactly as stored: w = (T diag(beta 2^g r)) k and u = (T diag(beta)) v, with r = 1/||k||

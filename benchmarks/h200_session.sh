@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: install the carried wheels (fla-core 0.6.0), then run
+# the named steps, each under its own time limit, logging everything under $OUT.
+#   usage: benchmarks/h200_session.sh STEP[:SECONDS] ...
+#   steps: info, gluon_stages, gluon_sm90, triton_generic, bench, pytest_gpu
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0
+for spec in "$@"; do
+    step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
+    echo "=== $step (limit ${limit}s) $(date +%T)"
+    case $step in
+        info) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; python3 -m gdn_dispatch info ;;
+        gluon_stages) timeout "$limit" python3 benchmarks/h200_gluon_stages.py ;;
+        gluon_sm90) timeout "$limit" python3 benchmarks/h200_gluon_sm90.py ;;
+        triton_generic) timeout "$limit" python3 benchmarks/h200_triton_generic.py ;;
+        bench) timeout "$limit" python3 -m gdn_dispatch bench --check --json "$OUT/bench.json" ;;
+        pytest_gpu) timeout "$limit" python3 -m pytest -q -x tests/test_gpu_sync.py tests/test_triton_generic.py -k "cuda or gpu or sync" ;;
+        *) echo "unknown step $step" ;;
+    esac 2>&1 | tee "$OUT/$step.log" | tail -n 60
+    echo "=== $step rc=${PIPESTATUS[0]}"
+done
