@@ -13,8 +13,8 @@ for spec in "$@"; do
     case $step in
         info) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; python3 -m gdn_dispatch info ;;
         gluon_stages) timeout "$limit" python3 benchmarks/h200_gluon_stages.py ;;
-        gluon_sm90) timeout "$limit" python3 benchmarks/h200_gluon_sm90.py ;;
-        triton_generic) timeout "$limit" python3 benchmarks/h200_triton_generic.py ;;
+        gluon_sm90) GDN_H200_BUDGET_S=$((limit - 25)) timeout "$limit" python3 benchmarks/h200_gluon_sm90.py ;;
+        triton_generic) timeout "$limit" python3 benchmarks/h200_triton_generic.py --budget $((limit - 30)) ${TG_ARGS:-} ;;
         bench) timeout "$limit" python3 -m gdn_dispatch bench --check --json "$OUT/bench.json" ;;
         pytest_gpu) timeout "$limit" python3 -m pytest -q -x tests/test_gpu_sync.py tests/test_triton_generic.py -k "cuda or gpu or sync" ;;
         *) echo "unknown step $step" ;;
