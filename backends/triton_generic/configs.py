@@ -81,22 +81,35 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
     """The chunk-state recurrence, one program per (sequence, v-head, BV slice of V).
 
     The whole K extent of the state is one fp32 register tile [BK, BV]. The recurrence is
-    serial in chunks, so parallelism comes only from N * HV * (V / BV) programs, and the
-    slices of one head each re-read the head's w and k tiles (from L2): BV = 32 gives a
-    single long sequence of 32 heads 128 programs while its four slices' reads stay within
-    L2 bandwidth; BV = 64 once there are enough (sequence, head) pairs to fill every SM
-    four times over. BK * BV is capped at 8192 (64 fp32 registers per thread at 4 warps),
-    for float32 data at 4096. Three stages: with two, Triton's pipeliner issues a chunk's
-    loads at the end of the previous iteration and waits for them at once; with three the
-    next chunk's w, k, u and gate tiles load while this chunk computes (at K = 128, BV = 32
-    about 100 KB of shared memory: two programs per H100/H200 SM).
+    serial in chunks, so a program's time is its chunk count times the latency of one
+    chunk step, and parallelism comes only from N * HV * (V / BV) programs; every V slice
+    of a head re-reads the head's w and k tiles. Measured on the H200 (K = V = 128, bf16,
+    benchmarks/RESULTS.md), with P = N * HV * ceil(V / 64) the programs at BV = 64:
+
+    * P < SMs / 2 (one long sequence of 32 heads): BV = 32, to have enough programs at all;
+    * P < SMs: BV = 64 and three stages, so the next chunk's tiles load during this one;
+    * otherwise BV = 64 and two stages: two programs share an SM, which hides the latency
+      that the third stage would, and halving the re-reads of w and k is what counts.
+
+    Other parts keep three stages. BK * BV is capped at 8192 (64 fp32 registers per thread at 4 warps), 4096 for float32.
     """
     BK = next_pow2(K)
     limit = 8192 if elem <= 2 else 4096
-    BV = min(next_pow2(V), 32 if NHV < 4 * sm_count else 64, max(16, limit // BK))
+    programs_bv64 = NHV * -(-V // 64)
+    if programs_bv64 < sm_count // 2:
+        wanted_bv, wanted_stages = 32, 3
+    elif programs_bv64 < sm_count:
+        wanted_bv, wanted_stages = 64, 3
+    else:
+        wanted_bv, wanted_stages = 64, 2
+    if capability is not None and capability[0] not in (9, 10):
+        # Measured on sm_90 only; mma.sync parts keep three stages, which also keeps ptxas
+        # from spilling the BV = 64 tile on sm_80.
+        wanted_stages = 3
+    BV = min(next_pow2(V), wanted_bv, max(16, limit // BK))
     per_stage = (2 * 64 * BK + 64 * BV) * elem + 64 * 4
     fixed = (64 * BK + BK * BV + 64 * BV) * elem
-    return LaunchConfig(num_warps=4, num_stages=_stages(3, per_stage, fixed, capability), BK=BK, BV=BV)
+    return LaunchConfig(num_warps=4, num_stages=_stages(wanted_stages, per_stage, fixed, capability), BK=BK, BV=BV)
 
 
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
