@@ -245,6 +245,28 @@ def test_state_and_output_v_slices_agree(device, layout):
         assert rel_rms_error(ht, ht_ref) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_stored_k_rnorm_matches_reduced_k_rows(device):
+    """With the fused l2-norm, state and output agree whether they read w/u's 1/||k|| or reduce k."""
+    problem = _problem(torch.float32, dict(lengths=[70, 0, 9], H=1, HV=2, K=40, V=24), "kv", True, True,
+                       device)
+    chunks = problem.chunks
+    g_cum = tg.chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
+    k_rnorm = torch.full_like(g_cum, float("nan"))
+    w, u = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, use_qk_l2norm=True, k_rnorm=k_rnorm)
+    k_heads = problem.k.float().repeat_interleave(2, dim=2)
+    expected = torch.rsqrt((k_heads * k_heads).sum(-1) + 1e-6)
+    assert rel_rms_error(k_rnorm, expected) <= 1e-6
+    outs = []
+    for rnorm in (k_rnorm, None):
+        h, v_new, ht = tg.state_fwd(problem.k, w, u, g_cum, chunks, initial_state=problem.initial_state,
+                                    output_final_state=True, use_qk_l2norm=True, k_rnorm=rnorm)
+        o = tg.output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale,
+                          use_qk_l2norm=True, k_rnorm=rnorm)
+        outs.append((o, ht))
+    assert rel_rms_error(outs[0][0], outs[1][0]) <= 1e-6 and rel_rms_error(outs[0][1], outs[1][1]) <= 1e-6
+
+
 def _call_of(problem):
     return dict(q=problem.q, k=problem.k, v=problem.v, g=problem.g, beta=problem.beta, scale=problem.scale,
                 initial_state=problem.initial_state, cu_seqlens=problem.cu_seqlens,

@@ -50,24 +50,27 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
                         "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
     out.append(_kernel("wu_fwd", tag + "-fused", _wu_fwd_kernel,
                        {"k": ptr, "v": ptr, "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
-                        "u": ptr, "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32"},
+                        "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "chunk_seq": "*i32",
+                        "chunk_local": "*i32"},
                        {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
-                        "FUSED_SOLVE": True, "USE_L2NORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
+                        "FUSED_SOLVE": True, "USE_L2NORM": l2, "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
                         "INTERP_BF16": interp_bf16}, cfg))
     for layout, nhv in (("kv", HV), ("vk", HV), ("kv", 4096 * HV)):
         cfg = state_config(K, V, nhv, elem, capability)
         out.append(_kernel("state_fwd", f"{tag}-{layout}-BV{cfg.BV}", _state_fwd_kernel,
-                           {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "h": ptr, "v_new": ptr,
+                           {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "h": ptr,
+                            "v_new": ptr,
                             "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32", "seq_chunk_start": "*i32"},
                            {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                             "USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
-                            "USE_L2NORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16, "INTERPRET": False}, cfg))
+                            "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16,
+                            "INTERPRET": False}, cfg))
     cfg = output_config(K, V, elem, capability)
     out.append(_kernel("output_fwd", tag, _output_fwd_kernel,
-                       {"q": ptr, "k": ptr, "v_new": ptr, "h": ptr, "g_cum": "*fp32", "o": ptr,
+                       {"q": ptr, "k": ptr, "v_new": ptr, "h": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "o": ptr,
                         "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32", "scale": "fp32"},
                        {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
-                        "USE_L2NORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
+                        "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
     return out
 
 

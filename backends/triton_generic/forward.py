@@ -40,15 +40,20 @@ def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     A_inv = None
     if not fuse_solve_into_wu(device_facts(problem.device)[0]):
         A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
-    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2)
+    # 1/||k|| per token, formed once by the w/u kernel and read by the later stages.
+    k_rnorm = torch.empty_like(g_cum) if l2 else None
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2,
+                  k_rnorm=k_rnorm)
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,
         output_final_state=problem.output_final_state,
         state_vk=problem.state_layout is StateLayout.VK,
         use_qk_l2norm=l2,
+        k_rnorm=k_rnorm,
     )
-    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2)
+    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
+                   k_rnorm=k_rnorm)
     return o, final_state
 
 

@@ -29,6 +29,7 @@ def _output_fwd_kernel(
     v_new,
     h,
     g_cum,
+    k_rnorm,
     o,
     cu_seqlens,
     chunk_seq,
@@ -42,6 +43,7 @@ def _output_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    LOAD_RNORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
@@ -59,10 +61,6 @@ def _output_fwd_kernel(
     p_q = q + o_qk + o_i[:, None] * (H * K)
     p_k = k + o_qk + o_i[None, :] * (H * K)
     p_h = h + (i_c * HV + i_h) * (K * V) + o_v[None, :]
-    # Row norms in a pass of their own: summing them inside the pipelined MMA loop below
-    # gave wrong sums on sm_90 at K = 128 (two K tiles), though right in the interpreter.
-    b_rq = _row_rnorm(p_q, m_t, K, BT, BK, USE_L2NORM)
-    b_rk = _row_rnorm(k + o_qk + o_i[:, None] * (H * K), m_t, K, BT, BK, USE_L2NORM)
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -74,6 +72,14 @@ def _output_fwd_kernel(
         b_o = _dot(b_q, b_h, b_o, DOT_PREC, INTERP_BF16)
         b_s = _dot(b_q, b_kt, b_s, DOT_PREC, INTERP_BF16)
 
+    # Row norms in a pass of their own, after the MMA loop (nothing of theirs stays live in
+    # it): summing them inside the pipelined loop gave wrong sums on sm_90 at K = 128 (two K
+    # tiles), though right in the interpreter.
+    b_rq = _row_rnorm(p_q, m_t, K, BT, BK, USE_L2NORM)
+    if LOAD_RNORM:
+        b_rk = tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    else:
+        b_rk = _row_rnorm(k + o_qk + o_i[:, None] * (H * K), m_t, K, BT, BK, USE_L2NORM)
     b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
     b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
@@ -100,6 +106,7 @@ def output_fwd(
     *,
     scale: float,
     use_qk_l2norm: bool = False,
+    k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """The output of every token.
@@ -113,6 +120,7 @@ def output_fwd(
     chunks : ChunkTable of the call.
     scale : float, the output scale.
     use_qk_l2norm : q and k rows are l2-normalized (eps 1e-6) before use.
+    k_rnorm : float32 Tensor ``[B, T, HV]`` from :func:`wu_fwd`, or None to reduce k's rows here.
     config : LaunchConfig override (BK, BV, num_warps, num_stages); default from the table.
 
     Returns
@@ -129,10 +137,10 @@ def output_fwd(
     dot_prec, _ = dot_precisions(q.dtype)
     grid = (chunks.num_chunks * HV, triton.cdiv(V, cfg.BV))
     _output_fwd_kernel[grid](
-        q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, o=o,
+        q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
-        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
+        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o

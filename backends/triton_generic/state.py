@@ -39,10 +39,10 @@ def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.c
 
 
 @jit
-def _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c, i_h, o_k, o_v,
+def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c, i_h, o_k, o_v,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                     INTERP_BF16: tl.constexpr):
+                     BT: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr,
+                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """One chunk (first token ``t0``, ``n_t`` valid rows, flat index ``i_c``) of the
     recurrence: store h[i_c] = S, write v_new, return the next S."""
     o_i = tl.arange(0, BT)
@@ -68,7 +68,9 @@ def _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c, i_h, o_k, o_v,
     b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
     p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[None, :] * (H * K) + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
-    if USE_L2NORM:
+    if LOAD_RNORM:
+        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    elif USE_L2NORM:
         b_kf = b_kt.to(tl.float32)
         b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
     b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
@@ -81,6 +83,7 @@ def _state_fwd_kernel(
     w,
     u,
     g_cum,
+    k_rnorm,
     h,
     v_new,
     h0,
@@ -98,6 +101,7 @@ def _state_fwd_kernel(
     STORE_HT: tl.constexpr,
     STATE_VK: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    LOAD_RNORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -129,15 +133,17 @@ def _state_fwd_kernel(
         while i_t < NT:
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h, o_k, o_v,
-                                   H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h,
+                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
+                                   INTERP_BF16)
             i_t += 1
     else:
         for i_t in range(NT):
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h, o_k, o_v,
-                                   H, HV, K, V, BT, USE_L2NORM, DOT_PREC, INTERP_BF16)
+            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h,
+                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
+                                   INTERP_BF16)
 
     if STORE_HT:
         p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
@@ -158,6 +164,7 @@ def state_fwd(
     output_final_state: bool = False,
     state_vk: bool = False,
     use_qk_l2norm: bool = False,
+    k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the recurrence over every sequence's chunks.
@@ -174,6 +181,8 @@ def state_fwd(
     output_final_state : also return the state after each sequence's last token.
     state_vk : layout of initial_state and of the final state.
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
+    k_rnorm : float32 Tensor ``[B, T, HV]`` from :func:`wu_fwd`, or None to reduce k's rows
+        here (inside the serial chunk loop: slower).
     config : LaunchConfig override (BV, num_warps, num_stages); default from the table.
 
     Returns
@@ -200,13 +209,13 @@ def state_fwd(
     dot_prec, _ = dot_precisions(k.dtype)
     grid = (N * HV * triton.cdiv(V, cfg.BV),)
     _state_fwd_kernel[grid](
-        k=k, w=w, u=u, g_cum=g_cum, h=h, v_new=v_new,
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, h=h, v_new=v_new,
         h0=initial_state if initial_state is not None else g_cum,
         ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=triton.next_power_of_2(K), BV=cfg.BV,
         USE_H0=initial_state is not None, STORE_HT=final_state is not None, STATE_VK=state_vk,
-        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
-        INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
+        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return h, v_new, final_state

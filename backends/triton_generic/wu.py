@@ -46,6 +46,7 @@ def _wu_fwd_kernel(
     A_inv,
     w,
     u,
+    k_rnorm,
     cu_seqlens,
     chunk_seq,
     chunk_local,
@@ -58,6 +59,7 @@ def _wu_fwd_kernel(
     BV: tl.constexpr,
     FUSED_SOLVE: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    STORE_RNORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
@@ -81,6 +83,10 @@ def _wu_fwd_kernel(
     # The per-token scales go on T's columns, in fp32, so that k and v enter the MMAs
     # exactly as stored: w = (T diag(beta 2^g r)) k and u = (T diag(beta)) v, with r = 1/||k||
     # under the fused l2-norm. One rounding (of the scaled T) per product instead of two.
+    if STORE_RNORM:
+        # The later stages scale by the same 1/||k|| instead of reducing k's rows again
+        # (the state kernel would do it inside its serial chunk loop).
+        tl.store(k_rnorm + t0 * HV + i_h + o_i * HV, b_r, mask=m_t)
     b_xk = _cast(b_x * (b_b * tl.exp2(b_g) * b_r)[None, :], w.dtype.element_ty, INTERP_BF16)
     b_xv = _cast(b_x * b_b[None, :], u.dtype.element_ty, INTERP_BF16)
     p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K)
@@ -110,6 +116,7 @@ def wu_fwd(
     *,
     A_inv: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
+    k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk: ``w = T (beta 2^g_cum k)``, ``u = T (beta v)``.
@@ -124,6 +131,8 @@ def wu_fwd(
     A_inv : Tensor ``[B, T, HV, 64]`` from :func:`kkt_solve_fwd`, or None (default) to
         form T inside this kernel (fused: the fast path).
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
+    k_rnorm : float32 Tensor ``[B, T, HV]`` or None; with ``use_qk_l2norm``, receives
+        ``1 / ||k||`` of every token (per v-head) for :func:`state_fwd` / :func:`output_fwd`.
     config : LaunchConfig override (BK, BV, num_warps, num_stages); default from the table.
 
     Returns
@@ -142,9 +151,10 @@ def wu_fwd(
     dot_prec, solve_prec = dot_precisions(k.dtype)
     _wu_fwd_kernel[(chunks.num_chunks * HV,)](
         k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
-        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
-        USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
+        USE_L2NORM=use_qk_l2norm, STORE_RNORM=use_qk_l2norm and k_rnorm is not None,
+        DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
         INTERP_BF16=interp_bf16_dots(k.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return w, u
