@@ -70,6 +70,10 @@ SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9,
               (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
 
 
+#: Tensor-memory columns (32-bit, 128 lanes) of one Blackwell SM.
+TMEM_COLUMNS = 512
+
+
 @dataclass(frozen=True)
 class CompileReport:
     """What one compiled kernel asks of the hardware."""
@@ -80,13 +84,14 @@ class CompileReport:
     registers: int
     spill_bytes: int
     shared_bytes: int
+    tmem_columns: int
     instructions: dict
 
     def row(self) -> list[str]:
         k = self.kernel
         present = ",".join(name for name, found in self.instructions.items() if found) or "-"
         return [f"{k.backend}.{k.kernel}", k.specialization, str(self.registers), str(self.spill_bytes),
-                str(self.shared_bytes), present]
+                str(self.shared_bytes), str(self.tmem_columns), present]
 
 
 def parse_target(text: str) -> tuple[int, int]:
@@ -141,8 +146,12 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     ptx = compiled.asm["ptx"]
     registers, spills = _ptxas_resources(ptx, target.arch)
     found = {name: re.search(pattern, ptx) is not None for name, pattern in INSTRUCTIONS.items()}
+    # A kernel asking for more than the 512 TMEM columns of an SM compiles into a trap, so
+    # the column count is part of the report, not only the shared memory.
+    tmem = int(getattr(compiled.metadata, "tmem_size", 0) or 0)
     return CompileReport(kernel=kernel, target=f"sm_{target.arch}", ptx=ptx, registers=registers,
-                         spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), instructions=found)
+                         spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), tmem_columns=tmem,
+                         instructions=found)
 
 
 def backends_for_target(capability: tuple[int, int]) -> list[str]:
@@ -166,7 +175,7 @@ def kernels_for_target(capability: tuple[int, int], backends: list[str] | None =
 
 
 def _format_table(rows: list[list[str]]) -> str:
-    header = ["kernel", "specialization", "regs", "spills", "smem", "instructions"]
+    header = ["kernel", "specialization", "regs", "spills", "smem", "tmem", "instructions"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
@@ -190,10 +199,11 @@ def run(args: argparse.Namespace) -> int:
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             Path(args.dump, f"{kernel.backend}.{kernel.kernel}.{kernel.specialization}.ptx").write_text(report.ptx)
-        if report.spill_bytes or (limit is not None and report.shared_bytes > limit):
+        if (report.spill_bytes or (limit is not None and report.shared_bytes > limit)
+                or report.tmem_columns > TMEM_COLUMNS):
             status = 1
     print(_format_table(rows))
     if limit is not None:
         print(f"shared memory limit per block: {limit} bytes")
-    print(f"{len(rows)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED MEMORY"))
+    print(f"{len(rows)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED OR TENSOR MEMORY"))
     return status

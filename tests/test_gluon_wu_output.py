@@ -150,16 +150,6 @@ def test_aot_lists(capability):
     assert {k.fn for k in kernels} == {_wu_fwd_kernel, _output_fwd_kernel}
 
 
-def _tmem_columns(kernel, capability) -> int:
-    # triton.compile caches by source and options, so this reuses compile_kernel's build.
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    compiled = triton.compile(GluonASTSource(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
-                              target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
-                              options={"num_warps": kernel.num_warps})
-    return int(compiled.metadata.tmem_size)
 
 
 def _ids(capability):
@@ -177,7 +167,7 @@ def test_compiles_sm100a(kernel):
     assert "wgmma" not in ptx
     assert report.spill_bytes == 0
     assert report.shared_bytes <= SMEM_LIMIT[SM100]
-    assert 0 < _tmem_columns(kernel, SM100) <= TMEM_COLUMNS
+    assert 0 < report.tmem_columns <= TMEM_COLUMNS
 
 
 @pytest.mark.slow

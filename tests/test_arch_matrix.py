@@ -1,0 +1,46 @@
+"""The cross-architecture matrix: per simulated part, the registry's choice, and the chosen
+backend's kernels compiled for that part (no GPU needed)."""
+
+import pytest
+
+from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS, compile_kernel, kernels_for_target
+from gdn_dispatch.device import assumed_device
+from gdn_dispatch.registry import QWEN35_CALL, explain
+
+# arch -> (backend the registry must choose for a Qwen3.5 call, matrix instruction its PTX must hold)
+MATRIX = {
+    "sm_75": ("reference", None),
+    "sm_80": ("triton_generic", "mma.sync"),
+    "sm_86": ("triton_generic", "mma.sync"),
+    "sm_89": ("triton_generic", "mma.sync"),
+    "sm_90": ("triton_generic", "wgmma.mma_async"),
+    "sm_100": ("gluon_sm100", "tcgen05.mma"),
+    "sm_103": ("gluon_sm100", "tcgen05.mma"),
+    "sm_120": ("triton_generic", "mma.sync"),
+}
+
+
+def _cases():
+    for arch, (backend, instruction) in MATRIX.items():
+        capability = assumed_device(arch).capability
+        kernels = [] if backend == "reference" else kernels_for_target(capability, [backend])
+        yield pytest.param(arch, backend, None, None, id=f"{arch}-choice")
+        for kernel in kernels:
+            yield pytest.param(arch, backend, kernel, instruction,
+                               id=f"{arch}-{kernel.backend}.{kernel.kernel}-{kernel.specialization}",
+                               marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("arch, backend, kernel, instruction", list(_cases()))
+def test_matrix(arch, backend, kernel, instruction):
+    device = assumed_device(arch)
+    assert explain(device, QWEN35_CALL, env={}).selected == backend
+    if kernel is None:
+        return
+    report = compile_kernel(kernel, device.capability)
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
+    assert report.shared_bytes <= SMEM_LIMIT[device.capability]
+    assert report.tmem_columns <= TMEM_COLUMNS
+    if kernel.kernel != "chunk_cumsum_fwd":  # the gate cumsum has no matrix product
+        assert instruction in report.ptx, f"{instruction} missing from {kernel.kernel} for {arch}"
+    assert f".target sm_{device.capability[0]}{device.capability[1]}" in report.ptx
