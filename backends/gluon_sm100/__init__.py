@@ -17,9 +17,7 @@ from gdn_dispatch.device import DeviceInfo
 
 from backends.gluon_common import forward as _forward
 from backends.gluon_common import plan as _plan
-from backends.gluon_common.output import output_kernels_for_aot
-from backends.gluon_common.state import state_kernels_for_aot
-from backends.gluon_common.wu import wu_kernels_for_aot
+from backends.gluon_common.aot import backend_kernels_for_aot
 
 BACKEND = "gluon_sm100"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same).
@@ -44,8 +42,4 @@ def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for ``capability`` (default sm_100)."""
-    capability = tuple(capability or CAPABILITIES[0])
-    if capability not in CAPABILITIES:
-        raise ValueError(f"gluon_sm100 compiles for {CAPABILITIES}, got {capability}")
-    return (wu_kernels_for_aot(capability, BACKEND) + state_kernels_for_aot(capability, BACKEND)
-            + output_kernels_for_aot(capability, BACKEND))
+    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability)
