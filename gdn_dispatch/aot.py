@@ -37,6 +37,7 @@ class AotKernel:
     constexprs : dict, argument name -> value for the constexpr arguments.
     dialect : "triton" or "gluon".
     num_warps, num_stages : launch options.
+    maxnreg : register cap per thread (a launch option), or None.
     attrs : dict, argument-index tuple -> specialization hints, as a launch would pass
         them (e.g. ``{(0,): [["tt.divisibility", 16]]}`` for a 16-byte-aligned pointer).
     """
@@ -51,6 +52,7 @@ class AotKernel:
     num_warps: int = 4
     num_stages: int = 3
     attrs: dict | None = None
+    maxnreg: int | None = None
 
 
 # PTX spellings of the instructions the compile table reports, per column.
@@ -141,6 +143,8 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     options = {"num_warps": kernel.num_warps}
     if kernel.dialect == "triton":
         options["num_stages"] = kernel.num_stages
+    if kernel.maxnreg is not None:
+        options["maxnreg"] = kernel.maxnreg
     compiled = triton.compile(Source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
                               target=target, options=options)
     ptx = compiled.asm["ptx"]

@@ -199,8 +199,9 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
     g_cum = torch.empty(p.B, p.T, HV)
     h, v_new, final = state.state_fwd(p.k, w, u, g_cum, p.chunks, launch, initial_state=p.initial_state,
                                       output_final_state=True)
-    assert set(launched) - {"grid", "num_warps"} == set(Recorder.arg_names)
+    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(Recorder.arg_names)
     assert launched["grid"] == launch.grid and launched["num_warps"] == 4
+    assert launched["maxnreg"] == launch.maxnreg
     assert h.shape == (p.chunks.num_chunks, HV, K, V) and v_new.shape == u.shape
     assert final.shape == p.state_shape and final.dtype == torch.float32
     assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == V

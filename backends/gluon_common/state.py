@@ -315,7 +315,7 @@ def state_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: 
     signature, constexprs, attrs = state_signature(launch, dtype)
     return AotKernel(backend=backend, kernel="state_fwd", specialization=tag, fn=_state_fwd_kernel,
                      signature=signature, constexprs=constexprs, dialect="gluon",
-                     num_warps=launch.num_warps, attrs=attrs)
+                     num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
 
 
 def state_fwd(
@@ -374,7 +374,7 @@ def state_fwd(
         h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
-        **launch.constexprs, num_warps=launch.num_warps,
+        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
     )
     return h, v_new, final_state
 
@@ -391,11 +391,12 @@ def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: 
 
 
 def state_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:
-    """The state kernel at the specializations worth compiling ahead of time on ``capability``.
+    """The state kernel at every specialization it can launch on ``capability``.
 
-    Every (K, V) in {64, 128}^2 at every V-block it can launch with (bf16, tails, "kv",
-    initial and final state, l2 norm: the Qwen3.5 call), then K = V = 128 / BV = 64 with one
-    flag flipped at a time ("vk", no tails, no states, no l2 norm, fp16).
+    Every (K, V) in {64, 128}^2 at every V-block it can launch with, x bf16/fp16 x varlen
+    tails or not x "kv"/"vk" (with initial and final state and the l2 norm: the Qwen3.5
+    call); then K = V = 128 / BV = 64 with the remaining flags off one at a time (no initial
+    or final state, no l2 norm).
     """
     from gdn_dispatch.device import assumed_device
 
@@ -405,10 +406,13 @@ def state_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[Aot
     for K in (64, 128):
         for V in (64, 128):
             for BV in (32, 64, 128):
-                if BV <= V and K * BV <= MAX_STATE_TILE:
-                    cases.append((K, V, BV, base))
-    for flip in (dict(vk=True), dict(tails=False), dict(h0=False, ht=False), dict(l2=False),
-                 dict(dtype=torch.float16)):
+                if BV > V or K * BV > MAX_STATE_TILE:
+                    continue
+                for dtype in (torch.bfloat16, torch.float16):
+                    for tails in (True, False):
+                        for vk in (False, True):
+                            cases.append((K, V, BV, {**base, "dtype": dtype, "tails": tails, "vk": vk}))
+    for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True), dict(l2=False)):
         cases.append((128, 128, 64, {**base, **flip}))
     kernels = []
     for K, V, BV, flags in cases:

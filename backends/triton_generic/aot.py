@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from gdn_dispatch.aot import AotKernel
 
-from backends.triton_generic.configs import cumsum_config, intra_config, output_config, state_config
+from backends.triton_generic.configs import (cumsum_config, fuse_solve_into_wu, intra_config, output_config,
+                                             state_config)
 from backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
 from backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from backends.triton_generic.output import _output_fwd_kernel
@@ -48,12 +49,13 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
                        {**qk, "A_inv": ptr, "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32"},
                        {"H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK, "USE_L2NORM": l2,
                         "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
-    out.append(_kernel("wu_fwd", tag + "-fused", _wu_fwd_kernel,
+    fused = fuse_solve_into_wu(capability)
+    out.append(_kernel("wu_fwd", tag + ("-fused" if fused else "-stored-inverse"), _wu_fwd_kernel,
                        {"k": ptr, "v": ptr, "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
                         "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "chunk_seq": "*i32",
                         "chunk_local": "*i32"},
                        {"H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
-                        "FUSED_SOLVE": True, "USE_L2NORM": l2, "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
+                        "FUSED_SOLVE": fused, "USE_L2NORM": l2, "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
                         "INTERP_BF16": interp_bf16}, cfg))
     for layout, nhv in (("kv", HV), ("vk", HV), ("kv", 4096 * HV)):
         cfg = state_config(K, V, nhv, elem, capability)
