@@ -2,12 +2,14 @@
 
 The probe answers without creating a CUDA context in torch, works on machines with no
 driver (it reports why there is no device instead of raising), and caches per device.
-Tests and ``info --assume`` build :class:`DeviceInfo` values directly, or hand a
-:class:`DeviceProbe` of their own to the functions that take one.
+Tests and ``info --assume`` build :class:`DeviceInfo` values directly, or install a probe
+of their own for a block with :func:`use_probe`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import re
 from dataclasses import dataclass
@@ -154,6 +156,26 @@ class DeviceProbe:
 
 
 @functools.cache
-def default_probe() -> DeviceProbe:
-    """The process-wide probe (created on first use, never at import)."""
+def _driver_probe() -> DeviceProbe:
     return DeviceProbe()
+
+
+_PROBE_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("gdn_dispatch_probe", default=None)
+
+
+def default_probe():
+    """The probe in force: the driver probe (created on first use, never at import), or
+    the one installed by :func:`use_probe` in this context."""
+    return _PROBE_OVERRIDE.get() or _driver_probe()
+
+
+@contextlib.contextmanager
+def use_probe(probe):
+    """Within the block, calls in this context see ``probe``'s devices (any object with
+    ``count()``, ``info(index)``, ``all()``, ``for_torch_device(device)`` and
+    ``unavailable_reason``): how tests stand in hardware without patching module state."""
+    token = _PROBE_OVERRIDE.set(probe)
+    try:
+        yield probe
+    finally:
+        _PROBE_OVERRIDE.reset(token)

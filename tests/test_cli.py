@@ -65,3 +65,20 @@ def test_run_on_cpu():
 def test_compile_requires_target():
     done = cli("compile", check=False)
     assert done.returncode == 2 and "--target" in done.stderr
+
+
+@pytest.mark.slow
+def test_compile_dumps_ptx_and_prints_the_table(tmp_path):
+    out = cli("compile", "--target", "sm_80", "--backend", "triton_generic", "--dump", str(tmp_path)).stdout
+    header = next(line for line in out.splitlines() if line.startswith("kernel"))
+    assert header.split() == ["kernel", "specialization", "regs", "spills", "smem", "tmem", "instructions"]
+    dumped = sorted(p.name for p in tmp_path.iterdir())
+    assert dumped and all(name.startswith("triton_generic.") and name.endswith(".ptx") for name in dumped)
+    assert any(name.startswith("triton_generic.state_fwd.") for name in dumped)
+    assert all(".target sm_80" in (tmp_path / name).read_text() for name in dumped)
+    assert f"{len(dumped)} kernels compiled" in out and "mma.sync" in out
+
+
+def test_compile_target_without_kernel_backends():
+    out = cli("compile", "--target", "sm_75").stdout
+    assert "target sm_75: backends none" in out and "0 kernels compiled" in out

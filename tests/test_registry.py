@@ -183,3 +183,38 @@ def test_registry_rows_are_sorted_and_complete():
     assert [r.priority for r in rows] == sorted((r.priority for r in rows), reverse=True)
     assert rows[-1].name == "reference" and rows[-1].device == "any"
     assert _row("gluon_sm100").capabilities == ((10, 0), (10, 3))
+
+
+class _FakeProbe:
+    """Two GPUs of different generations, no driver needed."""
+
+    unavailable_reason = None
+
+    def __init__(self, *archs):
+        self.devices = [dataclasses.replace(assumed_device(a), index=i) for i, a in enumerate(archs)]
+
+    def count(self):
+        return len(self.devices)
+
+    def info(self, index):
+        return self.devices[index]
+
+    def all(self):
+        return [*self.devices, CPU]
+
+    def for_torch_device(self, device):
+        return CPU if device.type == "cpu" else self.devices[device.index or 0]
+
+
+def test_info_reads_the_probe_in_force(capsys, monkeypatch):
+    from gdn_dispatch.__main__ import main
+    from gdn_dispatch.device import default_probe, use_probe
+
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    with use_probe(_FakeProbe("sm_100", "sm_120")):
+        assert main(["info"]) == 0
+    sections = capsys.readouterr().out.split("\n[")[1:]
+    assert [s.splitlines()[0].split("]")[0] for s in sections] == ["cuda:0", "cuda:1", "cpu"]
+    assert [s.rstrip().splitlines()[-1] for s in sections] == [
+        "selected: gluon_sm100", "selected: triton_generic", "selected: reference"]
+    assert not isinstance(default_probe(), _FakeProbe)  # gone after the block
