@@ -9,29 +9,18 @@ binds them to the Blackwell matrix engine and names its capabilities.
 
 from __future__ import annotations
 
-import torch
-
 from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
-from backends.gluon_common import forward as _forward
+# One orchestrator for both Gluon backends: it reads the matrix engine off the device.
+from backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
 from backends.gluon_common import plan as _plan
 from backends.gluon_common.aot import backend_kernels_for_aot
 
 BACKEND = "gluon_sm100"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same).
 CAPABILITIES = ((10, 0), (10, 3))
-
-
-def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(o, final_state)`` for ``problem``; see :func:`backends.gluon_common.forward.forward`."""
-    return _forward.forward(problem)
-
-
-def unsupported_reason(problem: GDNProblem) -> str | None:
-    """What registry.toml cannot express (CUDA tensors, TMA alignment, int32 coordinates)."""
-    return _forward.unsupported_reason(problem)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
