@@ -7,6 +7,7 @@ Usage (for kernel authors; every helper takes ``IS_SM100: gl.constexpr`` last)::
     acc = E.acc_alloc(64, BV, IS_SM100)                  # TMEM descriptor (sm100) | fp32 zeros (sm90)
     acc = E.mma(a_smem, b_smem, acc, False, bar, IS_SM100)  # issue acc = a @ b (use_acc=True: +=), async
     acc = E.mma_wait(acc, bar, phase, IS_SM100)            # wait for every MMA issued so far
+    acc = E.mma_wait_until(acc, bar, phase, 1, IS_SM100)   # wait for this one; 1 later may run
     x = E.acc_read(acc, IS_SM100)                          # fp32 registers in E.acc_layout(64, BV, ...)
     acc = E.acc_write(acc, x * 2.0, IS_SM100)              # overwrite the accumulator from registers
 
@@ -58,8 +59,9 @@ def acc_tmem_layout(M, N):
 
 
 @gluon.constexpr_function
-def wgmma_layout(M, N, num_warps):
-    """Hopper fp32 accumulator layout: warps stack along M (16 rows each), instr N = N."""
+def wgmma_layout(M, N, num_warps, instr_k=16):
+    """Hopper fp32 accumulator layout: warps stack along M (16 rows each), instr N = N;
+    ``instr_k`` is the instruction's K (16 for 16-bit operands, 8 for tf32)."""
     warps_m = num_warps
     while warps_m > 1 and M < 16 * warps_m:
         warps_m //= 2
@@ -67,7 +69,7 @@ def wgmma_layout(M, N, num_warps):
     n = N // warps_n
     while n > 256 or N % n:
         n //= 2
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, n, instr_k])
 
 
 @gluon.constexpr_function
@@ -86,6 +88,17 @@ def acc_alloc(M: gl.constexpr, N: gl.constexpr, IS_SM100: gl.constexpr):
         acc = allocate_tensor_memory(gl.float32, [M, N], acc_tmem_layout(M, N))
     else:
         acc = gl.zeros([M, N], gl.float32, layout=wgmma_layout(M, N, gl.num_warps()))
+    return acc
+
+
+@gluon.jit
+def acc_alloc_tf32(M: gl.constexpr, N: gl.constexpr, IS_SM100: gl.constexpr):
+    """:func:`acc_alloc` for fp32 operands (tf32 MMAs): on sm90 the wgmma instruction's K
+    is 8, and the accumulator layout names it; TMEM is the same on sm100."""
+    if IS_SM100:
+        acc = allocate_tensor_memory(gl.float32, [M, N], acc_tmem_layout(M, N))
+    else:
+        acc = gl.zeros([M, N], gl.float32, layout=wgmma_layout(M, N, gl.num_warps(), 8))
     return acc
 
 
@@ -117,6 +130,23 @@ def mma_wait(acc, bar, phase, IS_SM100: gl.constexpr):
         out = acc
     else:
         out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return out
+
+
+@gluon.jit
+def mma_wait_until(acc, bar, phase, PENDING: gl.constexpr, IS_SM100: gl.constexpr):
+    """Wait until ``acc``'s MMA is complete while the ``PENDING`` MMAs issued after it may
+    still run; returns the (readable) accumulator.
+
+    sm100: ``bar`` is that MMA's own barrier (its commit covers it and every earlier op).
+    sm90: wgmma groups retire in issue order, so "at most PENDING outstanding" is exactly
+    "this one and everything before it are done".
+    """
+    if IS_SM100:
+        mbarrier.wait(bar, phase)
+        out = acc
+    else:
+        out = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc,))
     return out
 
 

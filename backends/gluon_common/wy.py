@@ -1,0 +1,342 @@
+"""Stages 2 and 3 in one kernel on the matrix engine: the WY vectors of every chunk,
+
+    A = strictly-lower(beta_i r_i r_j (k_i . k_j) 2^(g_i - g_j))        [64, 64]
+    T = (I + A)^-1
+    w = T diag(beta 2^g r) k      [64, K]        u = T diag(beta) v      [64, V]
+
+(``r = 1 / ||k||`` under the fused qk l2 norm, else 1; g in log2 units). T never leaves the
+program: one kernel reads k and v once and writes w and u.
+
+The inverse uses only whole-tile [64, 64] products, so it runs on the engine (wgmma or
+tcgen05) instead of in scalar registers. Split A by 16 x 16 blocks into the block diagonal
+``D``, the first sub-diagonal blocks inside each 32-row half ``N1`` (blocks (1, 0), (3, 2))
+and the lower-left 32 x 32 quadrant ``N2``; A = D + N1 + N2. Then
+
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)       (every 16 x 16 block of D is strictly
+                                                         lower, so D^16 = 0: six products)
+    E = (I + D + N1)^-1 = Dinv - Dinv N1 Dinv             ((Dinv N1)^2 = 0: N1 only moves a
+                                                         16-block one block down its half)
+    T = (I + A)^-1      = E - E N2 E                      ((E N2)^2 = 0 likewise, halves)
+
+Ten products, each an fp32 x fp32 MMA (tf32 inputs, fp32 accumulate: the precision
+triton_generic's solve uses for 16-bit calls; T is rounded to the 16-bit type right after).
+tf32 MMA operands must be K-major on Hopper: the left operand is stored row-major, the right
+one into a buffer whose NVMMA layout is transposed (the store writes it column-major).
+
+Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
+are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
+are 0 and those k / v rows (the next sequence's tokens) contribute nothing; w / u rows past
+the end are not written (see :mod:`masks`).
+
+Budget (K = V = 128, 16-bit): shared memory k 16 + v 16 + two fp32 operands 32 + two scaled
+T tiles 16 = 80 KB (two programs per SM on sm_90a); TMEM 64 (products) + K + V columns on
+sm_100a.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.gluon_common import engine as E
+from backends.gluon_common.compat import tma_load
+from backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
+from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
+from backends.gluon_common.wu import (
+    _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel
+
+
+@gluon.constexpr_function
+def _f32_layout(transposed):
+    """NVMMA layout of an fp32 [64, 64] MMA operand; ``transposed`` stores it column-major
+    (a K-major right-hand operand, which tf32 MMAs require)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2, transposed=transposed)
+
+
+@gluon.jit
+def _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, PHASE: gl.constexpr, IS_SM100: gl.constexpr):
+    """``x @ y`` for fp32 [64, 64] register tiles through the engine (tf32 inputs); the
+    result in ``x``'s layout. ``PHASE``: completions of ``bar`` before this call, mod 2."""
+    lhs_smem.store(x)
+    rhs_smem.store(y)
+    # The MMA reads both operands through the async proxy.
+    fence_async_shared()
+    acc = E.mma(lhs_smem, rhs_smem, acc, False, bar, IS_SM100)
+    acc = E.mma_wait(acc, bar, PHASE, IS_SM100)
+    return gl.convert_layout(E.acc_read(acc, IS_SM100), x.type.layout), acc
+
+
+@gluon.jit
+def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
+    """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile (see the module docstring)."""
+    BT: gl.constexpr = a.shape[0]
+    layout: gl.constexpr = a.type.layout
+    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
+    j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
+    eye = gl.where(i == j, 1.0, 0.0)
+    d = gl.where(i // 16 == j // 16, a, 0.0)
+    n1 = gl.where((i // 16 == j // 16 + 1) & (i // 32 == j // 32), a, 0.0)
+    n2 = gl.where((i >= 32) & (j < 32), a, 0.0)
+
+    acc = E.acc_alloc_tf32(BT, BT, IS_SM100)
+    # (I + D)^-1: x = (I - D), then x (I + D^2), x (I + D^4), x (I + D^8).
+    x = eye - d
+    p = d
+    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    # 16 -> 32 and 32 -> 64: x <- x - x (n x).
+    y, acc = _f32_product(n1, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    x = x - y
+    y, acc = _f32_product(n2, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    return x - y
+
+
+@gluon.jit
+def _chunk_a(kk, k_smem, g_cum, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.constexpr):
+    """A from the raw ``k k^T`` (fp32 [64, 64] registers), and the fp32 [64] column scales
+    of T for w (``beta 2^g r``) and for u (``beta``), in the column slice of kk's layout."""
+    BT: gl.constexpr = kk.shape[0]
+    layout: gl.constexpr = kk.type.layout
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    cols: gl.constexpr = gl.SliceLayout(0, layout)
+    g_i = row_vector(g_cum, row0, n_valid, i_h, HV, BT, rows)
+    g_j = row_vector(g_cum, row0, n_valid, i_h, HV, BT, cols)
+    b_i = row_vector(beta, row0, n_valid, i_h, HV, BT, rows)
+    b_j = row_vector(beta, row0, n_valid, i_h, HV, BT, cols)
+    if USE_L2NORM:
+        r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
+        r_i = gl.convert_layout(r, rows)
+        r_j = gl.convert_layout(r, cols)
+        kk = kk * gl.expand_dims(r_i, 1) * gl.expand_dims(r_j, 0)
+        w_scale = b_j * gl.exp2(g_j) * r_j
+    else:
+        w_scale = b_j * gl.exp2(g_j)
+    i = gl.expand_dims(gl.arange(0, BT, layout=rows), 1)
+    j = gl.expand_dims(gl.arange(0, BT, layout=cols), 0)
+    # select, not multiply: 2^(g_i - g_j) overflows above the diagonal, and rows past the
+    # end hold the next sequence's tokens (or anything).
+    keep = (i > j) & (i < n_valid)
+    a = gl.where(keep, kk * gl.exp2(gl.expand_dims(g_i, 1) - gl.expand_dims(g_j, 0)), 0.0)
+    return a * gl.expand_dims(b_i, 1), w_scale, b_j
+
+
+@gluon.jit(do_not_specialize=["HV", "GROUP"])
+def _wy_fwd_kernel(
+    k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
+    g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
+    HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr,
+):
+    BT: gl.constexpr = k_desc.block_type.shape[0]
+    K: gl.constexpr = k_desc.block_type.shape[1]
+    V: gl.constexpr = v_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    # (chunk, v-head) flattened with the v-head fastest: programs sharing a k head run
+    # side by side and hit the same k rows in L2.
+    pid = gl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    row0, n_valid = chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT, HAS_TAILS)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
+    lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+    rhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
+    tw_smem = gl.allocate_shared_memory(dtype, [BT, BT], t_layout)
+    tu_smem = gl.allocate_shared_memory(dtype, [BT, BT], t_layout)
+    # ready_bars[0]: k landed, [1]: v landed. mma_bars[0]: k k^T, [1]: the ten products of
+    # the inverse (phases alternate, counted statically), [2]: w = T k, [3]: u = T v.
+    ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready_bars.index(i), count=1)
+    for i in gl.static_range(4):
+        mbarrier.init(mma_bars.index(i), count=1)
+
+    i_k = i_h // GROUP
+    mbarrier.expect(ready_bars.index(0), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row0, i_k * K], ready_bars.index(0), k_smem)
+    mbarrier.expect(ready_bars.index(1), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
+
+    mbarrier.wait(ready_bars.index(0), 0)
+    kk = E.mma(k_smem, k_smem.permute((1, 0)), E.acc_alloc(BT, BT, IS_SM100), False, mma_bars.index(0), IS_SM100)
+    kk = E.acc_read(E.mma_wait(kk, mma_bars.index(0), 0, IS_SM100), IS_SM100)
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_cum, beta, row0, n_valid, i_h, HV, USE_L2NORM)
+    t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
+
+    # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
+    # rounding, of the scaled T, per product).
+    tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
+    tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
+    fence_async_shared()
+    w_acc = E.mma(tw_smem, k_smem, E.acc_alloc(BT, K, IS_SM100), False, mma_bars.index(2), IS_SM100)
+    mbarrier.wait(ready_bars.index(1), 0)
+    u_acc = E.mma(tu_smem, v_smem, E.acc_alloc(BT, V, IS_SM100), False, mma_bars.index(3), IS_SM100)
+    w_acc = E.mma_wait_until(w_acc, mma_bars.index(2), 0, 1, IS_SM100)
+    # The w MMA is complete, so k_smem is free to stage w (u = T v may still run).
+    # Row strides as HV * constexpr: the masked sm_90a tail stores then vectorize.
+    _wu_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, IS_SM100)
+    u_acc = E.mma_wait(u_acc, mma_bars.index(3), 0, IS_SM100)
+    _wu_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, IS_SM100)
+    # Shared memory must outlive the bulk stores that read it.
+    tma.store_wait(0)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(ready_bars.index(i))
+    for i in gl.static_range(4):
+        mbarrier.invalidate(mma_bars.index(i))
+
+
+# ----------------------------------------------------------------------------------------
+# Host side: plan (dry run), launch, AOT list
+
+
+def plan_wy(problem: GDNProblem, device) -> LaunchPlan:
+    """Launch plan of :func:`wy_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
+
+    Parameters
+    ----------
+    problem : a validated call; K and V in {64, 128}, bf16/fp16.
+    device : DeviceInfo (``capability`` picks the engine), or a bare capability tuple.
+
+    One program per (chunk, v-head), v-head fastest; whole K and V tiles; 4 warps (one
+    warpgroup: wgmma's M = 64).
+    """
+    return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
+                    problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device))
+
+
+def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
+    is_sm100 = engine_is_sm100(info.capability)
+    BT = CHUNK_SIZE
+    descriptors = (
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
+        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
+        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
+    )
+    elem = torch.finfo(dtype).bits // 8
+    return LaunchPlan(
+        kernel="wy_fwd",
+        grid=(NT * HV,),
+        num_warps=NUM_WARPS,
+        # TMEM (sm_100a): M = 64 accumulators take 16 of each 32-lane quarter; k k^T and the
+        # inverse's products (64 columns each, never live at once), w (K), u (V).
+        blocks={"BT": BT, "K": K, "V": V,
+                "smem_bytes": BT * (K + V) * elem + 2 * BT * BT * 4 + 2 * BT * BT * elem,
+                "tmem_columns": (2 * BT + K + V) if is_sm100 else 0},
+        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
+        descriptors=descriptors,
+        scalars={"HV": HV, "GROUP": HV // H},
+        notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel, whole [64, {K}] / [64, {V}] tiles",
+    )
+
+
+def wy_fwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_cum: torch.Tensor,
+    beta: torch.Tensor,
+    chunks: ChunkTable,
+    launch: LaunchPlan | None = None,
+    *,
+    use_qk_l2norm: bool = False,
+    device_info: DeviceInfo | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The WY vectors of each chunk, ``w = T (beta 2^g_cum k)``, ``u = T (beta v)`` with
+    ``T = (I + A)^-1`` formed in the kernel (one launch).
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous, 16-byte aligned (raw: with the qk
+        l2 norm the kernel normalizes k's rows itself); v-head ``j`` reads k head
+        ``j // (HV // H)``. K in {64, 128}.
+    v : Tensor ``[B, T, HV, V]``, k's dtype, contiguous, 16-byte aligned. V in {64, 128}.
+    g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2
+        units (triton_generic ``chunk_cumsum_fwd(g, chunks, scale=log2(e))``).
+    beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous.
+    chunks : ChunkTable of the call.
+    launch : the ``wy_fwd`` LaunchPlan of :func:`plan_wy` (what the orchestrator passes);
+        None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (probed
+        from k's device when None), which are ignored when ``launch`` is given.
+
+    Returns
+    -------
+    w : Tensor ``[B, T, HV, K]``, k's dtype (from l2-normalized k when asked); every row of
+        every chunk written.
+    u : Tensor ``[B, T, HV, V]``, k's dtype; likewise.
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+    u = torch.empty_like(v)
+    if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
+        return w, u
+    if launch is None:
+        launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
+                          use_qk_l2norm, device_of(k, device_info))
+    tensors = {"k": k, "v": v, "w": w, "u": u}
+    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
+    _wy_fwd_kernel[launch.grid](
+        **descs, w_ptr=w, u_ptr=u, g_cum=g_cum, beta=beta,
+        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
+        **launch.constexprs, num_warps=launch.num_warps,
+    )
+    return w, u
+
+
+def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype | None = None) -> dict:
+    """Argument types of ``_wy_fwd_kernel`` for ``launch``, as a launch would specialize."""
+    sig = {d.arg: d.signature for d in launch.descriptors}
+    ptr = "*" + sig_dtype(dtype)
+    sig.update(w_ptr=ptr, u_ptr=ptr, g_cum="*fp32", beta="*" + sig_dtype(beta_dtype or dtype),
+               cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32")
+    sig.update({name: "constexpr" for name in launch.constexprs})
+    return {name: sig[name] for name in _wy_fwd_kernel.arg_names}
+
+
+def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) -> list:
+    """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
+    on/off, qk l2norm on/off, bf16/fp16, beta in float32 or in q's dtype."""
+    from gdn_dispatch.aot import AotKernel
+
+    is_sm100 = engine_is_sm100(capability)
+    backend = backend or ("gluon_sm100" if is_sm100 else "gluon_sm90")
+    device = as_device(capability)
+    kernels = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for beta_dtype in (torch.float32, dtype):
+            for K in (64, 128):
+                for V in (64, 128):
+                    for tails in (False, True):
+                        for l2 in (False, True):
+                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device)
+                            tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
+                                   f"-{sig_dtype(dtype)}-beta{sig_dtype(beta_dtype)}")
+                            kernels.append(AotKernel(
+                                backend=backend, kernel="wy_fwd", specialization=tag, fn=_wy_fwd_kernel,
+                                signature=wy_signature(launch, dtype, beta_dtype),
+                                constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
+                                attrs=pointer_attrs(_wy_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta",
+                                                                     "cu_seqlens", "chunk_seq", "chunk_local"]),
+                            ))
+    return kernels
