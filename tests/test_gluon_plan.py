@@ -19,7 +19,12 @@ from gdn_dispatch.testing import random_call  # noqa: E402
 
 from backends.gluon_common.plan import (  # noqa: E402
     MAX_STATE_TILE,
+    PLAN_CACHE_SIZE,
+    DescPlan,
+    LruCache,
     choose_bv,
+    clear_plan_cache,
+    compute_plan,
     has_tails,
     index_limits_reason,
     plan,
@@ -216,3 +221,132 @@ def test_state_fwd_without_chunks_returns_the_initial_state():
     _, _, final = state.state_fwd(p.k, empty, empty, torch.empty(1, 0, p.HV), p.chunks, launch,
                                   initial_state=p.initial_state, output_final_state=True)
     torch.testing.assert_close(final, p.initial_state)
+
+
+# ---------------------------------------------------------------------------------------
+# Host cost: memoized plans and layouts
+
+
+MEMO_CASES = [
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), "kv", False, id="varlen-tails-kv"),
+    pytest.param(dict(lengths=[64, 128, 0]), "vk", True, id="varlen-no-tails-vk-l2"),
+    pytest.param(dict(lengths=[31]), "vk", False, id="varlen-31-vk"),
+    pytest.param(dict(batch=(3, 100)), "kv", True, id="B3-T100-tails-kv-l2"),
+    pytest.param(dict(batch=(2, 128)), "vk", False, id="B2-T128-vk"),
+]
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("shape, layout, l2", MEMO_CASES)
+def test_memoized_plan_equals_a_fresh_plan(shape, layout, l2, capability):
+    clear_plan_cache()
+    p = _problem(**shape, layout=layout, l2=l2)
+    fresh = compute_plan(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
+    first = plan(p, capability)
+    assert first == fresh
+    # The second call, and a new call with the same key (new tensors), hit the cache.
+    assert plan(p, capability) is first
+    assert plan(_problem(**shape, layout=layout, l2=l2), capability) is first
+
+
+def test_plan_cache_keys_every_planned_input():
+    clear_plan_cache()
+    base = dict(lengths=[5, 70], H=2, HV=4, layout="kv", h0=True, ht=True, l2=False)
+    variants = {
+        "lengths-more-chunks": dict(lengths=[5, 70, 64]),
+        "lengths-fewer-chunks-same-T": dict(lengths=[64, 11]),
+        "uniform": dict(lengths=None, batch=(1, 75)),
+        "HV": dict(HV=8),
+        "H": dict(H=4),
+        "layout": dict(layout="vk"),
+        "h0": dict(h0=False),
+        "ht": dict(ht=False),
+        "l2": dict(l2=True),
+        "dtype": dict(dtype=torch.float16),
+        "K-V": dict(K=64, V=64),
+    }
+    reference = plan(_problem(**base), SM90)
+    for name, change in variants.items():
+        p = _problem(**{**base, **change})
+        fp = plan(p, SM90)
+        assert fp is not reference, name
+        assert fp == compute_plan(p, assumed_device("sm_90")), name
+    assert plan(_problem(**base), SM100) != reference
+    # The SM count sizes blocks, so it is part of the key.
+    p = _problem(batch=(8, 64), H=16, HV=64)
+    info = assumed_device("sm_90")
+    few = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=8))
+    many = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=1024))
+    assert few.stage("state_fwd").blocks["BV"] != many.stage("state_fwd").blocks["BV"]
+
+
+def test_plan_cache_shares_plans_across_equal_keys_only():
+    """Different lengths with the same N, NT and T plan identically, so they share a plan."""
+    clear_plan_cache()
+    a, b = _problem(lengths=[1, 63, 64]), _problem(lengths=[63, 1, 64])
+    assert plan(a, SM90) is plan(b, SM90)
+    assert plan(a, SM90) == compute_plan(b, assumed_device("sm_90"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tails_flag_agrees_with_the_host_lengths(seed):
+    """has_tails reads NT, not cu_seqlens: check it against the lengths themselves."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        # Multiples of 64 (and zeros) half the time, so both answers occur.
+        scale = 64 if bool(torch.rand(1, generator=gen) < 0.5) else 1
+        lengths = (torch.randint(0, 4, (n,), generator=gen) * scale).tolist()
+        if sum(lengths) == 0:
+            lengths[0] = 64
+        p = _problem(lengths=lengths, K=64, V=64)
+        assert has_tails(p) == any(length % 64 for length in lengths), lengths
+
+
+def test_lru_cache_drops_the_least_recently_used():
+    cache = LruCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "b" is now the oldest
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3
+    assert len(cache) == 2
+    assert cache.get("missing", "default") == "default"
+    assert PLAN_CACHE_SIZE >= 16
+
+
+def test_descriptor_layouts_are_computed_once_per_tile():
+    from triton.experimental.gluon import language as gl
+
+    a = DescPlan("w_desc", "w", (128, 512), (512, 1), (64, 128), torch.bfloat16)
+    b = DescPlan("u_desc", "u", (256, 256), (256, 1), (64, 128), torch.bfloat16)
+    assert a.layout is b.layout
+    assert a.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    scatter = DescPlan("w_rows_desc", "w", (128, 512), (512, 1), (1, 128), torch.float16, (64, 128))
+    assert scatter.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.float16)
+
+
+def test_built_descriptor_is_the_one_triton_builds():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = DescPlan("w_desc", "w", (128, 512), (512, 1), (64, 128), torch.bfloat16)
+    t = torch.empty(128, 4, 128, dtype=torch.bfloat16)
+    expected = TensorDescriptor(t, [128, 512], [512, 1], [64, 128], d.layout)
+    for _ in range(2):
+        desc = d.build(t)
+        assert type(desc) is TensorDescriptor and desc.base is t
+        assert {k: v for k, v in vars(desc).items() if k != "base"} == \
+            {k: v for k, v in vars(expected).items() if k != "base"}
+
+
+def test_build_rejects_a_tensor_the_plan_does_not_describe():
+    d = DescPlan("w_desc", "w", (128, 512), (512, 1), (64, 128), torch.bfloat16)
+    d.build(torch.empty(128, 512, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="w_desc: planned torch.bfloat16"):
+        d.build(torch.empty(128, 512, dtype=torch.float16))
+    with pytest.raises(ValueError, match="w_desc: planned"):
+        d.build(torch.empty(128, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous=False"):
+        d.build(torch.empty(512, 128, dtype=torch.bfloat16).t())
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        d.build(torch.empty(128 * 512 + 1, dtype=torch.bfloat16)[1:])  # triton's own check

@@ -16,16 +16,25 @@ Descriptors view every ``[B, T, X, D]`` tensor as the 2-D ``[B * T, X * D]`` mat
 memory (rows = tokens), and ``h`` ``[NT, HV, K, V]`` as ``[NT * HV * K, V]``; a tile is
 addressed by (row, column) element coordinates (int32 in the TMA unit: see
 :func:`index_limits_reason`).
+
+Host cost: a forward calls :func:`plan` and builds 19 descriptors per call, so the pure
+parts are memoized: plans per :func:`plan_key` (bounded LRU) and shared-memory layouts per
+(tile, dtype). Cached plans are shared between calls: treat a plan and its dicts as
+read-only.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
 from gdn_dispatch.device import DeviceInfo, assumed_device
+from gdn_dispatch.varlen import ChunkTable
 
 #: Warps per program of every Gluon kernel: one warpgroup (wgmma M = 64 per warpgroup;
 #: 128 threads reach the 128 TMEM lanes).
@@ -34,6 +43,9 @@ NUM_WARPS = 4
 #: on sm_90a; on sm_100a the same cap keeps one tcgen05.ld of the state at 64 registers.
 MAX_STATE_TILE = 8192
 INT32_MAX = 2**31 - 1
+#: Plans kept by :func:`plan`. A server sees few distinct (shape, flags) keys; the bound
+#: only matters when every call's batch differs (then the oldest keys are dropped).
+PLAN_CACHE_SIZE = 256
 
 _SIG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -47,6 +59,66 @@ def gl_dtype(dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+_ABSENT = object()
+
+
+class LruCache:
+    """A bounded least-recently-used map, safe across threads.
+
+    ``functools.lru_cache`` needs hashable arguments; :func:`plan` computes its key from a
+    GDNProblem (which holds tensors, hashed by identity and compared elementwise).
+    """
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, default=None):
+        with self._lock:
+            value = self._data.get(key, _ABSENT)
+            if value is _ABSENT:
+                return default
+            self._data.move_to_end(key)
+            return value
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` (dropping the least recently used beyond ``maxsize``); returns it."""
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@functools.lru_cache(maxsize=64)
+def nvmma_layout(shape: tuple[int, int], dtype: torch.dtype):
+    """The NVMMASharedLayout of a ``shape`` tile of ``dtype`` (widest swizzle that fits).
+
+    ``get_default_for`` costs about 5 us a call and a forward asks for 19 layouts of a
+    handful of distinct tiles; the layout is a frozen value, so one instance is shared.
+    """
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype(dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_descriptor_class():
+    """gluon's host TensorDescriptor (looked up once: an import statement per build costs ~0.5 us)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor
 
 
 @dataclass(frozen=True)
@@ -75,9 +147,7 @@ class DescPlan:
     @property
     def layout(self):
         """The NVMMASharedLayout of the shared tile (widest swizzle that fits)."""
-        from triton.experimental.gluon import language as gl
-
-        return gl.NVMMASharedLayout.get_default_for(list(self.layout_shape or self.block_shape), gl_dtype(self.dtype))
+        return nvmma_layout(self.layout_shape or self.block_shape, self.dtype)
 
     @property
     def signature(self) -> str:
@@ -85,14 +155,23 @@ class DescPlan:
         b0, b1 = self.block_shape
         return f"tensordesc<{sig_dtype(self.dtype)}[{b0}, {b1}],{self.layout!r}>"
 
-    def build(self, tensor: torch.Tensor):
-        """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape)."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    def check(self, tensor: torch.Tensor) -> None:
+        """ValueError unless ``tensor`` is what the plan describes: its dtype, its element
+        count, contiguous (the plan's 2-D view is then the tensor's memory)."""
         rows, cols = self.shape
         if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not tensor.is_contiguous():
             raise ValueError(f"{self.arg}: planned {self.dtype} [{rows}, {cols}] contiguous, got "
                              f"{tensor.dtype} {tuple(tensor.shape)} contiguous={tensor.is_contiguous()}")
+
+    def build(self, tensor: torch.Tensor):
+        """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape).
+
+        Triton's constructor validates every build (about 1.2 us). Skipping it for a plan
+        validated once was measured: after the per-plan cache lookup it saved under 0.3 us
+        a descriptor, too little to bypass triton's own checks.
+        """
+        self.check(tensor)
+        TensorDescriptor = _tensor_descriptor_class()
         return TensorDescriptor(tensor, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
 
 
@@ -141,19 +220,23 @@ class ForwardPlan:
         return next(s for s in self.stages if s.kernel == kernel)
 
 
-def has_tails(problem: GDNProblem) -> bool:
-    """True when some sequence may end inside a chunk: the kernels then mask rows past a
+def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
+    """True when some sequence ends inside a chunk: the kernels then mask rows past a
     sequence's end and never write them (constexpr ``HAS_TAILS``).
 
-    Uniform batch: ``T % 64 != 0``. Varlen: some length is not a multiple of 64, read from
-    the host copy of cu_seqlens; without one (never read back) assume tails.
+    Uniform batch: ``T % 64 != 0``. Varlen (one row of ``T`` tokens, lengths ``L_n``
+    summing to ``T``): the ``NT = sum ceil(L_n / 64)`` chunks span ``64 * NT >= T`` rows,
+    equal exactly when every ``L_n`` is a multiple of 64. So no length is read: O(1) per
+    call, which :func:`plan_key` relies on (NT itself came from the host copy of cu_seqlens).
     """
-    if not problem.is_varlen:
-        return problem.T % CHUNK_SIZE != 0
-    host = problem.chunks.cu_seqlens_host
-    if host is None:
-        return True
-    return bool(((host[1:] - host[:-1]) % CHUNK_SIZE != 0).any())
+    if chunks.uniform:
+        return T % CHUNK_SIZE != 0
+    return chunks.num_chunks * chunks.chunk_size != T
+
+
+def has_tails(problem: GDNProblem) -> bool:
+    """:func:`chunks_have_tails` of ``problem``'s chunk table."""
+    return chunks_have_tails(problem.chunks, problem.T)
 
 
 def index_limits_reason(problem: GDNProblem) -> str | None:
@@ -263,9 +346,33 @@ def resolve_device(problem: GDNProblem, capability: tuple[int, int] | None,
     return default_probe().for_torch_device(problem.device)
 
 
+def plan_key(problem: GDNProblem, capability: tuple[int, int], sm_count: int) -> tuple:
+    """Everything the stage planners read from a call and a device, as a hashable key.
+
+    Shapes, dtype, sequence and chunk counts, the tail flag, the state and l2-norm flags,
+    the compute capability and the SM count. Tensor values (cu_seqlens' lengths included)
+    are not in it: plans read none (:func:`chunks_have_tails` needs only NT). A stage
+    planner that starts reading another attribute of the problem or device must add it.
+    """
+    return (capability, sm_count, tuple(problem.q.shape), tuple(problem.v.shape), problem.dtype,
+            problem.N, problem.chunks.num_chunks, has_tails(problem), problem.initial_state is not None,
+            problem.output_final_state, problem.state_layout, problem.use_qk_l2norm)
+
+
+_PLANS = LruCache(PLAN_CACHE_SIZE)
+
+
+def clear_plan_cache() -> None:
+    """Forget every memoized plan (tests, or after editing a planner in a live session)."""
+    _PLANS.clear()
+
+
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None,
          device: DeviceInfo | None = None) -> ForwardPlan:
     """Dry run of the Gluon forward for ``problem`` on ``capability`` (e.g. ``(9, 0)``).
+
+    Memoized per :func:`plan_key`: a call with the same key gets the same ForwardPlan
+    object, equal to what :func:`compute_plan` would return (read-only: it is shared).
 
     Parameters
     ----------
@@ -280,9 +387,19 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None,
     """
     info = resolve_device(problem, capability, device)
     cap = tuple(capability or info.capability)
+    key = plan_key(problem, cap, info.sm_count)
+    cached = _PLANS.get(key)
+    if cached is not None:
+        return cached
     if info.capability != cap:
         info = DeviceInfo(kind="cuda", index=info.index, name=info.name, capability=cap,
                           sm_count=info.sm_count, smem_optin=info.smem_optin)
+    return _PLANS.put(key, compute_plan(problem, info))
+
+
+def compute_plan(problem: GDNProblem, info: DeviceInfo) -> ForwardPlan:
+    """:func:`plan` without the cache: every stage planned for ``info.capability``."""
+    cap = tuple(info.capability)
     # The stage modules import this one (dataclasses, has_tails): import them here, not at the top.
     from backends.gluon_common.output import plan_output
     from backends.gluon_common.wu import plan_wu

@@ -38,7 +38,9 @@ from gdn_dispatch.varlen import ChunkTable
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
 from backends.gluon_common.masks import L2NORM_EPS, chunk_rows, row_vector, store_chunk_tile, tile_layout
-from backends.gluon_common.plan import NUM_WARPS, DescPlan, LaunchPlan, has_tails, sig_dtype
+# chunks_have_tails lives with has_tails in plan; output.py imports it from here.
+from backends.gluon_common.plan import (  # noqa: F401
+    NUM_WARPS, DescPlan, LaunchPlan, chunks_have_tails, has_tails, sig_dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -205,16 +207,6 @@ def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{NT} chunks x {HV} v-heads, whole [64, {K}] / [64, {V}] tiles",
     )
-
-
-def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
-    """:func:`plan.has_tails` from a ChunkTable and the padded length ``T`` (no problem at hand)."""
-    if chunks.uniform:
-        return T % CHUNK_SIZE != 0
-    host = chunks.cu_seqlens_host
-    if host is None:
-        return True
-    return bool(((host[1:] - host[:-1]) % CHUNK_SIZE != 0).any())
 
 
 def device_of(tensor: torch.Tensor, device_info=None) -> DeviceInfo:
