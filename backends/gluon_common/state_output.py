@@ -1,0 +1,560 @@
+"""Stages 4 and 5 fused on the matrix engine: the chunk-state recurrence and the output of
+every chunk in one serial walk, so that neither the per-chunk state h nor v_new ever
+reaches global memory.
+
+Per (sequence, v-head, V-block of BV columns), with S the fp32 [K, BV] state at a chunk's
+start and g the chunk-local gate cumsum in log2 units, one program walks its sequence's
+chunks in order and per chunk of 64 rows computes::
+
+    h_t   = S                                       (q's dtype, shared memory only)
+    P     = w h_t        O = q h_t        QK = q k^T
+    v_new = u - P                                   (q's dtype, shared memory only)
+    S     = 2^g_last S + k^T (2^(g_last - g) v_new)
+    A     = causal(QK 2^(g_i - g_j))
+    o     = scale (2^g O + A v_new)                 (stored)
+
+The serial chain is S -> h_t -> P -> v_new -> S; everything else (O, QK, A, A v_new, the
+store of o) hangs off it and overlaps it. Issue order per chunk:
+
+1. S -> registers -> ``h_smem`` (fenced); wait for w/k/q; issue ``P``, ``O``, ``QK``
+   (three async MMAs, all reading ``h_smem`` or the ring); while they run, write
+   ``2^g_last S`` back as the accumulator of the state update (and form k's row norms).
+2. Wait for ``P`` only (``O`` and ``QK`` may still run); wait for u; ``v_new`` ->
+   ``vn_smem``, the scaled rows ``vs`` -> ``vs_smem`` (fenced); issue ``S += k^T vs``.
+3. Wait for ``O`` and ``QK`` (the state update may still run); ``A`` -> ``p_smem``;
+   ``2^g O`` back into its accumulator (fenced); issue ``O += A v_new``.
+4. Wait for everything; ``o = scale O (* 1/|q_i|)`` -> ``o_smem`` -> TMA store.
+
+One exception, on sm_90a at K * BV = 8192 (K = 128, BV = 64) only (``_qk_late``): ``QK``
+is issued in step 2, right after the state update, and step 3 waits for the state update
+and then ``QK``. There the accumulators are registers, and the state (64 per thread)
+with three [64, *] accumulators in flight while v_new is formed took all 255 registers
+(ptxas spilled 12 bytes in one specialization); with QK late, every one compiles without
+spills. On the H200 the two orders timed within 4% of each other at that size, and BV = 64
+ran 1.7x faster than BV = 32 at 4 and 16 sequences of 32 v-heads (K = V = 128), which is
+why BV = 64 is kept there rather than dropped.
+
+Where the data lives: S, P, O and QK are engine accumulators (TMEM on sm_100a: BV + BV +
+BV + 64 columns at most; wgmma registers on sm_90a). w, k and q tiles share one ring
+allocation ``[3 NUM_BUF, 64, K]`` (slot ``b`` holds w at ``3 b``, k at ``3 b + 1``, q at
+``3 b + 2``) on one ready barrier per slot; u has its own ring and ready barriers (it is
+needed later). Chunk t + 1's loads are issued at the top of chunk t.
+
+Phase bookkeeping, written once: chunk ``t`` uses slot ``buf = t % NUM_BUF``; each ready
+barrier of a slot completes once per use of the slot, so chunk t waits ``(t // NUM_BUF) &
+1``. There is one barrier per MMA site (``p_bar``, ``o_bar``, ``qk_bar``, ``s_bar``,
+``pv_bar``); each completes exactly once per chunk and is waited exactly once per chunk,
+so chunk t waits ``t & 1``. On sm_100a a commit covers every earlier tcgen05 op, so e.g.
+``qk_bar`` also implies ``P`` and ``O``; on sm_90a the waits are "at most PENDING wgmma
+groups outstanding" (groups retire in issue order: P, O, QK, S, A v_new; or P, O, S, QK,
+A v_new with QK late), which is what each ``E.mma_wait_until``'s PENDING counts.
+
+Why each buffer is free when it is rewritten (no "empty" barriers):
+
+* ring slot ``buf`` is refilled at the top of chunk t + 1 (with chunk t + 2). Its readers
+  in chunk t: the P, O, QK and state-update MMAs (all waited by the end of chunk t) and
+  register reads (u for v_new, k's row norms, q's row norms), which all come before the
+  ``fence_async_shared`` + CTA barrier in front of chunk t's last MMA (A v_new), so they
+  precede the TMA writes (async proxy) in every thread.
+* ``h_smem``: read by chunk t - 1's P and O MMAs, both waited in chunk t - 1.
+* ``vn_smem``, ``vs_smem``, ``p_smem``: read by chunk t - 1's A v_new and state-update
+  MMAs, waited at the end of chunk t - 1.
+* ``o_smem``: read by chunk t - 1's TMA store; ``tma.store_wait(0)`` right before it is
+  rewritten (the store had a whole chunk to run, so this rarely waits).
+* The ring also stages the fp32 initial / final state tile (through state.py's
+  ``_state_in`` / ``_state_out``): before chunk 0's loads (fence + CTA barrier after the
+  staging reads) and after the last chunk (every load landed and was waited on, every MMA
+  reading the ring finished).
+
+Rows past a sequence's end (its last chunk only; the tiles hold the next sequence's rows
+there): the state update selects those rows of ``vs`` to 0 (as :mod:`.state`); in ``A``
+they are columns ``j > i`` of every valid row ``i``, selected to 0 by the causal mask; q
+rows past the end only feed o rows that are never written (TMA scatter with row
+0x7FFFFFFF on sm_100a, masked stores on sm_90a, see :mod:`.masks`).
+
+qk l2 norm: w arrives normalized from stage 3. k's row-norm reciprocals ``rk`` are computed
+once per chunk and fold into the row scale of ``vs`` (``k_n^T vs = k^T (rk vs)``) and into
+the columns of ``QK``; q's ``rq`` into the rows of o. q and k are never rewritten.
+
+Budget (16-bit, K = 128, BV = 64): shared memory ring 96 KB + u ring 16 KB + h 16 KB +
+v_new, vs, o 24 KB + A 8 KB = 160 KB: one program per SM (K = 128, BV = 32: 132 KB;
+K = 64, BV = 64: 104 KB, two per SM). TMEM at most 3 BV + 64 = 256 columns on sm_100a.
+Registers on sm_90a: the state tile is K * BV / 128 per thread (64 at K * BV = 8192),
+each [64, N] accumulator N / 4; the largest specializations take 255, none spills.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from gdn_dispatch.aot import AotKernel
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.varlen import ChunkTable
+
+from backends.gluon_common import engine as E
+from backends.gluon_common.compat import thread_barrier, tma_load
+from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, row_vector, store_chunk_tile, tile_layout
+from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, choose_bv, has_tails, sig_dtype
+from backends.gluon_common.state import _state_gates, _state_in, _state_out, _state_vs
+from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
+
+#: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
+NUM_BUF = gl.constexpr(2)
+#: V-blocks the fused kernel is built for, on both engines: the state tile and three more
+#: [64, *] accumulators must fit the sm_90a register file (BV = 128 would not), the rings
+#: and tiles shared memory (:func:`state_output_smem_bytes`).
+BLOCK_V = (32, 64)
+#: Shared memory of one sm_90 / sm_100 multiprocessor (bytes), for the programs it holds.
+SMEM_PER_SM = 228 * 1024
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel
+
+
+@gluon.jit
+def _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                       buf, row, col_w, col_k, col_v, pred):
+    """Issue the TMA loads of one chunk into slot ``buf``: w, k, q [BT, K] into
+    ``ring[3 buf ...]`` on ``wkq_ready[buf]`` (needed together), u [BT, BV] into
+    ``u_smem[buf]`` on ``u_ready[buf]`` (needed later); nothing when not ``pred``."""
+    mbarrier.expect(wkq_ready.index(buf), 3 * w_desc.block_type.nbytes, pred=pred)
+    tma_load(w_desc, [row, col_w], wkq_ready.index(buf), ring.index(3 * buf), pred=pred)
+    tma_load(k_desc, [row, col_k], wkq_ready.index(buf), ring.index(3 * buf + 1), pred=pred)
+    tma_load(q_desc, [row, col_k], wkq_ready.index(buf), ring.index(3 * buf + 2), pred=pred)
+    mbarrier.expect(u_ready.index(buf), u_desc.block_type.nbytes, pred=pred)
+    tma_load(u_desc, [row, col_v], u_ready.index(buf), u_smem.index(buf), pred=pred)
+
+
+@gluon.constexpr_function
+def _qk_late(K, BV, IS_SM100):
+    """Issue q k^T after the state update instead of with w h_t and q h_t: on sm_90a at
+    the largest state tile only, where the state (64 registers per thread) and three
+    [64, *] accumulators in flight during v_new took all 255 registers and spilled."""
+    return (not IS_SM100) and K * BV >= MAX_STATE_TILE
+
+
+@gluon.jit
+def _overwrite(acc, IS_SM100: gl.constexpr):
+    """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
+    zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
+    if IS_SM100:
+        out = acc
+    else:
+        out = E.acc_alloc(acc.shape[0], acc.shape[1], False)
+    return out
+
+
+@gluon.jit
+def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr):
+    """``A = causal(QK (* rk per column) 2^(g_i - g_j))`` -> ``p_smem`` (not fenced).
+
+    output.py's ``_output_p`` with the chunk's gates ``g_row`` and k's row norms ``rk``
+    passed in (each is loaded or computed once per chunk and also used elsewhere), and
+    masks.causal_gate's bitmask test with the allowed count ``i + 1`` clamped to the
+    chunk's valid rows (no change for any row that is stored): a mask built from aranges
+    alone is loop-invariant, and the compiler hoists it out of the chunk loop and keeps
+    its words live across it (about 36 registers per thread on sm_90a). Columns come from
+    a layout conversion of the row values, not from 32 more global loads per thread.
+    """
+    s = E.acc_read(qk, IS_SM100)
+    BT: gl.constexpr = s.shape[0]
+    layout: gl.constexpr = s.type.layout
+    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    if USE_L2NORM:
+        s = s * gl.expand_dims(gl.convert_layout(rk, gl.SliceLayout(0, layout)), 0)
+    p = gl.map_elementwise(_causal_gate_scalar, s,
+                           gl.expand_dims(gl.convert_layout(g_row, gl.SliceLayout(1, layout)), 1),
+                           gl.expand_dims(gl.convert_layout(g_row, gl.SliceLayout(0, layout)), 0),
+                           gl.expand_dims(gl.minimum(rows + 1, n_valid), 1),
+                           gl.expand_dims(cols & ~15, 0), gl.expand_dims(cols & 15, 0))
+    p_smem.store(p.to(p_smem.dtype))
+
+
+@gluon.jit
+def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_stride,
+                           row, col_v, n_valid, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+    """``o * r_scale`` per row -> ``o_smem`` -> the chunk's own rows of o."""
+    # The previous chunk's store (or masked store) must have read o_smem.
+    tma.store_wait(0)
+    rows: gl.constexpr = gl.SliceLayout(1, o.type.layout)
+    o_smem.store((o * gl.expand_dims(gl.convert_layout(r_scale, rows), 1)).to(o_smem.dtype))
+    # The TMA store / scatter reads o_smem through the async proxy.
+    fence_async_shared()
+    store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, IS_SM100)
+
+
+@gluon.jit(do_not_specialize=["HV", "GROUP"])
+def _state_output_fwd_kernel(
+    q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
+    g_cum, h0, ht, cu_seqlens, scale, HV, GROUP,
+    V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
+    USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr,
+):
+    BT: gl.constexpr = w_desc.block_type.shape[0]
+    K: gl.constexpr = w_desc.block_type.shape[1]
+    BV: gl.constexpr = u_desc.block_type.shape[1]
+    dtype: gl.constexpr = w_desc.dtype
+    p_layout: gl.constexpr = E.acc_layout(BT, BV, IS_SM100, gl.num_warps())
+    row_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+    x_layout: gl.constexpr = tile_layout(BT, K, gl.num_warps())
+    # Where q k^T is issued (see the module docstring): with the w h_t MMA (the design), or
+    # after the state update on sm_90a at K * BV = 8192, where the accumulators are registers.
+    QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100)
+    P_PENDING: gl.constexpr = 1 if QK_LATE else 2
+    # (sequence, v-head, V-block), V-block fastest: the V-blocks of one head stream the same
+    # w, k and q tiles at the same time, so L2 serves all but the first.
+    pid = gl.program_id(0)
+    i_v = pid % (V // BV)
+    i_nh = pid // (V // BV)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    NT = gl.cdiv(eos - bos, BT)
+    col_w = i_h * K
+    col_k = (i_h // GROUP) * K
+    col_v = i_h * V + i_v * BV
+
+    ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
+    u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
+    h_smem = gl.allocate_shared_memory(dtype, [K, BV], E.smem_layout([K, BV], dtype))
+    vn_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
+    vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BT, BT], E.smem_layout([BT, BT], dtype))
+    o_smem = gl.allocate_shared_memory(dtype, [BT, BV], o_desc.layout)
+    wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    # One barrier per MMA site: w h, q h, q k^T, k^T vs, A v_new.
+    mma_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    p_bar = mma_bars.index(0)
+    o_bar = mma_bars.index(1)
+    qk_bar = mma_bars.index(2)
+    s_bar = mma_bars.index(3)
+    pv_bar = mma_bars.index(4)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(wkq_ready.index(i), count=1)
+        mbarrier.init(u_ready.index(i), count=1)
+    for i in gl.static_range(5):
+        mbarrier.init(mma_bars.index(i), count=1)
+
+    # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
+    # of every chunk, so the handles stay loop-invariant (the results get other names).
+    S = E.acc_alloc(K, BV, IS_SM100)
+    P = E.acc_alloc(BT, BV, IS_SM100)
+    O = E.acc_alloc(BT, BV, IS_SM100)
+    QK = E.acc_alloc(BT, BT, IS_SM100)
+    s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
+    if USE_H0:
+        s0 = _state_in(h0, ring, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
+        # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
+        # bytes (async proxy), in every thread, before the one issuing thread starts them.
+        fence_async_shared()
+        thread_barrier()
+    else:
+        s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
+    S = E.acc_write(S, s0, IS_SM100)
+    _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                       0, bos, col_w, col_k, col_v, NT > 0)
+
+    for t in range(NT):
+        buf = t % NUM_BUF
+        ready_phase = (t // NUM_BUF) & 1
+        mma_phase = t & 1
+        row = bos + t * BT
+        # Refill the other slot with chunk t + 1 (the module docstring says why it is free).
+        _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                           1 - buf, row + BT, col_w, col_k, col_v, t + 1 < NT)
+        w_tile = ring.index(3 * buf)
+        k_tile = ring.index(3 * buf + 1)
+        q_tile = ring.index(3 * buf + 2)
+        m_t, b_d, decay = _state_gates(g_cum, row, eos, i_h, HV, BT, row_layout)
+        g_row = row_vector(g_cum, row, eos - row, i_h, HV, BT, row_layout)
+
+        # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
+        s_reg = E.acc_read(S, IS_SM100)
+        h_smem.store(s_reg.to(dtype))
+        fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        mbarrier.wait(wkq_ready.index(buf), ready_phase)
+        p = E.mma(w_tile, h_smem, _overwrite(P, IS_SM100), False, p_bar, IS_SM100)
+        o = E.mma(q_tile, h_smem, _overwrite(O, IS_SM100), False, o_bar, IS_SM100)
+        if not QK_LATE:
+            qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
+        # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
+        S = E.acc_write(S, s_reg * decay, IS_SM100)
+        if USE_L2NORM:
+            # k's row norms while the MMAs run: the row scale of vs and QK's column scale.
+            rk = row_rnorm(k_tile, x_layout)
+            b_d = b_d * gl.convert_layout(rk, row_layout)
+        else:
+            rk = b_d  # unused
+        p = E.mma_wait_until(p, p_bar, mma_phase, P_PENDING, IS_SM100)  # O (and QK) may still run
+
+        # v_new = u - w h_t; S = 2^g_last S + k^T (rk 2^(g_last - g) v_new).
+        mbarrier.wait(u_ready.index(buf), ready_phase)
+        b_v = u_smem.index(buf).load(p_layout).to(gl.float32) - E.acc_read(p, IS_SM100)
+        vn_smem.store(b_v.to(dtype))
+        vs_smem.store(_state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
+        # Orders vn/vs writes before the MMAs reading them, and the register reads of u and
+        # k before the TMA refill of this slot at the top of the next chunk.
+        fence_async_shared()
+        S = E.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
+        if QK_LATE:
+            qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
+
+        # o's row scale (q's last register read of this slot comes before the fence + CTA
+        # barrier in front of the A v_new MMA); A -> p_smem; O = 2^g O + A v_new.
+        r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
+        if USE_L2NORM:
+            r_scale = r_scale * gl.convert_layout(row_rnorm(q_tile, x_layout), row_layout)
+        o = E.mma_wait_until(o, o_bar, mma_phase, 2, IS_SM100)  # QK and S (either order) may run
+        if QK_LATE:
+            S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
+            qk = E.mma_wait_until(qk, qk_bar, mma_phase, 0, IS_SM100)
+        else:
+            qk = E.mma_wait_until(qk, qk_bar, mma_phase, 1, IS_SM100)  # the state update may run
+        _state_output_scores(qk, g_row, rk, eos - row, p_smem, USE_L2NORM, IS_SM100)
+        o = E.acc_write(o, E.acc_read(o, IS_SM100) * gl.expand_dims(gl.exp2(g_row), 1), IS_SM100)
+        fence_async_shared()  # p_smem writes (and this slot's register reads) -> async proxy
+        o = E.mma(p_smem, vn_smem, o, True, pv_bar, IS_SM100)
+        if not QK_LATE:
+            S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
+        o = E.mma_wait(o, pv_bar, mma_phase, IS_SM100)
+
+        _state_output_epilogue(E.acc_read(o, IS_SM100), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
+                               HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
+
+    if STORE_HT:
+        # The ring is idle: every load landed and every MMA reading it was waited on.
+        _state_out(ht, E.acc_read(S, IS_SM100), ring, i_nh, i_v, K, V, BV, STATE_VK)
+    tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(wkq_ready.index(i))
+        mbarrier.invalidate(u_ready.index(i))
+    for i in gl.static_range(5):
+        mbarrier.invalidate(mma_bars.index(i))
+
+
+# ----------------------------------------------------------------------------------------
+# Host side: plan (dry run), launch, AOT list
+
+
+def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
+    """Shared memory of the fused kernel: the w/k/q ring (3 NUM_BUF tiles [BT, K], which
+    also stages the fp32 initial/final state), the u ring, h, v_new, vs, o and A tiles and
+    the barriers (the compiler's layout-conversion scratch comes on top)."""
+    rings = 2 * (3 * BT * K + BT * BV) * elem
+    tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
+    return rings + tiles + (2 * 2 + 5) * 8
+
+
+def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2) -> int:
+    """Programs of the fused kernel one SM holds at once, by shared memory (1 at K = 128,
+    2 at K = 64; the compiler's scratch and the 1 KB each block reserves included)."""
+    return max(1, SMEM_PER_SM // (state_output_smem_bytes(K, BV, elem) + 2048))
+
+
+def state_output_block_v(K: int, V: int, num_heads: int, sm_count: int) -> int:
+    """BV: :func:`plan.choose_bv`'s rule, for this kernel's residency, capped at 64 (the
+    fused kernel holds four accumulators; see :data:`BLOCK_V`).
+
+    choose_bv halves BV while there are fewer than two programs per SM, the state kernel's
+    residency; the fused kernel's rings leave room for :func:`state_output_programs_per_sm`
+    (one at K = 128), so it is asked with the SM count scaled by that over two. On the H200
+    (K = V = 128, 32 v-heads, bf16) 4 sequences ran 1.7x faster at BV = 64 (256 programs)
+    than at the BV = 32 that choose_bv alone gives, and 1 sequence 9% faster at BV = 32.
+    """
+    sms = max(1, sm_count * state_output_programs_per_sm(K) // 2)
+    return min(choose_bv(K, V, num_heads, sms), max(BLOCK_V))
+
+
+def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None) -> LaunchPlan:
+    """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
+
+    Parameters
+    ----------
+    problem : a validated call; K and V in {64, 128}, bf16/fp16.
+    device : DeviceInfo (``capability`` picks the engine, ``sm_count`` the V-block), or a
+        bare capability tuple (its representative part).
+    block_v : BV override, 32 or 64 dividing V; default :func:`state_output_block_v`.
+    """
+    info = as_device(device)
+    is_sm100 = engine_is_sm100(info.capability)
+    B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
+    N, dtype = problem.N, problem.dtype
+    BT = CHUNK_SIZE
+    BV = block_v or state_output_block_v(K, V, N * HV, info.sm_count)
+    if BV not in BLOCK_V or V % BV or K * BV > MAX_STATE_TILE:
+        raise ValueError(f"block_v: expected 32 or 64 dividing V = {V}, got {BV}")
+    NV = V // BV
+    rows = B * T
+    descriptors = (
+        tile_desc("q_desc", "q", dtype, rows, H * K, (BT, K)),
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
+        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, BV)),
+        tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
+        tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
+    )
+    constexprs = {
+        "USE_H0": problem.initial_state is not None,
+        "STORE_HT": problem.output_final_state,
+        "STATE_VK": problem.state_layout is StateLayout.VK,
+        "USE_L2NORM": problem.use_qk_l2norm,
+        "HAS_TAILS": has_tails(problem),
+        "IS_SM100": is_sm100,
+    }
+    elem = torch.finfo(dtype).bits // 8
+    return LaunchPlan(
+        kernel="state_output_fwd",
+        grid=(N * HV * NV,),
+        num_warps=NUM_WARPS,
+        # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
+        # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
+        blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
+                "smem_bytes": state_output_smem_bytes(K, BV, elem),
+                "tmem_columns": 3 * BV + BT if is_sm100 else 0},
+        constexprs=constexprs,
+        descriptors=descriptors,
+        scalars={"HV": HV, "GROUP": HV // H, "V": V},
+        notes=(f"BV={BV}: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on {info.sm_count} SMs; "
+               f"h and v_new stay on chip"),
+        # As plan_state: the hardware's cap, so ptxas never trades registers for spills on sm_100a.
+        maxnreg=255 if is_sm100 else None,
+    )
+
+
+def state_output_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunks: ChunkTable,
+    launch: LaunchPlan,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
+    per chunk ``v_new = u - w h``, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j))
+    v_new)``, ``h <- 2^g_last h + k^T (2^(g_last - g) v_new)``, with h and v_new kept on chip.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous, 16-byte aligned (raw: with the qk
+        l2 norm the kernel applies the row norms itself); v-head ``j`` reads q/k head
+        ``j // (HV // H)``. K in {64, 128}.
+    w : Tensor ``[B, T, HV, K]``, k's dtype (stage 3; from l2-normalized k when asked).
+    u : Tensor ``[B, T, HV, V]``, k's dtype (stage 3). V in {64, 128}.
+    g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
+    chunks : ChunkTable of the call.
+    launch : the ``state_output_fwd`` LaunchPlan of :func:`plan_state_output` (grid, BV,
+        constexprs incl. the state layout and the l2 norm, descriptors).
+    scale : float, the output scale.
+    initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk", as the
+        plan's ``STATE_VK``), any float dtype (read as float32), contiguous; None: zeros.
+    output_final_state : also return the state after each sequence's last token.
+
+    Returns
+    -------
+    o : Tensor ``[B, T, HV, V]`` in q's dtype.
+    final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
+        None. A zero-length sequence's final state is its initial state (zeros without one).
+    """
+    B, T, HV, V = u.shape
+    K = k.shape[-1]
+    N, NT = chunks.num_seqs, chunks.num_chunks
+    vk = launch.constexprs["STATE_VK"]
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    final_state = None
+    if output_final_state:
+        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    if NT == 0 or B * T == 0 or N * HV == 0:
+        # Nothing to walk (every sequence is empty): the final state is the initial one.
+        if final_state is not None:
+            final_state.copy_(h0) if h0 is not None else final_state.zero_()
+        return o, final_state
+    tensors = {"q": q, "k": k, "w": w, "u": u, "o": o}
+    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
+    _state_output_fwd_kernel[launch.grid](
+        **descs, o_ptr=o, g_cum=g_cum,
+        h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
+        cu_seqlens=chunks.cu_seqlens, scale=float(scale),
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
+        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
+    )
+    return o, final_state
+
+
+_POINTERS = ("o_ptr", "g_cum", "h0", "ht", "cu_seqlens")
+
+
+def state_output_signature(launch: LaunchPlan, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of ``_state_output_fwd_kernel`` for ``launch``, in
+    argument order, as a launch of it would specialize (16-byte-aligned pointers)."""
+    constexprs = {"V": launch.scalars["V"], **launch.constexprs}
+    sig = {d.arg: d.signature for d in launch.descriptors}
+    sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
+               scale="fp32", HV="i32", GROUP="i32")
+    sig.update({name: "constexpr" for name in constexprs})
+    signature = {name: sig[name] for name in _state_output_fwd_kernel.arg_names}
+    return signature, constexprs, pointer_attrs(_state_output_fwd_kernel, _POINTERS)
+
+
+def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: str) -> AotKernel:
+    """The AotKernel that compiles exactly what ``state_output_fwd`` launches for ``launch``."""
+    signature, constexprs, attrs = state_output_signature(launch, dtype)
+    return AotKernel(backend=backend, kernel="state_output_fwd", specialization=tag,
+                     fn=_state_output_fwd_kernel, signature=signature, constexprs=constexprs,
+                     dialect="gluon", num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
+
+
+def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool):
+    """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter)."""
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
+
+    shape = dict(lengths=[64, 65]) if tails else dict(batch=(2, 128))
+    call = random_call(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, initial_state=h0,
+                       state_layout="vk" if vk else "kv")
+    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+
+
+def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:
+    """The fused kernel at every specialization it can launch on ``capability``.
+
+    Every (K, V) in {64, 128}^2 at BV in {32, 64} x bf16/fp16 x varlen tails or not x
+    "kv"/"vk" x qk l2 norm on/off (with initial and final state); then K = V = 128, BV = 64
+    without initial or final state, or with only one of them.
+    """
+    from gdn_dispatch.device import assumed_device
+
+    device = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=True)
+    cases = []
+    for K in (64, 128):
+        for V in (64, 128):
+            for BV in BLOCK_V:
+                for dtype in (torch.bfloat16, torch.float16):
+                    for tails in (True, False):
+                        for vk in (False, True):
+                            for l2 in (True, False):
+                                cases.append((K, V, BV, {**base, "dtype": dtype, "tails": tails, "vk": vk,
+                                                         "l2": l2}))
+    for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True)):
+        cases.append((128, 128, 64, {**base, **flip}))
+    kernels = []
+    for K, V, BV, flags in cases:
+        launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV)
+        tag = (f"K{K}-V{V}-BV{BV}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
+               f"{'vk' if flags['vk'] else 'kv'}{'-h0' if flags['h0'] else ''}{'-ht' if flags['ht'] else ''}"
+               f"{'-l2' if flags['l2'] else ''}")
+        kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], tag))
+    return kernels

@@ -1,0 +1,322 @@
+"""The fused state + output kernel (backends/gluon_common/state_output.py).
+
+CPU: launch plans as dry runs (grid over (sequence, v-head, V-block), the V-block choice,
+descriptors over the 2-D views of the packed token axis, shared memory and TMEM within
+budget), the AOT list, the launch's argument binding and the empty call. Its compiles for
+sm_90a and sm_100a run in tests/test_gluon_aot.py (the list is part of both backends').
+
+GPU (sm_90 or sm_100 only): the fused kernel after triton_generic's stages 1-2 and the
+Gluon w/u stage, against the float32 reference and against the unfused state + output
+kernels on the same w / u, with NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
+from gdn_dispatch.contract import make_problem  # noqa: E402
+from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
+from gdn_dispatch.testing import random_call, rel_rms_error  # noqa: E402
+
+from backends.gluon_common import state_output as so  # noqa: E402
+from backends.gluon_common.plan import has_tails, plan  # noqa: E402
+
+SM90, SM100 = (9, 0), (10, 0)
+
+
+def _problem(lengths=None, batch=None, H=2, HV=4, K=128, V=128, layout="kv", h0=True, ht=True, l2=False,
+             dtype=torch.bfloat16, device="cpu", seed=0):
+    call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=dtype, initial_state=h0,
+                       state_layout=layout, device=device, seed=seed, normalize_qk=not l2)
+    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+
+
+def _device(capability, sm_count=None):
+    info = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    if sm_count is None:
+        return info
+    return DeviceInfo(kind="cuda", index=0, name=info.name, capability=capability, sm_count=sm_count,
+                      smem_optin=info.smem_optin)
+
+
+# ---------------------------------------------------------------------------------------
+# Plans
+
+
+SHAPES = [
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), id="varlen-1-63-64-65-130-0"),
+    pytest.param(dict(batch=(2, 128)), id="B2-T128"),
+    pytest.param(dict(batch=(3, 100)), id="B3-T100-tails"),
+    pytest.param(dict(lengths=[64, 128]), id="varlen-no-tails"),
+]
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("H, HV", [(1, 1), (2, 4), (1, 4)], ids=["H1-HV1", "H2-HV4", "H1-HV4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
+    p = _problem(**shape, H=H, HV=HV, layout=layout)
+    launch = so.plan_state_output(p, capability)
+    K, V, BT = p.K, p.V, 64
+    BV, rows = launch.blocks["BV"], p.B * p.T
+    assert launch.kernel == "state_output_fwd" and launch.num_warps == 4
+    assert launch.grid == (p.N * HV * (V // BV),)
+    assert launch.blocks["NV"] == V // BV
+    assert launch.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
+    assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
+                                 "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "IS_SM100": capability == SM100}
+    expected = {
+        "q_desc": ("q", (rows, H * K), (BT, K)),
+        "k_desc": ("k", (rows, H * K), (BT, K)),
+        "w_desc": ("w", (rows, HV * K), (BT, K)),
+        "u_desc": ("u", (rows, HV * V), (BT, BV)),
+        "o_desc": ("o", (rows, HV * V), (BT, BV)),
+        "o_rows_desc": ("o", (rows, HV * V), (1, BV)),
+    }
+    assert {d.arg for d in launch.descriptors} == set(expected)
+    for arg, (tensor, shape_, block) in expected.items():
+        d = launch.desc(arg)
+        assert (d.tensor, d.shape, d.strides, d.block_shape) == (tensor, shape_, (shape_[1], 1), block), arg
+        assert d.dtype == p.dtype and d.strides[0] * 2 % 16 == 0
+    # The ring holds w, k and q in one allocation of w's layout: their tiles must agree.
+    assert launch.desc("q_desc").layout == launch.desc("k_desc").layout == launch.desc("w_desc").layout
+    # The scatter descriptor carries the layout of the staged [64, BV] o tile.
+    assert launch.desc("o_rows_desc").layout == launch.desc("o_desc").layout
+    assert launch.blocks["smem_bytes"] <= SMEM_LIMIT[capability]
+    assert launch.blocks["tmem_columns"] <= (TMEM_COLUMNS if capability == SM100 else 0)
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+def test_every_planned_descriptor_builds_on_its_tensor(capability):
+    p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=2, HV=4)
+    for d in so.plan_state_output(p, capability).descriptors:
+        desc = d.build(torch.empty(d.shape, dtype=d.dtype))
+        assert list(desc.block_shape) == list(d.block_shape) and desc.layout == d.layout
+
+
+@pytest.mark.parametrize(
+    "K, V, heads, sms, expected",
+    [
+        (128, 128, 512, 132, 64),    # choose_bv: 64 (K * BV <= 8192)
+        (64, 128, 512, 148, 64),     # choose_bv: 128, capped at 64
+        (128, 128, 128, 132, 64),    # one program per SM at K = 128: 256 programs suffice
+        (128, 128, 66, 132, 64),     # exactly one program per SM at BV = 64
+        (128, 128, 65, 132, 32),
+        (128, 128, 32, 148, 32),     # few (sequence, v-head) pairs: narrowest block
+        (64, 128, 131, 132, 32),     # two programs per SM at K = 64, as choose_bv
+        (64, 64, 1, 132, 32),        # never below 32
+    ],
+)
+def test_block_v_choice(K, V, heads, sms, expected):
+    bv = so.state_output_block_v(K, V, heads, sms)
+    assert bv == expected
+    assert bv in so.BLOCK_V and V % bv == 0
+
+
+def test_programs_per_sm():
+    assert so.state_output_programs_per_sm(128) == 1
+    assert so.state_output_programs_per_sm(64) == 2
+
+
+def test_plan_follows_the_device_sm_count():
+    p = _problem(batch=(8, 64), H=16, HV=64, K=64)  # N * HV = 512 (sequence, v-head) pairs
+    assert so.plan_state_output(p, _device(SM100, sm_count=8)).blocks["BV"] == 64
+    assert so.plan_state_output(p, _device(SM100, sm_count=1024)).blocks["BV"] == 32
+
+
+def test_block_v_override_checked():
+    p = _problem(lengths=[10], K=128, V=64)
+    for capability in (SM90, SM100):
+        for bv in (32, 64):
+            assert so.plan_state_output(p, capability, block_v=bv).blocks["BV"] == bv
+    with pytest.raises(ValueError, match="block_v: expected 32 or 64 dividing V = 64, got 128"):
+        so.plan_state_output(p, SM100, block_v=128)
+    with pytest.raises(ValueError, match="block_v: expected 32 or 64 dividing V = 64, got 16"):
+        so.plan_state_output(p, SM90, block_v=16)
+    with pytest.raises(ValueError, match="sm_90 or sm_100"):
+        so.plan_state_output(p, (8, 0))
+
+
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("BV", [32, 64])
+def test_smem_and_tmem_budget(K, BV):
+    # Ring of six [64, K] tiles, u ring, h, v_new, vs, o, A: e.g. K = 128, BV = 64:
+    # 96 + 16 + 16 + 24 + 8 KB.
+    smem = so.state_output_smem_bytes(K, BV, 2)
+    assert smem == 2 * (6 * 64 * K + 2 * 64 * BV + K * BV + 3 * 64 * BV + 64 * 64) + 72
+    assert smem <= SMEM_LIMIT[SM90] - 16 * 1024  # room for the compiler's scratch
+    p = _problem(lengths=[100], K=K, V=128)
+    assert so.plan_state_output(p, SM100, block_v=BV).blocks["tmem_columns"] == 3 * BV + 64 <= TMEM_COLUMNS
+    # K = 64, BV = 64: two programs per SM on sm_90a.
+    assert so.state_output_smem_bytes(64, 64, 2) < SMEM_LIMIT[SM90] // 2 - 8 * 1024
+
+
+def test_plan_flags():
+    p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
+    launch = so.plan_state_output(p, SM90)
+    assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
+                                 "HAS_TAILS": True, "IS_SM100": False}
+    assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
+    assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
+
+
+# ---------------------------------------------------------------------------------------
+# AOT list
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+def test_aot_list(capability):
+    backend = "gluon_sm100" if capability == SM100 else "gluon_sm90"
+    kernels = so.state_output_kernels_for_aot(capability, backend)
+    # (K, V, BV) 2 x 2 x 2, x dtype x tails x layout x l2 (16); then three initial/final
+    # state flips.
+    assert len(kernels) == 8 * 16 + 3
+    assert len({k.specialization for k in kernels}) == len(kernels)
+    for k in kernels:
+        assert k.kernel == "state_output_fwd" and k.backend == backend and k.dialect == "gluon"
+        assert list(k.signature) == list(k.fn.arg_names)
+        assert k.constexprs["IS_SM100"] == (capability == SM100)
+    blocks = {(k.constexprs["V"], k.signature["u_desc"].split("[")[1].split("]")[0]) for k in kernels}
+    assert (128, "64, 32") in blocks and (128, "64, 64") in blocks
+    for flag in ("STATE_VK", "HAS_TAILS", "USE_L2NORM", "USE_H0", "STORE_HT"):
+        assert {k.constexprs[flag] for k in kernels} == {False, True}, flag
+    assert {k.constexprs["V"] for k in kernels} == {64, 128}
+
+
+def test_aot_list_is_part_of_both_backends():
+    from backends import gluon_sm90, gluon_sm100
+
+    for module, cap in ((gluon_sm90, SM90), (gluon_sm100, SM100)):
+        fused = [k for k in module.kernels_for_aot(cap) if k.kernel == "state_output_fwd"]
+        assert len(fused) == len(so.state_output_kernels_for_aot(cap, module.BACKEND))
+
+
+# ---------------------------------------------------------------------------------------
+# The host wrapper without a GPU
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_state_output_fwd_binds_every_kernel_argument(monkeypatch, layout):
+    launched = {}
+
+    class Recorder:
+        arg_names = so._state_output_fwd_kernel.arg_names
+
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                launched.update(grid=grid, **kwargs)
+            return launch
+
+    monkeypatch.setattr(so, "_state_output_fwd_kernel", Recorder())
+    p = _problem(lengths=[1, 63, 130, 0], layout=layout, l2=True)
+    launch = so.plan_state_output(p, SM90)
+    w = torch.empty(p.B, p.T, p.HV, p.K, dtype=p.dtype)
+    u = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
+    o, final = so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
+                                   initial_state=p.initial_state, output_final_state=True)
+    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(Recorder.arg_names)
+    assert launched["grid"] == launch.grid and launched["num_warps"] == 4
+    assert launched["maxnreg"] == launch.maxnreg
+    assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == p.V and launched["USE_L2NORM"]
+    assert launched["scale"] == p.scale and launched["o_ptr"] is o
+    assert o.shape == (p.B, p.T, p.HV, p.V) and o.dtype == p.dtype
+    assert final.shape == p.state_shape and final.dtype == torch.float32
+
+
+@pytest.mark.parametrize("h0", [True, False])
+def test_without_chunks_the_final_state_is_the_initial_one(h0):
+    p = _problem(lengths=[0, 0], layout="vk", h0=h0)
+    launch = so.plan_state_output(p, SM90)
+    empty = torch.empty(1, 0, p.HV, p.K, dtype=p.dtype)
+    o, final = so.state_output_fwd(p.q, p.k, empty, empty, torch.empty(1, 0, p.HV), p.chunks, launch,
+                                   scale=p.scale, initial_state=p.initial_state, output_final_state=True)
+    assert o.shape == (1, 0, p.HV, p.V)
+    torch.testing.assert_close(final, p.initial_state if h0 else torch.zeros(p.state_shape))
+
+
+# ---------------------------------------------------------------------------------------
+# On a GPU of the two engines
+
+
+def _gluon_capability():
+    if not torch.cuda.is_available():
+        return None
+    cap = torch.cuda.get_device_capability()
+    return cap if cap[0] in (9, 10) else None
+
+
+CAPABILITY = _gluon_capability()
+#: Relative RMS error against the float32 reference (16-bit inputs), and against the unfused
+#: kernels (same roundings of h and v_new to q's dtype, different summation order).
+TOL = {"reference": 5e-3, "unfused": 2e-3}
+
+GPU_CASES = [
+    # (shape, H, HV, K, V, BV, layout, h0, l2, dtype)
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), 2, 4, 128, 128, 64, "kv", True, False, torch.bfloat16,
+                 id="varlen-H2-HV4-K128-V128-BV64-kv-h0-bf16"),
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), 2, 4, 128, 128, 64, "vk", False, True, torch.float16,
+                 id="varlen-H2-HV4-K128-V128-BV64-vk-l2-fp16"),
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), 2, 4, 128, 128, 32, "vk", True, True, torch.bfloat16,
+                 id="varlen-H2-HV4-K128-V128-BV32-vk-h0-l2-bf16"),
+    pytest.param(dict(lengths=[31, 511, 501]), 1, 4, 64, 128, 64, "kv", False, True, torch.float16,
+                 id="varlen-31-511-501-H1-HV4-K64-V128-BV64-kv-l2-fp16"),
+    pytest.param(dict(lengths=[31, 511, 501]), 1, 4, 64, 64, 32, "vk", True, False, torch.bfloat16,
+                 id="varlen-31-511-501-H1-HV4-K64-V64-BV32-vk-h0-bf16"),
+    pytest.param(dict(batch=(2, 256)), 4, 4, 128, 64, None, "kv", True, True, torch.bfloat16,
+                 id="B2-T256-H4-HV4-K128-V64-kv-h0-l2-bf16"),
+    pytest.param(dict(batch=(3, 100)), 2, 4, 64, 128, 64, "vk", False, False, torch.float16,
+                 id="B3-T100-H2-HV4-K64-V128-BV64-vk-fp16"),
+    pytest.param(dict(batch=(1, 1000)), 2, 8, 128, 128, None, "kv", True, True, torch.bfloat16,
+                 id="B1-T1000-H2-HV8-K128-V128-kv-h0-l2-bf16"),
+]
+
+
+def _poison_allocator():
+    """Fill the caching allocator's free blocks with NaN: an unwritten output element then
+    reads as NaN (an infinite error)."""
+    blocks = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]
+    blocks.append(torch.full((1 << 24,), float("nan"), device="cuda"))
+    del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
+@pytest.mark.parametrize("shape, H, HV, K, V, BV, layout, h0, l2, dtype", GPU_CASES)
+def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0, l2, dtype):
+    from backends.gluon_common.output import output_fwd
+    from backends.gluon_common.state import state_fwd
+    from backends.gluon_common.wu import wu_fwd
+    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch import reference
+
+    p = _problem(**shape, H=H, HV=HV, K=K, V=V, layout=layout, h0=h0, ht=True, l2=l2, dtype=dtype,
+                 device="cuda", seed=7)
+    props = torch.cuda.get_device_properties(p.device)
+    info = DeviceInfo(kind="cuda", index=p.device.index or 0, name=props.name, capability=CAPABILITY,
+                      sm_count=props.multi_processor_count)
+    stages = plan(p, device=info)
+    g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=math.log2(math.e))
+    A_inv = kkt_solve_fwd(p.k, g_cum, p.beta, p.chunks, use_qk_l2norm=l2)
+    w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, p.chunks, stages.stage("wu_fwd"))
+
+    _poison_allocator()
+    launch = so.plan_state_output(p, info, block_v=BV)
+    o, final = so.state_output_fwd(p.q, p.k, w, u, g_cum, p.chunks, launch, scale=p.scale,
+                                   initial_state=p.initial_state, output_final_state=True)
+    h, v_new, final_unfused = state_fwd(p.k, w, u, g_cum, p.chunks, stages.stage("state_fwd"),
+                                        initial_state=p.initial_state, output_final_state=True)
+    o_unfused = output_fwd(p.q, p.k, v_new, h, g_cum, p.chunks, stages.stage("output_fwd"), scale=p.scale)
+    torch.cuda.synchronize()
+    o_ref, final_ref = reference.forward(p)
+
+    assert rel_rms_error(o, o_ref) <= TOL["reference"], launch.notes
+    assert rel_rms_error(final, final_ref) <= TOL["reference"]
+    assert rel_rms_error(o, o_unfused) <= TOL["unfused"]
+    assert rel_rms_error(final, final_unfused) <= TOL["unfused"]
