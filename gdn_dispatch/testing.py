@@ -43,12 +43,17 @@ def random_call(
     initial_state: bool = True,
     state_layout: str = "kv",
     normalize_qk: bool = True,
+    key_cosine: float = 0.0,
 ) -> dict:
     """Keyword arguments for one random ``chunk_gated_delta_rule`` call.
 
     Give either ``lengths`` (a packed ragged batch: B = 1 with cu_seqlens and
     cu_seqlens_cpu) or ``batch = (B, T)`` (a uniform batch). ``normalize_qk=False`` leaves
     q and k un-normalized, for calls that ask the kernel to l2-normalize them.
+    ``key_cosine`` > 0 draws strongly correlated keys, as neighbouring tokens of a real
+    layer have: each k row is ``key_cosine * d + (1 - key_cosine) * noise`` for one random
+    direction ``d`` per (batch row, head), with beta in (0.5, 1) and gates close to 1
+    (``|g| < 0.01``), the regime where ``(I + A)^-1`` has its largest entries.
     Returns q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g, beta ``[B, T, HV]`` float32;
     initial_state float32 in ``state_layout`` (or None); cu_seqlens / cu_seqlens_cpu; and
     state_layout.
@@ -69,14 +74,17 @@ def random_call(
         return torch.randn(*shape, generator=gen)
 
     q, k = randn(B, T, H, K), randn(B, T, H, K)
+    if key_cosine:
+        direction = F.normalize(randn(B, 1, H, K), dim=-1) * K ** 0.5
+        k = key_cosine * direction + (1.0 - key_cosine) * k
     if normalize_qk:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     call = dict(
         q=q.to(dtype),
         k=k.to(dtype),
         v=randn(B, T, HV, V).to(dtype),
-        g=F.logsigmoid(randn(B, T, HV)),
-        beta=torch.sigmoid(randn(B, T, HV)),
+        g=F.logsigmoid(randn(B, T, HV)) if not key_cosine else -0.01 * torch.rand(B, T, HV, generator=gen),
+        beta=torch.sigmoid(randn(B, T, HV)) if not key_cosine else 0.5 + 0.5 * torch.rand(B, T, HV, generator=gen),
         initial_state=None,
         state_layout=state_layout,
     )

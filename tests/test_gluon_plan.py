@@ -36,6 +36,11 @@ SM90, SM100 = (9, 0), (10, 0)
 SMEM_LIMIT = 232448
 
 
+def _split_state_plan(p, capability):
+    """The split state kernel's plan (the forward launches the fused state + output one)."""
+    return plan_state(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
+
+
 def _problem(lengths=None, batch=None, H=2, HV=4, K=128, V=128, layout="kv", h0=True, ht=True, l2=False,
              dtype=torch.bfloat16):
     call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=dtype, initial_state=h0,
@@ -58,7 +63,7 @@ CASES = [
 def test_state_plan_descriptors_and_grid(shape, H, HV, layout, capability):
     p = _problem(**shape, H=H, HV=HV, layout=layout)
     fp = plan(p, capability)
-    st = fp.stage("state_fwd")
+    st = _split_state_plan(p, capability)
     K, V, BT = p.K, p.V, 64
     BV, rows, NT = st.blocks["BV"], p.B * p.T, p.chunks.num_chunks
     assert fp.is_sm100 == (capability == SM100) and st.constexprs["IS_SM100"] == fp.is_sm100
@@ -88,7 +93,7 @@ def test_state_plan_descriptors_and_grid(shape, H, HV, layout, capability):
 
 def test_forward_plan_has_every_gluon_stage_in_launch_order():
     fp = plan(_problem(lengths=[1, 63, 64, 65, 130, 0]), SM90)
-    assert [s.kernel for s in fp.stages] == ["wu_fwd", "state_fwd", "output_fwd"]
+    assert [s.kernel for s in fp.stages] == ["wy_fwd", "state_output_fwd"]
     assert all(s.constexprs["IS_SM100"] is False for s in fp.stages)
     assert len({s.constexprs["HAS_TAILS"] for s in fp.stages}) == 1
 
@@ -102,7 +107,7 @@ def test_tails_flag():
 
 @pytest.mark.parametrize("h0, ht, l2", [(True, True, True), (False, False, False)])
 def test_state_plan_flags(h0, ht, l2):
-    st = plan(_problem(lengths=[5, 70], h0=h0, ht=ht, l2=l2), SM90).stage("state_fwd")
+    st = _split_state_plan(_problem(lengths=[5, 70], h0=h0, ht=ht, l2=l2), SM90)
     assert (st.constexprs["USE_H0"], st.constexprs["STORE_HT"], st.constexprs["USE_L2NORM"]) == (h0, ht, l2)
 
 
@@ -141,14 +146,14 @@ def test_block_v_override_checked():
 def test_plan_follows_the_device_sm_count():
     p = _problem(batch=(8, 64), H=16, HV=64)  # N * HV = 512 (sequence, v-head) pairs
     few = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=8))
-    assert few.stage("state_fwd").blocks["BV"] == 64
-    many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=1024))
-    assert many.stage("state_fwd").blocks["BV"] == 32
+    assert few.stage("state_output_fwd").blocks["BV"] == 64
+    many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=4096))
+    assert many.stage("state_output_fwd").blocks["BV"] == 32
 
 
 def test_zero_length_sequences_plan():
     p = _problem(lengths=[0, 0, 3])
-    st = plan(p, SM90).stage("state_fwd")
+    st = _split_state_plan(p, SM90)
     assert st.grid == (3 * 4 * (128 // st.blocks["BV"]),)
     assert st.desc("h_desc").shape == (1 * 4 * 128, 128)
 
@@ -197,7 +202,7 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
 
     monkeypatch.setattr(state, "_state_fwd_kernel", Recorder())
     p = _problem(lengths=[1, 63, 130, 0], layout=layout)
-    launch = plan(p, SM90).stage("state_fwd")
+    launch = _split_state_plan(p, SM90)
     BT, HV, K, V = p.B * p.T, p.HV, p.K, p.V
     w = torch.empty(p.B, p.T, HV, K, dtype=p.dtype)
     u = torch.empty(p.B, p.T, HV, V, dtype=p.dtype)
@@ -216,7 +221,7 @@ def test_state_fwd_without_chunks_returns_the_initial_state():
     from backends.gluon_common import state
 
     p = _problem(lengths=[0, 0], layout="vk")
-    launch = plan(p, SM90).stage("state_fwd")
+    launch = _split_state_plan(p, SM90)
     empty = torch.empty(1, 0, p.HV, p.K, dtype=p.dtype)
     _, _, final = state.state_fwd(p.k, empty, empty, torch.empty(1, 0, p.HV), p.chunks, launch,
                                   initial_state=p.initial_state, output_final_state=True)
@@ -276,8 +281,8 @@ def test_plan_cache_keys_every_planned_input():
     p = _problem(batch=(8, 64), H=16, HV=64)
     info = assumed_device("sm_90")
     few = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=8))
-    many = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=1024))
-    assert few.stage("state_fwd").blocks["BV"] != many.stage("state_fwd").blocks["BV"]
+    many = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=4096))
+    assert few.stage("state_output_fwd").blocks["BV"] != many.stage("state_output_fwd").blocks["BV"]
 
 
 def test_plan_cache_shares_plans_across_equal_keys_only():

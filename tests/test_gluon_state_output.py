@@ -104,13 +104,14 @@ def test_every_planned_descriptor_builds_on_its_tensor(capability):
 @pytest.mark.parametrize(
     "K, V, heads, sms, expected",
     [
-        (128, 128, 512, 132, 64),    # choose_bv: 64 (K * BV <= 8192)
-        (64, 128, 512, 148, 64),     # choose_bv: 128, capped at 64
-        (128, 128, 128, 132, 64),    # one program per SM at K = 128: 256 programs suffice
-        (128, 128, 66, 132, 64),     # exactly one program per SM at BV = 64
-        (128, 128, 65, 132, 32),
-        (128, 128, 32, 148, 32),     # few (sequence, v-head) pairs: narrowest block
-        (64, 128, 131, 132, 32),     # two programs per SM at K = 64, as choose_bv
+        (128, 128, 512, 132, 64),    # many programs: the widest block
+        (64, 128, 512, 148, 64),
+        (128, 128, 64, 132, 64),     # 256 programs at BV = 32 would need two waves
+        (128, 128, 34, 132, 64),
+        (128, 128, 34, 132 * 2, 32),
+        (128, 128, 32, 132, 32),     # 128 programs at BV = 32 fill one wave
+        (64, 128, 66, 132, 32),      # two programs per SM at K = 64
+        (64, 128, 67, 132, 64),
         (64, 64, 1, 132, 32),        # never below 32
     ],
 )

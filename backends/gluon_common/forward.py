@@ -1,15 +1,19 @@
-"""The orchestrator both Gluon backends share: the five stages in order, for one call.
+"""The orchestrator both Gluon backends share: three launches per call.
 
-    g_cum        = chunk_cumsum_fwd(g)                  # stage 1, triton_generic (log2 units)
-    A_inv        = kkt_solve_fwd(k, g_cum, beta)        # stage 2, triton_generic
-    w, u         = wu_fwd(k, v, g_cum, beta, A_inv)     # stage 3, Gluon (engine)
-    h, v_new, S  = state_fwd(k, w, u, g_cum, S0)        # stage 4, Gluon (engine)
-    o            = output_fwd(q, k, v_new, h, g_cum)    # stage 5, Gluon (engine)
+    g_cum     = chunk_cumsum_fwd(g)                       # triton_generic (log2 units)
+    w, u      = wy_fwd(k, v, g_cum, beta)                 # Gluon: k k^T, T = (I + A)^-1, w/u
+    o, S      = state_output_fwd(q, k, w, u, g_cum, S0)   # Gluon: recurrence + output
 
 The matrix engine (tcgen05 + TMEM on sm_100a, wgmma on sm_90a) follows the device's compute
-capability; everything else is one code path. qk l2 norm: stage 2 normalizes k inside
-kkt_solve, stages 3-5 fold the row norms of the raw q/k tiles into row scales in registers
-(no normalized copy of q or k is written). Nothing here reads a device value back to the host.
+capability; everything else is one code path. Neither T, the per-chunk state h nor v_new
+reaches global memory. qk l2 norm: the kernels fold the row norms of the raw q/k tiles into
+row and column scales in registers (no normalized copy of q or k is written). Nothing here
+reads a device value back to the host.
+
+The split kernels these replaced (triton_generic's stored-inverse ``kkt_solve_fwd`` with
+:mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts that
+compare against them; on the H200 the fused pair was faster at 9 of the 10 bench shapes
+(``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,10 @@ import torch
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
-from backends.gluon_common.output import output_fwd
 from backends.gluon_common.plan import index_limits_reason, plan, resolve_device
-from backends.gluon_common.state import state_fwd
-from backends.gluon_common.wu import wu_fwd
-from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+from backends.gluon_common.state_output import state_output_fwd
+from backends.gluon_common.wy import wy_fwd
+from backends.triton_generic import chunk_cumsum_fwd
 
 LOG2E = math.log2(math.e)
 #: Head dims the Gluon kernels are written for (whole-K / whole-V tiles, TMA boxes).
@@ -49,16 +52,13 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
     """
     info = resolve_device(problem, None, device)
     launches = plan(problem, device=info)
-    chunks, l2 = problem.chunks, problem.use_qk_l2norm
+    chunks = problem.chunks
     g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
-    A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
-    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, A_inv, chunks, launches.stage("wu_fwd"))
-    h, v_new, final_state = state_fwd(
-        problem.k, w, u, g_cum, chunks, launches.stage("state_fwd"),
+    w, u = wy_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, launches.stage("wy_fwd"))
+    o, final_state = state_output_fwd(
+        problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state,
     )
-    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, launches.stage("output_fwd"),
-                   scale=problem.scale)
     return o, final_state
 
 

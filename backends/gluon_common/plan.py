@@ -6,8 +6,10 @@ and TMA descriptors (global shape, strides, block shape, shared-memory layout), 
 GPU and reading no tensor data, so it is testable with CPU tensors. ``forward`` launches
 exactly these plans; ``kernels_for_aot`` compiles the same constexprs and signatures.
 
-Stage plans come from the stage modules: ``plan_state`` (here), ``plan_wu``
-(:mod:`.wu`) and ``plan_output`` (:mod:`.output`). Convention: ``plan_<stage>(problem,
+The forward launches two Gluon kernels, planned by ``plan_wy`` (:mod:`.wy`: kkt, solve and
+w/u) and ``plan_state_output`` (:mod:`.state_output`: recurrence and output). The split
+stages they replaced keep their planners for the split kernels (``plan_wu`` in :mod:`.wu`,
+``plan_state`` here, ``plan_output`` in :mod:`.output`). Convention: ``plan_<stage>(problem,
 device: DeviceInfo) -> LaunchPlan`` (``device.capability`` picks the engine,
 ``device.sm_count`` may size blocks), with :class:`DescPlan` descriptors, so that one
 ``ForwardPlan`` describes every launch and ``kernels_for_aot`` compiles the same constexprs.
@@ -17,7 +19,7 @@ memory (rows = tokens), and ``h`` ``[NT, HV, K, V]`` as ``[NT * HV * K, V]``; a 
 addressed by (row, column) element coordinates (int32 in the TMA unit: see
 :func:`index_limits_reason`).
 
-Host cost: a forward calls :func:`plan` and builds 19 descriptors per call, so the pure
+Host cost: a forward calls :func:`plan` and builds 12 descriptors per call, so the pure
 parts are memoized: plans per :func:`plan_key` (bounded LRU) and shared-memory layouts per
 (tile, dtype). Cached plans are shared between calls: treat a plan and its dicts as
 read-only.
@@ -208,7 +210,7 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Every Gluon launch of one call, in order (wu, state, output), for one target."""
+    """Every Gluon launch of one call, in order (wy, state_output), for one target."""
 
     capability: tuple[int, int]
     is_sm100: bool
@@ -383,7 +385,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None,
 
     Returns
     -------
-    ForwardPlan with the stage plans that exist (wu, state, output), in launch order.
+    ForwardPlan with the forward's Gluon launches (wy_fwd, state_output_fwd), in order.
     """
     info = resolve_device(problem, capability, device)
     cap = tuple(capability or info.capability)
@@ -401,9 +403,9 @@ def compute_plan(problem: GDNProblem, info: DeviceInfo) -> ForwardPlan:
     """:func:`plan` without the cache: every stage planned for ``info.capability``."""
     cap = tuple(info.capability)
     # The stage modules import this one (dataclasses, has_tails): import them here, not at the top.
-    from backends.gluon_common.output import plan_output
-    from backends.gluon_common.wu import plan_wu
+    from backends.gluon_common.state_output import plan_state_output
+    from backends.gluon_common.wy import plan_wy
 
-    stages = [planner(problem, info) for planner in (plan_wu, plan_state, plan_output)]
+    stages = [planner(problem, info) for planner in (plan_wy, plan_state_output)]
     return ForwardPlan(capability=cap, is_sm100=cap[0] == 10, state_layout=problem.state_layout,
                        has_tails=has_tails(problem), stages=tuple(stages))

@@ -359,17 +359,22 @@ def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2) -> int:
 
 
 def state_output_block_v(K: int, V: int, num_heads: int, sm_count: int) -> int:
-    """BV: :func:`plan.choose_bv`'s rule, for this kernel's residency, capped at 64 (the
-    fused kernel holds four accumulators; see :data:`BLOCK_V`).
+    """BV: 32 when the (sequence, v-head, 32-column block) programs all fit on the part at
+    once (:func:`state_output_programs_per_sm` each), else 64 (the widest block the kernel
+    is built for, :data:`BLOCK_V`).
 
-    choose_bv halves BV while there are fewer than two programs per SM, the state kernel's
-    residency; the fused kernel's rings leave room for :func:`state_output_programs_per_sm`
-    (one at K = 128), so it is asked with the SM count scaled by that over two. On the H200
-    (K = V = 128, 32 v-heads, bf16) 4 sequences ran 1.7x faster at BV = 64 (256 programs)
-    than at the BV = 32 that choose_bv alone gives, and 1 sequence 9% faster at BV = 32.
+    Every program walks its sequence serially, so a second wave of programs costs a whole
+    second walk: narrow blocks pay only while they add programs to the first wave. On the
+    H200 (132 SMs, one program each at K = V = 128, bf16): 32 v-heads of one 32768-token
+    sequence, 128 programs at BV = 32, 1.06 ms against 1.21 ms at BV = 64; 64 v-heads, 256
+    programs at BV = 32 (two waves), 2.19 ms against 1.40 ms at BV = 64; 4 sequences of 32
+    v-heads, 0.63 ms at BV = 64 against 1.09 ms.
     """
-    sms = max(1, sm_count * state_output_programs_per_sm(K) // 2)
-    return min(choose_bv(K, V, num_heads, sms), max(BLOCK_V))
+    capacity = max(sm_count, 1) * state_output_programs_per_sm(K)
+    narrow = min(BLOCK_V)
+    if V % max(BLOCK_V) or num_heads * (V // narrow) <= capacity:
+        return narrow
+    return max(BLOCK_V)
 
 
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None) -> LaunchPlan:

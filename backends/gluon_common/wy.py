@@ -8,29 +8,30 @@
 program: one kernel reads k and v once and writes w and u.
 
 The inverse uses only whole-tile [64, 64] products, so it runs on the engine (wgmma or
-tcgen05) instead of in scalar registers. Split A by 16 x 16 blocks into the block diagonal
-``D``, the first sub-diagonal blocks inside each 32-row half ``N1`` (blocks (1, 0), (3, 2))
-and the lower-left 32 x 32 quadrant ``N2``; A = D + N1 + N2. Then
+tcgen05) instead of in scalar registers. With ``x`` the inverse of A's block diagonal at
+block size ``b`` and ``n`` the blocks of A just below it inside each pair of blocks,
 
-    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)       (every 16 x 16 block of D is strictly
-                                                         lower, so D^16 = 0: six products)
-    E = (I + D + N1)^-1 = Dinv - Dinv N1 Dinv             ((Dinv N1)^2 = 0: N1 only moves a
-                                                         16-block one block down its half)
-    T = (I + A)^-1      = E - E N2 E                      ((E N2)^2 = 0 likewise, halves)
+    (I + d)^-1 = (I - d)(I + d^2)               for the 4 x 4 diagonal blocks d (d^4 = 0)
+    x <- x - x (n x)                            for b = 4, 8, 16, 32: the inverse at 2b
 
-Ten products, each an fp32 x fp32 MMA (tf32 inputs, fp32 accumulate: the precision
-triton_generic's solve uses for 16-bit calls; T is rounded to the 16-bit type right after).
-tf32 MMA operands must be K-major on Hopper: the left operand is stored row-major, the right
-one into a buffer whose NVMMA layout is transposed (the store writes it column-major).
+(``[[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]``, all pairs of one level in one
+product). Ten products, each an fp32 x fp32 MMA (tf32 inputs, fp32 accumulate; T is rounded
+to the 16-bit type right after). Every intermediate is a block of T or of A, so it stays as
+small as T: the shorter product formula ``(I - d)(I + d^2)(I + d^4)(I + d^8)`` on 16 x 16
+blocks builds powers with entries up to C(14, 7) = 3432 for strongly correlated keys, and
+tf32 then loses T to cancellation (3e-2 relative error at key cosine 0.9, against 1e-3
+here; ``tests/test_numerics.py``). tf32 MMA operands must be K-major on Hopper: the left
+operand is stored row-major, the right one into a buffer whose NVMMA layout is transposed
+(the store writes it column-major).
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
 are 0 and those k / v rows (the next sequence's tokens) contribute nothing; w / u rows past
 the end are not written (see :mod:`masks`).
 
-Budget (K = V = 128, 16-bit): shared memory k 16 + v 16 + two fp32 operands 32 + two scaled
-T tiles 16 = 80 KB (two programs per SM on sm_90a); TMEM 64 (products) + K + V columns on
-sm_100a.
+Budget (K = V = 128, 16-bit): shared memory k 16 + v 16 + two fp32 operands 32 KB (the
+scaled T tiles reuse the operands' bytes) = 64 KB, and 168 registers per thread on sm_90a:
+three programs per SM; TMEM 64 (products) + K + V columns on sm_100a.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
-from backends.gluon_common.compat import tma_load
+from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
 from backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
 from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
 from backends.gluon_common.wu import (
@@ -61,6 +62,16 @@ def _f32_layout(transposed):
     """NVMMA layout of an fp32 [64, 64] MMA operand; ``transposed`` stores it column-major
     (a K-major right-hand operand, which tf32 MMAs require)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2, transposed=transposed)
+
+
+@gluon.jit
+def _alias(smem, dtype: gl.constexpr, layout: gl.constexpr):
+    """A [rows, cols] ``dtype`` view of the first bytes of ``smem`` (same shape, narrower type)."""
+    if HAS_PUBLIC_REINTERPRET:
+        view = smem.reinterpret(dtype, smem.shape, layout)
+    else:
+        view = smem._reinterpret(dtype, smem.shape, layout)
+    return view
 
 
 @gluon.jit
@@ -84,27 +95,23 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
     i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
     j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
     eye = gl.where(i == j, 1.0, 0.0)
-    d = gl.where(i // 16 == j // 16, a, 0.0)
-    n1 = gl.where((i // 16 == j // 16 + 1) & (i // 32 == j // 32), a, 0.0)
-    n2 = gl.where((i >= 32) & (j < 32), a, 0.0)
-
     acc = E.acc_alloc_tf32(BT, BT, IS_SM100)
-    # (I + D)^-1: x = (I - D), then x (I + D^2), x (I + D^4), x (I + D^8).
-    x = eye - d
-    p = d
-    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
-    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
-    p, acc = _f32_product(p, p, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    x, acc = _f32_product(x, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
-    # 16 -> 32 and 32 -> 64: x <- x - x (n x).
-    y, acc = _f32_product(n1, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
-    x = x - y
-    y, acc = _f32_product(n2, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
-    return x - y
+    # a is read again at every level: on sm_100a it waits in TMEM, not in 32 registers per
+    # thread (uncapped there, the l2 specializations spilled); on sm_90a this is a no-op.
+    a_kept = E.acc_write(E.acc_alloc(BT, BT, IS_SM100), a, IS_SM100)
+    # 4 x 4 diagonal blocks: (I + d)^-1 = (I - d)(I + d^2), as d^4 = 0.
+    d = gl.where(i // 4 == j // 4, a, 0.0)
+    p, acc = _f32_product(d, d, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+    x, acc = _f32_product(eye - d, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - x (n x), n = a's
+    # blocks just below the diagonal blocks of x inside each pair.
+    for level in gl.static_range(2, 6):
+        a = gl.convert_layout(E.acc_read(a_kept, IS_SM100), layout)
+        n = gl.where((i >> level == (j >> level) + 1) & (i >> (level + 1) == j >> (level + 1)), a, 0.0)
+        y, acc = _f32_product(n, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
+        y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+        x = x - y
+    return x
 
 
 @gluon.jit
@@ -157,9 +164,11 @@ def _wy_fwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
     lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
     rhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+    # The scaled T tiles reuse the fp32 operand buffers' bytes (free once the inverse is
+    # done): 66 KB in all, so that three programs fit an SM.
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
-    tw_smem = gl.allocate_shared_memory(dtype, [BT, BT], t_layout)
-    tu_smem = gl.allocate_shared_memory(dtype, [BT, BT], t_layout)
+    tw_smem = _alias(lhs_smem, dtype, t_layout)
+    tu_smem = _alias(rhs_smem, dtype, t_layout)
     # ready_bars[0]: k landed, [1]: v landed. mma_bars[0]: k k^T, [1]: the ten products of
     # the inverse (phases alternate, counted statically), [2]: w = T k, [3]: u = T v.
     ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -182,7 +191,8 @@ def _wy_fwd_kernel(
     t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
 
     # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
-    # rounding, of the scaled T, per product).
+    # rounding, of the scaled T, per product). The inverse's last MMA was waited on, so the
+    # operand bytes under tw/tu are free.
     tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     fence_async_shared()
@@ -205,6 +215,9 @@ def _wy_fwd_kernel(
 
 # ----------------------------------------------------------------------------------------
 # Host side: plan (dry run), launch, AOT list
+
+#: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8.
+WY_MAXNREG_SM90 = 168
 
 
 def plan_wy(problem: GDNProblem, device) -> LaunchPlan:
@@ -240,13 +253,17 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
         num_warps=NUM_WARPS,
         # TMEM (sm_100a): M = 64 accumulators take 16 of each 32-lane quarter; k k^T and the
         # inverse's products (64 columns each, never live at once), w (K), u (V).
-        blocks={"BT": BT, "K": K, "V": V,
-                "smem_bytes": BT * (K + V) * elem + 2 * BT * BT * 4 + 2 * BT * BT * elem,
+        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": BT * (K + V) * elem + 2 * BT * BT * 4,
                 "tmem_columns": (2 * BT + K + V) if is_sm100 else 0},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel, whole [64, {K}] / [64, {V}] tiles",
+        # sm_90a: 168 registers (ptxas takes 183-198 uncapped, and spills nothing at 168) and
+        # 66 KB of shared memory let three programs share an SM: each program is a chain of
+        # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
+        # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
+        maxnreg=255 if is_sm100 else WY_MAXNREG_SM90,
     )
 
 
@@ -299,7 +316,7 @@ def wy_fwd(
         **descs, w_ptr=w, u_ptr=u, g_cum=g_cum, beta=beta,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
-        **launch.constexprs, num_warps=launch.num_warps,
+        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
     )
     return w, u
 
@@ -336,7 +353,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) 
                                 backend=backend, kernel="wy_fwd", specialization=tag, fn=_wy_fwd_kernel,
                                 signature=wy_signature(launch, dtype, beta_dtype),
                                 constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-                                attrs=pointer_attrs(_wy_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta",
+                                maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta",
                                                                      "cu_seqlens", "chunk_seq", "chunk_local"]),
                             ))
     return kernels

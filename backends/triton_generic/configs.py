@@ -136,8 +136,10 @@ def fuse_solve_into_wu(capability=None) -> bool:
     0.83 ms at 32k tokens, HV = 32). On sm_100 the fused kernel spills registers under the
     tcgen05 lowering (192 bytes at K = V = 128 with the l2-norm; 4 or 8 warps, 64- or
     128-wide tiles alike), so that part takes the split form (compiled, not timed: there is
-    no Blackwell part here, and gluon_sm100 is what runs there)."""
-    return capability is None or capability[0] != 10
+    no Blackwell part here, and gluon_sm100 is what runs there). sm_12x likewise: with the
+    block-merged 16 x 16 inverse (tests/test_numerics.py) the fused kernel takes 255
+    registers and spills 8 bytes there at K = 100, fp16 (mma.sync lowering)."""
+    return capability is None or capability[0] not in (10, 12)
 
 
 @functools.cache
