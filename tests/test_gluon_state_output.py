@@ -291,9 +291,10 @@ def _poison_allocator():
 @pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
 @pytest.mark.parametrize("shape, H, HV, K, V, BV, layout, h0, l2, dtype", GPU_CASES)
 def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0, l2, dtype):
-    from backends.gluon_common.output import output_fwd
+    from backends.gluon_common.output import output_fwd, plan_output
+    from backends.gluon_common.plan import plan_state
     from backends.gluon_common.state import state_fwd
-    from backends.gluon_common.wu import wu_fwd
+    from backends.gluon_common.wu import plan_wu, wu_fwd
     from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
     from gdn_dispatch import reference
 
@@ -302,18 +303,17 @@ def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0,
     props = torch.cuda.get_device_properties(p.device)
     info = DeviceInfo(kind="cuda", index=p.device.index or 0, name=props.name, capability=CAPABILITY,
                       sm_count=props.multi_processor_count)
-    stages = plan(p, device=info)
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=math.log2(math.e))
     A_inv = kkt_solve_fwd(p.k, g_cum, p.beta, p.chunks, use_qk_l2norm=l2)
-    w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, p.chunks, stages.stage("wu_fwd"))
+    w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, p.chunks, plan_wu(p, info))
 
     _poison_allocator()
     launch = so.plan_state_output(p, info, block_v=BV)
     o, final = so.state_output_fwd(p.q, p.k, w, u, g_cum, p.chunks, launch, scale=p.scale,
                                    initial_state=p.initial_state, output_final_state=True)
-    h, v_new, final_unfused = state_fwd(p.k, w, u, g_cum, p.chunks, stages.stage("state_fwd"),
+    h, v_new, final_unfused = state_fwd(p.k, w, u, g_cum, p.chunks, plan_state(p, info),
                                         initial_state=p.initial_state, output_final_state=True)
-    o_unfused = output_fwd(p.q, p.k, v_new, h, g_cum, p.chunks, stages.stage("output_fwd"), scale=p.scale)
+    o_unfused = output_fwd(p.q, p.k, v_new, h, g_cum, p.chunks, plan_output(p, info), scale=p.scale)
     torch.cuda.synchronize()
     o_ref, final_ref = reference.forward(p)
 

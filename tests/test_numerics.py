@@ -73,8 +73,9 @@ def test_triton_generic_inverse_with_correlated_keys(device, cosine, monkeypatch
     p = _problem(device, cosine, 128 if device == "cuda" else 32, monkeypatch)
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=LOG2E)
     T = kkt_solve_fwd(p.k, g_cum, p.beta, p.chunks, out_dtype=torch.float32)
-    # tf32 inputs, fp32 accumulation: 1e-3 with the block merge (3e-2 with the product formula).
-    assert rel_rms_error(T.reshape(-1, p.HV, 64), _exact_inverse(p, g_cum)) < 2e-3
+    # tf32 inputs, fp32 accumulation: about 1e-3 with the block merge, 3e-2 with the product
+    # formula (emulated in float32 with tf32 rounding); the bound sits between the two.
+    assert rel_rms_error(T.reshape(-1, p.HV, 64), _exact_inverse(p, g_cum)) < 5e-3
 
 
 @pytest.mark.parametrize("device", _device_params(gluon=True))
