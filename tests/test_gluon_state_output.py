@@ -25,7 +25,7 @@ from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_call, rel_rms_error  # noqa: E402
 
 from backends.gluon_common import state_output as so  # noqa: E402
-from backends.gluon_common.plan import has_tails, plan  # noqa: E402
+from backends.gluon_common.plan import has_tails  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
