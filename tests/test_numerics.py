@@ -8,8 +8,8 @@ block, (I - a)(I + a^2)(I + a^4)(I + a^8), builds powers with entries up to C(14
 blocks upwards instead, where every intermediate is a block of T or of A.
 
 Each stage is checked against float64 from its own inputs: end to end, a bf16 pipeline in
-this regime is 1e-2 off the float32 reference whatever the inverse (rounding w, u, h and
-v_new to 16 bits), which would hide the difference. The interpreter computes dots in fp32,
+this regime is 1e-2 off the float32 reference whatever the inverse (rounding T, w, u, h and
+v_new to 16 bits, as fla does), which would hide part of the difference. The interpreter computes dots in fp32,
 so only a GPU shows the tf32 failure (``-m gpu``); on the CPU the same calls check that
 the merge order is an exact inverse.
 """
@@ -102,9 +102,12 @@ def test_gluon_wy_with_correlated_keys(device, cosine, monkeypatch):
             Tc = T[r, :, :n].transpose(0, 1)  # [HV, n, n]
             w_ref[r] = (Tc @ (k[r] * scale_w[r, :, None]).transpose(0, 1)).transpose(0, 1)
             u_ref[r] = (Tc @ (v[r] * scale_u[r, :, None]).transpose(0, 1)).transpose(0, 1)
-    # bf16 outputs: their own rounding is about 2e-3.
-    assert rel_rms_error(w.reshape(w_ref.shape), w_ref) < 5e-3
-    assert rel_rms_error(u.reshape(u_ref.shape), u_ref) < 5e-3
+    # The kernel rounds the scaled T to bf16 before the w/u products (as fla does), and
+    # with nearly parallel keys w = T (beta 2^g k) cancels heavily, so that rounding alone
+    # costs 9e-3 (cosine 0.9) and 1.6e-2 (0.99) against float64, by emulation on the CPU
+    # and measured on the H200 (9.3e-3, 1.2e-2). The product-formula inverse gave 0.5-0.7.
+    assert rel_rms_error(w.reshape(w_ref.shape), w_ref) < 3e-2
+    assert rel_rms_error(u.reshape(u_ref.shape), u_ref) < 3e-2
 
 
 def test_correlated_keys_are_correlated():
