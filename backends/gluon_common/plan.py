@@ -281,6 +281,18 @@ def state_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
     return rings + tiles + 8 * 8
 
 
+def state_constexprs(problem: GDNProblem, is_sm100: bool) -> dict:
+    """The constexpr flags of a kernel that walks the recurrence (state, state + output)."""
+    return {
+        "USE_H0": problem.initial_state is not None,
+        "STORE_HT": problem.output_final_state,
+        "STATE_VK": problem.state_layout is StateLayout.VK,
+        "USE_L2NORM": problem.use_qk_l2norm,
+        "HAS_TAILS": has_tails(problem),
+        "IS_SM100": is_sm100,
+    }
+
+
 def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None = None) -> LaunchPlan:
     """Launch plan of :func:`backends.gluon_common.state.state_fwd` for ``problem``.
 
@@ -305,14 +317,7 @@ def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None =
         DescPlan("vn_rows_desc", "v_new", (rows, HV * V), (HV * V, 1), (1, BV), dtype, (BT, BV)),
     )
     is_sm100 = device.capability[0] == 10
-    constexprs = {
-        "USE_H0": problem.initial_state is not None,
-        "STORE_HT": problem.output_final_state,
-        "STATE_VK": problem.state_layout is StateLayout.VK,
-        "USE_L2NORM": problem.use_qk_l2norm,
-        "HAS_TAILS": has_tails(problem),
-        "IS_SM100": is_sm100,
-    }
+    constexprs = state_constexprs(problem, is_sm100)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="state_fwd",

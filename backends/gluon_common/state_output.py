@@ -91,13 +91,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from gdn_dispatch.aot import AotKernel
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import thread_barrier, tma_load
 from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, row_vector, store_chunk_tile, tile_layout
-from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, choose_bv, has_tails, sig_dtype
+from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, sig_dtype, state_constexprs
 from backends.gluon_common.state import _state_gates, _state_in, _state_out, _state_vs
 from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
 
@@ -405,14 +405,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
     )
-    constexprs = {
-        "USE_H0": problem.initial_state is not None,
-        "STORE_HT": problem.output_final_state,
-        "STATE_VK": problem.state_layout is StateLayout.VK,
-        "USE_L2NORM": problem.use_qk_l2norm,
-        "HAS_TAILS": has_tails(problem),
-        "IS_SM100": is_sm100,
-    }
+    constexprs = state_constexprs(problem, is_sm100)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="state_output_fwd",
