@@ -1,0 +1,105 @@
+"""The fused kkt + solve + w/u Gluon kernel (backends/gluon_common/wy.py) without a GPU:
+launch plans on CPU tensors, the residency the plan promises, and the empty call.
+
+Every specialization is compiled for sm_90a and sm_100a by tests/test_gluon_aot.py and
+tests/test_arch_matrix.py (through the backends' AOT lists); its numerics run on a GPU
+(tests/test_numerics.py, benchmarks/h200_gluon_fused.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.aot import compile_kernel  # noqa: E402
+from gdn_dispatch.contract import make_problem  # noqa: E402
+from gdn_dispatch.device import assumed_device  # noqa: E402
+
+from backends.gluon_common import wy  # noqa: E402
+from backends.gluon_common.plan import has_tails, plan  # noqa: E402
+
+SM100, SM90 = (10, 0), (9, 0)
+#: Shared memory of one H100 / H200 multiprocessor (bytes), and what each block reserves.
+SM90_SMEM_PER_SM, BLOCK_RESERVED = 228 * 1024, 1024
+
+
+def _problem(lengths=None, B=1, T=128, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l2=False):
+    cu = None
+    if lengths is not None:
+        B, T = 1, sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
+    g = torch.randn(B, T, HV, generator=gen)
+    return make_problem(q, q.clone(), v, g, g.sigmoid(), cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
+
+
+@pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100", "sm90"])
+def test_plan_wy_uniform_batch(capability):
+    p = _problem(B=2, T=128, H=2, HV=4, K=128, V=64)
+    launch = wy.plan_wy(p, capability)
+    assert launch.kernel == "wy_fwd" and launch.num_warps == 4
+    assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
+    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100}
+    assert launch.scalars == {"HV": 4, "GROUP": 2}
+    k = launch.desc("k_desc")
+    assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
+    v = launch.desc("v_desc")
+    assert (v.tensor, v.shape, v.block_shape) == ("v", (256, 4 * 64), (64, 64))
+    w_rows = launch.desc("w_rows_desc")
+    assert (w_rows.tensor, w_rows.block_shape, w_rows.layout_shape) == ("w", (1, 128), (64, 128))
+    assert w_rows.layout == launch.desc("w_desc").layout
+    assert launch.desc("u_desc").shape == (256, 4 * 64)
+    assert {d.arg for d in launch.descriptors} == {"k_desc", "v_desc", "w_desc", "u_desc", "w_rows_desc",
+                                                   "u_rows_desc"}
+
+
+def test_plan_wy_varlen_tails_l2_fp16():
+    p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=1, HV=2, K=64, V=128, dtype=torch.float16, l2=True)
+    launch = wy.plan_wy(p, SM90)
+    assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
+    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False}
+    assert launch.constexprs["HAS_TAILS"] == has_tails(p)
+    assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
+
+
+@pytest.mark.parametrize("K, V", [(64, 64), (128, 128), (64, 128)])
+def test_three_programs_fit_an_sm90_multiprocessor(K, V):
+    """The residency the sm_90 launch is tuned for: shared memory and registers of three
+    programs within one SM (the plan's budget, and the register cap it passes ptxas)."""
+    launch = wy.plan_wy(_problem(K=K, V=V), SM90)
+    assert 3 * (launch.blocks["smem_bytes"] + BLOCK_RESERVED) <= SM90_SMEM_PER_SM
+    assert launch.maxnreg == wy.WY_MAXNREG_SM90 and 3 * 128 * launch.maxnreg <= 65536
+    assert wy.plan_wy(_problem(K=K, V=V), SM100).maxnreg == 255
+
+
+@pytest.mark.slow
+def test_compiled_shared_memory_matches_the_plan():
+    """What ptxas reports for the largest sm_90a specialization is the plan's budget (plus
+    barriers and scratch under 1 KB), with the registers capped and nothing spilled."""
+    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == "K128-V128-varlen-l2-bf16-betafp32")
+    report = compile_kernel(kernel, SM90)
+    budget = wy.plan_wy(_problem(lengths=[65], K=128, V=128, l2=True), SM90).blocks["smem_bytes"]
+    assert budget <= report.shared_bytes <= budget + 1024
+    assert report.registers <= wy.WY_MAXNREG_SM90 and report.spill_bytes == 0
+
+
+def test_forward_plans_wy_first():
+    fp = plan(_problem(lengths=[5, 70]), SM90)
+    assert fp.stages[0].kernel == "wy_fwd" and fp.stages[0] == wy.plan_wy(_problem(lengths=[5, 70]), SM90)
+
+
+def test_empty_call_launches_nothing():
+    p = _problem(lengths=[0, 0], K=64, V=64)
+    w, u = wy.wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, device_info=assumed_device("sm_90"))
+    assert w.shape == (1, 0, p.HV, p.K) and u.shape == (1, 0, p.HV, p.V)
+
+
+def test_aot_list_covers_every_flag():
+    kernels = wy.wy_kernels_for_aot(SM90)
+    assert len(kernels) == 2 * 2 * 2 * 2 * 2 * 2  # dtype x beta dtype x K x V x tails x l2
+    assert len({k.specialization for k in kernels}) == len(kernels)
+    assert all(k.maxnreg == wy.WY_MAXNREG_SM90 for k in kernels)
