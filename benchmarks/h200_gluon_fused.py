@@ -4,14 +4,16 @@ Run from the repository root on an sm_90 GPU (fla importable for part 3)::
 
     PYTHONPATH=.:/tmp/site FLA_FLASH_QLA=0 python benchmarks/h200_gluon_fused.py [--budget S]
 
-* ``wy``: kkt + solve + w/u in one Gluon kernel (:mod:`backends.gluon_common.wy`), replacing
-  triton_generic's stored-inverse ``kkt_solve_fwd`` + the Gluon ``wu_fwd``.
+* ``wy``: the gate cumsum, kkt, solve and w/u in one Gluon kernel
+  (:mod:`backends.gluon_common.wy`), replacing triton_generic's cumsum and stored-inverse
+  ``kkt_solve_fwd`` + the Gluon ``wu_fwd``.
 * ``state_output``: the recurrence and the output in one Gluon kernel
   (:mod:`backends.gluon_common.state_output`), replacing ``state_fwd`` + ``output_fwd``.
 
-Part 1, correctness (one line per case; tolerance 5e-3 relative RMS): each fused stage against
+Part 1, correctness (one line per case; tolerance 5e-3 relative RMS; ``wy_g`` is wy's gate
+cumsum against triton_generic's): each fused stage against
 a float32 torch computation from the inputs it receives (the same references as
-``h200_gluon_sm90.py``), then the fused pipeline (cumsum, wy, state_output) against
+``h200_gluon_sm90.py``), then the fused pipeline (wy, state_output) against
 ``gdn_dispatch.reference``; outputs NaN-poisoned first. Cases: the pairwise covering set of
 ``h200_gluon_sm90.py`` on lengths 1/63/64/65/130/0, one tail-free case, one long "vk" case.
 
@@ -45,14 +47,12 @@ def say(*args):
 
 
 def fused_forward(problem, info, block_v=None):
-    """cumsum (triton_generic) -> wy -> state_output, for ``problem``; (o, final_state)."""
+    """wy (with the gate cumsum) -> state_output, for ``problem``; (o, final_state)."""
     from backends.gluon_common.state_output import plan_state_output, state_output_fwd
     from backends.gluon_common.wy import plan_wy, wy_fwd
-    from backends.triton_generic import chunk_cumsum_fwd
 
     chunks = problem.chunks
-    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
-    w, u = wy_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, plan_wy(problem, info))
+    w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, plan_wy(problem, info))
     return state_output_fwd(problem.q, problem.k, w, u, g_cum, chunks,
                             plan_state_output(problem, info, block_v=block_v), scale=problem.scale,
                             initial_state=problem.initial_state,
@@ -89,8 +89,9 @@ def check_case(c, lengths, device, info, seed):
     A32 = kkt_solve_fwd(p.k, g_cum, p.beta, chunks, use_qk_l2norm=c["l2"], out_dtype=torch.float32)
     w_ref, u_ref = ref_wu(p, A32, g_cum)
     poison_allocator(device)
-    w, u = wy_fwd(p.k, p.v, g_cum, p.beta, chunks, plan_wy(p, info))
+    w, u, g_cum_wy = wy_fwd(p.k, p.v, p.g, p.beta, chunks, plan_wy(p, info))
     torch.cuda.synchronize()
+    errs["wy_g"] = rel_rms_error(g_cum_wy, g_cum)
     errs["wy_w"] = rel_rms_error(w.reshape(w_ref.shape), w_ref)
     errs["wy_u"] = rel_rms_error(u.reshape(u_ref.shape), u_ref)
 
@@ -178,7 +179,7 @@ def stage_times(shape, device, info, l2):
     ch = p.chunks
     g_cum = chunk_cumsum_fwd(p.g, ch, scale=LOG2E)
     A = kkt_solve_fwd(p.k, g_cum, p.beta, ch, use_qk_l2norm=l2)
-    w, u = wy_fwd(p.k, p.v, g_cum, p.beta, ch, plan_wy(p, info))
+    w, u, _ = wy_fwd(p.k, p.v, p.g, p.beta, ch, plan_wy(p, info))
     ps = plan_state(p, info)
     h, v_new, _ = state_fwd(p.k, w, u, g_cum, ch, ps, initial_state=p.initial_state, output_final_state=True)
     t = {}
@@ -186,7 +187,7 @@ def stage_times(shape, device, info, l2):
     t["tg_wu"] = median_ms(lambda: tg_wu_fwd(p.k, p.v, g_cum, p.beta, ch, use_qk_l2norm=l2))
     t["kkt+wu"] = median_ms(lambda: wu_fwd(p.k, p.v, g_cum, p.beta, kkt_solve_fwd(p.k, g_cum, p.beta, ch, use_qk_l2norm=l2),
                                            ch, plan_wu(p, info)))
-    t["wy"] = median_ms(lambda: wy_fwd(p.k, p.v, g_cum, p.beta, ch, plan_wy(p, info)))
+    t["wy"] = median_ms(lambda: wy_fwd(p.k, p.v, p.g, p.beta, ch, plan_wy(p, info)))
     t[f"state(BV{ps.blocks['BV']})"] = median_ms(
         lambda: state_fwd(p.k, w, u, g_cum, ch, ps, initial_state=p.initial_state, output_final_state=True))
     t["output"] = median_ms(lambda: output_fwd(p.q, p.k, v_new, h, g_cum, ch, plan_output(p, info), scale=p.scale))

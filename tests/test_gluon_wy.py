@@ -80,7 +80,7 @@ def test_three_programs_fit_an_sm90_multiprocessor(K, V):
 def test_compiled_shared_memory_matches_the_plan():
     """What ptxas reports for the largest sm_90a specialization is the plan's budget (plus
     barriers and scratch under 1 KB), with the registers capped and nothing spilled."""
-    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == "K128-V128-varlen-l2-bf16-betafp32")
+    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == "K128-V128-varlen-l2-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
     budget = wy.plan_wy(_problem(lengths=[65], K=128, V=128, l2=True), SM90).blocks["smem_bytes"]
     assert budget <= report.shared_bytes <= budget + 1024
@@ -94,12 +94,13 @@ def test_forward_plans_wy_first():
 
 def test_empty_call_launches_nothing():
     p = _problem(lengths=[0, 0], K=64, V=64)
-    w, u = wy.wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, device_info=assumed_device("sm_90"))
+    w, u, g_cum = wy.wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, device_info=assumed_device("sm_90"))
     assert w.shape == (1, 0, p.HV, p.K) and u.shape == (1, 0, p.HV, p.V)
+    assert g_cum.shape == (1, 0, p.HV) and g_cum.dtype == torch.float32
 
 
 def test_aot_list_covers_every_flag():
     kernels = wy.wy_kernels_for_aot(SM90)
-    assert len(kernels) == 2 * 2 * 2 * 2 * 2 * 2  # dtype x beta dtype x K x V x tails x l2
+    assert len(kernels) == 2 * 3 * 2 * 2 * 2 * 2  # dtype x (g, beta) dtypes x K x V x tails x l2
     assert len({k.specialization for k in kernels}) == len(kernels)
     assert all(k.maxnreg == wy.WY_MAXNREG_SM90 for k in kernels)

@@ -87,7 +87,9 @@ def test_gluon_wy_with_correlated_keys(device, cosine, monkeypatch):
 
     p = _problem(device, cosine, 128, monkeypatch)
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=LOG2E)
-    w, u = wy_fwd(p.k, p.v, g_cum, p.beta, p.chunks, plan(p).stage("wy_fwd"))
+    w, u, g_cum_wy = wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, plan(p).stage("wy_fwd"))
+    # The kernel's own gate cumsum (a tree scan) against triton_generic's.
+    torch.testing.assert_close(g_cum_wy, g_cum, rtol=1e-5, atol=1e-5)
     T = _exact_inverse(p, g_cum)  # [B*T, HV, 64]: row t of its chunk
     k = p.k.reshape(-1, p.H, p.K).double().repeat_interleave(p.HV // p.H, dim=1)
     v = p.v.reshape(-1, p.HV, p.V).double()

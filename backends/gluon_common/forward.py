@@ -1,8 +1,7 @@
-"""The orchestrator both Gluon backends share: three launches per call.
+"""The orchestrator both Gluon backends share: two launches per call.
 
-    g_cum     = chunk_cumsum_fwd(g)                       # triton_generic (log2 units)
-    w, u      = wy_fwd(k, v, g_cum, beta)                 # Gluon: k k^T, T = (I + A)^-1, w/u
-    o, S      = state_output_fwd(q, k, w, u, g_cum, S0)   # Gluon: recurrence + output
+    w, u, g_cum = wy_fwd(k, v, g, beta)                   # gate cumsum, k k^T, T = (I + A)^-1, w/u
+    o, S        = state_output_fwd(q, k, w, u, g_cum, S0) # recurrence + output
 
 The matrix engine (tcgen05 + TMEM on sm_100a, wgmma on sm_90a) follows the device's compute
 capability; everything else is one code path. Neither T, the per-chunk state h nor v_new
@@ -10,15 +9,13 @@ reaches global memory. qk l2 norm: the kernels fold the row norms of the raw q/k
 row and column scales in registers (no normalized copy of q or k is written). Nothing here
 reads a device value back to the host.
 
-The split kernels these replaced (triton_generic's stored-inverse ``kkt_solve_fwd`` with
-:mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts that
+The split kernels these replaced (triton_generic's cumsum and stored-inverse
+``kkt_solve_fwd`` with :mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts that
 compare against them; on the H200 the fused pair was faster at 9 of the 10 bench shapes
 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -28,9 +25,7 @@ from gdn_dispatch.device import DeviceInfo
 from backends.gluon_common.plan import index_limits_reason, plan, resolve_device
 from backends.gluon_common.state_output import state_output_fwd
 from backends.gluon_common.wy import wy_fwd
-from backends.triton_generic import chunk_cumsum_fwd
 
-LOG2E = math.log2(math.e)
 #: Head dims the Gluon kernels are written for (whole-K / whole-V tiles, TMA boxes).
 HEAD_DIMS = (64, 128)
 
@@ -53,8 +48,7 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
     info = resolve_device(problem, None, device)
     launches = plan(problem, device=info)
     chunks = problem.chunks
-    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
-    w, u = wy_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, launches.stage("wy_fwd"))
+    w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state,

@@ -53,6 +53,10 @@ from backends.gluon_common.wu import (
     _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
 
 
+#: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
 # ----------------------------------------------------------------------------------------
 # Kernel
 
@@ -115,15 +119,34 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_a(kk, k_smem, g_cum, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.constexpr):
-    """A from the raw ``k k^T`` (fp32 [64, 64] registers), and the fp32 [64] column scales
-    of T for w (``beta 2^g r``) and for u (``beta``), in the column slice of kk's layout."""
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
+    """The chunk-local inclusive cumsum of the raw gates in log2 units, fp32 [BT] in
+    ``layout`` (rows past the end repeat the last sum), also written to ``g_cum`` for the
+    recurrence kernel: this program owns these rows of this v-head, so no cumsum launch."""
+    # The scan runs in a plain 1-D layout (Gluon scans no slice of an MMA layout).
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    x = row_vector(g, row0, n_valid, i_h, HV, BT, flat)
+    c = gl.associative_scan(x, 0, _add) * LOG2E
+    r = gl.arange(0, BT, layout=flat)
+    gl.store(g_cum + (row0 + r).to(gl.int64) * HV + i_h, c, mask=r < n_valid)
+    return gl.convert_layout(c, layout)
+
+
+@gluon.jit
+def _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.constexpr):
+    """A from the raw ``k k^T`` (fp32 [64, 64] registers) and the rows' gate cumsum ``g_i``
+    (in the row slice of kk's layout), and the fp32 [64] column scales of T for w
+    (``beta 2^g r``) and for u (``beta``), in the column slice of kk's layout."""
     BT: gl.constexpr = kk.shape[0]
     layout: gl.constexpr = kk.type.layout
     rows: gl.constexpr = gl.SliceLayout(1, layout)
     cols: gl.constexpr = gl.SliceLayout(0, layout)
-    g_i = row_vector(g_cum, row0, n_valid, i_h, HV, BT, rows)
-    g_j = row_vector(g_cum, row0, n_valid, i_h, HV, BT, cols)
+    g_j = gl.convert_layout(g_i, cols)
     b_i = row_vector(beta, row0, n_valid, i_h, HV, BT, rows)
     b_j = row_vector(beta, row0, n_valid, i_h, HV, BT, cols)
     if USE_L2NORM:
@@ -146,7 +169,7 @@ def _chunk_a(kk, k_smem, g_cum, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.con
 @gluon.jit(do_not_specialize=["HV", "GROUP"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
-    g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
+    g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
@@ -187,7 +210,8 @@ def _wy_fwd_kernel(
     mbarrier.wait(ready_bars.index(0), 0)
     kk = E.mma(k_smem, k_smem.permute((1, 0)), E.acc_alloc(BT, BT, IS_SM100), False, mma_bars.index(0), IS_SM100)
     kk = E.acc_read(E.mma_wait(kk, mma_bars.index(0), 0, IS_SM100), IS_SM100)
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_cum, beta, row0, n_valid, i_h, HV, USE_L2NORM)
+    g_i = _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM)
     t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
 
     # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
@@ -270,16 +294,16 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
 def wy_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
-    g_cum: torch.Tensor,
+    g: torch.Tensor,
     beta: torch.Tensor,
     chunks: ChunkTable,
     launch: LaunchPlan | None = None,
     *,
     use_qk_l2norm: bool = False,
     device_info: DeviceInfo | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk, ``w = T (beta 2^g_cum k)``, ``u = T (beta v)`` with
-    ``T = (I + A)^-1`` formed in the kernel (one launch).
+    ``T = (I + A)^-1`` formed in the kernel, and the gates' chunk-local cumsum (one launch).
 
     Parameters
     ----------
@@ -287,8 +311,8 @@ def wy_fwd(
         l2 norm the kernel normalizes k's rows itself); v-head ``j`` reads k head
         ``j // (HV // H)``. K in {64, 128}.
     v : Tensor ``[B, T, HV, V]``, k's dtype, contiguous, 16-byte aligned. V in {64, 128}.
-    g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2
-        units (triton_generic ``chunk_cumsum_fwd(g, chunks, scale=log2(e))``).
+    g : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous: the per-token
+        log-decay, summed per chunk in the kernel.
     beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous.
     chunks : ChunkTable of the call.
     launch : the ``wy_fwd`` LaunchPlan of :func:`plan_wy` (what the orchestrator passes);
@@ -300,32 +324,37 @@ def wy_fwd(
     w : Tensor ``[B, T, HV, K]``, k's dtype (from l2-normalized k when asked); every row of
         every chunk written.
     u : Tensor ``[B, T, HV, V]``, k's dtype; likewise.
+    g_cum : float32 Tensor ``[B, T, HV]``: ``log2(e)`` times the chunk-local inclusive
+        cumsum of g (triton_generic's ``chunk_cumsum_fwd(g, chunks, scale=log2(e))``).
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
     u = torch.empty_like(v)
+    g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
-        return w, u
+        return w, u, g_cum
     if launch is None:
         launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
                           use_qk_l2norm, device_of(k, device_info))
     tensors = {"k": k, "v": v, "w": w, "u": u}
     descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
     _wy_fwd_kernel[launch.grid](
-        **descs, w_ptr=w, u_ptr=u, g_cum=g_cum, beta=beta,
+        **descs, w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
         **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
     )
-    return w, u
+    return w, u, g_cum
 
 
-def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype | None = None) -> dict:
+def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype | None = None,
+                 g_dtype: torch.dtype = torch.float32) -> dict:
     """Argument types of ``_wy_fwd_kernel`` for ``launch``, as a launch would specialize."""
     sig = {d.arg: d.signature for d in launch.descriptors}
     ptr = "*" + sig_dtype(dtype)
-    sig.update(w_ptr=ptr, u_ptr=ptr, g_cum="*fp32", beta="*" + sig_dtype(beta_dtype or dtype),
+    sig.update(w_ptr=ptr, u_ptr=ptr, g="*" + sig_dtype(g_dtype), g_cum="*fp32",
+               beta="*" + sig_dtype(beta_dtype or dtype),
                cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32")
     sig.update({name: "constexpr" for name in launch.constexprs})
     return {name: sig[name] for name in _wy_fwd_kernel.arg_names}
@@ -333,7 +362,8 @@ def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype
 
 def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
-    on/off, qk l2norm on/off, bf16/fp16, beta in float32 or in q's dtype."""
+    on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
+    (q's dtype, q's dtype), the gate dtypes models pass."""
     from gdn_dispatch.aot import AotKernel
 
     is_sm100 = engine_is_sm100(capability)
@@ -341,19 +371,19 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) 
     device = as_device(capability)
     kernels = []
     for dtype in (torch.bfloat16, torch.float16):
-        for beta_dtype in (torch.float32, dtype):
+        for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype)):
             for K in (64, 128):
                 for V in (64, 128):
                     for tails in (False, True):
                         for l2 in (False, True):
                             launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device)
                             tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
-                                   f"-{sig_dtype(dtype)}-beta{sig_dtype(beta_dtype)}")
+                                   f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}")
                             kernels.append(AotKernel(
                                 backend=backend, kernel="wy_fwd", specialization=tag, fn=_wy_fwd_kernel,
-                                signature=wy_signature(launch, dtype, beta_dtype),
+                                signature=wy_signature(launch, dtype, beta_dtype, g_dtype),
                                 constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-                                maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, ["w_ptr", "u_ptr", "g_cum", "beta",
-                                                                     "cu_seqlens", "chunk_seq", "chunk_local"]),
+                                maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
+                                    "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens", "chunk_seq", "chunk_local"]),
                             ))
     return kernels
