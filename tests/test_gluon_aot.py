@@ -126,7 +126,12 @@ def test_gluon_sm90_kernel_compiles(kernel):
 
 def test_kernel_lists_cover_both_layouts_and_tails():
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
-        state = [k for k in module.kernels_for_aot(cap) if k.kernel == "state_fwd"]
+        kernels = module.kernels_for_aot(cap)
+        assert {k.kernel for k in kernels} == {"wy_fwd", "state_output_fwd"}  # what forward launches
+        wy = [k for k in kernels if k.kernel == "wy_fwd"]
+        assert {(k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"]) for k in wy} == {
+            (False, False), (False, True), (True, False), (True, True)}
+        state = [k for k in kernels if k.kernel == "state_output_fwd"]
         assert {k.constexprs["STATE_VK"] for k in state} == {False, True}
         assert {k.constexprs["HAS_TAILS"] for k in state} == {False, True}
         assert {k.constexprs["IS_SM100"] for k in state} == {cap == SM100}
