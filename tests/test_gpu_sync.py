@@ -9,7 +9,10 @@ from gdn_dispatch.device import default_probe
 from gdn_dispatch.registry import select
 from gdn_dispatch.testing import random_call
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")]
+#: Backends with a device-specific path to check besides the selected one.
+GLUON = {"gluon_sm90": ((9, 0),), "gluon_sm100": ((10, 0), (10, 3))}
 
 
 def _kernel_backend(call) -> str:
@@ -17,17 +20,20 @@ def _kernel_backend(call) -> str:
     return select(device, make_problem(**call)).spec.name
 
 
+@pytest.mark.parametrize("backend", [None, *GLUON], ids=["selected", *GLUON])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_varlen_call_with_host_offsets_never_syncs(layout):
+def test_varlen_call_with_host_offsets_never_syncs(layout, backend):
     call = random_call(lengths=[1, 63, 0, 64, 65, 700], H=2, HV=4, K=64, V=64, dtype=torch.bfloat16,
                        device="cuda", seed=11, state_layout=layout)
-    if _kernel_backend(call) == "reference":
+    if backend is None and _kernel_backend(call) == "reference":
         pytest.skip("the reference backend walks sequences on the host by design")
-    chunk_gated_delta_rule(**call, output_final_state=True)  # compile outside the checked region
+    if backend is not None and torch.cuda.get_device_capability() not in GLUON[backend]:
+        pytest.skip(f"{backend} does not run on this GPU")
+    chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)  # compile outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        o, s = chunk_gated_delta_rule(**call, output_final_state=True)
+        o, s = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
