@@ -133,6 +133,43 @@ def _state_out(ht, s, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.
 
 
 @gluon.jit
+def _walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BT: gl.constexpr):
+    """This program's walk: (sequence ``i_n``, ``i_nh`` = i_n * HV + v-head, v-head ``i_h``,
+    V-block ``i_v``), its sequence's rows ``bos .. eos`` and chunk count, and the tile
+    columns of its w, k (q/k head ``i_h // GROUP``) and u / v blocks.
+
+    Axis 0 is (sequence, v-head, V-block) with the V-block fastest: the V-blocks of one
+    head stream the same w and k tiles at the same time, so L2 serves all but the first.
+    """
+    pid = gl.program_id(0)
+    i_v = pid % (V // BV)
+    i_nh = pid // (V // BV)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    NT = gl.cdiv(eos - bos, BT)
+    return i_n, i_nh, i_h, i_v, bos, eos, NT, i_h * K, (i_h // GROUP) * K, i_h * V + i_v * BV
+
+
+@gluon.jit
+def _state_init(S, h0, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                STATE_VK: gl.constexpr, USE_H0: gl.constexpr, IS_SM100: gl.constexpr):
+    """Write the initial state's [K, BV] tile (zeros without one) into the accumulator ``S``,
+    staged through the idle ``ring`` (:func:`_state_in`); returns ``S``."""
+    s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
+    if USE_H0:
+        s0 = _state_in(h0, ring, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
+        # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
+        # bytes (async proxy), in every thread, before the one issuing thread starts them.
+        fence_async_shared()
+        thread_barrier()
+    else:
+        s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
+    return E.acc_write(S, s0, IS_SM100)
+
+
+@gluon.jit
 def _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_ready,
                 buf, row, col_w, col_k, col_v, pred):
     """Issue the TMA loads of one chunk's w [BT, K], u [BT, BV] and k [BT, K] tiles into ring
@@ -185,20 +222,8 @@ def _state_fwd_kernel(
     dtype: gl.constexpr = w_desc.dtype
     p_layout: gl.constexpr = E.acc_layout(BT, BV, IS_SM100, gl.num_warps())
     row_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
-    # Axis 0 is (sequence, v-head, V-block) with the V-block fastest: the V-blocks of one
-    # head stream the same w and k tiles at the same time, so L2 serves all but the first.
-    pid = gl.program_id(0)
-    i_v = pid % (V // BV)
-    i_nh = pid // (V // BV)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
     i_c0 = gl.load(seq_chunk_start + i_n)
-    NT = gl.cdiv(eos - bos, BT)
-    col_w = i_h * K
-    col_k = (i_h // GROUP) * K
-    col_v = i_h * V + i_v * BV
 
     # w and k share one ring allocation (same tile shape and layout), so that its bytes can
     # stage the fp32 state tile in and out while no chunk is in flight.
@@ -219,18 +244,8 @@ def _state_fwd_kernel(
     mbarrier.init(p_bar, count=1)
     mbarrier.init(s_bar, count=1)
 
-    S = E.acc_alloc(K, BV, IS_SM100)
+    S = _state_init(E.acc_alloc(K, BV, IS_SM100), h0, wk_smem, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, IS_SM100)
     P = E.acc_alloc(BT, BV, IS_SM100)
-    s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
-    if USE_H0:
-        s0 = _state_in(h0, wk_smem, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
-        # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
-        # bytes (async proxy), in every thread, before the one issuing thread starts them.
-        fence_async_shared()
-        thread_barrier()
-    else:
-        s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
-    S = E.acc_write(S, s0, IS_SM100)
     _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_ready,
                 0, bos, col_w, col_k, col_v, NT > 0)
 

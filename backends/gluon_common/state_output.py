@@ -95,10 +95,10 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
-from backends.gluon_common.compat import thread_barrier, tma_load
+from backends.gluon_common.compat import tma_load
 from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, row_vector, store_chunk_tile, tile_layout
 from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, sig_dtype, state_constexprs
-from backends.gluon_common.state import _state_gates, _state_in, _state_out, _state_vs
+from backends.gluon_common.state import _state_gates, _state_init, _state_out, _state_vs, _walk_program
 from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
@@ -206,19 +206,8 @@ def _state_output_fwd_kernel(
     # after the state update on sm_90a at K * BV = 8192, where the accumulators are registers.
     QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100)
     P_PENDING: gl.constexpr = 1 if QK_LATE else 2
-    # (sequence, v-head, V-block), V-block fastest: the V-blocks of one head stream the same
-    # w, k and q tiles at the same time, so L2 serves all but the first.
-    pid = gl.program_id(0)
-    i_v = pid % (V // BV)
-    i_nh = pid // (V // BV)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
-    NT = gl.cdiv(eos - bos, BT)
-    col_w = i_h * K
-    col_k = (i_h // GROUP) * K
-    col_v = i_h * V + i_v * BV
+    # The state kernel's walk: q shares k's head, so its tiles sit at col_k too.
+    _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
 
     ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
@@ -244,20 +233,10 @@ def _state_output_fwd_kernel(
 
     # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
     # of every chunk, so the handles stay loop-invariant (the results get other names).
-    S = E.acc_alloc(K, BV, IS_SM100)
+    S = _state_init(E.acc_alloc(K, BV, IS_SM100), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, IS_SM100)
     P = E.acc_alloc(BT, BV, IS_SM100)
     O = E.acc_alloc(BT, BV, IS_SM100)
     QK = E.acc_alloc(BT, BT, IS_SM100)
-    s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
-    if USE_H0:
-        s0 = _state_in(h0, ring, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
-        # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
-        # bytes (async proxy), in every thread, before the one issuing thread starts them.
-        fence_async_shared()
-        thread_barrier()
-    else:
-        s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
-    S = E.acc_write(S, s0, IS_SM100)
     _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                        0, bos, col_w, col_k, col_v, NT > 0)
 
