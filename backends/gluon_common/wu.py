@@ -166,6 +166,20 @@ def tile_desc(arg: str, tensor: str, dtype: torch.dtype, rows: int, cols: int, b
     return DescPlan(arg, tensor, (rows, cols), (cols, 1), tuple(block), dtype, layout_shape)
 
 
+def wy_descriptors(rows: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
+    """The k and v tiles a WY kernel reads and the w and u tiles (and tail rows) it writes,
+    whole [64, K] / [64, V] per (chunk, head): shared by this stage and :mod:`.wy`."""
+    BT = CHUNK_SIZE
+    return (
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
+        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
+        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
+    )
+
+
 def plan_wu(problem: GDNProblem, device) -> LaunchPlan:
     """Launch plan of :func:`wu_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
@@ -184,15 +198,8 @@ def plan_wu(problem: GDNProblem, device) -> LaunchPlan:
 def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
     is_sm100 = engine_is_sm100(info.capability)
     BT = CHUNK_SIZE
-    descriptors = (
-        tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)),
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
-        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
-        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
-        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
-        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
-        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
-    )
+    descriptors = (tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)),
+                   *wy_descriptors(rows, H, HV, K, V, dtype))
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wu_fwd",

@@ -50,7 +50,7 @@ from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
 from backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
 from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
 from backends.gluon_common.wu import (
-    _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
+    _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, wy_descriptors)
 
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
@@ -262,14 +262,7 @@ def plan_wy(problem: GDNProblem, device) -> LaunchPlan:
 def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
     is_sm100 = engine_is_sm100(info.capability)
     BT = CHUNK_SIZE
-    descriptors = (
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
-        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
-        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
-        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
-        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
-        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
-    )
+    descriptors = wy_descriptors(rows, H, HV, K, V, dtype)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
