@@ -144,19 +144,10 @@ def correctness(device, info, budget_s):
     return passed, failed, False
 
 
-def median_ms(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        times.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
+def median_ms(fn):
+    from gdn_dispatch.bench import median_event_ms
+
+    return median_event_ms(fn, iters=20, warmup=3)
 
 
 def stage_times(shape, device, info, l2):

@@ -328,17 +328,10 @@ def correctness(device, info):
 # ----------------------------------------------------------------------------- part 2
 
 
-def median_ms(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
+def median_ms(fn):
+    from gdn_dispatch.bench import median_event_ms
+
+    return median_event_ms(fn, iters=10, warmup=2)
 
 
 def stage_times(x, info):

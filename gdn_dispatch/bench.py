@@ -532,7 +532,8 @@ def cuda_event_timer(call: Caller, sets: list[BenchInputs], warmup: int, iters: 
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def _median_event_ms(fn: Callable[[], object], iters: int = CEILING_ITERS, warmup: int = 3) -> float:
+def median_event_ms(fn: Callable[[], object], iters: int = CEILING_ITERS, warmup: int = 3) -> float:
+    """Median CUDA-event ms of ``fn()`` over ``iters`` calls after ``warmup`` (one input)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -551,7 +552,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> fl
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = _median_event_ms(lambda: dst.copy_(src))
+    ms = median_event_ms(lambda: dst.copy_(src))
     del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
@@ -560,7 +561,7 @@ def measure_matmul_rate(device: torch.device, n: int = MATMUL_N) -> float:
     """bf16 ``n^3`` torch.matmul rate in FLOP/s, on random data (zeros would run cooler)."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    ms = _median_event_ms(lambda: torch.matmul(a, b))
+    ms = median_event_ms(lambda: torch.matmul(a, b))
     del a, b
     return 2 * n ** 3 / (ms * 1e-3)
 
