@@ -16,6 +16,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.aot import compile_kernel  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
+from gdn_dispatch.testing import random_call  # noqa: E402
 
 from backends.gluon_common import wy  # noqa: E402
 from backends.gluon_common.plan import has_tails, plan  # noqa: E402
@@ -26,15 +27,9 @@ SM90_SMEM_PER_SM, BLOCK_RESERVED = 228 * 1024, 1024
 
 
 def _problem(lengths=None, B=1, T=128, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l2=False):
-    cu = None
-    if lengths is not None:
-        B, T = 1, sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(B, T, H, K, generator=gen).to(dtype)
-    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
-    g = torch.randn(B, T, HV, generator=gen)
-    return make_problem(q, q.clone(), v, g, g.sigmoid(), cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
+    shape = dict(lengths=lengths) if lengths is not None else dict(batch=(B, T))
+    call = random_call(**shape, H=H, HV=HV, K=K, V=V, dtype=dtype, seed=1)
+    return make_problem(**call, use_qk_l2norm_in_kernel=l2)
 
 
 @pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100", "sm90"])
