@@ -25,7 +25,7 @@ from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_call, rel_rms_error  # noqa: E402
 
 from backends.gluon_common import state_output as so  # noqa: E402
-from backends.gluon_common.plan import has_tails  # noqa: E402
+from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -66,12 +66,13 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     launch = so.plan_state_output(p, capability)
     K, V, BT = p.K, p.V, 64
     BV, rows = launch.blocks["BV"], p.B * p.T
-    assert launch.kernel == "state_output_fwd" and launch.num_warps == 4
+    assert launch.kernel == "state_output_fwd" and (BV, launch.num_warps) in so.CONFIGS
     assert launch.grid == (p.N * HV * (V // BV),)
     assert launch.blocks["NV"] == V // BV
     assert launch.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
-                                 "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "IS_SM100": capability == SM100}
+                                 "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "IS_SM100": capability == SM100,
+                                 "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps)}
     expected = {
         "q_desc": ("q", (rows, H * K), (BT, K)),
         "k_desc": ("k", (rows, H * K), (BT, K)),
@@ -104,32 +105,36 @@ def test_every_planned_descriptor_builds_on_its_tensor(capability):
 @pytest.mark.parametrize(
     "K, V, heads, sms, expected",
     [
-        (128, 128, 512, 132, 64),    # many programs: the widest block
-        (64, 128, 512, 148, 64),
-        (128, 128, 64, 132, 64),     # 256 programs at BV = 32 would need two waves
-        (128, 128, 34, 132, 64),
-        (128, 128, 34, 132 * 2, 32),
-        (128, 128, 32, 132, 32),     # 128 programs at BV = 32 fill one wave
-        (64, 128, 66, 132, 32),      # two programs per SM at K = 64
-        (64, 128, 67, 132, 64),
-        (64, 64, 1, 132, 32),        # never below 32
+        (128, 128, 32, 132, (32, 8)),    # one wave at any BV: the narrowest columns per warpgroup
+        (128, 128, 64, 132, (64, 8)),    # 256 programs at BV = 32 would need two waves
+        (128, 128, 128, 132, (128, 8)),  # one wave only at BV = 128
+        (128, 128, 512, 132, (128, 8)),  # many programs: the widest block
+        (128, 128, 64, 264, (32, 8)),    # twice the SMs: BV = 32 fits one wave again
+        (128, 64, 128, 132, (64, 8)),
+        (64, 128, 66, 132, (64, 8)),     # 132 programs: one wave, 32 columns per warpgroup
+        (64, 64, 200, 132, (64, 4)),     # two one-warpgroup programs per SM at K = 64: one wave
+        (64, 64, 1, 132, (32, 8)),       # never below 32
     ],
 )
-def test_block_v_choice(K, V, heads, sms, expected):
-    bv = so.state_output_block_v(K, V, heads, sms)
-    assert bv == expected
-    assert bv in so.BLOCK_V and V % bv == 0
+def test_config_choice(K, V, heads, sms, expected):
+    BV, warps = so.state_output_config(K, V, heads, sms)
+    assert (BV, warps) == expected
+    assert BV in so.BLOCK_V and V % BV == 0 and warps >= so.state_output_warps(K, BV)
 
 
 def test_programs_per_sm():
     assert so.state_output_programs_per_sm(128) == 1
     assert so.state_output_programs_per_sm(64) == 2
+    assert so.state_output_programs_per_sm(64, 64, warps=8) == 1
+    assert so.state_output_programs_per_sm(64, 128) == 1
 
 
 def test_plan_follows_the_device_sm_count():
     p = _problem(batch=(8, 64), H=16, HV=64, K=64)  # N * HV = 512 (sequence, v-head) pairs
-    assert so.plan_state_output(p, _device(SM100, sm_count=8)).blocks["BV"] == 64
-    assert so.plan_state_output(p, _device(SM100, sm_count=1024)).blocks["BV"] == 32
+    small = so.plan_state_output(p, _device(SM100, sm_count=8))
+    assert (small.blocks["BV"], small.num_warps) == (128, 8)
+    big = so.plan_state_output(p, _device(SM100, sm_count=1024))
+    assert (big.blocks["BV"], big.num_warps) == (64, 8)
 
 
 def test_block_v_override_checked():
@@ -137,22 +142,46 @@ def test_block_v_override_checked():
     for capability in (SM90, SM100):
         for bv in (32, 64):
             assert so.plan_state_output(p, capability, block_v=bv).blocks["BV"] == bv
-    with pytest.raises(ValueError, match="block_v: expected 32 or 64 dividing V = 64, got 128"):
+    with pytest.raises(ValueError, match="block_v: expected 32, 64 or 128 dividing V = 64, got 128"):
         so.plan_state_output(p, SM100, block_v=128)
-    with pytest.raises(ValueError, match="block_v: expected 32 or 64 dividing V = 64, got 16"):
+    with pytest.raises(ValueError, match="block_v: expected 32, 64 or 128 dividing V = 64, got 16"):
         so.plan_state_output(p, SM90, block_v=16)
+    wide = _problem(lengths=[10], K=128, V=128)
+    with pytest.raises(ValueError, match=r"num_warps: expected 4 or 8 holding the \[128, 128\] state tile"):
+        so.plan_state_output(wide, SM90, block_v=128, num_warps=4)
+    with pytest.raises(ValueError, match="num_warps: expected 4 or 8"):
+        so.plan_state_output(wide, SM90, block_v=32, num_warps=2)
+    with pytest.raises(ValueError, match="defer_out: sm_90a only"):
+        so.plan_state_output(wide, SM100, block_v=32, defer_out=True)
+    launch = so.plan_state_output(wide, SM90, block_v=32, num_warps=8, defer_out=False)
+    assert launch.num_warps == 8 and launch.constexprs["DEFER_OUT"] is False
     with pytest.raises(ValueError, match="sm_90 or sm_100"):
         so.plan_state_output(p, (8, 0))
 
 
+@pytest.mark.parametrize("K, BV, warps", [(128, 32, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4), (64, 128, 4)])
+def test_warps_hold_the_state_tile(K, BV, warps):
+    # At most 8192 fp32 state values per warpgroup: 64 registers per thread.
+    assert so.state_output_warps(K, BV) == warps
+    assert K * BV // (warps // 4) <= MAX_STATE_TILE
+
+
+def test_deferred_output_is_sm90_and_below_the_largest_tile():
+    assert so.state_output_defers(128, 32, False) and so.state_output_defers(64, 64, False)
+    # 64 state registers per thread: the deferred accumulator spilled there.
+    assert not so.state_output_defers(128, 64, False) and not so.state_output_defers(128, 128, False)
+    assert not any(so.state_output_defers(K, BV, True) for K in (64, 128) for BV in (32, 64, 128))
+
+
 @pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("BV", [32, 64])
+@pytest.mark.parametrize("BV", [32, 64, 128])
 def test_smem_and_tmem_budget(K, BV):
     # Ring of six [64, K] tiles, u ring, h, v_new, vs, o, A: e.g. K = 128, BV = 64:
     # 96 + 16 + 16 + 24 + 8 KB.
     smem = so.state_output_smem_bytes(K, BV, 2)
     assert smem == 2 * (6 * 64 * K + 2 * 64 * BV + K * BV + 3 * 64 * BV + 64 * 64) + 72
-    assert smem <= SMEM_LIMIT[SM90] - 16 * 1024  # room for the compiler's scratch
+    # Room for the compiler's scratch (the compiled kernels' totals: tests/test_gluon_aot.py).
+    assert smem <= SMEM_LIMIT[SM90] - 8 * 1024
     p = _problem(lengths=[100], K=K, V=128)
     assert so.plan_state_output(p, SM100, block_v=BV).blocks["tmem_columns"] == 3 * BV + 64 <= TMEM_COLUMNS
     # K = 64, BV = 64: two programs per SM on sm_90a.
@@ -163,7 +192,9 @@ def test_plan_flags():
     p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
     launch = so.plan_state_output(p, SM90)
     assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
-                                 "HAS_TAILS": True, "IS_SM100": False}
+                                 "HAS_TAILS": True, "IS_SM100": False,
+                                 "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
+                                                                     launch.num_warps)}
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
 
@@ -176,16 +207,21 @@ def test_plan_flags():
 def test_aot_list(capability):
     backend = "gluon_sm100" if capability == SM100 else "gluon_sm90"
     kernels = so.state_output_kernels_for_aot(capability, backend)
-    # (K, V, BV) 2 x 2 x 2, x dtype x tails x layout x l2 (16); then three initial/final
-    # state flips.
-    assert len(kernels) == 8 * 16 + 3
+    # Every (K, V) x every configuration whose warps hold the state tile (18), x dtype x
+    # tails x layout x l2 (16); then three initial/final state flips.
+    configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
+               if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
+    assert len(configs) == 18
+    assert len(kernels) == len(configs) * 16 + 3
     assert len({k.specialization for k in kernels}) == len(kernels)
     for k in kernels:
         assert k.kernel == "state_output_fwd" and k.backend == backend and k.dialect == "gluon"
         assert list(k.signature) == list(k.fn.arg_names)
         assert k.constexprs["IS_SM100"] == (capability == SM100)
     blocks = {(k.constexprs["V"], k.signature["u_desc"].split("[")[1].split("]")[0]) for k in kernels}
-    assert (128, "64, 32") in blocks and (128, "64, 64") in blocks
+    assert (128, "64, 32") in blocks and (128, "64, 64") in blocks and (128, "64, 128") in blocks
+    assert {k.num_warps for k in kernels} == {4, 8}
+    assert {k.constexprs["DEFER_OUT"] for k in kernels} == ({False} if capability == SM100 else {False, True})
     for flag in ("STATE_VK", "HAS_TAILS", "USE_L2NORM", "USE_H0", "STORE_HT"):
         assert {k.constexprs[flag] for k in kernels} == {False, True}, flag
     assert {k.constexprs["V"] for k in kernels} == {64, 128}
@@ -223,7 +259,7 @@ def test_state_output_fwd_binds_every_kernel_argument(monkeypatch, layout):
     o, final = so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
                                    initial_state=p.initial_state, output_final_state=True)
     assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(Recorder.arg_names)
-    assert launched["grid"] == launch.grid and launched["num_warps"] == 4
+    assert launched["grid"] == launch.grid and launched["num_warps"] == launch.num_warps
     assert launched["maxnreg"] == launch.maxnreg
     assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == p.V and launched["USE_L2NORM"]
     assert launched["scale"] == p.scale and launched["o_ptr"] is o
@@ -287,10 +323,9 @@ def _poison_allocator():
     del blocks
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
-@pytest.mark.parametrize("shape, H, HV, K, V, BV, layout, h0, l2, dtype", GPU_CASES)
-def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0, l2, dtype):
+def _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, **plan_options):
+    """Run the fused kernel with ``plan_options`` on NaN-poisoned memory; compare it with
+    the float32 reference and with the unfused state + output kernels."""
     from backends.gluon_common.output import output_fwd, plan_output
     from backends.gluon_common.plan import plan_state
     from backends.gluon_common.state import state_fwd
@@ -308,7 +343,7 @@ def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0,
     w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, p.chunks, plan_wu(p, info))
 
     _poison_allocator()
-    launch = so.plan_state_output(p, info, block_v=BV)
+    launch = so.plan_state_output(p, info, **plan_options)
     o, final = so.state_output_fwd(p.q, p.k, w, u, g_cum, p.chunks, launch, scale=p.scale,
                                    initial_state=p.initial_state, output_final_state=True)
     h, v_new, final_unfused = state_fwd(p.k, w, u, g_cum, p.chunks, plan_state(p, info),
@@ -318,6 +353,30 @@ def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0,
     o_ref, final_ref = reference.forward(p)
 
     assert rel_rms_error(o, o_ref) <= TOL["reference"], launch.notes
-    assert rel_rms_error(final, final_ref) <= TOL["reference"]
-    assert rel_rms_error(o, o_unfused) <= TOL["unfused"]
-    assert rel_rms_error(final, final_unfused) <= TOL["unfused"]
+    assert rel_rms_error(final, final_ref) <= TOL["reference"], launch.notes
+    assert rel_rms_error(o, o_unfused) <= TOL["unfused"], launch.notes
+    assert rel_rms_error(final, final_unfused) <= TOL["unfused"], launch.notes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
+@pytest.mark.parametrize("shape, H, HV, K, V, BV, layout, h0, l2, dtype", GPU_CASES)
+def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0, l2, dtype):
+    _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, block_v=BV)
+
+
+#: Every launch configuration of the fused kernel: (BV, warps, o stored a chunk late).
+VARIANTS = [(32, 4, False), (32, 4, True), (32, 8, True), (64, 4, False), (64, 8, True), (64, 8, False),
+            (128, 8, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
+@pytest.mark.parametrize("BV, warps, defer", VARIANTS, ids=[f"BV{b}-w{w}{'-defer' if d else ''}" for b, w, d in VARIANTS])
+@pytest.mark.parametrize("l2, layout, dtype", [(True, "vk", torch.bfloat16), (False, "kv", torch.float16)],
+                         ids=["l2-vk-bf16", "kv-fp16"])
+def test_fused_launch_variants(BV, warps, defer, l2, layout, dtype):
+    if defer and CAPABILITY[0] != 9:
+        pytest.skip("o stored a chunk late: sm_90a only")
+    _check_fused(dict(lengths=[1, 63, 64, 65, 130, 0, 700]), 2, 4, 128, 128, layout, True, l2, dtype,
+                 block_v=BV, num_warps=warps, defer_out=defer)

@@ -41,7 +41,12 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tcgen05_commit,
     tcgen05_mma,
 )
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 
 from backends.gluon_common.compat import thread_barrier, tmem_reg_layout
 
@@ -100,6 +105,18 @@ def acc_alloc_tf32(M: gl.constexpr, N: gl.constexpr, IS_SM100: gl.constexpr):
     else:
         acc = gl.zeros([M, N], gl.float32, layout=wgmma_layout(M, N, gl.num_warps(), 8))
     return acc
+
+
+@gluon.jit
+def acc_in_flight(acc, IS_SM100: gl.constexpr):
+    """``acc`` typed as the result of an issued, unwaited :func:`mma`: the initial value of
+    a loop-carried accumulator that each iteration leaves in flight for the next (sm90's
+    async wgmma result is a token type, not a tensor; sm100 returns the TMEM handle)."""
+    if IS_SM100:
+        out = acc
+    else:
+        out = warpgroup_mma_init(acc)
+    return out
 
 
 @gluon.jit

@@ -184,17 +184,33 @@ def _state_load(w_desc, u_desc, k_desc, wk_smem, u_smem, w_ready, u_ready, k_rea
 
 
 @gluon.jit
-def _state_gates(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constexpr):
-    """Row mask, per-row decay ``2^(g_last - g)`` (0 past the sequence's end) and the
-    chunk decay ``2^g_last`` of one chunk; rows in ``row_layout``."""
+def _gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constexpr):
+    """One chunk's gate cumsum rows ``b_g`` (0 past the sequence's end; rows in
+    ``row_layout``) and its last valid row's ``g_last``, as loaded from ``g_cum``. Both
+    loads are plain global loads, so a caller may issue them a chunk early."""
     rows = row + gl.arange(0, BT, layout=row_layout)
-    m_t = rows < eos
-    b_g = gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=m_t, other=0.0)
+    b_g = gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=rows < eos, other=0.0)
     g_last = gl.load(g_cum + (gl.minimum(row + BT, eos) - 1).to(gl.int64) * HV + i_h)
+    return b_g, g_last
+
+
+@gluon.jit
+def _gate_decays(b_g, g_last, row, eos, BT: gl.constexpr):
+    """Row mask, per-row decay ``2^(g_last - g)`` (0 past the sequence's end) and the
+    chunk decay ``2^g_last`` of one chunk from its :func:`_gate_rows`."""
+    rows = row + gl.arange(0, BT, layout=b_g.type.layout)
+    m_t = rows < eos
     # where(), not a multiply by the mask: past the end b_g is 0 and 2^g_last may be tiny
     # or the row may hold anything; the row must contribute exactly nothing.
     b_d = gl.where(m_t, gl.exp2(g_last - b_g), 0.0)
     return m_t, b_d, gl.exp2(g_last)
+
+
+@gluon.jit
+def _state_gates(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constexpr):
+    """:func:`_gate_decays` of the chunk at ``row``, loaded now."""
+    b_g, g_last = _gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
+    return _gate_decays(b_g, g_last, row, eos, BT)
 
 
 @gluon.jit

@@ -25,6 +25,17 @@ store of o) hangs off it and overlaps it. Issue order per chunk:
    ``2^g O`` back into its accumulator (fenced); issue ``O += A v_new``.
 4. Wait for everything; ``o = scale O (* 1/|q_i|)`` -> ``o_smem`` -> TMA store.
 
+With ``DEFER_OUT`` (sm_90a, where the accumulators are registers; chosen by
+:func:`state_output_defers`), step 4 of chunk t runs in chunk t + 1, right after its ``P``,
+``O`` and ``QK`` were issued: A v_new of chunk t then runs under chunk t + 1's h_t store,
+and the wait for it and o's store sit under chunk t + 1's MMAs instead of on the serial
+chain. The gate rows of chunk t + 1 are loaded during chunk t (plain global loads whose
+latency would otherwise sit on the chain).
+
+Warps: one warpgroup, or two at BV = 128 (:func:`state_output_config`): the engine layouts
+then split every [*, BV] tile's columns between the warpgroups, which share the w / k / q
+ring, so one program does the work of two BV = 64 programs for one set of loads.
+
 One exception, on sm_90a at K * BV = 8192 (K = 128, BV = 64) only (``_qk_late``): ``QK``
 is issued in step 2, right after the state update, and step 3 waits for the state update
 and then ``QK``. There the accumulators are registers, and the state (64 per thread)
@@ -78,9 +89,11 @@ the columns of ``QK``; q's ``rq`` into the rows of o. q and k are never rewritte
 
 Budget (16-bit, K = 128, BV = 64): shared memory ring 96 KB + u ring 16 KB + h 16 KB +
 v_new, vs, o 24 KB + A 8 KB = 160 KB: one program per SM (K = 128, BV = 32: 132 KB;
-K = 64, BV = 64: 104 KB, two per SM). TMEM at most 3 BV + 64 = 256 columns on sm_100a.
-Registers on sm_90a: the state tile is K * BV / 128 per thread (64 at K * BV = 8192),
-each [64, N] accumulator N / 4; the largest specializations take 255, none spills.
+BV = 128: 216 KB; K = 64, BV = 64: 104 KB, two per SM). TMEM at most 3 BV + 64 = 448
+columns on sm_100a. Registers on sm_90a: the state tile is K * BV / (32 warps) per
+thread (64 at K * BV = 8192 on one warpgroup), each [64, N] accumulator N / warps; the
+largest specializations take 255, none spills (deferring o there spilled 20 bytes, so
+it is off at that size).
 """
 
 from __future__ import annotations
@@ -96,17 +109,18 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
-from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, row_vector, store_chunk_tile, tile_layout
+from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, store_chunk_tile, tile_layout
 from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, sig_dtype, state_constexprs
-from backends.gluon_common.state import _state_gates, _state_init, _state_out, _state_vs, _walk_program
+from backends.gluon_common.state import _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program
 from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
 NUM_BUF = gl.constexpr(2)
 #: V-blocks the fused kernel is built for, on both engines: the state tile and three more
-#: [64, *] accumulators must fit the sm_90a register file (BV = 128 would not), the rings
-#: and tiles shared memory (:func:`state_output_smem_bytes`).
-BLOCK_V = (32, 64)
+#: [64, *] accumulators must fit the sm_90a register file, the rings and tiles shared
+#: memory (:func:`state_output_smem_bytes`). BV = 128 runs on two warpgroups
+#: (:func:`state_output_warps`), each holding half of every tile's columns.
+BLOCK_V = (32, 64, 128)
 #: Shared memory of one sm_90 / sm_100 multiprocessor (bytes), for the programs it holds.
 SMEM_PER_SM = 228 * 1024
 
@@ -130,11 +144,12 @@ def _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, 
 
 
 @gluon.constexpr_function
-def _qk_late(K, BV, IS_SM100):
+def _qk_late(K, BV, IS_SM100, num_warps):
     """Issue q k^T after the state update instead of with w h_t and q h_t: on sm_90a at
-    the largest state tile only, where the state (64 registers per thread) and three
-    [64, *] accumulators in flight during v_new took all 255 registers and spilled."""
-    return (not IS_SM100) and K * BV >= MAX_STATE_TILE
+    the largest state tile per thread only (64 registers: K * BV = 8192 over one
+    warpgroup, 16384 over two), where the state and three [64, *] accumulators in flight
+    during v_new took all 255 registers and spilled."""
+    return (not IS_SM100) and K * BV * NUM_WARPS >= MAX_STATE_TILE * num_warps
 
 
 @gluon.jit
@@ -193,7 +208,7 @@ def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
     g_cum, h0, ht, cu_seqlens, scale, HV, GROUP,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
-    USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr,
+    USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr, DEFER_OUT: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -204,8 +219,11 @@ def _state_output_fwd_kernel(
     x_layout: gl.constexpr = tile_layout(BT, K, gl.num_warps())
     # Where q k^T is issued (see the module docstring): with the w h_t MMA (the design), or
     # after the state update on sm_90a at K * BV = 8192, where the accumulators are registers.
-    QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100)
+    QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100, gl.num_warps())
     P_PENDING: gl.constexpr = 1 if QK_LATE else 2
+    # With DEFER_OUT, chunk t's A v_new is waited and stored in chunk t + 1, after P, O
+    # (and QK) of chunk t + 1 were issued: the wgmma groups outstanding then.
+    TAIL_PENDING: gl.constexpr = 2 if QK_LATE else 3
     # The state kernel's walk: q shares k's head, so its tiles sit at col_k too.
     _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
 
@@ -239,6 +257,10 @@ def _state_output_fwd_kernel(
     QK = E.acc_alloc(BT, BT, IS_SM100)
     _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                        0, bos, col_w, col_k, col_v, NT > 0)
+    b_g, g_last = _gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    # DEFER_OUT: the previous chunk's A v_new accumulator and o row scale, stored one chunk late.
+    o_prev = E.acc_in_flight(E.acc_alloc(BT, BV, IS_SM100), IS_SM100)
+    r_prev = gl.full([BT], scale, gl.float32, layout=row_layout)
 
     for t in range(NT):
         buf = t % NUM_BUF
@@ -251,8 +273,11 @@ def _state_output_fwd_kernel(
         w_tile = ring.index(3 * buf)
         k_tile = ring.index(3 * buf + 1)
         q_tile = ring.index(3 * buf + 2)
-        m_t, b_d, decay = _state_gates(g_cum, row, eos, i_h, HV, BT, row_layout)
-        g_row = row_vector(g_cum, row, eos - row, i_h, HV, BT, row_layout)
+        g_row = b_g
+        m_t, b_d, decay = _gate_decays(g_row, g_last, row, eos, BT)
+        # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
+        # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
+        b_g, g_last = _gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
 
         # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
         s_reg = E.acc_read(S, IS_SM100)
@@ -271,6 +296,13 @@ def _state_output_fwd_kernel(
             b_d = b_d * gl.convert_layout(rk, row_layout)
         else:
             rk = b_d  # unused
+        if DEFER_OUT:
+            # Chunk t - 1's tail, under this chunk's MMAs: its A v_new (issued before them,
+            # so long done) -> o. vn_smem and p_smem are free for this chunk after the wait.
+            o_done = E.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING, IS_SM100)
+            if t > 0:
+                _state_output_epilogue(E.acc_read(o_done, IS_SM100), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                       HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, IS_SM100)
         p = E.mma_wait_until(p, p_bar, mma_phase, P_PENDING, IS_SM100)  # O (and QK) may still run
 
         # v_new = u - w h_t; S = 2^g_last S + k^T (rk 2^(g_last - g) v_new).
@@ -302,10 +334,21 @@ def _state_output_fwd_kernel(
         o = E.mma(p_smem, vn_smem, o, True, pv_bar, IS_SM100)
         if not QK_LATE:
             S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
-        o = E.mma_wait(o, pv_bar, mma_phase, IS_SM100)
+        if DEFER_OUT:
+            o_prev = o
+            r_prev = r_scale
+        else:
+            o = E.mma_wait(o, pv_bar, mma_phase, IS_SM100)
+            _state_output_epilogue(E.acc_read(o, IS_SM100), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
+                                   HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
 
-        _state_output_epilogue(E.acc_read(o, IS_SM100), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
-                               HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
+    if DEFER_OUT:
+        if NT > 0:
+            # The last chunk's tail.
+            row = bos + (NT - 1) * BT
+            o_done = E.mma_wait(o_prev, pv_bar, (NT - 1) & 1, IS_SM100)
+            _state_output_epilogue(E.acc_read(o_done, IS_SM100), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                   HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
 
     if STORE_HT:
         # The ring is idle: every load landed and every MMA reading it was waited on.
@@ -331,32 +374,63 @@ def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) ->
     return rings + tiles + (2 * 2 + 5) * 8
 
 
-def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2) -> int:
-    """Programs of the fused kernel one SM holds at once, by shared memory (1 at K = 128,
-    2 at K = 64; the compiler's scratch and the 1 KB each block reserves included)."""
-    return max(1, SMEM_PER_SM // (state_output_smem_bytes(K, BV, elem) + 2048))
+def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int = NUM_WARPS) -> int:
+    """Programs of the fused kernel one SM holds at once: by shared memory (the compiler's
+    scratch and the 1 KB each block reserves included; 1 at K = 128, 2 at K = 64 and
+    BV <= 64) and by registers (up to 255 per thread: two one-warpgroup programs or one
+    two-warpgroup program in 64 K registers)."""
+    by_smem = SMEM_PER_SM // (state_output_smem_bytes(K, BV, elem) + 2048)
+    return max(1, min(by_smem, 2 * NUM_WARPS // warps))
 
 
-def state_output_block_v(K: int, V: int, num_heads: int, sm_count: int) -> int:
-    """BV: 32 when the (sequence, v-head, 32-column block) programs all fit on the part at
-    once (:func:`state_output_programs_per_sm` each), else 64 (the widest block the kernel
-    is built for, :data:`BLOCK_V`).
+def state_output_warps(K: int, BV: int) -> int:
+    """Warps of one program: two warpgroups when the fp32 state tile ``K * BV`` exceeds what
+    one holds in registers (:data:`MAX_STATE_TILE`), else one. Two warpgroups split every
+    [*, BV] tile by columns and share the w / k / q ring, so a BV = 128 program does the
+    work of two BV = 64 programs for one set of loads."""
+    return NUM_WARPS * (2 if K * BV > MAX_STATE_TILE else 1)
 
-    Every program walks its sequence serially, so a second wave of programs costs a whole
-    second walk: narrow blocks pay only while they add programs to the first wave. On the
-    H200 (132 SMs, one program each at K = V = 128, bf16): 32 v-heads of one 32768-token
-    sequence, 128 programs at BV = 32, 1.06 ms against 1.21 ms at BV = 64; 64 v-heads, 256
-    programs at BV = 32 (two waves), 2.19 ms against 1.40 ms at BV = 64; 4 sequences of 32
-    v-heads, 0.63 ms at BV = 64 against 1.09 ms.
+
+def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = None) -> bool:
+    """Whether chunk t's A v_new is waited and stored under chunk t + 1's first MMAs
+    (``DEFER_OUT``), taking that wait and o's store off the serial chain.
+
+    sm_90a only: there its accumulator is a register value, while on sm_100a ``O`` is one
+    TMEM tile that chunk t + 1's ``q h`` overwrites (deferring there needs a second one).
+    Not at the largest state tile per thread, where the registers are already full
+    (:func:`_qk_late`).
     """
-    capacity = max(sm_count, 1) * state_output_programs_per_sm(K)
-    narrow = min(BLOCK_V)
-    if V % max(BLOCK_V) or num_heads * (V // narrow) <= capacity:
-        return narrow
-    return max(BLOCK_V)
+    warps = warps or state_output_warps(K, BV)
+    return not is_sm100 and K * BV * NUM_WARPS < MAX_STATE_TILE * warps
 
 
-def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None) -> LaunchPlan:
+#: Launch configurations (BV, warps) the forward chooses from (:func:`state_output_config`).
+CONFIGS = ((32, 4), (32, 8), (64, 8), (64, 4), (128, 8))
+
+
+def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int = 2) -> tuple[int, int]:
+    """(BV, warps) of the fused kernel for ``num_heads`` (sequence, v-head) pairs.
+
+    Every program walks its sequence serially, so the time is (waves of programs) x (one
+    walk), and a walk is a chain of per-chunk steps whose length grows with the columns
+    each warpgroup owns (``BV / (warps / 4)``). So: the fewest waves first; then the
+    narrowest columns per warpgroup; then the fewest programs (two warpgroups share one
+    set of w / k / q loads). E.g. at K = V = 128 on 132 SMs: one sequence of 32 v-heads
+    takes BV = 32 on 8 warps (128 programs, 16 columns each); 4 x 32 v-heads BV = 128
+    (128 programs, one wave, against 2 waves at BV = 64).
+    """
+    def cost(config):
+        BV, warps = config
+        programs = num_heads * (V // BV)
+        capacity = max(sm_count, 1) * state_output_programs_per_sm(K, BV, elem, warps)
+        return (-(-programs // capacity), BV * NUM_WARPS // warps, programs)
+
+    usable = [c for c in CONFIGS if V % c[0] == 0 and c[1] >= state_output_warps(K, c[0])]
+    return min(usable, key=cost)
+
+
+def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
+                      defer_out: bool | None = None) -> LaunchPlan:
     """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
@@ -364,16 +438,28 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     problem : a validated call; K and V in {64, 128}, bf16/fp16.
     device : DeviceInfo (``capability`` picks the engine, ``sm_count`` the V-block), or a
         bare capability tuple (its representative part).
-    block_v : BV override, 32 or 64 dividing V; default :func:`state_output_block_v`.
+    block_v : BV override, 32, 64 or 128 dividing V; default :func:`state_output_config`.
+    num_warps : 4 or 8 (a state tile ``K * BV`` over 8192 needs 8); default the chosen
+        configuration's, or :func:`state_output_warps` for an overridden BV.
+    defer_out : override of :func:`state_output_defers` (sm_90a only).
     """
     info = as_device(device)
     is_sm100 = engine_is_sm100(info.capability)
     B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
     N, dtype = problem.N, problem.dtype
     BT = CHUNK_SIZE
-    BV = block_v or state_output_block_v(K, V, N * HV, info.sm_count)
-    if BV not in BLOCK_V or V % BV or K * BV > MAX_STATE_TILE:
-        raise ValueError(f"block_v: expected 32 or 64 dividing V = {V}, got {BV}")
+    elem = torch.finfo(dtype).bits // 8
+    chosen_bv, chosen_warps = state_output_config(K, V, N * HV, info.sm_count, elem)
+    BV = block_v or chosen_bv
+    if BV not in BLOCK_V or V % BV:
+        raise ValueError(f"block_v: expected 32, 64 or 128 dividing V = {V}, got {BV}")
+    warps = num_warps or (chosen_warps if BV == chosen_bv else state_output_warps(K, BV))
+    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or K * BV * NUM_WARPS > MAX_STATE_TILE * warps:
+        raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BV}] state tile "
+                         f"(at most {MAX_STATE_TILE} fp32 per warpgroup), got {warps}")
+    defer = state_output_defers(K, BV, is_sm100, warps) if defer_out is None else bool(defer_out)
+    if defer and is_sm100:
+        raise ValueError("defer_out: sm_90a only (on sm_100a the A v_new accumulator is one TMEM tile)")
     NV = V // BV
     rows = B * T
     descriptors = (
@@ -384,12 +470,11 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
     )
-    constexprs = state_constexprs(problem, is_sm100)
-    elem = torch.finfo(dtype).bits // 8
+    constexprs = {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer}
     return LaunchPlan(
         kernel="state_output_fwd",
         grid=(N * HV * NV,),
-        num_warps=NUM_WARPS,
+        num_warps=warps,
         # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
         # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
@@ -398,8 +483,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "V": V},
-        notes=(f"BV={BV}: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on {info.sm_count} SMs; "
-               f"h and v_new stay on chip"),
+        notes=(f"BV={BV}, {warps} warps: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on "
+               f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"),
         # As plan_state: the hardware's cap, so ptxas never trades registers for spills on sm_100a.
         maxnreg=255 if is_sm100 else None,
     )
@@ -507,9 +592,10 @@ def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: 
 def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:
     """The fused kernel at every specialization it can launch on ``capability``.
 
-    Every (K, V) in {64, 128}^2 at BV in {32, 64} x bf16/fp16 x varlen tails or not x
-    "kv"/"vk" x qk l2 norm on/off (with initial and final state); then K = V = 128, BV = 64
-    without initial or final state, or with only one of them.
+    Every (K, V) in {64, 128}^2 at every configuration of :data:`CONFIGS` that holds its
+    state tile (o stored a chunk late where :func:`state_output_defers`) x bf16/fp16 x
+    varlen tails or not x "kv"/"vk" x qk l2 norm on/off (with initial and final state); then
+    K = V = 128 at BV = 128 without initial or final state, or with only one of them.
     """
     from gdn_dispatch.device import assumed_device
 
@@ -518,19 +604,21 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> l
     cases = []
     for K in (64, 128):
         for V in (64, 128):
-            for BV in BLOCK_V:
+            for BV, warps in CONFIGS:
+                if V % BV or warps < state_output_warps(K, BV):
+                    continue
                 for dtype in (torch.bfloat16, torch.float16):
                     for tails in (True, False):
                         for vk in (False, True):
                             for l2 in (True, False):
-                                cases.append((K, V, BV, {**base, "dtype": dtype, "tails": tails, "vk": vk,
-                                                         "l2": l2}))
+                                cases.append((K, V, BV, warps, {**base, "dtype": dtype, "tails": tails, "vk": vk,
+                                                                "l2": l2}))
     for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True)):
-        cases.append((128, 128, 64, {**base, **flip}))
+        cases.append((128, 128, 128, 8, {**base, **flip}))
     kernels = []
-    for K, V, BV, flags in cases:
-        launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV)
-        tag = (f"K{K}-V{V}-BV{BV}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
+    for K, V, BV, warps, flags in cases:
+        launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps)
+        tag = (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
                f"{'vk' if flags['vk'] else 'kv'}{'-h0' if flags['h0'] else ''}{'-ht' if flags['ht'] else ''}"
                f"{'-l2' if flags['l2'] else ''}")
         kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], tag))
