@@ -146,10 +146,10 @@ def test_block_v_override_checked():
 def test_plan_follows_the_device_sm_count():
     p = _problem(batch=(8, 64), H=16, HV=64)  # N * HV = 512 (sequence, v-head) pairs
     few = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=8))
-    assert few.stage("state_output_fwd").blocks["BV"] == 128  # the fewest programs
+    assert few.stage("state_output_fwd").blocks["BV"] == 128  # the fewest waves (K = 128)
     many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=4096))
-    # Every narrow program fits at once: the narrowest columns per warpgroup.
-    assert many.stage("state_output_fwd").blocks["BV"] == 32 and many.stage("state_output_fwd").num_warps == 8
+    # Every narrow program fits at once: the narrowest block.
+    assert many.stage("state_output_fwd").blocks["BV"] == 32 and many.stage("state_output_fwd").num_warps == 4
 
 
 def test_zero_length_sequences_plan():

@@ -105,15 +105,15 @@ def test_every_planned_descriptor_builds_on_its_tensor(capability):
 @pytest.mark.parametrize(
     "K, V, heads, sms, expected",
     [
-        (128, 128, 32, 132, (32, 8)),    # one wave at any BV: the narrowest columns per warpgroup
-        (128, 128, 64, 132, (64, 8)),    # 256 programs at BV = 32 would need two waves
+        (128, 128, 32, 132, (32, 4)),    # one wave at any BV: the narrowest block
+        (128, 128, 64, 132, (64, 4)),    # 256 programs at BV = 32 would need two waves
         (128, 128, 128, 132, (128, 8)),  # one wave only at BV = 128
         (128, 128, 512, 132, (128, 8)),  # many programs: the widest block
-        (128, 128, 64, 264, (32, 8)),    # twice the SMs: BV = 32 fits one wave again
-        (128, 64, 128, 132, (64, 8)),
-        (64, 128, 66, 132, (64, 8)),     # 132 programs: one wave, 32 columns per warpgroup
-        (64, 64, 200, 132, (64, 4)),     # two one-warpgroup programs per SM at K = 64: one wave
-        (64, 64, 1, 132, (32, 8)),       # never below 32
+        (128, 128, 64, 264, (32, 4)),    # twice the SMs: BV = 32 fits one wave again
+        (128, 64, 128, 132, (64, 4)),
+        (64, 128, 66, 132, (32, 4)),     # two one-warpgroup programs per SM at K = 64
+        (64, 128, 67, 132, (64, 4)),
+        (64, 64, 1, 132, (32, 4)),       # never below 32
     ],
 )
 def test_config_choice(K, V, heads, sms, expected):
@@ -132,9 +132,9 @@ def test_programs_per_sm():
 def test_plan_follows_the_device_sm_count():
     p = _problem(batch=(8, 64), H=16, HV=64, K=64)  # N * HV = 512 (sequence, v-head) pairs
     small = so.plan_state_output(p, _device(SM100, sm_count=8))
-    assert (small.blocks["BV"], small.num_warps) == (128, 8)
+    assert (small.blocks["BV"], small.num_warps) == (64, 4)
     big = so.plan_state_output(p, _device(SM100, sm_count=1024))
-    assert (big.blocks["BV"], big.num_warps) == (64, 8)
+    assert (big.blocks["BV"], big.num_warps) == (32, 4)
 
 
 def test_block_v_override_checked():
@@ -207,11 +207,11 @@ def test_plan_flags():
 def test_aot_list(capability):
     backend = "gluon_sm100" if capability == SM100 else "gluon_sm90"
     kernels = so.state_output_kernels_for_aot(capability, backend)
-    # Every (K, V) x every configuration whose warps hold the state tile (18), x dtype x
+    # Every (K, V) x every configuration whose warps hold the state tile (10), x dtype x
     # tails x layout x l2 (16); then three initial/final state flips.
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
-    assert len(configs) == 18
+    assert len(configs) == 10
     assert len(kernels) == len(configs) * 16 + 3
     assert len({k.specialization for k in kernels}) == len(kernels)
     for k in kernels:
@@ -366,8 +366,7 @@ def test_fused_matches_reference_and_unfused(shape, H, HV, K, V, BV, layout, h0,
 
 
 #: Every launch configuration of the fused kernel: (BV, warps, o stored a chunk late).
-VARIANTS = [(32, 4, False), (32, 4, True), (32, 8, True), (64, 4, False), (64, 8, True), (64, 8, False),
-            (128, 8, False)]
+VARIANTS = [(32, 4, False), (32, 4, True), (32, 8, True), (64, 4, False), (64, 8, True), (128, 8, False)]
 
 
 @pytest.mark.gpu

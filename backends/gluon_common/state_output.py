@@ -405,25 +405,27 @@ def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = Non
 
 
 #: Launch configurations (BV, warps) the forward chooses from (:func:`state_output_config`).
-CONFIGS = ((32, 4), (32, 8), (64, 8), (64, 4), (128, 8))
+#: Two warpgroups only at BV = 128: at BV = 32 and 64 they measured 1.15-1.4x slower than
+#: one warpgroup of the same columns per warpgroup (H200, ``h200_state_output_configs.py``).
+CONFIGS = ((32, 4), (64, 4), (128, 8))
 
 
 def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int = 2) -> tuple[int, int]:
-    """(BV, warps) of the fused kernel for ``num_heads`` (sequence, v-head) pairs.
+    """(BV, warps) of the fused kernel for ``num_heads`` (sequence, v-head) pairs: the
+    narrowest V-block among those that need the fewest waves of programs.
 
     Every program walks its sequence serially, so the time is (waves of programs) x (one
-    walk), and a walk is a chain of per-chunk steps whose length grows with the columns
-    each warpgroup owns (``BV / (warps / 4)``). So: the fewest waves first; then the
-    narrowest columns per warpgroup; then the fewest programs (two warpgroups share one
-    set of w / k / q loads). E.g. at K = V = 128 on 132 SMs: one sequence of 32 v-heads
-    takes BV = 32 on 8 warps (128 programs, 16 columns each); 4 x 32 v-heads BV = 128
-    (128 programs, one wave, against 2 waves at BV = 64).
+    walk), and a walk's per-chunk step grows with BV. Measured on the H200 (132 SMs, one
+    program per SM at K = V = 128, bf16; ms of the kernel alone): one sequence of 32
+    v-heads 0.73 at BV = 32 (128 programs) against 1.02 at 64; 64 v-heads 1.02 at BV = 64
+    (128 programs) against 1.46 at 32 (two waves) and 1.55 at 128; 4 sequences of 32
+    v-heads 0.40 at BV = 128 (128 programs on two warpgroups, one wave) against 0.53 at 64.
     """
     def cost(config):
         BV, warps = config
         programs = num_heads * (V // BV)
         capacity = max(sm_count, 1) * state_output_programs_per_sm(K, BV, elem, warps)
-        return (-(-programs // capacity), BV * NUM_WARPS // warps, programs)
+        return (-(-programs // capacity), BV)
 
     usable = [c for c in CONFIGS if V % c[0] == 0 and c[1] >= state_output_warps(K, c[0])]
     return min(usable, key=cost)
