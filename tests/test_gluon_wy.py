@@ -8,6 +8,8 @@ tests/test_arch_matrix.py (through the backends' AOT lists); its numerics run on
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -38,7 +40,8 @@ def test_plan_wy_uniform_batch(capability):
     launch = wy.plan_wy(p, capability)
     assert launch.kernel == "wy_fwd" and launch.num_warps == 4
     assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
-    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100}
+    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100,
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs"}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -56,7 +59,8 @@ def test_plan_wy_varlen_tails_l2_fp16():
     p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=1, HV=2, K=64, V=128, dtype=torch.float16, l2=True)
     launch = wy.plan_wy(p, SM90)
     assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
-    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False}
+    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False,
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs"}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
 
@@ -80,6 +84,46 @@ def test_compiled_shared_memory_matches_the_plan():
     budget = wy.plan_wy(_problem(lengths=[65], K=128, V=128, l2=True), SM90).blocks["smem_bytes"]
     assert budget <= report.shared_bytes <= budget + 1024
     assert report.registers <= wy.WY_MAXNREG_SM90 and report.spill_bytes == 0
+
+
+@pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100", "sm90"])
+def test_plan_wy_variants(capability):
+    """Both inverse variants plan the same launch but for the kernel's LHS_REGS and, on
+    sm_100a, the left-operand staging buffer of "regs" (tcgen05 reads shared memory only)."""
+    p = _problem(lengths=[65, 3], K=128, V=64)
+    smem, regs = wy.plan_wy(p, capability, "smem"), wy.plan_wy(p, capability, "regs")
+    assert smem.constexprs["LHS_REGS"] is False and regs.constexprs["LHS_REGS"] is True
+    assert wy.plan_wy(p, capability) == wy.plan_wy(p, capability, wy.WY_DEFAULT_VARIANT)
+    assert (regs.grid, regs.maxnreg, regs.descriptors) == (smem.grid, smem.maxnreg, smem.descriptors)
+    staged = 64 * 64 * 4 if capability == SM100 else 0
+    assert regs.blocks["smem_bytes"] == smem.blocks["smem_bytes"] + staged
+    assert regs.blocks["tmem_columns"] == smem.blocks["tmem_columns"]
+
+
+def test_plan_wy_rejects_an_unknown_variant():
+    with pytest.raises(ValueError, match=r"variant must be one of \('smem', 'regs'\), got 'tmem'"):
+        wy.plan_wy(_problem(), SM90, "tmem")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100", "sm90"])
+def test_regs_variant_compiles_to_register_operands(capability):
+    """The "regs" inverse at its largest specialization: no spills, shared memory as
+    planned, and on sm_90a all 80 tf32 wgmmas (10 products x 8 k-steps) take their left
+    operand from registers with no layout shuffles on the way (the scan's one shfl.idx
+    aside), in fewer registers than the cap: short of registers, ptxas serializes wgmmas
+    with register operands (warning C7512) instead of spilling."""
+    spec = "K128-V128-varlen-l2-bf16-gfp32-betafp32"
+    kernel = next(k for k in wy.wy_kernels_for_aot(capability, variant="regs") if k.specialization == spec)
+    assert kernel.constexprs["LHS_REGS"] is True
+    report = compile_kernel(kernel, capability)
+    budget = wy.plan_wy(_problem(lengths=[65], K=128, V=128, l2=True), capability, "regs").blocks["smem_bytes"]
+    assert report.spill_bytes == 0 and budget <= report.shared_bytes <= budget + 1024
+    if capability == SM90:
+        assert report.registers < wy.WY_MAXNREG_SM90
+        reg_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k8\.f32\.tf32\.tf32 \{[^}]*\}, \{", report.ptx)
+        assert len(reg_a) == 80
+        assert report.ptx.count("shfl.sync.idx") <= 1
 
 
 def test_forward_plans_wy_first():

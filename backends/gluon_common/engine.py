@@ -191,3 +191,65 @@ def acc_write(acc, value, IS_SM100: gl.constexpr):
     else:
         out = v
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# Left operand from registers (appended helpers; the ones above keep their behaviour)
+
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared  # noqa: E402
+
+
+@gluon.constexpr_function
+def lhs_reg_layout(acc_reg_layout, bitwidth):
+    """sm90: the register layout wgmma reads a left operand in, for an accumulator in
+    ``acc_reg_layout`` and operands of ``bitwidth`` bits (a 32-bit register holds
+    ``32 // bitwidth`` consecutive k: 2 for 16-bit types, 1 for fp32 / tf32)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_reg_layout, k_width=32 // bitwidth)
+
+
+@gluon.jit
+def mma_reg_a(a, a_smem, b, acc, use_acc, bar, IS_SM100: gl.constexpr):
+    """:func:`mma` with the left operand ``a`` in registers (any layout, ``a_smem``'s dtype
+    and shape): issue ``acc = a @ b (+ acc if use_acc)`` asynchronously.
+
+    sm90: wgmma reads ``a`` from registers (converted to :func:`lhs_reg_layout` of the
+    accumulator's layout); ``a_smem`` is unused, so nothing is stored. sm100: tcgen05 reads
+    its left operand from shared memory, so ``a`` is stored to ``a_smem`` (an NVMMA buffer
+    the caller owns; every MMA that read it must be complete) and fenced here. Either way
+    the caller has stored and fenced ``b``; wait with :func:`mma_wait` as for :func:`mma`.
+    On sm90 ``acc`` must be a register tensor (a fresh :func:`acc_alloc_tf32` /
+    :func:`acc_alloc`, or a waited accumulator), not a pending wgmma token.
+    """
+    if IS_SM100:
+        a_smem.store(a.to(a_smem.dtype))
+        # The MMA reads a_smem through the async proxy.
+        fence_async_shared()
+        out = mma(a_smem, b, acc, use_acc, bar, True)
+    else:
+        a_regs = gl.convert_layout(a.to(a_smem.dtype), lhs_reg_layout(acc.type.layout, a_smem.dtype.primitive_bitwidth))
+        # Every warp's stores of b (fenced by the caller) must land before the wgmma reads it.
+        thread_barrier()
+        out = warpgroup_mma(a_regs, b, acc, use_acc=use_acc, is_async=True)
+    return out
+
+
+@gluon.jit
+def tf32_lhs_order(x):
+    """``x`` [M, K] (fp32) with the columns of every group of 8 reordered, k = 8q + 2t + e
+    -> 8q + 4e + t: in that k order the sm90 tf32 accumulator layout (:func:`acc_layout`)
+    already is wgmma's left-operand register layout, so :func:`mma_reg_a` of a product's
+    result moves no data (a pure relabeling, no shuffles). The right operand must then be
+    stored in :func:`tf32_rhs_order` (the same reorder of its rows): ``(x P)(P^T y) = x y``.
+    The MMA is the same on sm100 (in any layout): there it only costs what it saves on sm90."""
+    M: gl.constexpr = x.shape[0]
+    K: gl.constexpr = x.shape[1]
+    return gl.reshape(gl.permute(gl.reshape(x, [M, K // 8, 4, 2]), (0, 1, 3, 2)), [M, K])
+
+
+@gluon.jit
+def tf32_rhs_order(y):
+    """``y`` [K, N] with its rows reordered as :func:`tf32_lhs_order` reorders the columns of
+    the left operand (k = 8q + 2t + e -> 8q + 4e + t); store it for the MMA to read."""
+    K: gl.constexpr = y.shape[0]
+    N: gl.constexpr = y.shape[1]
+    return gl.reshape(gl.permute(gl.reshape(y, [K // 8, 4, 2, N]), (0, 2, 1, 3)), [K, N])

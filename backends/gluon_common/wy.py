@@ -24,6 +24,19 @@ here; ``tests/test_numerics.py``). tf32 MMA operands must be K-major on Hopper: 
 operand is stored row-major, the right one into a buffer whose NVMMA layout is transposed
 (the store writes it column-major).
 
+Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_REGS``):
+
+* "smem": each product stores both fp32 operands to shared memory (20 [64, 64] tile
+  stores per program, each behind a fence and a CTA barrier).
+* "regs": the left operand comes from registers (sm_90a wgmma; sm_100a stages it, as
+  tcgen05 reads shared memory only) and every right operand is either ``a`` (stored once)
+  or the level's ``x`` (stored once per level, while the level's first product runs):
+  ``x`` is block diagonal, so ``x n`` is ``(x a)`` with the other blocks selected away,
+  and the 4 x 4 diagonal inverse is ``I - d + d^2 - d^3`` with ``d^2 = (d a)`` and
+  ``d^3 = (d^2 a)`` on the diagonal blocks; ``x <- x - (x n) x``. The same blocks of T and
+  A as "smem" (no powers beyond d^3), 5 tile stores, and the operands go in a k order
+  where a product's result already is wgmma's register operand (no shuffles).
+
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
 are 0 and those k / v rows (the next sequence's tokens) contribute nothing; w / u rows past
@@ -31,7 +44,8 @@ the end are not written (see :mod:`masks`).
 
 Budget (K = V = 128, 16-bit): shared memory k 16 + v 16 + two fp32 operands 32 KB (the
 scaled T tiles reuse the operands' bytes) = 64 KB, and 168 registers per thread on sm_90a:
-three programs per SM; TMEM 64 (products) + K + V columns on sm_100a.
+three programs per SM ("regs" needs 155-159 uncapped); TMEM 2 x 64 + K + V columns on
+sm_100a, where "regs" adds the staged left operand (16 KB).
 """
 
 from __future__ import annotations
@@ -119,6 +133,59 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
 
 
 @gluon.jit
+def _block_mask(x, i, j, level: gl.constexpr, BELOW: gl.constexpr):
+    """``x`` where ``(i, j)`` lies in a diagonal block of size ``2^level`` (``BELOW``: in the
+    block just below one, inside each pair of those blocks), else 0."""
+    if BELOW:
+        keep = (i >> level == (j >> level) + 1) & (i >> (level + 1) == j >> (level + 1))
+    else:
+        keep = i >> level == j >> level
+    return gl.where(keep, x, 0.0)
+
+
+@gluon.jit
+def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, IS_SM100: gl.constexpr):
+    """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile: :func:`_unit_lower_inverse`'s
+    blocks, with the left operand of every product in registers (``lhs_smem`` stages it on
+    sm_100a only) and the right one either ``a`` (stored once) or ``x`` (once per level).
+
+    ``x`` is block diagonal, so ``(x a)`` restricted to the blocks of ``n`` is ``x n``
+    exactly (a select drops the rest), and on the 4 x 4 diagonal blocks ``(d a) = d^2``:
+    every product reads the same stored ``a``. Both operands go in the k order of
+    :func:`E.tf32_lhs_order`, where a product's result is already a left operand.
+    """
+    BT: gl.constexpr = a.shape[0]
+    layout: gl.constexpr = a.type.layout
+    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
+    j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
+    acc = E.acc_alloc_tf32(BT, BT, IS_SM100)
+    a_smem.store(E.tf32_rhs_order(a))
+    # Every product reads a_smem through the async proxy.
+    fence_async_shared()
+    # 4 x 4 diagonal blocks: (I + d)^-1 = I - d + d^2 - d^3, as d^4 = 0.
+    d = _block_mask(a, i, j, 2, False)
+    acc = E.mma_reg_a(E.tf32_lhs_order(d), lhs_smem, a_smem, acc, False, bar, IS_SM100)
+    acc = E.mma_wait(acc, bar, 0, IS_SM100)
+    p = _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, 2, False)
+    acc = E.mma_reg_a(E.tf32_lhs_order(p), lhs_smem, a_smem, acc, False, bar, IS_SM100)
+    x = gl.where(i == j, 1.0, 0.0) - d + p
+    acc = E.mma_wait(acc, bar, 1, IS_SM100)
+    x = x - _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, 2, False)
+    # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - (x n) x.
+    for level in gl.static_range(2, 6):
+        acc = E.mma_reg_a(E.tf32_lhs_order(x), lhs_smem, a_smem, acc, False, bar, IS_SM100)
+        # x_smem is free (the product that read it was waited on): store x while x a runs.
+        x_smem.store(E.tf32_rhs_order(x))
+        fence_async_shared()
+        acc = E.mma_wait(acc, bar, 0, IS_SM100)
+        y = _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, level, True)
+        acc = E.mma_reg_a(E.tf32_lhs_order(y), lhs_smem, x_smem, acc, False, bar, IS_SM100)
+        acc = E.mma_wait(acc, bar, 1, IS_SM100)
+        x = x - gl.convert_layout(E.acc_read(acc, IS_SM100), layout)
+    return x
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -171,6 +238,7 @@ def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
     g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr,
+    LHS_REGS: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -185,13 +253,26 @@ def _wy_fwd_kernel(
 
     k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
-    lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
-    rhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
-    # The scaled T tiles reuse the fp32 operand buffers' bytes (free once the inverse is
-    # done): 66 KB in all, so that three programs fit an SM.
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
-    tw_smem = _alias(lhs_smem, dtype, t_layout)
-    tu_smem = _alias(rhs_smem, dtype, t_layout)
+    if LHS_REGS:
+        # The inverse's right operands: a (all of it) and x (per level). Left operands come
+        # from registers; sm_100a stages them in lhs_smem (sm_90a never touches it). The
+        # scaled T tiles reuse a's and x's bytes: 66 KB in all on sm_90a, as for "smem".
+        a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        if IS_SM100:
+            lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+        else:
+            lhs_smem = a_smem
+        tw_smem = _alias(a_smem, dtype, t_layout)
+        tu_smem = _alias(x_smem, dtype, t_layout)
+    else:
+        lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+        rhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        # The scaled T tiles reuse the fp32 operand buffers' bytes (free once the inverse
+        # is done): 66 KB in all, so that three programs fit an SM.
+        tw_smem = _alias(lhs_smem, dtype, t_layout)
+        tu_smem = _alias(rhs_smem, dtype, t_layout)
     # ready_bars[0]: k landed, [1]: v landed. mma_bars[0]: k k^T, [1]: the ten products of
     # the inverse (phases alternate, counted statically), [2]: w = T k, [3]: u = T v.
     ready_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -212,7 +293,16 @@ def _wy_fwd_kernel(
     kk = E.acc_read(E.mma_wait(kk, mma_bars.index(0), 0, IS_SM100), IS_SM100)
     g_i = _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
     a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM)
-    t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
+    if LHS_REGS:
+        # The scales wait out the inverse in one register each, not 16.
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        w_scale = gl.convert_layout(w_scale, flat)
+        u_scale = gl.convert_layout(u_scale, flat)
+        t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, mma_bars.index(1), IS_SM100)
+        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
+        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+    else:
+        t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
 
     # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
     # rounding, of the scaled T, per product). The inverse's last MMA was waited on, so the
@@ -243,23 +333,38 @@ def _wy_fwd_kernel(
 #: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8.
 WY_MAXNREG_SM90 = 168
 
+#: How the inverse feeds its products (the kernel's ``LHS_REGS``): "smem" stores both fp32
+#: operands of each of the ten products (:func:`_unit_lower_inverse`); "regs" reads the left
+#: one from registers on sm_90a and stores only a once and x once per level
+#: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
+WY_VARIANTS = ("smem", "regs")
+#: The variant plan_wy picks when none is asked for.
+WY_DEFAULT_VARIANT = "smem"
 
-def plan_wy(problem: GDNProblem, device) -> LaunchPlan:
+
+def plan_wy(problem: GDNProblem, device, variant: str | None = None) -> LaunchPlan:
     """Launch plan of :func:`wy_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
     ----------
     problem : a validated call; K and V in {64, 128}, bf16/fp16.
     device : DeviceInfo (``capability`` picks the engine), or a bare capability tuple.
+    variant : one of :data:`WY_VARIANTS` (how the inverse feeds its products; the results
+        agree to rounding), or None for :data:`WY_DEFAULT_VARIANT`.
 
     One program per (chunk, v-head), v-head fastest; whole K and V tiles; 4 warps (one
     warpgroup: wgmma's M = 64).
     """
     return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
-                    problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device))
+                    problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device),
+                    variant)
 
 
-def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
+def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, variant: str | None = None) -> LaunchPlan:
+    variant = WY_DEFAULT_VARIANT if variant is None else variant
+    if variant not in WY_VARIANTS:
+        raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
+    lhs_regs = variant == "regs"
     is_sm100 = engine_is_sm100(info.capability)
     BT = CHUNK_SIZE
     descriptors = wy_descriptors(rows, H, HV, K, V, dtype)
@@ -268,15 +373,19 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
         kernel="wy_fwd",
         grid=(NT * HV,),
         num_warps=NUM_WARPS,
-        # TMEM (sm_100a): M = 64 accumulators take 16 of each 32-lane quarter; k k^T and the
-        # inverse's products (64 columns each, never live at once), w (K), u (V).
-        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": BT * (K + V) * elem + 2 * BT * BT * 4,
+        # TMEM (sm_100a): M = 64 accumulators take 16 of each 32-lane quarter; k k^T (or a,
+        # kept for the "smem" inverse) and the inverse's products (64 columns each), w (K),
+        # u (V). Shared: k, v, two fp32 [64, 64] operands (plus the "regs" inverse's staged
+        # left operand on sm_100a, where tcgen05 reads it from shared memory).
+        blocks={"BT": BT, "K": K, "V": V,
+                "smem_bytes": BT * (K + V) * elem + (3 if lhs_regs and is_sm100 else 2) * BT * BT * 4,
                 "tmem_columns": (2 * BT + K + V) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
+        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs},
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel, whole [64, {K}] / [64, {V}] tiles",
-        # sm_90a: 168 registers (ptxas takes 183-198 uncapped, and spills nothing at 168) and
+        notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel ({variant} inverse), whole [64, {K}] / [64, {V}] tiles",
+        # sm_90a: 168 registers (ptxas takes 183-198 uncapped for "smem", 155-159 for "regs",
+        # and spills nothing at 168) and
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
         # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
         # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
@@ -353,10 +462,11 @@ def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype
     return {name: sig[name] for name in _wy_fwd_kernel.arg_names}
 
 
-def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) -> list:
+def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, variant: str | None = None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
     on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
-    (q's dtype, q's dtype), the gate dtypes models pass."""
+    (q's dtype, q's dtype), the gate dtypes models pass; of the inverse ``variant`` (None:
+    the one plan_wy picks by default)."""
     from gdn_dispatch.aot import AotKernel
 
     is_sm100 = engine_is_sm100(capability)
@@ -369,7 +479,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None) 
                 for V in (64, 128):
                     for tails in (False, True):
                         for l2 in (False, True):
-                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device)
+                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant)
                             tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
                                    f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}")
                             kernels.append(AotKernel(
