@@ -2,7 +2,7 @@
 # One device call on the lent H200: install the carried wheels (fla-core 0.6.0), then run
 # the named steps, each under its own time limit, logging everything under $OUT.
 #   usage: benchmarks/h200_session.sh STEP[:SECONDS] ...
-#   steps: info, gluon_stages, gluon_sm90, fused, profile, triton_generic, so_configs, so_configs_l2, wy_variants,
+#   steps: info, gluon_stages, gluon_sm90, fused, profile, triton_generic, so_configs, so_configs_l2, wy_variants, host,
 #          bench, bench_l2, pytest_gpu
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,6 +21,7 @@ for spec in "$@"; do
         so_configs) timeout "$limit" python3 benchmarks/h200_state_output_configs.py --budget $((limit - 30)) ;;
         so_configs_l2) timeout "$limit" python3 benchmarks/h200_state_output_configs.py --l2 --budget $((limit - 30)) ;;
         wy_variants) timeout "$limit" python3 benchmarks/h200_wy_variants.py --budget $((limit - 30)) ;;
+        host) timeout "$limit" python3 benchmarks/h200_host_profile.py ;;
         bench) timeout "$limit" python3 -m gdn_dispatch bench --check --json "$OUT/bench.json" --plot "$OUT/bench.png" ;;
         bench_l2) timeout "$limit" python3 -m gdn_dispatch bench --check --qk-l2norm --json "$OUT/bench_l2.json" --plot "$OUT/bench_l2.png" ;;
         pytest_gpu) timeout "$limit" python3 -m pytest -q -rf -m gpu tests/ ;;

@@ -10,6 +10,7 @@ tensor lies in memory, so backends handle both cases with one code path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,35 @@ def _chunk_counts(lengths: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.div(lengths + (chunk_size - 1), chunk_size, rounding_mode="floor")
 
 
+#: Uniform-batch tables kept by :func:`_uniform_table` (a server sees few (B, T) shapes).
+UNIFORM_TABLES = 64
+
+
+@functools.lru_cache(maxsize=UNIFORM_TABLES)
+def _uniform_table(B: int, T: int, chunk_size: int, device: torch.device) -> ChunkTable:
+    """The tables of ``B`` sequences of ``T`` tokens, built once per (B, T, device).
+
+    They depend on nothing else and no kernel writes them, so every call of that shape
+    shares one copy: building them costs seven small device launches, a noticeable part
+    of a short call's host time. Built on the stream current at the first such call.
+    """
+    nt_per_seq = (T + chunk_size - 1) // chunk_size
+    num_chunks = B * nt_per_seq
+    cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * T
+    flat = torch.arange(num_chunks, device=device, dtype=torch.int32)
+    return ChunkTable(
+        num_seqs=B,
+        num_chunks=num_chunks,
+        chunk_size=chunk_size,
+        cu_seqlens=cu,
+        chunk_seq=torch.div(flat, max(nt_per_seq, 1), rounding_mode="floor"),
+        chunk_local=flat % max(nt_per_seq, 1),
+        seq_chunk_start=torch.arange(0, B + 1, device=device, dtype=torch.int32) * nt_per_seq,
+        cu_seqlens_host=torch.arange(0, B + 1, dtype=torch.int64) * T,
+        uniform=True,
+    )
+
+
 def build_chunk_table(
     B: int,
     T: int,
@@ -74,21 +104,12 @@ def build_chunk_table(
         waits for the device.
     """
     if cu_seqlens is None:
-        nt_per_seq = (T + chunk_size - 1) // chunk_size
-        num_chunks = B * nt_per_seq
-        cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * T
-        flat = torch.arange(num_chunks, device=device, dtype=torch.int32)
-        return ChunkTable(
-            num_seqs=B,
-            num_chunks=num_chunks,
-            chunk_size=chunk_size,
-            cu_seqlens=cu,
-            chunk_seq=torch.div(flat, max(nt_per_seq, 1), rounding_mode="floor"),
-            chunk_local=flat % max(nt_per_seq, 1),
-            seq_chunk_start=torch.arange(0, B + 1, device=device, dtype=torch.int32) * nt_per_seq,
-            cu_seqlens_host=torch.arange(0, B + 1, dtype=torch.int64) * T,
-            uniform=True,
-        )
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Under CUDA-graph capture the tables would only be filled by a replay (and live
+            # in the graph's pool): build them per call, uncached.
+            return _uniform_table.__wrapped__(B, T, chunk_size, device)
+        return _uniform_table(B, T, chunk_size, device)
 
     if cu_seqlens_host is None:
         raise ValueError("build_chunk_table: cu_seqlens needs its host copy")

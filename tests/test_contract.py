@@ -132,3 +132,13 @@ def test_chunk_table_uniform():
     assert table.chunk_seq.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert table.chunk_local.tolist() == [0, 1, 2] * 3
     assert table.seq_chunk_start.tolist() == [0, 3, 6, 9]
+
+
+def test_uniform_chunk_tables_are_built_once_per_shape():
+    # The tables of a uniform batch depend on (B, T, device) only: calls of one shape share
+    # them (no per-call device launches), other shapes get their own.
+    first = make_problem(**random_call(batch=(2, 100), K=8, V=8, dtype=torch.float32, seed=1)).chunks
+    again = make_problem(**random_call(batch=(2, 100), K=8, V=8, dtype=torch.float32, seed=2)).chunks
+    other = make_problem(**random_call(batch=(2, 129), K=8, V=8, dtype=torch.float32, seed=1)).chunks
+    assert again is first and other is not first
+    assert other.num_chunks == 6 and other.chunk_local.tolist() == [0, 1, 2] * 2

@@ -339,7 +339,7 @@ WY_MAXNREG_SM90 = 168
 #: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
 WY_VARIANTS = ("smem", "regs")
 #: The variant plan_wy picks when none is asked for.
-WY_DEFAULT_VARIANT = "smem"
+WY_DEFAULT_VARIANT = "regs"
 
 
 def plan_wy(problem: GDNProblem, device, variant: str | None = None) -> LaunchPlan:
