@@ -21,6 +21,75 @@ import time
 import torch
 
 
+def host_us(fn, n=50):
+    """Host microseconds per ``fn()`` over ``n`` calls (few enough that the launch queue never fills)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def breakdown(x):
+    """Host cost of each step of a gluon_sm90 call, measured alone."""
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.registry import select
+
+    from backends.gluon_common import state_output as so
+    from backends.gluon_common import wy
+    from backends.gluon_common.plan import plan
+
+    def problem():
+        return make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,
+                            cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu, backend="gluon_sm90")
+
+    p = problem()
+    probe = default_probe()
+    info = probe.for_torch_device(p.device)
+    launches = plan(p, device=info)
+    lw, ls = launches.stage("wy_fwd"), launches.stage("state_output_fwd")
+    w, u, g_cum = wy.wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, lw)
+    o = torch.empty_like(p.v)
+    ht = torch.empty(p.state_shape, dtype=torch.float32, device=p.device)
+    tw = {"k": p.k, "v": p.v, "w": w, "u": u}
+    ts = {"q": p.q, "k": p.k, "w": w, "u": u, "o": o}
+    dw = {d.arg: d.build(tw[d.tensor]) for d in lw.descriptors}
+    ds = {d.arg: d.build(ts[d.tensor]) for d in ls.descriptors}
+    ch = p.chunks
+
+    def launch_wy():
+        wy._wy_fwd_kernel[lw.grid](**dw, w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=ch.cu_seqlens,
+                                   chunk_seq=ch.chunk_seq, chunk_local=ch.chunk_local, HV=lw.scalars["HV"],
+                                   GROUP=lw.scalars["GROUP"], **lw.constexprs, num_warps=lw.num_warps,
+                                   maxnreg=lw.maxnreg)
+
+    def launch_so():
+        so._state_output_fwd_kernel[ls.grid](**ds, o_ptr=o, g_cum=g_cum, h0=p.initial_state, ht=ht,
+                                             cu_seqlens=ch.cu_seqlens, scale=p.scale, HV=ls.scalars["HV"],
+                                             GROUP=ls.scalars["GROUP"], V=ls.scalars["V"], **ls.constexprs,
+                                             num_warps=ls.num_warps, maxnreg=ls.maxnreg)
+
+    steps = {
+        "make_problem": problem,
+        "device probe": lambda: probe.for_torch_device(p.device),
+        "registry select": lambda: select(info, p),
+        "plan (memoized)": lambda: plan(p, device=info),
+        "12 descriptors": lambda: ([d.build(tw[d.tensor]) for d in lw.descriptors],
+                                   [d.build(ts[d.tensor]) for d in ls.descriptors]),
+        "5 torch.empty": lambda: [torch.empty_like(p.v) for _ in range(5)],
+        "wy launch": launch_wy,
+        "state_output launch": launch_so,
+        "forward": lambda: select(info, p).module.forward(p),
+    }
+    for name, fn in steps.items():
+        print(f"  {name:22s} {host_us(fn):8.1f} us", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="H16-HV32-1x8192")
@@ -33,6 +102,8 @@ def main():
     shape = next(s for s in default_shapes() if s.name == args.shape)
     x = make_input_sets(shape, 1, torch.device("cuda"), seed=3, qk_l2norm=False)[0]
 
+    print("gluon_sm90 host steps (each alone):", flush=True)
+    breakdown(x)
     for name in args.backends.split(","):
         def call():
             return chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0,

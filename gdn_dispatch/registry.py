@@ -350,13 +350,40 @@ class Selection:
     explanation: Explanation = field(repr=False)
 
 
+#: Static selections kept by :func:`select` (keys: device, call spec, forced backend and
+#: the environment it reads; a process sees few).
+SELECTIONS_KEPT = 256
+_selections: dict[tuple, tuple[tuple[BackendSpec, ...], Selection]] = {}
+
+
 def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) -> Selection:
     """The backend that runs ``problem`` on ``device``; GDNDispatchError when none can.
 
     An explicit choice that cannot run raises with its reason; it never falls back.
+
+    The rows' verdicts depend on the device, the call's :class:`CallSpec`, the forced
+    backend and the environment, except the chosen module's own ``unsupported_reason``
+    (alignment, index limits), which looks at this problem's tensors. So the choice without
+    the problem is kept per key, and only that check runs per call; when it objects, the
+    full explanation (with the problem offered to every row) decides, as without the cache.
     """
-    explanation = explain(device, CallSpec.from_problem(problem), problem=problem,
-                          backend=problem.backend, env=env)
+    environ = os.environ if env is None else env
+    call = CallSpec.from_problem(problem)
+    rows = load_registry()
+    key = (id(rows), device, call, problem.backend, environ.get(ENV_VAR), environ.get("TRITON_INTERPRET"))
+    kept_rows, static = _selections.get(key, (None, None))
+    if kept_rows is not rows:
+        static = None
+        static_explanation = explain(device, call, backend=problem.backend, env=environ, rows=rows)
+        if static_explanation.selected is not None:
+            static = _selection(static_explanation, rows)
+            if len(_selections) < SELECTIONS_KEPT:
+                _selections[key] = (rows, static)
+    if static is not None:
+        check = getattr(static.module, "unsupported_reason", None)
+        if check is None or check(problem) is None:
+            return static
+    explanation = explain(device, call, problem=problem, backend=problem.backend, env=environ, rows=rows)
     if explanation.selected is None:
         if explanation.forced is not None:
             verdict = next(v for v in explanation.verdicts if v.name == explanation.forced)
@@ -366,6 +393,10 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
             )
         details = "; ".join(f"{v.name}: {v.reason}" for v in explanation.verdicts)
         raise GDNDispatchError(f"no backend can run this call on {device.label} ({device.arch}): {details}")
-    spec = next(r for r in load_registry() if r.name == explanation.selected)
+    return _selection(explanation, rows)
+
+
+def _selection(explanation: Explanation, rows: tuple[BackendSpec, ...] | None = None) -> Selection:
+    spec = next(r for r in rows or load_registry() if r.name == explanation.selected)
     module, _ = _import_backend(spec.module)
     return Selection(spec=spec, module=module, explanation=explanation)

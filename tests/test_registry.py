@@ -178,6 +178,19 @@ def test_select_returns_module_with_forward():
     assert selection.spec.name == "reference" and callable(selection.module.forward)
 
 
+def test_select_keeps_the_static_choice_and_rechecks_each_problem(monkeypatch):
+    # Calls of one spec reuse the choice (no per-call explanation of every row) ...
+    first = select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32, seed=1)), env={})
+    again = select(CPU, make_problem(**random_call(batch=(2, 5), K=8, V=8, dtype=torch.float32, seed=2)), env={})
+    assert again is first
+    assert select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)),
+                  env={"GDN_BACKEND": "reference"}).explanation.forced == "reference"
+    # ... but the chosen module's own check of the problem's tensors runs on every call.
+    monkeypatch.setattr(first.module, "unsupported_reason", lambda problem: "tensors misaligned", raising=False)
+    with pytest.raises(GDNDispatchError, match="reference: tensors misaligned"):
+        select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)), env={})
+
+
 def test_registry_rows_are_sorted_and_complete():
     rows = load_registry()
     assert [r.priority for r in rows] == sorted((r.priority for r in rows), reverse=True)
