@@ -191,6 +191,33 @@ def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexp
 
 
 @gluon.jit
+def _state_output_update(S, p, u_tile, u_bar, ready_phase, k_tile, b_d, m_t, vn_smem, vs_smem, s_bar,
+                         IS_SM100: gl.constexpr):
+    """``v_new = u - P`` -> ``vn_smem``; its rows scaled by ``b_d`` (0 where not ``m_t``) ->
+    ``vs_smem``; issue ``S += k^T vs``. Returns ``S`` (the MMA in flight)."""
+    mbarrier.wait(u_bar, ready_phase)
+    b_v = u_tile.load(E.acc_layout(u_tile.shape[0], u_tile.shape[1], IS_SM100, gl.num_warps())).to(gl.float32)
+    b_v = b_v - E.acc_read(p, IS_SM100)
+    vn_smem.store(b_v.to(vn_smem.dtype))
+    vs_smem.store(_state_vs(b_v, b_d, m_t, k_tile, False).to(vs_smem.dtype))
+    # Orders vn/vs writes before the MMAs reading them, and the register reads of u and k
+    # before the TMA refill of this slot at the top of the next chunk.
+    fence_async_shared()
+    return E.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
+
+
+@gluon.jit
+def _state_output_pv(o, qk, g_row, rk, n_valid, p_smem, vn_smem, pv_bar,
+                     USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr):
+    """``A`` -> ``p_smem`` (:func:`_state_output_scores`); ``O = 2^g O``; issue
+    ``O += A v_new``. Returns ``O`` (the MMA in flight)."""
+    _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM, IS_SM100)
+    o = E.acc_write(o, E.acc_read(o, IS_SM100) * gl.expand_dims(gl.exp2(g_row), 1), IS_SM100)
+    fence_async_shared()  # p_smem writes (and this slot's register reads) -> async proxy
+    return E.mma(p_smem, vn_smem, o, True, pv_bar, IS_SM100)
+
+
+@gluon.jit
 def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_stride,
                            row, col_v, n_valid, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
     """``o * r_scale`` per row -> ``o_smem`` -> the chunk's own rows of o."""
@@ -305,15 +332,8 @@ def _state_output_fwd_kernel(
                                        HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, IS_SM100)
         p = E.mma_wait_until(p, p_bar, mma_phase, P_PENDING, IS_SM100)  # O (and QK) may still run
 
-        # v_new = u - w h_t; S = 2^g_last S + k^T (rk 2^(g_last - g) v_new).
-        mbarrier.wait(u_ready.index(buf), ready_phase)
-        b_v = u_smem.index(buf).load(p_layout).to(gl.float32) - E.acc_read(p, IS_SM100)
-        vn_smem.store(b_v.to(dtype))
-        vs_smem.store(_state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
-        # Orders vn/vs writes before the MMAs reading them, and the register reads of u and
-        # k before the TMA refill of this slot at the top of the next chunk.
-        fence_async_shared()
-        S = E.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
+        S = _state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
+                                 vn_smem, vs_smem, s_bar, IS_SM100)
         if QK_LATE:
             qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
 
@@ -328,10 +348,7 @@ def _state_output_fwd_kernel(
             qk = E.mma_wait_until(qk, qk_bar, mma_phase, 0, IS_SM100)
         else:
             qk = E.mma_wait_until(qk, qk_bar, mma_phase, 1, IS_SM100)  # the state update may run
-        _state_output_scores(qk, g_row, rk, eos - row, p_smem, USE_L2NORM, IS_SM100)
-        o = E.acc_write(o, E.acc_read(o, IS_SM100) * gl.expand_dims(gl.exp2(g_row), 1), IS_SM100)
-        fence_async_shared()  # p_smem writes (and this slot's register reads) -> async proxy
-        o = E.mma(p_smem, vn_smem, o, True, pv_bar, IS_SM100)
+        o = _state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem, pv_bar, USE_L2NORM, IS_SM100)
         if not QK_LATE:
             S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
         if DEFER_OUT:
