@@ -13,7 +13,7 @@ MATRIX = {
     "sm_80": ("triton_generic", "mma.sync"),
     "sm_86": ("triton_generic", "mma.sync"),
     "sm_89": ("triton_generic", "mma.sync"),
-    "sm_90": ("triton_generic", "wgmma.mma_async"),
+    "sm_90": ("gluon_sm90", "wgmma.mma_async"),
     "sm_100": ("gluon_sm100", "tcgen05.mma"),
     "sm_103": ("gluon_sm100", "tcgen05.mma"),
     "sm_120": ("triton_generic", "mma.sync"),
