@@ -10,6 +10,7 @@ Usage (for kernel authors; every helper takes ``IS_SM100: gl.constexpr`` last)::
     acc = E.mma_wait_until(acc, bar, phase, 1, IS_SM100)   # wait for this one; 1 later may run
     x = E.acc_read(acc, IS_SM100)                          # fp32 registers in E.acc_layout(64, BV, ...)
     acc = E.acc_write(acc, x * 2.0, IS_SM100)              # overwrite the accumulator from registers
+    acc = E.mma_reg_a(x, a_smem, b_smem, acc, False, bar, IS_SM100)  # left operand from registers
 
 * Operands ``a`` [M, K] and ``b`` [K, N] are shared-memory descriptors in an NVMMASharedLayout
   (``E.smem_layout(shape, dtype)`` or a TMA descriptor's ``.layout``); ``b`` may be a
@@ -42,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tcgen05_mma,
 )
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
@@ -194,9 +196,7 @@ def acc_write(acc, value, IS_SM100: gl.constexpr):
 
 
 # ----------------------------------------------------------------------------------------
-# Left operand from registers (appended helpers; the ones above keep their behaviour)
-
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared  # noqa: E402
+# Left operand from registers (sm90 wgmma; staged through shared memory on sm100)
 
 
 @gluon.constexpr_function
