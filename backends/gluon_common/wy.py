@@ -339,8 +339,8 @@ WY_MAXNREG_SM90 = 168
 #: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
 WY_VARIANTS = ("smem", "regs")
 #: The variant plan_wy picks when none is asked for: "regs", 1.26-1.35x faster than
-#: "smem" on the H200 at the same error (``benchmarks/RESULTS.md``, session 3). "smem"
-#: stays for the timing script and as the reference the GPU tests compare against.
+#: "smem" on the H200 at the same error (``benchmarks/RESULTS.md``, session 3; the GPU
+#: numerics tests ran on it). "smem" stays selectable for ``h200_wy_variants.py``.
 WY_DEFAULT_VARIANT = "regs"
 
 
