@@ -152,6 +152,15 @@ def _qk_late(K, BV, IS_SM100, num_warps):
     return (not IS_SM100) and K * BV * NUM_WARPS >= MAX_STATE_TILE * num_warps
 
 
+@gluon.constexpr_function
+def _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, num_warps):
+    """Load chunk t + 1's gate rows during chunk t; not at the largest state tile on one
+    warpgroup with the l2 norm and varlen tails, where the rows held across the chunk took
+    the last registers (triton 3.9 spilled 8 bytes there, 3.6 did not): those load them
+    at the top of their own chunk, as the split state kernel does."""
+    return not (QK_LATE and USE_L2NORM and HAS_TAILS and num_warps == NUM_WARPS)
+
+
 @gluon.jit
 def _overwrite(acc, IS_SM100: gl.constexpr):
     """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
@@ -251,6 +260,7 @@ def _state_output_fwd_kernel(
     # With DEFER_OUT, chunk t's A v_new is waited and stored in chunk t + 1, after P, O
     # (and QK) of chunk t + 1 were issued: the wgmma groups outstanding then.
     TAIL_PENDING: gl.constexpr = 2 if QK_LATE else 3
+    GATES_EARLY: gl.constexpr = _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, gl.num_warps())
     # The state kernel's walk: q shares k's head, so its tiles sit at col_k too.
     _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
 
@@ -300,11 +310,14 @@ def _state_output_fwd_kernel(
         w_tile = ring.index(3 * buf)
         k_tile = ring.index(3 * buf + 1)
         q_tile = ring.index(3 * buf + 2)
+        if not GATES_EARLY:
+            b_g, g_last = _gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
         g_row = b_g
         m_t, b_d, decay = _gate_decays(g_row, g_last, row, eos, BT)
-        # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
-        # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
-        b_g, g_last = _gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        if GATES_EARLY:
+            # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
+            # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
+            b_g, g_last = _gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
 
         # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
         s_reg = E.acc_read(S, IS_SM100)
