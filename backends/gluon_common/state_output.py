@@ -30,7 +30,7 @@ With ``DEFER_OUT`` (sm_90a, where the accumulators are registers; chosen by
 ``O`` and ``QK`` were issued: A v_new of chunk t then runs under chunk t + 1's h_t store,
 and the wait for it and o's store sit under chunk t + 1's MMAs instead of on the serial
 chain. The gate rows of chunk t + 1 are loaded during chunk t (plain global loads whose
-latency would otherwise sit on the chain).
+latency would otherwise sit on the chain; :func:`_gates_early` names the one exception).
 
 Warps: one warpgroup, or two at BV = 128 (:func:`state_output_config`): the engine layouts
 then split every [*, BV] tile's columns between the warpgroups, which share the w / k / q
