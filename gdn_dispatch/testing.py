@@ -98,3 +98,23 @@ def random_call(
     for name, value in call.items():
         out[name] = value.to(device) if isinstance(value, torch.Tensor) and name != "cu_seqlens_cpu" else value
     return out
+
+
+class LaunchRecorder:
+    """Stands in for a JIT kernel in CPU tests of a host wrapper: ``recorder[grid](**kwargs)``
+    records the launch instead of running it.
+
+    Attributes
+    ----------
+    arg_names : the replaced kernel's parameter names (what a launch must bind).
+    launched : the last launch's ``grid`` and keyword arguments (launch options included).
+    """
+
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+        self.launched: dict = {}
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.launched.update(grid=grid, **kwargs)
+        return launch

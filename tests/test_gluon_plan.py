@@ -15,7 +15,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
-from gdn_dispatch.testing import random_call  # noqa: E402
+from gdn_dispatch.testing import LaunchRecorder, random_call  # noqa: E402
 
 from backends.gluon_common.plan import (  # noqa: E402
     MAX_STATE_TILE,
@@ -191,17 +191,9 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
     """state_fwd's launch passes exactly the kernel's parameters (CPU: the launch is recorded)."""
     from backends.gluon_common import state
 
-    launched = {}
-
-    class Recorder:
-        arg_names = state._state_fwd_kernel.arg_names
-
-        def __getitem__(self, grid):
-            def launch(**kwargs):
-                launched.update(grid=grid, **kwargs)
-            return launch
-
-    monkeypatch.setattr(state, "_state_fwd_kernel", Recorder())
+    recorder = LaunchRecorder(state._state_fwd_kernel)
+    monkeypatch.setattr(state, "_state_fwd_kernel", recorder)
+    launched = recorder.launched
     p = _problem(lengths=[1, 63, 130, 0], layout=layout)
     launch = _split_state_plan(p, SM90)
     BT, HV, K, V = p.B * p.T, p.HV, p.K, p.V
@@ -210,7 +202,7 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
     g_cum = torch.empty(p.B, p.T, HV)
     h, v_new, final = state.state_fwd(p.k, w, u, g_cum, p.chunks, launch, initial_state=p.initial_state,
                                       output_final_state=True)
-    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(Recorder.arg_names)
+    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(recorder.arg_names)
     assert launched["grid"] == launch.grid and launched["num_warps"] == 4
     assert launched["maxnreg"] == launch.maxnreg
     assert h.shape == (p.chunks.num_chunks, HV, K, V) and v_new.shape == u.shape

@@ -22,7 +22,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
-from gdn_dispatch.testing import random_call, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import LaunchRecorder, random_call, rel_rms_error  # noqa: E402
 
 from backends.gluon_common import state_output as so  # noqa: E402
 from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
@@ -241,24 +241,16 @@ def test_aot_list_is_part_of_both_backends():
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_state_output_fwd_binds_every_kernel_argument(monkeypatch, layout):
-    launched = {}
-
-    class Recorder:
-        arg_names = so._state_output_fwd_kernel.arg_names
-
-        def __getitem__(self, grid):
-            def launch(**kwargs):
-                launched.update(grid=grid, **kwargs)
-            return launch
-
-    monkeypatch.setattr(so, "_state_output_fwd_kernel", Recorder())
+    recorder = LaunchRecorder(so._state_output_fwd_kernel)
+    monkeypatch.setattr(so, "_state_output_fwd_kernel", recorder)
+    launched = recorder.launched
     p = _problem(lengths=[1, 63, 130, 0], layout=layout, l2=True)
     launch = so.plan_state_output(p, SM90)
     w = torch.empty(p.B, p.T, p.HV, p.K, dtype=p.dtype)
     u = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
     o, final = so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
                                    initial_state=p.initial_state, output_final_state=True)
-    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(Recorder.arg_names)
+    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(recorder.arg_names)
     assert launched["grid"] == launch.grid and launched["num_warps"] == launch.num_warps
     assert launched["maxnreg"] == launch.maxnreg
     assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == p.V and launched["USE_L2NORM"]
