@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from gdn_dispatch import bench
-from gdn_dispatch.bench import BenchShape, Measurement, ShapeResult
+from gdn_dispatch import bench, bench_report
+from gdn_dispatch.bench import BenchShape
+from gdn_dispatch.bench_report import Measurement, ShapeResult
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.registry import GDNDispatchError
 
@@ -145,11 +146,11 @@ def fake_result() -> ShapeResult:
     result = ShapeResult(shape=shape, min_bytes=bench.min_bytes(shape), flops=bench.flop_count(shape),
                          bound_ms=0.05, bound_by="memory", input_sets=3)
     result.measurements = [
-        bench.from_times("triton_generic", [0.30, 0.20, 0.25, 0.90]),
-        bench.from_times("fla", [0.50, 0.40, 0.45]),
+        bench_report.from_times("triton_generic", [0.30, 0.20, 0.25, 0.90]),
+        bench_report.from_times("fla", [0.50, 0.40, 0.45]),
         Measurement("gluon_sm100", note="cannot run: needs compute capability in {sm_100, sm_103}"),
     ]
-    return bench.finish(result)
+    return bench_report.finish(result)
 
 
 def test_finish_fills_ratios():
@@ -166,11 +167,11 @@ def test_finish_fills_ratios():
 def test_finish_without_fla_leaves_fla_ratio_empty():
     result = fake_result()
     result.measurements = [m for m in result.measurements if m.backend != "fla"]
-    assert bench.finish(result).measurements[0].fla_ratio is None
+    assert bench_report.finish(result).measurements[0].fla_ratio is None
 
 
 def test_format_table():
-    text = bench.format_table([fake_result()])
+    text = bench_report.format_table([fake_result()])
     lines = text.splitlines()
     assert lines[0].split()[:7] == ["backend", "ms", "TFLOP/s", "x", "SOL", "x", "fla"]
     assert "err o" not in lines[0]
@@ -187,14 +188,14 @@ def test_format_table():
 def test_format_table_with_check_columns():
     result = fake_result()
     result.measurements[0].err_o, result.measurements[0].err_state = 1.234e-3, 5e-6
-    lines = bench.format_table([result], check=True).splitlines()
+    lines = bench_report.format_table([result], check=True).splitlines()
     assert "err o" in lines[0] and "err state" in lines[0]
     assert lines[2].split()[5:7] == ["1.23e-03", "5.00e-06"]
     assert lines[4].split()[5:7] == ["-", "-"]
 
 
 def make_report(result=None):
-    return bench.build_report(
+    return bench_report.build_report(
         [result or fake_result()],
         device={"name": "NVIDIA H200", "capability": "9.0", "arch": "sm_90", "sm_count": 132, "l2_bytes": 52428800},
         versions={"torch": "2.11.0", "triton": "3.6.0", "gdn_dispatch": "0.1.0", "fla": None},
@@ -208,7 +209,7 @@ def make_report(result=None):
 def test_json_round_trip(tmp_path):
     report = make_report()
     path = tmp_path / "bench.json"
-    bench.write_json(str(path), report)
+    bench_report.write_json(str(path), report)
     loaded = json.loads(path.read_text())
     assert loaded == report
     shape = loaded["shapes"][0]
@@ -226,7 +227,7 @@ def test_json_keeps_nan_and_inf_as_names(tmp_path):
     result = fake_result()
     result.measurements[0].err_o, result.measurements[0].err_state = float("nan"), float("inf")
     path = tmp_path / "bench.json"
-    bench.write_json(str(path), make_report(result))
+    bench_report.write_json(str(path), make_report(result))
     row = json.loads(path.read_text())["shapes"][0]["results"][0]
     assert (row["err_o"], row["err_state"]) == ("nan", "inf")
 
@@ -235,13 +236,13 @@ def test_json_ragged_lengths_are_a_list(tmp_path):
     shape = bench.default_shapes()[4]
     result = ShapeResult(shape=shape, min_bytes=1, flops=1.0, bound_ms=1.0, bound_by="memory", input_sets=2)
     path = tmp_path / "bench.json"
-    bench.write_json(str(path), make_report(result))
+    bench_report.write_json(str(path), make_report(result))
     assert json.loads(path.read_text())["shapes"][0]["seqlens"] == list(shape.seqlens)
 
 
 def test_plot_written_or_noted(tmp_path):
     path = tmp_path / "bench.png"
-    note = bench.write_plot(str(path), make_report())
+    note = bench_report.write_plot(str(path), make_report())
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -254,7 +255,7 @@ def test_plot_written_or_noted(tmp_path):
 
 def test_plot_without_matplotlib_is_a_note(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise
-    note = bench.write_plot(str(tmp_path / "bench.png"), make_report())
+    note = bench_report.write_plot(str(tmp_path / "bench.png"), make_report())
     assert note.startswith("--plot: matplotlib not importable") and "no plot written" in note
 
 
@@ -262,7 +263,7 @@ def test_plot_with_nothing_timed_is_a_note(tmp_path):
     pytest.importorskip("matplotlib")
     result = fake_result()
     result.measurements = [result.measurements[2]]
-    assert bench.write_plot(str(tmp_path / "b.png"), make_report(result)) == "--plot: nothing was timed; no plot written"
+    assert bench_report.write_plot(str(tmp_path / "b.png"), make_report(result)) == "--plot: nothing was timed; no plot written"
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -271,7 +272,7 @@ def test_plot_with_nothing_timed_is_a_note(tmp_path):
     pytest.param(["/usr/bin/gdn-dispatch", "bench"], "/usr/bin/gdn-dispatch bench", id="script"),
 ])
 def test_command_line(argv, expected):
-    assert bench.command_line(argv) == expected
+    assert bench_report.command_line(argv) == expected
 
 
 # --------------------------------------------------------------------------- inputs and callers
