@@ -435,7 +435,7 @@ def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = Non
 
 
 #: Launch configurations (BV, warps) the forward chooses from (:func:`state_output_config`).
-#: Two warpgroups only at BV = 128: at BV = 32 and 64 they measured 1.15-1.4x slower than
+#: Two warpgroups only at BV = 128: at BV = 32 and 64 they measured 1.13-1.35x slower than
 #: one warpgroup of the same columns per warpgroup (H200, ``h200_state_output_configs.py``).
 CONFIGS = ((32, 4), (64, 4), (128, 8))
 
