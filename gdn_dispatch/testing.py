@@ -100,6 +100,16 @@ def random_call(
     return out
 
 
+def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2: bool = False, **call):
+    """A validated GDNProblem of one :func:`random_call` (``call``: its shape, head, dtype,
+    device and seed keywords), with the initial state ``h0`` in ``layout``, the final
+    state asked when ``ht`` and the in-kernel qk l2 norm when ``l2`` (q and k then raw)."""
+    from gdn_dispatch.contract import make_problem
+
+    kwargs = random_call(initial_state=h0, state_layout=layout, normalize_qk=not l2, **call)
+    return make_problem(**kwargs, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+
+
 class LaunchRecorder:
     """Stands in for a JIT kernel in CPU tests of a host wrapper: ``recorder[grid](**kwargs)``
     records the launch instead of running it.

@@ -13,9 +13,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
-from gdn_dispatch.testing import LaunchRecorder, random_call  # noqa: E402
+from gdn_dispatch.testing import LaunchRecorder, random_problem  # noqa: E402
 
 from backends.gluon_common.plan import (  # noqa: E402
     MAX_STATE_TILE,
@@ -41,11 +40,8 @@ def _split_state_plan(p, capability):
     return plan_state(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
 
 
-def _problem(lengths=None, batch=None, H=2, HV=4, K=128, V=128, layout="kv", h0=True, ht=True, l2=False,
-             dtype=torch.bfloat16):
-    call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=dtype, initial_state=h0,
-                       state_layout=layout)
-    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+def _problem(K=128, V=128, ht=True, **kwargs):
+    return random_problem(K=K, V=V, ht=ht, **kwargs)
 
 
 CASES = [

@@ -20,9 +20,8 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
-from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
-from gdn_dispatch.testing import LaunchRecorder, random_call, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import LaunchRecorder, random_problem, rel_rms_error  # noqa: E402
 
 from backends.gluon_common import state_output as so  # noqa: E402
 from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
@@ -30,11 +29,8 @@ from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
 SM90, SM100 = (9, 0), (10, 0)
 
 
-def _problem(lengths=None, batch=None, H=2, HV=4, K=128, V=128, layout="kv", h0=True, ht=True, l2=False,
-             dtype=torch.bfloat16, device="cpu", seed=0):
-    call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=dtype, initial_state=h0,
-                       state_layout=layout, device=device, seed=seed, normalize_qk=not l2)
-    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+def _problem(K=128, V=128, ht=True, **kwargs):
+    return random_problem(K=K, V=V, ht=ht, **kwargs)
 
 
 def _device(capability, sm_count=None):

@@ -16,9 +16,8 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.aot import compile_kernel  # noqa: E402
-from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
-from gdn_dispatch.testing import random_call  # noqa: E402
+from gdn_dispatch.testing import random_problem  # noqa: E402
 
 from backends.gluon_common import wy  # noqa: E402
 from backends.gluon_common.plan import has_tails, plan  # noqa: E402
@@ -30,8 +29,7 @@ SM90_SMEM_PER_SM, BLOCK_RESERVED = 228 * 1024, 1024
 
 def _problem(lengths=None, B=1, T=128, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l2=False):
     shape = dict(lengths=lengths) if lengths is not None else dict(batch=(B, T))
-    call = random_call(**shape, H=H, HV=HV, K=K, V=V, dtype=dtype, seed=1)
-    return make_problem(**call, use_qk_l2norm_in_kernel=l2)
+    return random_problem(**shape, H=H, HV=HV, K=K, V=V, dtype=dtype, seed=1, l2=l2)
 
 
 @pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100", "sm90"])

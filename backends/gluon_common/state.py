@@ -412,13 +412,11 @@ def state_fwd(
 
 def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool):
     """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter)."""
-    from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.testing import random_call
+    from gdn_dispatch.testing import random_problem
 
     shape = dict(lengths=[64, 65]) if tails else dict(batch=(2, 128))
-    call = random_call(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, initial_state=h0,
-                       state_layout="vk" if vk else "kv")
-    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+    return random_problem(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, layout="vk" if vk else "kv", h0=h0, ht=ht,
+                          l2=l2)
 
 
 def state_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:

@@ -111,7 +111,8 @@ from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
 from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, store_chunk_tile, tile_layout
 from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, sig_dtype, state_constexprs
-from backends.gluon_common.state import _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program
+from backends.gluon_common.state import (
+    _aot_problem, _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program)
 from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
@@ -608,17 +609,6 @@ def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype
     return AotKernel(backend=backend, kernel="state_output_fwd", specialization=tag,
                      fn=_state_output_fwd_kernel, signature=signature, constexprs=constexprs,
                      dialect="gluon", num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
-
-
-def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool):
-    """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter)."""
-    from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.testing import random_call
-
-    shape = dict(lengths=[64, 65]) if tails else dict(batch=(2, 128))
-    call = random_call(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, initial_state=h0,
-                       state_layout="vk" if vk else "kv")
-    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
 
 
 def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:
