@@ -38,7 +38,7 @@ def sweep_shape(shape, device, info, l2):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import rel_rms_error
 
-    from backends.gluon_common.state_output import plan_state_output, state_output_fwd
+    from backends.gluon_common.state_output import plan_state_output, state_output_fwd, state_output_warps
     from backends.gluon_common.wy import plan_wy, wy_fwd
 
     x = make_input_sets(shape, 1, device, seed=7, qk_l2norm=l2)[0]
@@ -55,7 +55,7 @@ def sweep_shape(shape, device, info, l2):
     o_ref, ht_ref = run(chosen)
     times = {}
     for BV, warps, defer in SWEEP:
-        if p.K * BV * 4 > 8192 * warps:
+        if warps < state_output_warps(p.K, BV):
             continue
         plan = plan_state_output(p, info, block_v=BV, num_warps=warps, defer_out=defer)
         torch.cuda.empty_cache()

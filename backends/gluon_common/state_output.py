@@ -145,12 +145,20 @@ def _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, 
 
 
 @gluon.constexpr_function
+def state_tile_per_warpgroup(K, BV, warps):
+    """fp32 values of the [K, BV] state tile each warpgroup holds (``warps`` in all): the
+    register measure behind the warp count, the q k^T issue order and o's deferral
+    (at most :data:`MAX_STATE_TILE`, 64 registers per thread). Callable from the host too."""
+    return K * BV * NUM_WARPS // warps
+
+
+@gluon.constexpr_function
 def _qk_late(K, BV, IS_SM100, num_warps):
     """Issue q k^T after the state update instead of with w h_t and q h_t: on sm_90a at
     the largest state tile per thread only (64 registers: K * BV = 8192 over one
     warpgroup, 16384 over two), where the state and three [64, *] accumulators in flight
     during v_new took all 255 registers and spilled."""
-    return (not IS_SM100) and K * BV * NUM_WARPS >= MAX_STATE_TILE * num_warps
+    return (not IS_SM100) and state_tile_per_warpgroup(K, BV, num_warps) >= MAX_STATE_TILE
 
 
 @gluon.constexpr_function
@@ -419,7 +427,7 @@ def state_output_warps(K: int, BV: int) -> int:
     one holds in registers (:data:`MAX_STATE_TILE`), else one. Two warpgroups split every
     [*, BV] tile by columns and share the w / k / q ring, so a BV = 128 program does the
     work of two BV = 64 programs for one set of loads."""
-    return NUM_WARPS * (2 if K * BV > MAX_STATE_TILE else 1)
+    return NUM_WARPS * (2 if state_tile_per_warpgroup(K, BV, NUM_WARPS) > MAX_STATE_TILE else 1)
 
 
 def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = None) -> bool:
@@ -432,7 +440,7 @@ def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = Non
     (:func:`_qk_late`).
     """
     warps = warps or state_output_warps(K, BV)
-    return not is_sm100 and K * BV * NUM_WARPS < MAX_STATE_TILE * warps
+    return not is_sm100 and state_tile_per_warpgroup(K, BV, warps) < MAX_STATE_TILE
 
 
 #: Launch configurations (BV, warps) the forward chooses from (:func:`state_output_config`).
@@ -487,7 +495,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     if BV not in BLOCK_V or V % BV:
         raise ValueError(f"block_v: expected 32, 64 or 128 dividing V = {V}, got {BV}")
     warps = num_warps or (chosen_warps if BV == chosen_bv else state_output_warps(K, BV))
-    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or K * BV * NUM_WARPS > MAX_STATE_TILE * warps:
+    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or state_tile_per_warpgroup(K, BV, warps) > MAX_STATE_TILE:
         raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BV}] state tile "
                          f"(at most {MAX_STATE_TILE} fp32 per warpgroup), got {warps}")
     defer = state_output_defers(K, BV, is_sm100, warps) if defer_out is None else bool(defer_out)
