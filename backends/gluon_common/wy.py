@@ -106,6 +106,17 @@ def _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, PHASE: gl.constexpr, IS_SM1
 
 
 @gluon.jit
+def _block_mask(x, i, j, level: gl.constexpr, BELOW: gl.constexpr):
+    """``x`` where ``(i, j)`` lies in a diagonal block of size ``2^level`` (``BELOW``: in the
+    block just below one, inside each pair of those blocks), else 0."""
+    if BELOW:
+        keep = (i >> level == (j >> level) + 1) & (i >> (level + 1) == j >> (level + 1))
+    else:
+        keep = i >> level == j >> level
+    return gl.where(keep, x, 0.0)
+
+
+@gluon.jit
 def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile (see the module docstring)."""
     BT: gl.constexpr = a.shape[0]
@@ -118,29 +129,18 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
     # thread (uncapped there, the l2 specializations spilled); on sm_90a this is a no-op.
     a_kept = E.acc_write(E.acc_alloc(BT, BT, IS_SM100), a, IS_SM100)
     # 4 x 4 diagonal blocks: (I + d)^-1 = (I - d)(I + d^2), as d^4 = 0.
-    d = gl.where(i // 4 == j // 4, a, 0.0)
+    d = _block_mask(a, i, j, 2, False)
     p, acc = _f32_product(d, d, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
     x, acc = _f32_product(eye - d, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
     # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - x (n x), n = a's
     # blocks just below the diagonal blocks of x inside each pair.
     for level in gl.static_range(2, 6):
         a = gl.convert_layout(E.acc_read(a_kept, IS_SM100), layout)
-        n = gl.where((i >> level == (j >> level) + 1) & (i >> (level + 1) == j >> (level + 1)), a, 0.0)
+        n = _block_mask(a, i, j, level, True)
         y, acc = _f32_product(n, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
         y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
         x = x - y
     return x
-
-
-@gluon.jit
-def _block_mask(x, i, j, level: gl.constexpr, BELOW: gl.constexpr):
-    """``x`` where ``(i, j)`` lies in a diagonal block of size ``2^level`` (``BELOW``: in the
-    block just below one, inside each pair of those blocks), else 0."""
-    if BELOW:
-        keep = (i >> level == (j >> level) + 1) & (i >> (level + 1) == j >> (level + 1))
-    else:
-        keep = i >> level == j >> level
-    return gl.where(keep, x, 0.0)
 
 
 @gluon.jit
