@@ -396,7 +396,7 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
     return _selection(explanation, rows)
 
 
-def _selection(explanation: Explanation, rows: tuple[BackendSpec, ...] | None = None) -> Selection:
-    spec = next(r for r in rows or load_registry() if r.name == explanation.selected)
+def _selection(explanation: Explanation, rows: tuple[BackendSpec, ...]) -> Selection:
+    spec = next(r for r in rows if r.name == explanation.selected)
     module, _ = _import_backend(spec.module)
     return Selection(spec=spec, module=module, explanation=explanation)
