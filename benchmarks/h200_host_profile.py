@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -42,6 +43,7 @@ def breakdown(x):
 
     from backends.gluon_common import state_output as so
     from backends.gluon_common import wy
+    from backends.gluon_common.launch import JIT_LAUNCH_ENV, launch_planned
     from backends.gluon_common.plan import plan
 
     def problem():
@@ -62,32 +64,34 @@ def breakdown(x):
     ds = {d.arg: d.build(ts[d.tensor]) for d in ls.descriptors}
     ch = p.chunks
 
-    def launch_wy():
-        wy._wy_fwd_kernel[lw.grid](**dw, w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=ch.cu_seqlens,
-                                   chunk_seq=ch.chunk_seq, chunk_local=ch.chunk_local, HV=lw.scalars["HV"],
-                                   GROUP=lw.scalars["GROUP"], **lw.constexprs, num_warps=lw.num_warps,
-                                   maxnreg=lw.maxnreg)
+    wy_args = dict(w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=ch.cu_seqlens,
+                   chunk_seq=ch.chunk_seq, chunk_local=ch.chunk_local, HV=lw.scalars["HV"], GROUP=lw.scalars["GROUP"])
+    so_args = dict(o_ptr=o, g_cum=g_cum, h0=p.initial_state, ht=ht, cu_seqlens=ch.cu_seqlens, scale=p.scale,
+                   HV=ls.scalars["HV"], GROUP=ls.scalars["GROUP"], V=ls.scalars["V"])
 
-    def launch_so():
-        so._state_output_fwd_kernel[ls.grid](**ds, o_ptr=o, g_cum=g_cum, h0=p.initial_state, ht=ht,
-                                             cu_seqlens=ch.cu_seqlens, scale=p.scale, HV=ls.scalars["HV"],
-                                             GROUP=ls.scalars["GROUP"], V=ls.scalars["V"], **ls.constexprs,
-                                             num_warps=ls.num_warps, maxnreg=ls.maxnreg)
+    def jit(fn, launch, descs, args):
+        return lambda: fn[launch.grid](**descs, **args, **launch.constexprs, num_warps=launch.num_warps,
+                                       maxnreg=launch.maxnreg)
 
     steps = {
         "make_problem": problem,
         "device probe": lambda: probe.for_torch_device(p.device),
         "registry select": lambda: select(info, p),
         "plan (memoized)": lambda: plan(p, device=info),
-        "12 descriptors": lambda: ([d.build(tw[d.tensor]) for d in lw.descriptors],
-                                   [d.build(ts[d.tensor]) for d in ls.descriptors]),
+        f"{len(lw.descriptors) + len(ls.descriptors)} descriptors": lambda: (
+            [d.build(tw[d.tensor]) for d in lw.descriptors], [d.build(ts[d.tensor]) for d in ls.descriptors]),
         "5 torch.empty": lambda: [torch.empty_like(p.v) for _ in range(5)],
-        "wy launch": launch_wy,
-        "state_output launch": launch_so,
+        "wy launch, Triton JIT": jit(wy._wy_fwd_kernel, lw, dw, wy_args),
+        "wy launch, planned": lambda: launch_planned(wy._wy_fwd_kernel, lw, tw, wy_args),
+        "state_output launch, JIT": jit(so._state_output_fwd_kernel, ls, ds, so_args),
+        "state_output, planned": lambda: launch_planned(so._state_output_fwd_kernel, ls, ts, so_args),
         "forward": lambda: select(info, p).module.forward(p),
     }
     for name, fn in steps.items():
-        print(f"  {name:22s} {host_us(fn):8.1f} us", flush=True)
+        print(f"  {name:26s} {host_us(fn):8.1f} us", flush=True)
+    os.environ[JIT_LAUNCH_ENV] = "1"
+    print(f"  {'forward, JIT launches':26s} {host_us(steps['forward']):8.1f} us", flush=True)
+    del os.environ[JIT_LAUNCH_ENV]
 
 
 def main():

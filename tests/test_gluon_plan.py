@@ -76,15 +76,54 @@ def test_state_plan_descriptors_and_grid(shape, H, HV, layout, capability):
         "vn_desc": ((rows, HV * V), (HV * V, 1), (BT, BV)),
         "vn_rows_desc": ((rows, HV * V), (HV * V, 1), (1, BV)),
     }
+    scatters = fp.is_sm100 and has_tails(p)
+    if not scatters:
+        # Only sm_100a with tails scatters: elsewhere the rows descriptor is a None constexpr.
+        del expected["vn_rows_desc"]
+        assert st.constexprs["vn_rows_desc"] is None
+    assert {d.arg for d in st.descriptors} == set(expected)
     for arg, (shape_, strides, block) in expected.items():
         d = st.desc(arg)
         assert (d.shape, d.strides, d.block_shape) == (shape_, strides, block), arg
         assert d.dtype == p.dtype
         # TMA: every stride but the last 16-byte aligned.
         assert d.strides[0] * 2 % 16 == 0
-    # The scatter descriptor carries the layout of the staged [BT, BV] tile it reads.
-    assert st.desc("vn_rows_desc").layout == st.desc("vn_desc").layout
-    assert "tensordesc<bf16[1, " in st.desc("vn_rows_desc").signature
+    if scatters:
+        # The scatter descriptor carries the layout of the staged [BT, BV] tile it reads.
+        assert "vn_rows_desc" not in st.constexprs
+        assert st.desc("vn_rows_desc").layout == st.desc("vn_desc").layout
+        assert "tensordesc<bf16[1, " in st.desc("vn_rows_desc").signature
+
+
+SCATTER_ROWS = {"wy_fwd": ("w_rows_desc", "u_rows_desc"), "wu_fwd": ("w_rows_desc", "u_rows_desc"),
+                "output_fwd": ("o_rows_desc",), "state_fwd": ("vn_rows_desc",), "state_output_fwd": ("o_rows_desc",)}
+
+
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 64, 65, 130, 0]), dict(batch=(2, 128))], ids=["tails", "whole"])
+def test_scatter_row_descriptors_only_where_the_kernel_scatters(shape, capability):
+    from backends.gluon_common.output import plan_output
+    from backends.gluon_common.state_output import plan_state_output
+    from backends.gluon_common.wu import plan_wu
+    from backends.gluon_common.wy import plan_wy
+
+    p = _problem(**shape, H=2, HV=4)
+    device = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    scatters = capability == SM100 and has_tails(p)
+    for planner in (plan_wy, plan_wu, plan_output, plan_state, plan_state_output):
+        launch = planner(p, device)
+        rows = SCATTER_ROWS[launch.kernel]
+        built = {d.arg for d in launch.descriptors}
+        assert all((arg in built) == scatters for arg in rows), launch.kernel
+        assert all((arg in launch.constexprs) != scatters for arg in rows), launch.kernel
+        assert all(launch.constexprs[arg] is None for arg in rows if not scatters)
+        for d in launch.descriptors:
+            assert d.scatter == (d.arg in rows)
+            if d.scatter:
+                # A [1, BN] box carrying the staged [64, BN] tile's layout, over the tile descriptor's tensor.
+                tile = launch.desc(d.arg.replace("_rows", ""))
+                assert d.block_shape == (1, tile.block_shape[1]) and d.layout == tile.layout
+                assert (d.tensor, d.shape, d.strides) == (tile.tensor, tile.shape, tile.strides)
 
 
 def test_forward_plan_has_every_gluon_stage_in_launch_order():

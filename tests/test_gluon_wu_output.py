@@ -52,15 +52,13 @@ def test_plan_wu_uniform_batch(capability):
     launch = plan_wu(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
     assert launch.kernel == "wu_fwd"
     assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
-    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100}
+    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100,
+                                 "w_rows_desc": None, "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     a = launch.desc("a_desc")
     assert (a.tensor, a.shape, a.strides, a.block_shape) == ("A_inv", (256, 4 * 64), (256, 1), (64, 64))
     k = launch.desc("k_desc")
     assert (k.shape, k.block_shape) == ((256, 2 * 128), (64, 128))
-    w_rows = launch.desc("w_rows_desc")
-    assert (w_rows.tensor, w_rows.block_shape, w_rows.layout_shape) == ("w", (1, 128), (64, 128))
-    assert w_rows.layout == launch.desc("w_desc").layout  # scatter rows of the staged w tile
     assert launch.desc("u_desc").block_shape == (64, 64)
     assert launch.desc("k_desc").signature.startswith("tensordesc<bf16[64, 128],NVMMASharedLayout(")
 
@@ -69,7 +67,8 @@ def test_plan_wu_varlen_tails_and_capability_tuple():
     p = _problem(lengths=[1, 63, 64, 65, 130, 0], HV=2, H=1, K=64, V=128, dtype=torch.float16, l2=True)
     launch = plan_wu(p, SM90)  # a bare capability: the representative part
     assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
-    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False}
+    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False,
+                                 "w_rows_desc": None, "u_rows_desc": None}
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
 
 
@@ -95,12 +94,15 @@ def test_plan_output(capability):
     NT = 2 * 4
     assert launch.grid == (NT * 2 * 2,)
     assert launch.blocks["BV"] == 64 and launch.scalars == {"HV": 2, "GROUP": 2, "NV": 2}
-    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": False, "IS_SM100": capability == SM100}
+    rows_desc = {} if capability == SM100 else {"o_rows_desc": None}  # T = 200: tails
+    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": False, "IS_SM100": capability == SM100,
+                                 **rows_desc}
     h = launch.desc("h_desc")
     assert (h.tensor, h.shape, h.strides, h.block_shape) == ("h", (NT * 2 * 64, 128), (128, 1), (64, 64))
     o = launch.desc("o_desc")
     assert (o.shape, o.block_shape) == ((400, 2 * 128), (64, 64))
-    assert launch.desc("o_rows_desc").layout == o.layout
+    if capability == SM100:
+        assert launch.desc("o_rows_desc").layout == o.layout
     assert launch.blocks["smem_bytes"] <= SMEM_LIMIT[capability]
 
 

@@ -45,6 +45,10 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
     final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
         None unless ``problem.output_final_state``.
     """
+    if problem.device.index != torch.cuda.current_device():
+        # Triton launches on the current device: make it the tensors' one for this call.
+        with torch.cuda.device(problem.device):
+            return forward(problem, device=device)
     info = resolve_device(problem, None, device)
     launches = plan(problem, device=info)
     chunks = problem.chunks

@@ -42,9 +42,10 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
+from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import (
     causal_gate, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
-from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
+from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
 from backends.gluon_common.wu import (
     aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
 
@@ -195,14 +196,14 @@ def _plan_output(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, 
     if BV not in (64, 128) or V % BV:
         raise ValueError(f"block_v: expected 64 or 128 dividing V = {V}, got {BV}")
     NV = V // BV
-    descriptors = (
+    descriptors, constexprs = drop_unused_scatter((
         tile_desc("q_desc", "q", dtype, rows, H * K, (BT, K)),
         tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
         tile_desc("h_desc", "h", dtype, max(NT, 1) * HV * K, V, (K, BV)),
         tile_desc("v_desc", "v_new", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
-    )
+    ), {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100}, is_sm100 and tails)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="output_fwd",
@@ -213,7 +214,7 @@ def _plan_output(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, 
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
                 "smem_bytes": (2 * BT * K + K * BV + BT * BV + BT * BT) * elem,
                 "tmem_columns": max(BV, BT) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
+        constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "NV": NV},
         notes=f"BV={BV}: {NT} chunks x {HV} v-heads x {NV} V-blocks on {info.sm_count} SMs",
@@ -267,13 +268,11 @@ def output_fwd(
         launch = _plan_output(B * T, H, HV, K, V, q.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
                               use_qk_l2norm, device_of(q, device_info), block_v)
     tensors = {"q": q, "k": k, "h": h, "v_new": v_new, "o": o}
-    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
-    _output_fwd_kernel[launch.grid](
-        **descs, o_ptr=o, g_cum=g_cum,
+    launch_planned(_output_fwd_kernel, launch, tensors, dict(
+        o_ptr=o, g_cum=g_cum,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         scale=float(scale), HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], NV=launch.scalars["NV"],
-        **launch.constexprs, num_warps=launch.num_warps,
-    )
+    ))
     return o
 
 

@@ -152,6 +152,11 @@ class DescPlan:
         return nvmma_layout(self.layout_shape or self.block_shape, self.dtype)
 
     @property
+    def scatter(self) -> bool:
+        """A TMA scatter row descriptor (box ``[1, BN]``, the staged tile's layout)."""
+        return self.layout_shape is not None
+
+    @property
     def signature(self) -> str:
         """``tensordesc<bf16[64, 128],NVMMASharedLayout(...)>``, as a launch would specialize."""
         b0, b1 = self.block_shape
@@ -187,6 +192,8 @@ class LaunchPlan:
     grid : launch grid.
     num_warps : warps per program.
     maxnreg : register cap per thread passed to ptxas, or None (ptxas's own choice).
+    compiled : the compiled kernels of this plan by launch specialization, filled by
+        :func:`backends.gluon_common.launch.launch_planned` (not part of the plan's value).
     blocks : block sizes by name ({"BT": 64, "BV": 64, ...}).
     constexprs : the kernel's constexpr arguments (what kernels_for_aot compiles).
     descriptors : TMA descriptor arguments, in no particular order (looked up by ``arg``).
@@ -203,6 +210,7 @@ class LaunchPlan:
     scalars: dict = field(default_factory=dict)
     notes: str = ""
     maxnreg: int | None = None
+    compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def desc(self, arg: str) -> DescPlan:
         return next(d for d in self.descriptors if d.arg == arg)
@@ -220,6 +228,21 @@ class ForwardPlan:
 
     def stage(self, kernel: str) -> LaunchPlan:
         return next(s for s in self.stages if s.kernel == kernel)
+
+
+def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict,
+                        scatter: bool) -> tuple[tuple[DescPlan, ...], dict]:
+    """(descriptors, constexprs) of a launch that stores through :func:`masks.store_chunk_tile`.
+
+    Only sm_100a with varlen tails reads the TMA scatter row descriptors (sm_90a has no
+    TMA scatter; without tails every chunk is a whole tile). Elsewhere they go to the
+    kernel as None constexprs, so no launch builds or encodes them (each costs a host
+    descriptor and a ``cuTensorMapEncodeTiled`` per launch).
+    """
+    if scatter:
+        return descriptors, constexprs
+    unused = {d.arg: None for d in descriptors if d.scatter}
+    return tuple(d for d in descriptors if not d.scatter), {**constexprs, **unused}
 
 
 def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
@@ -317,7 +340,7 @@ def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None =
         DescPlan("vn_rows_desc", "v_new", (rows, HV * V), (HV * V, 1), (1, BV), dtype, (BT, BV)),
     )
     is_sm100 = device.capability[0] == 10
-    constexprs = state_constexprs(problem, is_sm100)
+    descs, constexprs = drop_unused_scatter(descs, state_constexprs(problem, is_sm100), is_sm100 and has_tails(problem))
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="state_fwd",

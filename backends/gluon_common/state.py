@@ -54,6 +54,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier, tma_load, tma_store
+from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import row_rnorm, store_chunk_tile, tile_layout
 from backends.gluon_common.plan import LaunchPlan, MAX_STATE_TILE, plan_state, sig_dtype
 
@@ -399,14 +400,12 @@ def state_fwd(
             final_state.copy_(h0) if h0 is not None else final_state.zero_()
         return h, v_new, final_state
     tensors = {"w": w, "u": u, "k": k, "h": h, "v_new": v_new}
-    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
-    _state_fwd_kernel[launch.grid](
-        **descs, v_new=v_new, g_cum=g_cum,
+    launch_planned(_state_fwd_kernel, launch, tensors, dict(
+        v_new=v_new, g_cum=g_cum,
         h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
-        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
-    )
+    ))
     return h, v_new, final_state
 
 

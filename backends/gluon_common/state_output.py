@@ -109,8 +109,10 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
+from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, store_chunk_tile, tile_layout
-from backends.gluon_common.plan import MAX_STATE_TILE, NUM_WARPS, LaunchPlan, sig_dtype, state_constexprs
+from backends.gluon_common.plan import (
+    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype, state_constexprs)
 from backends.gluon_common.state import (
     _aot_problem, _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program)
 from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
@@ -511,7 +513,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
     )
-    constexprs = {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer}
+    descriptors, constexprs = drop_unused_scatter(
+        descriptors, {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer}, is_sm100 and has_tails(problem))
     return LaunchPlan(
         kernel="state_output_fwd",
         grid=(N * HV * NV,),
@@ -585,14 +588,12 @@ def state_output_fwd(
             final_state.copy_(h0) if h0 is not None else final_state.zero_()
         return o, final_state
     tensors = {"q": q, "k": k, "w": w, "u": u, "o": o}
-    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
-    _state_output_fwd_kernel[launch.grid](
-        **descs, o_ptr=o, g_cum=g_cum,
+    launch_planned(_state_output_fwd_kernel, launch, tensors, dict(
+        o_ptr=o, g_cum=g_cum,
         h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, scale=float(scale),
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
-        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
-    )
+    ))
     return o, final_state
 
 

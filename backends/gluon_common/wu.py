@@ -37,10 +37,11 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
+from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import L2NORM_EPS, chunk_rows, row_vector, store_chunk_tile, tile_layout
 # chunks_have_tails lives with has_tails in plan; output.py imports it from here.
 from backends.gluon_common.plan import (  # noqa: F401
-    NUM_WARPS, DescPlan, LaunchPlan, chunks_have_tails, has_tails, sig_dtype)
+    NUM_WARPS, DescPlan, LaunchPlan, chunks_have_tails, drop_unused_scatter, has_tails, sig_dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -198,8 +199,9 @@ def plan_wu(problem: GDNProblem, device) -> LaunchPlan:
 def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> LaunchPlan:
     is_sm100 = engine_is_sm100(info.capability)
     BT = CHUNK_SIZE
-    descriptors = (tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)),
-                   *wy_descriptors(rows, H, HV, K, V, dtype))
+    descriptors, constexprs = drop_unused_scatter(
+        (tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)), *wy_descriptors(rows, H, HV, K, V, dtype)),
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100}, is_sm100 and tails)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wu_fwd",
@@ -209,7 +211,7 @@ def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
         # packs w and u side by side in lanes: max(K, V) columns, not K + V.
         blocks={"BT": BT, "K": K, "V": V, "smem_bytes": BT * (BT + K + V) * elem,
                 "tmem_columns": max(K, V) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100},
+        constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{NT} chunks x {HV} v-heads, whole [64, {K}] / [64, {V}] tiles",
@@ -271,13 +273,11 @@ def wu_fwd(
         launch = _plan_wu(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
                           use_qk_l2norm, device_of(k, device_info))
     tensors = {"A_inv": A_inv, "k": k, "v": v, "w": w, "u": u}
-    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
-    _wu_fwd_kernel[launch.grid](
-        **descs, w_ptr=w, u_ptr=u, g_cum=g_cum, beta=beta,
+    launch_planned(_wu_fwd_kernel, launch, tensors, dict(
+        w_ptr=w, u_ptr=u, g_cum=g_cum, beta=beta,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
-        **launch.constexprs, num_warps=launch.num_warps,
-    )
+    ))
     return w, u
 
 

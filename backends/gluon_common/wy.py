@@ -61,8 +61,9 @@ from gdn_dispatch.varlen import ChunkTable
 
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
+from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
-from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, has_tails, sig_dtype
+from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
 from backends.gluon_common.wu import (
     _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, wy_descriptors)
 
@@ -369,7 +370,9 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, vari
     lhs_regs = variant == "regs"
     is_sm100 = engine_is_sm100(info.capability)
     BT = CHUNK_SIZE
-    descriptors = wy_descriptors(rows, H, HV, K, V, dtype)
+    descriptors, constexprs = drop_unused_scatter(
+        wy_descriptors(rows, H, HV, K, V, dtype),
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs}, is_sm100 and tails)
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
@@ -382,7 +385,7 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, vari
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": BT * (K + V) * elem + (3 if lhs_regs and is_sm100 else 2) * BT * BT * 4,
                 "tmem_columns": (2 * BT + K + V) if is_sm100 else 0},
-        constexprs={"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs},
+        constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel ({variant} inverse), whole [64, {K}] / [64, {V}] tiles",
@@ -442,13 +445,11 @@ def wy_fwd(
         launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
                           use_qk_l2norm, device_of(k, device_info))
     tensors = {"k": k, "v": v, "w": w, "u": u}
-    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
-    _wy_fwd_kernel[launch.grid](
-        **descs, w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
+    launch_planned(_wy_fwd_kernel, launch, tensors, dict(
+        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
-        **launch.constexprs, num_warps=launch.num_warps, maxnreg=launch.maxnreg,
-    )
+    ))
     return w, u, g_cum
 
 

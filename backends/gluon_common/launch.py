@@ -1,0 +1,166 @@
+"""Launching a planned Gluon kernel without re-running Triton's argument binder.
+
+``fn[grid](**kwargs)`` makes Triton, on every call, bind and specialize each argument
+(types, 16-byte pointer alignment, integer divisibility), hash a cache key, look the
+compiled kernel up, and rebuild each TMA descriptor's host object before it encodes it.
+For the two launches of a forward this was the largest host cost on the H200's host
+(~100 us a launch at H16-HV32-1x8192, ``benchmarks/h200_host_profile.py``), and at small
+prefills the host, not the GPU, sets the time of a call.
+
+A :class:`~backends.gluon_common.plan.LaunchPlan` already fixes everything the binder
+derives except the pointer arguments' dtypes and alignments and the device. So the first
+launch of a plan per *launch specialization* (device, and dtype + ``data_ptr() % 16 == 0``
+of every tensor argument; value classes of the integer ones) goes through Triton's JIT as
+usual, and the compiled kernel it returns is kept on the plan (``LaunchPlan.compiled``).
+Later launches with the same specialization call that kernel's launcher directly, with
+the arguments in the kernel's order and each descriptor as the four fields the launcher
+reads (:class:`TmaArg`). The kernel, the launcher and the descriptor encoding are Triton's
+own; only the binder and the cache lookup are skipped, and they would have found this
+kernel.
+
+The direct path uses Triton's CompiledKernel launch interface (``run``, ``function``,
+``packed_metadata``), checked when a kernel is kept: a Triton without it, a launch hook
+(profilers such as proton read launch metadata), or ``GDN_DISPATCH_JIT_LAUNCH=1`` (read at
+call time) send every launch through ``fn[grid]``. Results are the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from backends.gluon_common.plan import LaunchPlan
+
+#: Set to "1" to launch every kernel through Triton's JIT (binder on every call).
+JIT_LAUNCH_ENV = "GDN_DISPATCH_JIT_LAUNCH"
+_KERNEL_API = ("run", "function", "packed_metadata")
+
+
+class TmaArg:
+    """What Triton's launcher reads of a host TensorDescriptor: base tensor, global shape
+    and strides (elements), padding. The block shape and shared layout are the compiled
+    kernel's (its ``tensordesc_meta``), fixed by the plan."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, shape: list, strides: list):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
+
+
+def _value_class(value):
+    """The part of one runtime argument Triton's binder specializes on."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -2**31 <= value < 2**31
+    return type(value)
+
+
+def launch_specialization(device_index: int, args: dict) -> tuple:
+    """The key a compiled kernel of one plan is kept under: the device, the argument names,
+    and the value class of each runtime argument (tensors: dtype and 16-byte alignment)."""
+    return (device_index, tuple(args), *(_value_class(v) for v in args.values()))
+
+
+class _Runtime:
+    """Triton's launch knobs, the current device and the current-stream query, looked up
+    once (an import per launch costs ~0.5 us). The driver is reached only when a kernel is
+    launched directly, so CPU-only processes never touch it."""
+
+    def __init__(self):
+        from triton import knobs
+
+        self.knobs = knobs.runtime
+        self.current_device = torch.cuda.current_device if torch.cuda.is_available() else lambda: None
+        self._stream = None
+
+    def hooks_set(self) -> bool:
+        return self.knobs.launch_enter_hook is not None or self.knobs.launch_exit_hook is not None
+
+    def stream(self, device: int) -> int:
+        if self._stream is None:
+            from triton.runtime.driver import driver
+
+            self._stream = driver.active.get_current_stream
+        return self._stream(device)
+
+
+_RUNTIME: _Runtime | None = None
+
+
+def _runtime() -> _Runtime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = _Runtime()
+    return _RUNTIME
+
+
+class _Slots:
+    """Where each argument of one kernel goes for one plan: the kernel's argument list with
+    the plan's constexprs filled in, the descriptor positions, the 3-D grid."""
+
+    def __init__(self, fn, launch: LaunchPlan):
+        names = list(fn.arg_names)
+        self.template = [launch.constexprs.get(name) for name in names]
+        self.descs = [(names.index(d.arg), d.tensor, list(d.shape), list(d.strides)) for d in launch.descriptors]
+        self.index = {name: i for i, name in enumerate(names)}
+        self.grid = (tuple(launch.grid) + (1, 1))[:3]
+
+
+_MISSING = object()
+#: LaunchPlan.compiled holds the plan's _Slots under this key, beside the kernels (keyed by tuples).
+_SLOTS = "slots"
+
+
+def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
+    """Launch the Gluon kernel ``fn`` as ``launch`` plans it.
+
+    Parameters
+    ----------
+    fn : the ``@gluon.jit`` kernel the plan is for.
+    launch : its LaunchPlan (grid, warps, register cap, constexprs, descriptors).
+    tensors : the tensors the plan's descriptors view, by ``DescPlan.tensor`` name; each is
+        checked against its plan (dtype, element count, contiguity) on every launch.
+    args : every other runtime argument of ``fn`` by name (pointer tensors, int and float
+        scalars), in the same order on every call; the constexprs come from the plan.
+
+    Launches on the current CUDA device and stream, as ``fn[grid]`` would.
+    """
+    for d in launch.descriptors:
+        d.check(tensors[d.tensor])
+    runtime = _runtime()
+    if os.environ.get(JIT_LAUNCH_ENV, "") == "1" or runtime.hooks_set():
+        _jit_launch(fn, launch, tensors, args)
+        return
+    device = runtime.current_device()
+    key = launch_specialization(device, args)
+    kernel = launch.compiled.get(key, _MISSING)
+    if kernel is _MISSING:
+        kernel = _jit_launch(fn, launch, tensors, args)
+        if _SLOTS not in launch.compiled:
+            launch.compiled[_SLOTS] = _Slots(fn, launch)
+        launch.compiled[key] = kernel if all(hasattr(kernel, name) for name in _KERNEL_API) else None
+        return
+    if kernel is None:  # a Triton whose compiled kernels lack the launch interface
+        _jit_launch(fn, launch, tensors, args)
+        return
+    slots = launch.compiled[_SLOTS]
+    values = list(slots.template)
+    for i, tensor, shape, strides in slots.descs:
+        values[i] = TmaArg(tensors[tensor], shape, strides)
+    index = slots.index
+    for name, value in args.items():
+        values[index[name]] = value
+    g0, g1, g2 = slots.grid
+    kernel.run(g0, g1, g2, runtime.stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+               *values)
+
+
+def _jit_launch(fn, launch: LaunchPlan, tensors: dict, args: dict):
+    """``fn[grid](...)`` with freshly built descriptors; returns Triton's compiled kernel."""
+    descs = {d.arg: d.build(tensors[d.tensor]) for d in launch.descriptors}
+    return fn[launch.grid](**descs, **args, **launch.constexprs, num_warps=launch.num_warps,
+                           maxnreg=launch.maxnreg)

@@ -1,0 +1,200 @@
+"""The planned-launch path (backends/gluon_common/launch.py): which launches reuse a kept
+kernel, and that a direct launch hands Triton's launcher exactly what ``fn[grid]`` would.
+
+CPU tests drive a stand-in JIT function whose "compiled kernel" records its launcher call;
+the GPU test compares the direct path with Triton's own on real kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.testing import random_problem, rel_rms_error  # noqa: E402
+
+from backends.gluon_common import launch as L  # noqa: E402
+from backends.gluon_common import wy  # noqa: E402
+
+SM90 = (9, 0)
+
+
+class _Compiled:
+    """A compiled kernel's launch interface, recording each launcher call."""
+
+    function, packed_metadata = "fn-handle", "packed"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _Jit:
+    """Stands in for a ``@gluon.jit`` function: ``fn[grid](**kwargs)`` records the binding
+    and returns one kept _Compiled (or ``compiled``)."""
+
+    def __init__(self, kernel, compiled=None):
+        self.arg_names = kernel.arg_names
+        self.bound = []
+        self.compiled = _Compiled() if compiled is None else compiled
+
+    def __getitem__(self, grid):
+        def bind(**kwargs):
+            missing = set(self.arg_names) - set(kwargs)
+            assert not missing, missing
+            self.bound.append((grid, kwargs))
+            return self.compiled
+        return bind
+
+
+class _Runtime:
+    def __init__(self):
+        from triton import knobs
+
+        self.knobs = knobs.runtime
+
+    def hooks_set(self):
+        return False
+
+    def current_device(self):
+        return 0
+
+    def stream(self, device):
+        return 1234
+
+
+@pytest.fixture
+def setup(monkeypatch):
+    monkeypatch.setattr(L, "_RUNTIME", _Runtime())
+    monkeypatch.delenv(L.JIT_LAUNCH_ENV, raising=False)
+    p = random_problem(lengths=[1, 63, 64, 65, 130, 0], H=2, HV=4, K=128, V=64, seed=3)
+    launch = wy.plan_wy(p, SM90)
+    B, T, H, K = p.k.shape
+    w = torch.empty(B, T, p.HV, K, dtype=p.k.dtype)
+    u = torch.empty_like(p.v)
+    g_cum = torch.empty(B, T, p.HV)
+    tensors = {"k": p.k, "v": p.v, "w": w, "u": u}
+
+    def args(**over):
+        a = dict(w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens,
+                 chunk_seq=p.chunks.chunk_seq, chunk_local=p.chunks.chunk_local, HV=launch.scalars["HV"],
+                 GROUP=launch.scalars["GROUP"])
+        a.update(over)
+        return a
+    return launch, tensors, args
+
+
+def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup):
+    launch, tensors, args = setup
+    fn = _Jit(wy._wy_fwd_kernel)
+    L.launch_planned(fn, launch, tensors, args())
+    assert len(fn.bound) == 1 and fn.compiled.calls == []
+    grid, bound = fn.bound[0]
+    assert grid == launch.grid and bound["num_warps"] == launch.num_warps and bound["maxnreg"] == launch.maxnreg
+
+    L.launch_planned(fn, launch, tensors, args())
+    assert len(fn.bound) == 1 and len(fn.compiled.calls) == 1
+    call = fn.compiled.calls[0]
+    assert call[:9] == (launch.grid[0], 1, 1, 1234, "fn-handle", "packed", None, None, None)
+    values = dict(zip(fn.arg_names, call[9:], strict=True))
+    # Every argument the binder saw, in the kernel's order; descriptors as the four fields
+    # Triton's launcher reads of a TensorDescriptor.
+    for name, value in bound.items():
+        if name in ("num_warps", "maxnreg"):
+            continue
+        direct = values[name]
+        if name in {d.arg for d in launch.descriptors}:
+            assert (direct.base is value.base and list(direct.shape) == list(value.shape)
+                    and list(direct.strides) == list(value.strides) and direct.padding == value.padding), name
+        else:
+            assert direct is value or direct == value, name
+
+
+def test_a_new_specialization_binds_again(setup):
+    launch, tensors, args = setup
+    fn = _Jit(wy._wy_fwd_kernel)
+    L.launch_planned(fn, launch, tensors, args())
+    # g one element into a buffer: 4-byte aligned, not 16 -> Triton specializes differently.
+    g = args()["g"]
+    shifted = torch.empty(g.numel() + 1, dtype=g.dtype)[1:].view_as(g)
+    assert shifted.data_ptr() % 16
+    L.launch_planned(fn, launch, tensors, args(g=shifted))
+    L.launch_planned(fn, launch, tensors, args(beta=args()["beta"].to(torch.bfloat16)))
+    assert len(fn.bound) == 3 and fn.compiled.calls == []
+    L.launch_planned(fn, launch, tensors, args(g=shifted))
+    assert len(fn.bound) == 3 and len(fn.compiled.calls) == 1
+
+
+def test_env_and_kernels_without_the_interface_bind_every_time(setup, monkeypatch):
+    launch, tensors, args = setup
+    bare = _Jit(wy._wy_fwd_kernel, compiled=object())  # no run / function / packed_metadata
+    for _ in range(3):
+        L.launch_planned(bare, launch, tensors, args())
+    assert len(bare.bound) == 3
+
+    fn = _Jit(wy._wy_fwd_kernel)
+    monkeypatch.setenv(L.JIT_LAUNCH_ENV, "1")
+    for _ in range(2):
+        L.launch_planned(fn, launch, tensors, args())
+    assert len(fn.bound) == 2 and fn.compiled.calls == []
+
+
+def test_descriptor_tensors_are_checked_on_the_direct_path(setup):
+    launch, tensors, args = setup
+    fn = _Jit(wy._wy_fwd_kernel)
+    for _ in range(2):
+        L.launch_planned(fn, launch, tensors, args())
+    with pytest.raises(ValueError, match="w_desc: planned"):
+        L.launch_planned(fn, launch, {**tensors, "w": tensors["w"].half()}, args())
+
+
+def test_tma_arg_reads_like_a_tensor_descriptor_to_the_launcher(setup):
+    # Triton's own decomposition of a descriptor argument (the path without TMA metadata
+    # reads the same fields as the encoding path) must not tell the two apart.
+    make_tensordesc_arg = pytest.importorskip("triton.backends.nvidia.driver").make_tensordesc_arg
+    launch, tensors, _ = setup
+    for d in launch.descriptors:
+        real = d.build(tensors[d.tensor])
+        light = L.TmaArg(tensors[d.tensor], list(d.shape), list(d.strides))
+        assert make_tensordesc_arg(light, None) == make_tensordesc_arg(real, None), d.arg
+
+
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10), reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130, 0], [256, 256]], ids=["tails", "whole"])
+def test_direct_launches_match_triton_launches_on_the_gpu(lengths, monkeypatch):
+    """Forward through Triton's binder on every launch, then through the kept kernels: the
+    same bits; then with g misaligned (a new specialization, compiled and kept)."""
+    from gdn_dispatch import chunk_gated_delta_rule, reference
+
+    backend = "gluon_sm90" if CAPABILITY[0] == 9 else "gluon_sm100"
+    p = random_problem(lengths=lengths, H=2, HV=4, K=128, V=128, device="cuda", seed=11, ht=True)
+
+    def call(g):
+        return chunk_gated_delta_rule(p.q, p.k, p.v, g, p.beta, scale=p.scale, initial_state=p.initial_state,
+                                      output_final_state=True, cu_seqlens=p.cu_seqlens,
+                                      cu_seqlens_cpu=p.chunks.cu_seqlens_host, backend=backend)
+
+    monkeypatch.setenv(L.JIT_LAUNCH_ENV, "1")
+    o_jit, s_jit = call(p.g)
+    monkeypatch.delenv(L.JIT_LAUNCH_ENV)
+    for _ in range(3):  # the first binds and keeps the kernels, the others launch them directly
+        o, s = call(p.g)
+        torch.testing.assert_close(o, o_jit, rtol=0, atol=0)
+        torch.testing.assert_close(s, s_jit, rtol=0, atol=0)
+    buffer = torch.empty(p.g.numel() + 1, dtype=p.g.dtype, device="cuda")
+    g_odd = buffer[1:].view_as(p.g)
+    g_odd.copy_(p.g)
+    assert g_odd.data_ptr() % 16
+    for _ in range(2):
+        o, s = call(g_odd)
+        torch.testing.assert_close(o, o_jit, rtol=0, atol=0)
+        torch.testing.assert_close(s, s_jit, rtol=0, atol=0)
+    o_ref, _ = reference.forward(p)
+    assert rel_rms_error(o, o_ref) <= 1e-2
