@@ -78,7 +78,10 @@ class _Runtime:
         self._stream = None
 
     def hooks_set(self) -> bool:
-        return self.knobs.launch_enter_hook is not None or self.knobs.launch_exit_hook is not None
+        """Whether a launch hook is registered (Triton 3.6 keeps them in HookChains, empty
+        by default; older Tritons hold a callable or None)."""
+        return any(hook is not None and bool(getattr(hook, "calls", True))
+                   for hook in (self.knobs.launch_enter_hook, self.knobs.launch_exit_hook))
 
     def stream(self, device: int) -> int:
         if self._stream is None:
