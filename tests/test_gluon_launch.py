@@ -61,8 +61,20 @@ class _Runtime(L._Runtime):
 
 
 @pytest.fixture
-def setup(monkeypatch):
-    monkeypatch.setattr(L, "_RUNTIME", _Runtime())
+def runtime(monkeypatch):
+    rt = _Runtime()
+    monkeypatch.setattr(L, "_RUNTIME", rt)
+    return rt
+
+
+@pytest.fixture
+def direct(runtime):
+    if not runtime.direct:
+        pytest.skip(f"direct launches are verified for Triton {L.DIRECT_LAUNCH_TRITON} only")
+
+
+@pytest.fixture
+def setup(monkeypatch, runtime):
     monkeypatch.delenv(L.JIT_LAUNCH_ENV, raising=False)
     p = random_problem(lengths=[1, 63, 64, 65, 130, 0], H=2, HV=4, K=128, V=64, seed=3)
     launch = wy.plan_wy(p, SM90)
@@ -81,7 +93,7 @@ def setup(monkeypatch):
     return launch, tensors, args
 
 
-def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup):
+def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
     L.launch_planned(fn, launch, tensors, args())
@@ -107,7 +119,7 @@ def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup):
             assert direct is value or direct == value, name
 
 
-def test_a_new_specialization_binds_again(setup):
+def test_a_new_specialization_binds_again(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
     L.launch_planned(fn, launch, tensors, args())
@@ -120,6 +132,18 @@ def test_a_new_specialization_binds_again(setup):
     assert len(fn.bound) == 3 and fn.compiled.calls == []
     L.launch_planned(fn, launch, tensors, args(g=shifted))
     assert len(fn.bound) == 3 and len(fn.compiled.calls) == 1
+
+
+def test_direct_launches_only_on_verified_tritons(setup, runtime, monkeypatch):
+    assert L._direct_launch_verified("3.6.0") and L._direct_launch_verified("3.6.1+git1234")
+    assert not L._direct_launch_verified("3.9.0") and not L._direct_launch_verified("3.5.1")
+    assert not L._direct_launch_verified("dev")
+    launch, tensors, args = setup
+    monkeypatch.setattr(runtime, "direct", False)
+    fn = _Jit(wy._wy_fwd_kernel)
+    for _ in range(2):
+        L.launch_planned(fn, launch, tensors, args())
+    assert len(fn.bound) == 2 and fn.compiled.calls == []
 
 
 def test_env_and_kernels_without_the_interface_bind_every_time(setup, monkeypatch):
@@ -136,7 +160,7 @@ def test_env_and_kernels_without_the_interface_bind_every_time(setup, monkeypatc
     assert len(fn.bound) == 2 and fn.compiled.calls == []
 
 
-def test_a_registered_launch_hook_sends_launches_through_triton(setup):
+def test_a_registered_launch_hook_sends_launches_through_triton(setup, direct):
     from triton import knobs
 
     launch, tensors, args = setup
@@ -156,7 +180,7 @@ def test_a_registered_launch_hook_sends_launches_through_triton(setup):
     assert len(fn.bound) == 2 and len(fn.compiled.calls) == 1
 
 
-def test_descriptor_tensors_are_checked_on_the_direct_path(setup):
+def test_descriptor_tensors_are_checked_on_the_direct_path(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
     for _ in range(2):
@@ -165,7 +189,7 @@ def test_descriptor_tensors_are_checked_on_the_direct_path(setup):
         L.launch_planned(fn, launch, {**tensors, "w": tensors["w"].half()}, args())
 
 
-def test_tma_arg_reads_like_a_tensor_descriptor_to_the_launcher(setup):
+def test_tma_arg_reads_like_a_tensor_descriptor_to_the_launcher(setup, direct):
     # Triton's own decomposition of a descriptor argument (the path without TMA metadata
     # reads the same fields as the encoding path) must not tell the two apart.
     make_tensordesc_arg = pytest.importorskip("triton.backends.nvidia.driver").make_tensordesc_arg
@@ -189,6 +213,8 @@ def test_direct_launches_match_triton_launches_on_the_gpu(lengths, monkeypatch):
 
     from backends.gluon_common.plan import clear_plan_cache
 
+    if not L._runtime().direct:
+        pytest.skip(f"direct launches are verified for Triton {L.DIRECT_LAUNCH_TRITON} only")
     clear_plan_cache()  # fresh plans: no kernels kept by earlier tests
     backend = "gluon_sm90" if CAPABILITY[0] == 9 else "gluon_sm100"
     p = random_problem(lengths=lengths, H=2, HV=4, K=128, V=128, device="cuda", seed=11, ht=True)

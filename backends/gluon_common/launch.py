@@ -19,9 +19,11 @@ own; only the binder and the cache lookup are skipped, and they would have found
 kernel.
 
 The direct path uses Triton's CompiledKernel launch interface (``run``, ``function``,
-``packed_metadata``), checked when a kernel is kept: a Triton without it, a launch hook
-(profilers such as proton read launch metadata), or ``GDN_DISPATCH_JIT_LAUNCH=1`` (read at
-call time) send every launch through ``fn[grid]``. Results are the same either way.
+``packed_metadata``) and its launcher's reading of descriptor arguments, so it is taken only
+on the Triton releases it was verified with (:data:`DIRECT_LAUNCH_TRITON`). Another
+release, a compiled kernel without that interface, a registered launch hook (profilers
+such as proton read launch metadata), or ``GDN_DISPATCH_JIT_LAUNCH=1`` (read at call time)
+send every launch through ``fn[grid]``. Results are the same either way.
 """
 
 from __future__ import annotations
@@ -65,15 +67,32 @@ def launch_specialization(device_index: int, args: dict) -> tuple:
     return (device_index, tuple(args), *(_value_class(v) for v in args.values()))
 
 
+#: Triton releases (major, minor) whose launcher internals the direct path was checked
+#: against: 3.6 (the H200 image's; ``tests/test_gluon_launch.py`` on the GPU). Triton 3.9
+#: changed how its launcher decomposes descriptor arguments, so other releases launch
+#: every kernel through ``fn[grid]``.
+DIRECT_LAUNCH_TRITON = ((3, 6),)
+
+
+def _direct_launch_verified(version: str) -> bool:
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in DIRECT_LAUNCH_TRITON
+    except (IndexError, ValueError):
+        return False
+
+
 class _Runtime:
     """Triton's launch knobs, the current device and the current-stream query, looked up
     once (an import per launch costs ~0.5 us). The driver is reached only when a kernel is
     launched directly, so CPU-only processes never touch it."""
 
     def __init__(self):
+        import triton
         from triton import knobs
 
         self.knobs = knobs.runtime
+        self.direct = _direct_launch_verified(triton.__version__)
         self.current_device = torch.cuda.current_device if torch.cuda.is_available() else lambda: None
         self._stream = None
 
@@ -135,7 +154,7 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
     for d in launch.descriptors:
         d.check(tensors[d.tensor])
     runtime = _runtime()
-    if os.environ.get(JIT_LAUNCH_ENV, "") == "1" or runtime.hooks_set():
+    if not runtime.direct or os.environ.get(JIT_LAUNCH_ENV, "") == "1" or runtime.hooks_set():
         _jit_launch(fn, launch, tensors, args)
         return
     device = runtime.current_device()
