@@ -11,8 +11,9 @@ reads a device value back to the host.
 
 The split kernels these replaced (triton_generic's cumsum and stored-inverse
 ``kkt_solve_fwd`` with :mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts and
-GPU tests that compare against them. On the H200 this pipeline takes 0.49-0.64x fla-core
-0.6.0's time at 9 of the 10 bench shapes (``benchmarks/RESULTS.md``).
+GPU tests that compare against them. On the H200 this pipeline takes 0.31-0.65x fla-core
+0.6.0's time at the 10 bench shapes (``benchmarks/RESULTS.md``). Both launches go through
+:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
 """
 
 from __future__ import annotations
