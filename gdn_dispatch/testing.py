@@ -110,6 +110,14 @@ def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2:
     return make_problem(**kwargs, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
 
 
+def poison_cuda_allocator() -> None:
+    """Fill the CUDA caching allocator's free blocks with NaN: an output element a kernel
+    leaves unwritten then reads as NaN (an infinite error) instead of stale data."""
+    blocks = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]
+    blocks.append(torch.full((1 << 24,), float("nan"), device="cuda"))
+    del blocks
+
+
 class LaunchRecorder:
     """Stands in for a JIT kernel in CPU tests of a host wrapper: ``recorder[grid](**kwargs)``
     records the launch instead of running it.

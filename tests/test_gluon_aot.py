@@ -9,6 +9,8 @@ checks the shared matrix-engine helpers (backends/gluon_common/engine.py) on bot
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -91,21 +93,30 @@ def _entries(module, capability):
     return [pytest.param(k, id=f"{k.kernel}-{k.specialization}") for k in module.kernels_for_aot(capability)]
 
 
+#: Kernels with no matrix engine and no TMA: the qk l2 norms are a row reduction.
+PLAIN_KERNELS = {"qk_rnorm_fwd"}
 
 
 def _check_common(report, capability):
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
     assert report.shared_bytes <= SMEM_LIMIT[capability], f"{report.shared_bytes} B of shared memory"
     ptx = report.ptx
+    if report.kernel.kernel in PLAIN_KERNELS:
+        # 16-byte global loads of the 16-bit rows, and no matrix instructions.
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "expected 16-byte loads"
+        assert "wgmma" not in ptx and "tcgen05" not in ptx
+        return False
     assert "cp.async.bulk.tensor" in ptx
     assert "mbarrier.try_wait" in ptx
+    return True
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", _entries(gluon_sm100, SM100))
 def test_gluon_sm100_kernel_compiles(kernel):
     report = compile_kernel(kernel, SM100)
-    _check_common(report, SM100)
+    if not _check_common(report, SM100):
+        return
     ptx = report.ptx
     for needle in ("tcgen05.mma", "tcgen05.ld", "tcgen05.alloc"):
         assert needle in ptx, needle
@@ -119,7 +130,8 @@ def test_gluon_sm100_kernel_compiles(kernel):
 @pytest.mark.parametrize("kernel", _entries(gluon_sm90, SM90))
 def test_gluon_sm90_kernel_compiles(kernel):
     report = compile_kernel(kernel, SM90)
-    _check_common(report, SM90)
+    if not _check_common(report, SM90):
+        return
     assert "wgmma.mma_async" in report.ptx
     assert "tcgen05" not in report.ptx
 
@@ -127,7 +139,10 @@ def test_gluon_sm90_kernel_compiles(kernel):
 def test_kernel_lists_cover_both_layouts_and_tails():
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
         kernels = module.kernels_for_aot(cap)
-        assert {k.kernel for k in kernels} == {"wy_fwd", "state_output_fwd"}  # what forward launches
+        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd"}  # what forward launches
+        norms = [k for k in kernels if k.kernel == "qk_rnorm_fwd"]
+        assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {
+            (K, f"*{d}") for K in (64, 128) for d in ("bf16", "fp16")}
         wy = [k for k in kernels if k.kernel == "wy_fwd"]
         assert {(k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"]) for k in wy} == {
             (False, False), (False, True), (True, False), (True, True)}

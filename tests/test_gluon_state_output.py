@@ -21,7 +21,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
-from gdn_dispatch.testing import LaunchRecorder, random_problem, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error  # noqa: E402
 
 from backends.gluon_common import state_output as so  # noqa: E402
 from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
@@ -249,15 +249,38 @@ def test_state_output_fwd_binds_every_kernel_argument(monkeypatch, layout):
     launch = so.plan_state_output(p, SM90)
     w = torch.empty(p.B, p.T, p.HV, p.K, dtype=p.dtype)
     u = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
+    rnorm = torch.empty(p.B * p.T, p.H, 2)
     o, final = so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
-                                   initial_state=p.initial_state, output_final_state=True)
+                                   initial_state=p.initial_state, output_final_state=True, rnorm=rnorm)
     assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(recorder.arg_names)
+    assert launched["rnorm"] is rnorm
     assert launched["grid"] == launch.grid and launched["num_warps"] == launch.num_warps
     assert launched["maxnreg"] == launch.maxnreg
     assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == p.V and launched["USE_L2NORM"]
     assert launched["scale"] == p.scale and launched["o_ptr"] is o
     assert o.shape == (p.B, p.T, p.HV, p.V) and o.dtype == p.dtype
     assert final.shape == p.state_shape and final.dtype == torch.float32
+
+
+def test_state_output_fwd_takes_or_forms_the_qk_norms(monkeypatch):
+    monkeypatch.setattr(so, "_state_output_fwd_kernel", LaunchRecorder(so._state_output_fwd_kernel))
+    p = _problem(lengths=[1, 63, 130, 0], l2=True)
+    launch = so.plan_state_output(p, SM90)
+    w = torch.empty(p.B, p.T, p.HV, p.K, dtype=p.dtype)
+    u = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
+    g_cum = torch.empty(p.B, p.T, p.HV)
+
+    def call(**kw):
+        return so.state_output_fwd(p.q, p.k, w, u, g_cum, p.chunks, launch, scale=p.scale, **kw)
+
+    for bad in (torch.empty(p.B * p.T, p.H, 2, dtype=torch.float16), torch.empty(p.B * p.T, p.H + 1, 2),
+                torch.empty(p.B * p.T, 2, p.H).transpose(1, 2)):
+        with pytest.raises(ValueError, match="rnorm: expected contiguous float32"):
+            call(rnorm=bad)
+    formed = []
+    monkeypatch.setattr(so, "qk_rnorm_fwd", lambda q, k, plan: formed.append(plan) or torch.empty(p.B * p.T, p.H, 2))
+    call()
+    assert [plan.scalars["rows"] for plan in formed] == [p.B * p.T * p.H]
 
 
 @pytest.mark.parametrize("h0", [True, False])
@@ -308,14 +331,6 @@ GPU_CASES = [
 ]
 
 
-def _poison_allocator():
-    """Fill the caching allocator's free blocks with NaN: an unwritten output element then
-    reads as NaN (an infinite error)."""
-    blocks = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]
-    blocks.append(torch.full((1 << 24,), float("nan"), device="cuda"))
-    del blocks
-
-
 def _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, **plan_options):
     """Run the fused kernel with ``plan_options`` on NaN-poisoned memory; compare it with
     the float32 reference and with the unfused state + output kernels."""
@@ -335,7 +350,7 @@ def _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, **plan_options):
     A_inv = kkt_solve_fwd(p.k, g_cum, p.beta, p.chunks, use_qk_l2norm=l2)
     w, u = wu_fwd(p.k, p.v, g_cum, p.beta, A_inv, p.chunks, plan_wu(p, info))
 
-    _poison_allocator()
+    poison_cuda_allocator()
     launch = so.plan_state_output(p, info, **plan_options)
     o, final = so.state_output_fwd(p.q, p.k, w, u, g_cum, p.chunks, launch, scale=p.scale,
                                    initial_state=p.initial_state, output_final_state=True)
@@ -386,7 +401,7 @@ def test_gluon_forward_matches_reference(lengths, layout, l2, dtype):
 
     backend = "gluon_sm90" if CAPABILITY[0] == 9 else "gluon_sm100"
     p = _problem(lengths=lengths, H=2, HV=4, layout=layout, l2=l2, dtype=dtype, device="cuda", seed=5)
-    _poison_allocator()
+    poison_cuda_allocator()
     o, final = chunk_gated_delta_rule(p.q, p.k, p.v, p.g, p.beta, scale=p.scale, initial_state=p.initial_state,
                                       output_final_state=True, cu_seqlens=p.cu_seqlens,
                                       cu_seqlens_cpu=p.chunks.cu_seqlens_host, use_qk_l2norm_in_kernel=l2,

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from gdn_dispatch.aot import AotKernel
 
+from backends.gluon_common.qk_norm import qk_rnorm_kernels_for_aot
 from backends.gluon_common.state_output import state_output_kernels_for_aot
 from backends.gluon_common.wy import wy_kernels_for_aot
 
 
 def backend_kernels_for_aot(backend: str, capabilities: tuple[tuple[int, int], ...],
                             capability: tuple[int, int] | None) -> list[AotKernel]:
-    """The two kernels the forward launches (wy, and the fused state + output) at every
-    specialization, for ``capability`` (default: the backend's first). The split kernels
+    """The kernels the forward launches (wy, the qk norms, and the fused state + output) at
+    every specialization, for ``capability`` (default: the backend's first). The split kernels
     the forward no longer launches (:mod:`.wu`, :mod:`.state`, :mod:`.output`) are not
     listed."""
     capability = tuple(capability or capabilities[0])
     if capability not in capabilities:
         raise ValueError(f"{backend} compiles for {capabilities}, got {capability}")
-    return wy_kernels_for_aot(capability, backend) + state_output_kernels_for_aot(capability, backend)
+    return (wy_kernels_for_aot(capability, backend) + qk_rnorm_kernels_for_aot(capability, backend)
+            + state_output_kernels_for_aot(capability, backend))

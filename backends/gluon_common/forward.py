@@ -1,13 +1,15 @@
-"""The orchestrator both Gluon backends share: two launches per call.
+"""The orchestrator both Gluon backends share: two launches per call (three with the qk l2 norm).
 
     w, u, g_cum = wy_fwd(k, v, g, beta)                   # gate cumsum, k k^T, T = (I + A)^-1, w/u
+    rnorm       = qk_rnorm_fwd(q, k)                      # qk l2 norm only: 1/||q||, 1/||k|| per row
     o, S        = state_output_fwd(q, k, w, u, g_cum, S0) # recurrence + output
 
 The matrix engine (tcgen05 + TMEM on sm_100a, wgmma on sm_90a) follows the device's compute
 capability; everything else is one code path. Neither T, the per-chunk state h nor v_new
-reaches global memory. qk l2 norm: the kernels fold the row norms of the raw q/k tiles into
-row and column scales in registers (no normalized copy of q or k is written). Nothing here
-reads a device value back to the host.
+reaches global memory. qk l2 norm: wy reduces k's rows itself; the fused kernel reads q's
+and k's reciprocal row norms (8 bytes per token and head) and folds them into row and column
+scales in registers (no normalized copy of q or k is written). Nothing here reads a device
+value back to the host.
 
 The split kernels these replaced (triton_generic's cumsum and stored-inverse
 ``kkt_solve_fwd`` with :mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts and
@@ -24,6 +26,7 @@ from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
 from backends.gluon_common.plan import index_limits_reason, plan, resolve_device
+from backends.gluon_common.qk_norm import qk_rnorm_fwd
 from backends.gluon_common.state_output import state_output_fwd
 from backends.gluon_common.wy import wy_fwd
 
@@ -54,9 +57,10 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
     launches = plan(problem, device=info)
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
+    rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
-        initial_state=problem.initial_state, output_final_state=problem.output_final_state,
+        initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
     )
     return o, final_state
 

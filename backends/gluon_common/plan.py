@@ -218,7 +218,8 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Every Gluon launch of one call, in order (wy, state_output), for one target."""
+    """Every Gluon launch of one call, in order (wy, [qk_rnorm with the qk l2 norm,]
+    state_output), for one target."""
 
     capability: tuple[int, int]
     is_sm100: bool
@@ -431,9 +432,12 @@ def compute_plan(problem: GDNProblem, info: DeviceInfo) -> ForwardPlan:
     """:func:`plan` without the cache: every stage planned for ``info.capability``."""
     cap = tuple(info.capability)
     # The stage modules import this one (dataclasses, has_tails): import them here, not at the top.
+    from backends.gluon_common.qk_norm import plan_qk_rnorm
     from backends.gluon_common.state_output import plan_state_output
     from backends.gluon_common.wy import plan_wy
 
-    stages = [planner(problem, info) for planner in (plan_wy, plan_state_output)]
+    # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
+    planners = (plan_wy, plan_qk_rnorm, plan_state_output) if problem.use_qk_l2norm else (plan_wy, plan_state_output)
+    stages = [planner(problem, info) for planner in planners]
     return ForwardPlan(capability=cap, is_sm100=cap[0] == 10, state_layout=problem.state_layout,
                        has_tails=has_tails(problem), stages=tuple(stages))

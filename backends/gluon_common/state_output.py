@@ -18,7 +18,7 @@ store of o) hangs off it and overlaps it. Issue order per chunk:
 
 1. S -> registers -> ``h_smem`` (fenced); wait for w/k/q; issue ``P``, ``O``, ``QK``
    (three async MMAs, all reading ``h_smem`` or the ring); while they run, write
-   ``2^g_last S`` back as the accumulator of the state update (and form k's row norms).
+   ``2^g_last S`` back as the accumulator of the state update.
 2. Wait for ``P`` only (``O`` and ``QK`` may still run); wait for u; ``v_new`` ->
    ``vn_smem``, the scaled rows ``vs`` -> ``vs_smem`` (fenced); issue ``S += k^T vs``.
 3. Wait for ``O`` and ``QK`` (the state update may still run); ``A`` -> ``p_smem``;
@@ -64,7 +64,7 @@ Why each buffer is free when it is rewritten (no "empty" barriers):
 
 * ring slot ``buf`` is refilled at the top of chunk t + 1 (with chunk t + 2). Its readers
   in chunk t: the P, O, QK and state-update MMAs (all waited by the end of chunk t) and
-  register reads (u for v_new, k's row norms, q's row norms), which all come before the
+  register reads (u for v_new), which all come before the
   ``fence_async_shared`` + CTA barrier in front of chunk t's last MMA (A v_new), so they
   precede the TMA writes (async proxy) in every thread.
 * ``h_smem``: read by chunk t - 1's P and O MMAs, both waited in chunk t - 1.
@@ -83,9 +83,11 @@ they are columns ``j > i`` of every valid row ``i``, selected to 0 by the causal
 rows past the end only feed o rows that are never written (TMA scatter with row
 0x7FFFFFFF on sm_100a, masked stores on sm_90a, see :mod:`.masks`).
 
-qk l2 norm: w arrives normalized from stage 3. k's row-norm reciprocals ``rk`` are computed
-once per chunk and fold into the row scale of ``vs`` (``k_n^T vs = k^T (rk vs)``) and into
-the columns of ``QK``; q's ``rq`` into the rows of o. q and k are never rewritten.
+qk l2 norm: w arrives normalized from stage 3. The reciprocal row norms of q and k come
+from :mod:`.qk_norm` (one launch before this one; reducing the tiles here sat on the
+serial chain and was repeated by every V-block), loaded a chunk early with the gates. k's
+``rk`` folds into the row scale of ``vs`` (``k_n^T vs = k^T (rk vs)``) and into the columns
+of ``QK``; q's ``rq`` into the rows of o. q and k are never rewritten.
 
 Budget (16-bit, K = 128, BV = 64): shared memory ring 96 KB + u ring 16 KB + h 16 KB +
 v_new, vs, o 24 KB + A 8 KB = 160 KB: one program per SM (K = 128, BV = 32: 132 KB;
@@ -110,7 +112,8 @@ from gdn_dispatch.varlen import ChunkTable
 from backends.gluon_common import engine as E
 from backends.gluon_common.compat import tma_load
 from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import _causal_gate_scalar, row_rnorm, store_chunk_tile, tile_layout
+from backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
+from backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
 from backends.gluon_common.plan import (
     MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype, state_constexprs)
 from backends.gluon_common.state import (
@@ -170,6 +173,18 @@ def _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, num_warps):
     the last registers (triton 3.9 spilled 8 bytes there, 3.6 did not): those load them
     at the top of their own chunk, as the split state kernel does."""
     return not (QK_LATE and USE_L2NORM and HAS_TAILS and num_warps == NUM_WARPS)
+
+
+@gluon.jit
+def _norm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.constexpr):
+    """One chunk's reciprocal row norms of q and of k (:mod:`.qk_norm`'s ``[B * T, H, 2]``
+    pairs of q/k head ``i_hk``; 0 past the sequence's end, where no row is stored or enters
+    the state), in ``row_layout``. Plain global loads: a caller may issue them a chunk early."""
+    rows = row + gl.arange(0, BT, layout=row_layout)
+    offs = (rows.to(gl.int64) * H + i_hk) * 2
+    b_rq = gl.load(rnorm + offs, mask=rows < eos, other=0.0)
+    b_rk = gl.load(rnorm + offs + 1, mask=rows < eos, other=0.0)
+    return b_rq, b_rk
 
 
 @gluon.jit
@@ -253,7 +268,7 @@ def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_s
 @gluon.jit(do_not_specialize=["HV", "GROUP"])
 def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
-    g_cum, h0, ht, cu_seqlens, scale, HV, GROUP,
+    g_cum, rnorm, h0, ht, cu_seqlens, scale, HV, GROUP,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr, DEFER_OUT: gl.constexpr,
 ):
@@ -263,7 +278,6 @@ def _state_output_fwd_kernel(
     dtype: gl.constexpr = w_desc.dtype
     p_layout: gl.constexpr = E.acc_layout(BT, BV, IS_SM100, gl.num_warps())
     row_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
-    x_layout: gl.constexpr = tile_layout(BT, K, gl.num_warps())
     # Where q k^T is issued (see the module docstring): with the w h_t MMA (the design), or
     # after the state update on sm_90a at K * BV = 8192, where the accumulators are registers.
     QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100, gl.num_warps())
@@ -272,6 +286,10 @@ def _state_output_fwd_kernel(
     # (and QK) of chunk t + 1 were issued: the wgmma groups outstanding then.
     TAIL_PENDING: gl.constexpr = 2 if QK_LATE else 3
     GATES_EARLY: gl.constexpr = _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, gl.num_warps())
+    # The qk norm rows likewise, except where q k^T is issued late (the largest state tile
+    # per warpgroup): held across the chunk there they spilled 8 bytes on two warpgroups
+    # with tails; loaded at the top of their chunk, they are first read after P's wait.
+    NORMS_EARLY: gl.constexpr = GATES_EARLY and not QK_LATE
     # The state kernel's walk: q shares k's head, so its tiles sit at col_k too.
     _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
 
@@ -306,6 +324,12 @@ def _state_output_fwd_kernel(
     _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                        0, bos, col_w, col_k, col_v, NT > 0)
     b_g, g_last = _gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    i_hk = i_h // GROUP
+    H = HV // GROUP
+    if USE_L2NORM:
+        b_rq, b_rk = _norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
+    else:
+        b_rq, b_rk = b_g, b_g  # unused
     # DEFER_OUT: the previous chunk's A v_new accumulator and o row scale, stored one chunk late.
     o_prev = E.acc_in_flight(E.acc_alloc(BT, BV, IS_SM100), IS_SM100)
     r_prev = gl.full([BT], scale, gl.float32, layout=row_layout)
@@ -323,12 +347,18 @@ def _state_output_fwd_kernel(
         q_tile = ring.index(3 * buf + 2)
         if not GATES_EARLY:
             b_g, g_last = _gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
+        if USE_L2NORM and not NORMS_EARLY:
+            b_rq, b_rk = _norm_rows(rnorm, row, eos, i_hk, H, BT, row_layout)
         g_row = b_g
+        rq = b_rq
+        rk = b_rk
         m_t, b_d, decay = _gate_decays(g_row, g_last, row, eos, BT)
         if GATES_EARLY:
             # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
             # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
             b_g, g_last = _gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        if USE_L2NORM and NORMS_EARLY:
+            b_rq, b_rk = _norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
         # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
         s_reg = E.acc_read(S, IS_SM100)
@@ -342,11 +372,8 @@ def _state_output_fwd_kernel(
         # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
         S = E.acc_write(S, s_reg * decay, IS_SM100)
         if USE_L2NORM:
-            # k's row norms while the MMAs run: the row scale of vs and QK's column scale.
-            rk = row_rnorm(k_tile, x_layout)
-            b_d = b_d * gl.convert_layout(rk, row_layout)
-        else:
-            rk = b_d  # unused
+            # k's reciprocal row norms: the row scale of vs (and QK's column scale below).
+            b_d = b_d * rk
         if DEFER_OUT:
             # Chunk t - 1's tail, under this chunk's MMAs: its A v_new (issued before them,
             # so long done) -> o. vn_smem and p_smem are free for this chunk after the wait.
@@ -361,11 +388,10 @@ def _state_output_fwd_kernel(
         if QK_LATE:
             qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
 
-        # o's row scale (q's last register read of this slot comes before the fence + CTA
-        # barrier in front of the A v_new MMA); A -> p_smem; O = 2^g O + A v_new.
+        # o's row scale (times q's reciprocal row norms); A -> p_smem; O = 2^g O + A v_new.
         r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
         if USE_L2NORM:
-            r_scale = r_scale * gl.convert_layout(row_rnorm(q_tile, x_layout), row_layout)
+            r_scale = r_scale * rq
         o = E.mma_wait_until(o, o_bar, mma_phase, 2, IS_SM100)  # QK and S (either order) may run
         if QK_LATE:
             S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
@@ -546,6 +572,7 @@ def state_output_fwd(
     scale: float,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    rnorm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
     per chunk ``v_new = u - w h``, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j))
@@ -554,7 +581,7 @@ def state_output_fwd(
     Parameters
     ----------
     q, k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous, 16-byte aligned (raw: with the qk
-        l2 norm the kernel applies the row norms itself); v-head ``j`` reads q/k head
+        l2 norm the kernel scales by ``rnorm``); v-head ``j`` reads q/k head
         ``j // (HV // H)``. K in {64, 128}.
     w : Tensor ``[B, T, HV, K]``, k's dtype (stage 3; from l2-normalized k when asked).
     u : Tensor ``[B, T, HV, V]``, k's dtype (stage 3). V in {64, 128}.
@@ -566,6 +593,9 @@ def state_output_fwd(
     initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk", as the
         plan's ``STATE_VK``), any float dtype (read as float32), contiguous; None: zeros.
     output_final_state : also return the state after each sequence's last token.
+    rnorm : with the qk l2 norm (the plan's ``USE_L2NORM``), float32 ``[B * T, H, 2]``, the
+        reciprocal row norms of q and k from :func:`.qk_norm.qk_rnorm_fwd` (computed here
+        when None); ignored without it.
 
     Returns
     -------
@@ -574,7 +604,7 @@ def state_output_fwd(
         None. A zero-length sequence's final state is its initial state (zeros without one).
     """
     B, T, HV, V = u.shape
-    K = k.shape[-1]
+    H, K = k.shape[2], k.shape[3]
     N, NT = chunks.num_seqs, chunks.num_chunks
     vk = launch.constexprs["STATE_VK"]
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
@@ -587,9 +617,17 @@ def state_output_fwd(
         if final_state is not None:
             final_state.copy_(h0) if h0 is not None else final_state.zero_()
         return o, final_state
+    if launch.constexprs["USE_L2NORM"]:
+        if rnorm is None:
+            rnorm = qk_rnorm_fwd(q, k, plan_qk_rnorm_rows(B * T * H, K))
+        if rnorm.shape != (B * T, H, 2) or rnorm.dtype != torch.float32 or not rnorm.is_contiguous():
+            raise ValueError(f"rnorm: expected contiguous float32 [{B * T}, {H}, 2], got {rnorm.dtype} "
+                             f"{tuple(rnorm.shape)} contiguous={rnorm.is_contiguous()}")
+    else:
+        rnorm = g_cum  # not read
     tensors = {"q": q, "k": k, "w": w, "u": u, "o": o}
     launch_planned(_state_output_fwd_kernel, launch, tensors, dict(
-        o_ptr=o, g_cum=g_cum,
+        o_ptr=o, g_cum=g_cum, rnorm=rnorm,
         h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, scale=float(scale),
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
@@ -597,7 +635,7 @@ def state_output_fwd(
     return o, final_state
 
 
-_POINTERS = ("o_ptr", "g_cum", "h0", "ht", "cu_seqlens")
+_POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "cu_seqlens")
 
 
 def state_output_signature(launch: LaunchPlan, dtype: torch.dtype) -> tuple[dict, dict, dict]:
@@ -605,7 +643,7 @@ def state_output_signature(launch: LaunchPlan, dtype: torch.dtype) -> tuple[dict
     argument order, as a launch of it would specialize (16-byte-aligned pointers)."""
     constexprs = {"V": launch.scalars["V"], **launch.constexprs}
     sig = {d.arg: d.signature for d in launch.descriptors}
-    sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
+    sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
                scale="fp32", HV="i32", GROUP="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in _state_output_fwd_kernel.arg_names}

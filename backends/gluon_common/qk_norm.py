@@ -1,0 +1,112 @@
+"""The reciprocal l2 norms of q's and k's rows, once per call (the fused qk l2 norm).
+
+    rnorm[r, h, 0] = 1 / sqrt(sum_k q[r, h, k]^2 + 1e-6)      r = packed token row
+    rnorm[r, h, 1] = 1 / sqrt(sum_k k[r, h, k]^2 + 1e-6)
+
+The fused state + output kernel scales by these rows instead of reducing the q and k
+tiles itself: there the reduction sat inside the serial chunk loop and was repeated by each
+of a head's V-blocks (0.32 of 1.56 ms at one 32768-token sequence of 32 v-heads on the
+H200, ``benchmarks/RESULTS.md``, session 4), while here every row is read once, by programs
+that run side by side. wy keeps its own k norms: it reads each k tile once anyway.
+
+One program reduces ``BLOCK_ROWS`` consecutive (token, head) rows of q (axis 1 = 0) or k
+(axis 1 = 1) with coalesced 16-byte loads; no shared memory, no matrix engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from gdn_dispatch.contract import GDNProblem
+
+from backends.gluon_common.launch import launch_planned
+from backends.gluon_common.masks import L2NORM_EPS, tile_layout
+from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, sig_dtype
+from backends.gluon_common.wu import pointer_attrs
+
+#: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
+BLOCK_ROWS = 64
+
+
+@gluon.jit(do_not_specialize=["rows"])
+def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+    layout: gl.constexpr = tile_layout(BLOCK_ROWS, K, gl.num_warps())
+    which = gl.program_id(1)
+    r = gl.program_id(0) * BLOCK_ROWS + gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(r.to(gl.int64) * K, 1) + gl.expand_dims(c, 0)
+    mask = gl.expand_dims(r < rows, 1)
+    if which == 0:
+        x = gl.load(q + offs, mask=mask, other=0.0).to(gl.float32)
+    else:
+        x = gl.load(k + offs, mask=mask, other=0.0).to(gl.float32)
+    norm = gl.rsqrt(gl.sum(x * x, axis=1) + L2NORM_EPS)
+    # (q, k) pairs side by side: the fused kernel loads both norms of a row together.
+    gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
+
+
+def plan_qk_rnorm(problem: GDNProblem, device) -> LaunchPlan:
+    """Launch plan of :func:`qk_rnorm_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
+
+    Grid: (row blocks of the ``B * T * H`` (token, head) rows, 2: q then k). The kernel
+    uses no matrix engine: ``device`` is accepted for the planners' common signature.
+    """
+    return plan_qk_rnorm_rows(problem.B * problem.T * problem.H, problem.K)
+
+
+def plan_qk_rnorm_rows(rows: int, K: int) -> LaunchPlan:
+    """:func:`plan_qk_rnorm` from the row count ``B * T * H`` and K."""
+    return LaunchPlan(
+        kernel="qk_rnorm_fwd",
+        grid=(max(1, -(-rows // BLOCK_ROWS)), 2),
+        num_warps=NUM_WARPS,
+        blocks={"BLOCK_ROWS": BLOCK_ROWS, "K": K},
+        constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+        scalars={"rows": rows},
+        notes=f"{rows} (token, head) rows of q and of k, {BLOCK_ROWS} per program",
+    )
+
+
+def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan) -> torch.Tensor:
+    """The reciprocal l2 norms of q's and k's rows (one launch).
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous (raw: not yet normalized).
+    launch : the ``qk_rnorm_fwd`` LaunchPlan of :func:`plan_qk_rnorm`.
+
+    Returns
+    -------
+    rnorm : float32 Tensor ``[B * T, H, 2]``: ``rnorm[..., 0]`` of q's rows, ``rnorm[..., 1]``
+        of k's, ``1 / sqrt(sum x^2 + 1e-6)`` (:data:`masks.L2NORM_EPS`).
+    """
+    B, T, H, K = q.shape
+    if not (q.is_contiguous() and k.is_contiguous()) or k.shape != q.shape or k.dtype != q.dtype:
+        raise ValueError(f"qk_rnorm_fwd: q and k must be contiguous [B, T, H, K] of one dtype, got "
+                         f"{q.dtype} {tuple(q.shape)} and {k.dtype} {tuple(k.shape)}")
+    rnorm = torch.empty(B * T, H, 2, dtype=torch.float32, device=q.device)
+    if B * T * H == 0:
+        return rnorm
+    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=launch.scalars["rows"]))
+    return rnorm
+
+
+def qk_rnorm_kernels_for_aot(capability: tuple[int, int], backend: str) -> list:
+    """The norm kernel at K in {64, 128} x bf16/fp16."""
+    from gdn_dispatch.aot import AotKernel
+
+    kernels = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for K in (64, 128):
+            ptr = "*" + sig_dtype(dtype)
+            signature = {"q": ptr, "k": ptr, "rnorm": "*fp32", "rows": "i32", "K": "constexpr",
+                         "BLOCK_ROWS": "constexpr"}
+            kernels.append(AotKernel(
+                backend=backend, kernel="qk_rnorm_fwd", specialization=f"K{K}-{sig_dtype(dtype)}",
+                fn=_qk_rnorm_fwd_kernel, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+                dialect="gluon", num_warps=NUM_WARPS,
+                attrs=pointer_attrs(_qk_rnorm_fwd_kernel, ["q", "k", "rnorm"]),
+            ))
+    return kernels
