@@ -110,6 +110,17 @@ def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2:
     return make_problem(**kwargs, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
 
 
+#: (shape keywords of :func:`random_problem`, test id) of the plan tests: varlen with every
+#: kind of chunk (1, 63, 64, 65, 130 tokens and an empty sequence), a uniform batch, a
+#: uniform batch with tails, varlen whose lengths are whole chunks.
+PLAN_SHAPES = (
+    (dict(lengths=[1, 63, 64, 65, 130, 0]), "varlen-1-63-64-65-130-0"),
+    (dict(batch=(2, 128)), "B2-T128"),
+    (dict(batch=(3, 100)), "B3-T100-tails"),
+    (dict(lengths=[64, 128]), "varlen-no-tails"),
+)
+
+
 def poison_cuda_allocator() -> None:
     """Fill the CUDA caching allocator's free blocks with NaN: an output element a kernel
     leaves unwritten then reads as NaN (an infinite error) instead of stale data."""

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.device import assumed_device  # noqa: E402
-from gdn_dispatch.testing import LaunchRecorder, random_problem  # noqa: E402
+from gdn_dispatch.testing import PLAN_SHAPES, LaunchRecorder, random_problem  # noqa: E402
 
 from backends.gluon_common.plan import (  # noqa: E402
     MAX_STATE_TILE,
@@ -44,12 +44,7 @@ def _problem(K=128, V=128, ht=True, **kwargs):
     return random_problem(K=K, V=V, ht=ht, **kwargs)
 
 
-CASES = [
-    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), id="varlen-1-63-64-65-130-0"),
-    pytest.param(dict(batch=(2, 128)), id="B2-T128"),
-    pytest.param(dict(batch=(3, 100)), id="B3-T100-tails"),
-    pytest.param(dict(lengths=[64, 128]), id="varlen-no-tails"),
-]
+CASES = [pytest.param(shape, id=name) for shape, name in PLAN_SHAPES]
 
 
 @pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
@@ -231,7 +226,7 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
     launched = recorder.launched
     p = _problem(lengths=[1, 63, 130, 0], layout=layout)
     launch = _split_state_plan(p, SM90)
-    BT, HV, K, V = p.B * p.T, p.HV, p.K, p.V
+    HV, K, V = p.HV, p.K, p.V
     w = torch.empty(p.B, p.T, HV, K, dtype=p.dtype)
     u = torch.empty(p.B, p.T, HV, V, dtype=p.dtype)
     g_cum = torch.empty(p.B, p.T, HV)

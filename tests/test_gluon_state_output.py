@@ -21,7 +21,8 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
-from gdn_dispatch.testing import LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import (  # noqa: E402
+    PLAN_SHAPES, LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error)
 
 from backends.gluon_common import state_output as so  # noqa: E402
 from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
@@ -45,12 +46,7 @@ def _device(capability, sm_count=None):
 # Plans
 
 
-SHAPES = [
-    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0]), id="varlen-1-63-64-65-130-0"),
-    pytest.param(dict(batch=(2, 128)), id="B2-T128"),
-    pytest.param(dict(batch=(3, 100)), id="B3-T100-tails"),
-    pytest.param(dict(lengths=[64, 128]), id="varlen-no-tails"),
-]
+SHAPES = [pytest.param(shape, id=name) for shape, name in PLAN_SHAPES]
 
 
 @pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
