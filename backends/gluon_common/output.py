@@ -203,7 +203,7 @@ def _plan_output(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, 
         tile_desc("v_desc", "v_new", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
-    ), {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100}, is_sm100 and tails)
+    ), {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="output_fwd",

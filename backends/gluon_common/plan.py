@@ -231,16 +231,16 @@ class ForwardPlan:
         return next(s for s in self.stages if s.kernel == kernel)
 
 
-def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict,
-                        scatter: bool) -> tuple[tuple[DescPlan, ...], dict]:
+def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict) -> tuple[tuple[DescPlan, ...], dict]:
     """(descriptors, constexprs) of a launch that stores through :func:`masks.store_chunk_tile`.
 
-    Only sm_100a with varlen tails reads the TMA scatter row descriptors (sm_90a has no
-    TMA scatter; without tails every chunk is a whole tile). Elsewhere they go to the
-    kernel as None constexprs, so no launch builds or encodes them (each costs a host
-    descriptor and a ``cuTensorMapEncodeTiled`` per launch).
+    Only sm_100a with varlen tails (the constexprs' ``IS_SM100`` and ``HAS_TAILS``) reads
+    the TMA scatter row descriptors (sm_90a has no TMA scatter; without tails every chunk
+    is a whole tile). Elsewhere they go to the kernel as None constexprs, so no launch
+    builds or encodes them (each costs a host descriptor and a ``cuTensorMapEncodeTiled``
+    per launch).
     """
-    if scatter:
+    if constexprs["IS_SM100"] and constexprs["HAS_TAILS"]:
         return descriptors, constexprs
     unused = {d.arg: None for d in descriptors if d.scatter}
     return tuple(d for d in descriptors if not d.scatter), {**constexprs, **unused}
@@ -341,7 +341,7 @@ def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None =
         DescPlan("vn_rows_desc", "v_new", (rows, HV * V), (HV * V, 1), (1, BV), dtype, (BT, BV)),
     )
     is_sm100 = device.capability[0] == 10
-    descs, constexprs = drop_unused_scatter(descs, state_constexprs(problem, is_sm100), is_sm100 and has_tails(problem))
+    descs, constexprs = drop_unused_scatter(descs, state_constexprs(problem, is_sm100))
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="state_fwd",

@@ -114,7 +114,7 @@ from backends.gluon_common.compat import tma_load
 from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from backends.gluon_common.plan import (
-    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype, state_constexprs)
+    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, sig_dtype, state_constexprs)
 from backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
 from backends.gluon_common.state import (
     _aot_problem, _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program)
@@ -540,7 +540,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
     )
     descriptors, constexprs = drop_unused_scatter(
-        descriptors, {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer}, is_sm100 and has_tails(problem))
+        descriptors, {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer})
     return LaunchPlan(
         kernel="state_output_fwd",
         grid=(N * HV * NV,),

@@ -201,7 +201,7 @@ def _plan_wu(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo) -> L
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         (tile_desc("a_desc", "A_inv", dtype, rows, HV * BT, (BT, BT)), *wy_descriptors(rows, H, HV, K, V, dtype)),
-        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100}, is_sm100 and tails)
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wu_fwd",

@@ -372,7 +372,7 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, vari
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(rows, H, HV, K, V, dtype),
-        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs}, is_sm100 and tails)
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
