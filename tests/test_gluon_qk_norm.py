@@ -53,3 +53,9 @@ def test_qk_rnorm_fwd_matches_torch(T, H, K, dtype):
     expect = torch.stack([torch.rsqrt((x.double() ** 2).sum(-1) + 1e-6).reshape(2 * T, H) for x in (q, k)], -1)
     assert rnorm.shape == (2 * T, H, 2) and not rnorm.isnan().any()
     assert rel_rms_error(rnorm, expect) <= 1e-6
+
+
+def test_row_plans_are_shared_per_shape():
+    # state_output_fwd without rnorm plans the norms itself: one plan (and kept kernel) per shape.
+    assert qk_norm.plan_qk_rnorm_rows(640, 128) is qk_norm.plan_qk_rnorm_rows(640, 128)
+    assert qk_norm.plan_qk_rnorm_rows(640, 64) is not qk_norm.plan_qk_rnorm_rows(640, 128)

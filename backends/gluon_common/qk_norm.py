@@ -15,6 +15,8 @@ One program reduces ``BLOCK_ROWS`` consecutive (token, head) rows of q (axis 1 =
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -23,7 +25,7 @@ from gdn_dispatch.contract import GDNProblem
 
 from backends.gluon_common.launch import launch_planned
 from backends.gluon_common.masks import L2NORM_EPS, tile_layout
-from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, sig_dtype
+from backends.gluon_common.plan import NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, sig_dtype
 from backends.gluon_common.wu import pointer_attrs
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
@@ -56,8 +58,11 @@ def plan_qk_rnorm(problem: GDNProblem, device) -> LaunchPlan:
     return plan_qk_rnorm_rows(problem.B * problem.T * problem.H, problem.K)
 
 
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_qk_rnorm_rows(rows: int, K: int) -> LaunchPlan:
-    """:func:`plan_qk_rnorm` from the row count ``B * T * H`` and K."""
+    """:func:`plan_qk_rnorm` from the row count ``B * T * H`` and K. Memoized: callers
+    outside the forward's plan cache (``state_output_fwd`` without ``rnorm``) share one
+    plan per shape, and with it the compiled kernel kept on it (read-only)."""
     return LaunchPlan(
         kernel="qk_rnorm_fwd",
         grid=(max(1, -(-rows // BLOCK_ROWS)), 2),
