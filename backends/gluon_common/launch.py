@@ -151,8 +151,6 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
 
     Launches on the current CUDA device and stream, as ``fn[grid]`` would.
     """
-    for d in launch.descriptors:
-        d.check(tensors[d.tensor])
     runtime = _runtime()
     if not runtime.direct or os.environ.get(JIT_LAUNCH_ENV, "") == "1" or runtime.hooks_set():
         _jit_launch(fn, launch, tensors, args)
@@ -169,6 +167,9 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
     if kernel is None:  # a Triton whose compiled kernels lack the launch interface
         _jit_launch(fn, launch, tensors, args)
         return
+    # What DescPlan.build checks on the JIT path (no TensorDescriptor is built here).
+    for d in launch.descriptors:
+        d.check(tensors[d.tensor])
     slots = launch.compiled[_SLOTS]
     values = list(slots.template)
     for i, tensor, shape, strides in slots.descs:
