@@ -5,10 +5,10 @@ Run from the repository root on an sm_90 GPU (fla importable for part 3)::
     PYTHONPATH=.:/tmp/site FLA_FLASH_QLA=0 python benchmarks/h200_gluon_fused.py [--budget S]
 
 * ``wy``: the gate cumsum, kkt, solve and w/u in one Gluon kernel
-  (:mod:`backends.gluon_common.wy`), replacing triton_generic's cumsum and stored-inverse
+  (:mod:`gdn_dispatch.backends.gluon_common.wy`), replacing triton_generic's cumsum and stored-inverse
   ``kkt_solve_fwd`` + the Gluon ``wu_fwd``.
 * ``state_output``: the recurrence and the output in one Gluon kernel
-  (:mod:`backends.gluon_common.state_output`), replacing ``state_fwd`` + ``output_fwd``.
+  (:mod:`gdn_dispatch.backends.gluon_common.state_output`), replacing ``state_fwd`` + ``output_fwd``.
 
 Part 1, correctness (one line per case; tolerance 5e-3 relative RMS; ``wy_g`` is wy's gate
 cumsum against triton_generic's): each fused stage against
@@ -48,8 +48,8 @@ def say(*args):
 
 def fused_forward(problem, info, block_v=None):
     """wy (with the gate cumsum) -> state_output, for ``problem``; (o, final_state)."""
-    from backends.gluon_common.state_output import plan_state_output, state_output_fwd
-    from backends.gluon_common.wy import plan_wy, wy_fwd
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output, state_output_fwd
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy, wy_fwd
 
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, plan_wy(problem, info))
@@ -77,9 +77,9 @@ def check_case(c, lengths, device, info, seed):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import rel_rms_error
 
-    from backends.gluon_common.state_output import plan_state_output, state_output_fwd
-    from backends.gluon_common.wy import plan_wy, wy_fwd
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output, state_output_fwd
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy, wy_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
 
     call, name = case_call(c, lengths, device, seed)
     say(f"RUN  {name}")
@@ -155,14 +155,14 @@ def stage_times(shape, device, info, l2):
     from gdn_dispatch.bench import make_input_sets
     from gdn_dispatch.contract import make_problem
 
-    from backends.gluon_common.output import output_fwd, plan_output
-    from backends.gluon_common.plan import plan_state
-    from backends.gluon_common.state import state_fwd
-    from backends.gluon_common.state_output import plan_state_output, state_output_fwd
-    from backends.gluon_common.wu import plan_wu, wu_fwd
-    from backends.gluon_common.wy import plan_wy, wy_fwd
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
-    from backends.triton_generic.wu import wu_fwd as tg_wu_fwd
+    from gdn_dispatch.backends.gluon_common.output import output_fwd, plan_output
+    from gdn_dispatch.backends.gluon_common.plan import plan_state
+    from gdn_dispatch.backends.gluon_common.state import state_fwd
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output, state_output_fwd
+    from gdn_dispatch.backends.gluon_common.wu import plan_wu, wu_fwd
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy, wy_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.triton_generic.wu import wu_fwd as tg_wu_fwd
 
     x = make_input_sets(shape, 1, device, seed=7, qk_l2norm=l2)[0]
     p = make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,

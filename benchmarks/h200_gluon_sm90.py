@@ -229,11 +229,11 @@ def run_case(c, lengths, device, info, results):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import random_call, rel_rms_error
 
-    from backends.gluon_common.output import output_fwd, plan_output
-    from backends.gluon_common.plan import plan_state
-    from backends.gluon_common.state import state_fwd
-    from backends.gluon_common.wu import plan_wu, wu_fwd
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.gluon_common.output import output_fwd, plan_output
+    from gdn_dispatch.backends.gluon_common.plan import plan_state
+    from gdn_dispatch.backends.gluon_common.state import state_fwd
+    from gdn_dispatch.backends.gluon_common.wu import plan_wu, wu_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
 
     K, V = c["KV"]
     H, HV = (4, 4) if c["ratio"] == 1 else (2, 4) if c["ratio"] == 2 else (1, 4)
@@ -338,11 +338,11 @@ def stage_times(x, info):
     """Per-stage median ms of gluon_sm90 and triton_generic on one input set."""
     from gdn_dispatch.contract import make_problem
 
-    import backends.triton_generic as tg
-    from backends.gluon_common.output import output_fwd, plan_output
-    from backends.gluon_common.plan import plan_state
-    from backends.gluon_common.state import state_fwd
-    from backends.gluon_common.wu import plan_wu, wu_fwd
+    import gdn_dispatch.backends.triton_generic as tg
+    from gdn_dispatch.backends.gluon_common.output import output_fwd, plan_output
+    from gdn_dispatch.backends.gluon_common.plan import plan_state
+    from gdn_dispatch.backends.gluon_common.state import state_fwd
+    from gdn_dispatch.backends.gluon_common.wu import plan_wu, wu_fwd
 
     p = make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,
                      cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu, use_qk_l2norm_in_kernel=x.qk_l2norm)

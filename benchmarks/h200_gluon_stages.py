@@ -141,9 +141,9 @@ def run_case(c, seed, device, info):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import random_call, rel_rms_error
 
-    from backends.gluon_common.output import output_fwd
-    from backends.gluon_common.wu import wu_fwd
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.gluon_common.output import output_fwd
+    from gdn_dispatch.backends.gluon_common.wu import wu_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
 
     HV = 4
     call = random_call(lengths=c.get("lengths"), batch=c.get("batch"), H=c["H"], HV=HV, K=c["K"], V=c["V"],

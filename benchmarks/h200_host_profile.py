@@ -41,10 +41,10 @@ def breakdown(x):
     from gdn_dispatch.device import default_probe
     from gdn_dispatch.registry import select
 
-    from backends.gluon_common import state_output as so
-    from backends.gluon_common import wy
-    from backends.gluon_common.launch import JIT_LAUNCH_ENV, launch_planned
-    from backends.gluon_common.plan import plan
+    from gdn_dispatch.backends.gluon_common import state_output as so
+    from gdn_dispatch.backends.gluon_common import wy
+    from gdn_dispatch.backends.gluon_common.launch import JIT_LAUNCH_ENV, launch_planned
+    from gdn_dispatch.backends.gluon_common.plan import plan
 
     def problem():
         return make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,

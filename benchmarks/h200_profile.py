@@ -222,9 +222,9 @@ def part2(shapes, callers, dev, kern_us: dict) -> None:
 
 
 def part3(shape: BenchShape, dev) -> None:
-    import backends.triton_generic as tg
-    from backends.triton_generic._jit import LOG2E
-    from backends.triton_generic.configs import LaunchConfig, device_facts, fuse_solve_into_wu, intra_config
+    import gdn_dispatch.backends.triton_generic as tg
+    from gdn_dispatch.backends.triton_generic._jit import LOG2E
+    from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, fuse_solve_into_wu, intra_config
     from gdn_dispatch.contract import make_problem
 
     x = make_input_sets(shape, 1, dev, SEED)[0]

@@ -38,8 +38,8 @@ def sweep_shape(shape, device, info, l2):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import rel_rms_error
 
-    from backends.gluon_common.state_output import plan_state_output, state_output_fwd, state_output_warps
-    from backends.gluon_common.wy import plan_wy, wy_fwd
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output, state_output_fwd, state_output_warps
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy, wy_fwd
 
     x = make_input_sets(shape, 1, device, seed=7, qk_l2norm=l2)[0]
     p = make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,

@@ -50,9 +50,9 @@ if not HAS_CUDA:  # the smoke run: CPU tensors through triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FLA_FLASH_QLA"] = "0"  # fla's plain Triton path is the baseline
 
-import backends.triton_generic as tg  # noqa: E402
-from backends.triton_generic._jit import LOG2E  # noqa: E402
-from backends.triton_generic.configs import LaunchConfig  # noqa: E402
+import gdn_dispatch.backends.triton_generic as tg  # noqa: E402
+from gdn_dispatch.backends.triton_generic._jit import LOG2E  # noqa: E402
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig  # noqa: E402
 from gdn_dispatch import chunk_gated_delta_rule  # noqa: E402
 from gdn_dispatch.bench import (  # noqa: E402
     BenchShape, default_shapes, fla_caller, load_fla, make_input_sets, ours_caller, rotation_count,

@@ -6,7 +6,7 @@ Run from the repository root on an sm_90 GPU::
 
 For each shape (gdn_dispatch.bench's H16-HV32-1x32768, H16-HV64-1x32768 and the ragged
 H16-HV32 batch, whose random lengths leave tails; then H16-HV32-1x32768 with the qk l2 norm
-in the kernel) and each variant of :data:`backends.gluon_common.wy.WY_VARIANTS`:
+in the kernel) and each variant of :data:`gdn_dispatch.backends.gluon_common.wy.WY_VARIANTS`:
 
 1. correctness on input set 0, outputs NaN-poisoned first: w, u against float32 torch
    (``ref_wu`` of h200_gluon_sm90.py on triton_generic's float32 ``kkt_solve_fwd``), g_cum
@@ -54,7 +54,7 @@ def problem_of(x, l2):
 
 def reference(p):
     """Float32 w, u ([B*T, HV, K] / [B*T, HV, V]) and g_cum ([B, T, HV]) of ``p``."""
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
 
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=LOG2E)
     A32 = kkt_solve_fwd(p.k, g_cum, p.beta, p.chunks, use_qk_l2norm=p.use_qk_l2norm, out_dtype=torch.float32)
@@ -66,7 +66,7 @@ def check(p, launch, ref, device):
     """Relative RMS errors (w, u, g_cum) of one poisoned wy_fwd call against ``ref``."""
     from gdn_dispatch.testing import rel_rms_error
 
-    from backends.gluon_common.wy import wy_fwd
+    from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 
     w_ref, u_ref, g_ref = ref
     poison_allocator(device)
@@ -80,7 +80,7 @@ def run_case(name, l2, device, info, iters):
     """{variant: (ms, (err_w, err_u, err_g))} for one shape."""
     from gdn_dispatch.bench import default_shapes, make_input_sets, median_event_ms, rotation_count
 
-    from backends.gluon_common.wy import WY_VARIANTS, plan_wy, wy_fwd
+    from gdn_dispatch.backends.gluon_common.wy import WY_VARIANTS, plan_wy, wy_fwd
 
     shape = next(s for s in default_shapes() if s.name == name)
     say(f"RUN  {name}{' l2' if l2 else ''}: {shape.describe()}")
@@ -116,7 +116,7 @@ def main():
     args = parser.parse_args()
     from gdn_dispatch.device import default_probe
 
-    from backends.gluon_common.wy import WY_DEFAULT_VARIANT, WY_VARIANTS
+    from gdn_dispatch.backends.gluon_common.wy import WY_DEFAULT_VARIANT, WY_VARIANTS
 
     device = torch.device("cuda")
     info = default_probe().for_torch_device(device)

@@ -20,11 +20,11 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 
-from backends.gluon_common import engine as E  # noqa: E402
-from backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
+from gdn_dispatch.backends.gluon_common import engine as E  # noqa: E402
+from gdn_dispatch.backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
 from gdn_dispatch.aot import SMEM_LIMIT, AotKernel, compile_kernel  # noqa: E402
 
-from backends import gluon_sm90, gluon_sm100  # noqa: E402
+from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512

@@ -14,8 +14,8 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.testing import random_problem, rel_rms_error  # noqa: E402
 
-from backends.gluon_common import launch as L  # noqa: E402
-from backends.gluon_common import wy  # noqa: E402
+from gdn_dispatch.backends.gluon_common import launch as L  # noqa: E402
+from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
 
 SM90 = (9, 0)
 
@@ -211,7 +211,7 @@ def test_direct_launches_match_triton_launches_on_the_gpu(lengths, monkeypatch):
     same bits; then with g misaligned (a new specialization, compiled and kept)."""
     from gdn_dispatch import chunk_gated_delta_rule, reference
 
-    from backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
     if not L._runtime().direct:
         pytest.skip(f"direct launches are verified for Triton {L.DIRECT_LAUNCH_TRITON} only")

@@ -16,7 +16,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.device import assumed_device  # noqa: E402
 from gdn_dispatch.testing import PLAN_SHAPES, LaunchRecorder, random_problem  # noqa: E402
 
-from backends.gluon_common.plan import (  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import (  # noqa: E402
     MAX_STATE_TILE,
     PLAN_CACHE_SIZE,
     DescPlan,
@@ -97,10 +97,10 @@ SCATTER_ROWS = {"wy_fwd": ("w_rows_desc", "u_rows_desc"), "wu_fwd": ("w_rows_des
 @pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 64, 65, 130, 0]), dict(batch=(2, 128))], ids=["tails", "whole"])
 def test_scatter_row_descriptors_only_where_the_kernel_scatters(shape, capability):
-    from backends.gluon_common.output import plan_output
-    from backends.gluon_common.state_output import plan_state_output
-    from backends.gluon_common.wu import plan_wu
-    from backends.gluon_common.wy import plan_wy
+    from gdn_dispatch.backends.gluon_common.output import plan_output
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output
+    from gdn_dispatch.backends.gluon_common.wu import plan_wu
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy
 
     p = _problem(**shape, H=2, HV=4)
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
@@ -194,7 +194,7 @@ def test_index_limits():
 
 
 def test_backend_packages_plan_and_reason():
-    from backends import gluon_sm90, gluon_sm100
+    from gdn_dispatch.backends import gluon_sm90, gluon_sm100
 
     p = _problem(lengths=[3, 70])
     assert gluon_sm90.plan(p).capability == SM90 and not gluon_sm90.plan(p).is_sm100
@@ -219,7 +219,7 @@ def test_every_planned_descriptor_builds_on_its_tensor(capability):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
     """state_fwd's launch passes exactly the kernel's parameters (CPU: the launch is recorded)."""
-    from backends.gluon_common import state
+    from gdn_dispatch.backends.gluon_common import state
 
     recorder = LaunchRecorder(state._state_fwd_kernel)
     monkeypatch.setattr(state, "_state_fwd_kernel", recorder)
@@ -241,7 +241,7 @@ def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
 
 
 def test_state_fwd_without_chunks_returns_the_initial_state():
-    from backends.gluon_common import state
+    from gdn_dispatch.backends.gluon_common import state
 
     p = _problem(lengths=[0, 0], layout="vk")
     launch = _split_state_plan(p, SM90)

@@ -10,8 +10,8 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.testing import poison_cuda_allocator, random_problem, rel_rms_error  # noqa: E402
 
-from backends.gluon_common import qk_norm  # noqa: E402
-from backends.gluon_common.plan import plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common import qk_norm  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 

@@ -24,8 +24,8 @@ from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
 from gdn_dispatch.testing import (  # noqa: E402
     PLAN_SHAPES, LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error)
 
-from backends.gluon_common import state_output as so  # noqa: E402
-from backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
+from gdn_dispatch.backends.gluon_common import state_output as so  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import MAX_STATE_TILE, has_tails  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -225,7 +225,7 @@ def test_aot_list(capability):
 
 
 def test_aot_list_is_part_of_both_backends():
-    from backends import gluon_sm90, gluon_sm100
+    from gdn_dispatch.backends import gluon_sm90, gluon_sm100
 
     for module, cap in ((gluon_sm90, SM90), (gluon_sm100, SM100)):
         fused = [k for k in module.kernels_for_aot(cap) if k.kernel == "state_output_fwd"]
@@ -330,11 +330,11 @@ GPU_CASES = [
 def _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, **plan_options):
     """Run the fused kernel with ``plan_options`` on NaN-poisoned memory; compare it with
     the float32 reference and with the unfused state + output kernels."""
-    from backends.gluon_common.output import output_fwd, plan_output
-    from backends.gluon_common.plan import plan_state
-    from backends.gluon_common.state import state_fwd
-    from backends.gluon_common.wu import plan_wu, wu_fwd
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.gluon_common.output import output_fwd, plan_output
+    from gdn_dispatch.backends.gluon_common.plan import plan_state
+    from gdn_dispatch.backends.gluon_common.state import state_fwd
+    from gdn_dispatch.backends.gluon_common.wu import plan_wu, wu_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
     from gdn_dispatch import reference
 
     p = _problem(**shape, H=H, HV=HV, K=K, V=V, layout=layout, h0=h0, ht=True, l2=l2, dtype=dtype,

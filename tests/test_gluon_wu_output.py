@@ -19,10 +19,10 @@ from gdn_dispatch.aot import SMEM_LIMIT, compile_kernel  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
 
-from backends.gluon_common.output import (  # noqa: E402
+from gdn_dispatch.backends.gluon_common.output import (  # noqa: E402
     _output_fwd_kernel, output_block_v, output_fwd, output_kernels_for_aot, plan_output)
-from backends.gluon_common.plan import has_tails  # noqa: E402
-from backends.gluon_common.wu import (  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import has_tails  # noqa: E402
+from gdn_dispatch.backends.gluon_common.wu import (  # noqa: E402
     _wu_fwd_kernel, chunks_have_tails, plan_wu, wu_fwd, wu_kernels_for_aot)
 
 SM100, SM90 = (10, 0), (9, 0)

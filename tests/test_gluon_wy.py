@@ -19,8 +19,8 @@ from gdn_dispatch.aot import compile_kernel  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_problem  # noqa: E402
 
-from backends.gluon_common import wy  # noqa: E402
-from backends.gluon_common.plan import has_tails, plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import has_tails, plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 #: Shared memory of one H100 / H200 multiprocessor (bytes), and what each block reserves.

@@ -68,7 +68,7 @@ def _exact_inverse(problem, g_cum):
 @pytest.mark.parametrize("device", _device_params())
 @pytest.mark.parametrize("cosine", [0.9, 0.99])
 def test_triton_generic_inverse_with_correlated_keys(device, cosine, monkeypatch):
-    from backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd, kkt_solve_fwd
 
     p = _problem(device, cosine, 128 if device == "cuda" else 32, monkeypatch)
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=LOG2E)
@@ -81,9 +81,9 @@ def test_triton_generic_inverse_with_correlated_keys(device, cosine, monkeypatch
 @pytest.mark.parametrize("device", _device_params(gluon=True))
 @pytest.mark.parametrize("cosine", [0.9, 0.99])
 def test_gluon_wy_with_correlated_keys(device, cosine, monkeypatch):
-    from backends.gluon_common.plan import plan
-    from backends.gluon_common.wy import wy_fwd
-    from backends.triton_generic import chunk_cumsum_fwd
+    from gdn_dispatch.backends.gluon_common.plan import plan
+    from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+    from gdn_dispatch.backends.triton_generic import chunk_cumsum_fwd
 
     p = _problem(device, cosine, 128, monkeypatch)
     g_cum = chunk_cumsum_fwd(p.g, p.chunks, scale=LOG2E)

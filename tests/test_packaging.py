@@ -21,7 +21,7 @@ def test_checkout_finds_root_registry():
 
 
 @pytest.mark.slow
-def test_wheel_ships_registry_and_backends(tmp_path):
+def test_wheel_ships_registry_and_backends_inside_the_package(tmp_path):
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)],
                            capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
@@ -30,7 +30,9 @@ def test_wheel_ships_registry_and_backends(tmp_path):
         names = set(zf.namelist())
         zf.extractall(tmp_path / "site")
     assert "gdn_dispatch/registry.toml" in names
-    assert "backends/__init__.py" in names and "backends/triton_generic/__init__.py" in names
+    assert "gdn_dispatch/backends/__init__.py" in names and "gdn_dispatch/backends/triton_generic/__init__.py" in names
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"gdn_dispatch"}, f"the wheel installs other top-level packages: {top_level}"
     probe = ("from gdn_dispatch.registry import registry_path, load_registry; "
              "print(registry_path()); print(','.join(r.name for r in load_registry()))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,

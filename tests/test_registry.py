@@ -64,12 +64,12 @@ def test_every_row_has_a_verdict_with_reason():
 
 
 def test_missing_module_is_not_available_and_selection_moves_on():
-    ghost = dataclasses.replace(_row("triton_generic"), name="ghost", module="backends.not_written_yet", priority=999)
+    ghost = dataclasses.replace(_row("triton_generic"), name="ghost", module="gdn_dispatch.backends.not_written_yet", priority=999)
     rows = (ghost, *load_registry())
     explanation = explain(assumed_device("sm_90"), QWEN35_CALL, env={}, rows=rows)
     verdict = _verdict(explanation, "ghost")
     assert verdict.status == "not available"
-    assert "ModuleNotFoundError" in verdict.reason and "backends.not_written_yet" in verdict.reason
+    assert "ModuleNotFoundError" in verdict.reason and "gdn_dispatch.backends.not_written_yet" in verdict.reason
     assert explanation.selected != "ghost"
 
 

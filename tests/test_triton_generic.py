@@ -14,15 +14,15 @@ import importlib
 import pytest
 import torch
 
-import backends.triton_generic as tg
-from backends.triton_generic import cumsum, kkt_solve, output, state, wu
-from backends.triton_generic._jit import LOG2E
-from backends.triton_generic.configs import LaunchConfig
+import gdn_dispatch.backends.triton_generic as tg
+from gdn_dispatch.backends.triton_generic import cumsum, kkt_solve, output, state, wu
+from gdn_dispatch.backends.triton_generic._jit import LOG2E
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import random_call, rel_rms_error
 
-ORCHESTRATOR = importlib.import_module("backends.triton_generic.forward")  # tg.forward is the function
+ORCHESTRATOR = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")  # tg.forward is the function
 
 #: Relative RMS error per output tensor, by q/k/v dtype. float32 runs every product at
 #: fp32 accuracy ("ieee" in the interpreter, 3xTF32 on tensor cores); 16-bit calls round

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from gdn_dispatch.aot import AotKernel
 
-from backends.gluon_common.qk_norm import qk_rnorm_kernels_for_aot
-from backends.gluon_common.state_output import state_output_kernels_for_aot
-from backends.gluon_common.wy import wy_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.state_output import state_output_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.wy import wy_kernels_for_aot
 
 
 def backend_kernels_for_aot(backend: str, capabilities: tuple[tuple[int, int], ...],

@@ -2,7 +2,7 @@
 
 Usage (for kernel authors; every helper takes ``IS_SM100: gl.constexpr`` last)::
 
-    from backends.gluon_common import engine as E
+    from gdn_dispatch.backends.gluon_common import engine as E
 
     acc = E.acc_alloc(64, BV, IS_SM100)                  # TMEM descriptor (sm100) | fp32 zeros (sm90)
     acc = E.mma(a_smem, b_smem, acc, False, bar, IS_SM100)  # issue acc = a @ b (use_acc=True: +=), async
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from backends.gluon_common.compat import thread_barrier, tmem_reg_layout
+from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tmem_reg_layout
 
 
 @gluon.constexpr_function

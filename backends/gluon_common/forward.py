@@ -25,10 +25,10 @@ import torch
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
-from backends.gluon_common.plan import index_limits_reason, plan, resolve_device
-from backends.gluon_common.qk_norm import qk_rnorm_fwd
-from backends.gluon_common.state_output import state_output_fwd
-from backends.gluon_common.wy import wy_fwd
+from gdn_dispatch.backends.gluon_common.plan import index_limits_reason, plan, resolve_device
+from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
+from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 
 #: Head dims the Gluon kernels are written for (whole-K / whole-V tiles, TMA boxes).
 HEAD_DIMS = (64, 128)

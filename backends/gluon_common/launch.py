@@ -7,7 +7,7 @@ For the two launches of a forward this was the largest host cost on the H200's h
 (~100 us a launch at H16-HV32-1x8192, ``benchmarks/h200_host_profile.py``), and at small
 prefills the host, not the GPU, sets the time of a call.
 
-A :class:`~backends.gluon_common.plan.LaunchPlan` already fixes everything the binder
+A :class:`~gdn_dispatch.backends.gluon_common.plan.LaunchPlan` already fixes everything the binder
 derives except the pointer arguments' dtypes and alignments and the device. So the first
 launch of a plan per *launch specialization* (device, and dtype + ``data_ptr() % 16 == 0``
 of every tensor argument; value classes of the integer ones) goes through Triton's JIT as
@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from backends.gluon_common.plan import LaunchPlan
+from gdn_dispatch.backends.gluon_common.plan import LaunchPlan
 
 #: Set to "1" to launch every kernel through Triton's JIT (binder on every call).
 JIT_LAUNCH_ENV = "GDN_DISPATCH_JIT_LAUNCH"

@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import tma as _bw_tma
 
-from backends.gluon_common.compat import tma_store
+from gdn_dispatch.backends.gluon_common.compat import tma_store
 
 #: Row index handed to ``tma.async_scatter`` for a row that must not be written: far past
 #: any tensor's end, so the TMA unit drops it (negative indices are illegal instructions).

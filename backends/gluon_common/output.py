@@ -40,13 +40,13 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.gluon_common import engine as E
-from backends.gluon_common.compat import tma_load
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import (
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import (
     causal_gate, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
-from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
-from backends.gluon_common.wu import (
+from gdn_dispatch.backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
+from gdn_dispatch.backends.gluon_common.wu import (
     aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, tile_desc)
 
 

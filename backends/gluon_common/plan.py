@@ -1,6 +1,6 @@
 """Launch plans of the Gluon backends: what would be launched, computed without launching.
 
-:func:`plan` is a dry run of :func:`backends.gluon_common.forward.forward`: for a validated
+:func:`plan` is a dry run of :func:`gdn_dispatch.backends.gluon_common.forward.forward`: for a validated
 call and a compute capability it returns every Gluon kernel's grid, block sizes, constexprs
 and TMA descriptors (global shape, strides, block shape, shared-memory layout), touching no
 GPU and reading no tensor data, so it is testable with CPU tensors. ``forward`` launches
@@ -193,7 +193,7 @@ class LaunchPlan:
     num_warps : warps per program.
     maxnreg : register cap per thread passed to ptxas, or None (ptxas's own choice).
     compiled : the compiled kernels of this plan by launch specialization, filled by
-        :func:`backends.gluon_common.launch.launch_planned` (not part of the plan's value).
+        :func:`gdn_dispatch.backends.gluon_common.launch.launch_planned` (not part of the plan's value).
     blocks : block sizes by name ({"BT": 64, "BV": 64, ...}).
     constexprs : the kernel's constexpr arguments (what kernels_for_aot compiles).
     descriptors : TMA descriptor arguments, in no particular order (looked up by ``arg``).
@@ -318,7 +318,7 @@ def state_constexprs(problem: GDNProblem, is_sm100: bool) -> dict:
 
 
 def plan_state(problem: GDNProblem, device: DeviceInfo, *, block_v: int | None = None) -> LaunchPlan:
-    """Launch plan of :func:`backends.gluon_common.state.state_fwd` for ``problem``.
+    """Launch plan of :func:`gdn_dispatch.backends.gluon_common.state.state_fwd` for ``problem``.
 
     ``block_v`` overrides :func:`choose_bv` (AOT lists and benchmarks); it must divide V
     and keep ``K * BV <= 8192``.
@@ -432,9 +432,9 @@ def compute_plan(problem: GDNProblem, info: DeviceInfo) -> ForwardPlan:
     """:func:`plan` without the cache: every stage planned for ``info.capability``."""
     cap = tuple(info.capability)
     # The stage modules import this one (dataclasses, has_tails): import them here, not at the top.
-    from backends.gluon_common.qk_norm import plan_qk_rnorm
-    from backends.gluon_common.state_output import plan_state_output
-    from backends.gluon_common.wy import plan_wy
+    from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm
+    from gdn_dispatch.backends.gluon_common.state_output import plan_state_output
+    from gdn_dispatch.backends.gluon_common.wy import plan_wy
 
     # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
     planners = (plan_wy, plan_qk_rnorm, plan_state_output) if problem.use_qk_l2norm else (plan_wy, plan_state_output)

@@ -23,10 +23,10 @@ from triton.experimental.gluon import language as gl
 
 from gdn_dispatch.contract import GDNProblem
 
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import L2NORM_EPS, tile_layout
-from backends.gluon_common.plan import NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, sig_dtype
-from backends.gluon_common.wu import pointer_attrs
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
+from gdn_dispatch.backends.gluon_common.plan import NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, sig_dtype
+from gdn_dispatch.backends.gluon_common.wu import pointer_attrs
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
 BLOCK_ROWS = 64

@@ -52,11 +52,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.gluon_common import engine as E
-from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier, tma_load, tma_store
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import row_rnorm, store_chunk_tile, tile_layout
-from backends.gluon_common.plan import LaunchPlan, MAX_STATE_TILE, plan_state, sig_dtype
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import row_rnorm, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common.plan import LaunchPlan, MAX_STATE_TILE, plan_state, sig_dtype
 
 #: Slots of the w / u / k rings: chunk t computes while chunk t + 1 lands.
 NUM_BUF = gl.constexpr(2)
@@ -371,7 +371,7 @@ def state_fwd(
     u : Tensor ``[B, T, HV, V]``, k's dtype (stage 3).
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
     chunks : ChunkTable of the call.
-    launch : the ``state_fwd`` LaunchPlan of :func:`backends.gluon_common.plan.plan_state`
+    launch : the ``state_fwd`` LaunchPlan of :func:`gdn_dispatch.backends.gluon_common.plan.plan_state`
         (grid, BV, constexprs incl. the state layout, descriptors).
     initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk", as the
         plan's ``STATE_VK``), any float dtype (read as float32), contiguous; None: zeros.

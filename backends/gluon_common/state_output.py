@@ -109,16 +109,16 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.gluon_common import engine as E
-from backends.gluon_common.compat import tma_load
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
-from backends.gluon_common.plan import (
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
+from gdn_dispatch.backends.gluon_common.plan import (
     MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, sig_dtype, state_constexprs)
-from backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
-from backends.gluon_common.state import (
+from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.state import (
     _aot_problem, _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program)
-from backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
+from gdn_dispatch.backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
 NUM_BUF = gl.constexpr(2)

@@ -35,12 +35,12 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.device import DeviceInfo, assumed_device
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.gluon_common import engine as E
-from backends.gluon_common.compat import tma_load
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import L2NORM_EPS, chunk_rows, row_vector, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, chunk_rows, row_vector, store_chunk_tile, tile_layout
 # chunks_have_tails lives with has_tails in plan; output.py imports it from here.
-from backends.gluon_common.plan import (  # noqa: F401
+from gdn_dispatch.backends.gluon_common.plan import (  # noqa: F401
     NUM_WARPS, DescPlan, LaunchPlan, chunks_have_tails, drop_unused_scatter, has_tails, sig_dtype)
 
 

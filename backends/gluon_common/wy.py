@@ -59,12 +59,12 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.gluon_common import engine as E
-from backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
-from backends.gluon_common.launch import launch_planned
-from backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
-from backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
-from backends.gluon_common.wu import (
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
+from gdn_dispatch.backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
+from gdn_dispatch.backends.gluon_common.wu import (
     _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, wy_descriptors)
 
 

@@ -3,7 +3,7 @@ sm_103): tcgen05 MMAs into TMEM accumulators, TMA loads on mbarriers with next-c
 prefetch, TMA scatter (row 0x7FFFFFFF) for rows past a varlen sequence's end.
 
 A thin package: the kernels, the orchestrator and the launch plans live in
-:mod:`backends.gluon_common` and are shared with gluon_sm90 (wgmma on Hopper); this package
+:mod:`gdn_dispatch.backends.gluon_common` and are shared with gluon_sm90 (wgmma on Hopper); this package
 binds them to the Blackwell matrix engine and names its capabilities.
 """
 
@@ -14,9 +14,9 @@ from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
 # One orchestrator for both Gluon backends: it reads the matrix engine off the device.
-from backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
-from backends.gluon_common import plan as _plan
-from backends.gluon_common.aot import backend_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common import plan as _plan
+from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 
 BACKEND = "gluon_sm100"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same).

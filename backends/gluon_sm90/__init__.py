@@ -4,7 +4,7 @@ prefetch; Hopper has no TMA scatter, so the rows of a sequence's last, partial c
 written with masked register stores (full chunks use one TMA store).
 
 A thin package: the kernels, the orchestrator and the launch plans live in
-:mod:`backends.gluon_common` and are shared with gluon_sm100 (tcgen05 + TMEM on Blackwell);
+:mod:`gdn_dispatch.backends.gluon_common` and are shared with gluon_sm100 (tcgen05 + TMEM on Blackwell);
 this package binds them to the Hopper matrix engine and names its capability.
 """
 
@@ -15,9 +15,9 @@ from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
 # One orchestrator for both Gluon backends: it reads the matrix engine off the device.
-from backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
-from backends.gluon_common import plan as _plan
-from backends.gluon_common.aot import backend_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common import plan as _plan
+from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 
 BACKEND = "gluon_sm90"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same):

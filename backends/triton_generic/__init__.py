@@ -13,13 +13,13 @@ The module imports no device state; kernels compile on first launch (or ahead of
 :func:`kernels_for_aot`).
 """
 
-from backends.triton_generic.aot import kernels_for_aot
-from backends.triton_generic.cumsum import chunk_cumsum_fwd
-from backends.triton_generic.forward import forward, unsupported_reason
-from backends.triton_generic.kkt_solve import kkt_solve_fwd
-from backends.triton_generic.output import output_fwd
-from backends.triton_generic.state import state_fwd
-from backends.triton_generic.wu import wu_fwd
+from gdn_dispatch.backends.triton_generic.aot import kernels_for_aot
+from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+from gdn_dispatch.backends.triton_generic.forward import forward, unsupported_reason
+from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
+from gdn_dispatch.backends.triton_generic.output import output_fwd
+from gdn_dispatch.backends.triton_generic.state import state_fwd
+from gdn_dispatch.backends.triton_generic.wu import wu_fwd
 
 __all__ = [
     "chunk_cumsum_fwd",

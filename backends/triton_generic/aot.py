@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from gdn_dispatch.aot import AotKernel
 
-from backends.triton_generic.configs import (cumsum_config, fuse_solve_into_wu, intra_config, output_config,
+from gdn_dispatch.backends.triton_generic.configs import (cumsum_config, fuse_solve_into_wu, intra_config, output_config,
                                              state_config)
-from backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
-from backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
-from backends.triton_generic.output import _output_fwd_kernel
-from backends.triton_generic.state import _state_fwd_kernel
-from backends.triton_generic.wu import _wu_fwd_kernel
+from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
+from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
+from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
+from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
+from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel
 
 BACKEND = "triton_generic"
 _TYPES = {"bf16": ("*bf16", 2, "tf32"), "fp16": ("*fp16", 2, "tf32"), "fp32": ("*fp32", 4, "tf32x3")}

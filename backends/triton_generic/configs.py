@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.triton_generic._jit import next_pow2
+from gdn_dispatch.backends.triton_generic._jit import next_pow2
 
 #: Usable shared memory per block by compute capability major.minor, bytes (opt-in maximum).
 _SMEM_BUDGET = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,

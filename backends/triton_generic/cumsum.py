@@ -15,8 +15,8 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import _chunk_rows, jit
-from backends.triton_generic.configs import cumsum_config
+from gdn_dispatch.backends.triton_generic._jit import _chunk_rows, jit
+from gdn_dispatch.backends.triton_generic.configs import cumsum_config
 
 
 @jit

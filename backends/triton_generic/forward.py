@@ -17,13 +17,13 @@ import torch
 
 from gdn_dispatch.contract import GDNProblem, StateLayout
 
-from backends.triton_generic._jit import LOG2E, interpreting
-from backends.triton_generic.configs import device_facts, fuse_solve_into_wu
-from backends.triton_generic.cumsum import chunk_cumsum_fwd
-from backends.triton_generic.kkt_solve import kkt_solve_fwd
-from backends.triton_generic.output import output_fwd
-from backends.triton_generic.state import state_fwd
-from backends.triton_generic.wu import wu_fwd
+from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
+from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
+from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
+from gdn_dispatch.backends.triton_generic.output import output_fwd
+from gdn_dispatch.backends.triton_generic.state import state_fwd
+from gdn_dispatch.backends.triton_generic.wu import wu_fwd
 
 
 def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
-from backends.triton_generic.configs import device_facts, intra_config
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config
 
 
 @jit

@@ -16,10 +16,10 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
-from backends.triton_generic.configs import LaunchConfig, device_facts, output_config
-from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
-from backends.triton_generic.wu import _row_rnorm
+from gdn_dispatch.backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, output_config
+from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic.wu import _row_rnorm
 
 
 @jit

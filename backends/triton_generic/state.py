@@ -21,9 +21,9 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
-from backends.triton_generic.configs import LaunchConfig, device_facts, state_config
-from backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, state_config
+from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 
 
 @jit

@@ -14,9 +14,9 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
-from backends.triton_generic.configs import LaunchConfig, device_facts, intra_config
-from backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config
+from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
 
 
 @jit
