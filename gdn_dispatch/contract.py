@@ -16,6 +16,7 @@ dim; ``V`` value head dim; ``N`` sequences (``B`` without ``cu_seqlens``, else
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -169,23 +170,55 @@ def _require_contiguous(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_cu_seqlens(cu_host: torch.Tensor, T: int) -> None:
+def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
+    """The partition rules of ``cu_seqlens``, checked on a host copy (no device sync)."""
     n = cu_host.numel()
     if n < 2:
-        raise GDNInputError(f"cu_seqlens: expected at least 2 entries [N + 1], got {n}")
+        raise GDNInputError(f"{name}: expected at least 2 entries [N + 1], got {n}")
     if int(cu_host[0]) != 0:
-        raise GDNInputError(f"cu_seqlens: expected to start at 0, got {int(cu_host[0])}")
+        raise GDNInputError(f"{name}: expected to start at 0, got {int(cu_host[0])}")
     steps = cu_host[1:] - cu_host[:-1]
     if bool((steps < 0).any()):
         i = int(torch.nonzero(steps < 0)[0])
         raise GDNInputError(
-            f"cu_seqlens: expected non-decreasing values, got {int(cu_host[i])} then "
+            f"{name}: expected non-decreasing values, got {int(cu_host[i])} then "
             f"{int(cu_host[i + 1])} at positions {i}, {i + 1}"
         )
     if int(cu_host[-1]) != T:
         raise GDNInputError(
-            f"cu_seqlens: expected to end at T = {T} (q.shape[1]), got {int(cu_host[-1])}"
+            f"{name}: expected to end at T = {T} (q.shape[1]), got {int(cu_host[-1])}"
         )
+
+
+def _host_offsets(value) -> torch.Tensor:
+    """A Python list/tuple of ints as an int64 CPU tensor, for ``cu_seqlens`` given on the host."""
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        kinds = sorted({type(x).__name__ for x in value})
+        raise GDNInputError(f"cu_seqlens: expected a list of ints [N + 1], got elements of type {kinds}")
+    return torch.tensor(list(value), dtype=torch.int64)
+
+
+def debug_checks_enabled() -> bool:
+    """``GDN_DEBUG_CHECKS=1``: also run the checks that synchronize with the device (read
+    at every call)."""
+    return os.environ.get("GDN_DEBUG_CHECKS", "0") == "1"
+
+
+def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host) -> None:
+    """The checks that read device memory back (one sync each): the device ``cu_seqlens``
+    against its host copy, and every input finite."""
+    if cu_seqlens is not None and cu_host is not None:
+        device_values = cu_seqlens.cpu().to(torch.int64)
+        if not torch.equal(device_values, cu_host.to(torch.int64)):
+            i = int(torch.nonzero(device_values != cu_host.to(torch.int64))[0])
+            raise GDNInputError(
+                f"cu_seqlens_cpu: expected the values of cu_seqlens, got {int(cu_host[i])} where the "
+                f"device copy holds {int(device_values[i])} (position {i})"
+            )
+    for name, t in tensors.items():
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise GDNInputError(f"{name}: expected finite values, got {bad} NaN/inf entries")
 
 
 def _resolve_layout(state_layout, state_v_first) -> StateLayout:
@@ -258,17 +291,27 @@ def make_problem(
     _require_dtype("beta", beta, FLOAT_DTYPES)
 
     device = q.device
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens)):
-        if t is not None and t.device != device:
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if isinstance(t, torch.Tensor) and t.device != device:
             raise GDNInputError(f"{name}: expected device {device} (q's), got {t.device}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_contiguous(name, t)
 
     cu_host = None
-    if cu_seqlens is not None:
+    if isinstance(cu_seqlens, (list, tuple)):
+        if cu_seqlens_cpu is not None:
+            raise GDNInputError(
+                "cu_seqlens_cpu: not needed when cu_seqlens is a list (the list is the host copy); "
+                "pass one of them"
+            )
+        cu_host = _host_offsets(cu_seqlens)
+        cu_seqlens = cu_host.to(device)
+    elif cu_seqlens is not None:
         cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens, 1, "[N + 1]")
         _require_dtype("cu_seqlens", cu_seqlens, INDEX_DTYPES)
+        if cu_seqlens.device != device:
+            raise GDNInputError(f"cu_seqlens: expected device {device} (q's), got {cu_seqlens.device}")
+    if cu_seqlens is not None:
         if B != 1:
             raise GDNInputError(
                 f"cu_seqlens: requires B == 1 (sequences packed along T), got q with B = {B}"
@@ -284,11 +327,18 @@ def make_problem(
                     f"got {cu_seqlens_cpu.numel()}"
                 )
             cu_host = cu_seqlens_cpu
-        else:
+            _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
+        elif cu_host is None:
             cu_host = cu_seqlens.cpu()
-        _check_cu_seqlens(cu_host, T)
+            _check_cu_seqlens(cu_host, T)
+        else:
+            _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
+
+    if debug_checks_enabled():
+        _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
+                      cu_seqlens if cu_seqlens_cpu is not None else None, cu_host)
 
     chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device)
     N = chunks.num_seqs

@@ -71,7 +71,18 @@ BAD_VARLEN = [
     pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 9]), cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 9", id="cu-end"),
     pytest.param(lambda c: c.update(cu_seqlens=_int([0]), cu_seqlens_cpu=None), r"cu_seqlens: expected at least 2 entries", id="cu-short"),
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 10])), r"cu_seqlens_cpu: expected 4 entries like cu_seqlens, got 2", id="cu-cpu-len"),
-    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 3, 3, 11])), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 11", id="cu-cpu-end"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 3, 3, 11])), r"cu_seqlens_cpu: expected to end at T = 10 \(q.shape\[1\]\), got 11", id="cu-cpu-end"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([2, 3, 3, 10])), r"cu_seqlens_cpu: expected to start at 0, got 2", id="cu-cpu-start"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 5, 3, 10])),
+                 r"cu_seqlens_cpu: expected non-decreasing values, got 5 then 3 at positions 1, 2", id="cu-cpu-decreasing"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([[0, 3, 3, 10]])), r"cu_seqlens_cpu: expected 1 dims", id="cu-cpu-2d"),
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=torch.tensor([0.0, 3.0, 3.0, 10.0])), r"cu_seqlens_cpu: expected dtype in", id="cu-cpu-float"),
+    pytest.param(lambda c: c.update(cu_seqlens=[0, 3, 3, 10]), r"cu_seqlens_cpu: not needed when cu_seqlens is a list", id="cu-list-and-cpu"),
+    pytest.param(lambda c: c.update(cu_seqlens=[0, 3.0, 3, 10], cu_seqlens_cpu=None),
+                 r"cu_seqlens: expected a list of ints \[N \+ 1\], got elements of type \['float', 'int'\]", id="cu-list-float"),
+    pytest.param(lambda c: c.update(cu_seqlens=[0, 3, 3, 9], cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10", id="cu-list-end"),
+    pytest.param(lambda c: c.update(cu_seqlens=(0, 4, 3, 10), cu_seqlens_cpu=None),
+                 r"cu_seqlens: expected non-decreasing values, got 4 then 3", id="cu-tuple-decreasing"),
     pytest.param(lambda c: c.update(cu_seqlens=None), r"cu_seqlens_cpu: given without cu_seqlens", id="cu-cpu-alone"),
     pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 8, 12)), r"initial_state: expected .* = \(3, 4, 8, 12\) .* N = 3 sequences", id="h0-N-varlen"),
 ]
@@ -142,3 +153,50 @@ def test_uniform_chunk_tables_are_built_once_per_shape():
     other = make_problem(**random_call(batch=(2, 129), K=8, V=8, dtype=torch.float32, seed=1)).chunks
     assert again is first and other is not first
     assert other.num_chunks == 6 and other.chunk_local.tolist() == [0, 1, 2] * 2
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_cu_seqlens_as_a_python_sequence_is_the_host_copy(container):
+    call = varlen_call()
+    expected_o, expected_ht = chunk_gated_delta_rule(**call, output_final_state=True)
+    offsets = container(call["cu_seqlens_cpu"].tolist())
+    o, ht = chunk_gated_delta_rule(**{**call, "cu_seqlens": offsets, "cu_seqlens_cpu": None},
+                                   output_final_state=True)
+    torch.testing.assert_close(o, expected_o, rtol=0, atol=0)
+    torch.testing.assert_close(ht, expected_ht, rtol=0, atol=0)
+    problem = make_problem(**{**call, "cu_seqlens": offsets, "cu_seqlens_cpu": None})
+    assert problem.cu_seqlens.device == call["q"].device and problem.chunks.cu_seqlens_host.tolist() == list(offsets)
+
+
+DEBUG_FAILURES = [
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 2, 3, 10])),
+                 r"cu_seqlens_cpu: expected the values of cu_seqlens, got 2 where the device copy holds 3 \(position 1\)",
+                 id="host-copy-differs"),
+    pytest.param(lambda c: c["g"].view(-1)[5].fill_(float("nan")), r"g: expected finite values, got 1 NaN/inf entries", id="g-nan"),
+    pytest.param(lambda c: c["beta"].view(-1)[0].fill_(float("inf")), r"beta: expected finite values, got 1", id="beta-inf"),
+    pytest.param(lambda c: c["v"].view(-1)[7].fill_(float("-inf")), r"v: expected finite values, got 1", id="v-inf"),
+    pytest.param(lambda c: c["q"].view(-1)[1].fill_(float("nan")), r"q: expected finite values", id="q-nan"),
+    pytest.param(lambda c: c["k"].view(-1)[2].fill_(float("nan")), r"k: expected finite values", id="k-nan"),
+    pytest.param(lambda c: c["initial_state"].view(-1)[3].fill_(float("nan")), r"initial_state: expected finite values", id="h0-nan"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", DEBUG_FAILURES)
+def test_debug_checks_catch_what_needs_a_sync(mutate, message, monkeypatch):
+    call = varlen_call()
+    mutate(call)
+    monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call)
+
+
+@pytest.mark.parametrize("mutate", [
+    pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 4, 4, 10])), id="host-copy-differs"),
+    DEBUG_FAILURES[1].values[0],
+])
+def test_debug_checks_are_off_by_default(mutate, monkeypatch):
+    # Without GDN_DEBUG_CHECKS the call trusts the host copy and reads no values back.
+    call = varlen_call()
+    mutate(call)
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    chunk_gated_delta_rule(**call)

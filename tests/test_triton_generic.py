@@ -316,3 +316,29 @@ def test_aot_kernels_compile_without_spills(target):
         report = compile_kernel(kernel, target)
         assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"
         assert report.shared_bytes <= {(8, 0): 166912, (9, 0): 232448}[target]
+
+
+# Unequal head dims whose compiled tiles once went wrong on sm_90 (K > V, small V, K < 16),
+# each as a public call against the reference; the interpreter checks the same calls.
+UNEQUAL_HEADS = [
+    pytest.param([64], 1, 2, 32, 16, torch.bfloat16, "kv", False, id="T64-H1-HV2-K32-V16"),
+    pytest.param([64], 1, 1, 32, 16, torch.bfloat16, "kv", False, id="T64-H1-HV1-K32-V16"),
+    pytest.param([64], 1, 2, 64, 16, torch.bfloat16, "kv", False, id="T64-H1-HV2-K64-V16"),
+    pytest.param([64], 1, 2, 128, 32, torch.bfloat16, "kv", False, id="T64-H1-HV2-K128-V32"),
+    pytest.param([64], 1, 1, 64, 32, torch.bfloat16, "kv", False, id="T64-H1-HV1-K64-V32"),
+    pytest.param([15], 4, 4, 96, 16, torch.float16, "vk", True, id="T15-H4-HV4-K96-V16-vk-l2-fp16"),
+    pytest.param([64, 1], 1, 2, 8, 8, torch.bfloat16, "kv", False, id="T64.1-K8-V8"),
+    pytest.param([70], 1, 2, 4, 24, torch.float32, "vk", True, id="T70-K4-V24-vk-l2-fp32"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("lengths, H, HV, K, V, dtype, layout, l2", UNEQUAL_HEADS)
+def test_unequal_head_dims(device, lengths, H, HV, K, V, dtype, layout, l2):
+    call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=dtype, device=device, seed=7,
+                       state_layout=layout, normalize_qk=not l2)
+    o, ht = chunk_gated_delta_rule(**call, use_qk_l2norm_in_kernel=l2, output_final_state=True,
+                                   backend="triton_generic")
+    o_ref, ht_ref = reference.forward(make_problem(**call, use_qk_l2norm_in_kernel=l2, output_final_state=True))
+    assert rel_rms_error(o, o_ref) <= TOL[dtype]
+    assert rel_rms_error(ht, ht_ref) <= TOL[dtype]

@@ -62,18 +62,42 @@ def cumsum_config(HV: int) -> LaunchConfig:
     return LaunchConfig(num_warps=2 if BH <= 16 else 4, BH=BH)
 
 
+#: Smallest tile edge: ``tl.dot`` needs every operand dimension >= 16; smaller heads are
+#: padded to it (masked loads and stores).
+MIN_TILE = 16
+
+
+def _square_tile(K: int, V: int) -> int:
+    """The tile edge of a kernel that multiplies both K- and V-wide tiles: the one it would
+    use for square heads ``K = V = max(K, V)`` (masks cut the narrower dim).
+
+    Why square: with unequal K and V tiles in one kernel (e.g. BK = 64 next to BV = 16 or
+    32), triton 3.6 miscompiled the register-operand products on sm_90 (wrong u and o, and
+    out-of-bounds shared-memory reads under compute-sanitizer), while every square shape
+    ran right. Padding the narrower head keeps every launch on the square shapes.
+    """
+    return max(MIN_TILE, next_pow2(max(K, V)))
+
+
 def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """kkt + solve + w/u, one program per (chunk, v-head).
 
-    BK/BV up to 128 for 16-bit data (a [64, 128] operand tile is 16 KB), 64 for float32;
-    the inverse stays in registers as a [64, 64] fp32 tile (32 registers per thread at 4
-    warps). The K and V loops are one or two trips long, so two stages suffice.
+    BK = BV (see :func:`_square_tile`), up to 128 for 16-bit data (a [64, 128] operand tile
+    is 16 KB), 64 for float32; the inverse stays in registers as a [64, 64] fp32 tile (32
+    registers per thread at 4 warps). The K and V loops are one or two trips long, so two
+    stages suffice.
     """
     cap = 128 if elem <= 2 else 64
-    BK, BV = min(next_pow2(K), cap), min(next_pow2(V), cap)
+    BK = BV = min(_square_tile(K, V), cap)
     per_stage = 64 * max(BK, BV) * elem
     fixed = 64 * 64 * 4 + 64 * max(BK, BV) * elem
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)
+
+
+def state_block_k(K: int) -> int:
+    """The state kernel's K extent: the whole (padded) K, since a program keeps its full
+    [BK, BV] slice of the state in registers; not a tunable."""
+    return max(MIN_TILE, next_pow2(K))
 
 
 def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
@@ -93,7 +117,7 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
 
     Other parts keep three stages. BK * BV is capped at 8192 (64 fp32 registers per thread at 4 warps), 4096 for float32.
     """
-    BK = next_pow2(K)
+    BK = state_block_k(K)
     limit = 8192 if elem <= 2 else 4096
     programs_bv64 = NHV * -(-V // 64)
     if programs_bv64 < sm_count // 2:
@@ -106,7 +130,7 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
         # Measured on sm_90 only; mma.sync parts keep three stages, which also keeps ptxas
         # from spilling the BV = 64 tile on sm_80.
         wanted_stages = 3
-    BV = min(next_pow2(V), wanted_bv, max(16, limit // BK))
+    BV = max(MIN_TILE, min(next_pow2(V), wanted_bv, limit // BK))
     per_stage = (2 * 64 * BK + 64 * BV) * elem + 64 * 4
     fixed = (64 * BK + BK * BV + 64 * BV) * elem
     return LaunchConfig(num_warps=4, num_stages=_stages(wanted_stages, per_stage, fixed, capability), BK=BK, BV=BV)
@@ -115,14 +139,15 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """The output, one program per (chunk, v-head, BV slice of V).
 
-    BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
+    Tiles sized for square heads (:func:`_square_tile`). BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
     the common case; BK = 64 keeps the streamed q, k and h tiles at 8 + 8 + 16 KB per stage
     (32 for float32, and on parts without wgmma, whose mma.sync accumulators then fit the
     register file: 255 registers and spills at BK = 64 on sm_120).
     """
     wgmma = capability is None or capability[0] in (9, 10)
-    BK = min(next_pow2(K), 64 if elem <= 2 and wgmma else 32)
-    BV = min(next_pow2(V), 128 if elem <= 2 else 64)
+    edge = _square_tile(K, V)
+    BK = min(edge, 64 if elem <= 2 and wgmma else 32)
+    BV = min(edge, 128 if elem <= 2 else 64)
     per_stage = (2 * 64 * BK + BK * BV) * elem
     fixed = (64 * 64 + 64 * BV) * elem + per_stage
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)

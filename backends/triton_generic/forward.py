@@ -35,6 +35,15 @@ def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
         None unless ``problem.output_final_state``.
     """
+    if problem.device.type == "cuda" and problem.device.index != torch.cuda.current_device():
+        # Triton launches on the current device: make it the tensors' one for this call
+        # (restored on exit, so the caller's current device is left as it was).
+        with torch.cuda.device(problem.device):
+            return _forward(problem)
+    return _forward(problem)
+
+
+def _forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
     A_inv = None

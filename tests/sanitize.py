@@ -1,0 +1,137 @@
+"""compute-sanitizer over a fixed set of calls per GPU backend (the sanitizer tier).
+
+    python tests/sanitize.py [--tools memcheck,racecheck,synccheck] [--backends NAMES]
+
+For every (backend, tool) pair a child process runs the calls below under
+``compute-sanitizer --tool TOOL --report-api-errors no`` (the cuda-python probe's lookups of
+driver symbols otherwise count as API errors) and the parent reads the tool's error summary.
+The calls cover ragged tails and empty sequences, grouped value heads, both state layouts,
+K != V and the qk l2 norm; each is also checked against the reference, so a run that is
+clean but wrong fails too. Prints a table (backend, tool, calls, errors, seconds) and exits
+0 only when every tool reports 0 errors for every backend. Needs a CUDA GPU and
+compute-sanitizer (on PATH, or under /usr/local/cuda/bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (lengths, H, HV, K, V, dtype, layout, l2) per call; small, since racecheck is slow.
+CALLS = {
+    "triton_generic": [
+        ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
+        ([15, 64, 0, 70], 4, 4, 96, 16, "float16", "vk", True),
+        ([64, 1], 1, 2, 128, 32, "bfloat16", "vk", False),
+        ([33, 100], 2, 2, 8, 8, "float32", "kv", True),
+    ],
+    "gluon_sm90": [
+        ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False),
+        ([15, 64, 0, 70], 2, 8, 64, 128, "float16", "vk", True),
+        ([64, 129], 1, 2, 128, 64, "bfloat16", "vk", True),
+    ],
+}
+CALLS["gluon_sm100"] = CALLS["gluon_sm90"]
+TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
+
+
+def run_calls(backend: str) -> int:
+    """Child: run the backend's calls on the GPU; 1 when one is wrong."""
+    import torch
+
+    from gdn_dispatch import chunk_gated_delta_rule, reference
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call, rel_rms_error
+
+    status = 0
+    for i, (lengths, H, HV, K, V, dtype, layout, l2) in enumerate(CALLS[backend]):
+        call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), device="cuda",
+                           seed=i, state_layout=layout, normalize_qk=not l2)
+        flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+        o, ht = chunk_gated_delta_rule(**call, **flags, backend=backend)
+        o_ref, ht_ref = reference.forward(make_problem(**call, **flags))
+        err = max(rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
+        ok = err <= TOL[dtype]
+        status |= not ok
+        print(f"call {i}: lengths={lengths} H={H} HV={HV} K={K} V={V} {dtype} {layout} l2={l2}: "
+              f"error {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+    torch.cuda.synchronize()
+    return status
+
+
+def sanitizer_binary() -> str:
+    found = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not Path(found).exists():
+        raise SystemExit("tests/sanitize.py: compute-sanitizer not found on PATH or in /usr/local/cuda/bin")
+    return found
+
+
+def sanitize(backend: str, tool: str) -> tuple[int | None, int, float, str]:
+    """(errors the tool reported or None if it printed no summary, child's exit code, seconds, output)."""
+    cmd = [sanitizer_binary(), "--tool", tool, "--report-api-errors", "no",
+           sys.executable, str(Path(__file__).resolve()), "--child", backend]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("TRITON_INTERPRET", None)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    seconds = time.perf_counter() - start
+    out = done.stdout + done.stderr
+    found = re.search(r"ERROR SUMMARY: (\d+) error", out)
+    return (int(found.group(1)) if found else None), done.returncode, seconds, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tests/sanitize.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
+    parser.add_argument("--backends", default=None, help="comma-separated GPU backends (default: those this GPU runs)")
+    parser.add_argument("--child", metavar="BACKEND", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return run_calls(args.child)
+
+    tools = [t for t in args.tools.split(",") if t]
+    for t in tools:
+        if t not in TOOLS:
+            parser.error(f"--tools: expected names from {', '.join(TOOLS)}, got {t!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tests/sanitize.py: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.backends:
+        backends = [b for b in args.backends.split(",") if b]
+        for b in backends:
+            if b not in CALLS:
+                parser.error(f"--backends: expected names from {', '.join(CALLS)}, got {b!r}")
+    else:
+        cap = torch.cuda.get_device_capability()
+        backends = ["triton_generic"] + (["gluon_sm90"] if cap == (9, 0) else []) + \
+            (["gluon_sm100"] if cap in ((10, 0), (10, 3)) else [])
+
+    rows, status = [], 0
+    for backend in backends:
+        for tool in tools:
+            errors, code, seconds, out = sanitize(backend, tool)
+            clean = errors == 0 and code == 0
+            status |= not clean
+            rows.append((backend, tool, len(CALLS[backend]), "?" if errors is None else str(errors), code, seconds))
+            print(f"{backend} {tool}: {'clean' if clean else 'FAILED'} ({seconds:.0f} s)", flush=True)
+            if not clean:
+                print("\n".join(out.splitlines()[-60:]))
+    print(f"\n{'backend':<16} {'tool':<10} {'calls':>5} {'errors':>6} {'exit':>4} {'seconds':>8}")
+    for backend, tool, calls, errors, code, seconds in rows:
+        print(f"{backend:<16} {tool:<10} {calls:>5} {errors:>6} {code:>4} {seconds:>8.1f}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

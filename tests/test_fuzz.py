@@ -1,0 +1,238 @@
+"""Differential fuzz: random admitted calls for every backend on this machine, each against
+the float32 reference.
+
+Every case is drawn from a seed and printed in full on failure (``FuzzCase.describe()``
+gives the call to paste into a reproduction). What varies: K and V drawn independently
+from the head-dim classes the backend's registry row admits (K < V, K > V, padded and
+exact tiles), ragged lengths from {0, 1, 15, 63, 64, 65, 127, 2049} (2049 on a GPU only),
+uniform and varlen batches, grouped value heads (HV / H of 1, 2, 4), both state layouts,
+the in-kernel l2 norm, initial and final state on and off, every admitted dtype.
+
+Kernels specialize on the head shape and the feature flags, so a case draws those from a
+pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
+calls then cost a few dozen compiles (GPU tier: ``pytest -m gpu tests/test_fuzz.py``,
+300 cases per GPU backend over two seeds). The CPU tier runs triton_generic under
+``TRITON_INTERPRET=1`` at small sizes, and the reference's chunked form against its
+per-token recurrence.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from gdn_dispatch import chunk_gated_delta_rule, reference
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.registry import load_registry
+from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
+
+#: Relative RMS error per output tensor, by q/k/v dtype (DESIGN.md's bounds).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
+
+SEEDS = (0, 1)
+GPU_CASES_PER_SEED = 150
+SPECS_PER_SEED = 12
+
+#: Head dims drawn for a row without an exact ``head_dims`` list: below the 16-wide MMA
+#: minimum, non-powers of two, powers of two up to the largest admitted.
+HEAD_DIM_CLASSES = (8, 16, 24, 48, 64, 100, 128, 192, 256)
+CPU_HEAD_DIM_CLASSES = (4, 8, 16, 24, 32)
+LENGTHS = (0, 1, 15, 63, 64, 65, 127, 2049)
+CPU_LENGTHS = (0, 1, 15, 63, 64, 65)
+#: (H, HV / H) pairs: grouped value heads 1, 2 and 4.
+HEADS = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 1), (1, 4))
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class FuzzSpec:
+    """What a kernel specializes on: head shape, dtype and feature flags."""
+
+    K: int
+    V: int
+    H: int
+    HV: int
+    dtype: str
+    layout: str
+    l2: bool
+    h0: bool
+    final: bool
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """One call: a spec, its token layout (``lengths`` for varlen, ``batch`` for uniform)
+    and the seed of its data."""
+
+    backend: str
+    spec: FuzzSpec
+    lengths: tuple[int, ...] | None
+    batch: tuple[int, int] | None
+    data_seed: int
+
+    def describe(self) -> str:
+        s = self.spec
+        shape = f"lengths={list(self.lengths)}" if self.lengths is not None else f"batch={self.batch}"
+        return (f"backend={self.backend!r}: random_call({shape}, H={s.H}, HV={s.HV}, K={s.K}, V={s.V}, "
+                f"dtype=torch.{s.dtype}, seed={self.data_seed}, initial_state={s.h0}, "
+                f"state_layout={s.layout!r}, normalize_qk={not s.l2}) with use_qk_l2norm_in_kernel={s.l2}, "
+                f"output_final_state={s.final}")
+
+
+def _row(name: str):
+    return next(r for r in load_registry() if r.name == name)
+
+
+def _draw_spec(rng: random.Random, row, dims: tuple[int, ...]) -> FuzzSpec:
+    admitted = row.head_dims or tuple(d for d in dims if d <= row.max_head_dim)
+    H, ratio = rng.choice(HEADS)
+    return FuzzSpec(
+        K=rng.choice(admitted), V=rng.choice(admitted), H=H, HV=H * ratio,
+        dtype=rng.choice(row.dtypes), layout=rng.choice(row.state_layouts),
+        l2=rng.random() < 0.5, h0=rng.random() < 0.7, final=rng.random() < 0.8,
+    )
+
+
+def _draw_layout(rng: random.Random, lengths: tuple[int, ...], max_tokens: int):
+    """Varlen (1-5 sequences) or a uniform batch (1-3 rows), at most ``max_tokens`` tokens."""
+    while True:
+        if rng.random() < 0.6:
+            seqs = tuple(rng.choice(lengths) for _ in range(rng.randint(1, 5)))
+            if sum(seqs) <= max_tokens:
+                return seqs, None
+        else:
+            B, T = rng.randint(1, 3), rng.choice([t for t in lengths if t > 0])
+            if B * T <= max_tokens:
+                return None, (B, T)
+
+
+def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> list[FuzzCase]:
+    """``count`` cases of ``backend`` from ``seed``: a pool of specializations, then per case
+    a spec of the pool, a token layout and a data seed."""
+    rng = random.Random(f"{backend}-{seed}")
+    row = _row(backend)
+    dims = CPU_HEAD_DIM_CLASSES if cpu else HEAD_DIM_CLASSES
+    pool = [_draw_spec(rng, row, dims) for _ in range(SPECS_PER_SEED)]
+    # Make the pool hold K < V and K > V whenever the row admits more than one dim.
+    admitted = row.head_dims or tuple(d for d in dims if d <= row.max_head_dim)
+    lo, hi = min(admitted), max(admitted)
+    pool[0] = FuzzSpec(lo, hi, 1, 2, row.dtypes[0], "kv", False, True, True)
+    pool[1] = FuzzSpec(hi, lo, 2, 4, row.dtypes[-1], row.state_layouts[-1], True, True, True)
+    max_tokens = 200 if cpu else 6000
+    cases = []
+    for i in range(count):
+        lengths, batch = _draw_layout(rng, CPU_LENGTHS if cpu else LENGTHS, max_tokens)
+        cases.append(FuzzCase(backend, pool[i % len(pool)], lengths, batch, data_seed=rng.randrange(1 << 30)))
+    return cases
+
+
+def run_case(case: FuzzCase, device: str) -> dict[str, float]:
+    """Run ``case`` on its backend and on the reference; the relative RMS errors of o and of
+    the final state (when asked)."""
+    s = case.spec
+    call = random_call(lengths=list(case.lengths) if case.lengths is not None else None, batch=case.batch,
+                       H=s.H, HV=s.HV, K=s.K, V=s.V, dtype=DTYPES[s.dtype], device=device,
+                       seed=case.data_seed, initial_state=s.h0, state_layout=s.layout, normalize_qk=not s.l2)
+    flags = dict(use_qk_l2norm_in_kernel=s.l2, output_final_state=s.final)
+    if device == "cuda":
+        poison_cuda_allocator()
+    o, ht = chunk_gated_delta_rule(**call, **flags, backend=case.backend)
+    o_ref, ht_ref = reference.forward(make_problem(**call, **flags))
+    errors = {"o": rel_rms_error(o, o_ref)}
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, case.describe()
+    if s.final:
+        assert ht is not None and ht.shape == ht_ref.shape and ht.dtype == torch.float32, case.describe()
+        errors["final_state"] = rel_rms_error(ht, ht_ref)
+    else:
+        assert ht is None, case.describe()
+    return errors
+
+
+def _check(case: FuzzCase, device: str) -> None:
+    errors = run_case(case, device)
+    tol = TOL[DTYPES[case.spec.dtype]]
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"{bad} above {tol} for {case.describe()}"
+
+
+# --- GPU tier -----------------------------------------------------------------------------
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _gpu_backends() -> list[str]:
+    if not HAS_GPU:
+        return ["triton_generic"]  # listed so the skipped tier is visible in the report
+    cap = torch.cuda.get_device_capability()
+    names = ["triton_generic"]
+    if cap == (9, 0):
+        names.append("gluon_sm90")
+    if cap in ((10, 0), (10, 3)):
+        names.append("gluon_sm100")
+    return names
+
+
+def _gpu_params():
+    for backend in _gpu_backends():
+        for seed in SEEDS:
+            for i, case in enumerate(draw_cases(backend, seed, GPU_CASES_PER_SEED)):
+                yield pytest.param(case, id=f"{backend}-s{seed}-{i:03d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params()))
+def test_fuzz_gpu(case, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _check(case, "cuda")
+
+
+# --- CPU tier -----------------------------------------------------------------------------
+
+CPU_CASES_PER_SEED = 8
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"triton_generic-s{seed}-{i:02d}")
+                                  for seed in SEEDS
+                                  for i, c in enumerate(draw_cases("triton_generic", seed, CPU_CASES_PER_SEED, cpu=True))])
+def test_fuzz_triton_generic_interpreted(case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _check(case, "cpu")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fuzz_reference_chunked_equals_recurrent(seed):
+    """The reference's two forms agree on random calls (its chunked form is the oracle)."""
+    for case in draw_cases("reference", seed, 20, cpu=True):
+        s = case.spec
+        call = random_call(lengths=list(case.lengths) if case.lengths is not None else None, batch=case.batch,
+                           H=s.H, HV=s.HV, K=s.K, V=s.V, dtype=torch.float32, seed=case.data_seed,
+                           initial_state=s.h0, state_layout=s.layout, normalize_qk=not s.l2)
+        problem = make_problem(**call, use_qk_l2norm_in_kernel=s.l2, output_final_state=True)
+        o, ht = reference.forward(problem)
+        o_rec, ht_rec = reference.forward_recurrent(problem)
+        assert rel_rms_error(o, o_rec) <= 1e-5, case.describe()
+        assert rel_rms_error(ht, ht_rec) <= 1e-5, case.describe()
+
+
+def test_draws_cover_the_classes():
+    """The GPU draw holds K < V, K > V, every grouping, both layouts, l2 on and off,
+    zero-length and 2049-token sequences, and uniform batches; and is reproducible."""
+    cases = [c for seed in SEEDS for c in draw_cases("triton_generic", seed, GPU_CASES_PER_SEED)]
+    specs = {c.spec for c in cases}
+    assert any(s.K < s.V for s in specs) and any(s.K > s.V for s in specs)
+    assert {s.HV // s.H for s in specs} >= {1, 2, 4}
+    assert {s.layout for s in specs} == {"kv", "vk"} and {s.l2 for s in specs} == {False, True}
+    assert {s.dtype for s in specs} == {"bfloat16", "float16", "float32"}
+    lengths = {n for c in cases if c.lengths for n in c.lengths}
+    assert {0, 1, 63, 64, 65, 2049} <= lengths
+    assert any(c.batch for c in cases) and any(c.lengths for c in cases)
+    assert draw_cases("triton_generic", 0, 10) == draw_cases("triton_generic", 0, 10)
+    gluon = {c.spec for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)}
+    assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \
+        {(s.K, s.V) for s in gluon} >= {(64, 128), (128, 64)}
