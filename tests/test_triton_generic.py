@@ -342,3 +342,34 @@ def test_unequal_head_dims(device, lengths, H, HV, K, V, dtype, layout, l2):
     o_ref, ht_ref = reference.forward(make_problem(**call, use_qk_l2norm_in_kernel=l2, output_final_state=True))
     assert rel_rms_error(o, o_ref) <= TOL[dtype]
     assert rel_rms_error(ht, ht_ref) <= TOL[dtype]
+
+
+def test_launch_takes_fewer_stages_when_shared_memory_runs_out(monkeypatch):
+    """configs.launch retries a launch whose stages overflow shared memory with one stage
+    fewer, keeps the depth that fit for that launch key, and re-raises anything else."""
+    from triton.runtime.errors import OutOfResources
+
+    from gdn_dispatch.backends.triton_generic import configs
+
+    class FakeKernel:
+        def __init__(self, fits_at):
+            self.fn, self.fits_at, self.tried = FakeKernel, fits_at, []
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                self.tried.append(kwargs["num_stages"])
+                if kwargs["num_stages"] > self.fits_at:
+                    raise OutOfResources(238600, 232448, "shared memory")
+            return run
+
+    monkeypatch.setattr(configs, "_FITTED_STAGES", {})
+    cfg = LaunchConfig(num_warps=4, num_stages=3, BK=256, BV=32)
+    kernel = FakeKernel(fits_at=1)
+    configs.launch(kernel, (1,), cfg, x=torch.zeros(1), K=256)
+    assert kernel.tried == [3, 2, 1]
+    configs.launch(kernel, (1,), cfg, x=torch.zeros(1), K=256)
+    assert kernel.tried == [3, 2, 1, 1]  # straight to the depth that fit
+    other = FakeKernel(fits_at=0)
+    with pytest.raises(OutOfResources):
+        configs.launch(other, (1,), cfg, x=torch.zeros(1), K=128)
+    assert other.tried == [3, 2, 1]

@@ -16,13 +16,14 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.errors import OutOfResources
 
+from gdn_dispatch.device import SMEM_OPTIN
 from gdn_dispatch.backends.triton_generic._jit import next_pow2
 
-#: Usable shared memory per block by compute capability major.minor, bytes (opt-in maximum).
-_SMEM_BUDGET = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024,
-                (10, 0): 227 * 1024, (10, 3): 227 * 1024}
-_SMEM_DEFAULT = 99 * 1024  # sm_86, sm_89, sm_120, sm_121 and anything unknown
+#: Shared memory per block of a part missing from gdn_dispatch.device.SMEM_OPTIN (the
+#: smallest of the parts it lists from sm_80 on).
+_SMEM_DEFAULT = 99 * 1024
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class LaunchConfig:
 
 
 def smem_budget(capability: tuple[int, int] | None) -> int:
+    """Usable shared memory per block, bytes: the opt-in maximum of ``capability``
+    (gdn_dispatch.device.SMEM_OPTIN)."""
     if capability is None:  # the interpreter, or "any": assume the roomiest common part
-        return _SMEM_BUDGET[(9, 0)]
-    return _SMEM_BUDGET.get(tuple(capability), _SMEM_DEFAULT)
+        return SMEM_OPTIN[(9, 0)]
+    return SMEM_OPTIN.get(tuple(capability), _SMEM_DEFAULT)
 
 
 def _stages(wanted: int, per_stage: int, fixed: int, capability) -> int:
@@ -179,3 +182,35 @@ def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, int]:
         return None, 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_facts(index)
+
+
+#: Pipeline depth that fit, per launch key, where ``_stages``'s estimate asked for too many.
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def _launch_key(kernel, cfg: LaunchConfig, kwargs: dict) -> tuple:
+    spec = tuple((k, v.dtype if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()
+                 if not isinstance(v, float))
+    return kernel.fn.__name__, cfg, spec
+
+
+def launch(kernel, grid, cfg: LaunchConfig, **kwargs) -> None:
+    """``kernel[grid](**kwargs)`` with ``cfg``'s warps and pipeline stages.
+
+    ``_stages`` sizes the pipeline from a model of the kernel's shared memory; where the
+    compiler finds the buffers larger than the part allows (it raises OutOfResources when
+    the kernel is first loaded), the launch takes one stage fewer, down to one, and the
+    depth that fit is kept per launch key, so later launches go straight to it.
+    """
+    stages = cfg.num_stages
+    if _FITTED_STAGES:
+        stages = _FITTED_STAGES.get(_launch_key(kernel, cfg, kwargs), stages)
+    while True:
+        try:
+            kernel[grid](**kwargs, num_warps=cfg.num_warps, num_stages=stages)
+            return
+        except OutOfResources as exc:
+            if stages <= 1 or "shared memory" not in str(exc):
+                raise
+            stages -= 1
+            _FITTED_STAGES[_launch_key(kernel, cfg, kwargs)] = stages

@@ -28,7 +28,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
-from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config
+from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config, launch
 
 
 @jit
@@ -208,11 +208,10 @@ def kkt_solve_fwd(
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)
     dot_prec, solve_prec = dot_precisions(k.dtype)
-    _kkt_solve_fwd_kernel[(chunks.num_chunks * HV,)](
+    launch(_kkt_solve_fwd_kernel, (chunks.num_chunks * HV,), cfg,
         k=k, g_cum=g_cum, beta=beta, A_inv=A_inv,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm,
         DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return A_inv

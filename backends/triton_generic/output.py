@@ -17,7 +17,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
-from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, output_config
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, output_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.wu import _row_rnorm
 
@@ -136,11 +136,11 @@ def output_fwd(
     cfg = config or output_config(K, V, q.element_size(), capability)
     dot_prec, _ = dot_precisions(q.dtype)
     grid = (chunks.num_chunks * HV, triton.cdiv(V, cfg.BV))
-    _output_fwd_kernel[grid](
+    launch(_output_fwd_kernel, grid, cfg,
         q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype),
     )
     return o

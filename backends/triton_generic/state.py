@@ -22,7 +22,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
-from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, state_block_k, state_config
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, state_block_k, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 
 
@@ -208,7 +208,7 @@ def state_fwd(
     cfg = config or state_config(K, V, N * HV, k.element_size(), capability, sm_count)
     dot_prec, _ = dot_precisions(k.dtype)
     grid = (N * HV * triton.cdiv(V, cfg.BV),)
-    _state_fwd_kernel[grid](
+    launch(_state_fwd_kernel, grid, cfg,
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, h=h, v_new=v_new,
         h0=initial_state if initial_state is not None else g_cum,
         ht=final_state if final_state is not None else g_cum,
@@ -216,6 +216,6 @@ def state_fwd(
         H=H, HV=HV, K=K, V=V, BT=BT, BK=state_block_k(K), BV=cfg.BV,
         USE_H0=initial_state is not None, STORE_HT=final_state is not None, STATE_VK=state_vk,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
     )
     return h, v_new, final_state

@@ -15,7 +15,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
-from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config, launch
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
 
 
@@ -149,12 +149,12 @@ def wu_fwd(
     capability, _ = device_facts(k.device)
     cfg = config or intra_config(K, V, k.element_size(), capability)
     dot_prec, solve_prec = dot_precisions(k.dtype)
-    _wu_fwd_kernel[(chunks.num_chunks * HV,)](
+    launch(_wu_fwd_kernel, (chunks.num_chunks * HV,), cfg,
         k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
         k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
         USE_L2NORM=use_qk_l2norm, STORE_RNORM=use_qk_l2norm and k_rnorm is not None,
         DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
-        INTERP_BF16=interp_bf16_dots(k.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERP_BF16=interp_bf16_dots(k.dtype),
     )
     return w, u
