@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gdn_dispatch.device import assumed_device
+from gdn_dispatch.device import SMEM_OPTIN, assumed_device
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,6 @@ INSTRUCTIONS = {
     "scatter4": r"tile::scatter4",
     "mbarrier.wait": r"mbarrier\.try_wait",
 }
-
-#: Shared memory one block may use (opt-in), per compute capability major.minor.
-SMEM_LIMIT = {(7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448,
-              (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
-
 
 #: Tensor-memory columns (32-bit, 128 lanes) of one Blackwell SM.
 TMEM_COLUMNS = 512
@@ -195,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     capability = parse_target(args.target)
     names = args.backend or backends_for_target(capability)
     print(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}")
-    limit = SMEM_LIMIT.get(capability)
+    limit = SMEM_OPTIN.get(capability)
     rows, status = [], 0
     for kernel in kernels_for_target(capability, names):
         report = compile_kernel(kernel, capability)

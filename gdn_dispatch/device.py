@@ -45,17 +45,49 @@ class DeviceInfo:
 
 CPU = DeviceInfo(kind="cpu", name="host CPU")
 
+#: Opt-in shared memory per block (bytes) by compute capability (major, minor): what the
+#: probe reads as ``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`` on each part.
+#: The one table of shared-memory limits: planners and ahead-of-time targets without a
+#: device read it (:func:`shared_memory_per_block`). A multiprocessor holds 1 KB more
+#: (:data:`SMEM_RESERVED_PER_BLOCK`, which each resident block reserves).
+SMEM_OPTIN = {
+    (7, 5): 64 * 1024,
+    (8, 0): 163 * 1024,
+    (8, 6): 99 * 1024,
+    (8, 7): 163 * 1024,
+    (8, 9): 99 * 1024,
+    (9, 0): 227 * 1024,
+    (10, 0): 227 * 1024,
+    (10, 3): 227 * 1024,
+    (12, 0): 99 * 1024,
+    (12, 1): 99 * 1024,
+}
+#: Shared memory the hardware reserves for each resident block (sm_80 and later).
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+def shared_memory_per_block(device: DeviceInfo) -> int:
+    """Opt-in shared memory per block of ``device``, bytes: the probed value, else (a
+    DeviceInfo built by hand, or an ahead-of-time target) :data:`SMEM_OPTIN` of its
+    capability; 0 when neither is known."""
+    if device.smem_optin:
+        return device.smem_optin
+    if device.capability is None:
+        return 0
+    return SMEM_OPTIN.get(tuple(device.capability), 0)
+
+
 # Representative parts, for `info --assume` and the dispatch matrix in tests.
 _ASSUMED = {
-    75: ("Tesla T4 (assumed)", 40, 65536),
-    80: ("A100 (assumed)", 108, 166912),
-    86: ("RTX A6000 (assumed)", 84, 101376),
-    89: ("L40S (assumed)", 142, 101376),
-    90: ("H100/H200 (assumed)", 132, 232448),
-    100: ("B200 (assumed)", 148, 232448),
-    103: ("B300 (assumed)", 148, 232448),
-    120: ("RTX PRO 6000 Blackwell (assumed)", 188, 101376),
-    121: ("DGX Spark GB10 (assumed)", 48, 101376),
+    75: ("Tesla T4 (assumed)", 40),
+    80: ("A100 (assumed)", 108),
+    86: ("RTX A6000 (assumed)", 84),
+    89: ("L40S (assumed)", 142),
+    90: ("H100/H200 (assumed)", 132),
+    100: ("B200 (assumed)", 148),
+    103: ("B300 (assumed)", 148),
+    120: ("RTX PRO 6000 Blackwell (assumed)", 188),
+    121: ("DGX Spark GB10 (assumed)", 48),
 }
 
 
@@ -69,8 +101,9 @@ def assumed_device(arch: str) -> DeviceInfo:
         raise ValueError(f"--assume: expected 'cpu' or an architecture like sm_90 or sm_100, got {arch!r}")
     number = int(m.group(1))
     major, minor = divmod(number, 10)
-    name, sms, smem = _ASSUMED.get(number, (f"sm_{number} (assumed)", 0, 0))
-    return DeviceInfo(kind="cuda", index=0, name=name, capability=(major, minor), sm_count=sms, smem_optin=smem)
+    name, sms = _ASSUMED.get(number, (f"sm_{number} (assumed)", 0))
+    return DeviceInfo(kind="cuda", index=0, name=name, capability=(major, minor), sm_count=sms,
+                      smem_optin=SMEM_OPTIN.get((major, minor), 0))
 
 
 class DeviceProbe:

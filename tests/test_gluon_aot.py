@@ -22,7 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from gdn_dispatch.backends.gluon_common import engine as E  # noqa: E402
 from gdn_dispatch.backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
-from gdn_dispatch.aot import SMEM_LIMIT, AotKernel, compile_kernel  # noqa: E402
+from gdn_dispatch.aot import AotKernel, compile_kernel  # noqa: E402
+from gdn_dispatch.device import SMEM_OPTIN  # noqa: E402
 
 from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
 
@@ -83,7 +84,7 @@ def test_engine_probe_compiles(capability, BM, BN):
     else:
         assert "wgmma.mma_async" in ptx and "tcgen05" not in ptx
     assert report.spill_bytes == 0
-    assert report.shared_bytes <= SMEM_LIMIT[capability]
+    assert report.shared_bytes <= SMEM_OPTIN[capability]
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ PLAIN_KERNELS = {"qk_rnorm_fwd"}
 
 def _check_common(report, capability):
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
-    assert report.shared_bytes <= SMEM_LIMIT[capability], f"{report.shared_bytes} B of shared memory"
+    assert report.shared_bytes <= SMEM_OPTIN[capability], f"{report.shared_bytes} B of shared memory"
     ptx = report.ptx
     if report.kernel.kernel in PLAIN_KERNELS:
         # 16-byte global loads of the 16-bit rows, and no matrix instructions.

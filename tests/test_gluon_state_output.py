@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn_dispatch.aot import SMEM_LIMIT, TMEM_COLUMNS  # noqa: E402
-from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
+from gdn_dispatch.aot import TMEM_COLUMNS  # noqa: E402
+from gdn_dispatch.device import SMEM_OPTIN, DeviceInfo, assumed_device  # noqa: E402
 from gdn_dispatch.testing import (  # noqa: E402
     PLAN_SHAPES, LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error)
 
@@ -87,7 +87,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     if scatters:
         # The scatter descriptor carries the layout of the staged [64, BV] o tile.
         assert launch.desc("o_rows_desc").layout == launch.desc("o_desc").layout
-    assert launch.blocks["smem_bytes"] <= SMEM_LIMIT[capability]
+    assert launch.blocks["smem_bytes"] <= SMEM_OPTIN[capability]
     assert launch.blocks["tmem_columns"] <= (TMEM_COLUMNS if capability == SM100 else 0)
 
 
@@ -178,11 +178,11 @@ def test_smem_and_tmem_budget(K, BV):
     smem = so.state_output_smem_bytes(K, BV, 2)
     assert smem == 2 * (6 * 64 * K + 2 * 64 * BV + K * BV + 3 * 64 * BV + 64 * 64) + 72
     # Room for the compiler's scratch (the compiled kernels' totals: tests/test_gluon_aot.py).
-    assert smem <= SMEM_LIMIT[SM90] - 8 * 1024
+    assert smem <= SMEM_OPTIN[SM90] - 8 * 1024
     p = _problem(lengths=[100], K=K, V=128)
     assert so.plan_state_output(p, SM100, block_v=BV).blocks["tmem_columns"] == 3 * BV + 64 <= TMEM_COLUMNS
     # K = 64, BV = 64: two programs per SM on sm_90a.
-    assert so.state_output_smem_bytes(64, 64, 2) < SMEM_LIMIT[SM90] // 2 - 8 * 1024
+    assert so.state_output_smem_bytes(64, 64, 2) < SMEM_OPTIN[SM90] // 2 - 8 * 1024
 
 
 def test_plan_flags():
