@@ -85,7 +85,9 @@ def sanitize(backend: str, tool: str) -> tuple[int | None, int, float, str]:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     seconds = time.perf_counter() - start
     out = done.stdout + done.stderr
-    found = re.search(r"ERROR SUMMARY: (\d+) error", out)
+    # memcheck and synccheck end with "ERROR SUMMARY: N errors"; racecheck with
+    # "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
+    found = re.search(r"ERROR SUMMARY: (\d+) error", out) or re.search(r"RACECHECK SUMMARY: .*\((\d+) error", out)
     return (int(found.group(1)) if found else None), done.returncode, seconds, out
 
 
