@@ -106,13 +106,14 @@ def _gpu_target(capability: tuple[int, int]):
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill bytes) from Triton's bundled ptxas -v."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from gdn_dispatch.backends.gluon_common.compat import ptxas_command
 
+    ptxas, gpu_name = ptxas_command(arch)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "kernel.ptx")
         src.write_text(ptx)
         done = subprocess.run(
-            [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src),
+            [ptxas, "-v", f"--gpu-name={gpu_name}", str(src),
              "-o", str(Path(tmp, "kernel.cubin"))],
             capture_output=True, text=True,
         )
@@ -131,7 +132,7 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     import triton
 
     if kernel.dialect == "gluon":
-        from triton.experimental.gluon._runtime import GluonASTSource as Source
+        from gdn_dispatch.backends.gluon_common.compat import gluon_ast_source as Source
     else:
         from triton.compiler import ASTSource as Source
     target = _gpu_target(capability)

@@ -77,4 +77,4 @@ def chunk_gated_delta_rule(
         state_v_first=state_v_first, head_first=head_first,
     )
     device = default_probe().for_torch_device(problem.device)
-    return select(device, problem).module.forward(problem)
+    return (selection := select(device, problem)).module.forward(problem, selection)

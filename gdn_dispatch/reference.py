@@ -114,8 +114,11 @@ def forward_recurrent(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor |
     return _run(problem, _recurrent_sequence)
 
 
-def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (C = 64) float32 computation; the ``reference`` backend's entry point.
+
+    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) is accepted for
+    the backends' common signature; the computation runs on the tensors' device either way.
 
     Returns o ``[B, T, HV, V]`` in q's dtype and, when asked, the final state float32
     ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk").

@@ -348,6 +348,7 @@ class Selection:
     spec: BackendSpec
     module: ModuleType
     explanation: Explanation = field(repr=False)
+    device: DeviceInfo
 
 
 #: Static selections kept by :func:`select` (keys: device, call spec, forced backend and
@@ -399,4 +400,4 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
 def _selection(explanation: Explanation, rows: tuple[BackendSpec, ...]) -> Selection:
     spec = next(r for r in rows if r.name == explanation.selected)
     module, _ = _import_backend(spec.module)
-    return Selection(spec=spec, module=module, explanation=explanation)
+    return Selection(spec=spec, module=module, explanation=explanation, device=explanation.device)

@@ -14,6 +14,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.testing import random_problem, rel_rms_error  # noqa: E402
 
+from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import launch as L  # noqa: E402
 from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
 
@@ -70,7 +71,7 @@ def runtime(monkeypatch):
 @pytest.fixture
 def direct(runtime):
     if not runtime.direct:
-        pytest.skip(f"direct launches are verified for Triton {L.DIRECT_LAUNCH_TRITON} only")
+        pytest.skip(f"direct launches are verified for Triton {compat.DIRECT_LAUNCH_TRITON} only")
 
 
 @pytest.fixture
@@ -135,9 +136,9 @@ def test_a_new_specialization_binds_again(setup, direct):
 
 
 def test_direct_launches_only_on_verified_tritons(setup, runtime, monkeypatch):
-    assert L._direct_launch_verified("3.6.0") and L._direct_launch_verified("3.6.1+git1234")
-    assert not L._direct_launch_verified("3.9.0") and not L._direct_launch_verified("3.5.1")
-    assert not L._direct_launch_verified("dev")
+    assert compat.direct_launch_verified("3.6.0") and compat.direct_launch_verified("3.6.1+git1234")
+    assert not compat.direct_launch_verified("3.9.0") and not compat.direct_launch_verified("3.5.1")
+    assert not compat.direct_launch_verified("dev")
     launch, tensors, args = setup
     monkeypatch.setattr(runtime, "direct", False)
     fn = _Jit(wy._wy_fwd_kernel)
@@ -214,7 +215,7 @@ def test_direct_launches_match_triton_launches_on_the_gpu(lengths, monkeypatch):
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
     if not L._runtime().direct:
-        pytest.skip(f"direct launches are verified for Triton {L.DIRECT_LAUNCH_TRITON} only")
+        pytest.skip(f"direct launches are verified for Triton {compat.DIRECT_LAUNCH_TRITON} only")
     clear_plan_cache()  # fresh plans: no kernels kept by earlier tests
     backend = "gluon_sm90" if CAPABILITY[0] == 9 else "gluon_sm100"
     p = random_problem(lengths=lengths, H=2, HV=4, K=128, V=128, device="cuda", seed=11, ht=True)

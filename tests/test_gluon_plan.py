@@ -14,98 +14,37 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.device import assumed_device  # noqa: E402
-from gdn_dispatch.testing import PLAN_SHAPES, LaunchRecorder, random_problem  # noqa: E402
+from gdn_dispatch.testing import random_problem  # noqa: E402
 
-from gdn_dispatch.backends.gluon_common.plan import (  # noqa: E402
-    MAX_STATE_TILE,
+from gdn_dispatch.backends.gluon_common.launch_plan import (  # noqa: E402
     PLAN_CACHE_SIZE,
     DescPlan,
     LruCache,
-    choose_bv,
-    clear_plan_cache,
-    compute_plan,
     has_tails,
     index_limits_reason,
-    plan,
-    plan_state,
-    state_smem_bytes,
 )
+from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, compute_plan, plan  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
-SMEM_LIMIT = 232448
-
-
-def _split_state_plan(p, capability):
-    """The split state kernel's plan (the forward launches the fused state + output one)."""
-    return plan_state(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
 
 
 def _problem(K=128, V=128, ht=True, **kwargs):
     return random_problem(K=K, V=V, ht=ht, **kwargs)
 
 
-CASES = [pytest.param(shape, id=name) for shape, name in PLAN_SHAPES]
-
-
-@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-@pytest.mark.parametrize("H, HV", [(1, 1), (2, 4), (1, 4)], ids=["H1-HV1", "H2-HV4", "H1-HV4"])
-@pytest.mark.parametrize("shape", CASES)
-def test_state_plan_descriptors_and_grid(shape, H, HV, layout, capability):
-    p = _problem(**shape, H=H, HV=HV, layout=layout)
-    fp = plan(p, capability)
-    st = _split_state_plan(p, capability)
-    K, V, BT = p.K, p.V, 64
-    BV, rows, NT = st.blocks["BV"], p.B * p.T, p.chunks.num_chunks
-    assert fp.is_sm100 == (capability == SM100) and st.constexprs["IS_SM100"] == fp.is_sm100
-    assert st.grid == (p.N * HV * (V // BV),)
-    assert st.num_warps == 4
-    assert st.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
-    assert st.constexprs["STATE_VK"] == (layout == "vk")
-    assert st.constexprs["HAS_TAILS"] == has_tails(p)
-    expected = {
-        "w_desc": ((rows, HV * K), (HV * K, 1), (BT, K)),
-        "u_desc": ((rows, HV * V), (HV * V, 1), (BT, BV)),
-        "k_desc": ((rows, H * K), (H * K, 1), (BT, K)),
-        "h_desc": ((NT * HV * K, V), (V, 1), (K, BV)),
-        "vn_desc": ((rows, HV * V), (HV * V, 1), (BT, BV)),
-        "vn_rows_desc": ((rows, HV * V), (HV * V, 1), (1, BV)),
-    }
-    scatters = fp.is_sm100 and has_tails(p)
-    if not scatters:
-        # Only sm_100a with tails scatters: elsewhere the rows descriptor is a None constexpr.
-        del expected["vn_rows_desc"]
-        assert st.constexprs["vn_rows_desc"] is None
-    assert {d.arg for d in st.descriptors} == set(expected)
-    for arg, (shape_, strides, block) in expected.items():
-        d = st.desc(arg)
-        assert (d.shape, d.strides, d.block_shape) == (shape_, strides, block), arg
-        assert d.dtype == p.dtype
-        # TMA: every stride but the last 16-byte aligned.
-        assert d.strides[0] * 2 % 16 == 0
-    if scatters:
-        # The scatter descriptor carries the layout of the staged [BT, BV] tile it reads.
-        assert "vn_rows_desc" not in st.constexprs
-        assert st.desc("vn_rows_desc").layout == st.desc("vn_desc").layout
-        assert "tensordesc<bf16[1, " in st.desc("vn_rows_desc").signature
-
-
-SCATTER_ROWS = {"wy_fwd": ("w_rows_desc", "u_rows_desc"), "wu_fwd": ("w_rows_desc", "u_rows_desc"),
-                "output_fwd": ("o_rows_desc",), "state_fwd": ("vn_rows_desc",), "state_output_fwd": ("o_rows_desc",)}
+SCATTER_ROWS = {"wy_fwd": ("w_rows_desc", "u_rows_desc"), "state_output_fwd": ("o_rows_desc",)}
 
 
 @pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 64, 65, 130, 0]), dict(batch=(2, 128))], ids=["tails", "whole"])
 def test_scatter_row_descriptors_only_where_the_kernel_scatters(shape, capability):
-    from gdn_dispatch.backends.gluon_common.output import plan_output
     from gdn_dispatch.backends.gluon_common.state_output import plan_state_output
-    from gdn_dispatch.backends.gluon_common.wu import plan_wu
     from gdn_dispatch.backends.gluon_common.wy import plan_wy
 
     p = _problem(**shape, H=2, HV=4)
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
     scatters = capability == SM100 and has_tails(p)
-    for planner in (plan_wy, plan_wu, plan_output, plan_state, plan_state_output):
+    for planner in (plan_wy, plan_state_output):
         launch = planner(p, device)
         rows = SCATTER_ROWS[launch.kernel]
         built = {d.arg for d in launch.descriptors}
@@ -137,40 +76,8 @@ def test_tails_flag():
 
 @pytest.mark.parametrize("h0, ht, l2", [(True, True, True), (False, False, False)])
 def test_state_plan_flags(h0, ht, l2):
-    st = _split_state_plan(_problem(lengths=[5, 70], h0=h0, ht=ht, l2=l2), SM90)
+    st = plan(_problem(lengths=[5, 70], h0=h0, ht=ht, l2=l2), SM90).stage("state_output_fwd")
     assert (st.constexprs["USE_H0"], st.constexprs["STORE_HT"], st.constexprs["USE_L2NORM"]) == (h0, ht, l2)
-
-
-@pytest.mark.parametrize(
-    "K, V, heads, sms, expected",
-    [
-        (128, 128, 32, 132, 32),     # 1 x 8192, HV = 32: few programs -> narrowest block
-        (128, 128, 512, 132, 64),    # 8 x 4096, HV = 64: K * BV <= 8192 caps BV at 64
-        (64, 128, 512, 132, 128),    # K = 64 allows the whole V
-        (64, 64, 512, 132, 64),      # BV <= V
-        (128, 128, 132, 132, 64),    # exactly two programs per SM at BV = 64
-        (128, 128, 131, 132, 32),
-        (128, 64, 1, 148, 32),       # never below 32
-    ],
-)
-def test_choose_bv(K, V, heads, sms, expected):
-    bv = choose_bv(K, V, heads, sms)
-    assert bv == expected
-    assert bv in (32, 64, 128) and bv <= V and K * bv <= MAX_STATE_TILE
-
-
-@pytest.mark.parametrize("K", [64, 128])
-@pytest.mark.parametrize("BV", [32, 64, 128])
-def test_state_smem_budget(K, BV):
-    if K * BV <= MAX_STATE_TILE:
-        assert state_smem_bytes(K, BV, 2) <= SMEM_LIMIT
-
-
-def test_block_v_override_checked():
-    p = _problem(lengths=[10])
-    assert plan_state(p, assumed_device("sm_90"), block_v=64).blocks["BV"] == 64
-    with pytest.raises(ValueError, match="block_v"):
-        plan_state(p, assumed_device("sm_90"), block_v=128)  # K * BV = 16384 > 8192
 
 
 def test_plan_follows_the_device_sm_count():
@@ -184,9 +91,9 @@ def test_plan_follows_the_device_sm_count():
 
 def test_zero_length_sequences_plan():
     p = _problem(lengths=[0, 0, 3])
-    st = _split_state_plan(p, SM90)
+    st = plan(p, SM90).stage("state_output_fwd")
     assert st.grid == (3 * 4 * (128 // st.blocks["BV"]),)
-    assert st.desc("h_desc").shape == (1 * 4 * 128, 128)
+    assert plan(p, SM90).stage("wy_fwd").grid == (1 * 4,)
 
 
 def test_index_limits():
@@ -199,6 +106,9 @@ def test_backend_packages_plan_and_reason():
     p = _problem(lengths=[3, 70])
     assert gluon_sm90.plan(p).capability == SM90 and not gluon_sm90.plan(p).is_sm100
     assert gluon_sm100.plan(p).is_sm100
+    # The engine is the one the backend passes, not re-derived from the capability.
+    assert not gluon_sm90.plan(p, SM100).is_sm100 and gluon_sm100.plan(p, SM90).is_sm100
+    assert plan(p, SM100, is_sm100=False).stage("wy_fwd").constexprs["IS_SM100"] is False
     assert "needs CUDA tensors" in gluon_sm90.unsupported_reason(p)
     assert "needs CUDA tensors" in gluon_sm100.unsupported_reason(p)
     with pytest.raises(ValueError, match="gluon_sm90 compiles for"):
@@ -214,41 +124,6 @@ def test_every_planned_descriptor_builds_on_its_tensor(capability):
             t = torch.empty(d.shape, dtype=d.dtype)
             desc = d.build(t)
             assert list(desc.block_shape) == list(d.block_shape) and desc.layout == d.layout
-
-
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_state_fwd_binds_every_kernel_argument(monkeypatch, layout):
-    """state_fwd's launch passes exactly the kernel's parameters (CPU: the launch is recorded)."""
-    from gdn_dispatch.backends.gluon_common import state
-
-    recorder = LaunchRecorder(state._state_fwd_kernel)
-    monkeypatch.setattr(state, "_state_fwd_kernel", recorder)
-    launched = recorder.launched
-    p = _problem(lengths=[1, 63, 130, 0], layout=layout)
-    launch = _split_state_plan(p, SM90)
-    HV, K, V = p.HV, p.K, p.V
-    w = torch.empty(p.B, p.T, HV, K, dtype=p.dtype)
-    u = torch.empty(p.B, p.T, HV, V, dtype=p.dtype)
-    g_cum = torch.empty(p.B, p.T, HV)
-    h, v_new, final = state.state_fwd(p.k, w, u, g_cum, p.chunks, launch, initial_state=p.initial_state,
-                                      output_final_state=True)
-    assert set(launched) - {"grid", "num_warps", "maxnreg"} == set(recorder.arg_names)
-    assert launched["grid"] == launch.grid and launched["num_warps"] == 4
-    assert launched["maxnreg"] == launch.maxnreg
-    assert h.shape == (p.chunks.num_chunks, HV, K, V) and v_new.shape == u.shape
-    assert final.shape == p.state_shape and final.dtype == torch.float32
-    assert launched["STATE_VK"] == (layout == "vk") and launched["V"] == V
-
-
-def test_state_fwd_without_chunks_returns_the_initial_state():
-    from gdn_dispatch.backends.gluon_common import state
-
-    p = _problem(lengths=[0, 0], layout="vk")
-    launch = _split_state_plan(p, SM90)
-    empty = torch.empty(1, 0, p.HV, p.K, dtype=p.dtype)
-    _, _, final = state.state_fwd(p.k, empty, empty, torch.empty(1, 0, p.HV), p.chunks, launch,
-                                  initial_state=p.initial_state, output_final_state=True)
-    torch.testing.assert_close(final, p.initial_state)
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ launch plans on CPU tensors, the residency the plan promises, and the empty call
 
 Every specialization is compiled for sm_90a and sm_100a by tests/test_gluon_aot.py and
 tests/test_arch_matrix.py (through the backends' AOT lists); its numerics run on a GPU
-(tests/test_numerics.py, benchmarks/h200_gluon_fused.py).
+(tests/test_numerics.py, tests/test_gluon_state_output.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from gdn_dispatch.device import assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_problem  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
-from gdn_dispatch.backends.gluon_common.plan import has_tails, plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 #: Shared memory of one H100 / H200 multiprocessor (bytes), and what each block reserves.

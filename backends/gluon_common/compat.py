@@ -1,15 +1,38 @@
-"""Gluon names that changed after triton 3.6, resolved once against the installed triton.
+"""Every Triton name outside its stable public API that the Gluon backends use, resolved
+once against the installed triton.
 
-Kernels import the names below instead of the triton spellings, so one source compiles
-under 3.6.0 (the runtime we ship on) and under the newest release (checked in CI).
-Each name is chosen by what the installed triton offers, not by its version number.
+Kernels and host modules import the names below instead of triton's spellings, so one
+source compiles and launches under 3.6.0 (the runtime we ship on) and under the newest
+release (CI's second environment, ``.ci/newest_triton``). Each name is chosen by what the
+installed triton offers, not by its version number; :data:`CHECKED_ON` lists, per name,
+the releases it was checked on.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import blackwell as _blackwell
 from triton.experimental.gluon.language.nvidia.hopper import tma as _hopper_tma
+
+#: Triton releases each name (or host interface) below was checked on: compiled for
+#: sm_90a and sm_100a (``tests/test_gluon_aot.py``), and the direct launch path run on the
+#: H200 (3.6 only, :data:`DIRECT_LAUNCH_TRITON`).
+CHECKED_ON = {
+    "aggregate (gluon.aggregate | triton.language.core._aggregate)": ("3.6.0", "3.9.0"),
+    "tma_load / tma_store (async_load | async_copy_global_to_shared)": ("3.6.0", "3.9.0"),
+    "shared/tensor memory .reinterpret | ._reinterpret": ("3.6.0", "3.9.0"),
+    "thread_barrier (gl.barrier | gl.thread_barrier)": ("3.6.0", "3.9.0"),
+    "tmem_reg_layout (get_tmem_reg_layout | tensor_memory_descriptor_type.get_reg_layout)": ("3.6.0", "3.9.0"),
+    "GluonASTSource (triton.experimental.gluon._runtime)": ("3.6.0", "3.9.0"),
+    "get_ptxas, sm_arch_from_capability (triton.backends.nvidia.compiler)": ("3.6.0", "3.9.0"),
+    "CompiledKernel.run / function / packed_metadata, launcher descriptor args": ("3.6.0",),
+    "knobs.runtime.launch_enter_hook / launch_exit_hook, driver.active.get_current_stream": ("3.6.0",),
+    "JITFunction.arg_names": ("3.6.0", "3.9.0"),
+}
+
+# ----------------------------------------------------------------------------------------
+# Device side (names kernels call)
 
 try:  # newest: gluon.aggregate; 3.6: only the core spelling (needs an explicit __init__)
     aggregate = gluon.aggregate
@@ -30,29 +53,9 @@ HAS_PUBLIC_REINTERPRET = gl.constexpr(not hasattr(gl.shared_memory_descriptor, "
 
 thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-
-def _tmem_reg_layout_impl(dtype, shape, tmem_layout, num_warps):
-    from triton.experimental.gluon.language.nvidia import blackwell
-
-    if hasattr(blackwell, "get_tmem_reg_layout"):
-        return blackwell.get_tmem_reg_layout(dtype, shape, tmem_layout, num_warps)
-    desc_type = blackwell.tensor_memory_descriptor_type(dtype, shape, tmem_layout, shape)
-    return desc_type.get_reg_layout(num_warps=num_warps)
-
-
-@gluon.constexpr_function
-def tmem_reg_layout(dtype, shape, tmem_layout, num_warps):
-    """The register layout that one tcgen05.ld of a ``shape`` TMEM tile lands in."""
-    return _tmem_reg_layout_impl(dtype, list(shape), tmem_layout, num_warps)
-
-
-# Re-bound (append-only): the definition above calls a plain Python helper, which triton's
-# dependency walker rejects as soon as a @gluon.jit function references tmem_reg_layout
-# ("Unsupported function referenced: <function _tmem_reg_layout_impl>"). A constexpr
-# function may only reference modules, classes, builtins and other jit/constexpr functions,
-# so the feature test moves out of its body into the choice of body.
-from triton.experimental.gluon.language.nvidia import blackwell as _blackwell  # noqa: E402
-
+# A constexpr function may only reference modules, classes, builtins and other jit /
+# constexpr functions (triton's dependency walker rejects a plain Python helper), so the
+# feature test picks one of two bodies instead of branching inside one.
 if hasattr(_blackwell, "get_tmem_reg_layout"):
 
     @gluon.constexpr_function
@@ -67,3 +70,60 @@ else:
         """The register layout that one tcgen05.ld of a ``shape`` TMEM tile lands in."""
         desc_type = _blackwell.tensor_memory_descriptor_type(dtype, list(shape), tmem_layout, list(shape))
         return desc_type.get_reg_layout(num_warps=num_warps)
+
+
+# ----------------------------------------------------------------------------------------
+# Host side (compiling ahead of time, launching)
+
+
+def gluon_ast_source(fn, signature: dict, constexprs: dict, attrs: dict | None):
+    """The source object ``triton.compile`` takes for a ``@gluon.jit`` kernel."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource(fn, signature, constexprs, attrs)
+
+
+def ptxas_command(arch: int) -> tuple[str, str]:
+    """(path of triton's bundled ptxas for ``arch`` (e.g. 100), its ``--gpu-name`` value)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    return get_ptxas(arch).path, sm_arch_from_capability(arch)
+
+
+def arg_names(fn) -> list[str]:
+    """The parameter names of a jit function, in order (constexprs included)."""
+    return list(fn.arg_names)
+
+
+#: Triton releases (major, minor) whose launcher internals the direct launch path was
+#: checked against (``tests/test_gluon_launch.py`` on the H200): the CompiledKernel's
+#: ``run`` / ``function`` / ``packed_metadata`` and the launcher's reading of descriptor
+#: arguments. Triton 3.9 decomposes descriptor arguments differently, so other releases
+#: launch every kernel through ``fn[grid]``.
+DIRECT_LAUNCH_TRITON = ((3, 6),)
+#: What a compiled kernel must offer for the direct launch path.
+COMPILED_KERNEL_API = ("run", "function", "packed_metadata")
+
+
+def direct_launch_verified(version: str) -> bool:
+    """Whether triton ``version`` ("3.6.0") is one :data:`DIRECT_LAUNCH_TRITON` lists."""
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in DIRECT_LAUNCH_TRITON
+    except (IndexError, ValueError):
+        return False
+
+
+def launch_hooks_set(runtime_knobs) -> bool:
+    """Whether a launch hook is registered on ``triton.knobs.runtime`` (3.6 keeps them in
+    HookChains, empty by default; older releases hold a callable or None)."""
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook))
+
+
+def current_stream_query():
+    """Triton's current-stream query, ``query(device_index) -> stream handle`` (reaches the
+    driver: call only when launching)."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream

@@ -4,18 +4,13 @@
     rnorm       = qk_rnorm_fwd(q, k)                      # qk l2 norm only: 1/||q||, 1/||k|| per row
     o, S        = state_output_fwd(q, k, w, u, g_cum, S0) # recurrence + output
 
-The matrix engine (tcgen05 + TMEM on sm_100a, wgmma on sm_90a) follows the device's compute
-capability; everything else is one code path. Neither T, the per-chunk state h nor v_new
-reaches global memory. qk l2 norm: wy reduces k's rows itself; the fused kernel reads q's
-and k's reciprocal row norms (8 bytes per token and head) and folds them into row and column
-scales in registers (no normalized copy of q or k is written). Nothing here reads a device
-value back to the host.
-
-The split kernels these replaced (triton_generic's cumsum and stored-inverse
-``kkt_solve_fwd`` with :mod:`.wu`, :mod:`.state` and :mod:`.output`) stay importable for the H200 scripts and
-GPU tests that compare against them. On the H200 this pipeline takes 0.31-0.65x fla-core
-0.6.0's time at the 10 bench shapes (``benchmarks/RESULTS.md``). Both launches go through
-:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
+The launching backend hands down the device the registry chose and its matrix engine
+(tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.
+Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm: wy reduces
+k's rows itself; the fused kernel reads q's and k's reciprocal row norms (8 bytes per token
+and head) and folds them into row and column scales in registers (no normalized copy of q
+or k is written). Nothing here reads a device value back to the host. Every launch goes
+through :func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
 """
 
 from __future__ import annotations
@@ -25,23 +20,22 @@ import torch
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo
 
-from gdn_dispatch.backends.gluon_common.plan import index_limits_reason, plan, resolve_device
+from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason
+from gdn_dispatch.backends.gluon_common.plan import plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 
-#: Head dims the Gluon kernels are written for (whole-K / whole-V tiles, TMA boxes).
-HEAD_DIMS = (64, 128)
 
-
-def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(problem: GDNProblem, device: DeviceInfo, *, is_sm100: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``chunk_gated_delta_rule`` for ``problem`` on the Gluon kernels.
 
     Parameters
     ----------
-    problem : a validated call on a CUDA device of capability 9.0 or 10.x (see
-        :func:`unsupported_reason`).
-    device : DeviceInfo of the tensors' device; probed when None.
+    problem : a validated call the registry admitted for the backend (dtypes, head dims and
+        capability as registry.toml declares them; :func:`unsupported_reason` is None).
+    device : DeviceInfo of the tensors' device, as the registry saw it.
+    is_sm100 : the launching backend's matrix engine (True: tcgen05 + TMEM; False: wgmma).
 
     Returns
     -------
@@ -52,9 +46,8 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
     if problem.device.index != torch.cuda.current_device():
         # Triton launches on the current device: make it the tensors' one for this call.
         with torch.cuda.device(problem.device):
-            return forward(problem, device=device)
-    info = resolve_device(problem, None, device)
-    launches = plan(problem, device=info)
+            return forward(problem, device, is_sm100=is_sm100)
+    launches = plan(problem, device=device, is_sm100=is_sm100)
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
@@ -68,16 +61,12 @@ def forward(problem: GDNProblem, *, device: DeviceInfo | None = None) -> tuple[t
 def unsupported_reason(problem: GDNProblem) -> str | None:
     """Why the Gluon kernels cannot run ``problem``, or None.
 
-    registry.toml states dtypes, head dims and compute capabilities; this adds what it
-    cannot express: CUDA tensors, 16-byte-aligned TMA bases, int32 TMA coordinates.
+    registry.toml states dtypes, head dims and compute capabilities (the registry checks
+    them before it asks here); this adds what it cannot express: CUDA tensors,
+    16-byte-aligned TMA bases, int32 TMA coordinates.
     """
     if problem.device.type != "cuda":
         return f"needs CUDA tensors, got device {problem.device}"
-    if problem.dtype not in (torch.bfloat16, torch.float16):
-        return f"needs bfloat16 or float16 q/k/v, got {problem.dtype}"
-    for dim, size in (("K", problem.K), ("V", problem.V)):
-        if size not in HEAD_DIMS:
-            return f"needs {dim} in {set(HEAD_DIMS)}, got {size}"
     for name in ("q", "k", "v"):
         if getattr(problem, name).data_ptr() % 16:
             return f"TMA needs 16-byte-aligned tensors: {name}.data_ptr() % 16 != 0"

@@ -3,15 +3,14 @@
 ``fn[grid](**kwargs)`` makes Triton, on every call, bind and specialize each argument
 (types, 16-byte pointer alignment, integer divisibility), hash a cache key, look the
 compiled kernel up, and rebuild each TMA descriptor's host object before it encodes it.
-For the two launches of a forward this was the largest host cost on the H200's host
-(~100 us a launch at H16-HV32-1x8192, ``benchmarks/h200_host_profile.py``), and at small
-prefills the host, not the GPU, sets the time of a call.
+That is the largest host cost of a forward's launches (about 100 us a launch on the
+H200's host), and at small prefills the host, not the GPU, sets the time of a call.
 
-A :class:`~gdn_dispatch.backends.gluon_common.plan.LaunchPlan` already fixes everything the binder
-derives except the pointer arguments' dtypes and alignments and the device. So the first
-launch of a plan per *launch specialization* (device, and dtype + ``data_ptr() % 16 == 0``
-of every tensor argument; value classes of the integer ones) goes through Triton's JIT as
-usual, and the compiled kernel it returns is kept on the plan (``LaunchPlan.compiled``).
+A :class:`~.launch_plan.LaunchPlan` already fixes everything the binder derives except
+the pointer arguments' dtypes and alignments and the device. So the first launch of a
+plan per *launch specialization* (device, and dtype + ``data_ptr() % 16 == 0`` of every
+tensor argument; value classes of the integer ones) goes through Triton's JIT as usual,
+and the compiled kernel it returns is kept on the plan (``LaunchPlan.compiled``).
 Later launches with the same specialization call that kernel's launcher directly, with
 the arguments in the kernel's order and each descriptor as the four fields the launcher
 reads (:class:`TmaArg`). The kernel, the launcher and the descriptor encoding are Triton's
@@ -20,7 +19,7 @@ kernel.
 
 The direct path uses Triton's CompiledKernel launch interface (``run``, ``function``,
 ``packed_metadata``) and its launcher's reading of descriptor arguments, so it is taken only
-on the Triton releases it was verified with (:data:`DIRECT_LAUNCH_TRITON`). Another
+on the Triton releases it was verified with (:data:`.compat.DIRECT_LAUNCH_TRITON`). Another
 release, a compiled kernel without that interface, a registered launch hook (profilers
 such as proton read launch metadata), or ``GDN_DISPATCH_JIT_LAUNCH=1`` (read at call time)
 send every launch through ``fn[grid]``. Results are the same either way.
@@ -32,11 +31,11 @@ import os
 
 import torch
 
-from gdn_dispatch.backends.gluon_common.plan import LaunchPlan
+from gdn_dispatch.backends.gluon_common import compat
+from gdn_dispatch.backends.gluon_common.launch_plan import LaunchPlan
 
 #: Set to "1" to launch every kernel through Triton's JIT (binder on every call).
 JIT_LAUNCH_ENV = "GDN_DISPATCH_JIT_LAUNCH"
-_KERNEL_API = ("run", "function", "packed_metadata")
 
 
 class TmaArg:
@@ -67,21 +66,6 @@ def launch_specialization(device_index: int, args: dict) -> tuple:
     return (device_index, tuple(args), *(_value_class(v) for v in args.values()))
 
 
-#: Triton releases (major, minor) whose launcher internals the direct path was checked
-#: against: 3.6 (the H200 image's; ``tests/test_gluon_launch.py`` on the GPU). Triton 3.9
-#: changed how its launcher decomposes descriptor arguments, so other releases launch
-#: every kernel through ``fn[grid]``.
-DIRECT_LAUNCH_TRITON = ((3, 6),)
-
-
-def _direct_launch_verified(version: str) -> bool:
-    parts = version.split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) in DIRECT_LAUNCH_TRITON
-    except (IndexError, ValueError):
-        return False
-
-
 class _Runtime:
     """Triton's launch knobs, the current device and the current-stream query, looked up
     once (an import per launch costs ~0.5 us). The driver is reached only when a kernel is
@@ -92,21 +76,17 @@ class _Runtime:
         from triton import knobs
 
         self.knobs = knobs.runtime
-        self.direct = _direct_launch_verified(triton.__version__)
+        self.direct = compat.direct_launch_verified(triton.__version__)
         self.current_device = torch.cuda.current_device if torch.cuda.is_available() else lambda: None
         self._stream = None
 
     def hooks_set(self) -> bool:
-        """Whether a launch hook is registered (Triton 3.6 keeps them in HookChains, empty
-        by default; older Tritons hold a callable or None)."""
-        return any(hook is not None and bool(getattr(hook, "calls", True))
-                   for hook in (self.knobs.launch_enter_hook, self.knobs.launch_exit_hook))
+        """Whether a launch hook is registered (profilers such as proton)."""
+        return compat.launch_hooks_set(self.knobs)
 
     def stream(self, device: int) -> int:
         if self._stream is None:
-            from triton.runtime.driver import driver
-
-            self._stream = driver.active.get_current_stream
+            self._stream = compat.current_stream_query()
         return self._stream(device)
 
 
@@ -125,7 +105,7 @@ class _Slots:
     the plan's constexprs filled in, the descriptor positions, the 3-D grid."""
 
     def __init__(self, fn, launch: LaunchPlan):
-        names = list(fn.arg_names)
+        names = compat.arg_names(fn)
         self.template = [launch.constexprs.get(name) for name in names]
         self.descs = [(names.index(d.arg), d.tensor, list(d.shape), list(d.strides)) for d in launch.descriptors]
         self.index = {name: i for i, name in enumerate(names)}
@@ -162,7 +142,7 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
         kernel = _jit_launch(fn, launch, tensors, args)
         if _SLOTS not in launch.compiled:
             launch.compiled[_SLOTS] = _Slots(fn, launch)
-        launch.compiled[key] = kernel if all(hasattr(kernel, name) for name in _KERNEL_API) else None
+        launch.compiled[key] = kernel if all(hasattr(kernel, name) for name in compat.COMPILED_KERNEL_API) else None
         return
     if kernel is None:  # a Triton whose compiled kernels lack the launch interface
         _jit_launch(fn, launch, tensors, args)

@@ -4,10 +4,9 @@
     rnorm[r, h, 1] = 1 / sqrt(sum_k k[r, h, k]^2 + 1e-6)
 
 The fused state + output kernel scales by these rows instead of reducing the q and k
-tiles itself: there the reduction sat inside the serial chunk loop and was repeated by each
-of a head's V-blocks (0.32 of 1.56 ms at one 32768-token sequence of 32 v-heads on the
-H200, ``benchmarks/RESULTS.md``, session 4), while here every row is read once, by programs
-that run side by side. wy keeps its own k norms: it reads each k tile once anyway.
+tiles itself: there the reduction would sit inside the serial chunk loop and be repeated
+by each of a head's V-blocks, while here every row is read once, by programs that run side
+by side. wy keeps its own k norms: it reads each k tile once anyway.
 
 One program reduces ``BLOCK_ROWS`` consecutive (token, head) rows of q (axis 1 = 0) or k
 (axis 1 = 1) with coalesced 16-byte loads; no shared memory, no matrix engine.
@@ -24,9 +23,9 @@ from triton.experimental.gluon import language as gl
 from gdn_dispatch.contract import GDNProblem
 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, pointer_attrs, sig_dtype)
 from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
-from gdn_dispatch.backends.gluon_common.plan import NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, sig_dtype
-from gdn_dispatch.backends.gluon_common.wu import pointer_attrs
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
 BLOCK_ROWS = 64
@@ -49,11 +48,12 @@ def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, K: gl.constexpr, BLOCK_ROWS: gl.cons
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
 
 
-def plan_qk_rnorm(problem: GDNProblem, device) -> LaunchPlan:
+def plan_qk_rnorm(problem: GDNProblem, device, *, is_sm100: bool | None = None) -> LaunchPlan:
     """Launch plan of :func:`qk_rnorm_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Grid: (row blocks of the ``B * T * H`` (token, head) rows, 2: q then k). The kernel
-    uses no matrix engine: ``device`` is accepted for the planners' common signature.
+    uses no matrix engine: ``device`` and ``is_sm100`` are accepted for the planners'
+    common signature.
     """
     return plan_qk_rnorm_rows(problem.B * problem.T * problem.H, problem.K)
 

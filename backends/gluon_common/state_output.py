@@ -40,10 +40,10 @@ One exception, on sm_90a at K * BV = 8192 (K = 128, BV = 64) only (``_qk_late``)
 is issued in step 2, right after the state update, and step 3 waits for the state update
 and then ``QK``. There the accumulators are registers, and the state (64 per thread)
 with three [64, *] accumulators in flight while v_new is formed took all 255 registers
-(ptxas spilled 12 bytes in one specialization); with QK late, every one compiles without
-spills. On the H200 the two orders timed within 4% of each other at that size, and BV = 64
-ran 1.7x faster than BV = 32 at 4 and 16 sequences of 32 v-heads (K = V = 128), which is
-why BV = 64 is kept there rather than dropped.
+(ptxas spilled in one specialization); with QK late, every one compiles without spills.
+The two orders run at about the same speed at that size on the H200, and BV = 64 runs
+faster there than BV = 32 at several sequences of 32 v-heads (K = V = 128), so BV = 64 is
+kept.
 
 Where the data lives: S, P, O and QK are engine accumulators (TMEM on sm_100a: BV + BV +
 BV + 64 columns at most; wgmma registers on sm_90a). w, k and q tiles share one ring
@@ -72,13 +72,13 @@ Why each buffer is free when it is rewritten (no "empty" barriers):
   MMAs, waited at the end of chunk t - 1.
 * ``o_smem``: read by chunk t - 1's TMA store; ``tma.store_wait(0)`` right before it is
   rewritten (the store had a whole chunk to run, so this rarely waits).
-* The ring also stages the fp32 initial / final state tile (through state.py's
-  ``_state_in`` / ``_state_out``): before chunk 0's loads (fence + CTA barrier after the
+* The ring also stages the fp32 initial / final state tile (through :mod:`.state_io`'s
+  ``state_in`` / ``state_out``): before chunk 0's loads (fence + CTA barrier after the
   staging reads) and after the last chunk (every load landed and was waited on, every MMA
   reading the ring finished).
 
 Rows past a sequence's end (its last chunk only; the tiles hold the next sequence's rows
-there): the state update selects those rows of ``vs`` to 0 (as :mod:`.state`); in ``A``
+there): the state update selects those rows of ``vs`` to 0 (:func:`.recurrence.state_vs`); in ``A``
 they are columns ``j > i`` of every valid row ``i``, selected to 0 by the causal mask; q
 rows past the end only feed o rows that are never written (TMA scatter with row
 0x7FFFFFFF on sm_100a, masked stores on sm_90a, see :mod:`.masks`).
@@ -106,19 +106,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from gdn_dispatch.aot import AotKernel
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, shared_memory_per_block
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, as_device, drop_unused_scatter, engine_is_sm100, has_tails,
+    pointer_attrs, sig_dtype, tile_desc)
 from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
-from gdn_dispatch.backends.gluon_common.plan import (
-    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, drop_unused_scatter, sig_dtype, state_constexprs)
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
-from gdn_dispatch.backends.gluon_common.state import (
-    _aot_problem, _gate_decays, _gate_rows, _state_init, _state_out, _state_vs, _walk_program)
-from gdn_dispatch.backends.gluon_common.wu import as_device, engine_is_sm100, pointer_attrs, tile_desc
+from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
+from gdn_dispatch.backends.gluon_common.state_io import state_init, state_out
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
 NUM_BUF = gl.constexpr(2)
@@ -127,8 +128,8 @@ NUM_BUF = gl.constexpr(2)
 #: memory (:func:`state_output_smem_bytes`). BV = 128 runs on two warpgroups
 #: (:func:`state_output_warps`), each holding half of every tile's columns.
 BLOCK_V = (32, 64, 128)
-#: Shared memory of one sm_90 / sm_100 multiprocessor (bytes), for the programs it holds.
-SMEM_PER_SM = 228 * 1024
+#: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
+SMEM_SCRATCH = 1024
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,8 +171,8 @@ def _qk_late(K, BV, IS_SM100, num_warps):
 def _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, num_warps):
     """Load chunk t + 1's gate rows during chunk t; not at the largest state tile on one
     warpgroup with the l2 norm and varlen tails, where the rows held across the chunk took
-    the last registers (triton 3.9 spilled 8 bytes there, 3.6 did not): those load them
-    at the top of their own chunk, as the split state kernel does."""
+    the last registers (triton 3.9 spilled there, 3.6 did not): those load them at the
+    top of their own chunk."""
     return not (QK_LATE and USE_L2NORM and HAS_TAILS and num_warps == NUM_WARPS)
 
 
@@ -202,9 +203,9 @@ def _overwrite(acc, IS_SM100: gl.constexpr):
 def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr):
     """``A = causal(QK (* rk per column) 2^(g_i - g_j))`` -> ``p_smem`` (not fenced).
 
-    output.py's ``_output_p`` with the chunk's gates ``g_row`` and k's row norms ``rk``
-    passed in (each is loaded or computed once per chunk and also used elsewhere), and
-    masks.causal_gate's bitmask test with the allowed count ``i + 1`` clamped to the
+    The chunk's gates ``g_row`` and k's row norms ``rk`` come in (each is loaded or
+    computed once per chunk and also used elsewhere); the mask is masks.causal_gate's
+    bitmask test with the allowed count ``i + 1`` clamped to the
     chunk's valid rows (no change for any row that is stored): a mask built from aranges
     alone is loop-invariant, and the compiler hoists it out of the chunk loop and keeps
     its words live across it (about 36 registers per thread on sm_90a). Columns come from
@@ -234,7 +235,7 @@ def _state_output_update(S, p, u_tile, u_bar, ready_phase, k_tile, b_d, m_t, vn_
     b_v = u_tile.load(E.acc_layout(u_tile.shape[0], u_tile.shape[1], IS_SM100, gl.num_warps())).to(gl.float32)
     b_v = b_v - E.acc_read(p, IS_SM100)
     vn_smem.store(b_v.to(vn_smem.dtype))
-    vs_smem.store(_state_vs(b_v, b_d, m_t, k_tile, False).to(vs_smem.dtype))
+    vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(vs_smem.dtype))
     # Orders vn/vs writes before the MMAs reading them, and the register reads of u and k
     # before the TMA refill of this slot at the top of the next chunk.
     fence_async_shared()
@@ -290,8 +291,8 @@ def _state_output_fwd_kernel(
     # per warpgroup): held across the chunk there they spilled 8 bytes on two warpgroups
     # with tails; loaded at the top of their chunk, they are first read after P's wait.
     NORMS_EARLY: gl.constexpr = GATES_EARLY and not QK_LATE
-    # The state kernel's walk: q shares k's head, so its tiles sit at col_k too.
-    _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = _walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
+    # q shares k's head, so its tiles sit at col_k too.
+    _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
 
     ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
@@ -317,13 +318,13 @@ def _state_output_fwd_kernel(
 
     # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
     # of every chunk, so the handles stay loop-invariant (the results get other names).
-    S = _state_init(E.acc_alloc(K, BV, IS_SM100), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, IS_SM100)
+    S = state_init(E.acc_alloc(K, BV, IS_SM100), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, IS_SM100)
     P = E.acc_alloc(BT, BV, IS_SM100)
     O = E.acc_alloc(BT, BV, IS_SM100)
     QK = E.acc_alloc(BT, BT, IS_SM100)
     _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                        0, bos, col_w, col_k, col_v, NT > 0)
-    b_g, g_last = _gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
     i_hk = i_h // GROUP
     H = HV // GROUP
     if USE_L2NORM:
@@ -346,17 +347,17 @@ def _state_output_fwd_kernel(
         k_tile = ring.index(3 * buf + 1)
         q_tile = ring.index(3 * buf + 2)
         if not GATES_EARLY:
-            b_g, g_last = _gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
+            b_g, g_last = gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
         if USE_L2NORM and not NORMS_EARLY:
             b_rq, b_rk = _norm_rows(rnorm, row, eos, i_hk, H, BT, row_layout)
         g_row = b_g
         rq = b_rq
         rk = b_rk
-        m_t, b_d, decay = _gate_decays(g_row, g_last, row, eos, BT)
+        m_t, b_d, decay = gate_decays(g_row, g_last, row, eos, BT)
         if GATES_EARLY:
             # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
             # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
-            b_g, g_last = _gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+            b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
         if USE_L2NORM and NORMS_EARLY:
             b_rq, b_rk = _norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
@@ -419,7 +420,7 @@ def _state_output_fwd_kernel(
 
     if STORE_HT:
         # The ring is idle: every load landed and every MMA reading it was waited on.
-        _state_out(ht, E.acc_read(S, IS_SM100), ring, i_nh, i_v, K, V, BV, STATE_VK)
+        state_out(ht, E.acc_read(S, IS_SM100), ring, i_nh, i_v, K, V, BV, STATE_VK)
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(wkq_ready.index(i))
@@ -441,12 +442,15 @@ def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) ->
     return rings + tiles + (2 * 2 + 5) * 8
 
 
-def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int = NUM_WARPS) -> int:
-    """Programs of the fused kernel one SM holds at once: by shared memory (the compiler's
-    scratch and the 1 KB each block reserves included; 1 at K = 128, 2 at K = 64 and
-    BV <= 64) and by registers (up to 255 per thread: two one-warpgroup programs or one
-    two-warpgroup program in 64 K registers)."""
-    by_smem = SMEM_PER_SM // (state_output_smem_bytes(K, BV, elem) + 2048)
+def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int = NUM_WARPS, *,
+                                 smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
+    """Programs of the fused kernel one SM holds at once: by shared memory (an SM holds
+    ``smem_per_block``, the device's opt-in maximum, plus the 1 KB each block reserves;
+    a program takes its tiles, the compiler's scratch and that 1 KB: 1 at K = 128, 2 at
+    K = 64 and BV <= 64 on sm_90 / sm_100) and by registers (up to 255 per thread: two
+    one-warpgroup programs or one two-warpgroup program in 64 K registers)."""
+    per_sm = smem_per_block + SMEM_RESERVED_PER_BLOCK
+    by_smem = per_sm // (state_output_smem_bytes(K, BV, elem) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK)
     return max(1, min(by_smem, 2 * NUM_WARPS // warps))
 
 
@@ -472,14 +476,16 @@ def state_output_defers(K: int, BV: int, is_sm100: bool, warps: int | None = Non
 
 
 #: Launch configurations (BV, warps) the forward chooses from (:func:`state_output_config`).
-#: Two warpgroups only at BV = 128: at BV = 32 and 64 they measured 1.13-1.35x slower than
-#: one warpgroup of the same columns per warpgroup (H200, ``h200_state_output_configs.py``).
+#: Two warpgroups only at BV = 128: at BV = 32 and 64 they run slower on the H200 than one
+#: warpgroup of the same columns per warpgroup.
 CONFIGS = ((32, 4), (64, 4), (128, 8))
 
 
-def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int = 2) -> tuple[int, int]:
-    """(BV, warps) of the fused kernel for ``num_heads`` (sequence, v-head) pairs: the
-    narrowest V-block among those that need the fewest waves of programs.
+def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int = 2, *,
+                        smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> tuple[int, int]:
+    """(BV, warps) of the fused kernel for ``num_heads`` (sequence, v-head) pairs on
+    ``sm_count`` SMs of ``smem_per_block`` bytes of opt-in shared memory: the narrowest
+    V-block among those that need the fewest waves of programs.
 
     Every program walks its sequence serially, so the time is (waves of programs) x (one
     walk), and a walk's per-chunk step grows with BV. Measured on the H200 (132 SMs, one
@@ -491,34 +497,50 @@ def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int
     def cost(config):
         BV, warps = config
         programs = num_heads * (V // BV)
-        capacity = max(sm_count, 1) * state_output_programs_per_sm(K, BV, elem, warps)
+        capacity = max(sm_count, 1) * state_output_programs_per_sm(K, BV, elem, warps,
+                                                                   smem_per_block=smem_per_block)
         return (-(-programs // capacity), BV)
 
     usable = [c for c in CONFIGS if V % c[0] == 0 and c[1] >= state_output_warps(K, c[0])]
     return min(usable, key=cost)
 
 
+def state_constexprs(problem: GDNProblem, is_sm100: bool) -> dict:
+    """The constexpr flags of the fused kernel that follow from the call and the engine."""
+    return {
+        "USE_H0": problem.initial_state is not None,
+        "STORE_HT": problem.output_final_state,
+        "STATE_VK": problem.state_layout is StateLayout.VK,
+        "USE_L2NORM": problem.use_qk_l2norm,
+        "HAS_TAILS": has_tails(problem),
+        "IS_SM100": is_sm100,
+    }
+
+
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
-                      defer_out: bool | None = None) -> LaunchPlan:
+                      defer_out: bool | None = None, is_sm100: bool | None = None) -> LaunchPlan:
     """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
     ----------
     problem : a validated call; K and V in {64, 128}, bf16/fp16.
-    device : DeviceInfo (``capability`` picks the engine, ``sm_count`` the V-block), or a
-        bare capability tuple (its representative part).
+    device : DeviceInfo (``sm_count`` and the shared memory per block pick the V-block),
+        or a bare capability tuple (its representative part).
     block_v : BV override, 32, 64 or 128 dividing V; default :func:`state_output_config`.
     num_warps : 4 or 8 (a state tile ``K * BV`` over 8192 needs 8); default the chosen
         configuration's, or :func:`state_output_warps` for an overridden BV.
     defer_out : override of :func:`state_output_defers` (sm_90a only).
+    is_sm100 : the matrix engine the launching backend passes; None: the capability's
+        (:func:`~.launch_plan.engine_is_sm100`).
     """
     info = as_device(device)
-    is_sm100 = engine_is_sm100(info.capability)
+    is_sm100 = engine_is_sm100(info, is_sm100)
     B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
     N, dtype = problem.N, problem.dtype
     BT = CHUNK_SIZE
     elem = torch.finfo(dtype).bits // 8
-    chosen_bv, chosen_warps = state_output_config(K, V, N * HV, info.sm_count, elem)
+    chosen_bv, chosen_warps = state_output_config(K, V, N * HV, info.sm_count, elem,
+                                                  smem_per_block=shared_memory_per_block(info))
     BV = block_v or chosen_bv
     if BV not in BLOCK_V or V % BV:
         raise ValueError(f"block_v: expected 32, 64 or 128 dividing V = {V}, got {BV}")
@@ -555,7 +577,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         scalars={"HV": HV, "GROUP": HV // H, "V": V},
         notes=(f"BV={BV}, {warps} warps: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on "
                f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"),
-        # As plan_state: the hardware's cap, so ptxas never trades registers for spills on sm_100a.
+        # The hardware's cap, stated: uncapped, ptxas traded registers for spills on sm_100a.
         maxnreg=255 if is_sm100 else None,
     )
 
@@ -646,7 +668,7 @@ def state_output_signature(launch: LaunchPlan, dtype: torch.dtype) -> tuple[dict
     sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
                scale="fp32", HV="i32", GROUP="i32")
     sig.update({name: "constexpr" for name in constexprs})
-    signature = {name: sig[name] for name in _state_output_fwd_kernel.arg_names}
+    signature = {name: sig[name] for name in arg_names(_state_output_fwd_kernel)}
     return signature, constexprs, pointer_attrs(_state_output_fwd_kernel, _POINTERS)
 
 
@@ -658,7 +680,17 @@ def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype
                      dialect="gluon", num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
 
 
-def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> list[AotKernel]:
+def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool):
+    """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter)."""
+    from gdn_dispatch.testing import random_problem
+
+    shape = dict(lengths=[64, 65]) if tails else dict(batch=(2, 128))
+    return random_problem(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, layout="vk" if vk else "kv", h0=h0, ht=ht,
+                          l2=l2)
+
+
+def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
+                                 is_sm100: bool | None = None) -> list[AotKernel]:
     """The fused kernel at every specialization it can launch on ``capability``.
 
     Every (K, V) in {64, 128}^2 at every configuration of :data:`CONFIGS` that holds its
@@ -686,7 +718,8 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str) -> l
         cases.append((128, 128, 128, 8, {**base, **flip}))
     kernels = []
     for K, V, BV, warps, flags in cases:
-        launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps)
+        launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
+                                   is_sm100=is_sm100)
         tag = (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
                f"{'vk' if flags['vk'] else 'kv'}{'-h0' if flags['h0'] else ''}{'-ht' if flags['ht'] else ''}"
                f"{'-l2' if flags['l2'] else ''}")

@@ -60,12 +60,12 @@ from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, tma_load
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
-from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, tile_layout
-from gdn_dispatch.backends.gluon_common.plan import NUM_WARPS, LaunchPlan, drop_unused_scatter, has_tails, sig_dtype
-from gdn_dispatch.backends.gluon_common.wu import (
-    _wu_epilogue, aot_problem, as_device, chunks_have_tails, device_of, engine_is_sm100, pointer_attrs, wy_descriptors)
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    NUM_WARPS, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter, engine_is_sm100, has_tails,
+    pointer_attrs, sig_dtype, tile_desc)
+from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout
 
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
@@ -234,6 +234,16 @@ def _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.const
     return a * gl.expand_dims(b_i, 1), w_scale, b_j
 
 
+@gluon.jit
+def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_valid,
+                 HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+    """Accumulator -> ``smem`` (a free operand buffer of the same shape) -> global rows."""
+    smem.store(E.acc_read(acc, IS_SM100).to(smem.dtype))
+    # TMA store / scatter read smem through the async proxy.
+    fence_async_shared()
+    store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, IS_SM100)
+
+
 @gluon.jit(do_not_specialize=["HV", "GROUP"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
@@ -317,9 +327,9 @@ def _wy_fwd_kernel(
     w_acc = E.mma_wait_until(w_acc, mma_bars.index(2), 0, 1, IS_SM100)
     # The w MMA is complete, so k_smem is free to stage w (u = T v may still run).
     # Row strides as HV * constexpr: the masked sm_90a tail stores then vectorize.
-    _wu_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, IS_SM100)
+    _wy_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, IS_SM100)
     u_acc = E.mma_wait(u_acc, mma_bars.index(3), 0, IS_SM100)
-    _wu_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, IS_SM100)
+    _wy_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, IS_SM100)
     # Shared memory must outlive the bulk stores that read it.
     tma.store_wait(0)
     for i in gl.static_range(2):
@@ -339,36 +349,53 @@ WY_MAXNREG_SM90 = 168
 #: one from registers on sm_90a and stores only a once and x once per level
 #: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
 WY_VARIANTS = ("smem", "regs")
-#: The variant plan_wy picks when none is asked for: "regs", 1.26-1.35x faster than
-#: "smem" on the H200 at the same error (``benchmarks/RESULTS.md``, session 3; the GPU
-#: numerics tests ran on it). "smem" stays selectable for ``h200_wy_variants.py``.
+#: The variant plan_wy picks when none is asked for: "regs", faster than "smem" on the
+#: H200 at the same error (``benchmarks/RESULTS.md``). "smem" stays selectable for
+#: comparisons.
 WY_DEFAULT_VARIANT = "regs"
 
 
-def plan_wy(problem: GDNProblem, device, variant: str | None = None) -> LaunchPlan:
+def wy_descriptors(rows: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
+    """The k and v tiles the kernel reads and the w and u tiles (and tail rows) it writes,
+    whole [64, K] / [64, V] per (chunk, head)."""
+    BT = CHUNK_SIZE
+    return (
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
+        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
+        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
+        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
+    )
+
+
+def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, is_sm100: bool | None = None) -> LaunchPlan:
     """Launch plan of :func:`wy_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
     ----------
     problem : a validated call; K and V in {64, 128}, bf16/fp16.
-    device : DeviceInfo (``capability`` picks the engine), or a bare capability tuple.
+    device : DeviceInfo, or a bare capability tuple (its representative part).
     variant : one of :data:`WY_VARIANTS` (how the inverse feeds its products; the results
         agree to rounding), or None for :data:`WY_DEFAULT_VARIANT`.
+    is_sm100 : the matrix engine the launching backend passes; None: the capability's
+        (:func:`~.launch_plan.engine_is_sm100`).
 
     One program per (chunk, v-head), v-head fastest; whole K and V tiles; 4 warps (one
     warpgroup: wgmma's M = 64).
     """
     return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
                     problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device),
-                    variant)
+                    variant, is_sm100)
 
 
-def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, variant: str | None = None) -> LaunchPlan:
+def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, variant: str | None = None,
+             is_sm100: bool | None = None) -> LaunchPlan:
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
         raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
     lhs_regs = variant == "regs"
-    is_sm100 = engine_is_sm100(info.capability)
+    is_sm100 = engine_is_sm100(info, is_sm100)
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(rows, H, HV, K, V, dtype),
@@ -423,8 +450,8 @@ def wy_fwd(
     beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous.
     chunks : ChunkTable of the call.
     launch : the ``wy_fwd`` LaunchPlan of :func:`plan_wy` (what the orchestrator passes);
-        None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (probed
-        from k's device when None), which are ignored when ``launch`` is given.
+        None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (then
+        required), which are ignored when ``launch`` is given.
 
     Returns
     -------
@@ -442,8 +469,10 @@ def wy_fwd(
     if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
         return w, u, g_cum
     if launch is None:
+        if device_info is None:
+            raise ValueError("wy_fwd: pass launch (a plan_wy plan) or device_info to plan one")
         launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
-                          use_qk_l2norm, device_of(k, device_info))
+                          use_qk_l2norm, device_info)
     tensors = {"k": k, "v": v, "w": w, "u": u}
     launch_planned(_wy_fwd_kernel, launch, tensors, dict(
         w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
@@ -462,19 +491,31 @@ def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype
                beta="*" + sig_dtype(beta_dtype or dtype),
                cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32")
     sig.update({name: "constexpr" for name in launch.constexprs})
-    return {name: sig[name] for name in _wy_fwd_kernel.arg_names}
+    return {name: sig[name] for name in arg_names(_wy_fwd_kernel)}
 
 
-def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, variant: str | None = None) -> list:
+def aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, l2: bool, H: int = 1, HV: int = 2):
+    """A small CPU GDNProblem with these specializations (for plans of AOT entries)."""
+    from gdn_dispatch.contract import make_problem
+
+    T = 2 * CHUNK_SIZE + (17 if tails else 0)
+    q = torch.zeros(1, T, H, K, dtype=dtype)
+    v = torch.zeros(1, T, HV, V, dtype=dtype)
+    g = torch.zeros(1, T, HV)
+    return make_problem(q, q, v, g, g, use_qk_l2norm_in_kernel=l2)
+
+
+def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, variant: str | None = None,
+                       *, is_sm100: bool | None = None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
     on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
     (q's dtype, q's dtype), the gate dtypes models pass; of the inverse ``variant`` (None:
-    the one plan_wy picks by default)."""
+    the one plan_wy picks by default), on the engine ``is_sm100`` (None: the capability's)."""
     from gdn_dispatch.aot import AotKernel
 
-    is_sm100 = engine_is_sm100(capability)
-    backend = backend or ("gluon_sm100" if is_sm100 else "gluon_sm90")
     device = as_device(capability)
+    is_sm100 = engine_is_sm100(device, is_sm100)
+    backend = backend or ("gluon_sm100" if is_sm100 else "gluon_sm90")
     kernels = []
     for dtype in (torch.bfloat16, torch.float16):
         for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype)):
@@ -482,7 +523,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                 for V in (64, 128):
                     for tails in (False, True):
                         for l2 in (False, True):
-                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant)
+                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, is_sm100=is_sm100)
                             tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
                                    f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}")
                             kernels.append(AotKernel(

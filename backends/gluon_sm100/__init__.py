@@ -2,33 +2,51 @@
 sm_103): tcgen05 MMAs into TMEM accumulators, TMA loads on mbarriers with next-chunk
 prefetch, TMA scatter (row 0x7FFFFFFF) for rows past a varlen sequence's end.
 
-A thin package: the kernels, the orchestrator and the launch plans live in
-:mod:`gdn_dispatch.backends.gluon_common` and are shared with gluon_sm90 (wgmma on Hopper); this package
-binds them to the Blackwell matrix engine and names its capabilities.
+The pipeline kernels, their orchestrator and launch plans live in
+:mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm90 (wgmma on Hopper); this
+package runs them on the Blackwell matrix engine (their ``IS_SM100`` constexpr) and hands
+them the device the registry chose.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import GDNProblem
-from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.device import DeviceInfo, default_probe
 
-# One orchestrator for both Gluon backends: it reads the matrix engine off the device.
-from gdn_dispatch.backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+
+if TYPE_CHECKING:
+    from gdn_dispatch.registry import Selection
 
 BACKEND = "gluon_sm100"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same).
 CAPABILITIES = ((10, 0), (10, 3))
+#: The shared kernels' engine constexpr: tcgen05 MMAs with TMEM accumulators.
+_TCGEN05 = True
+
+
+def forward(problem: GDNProblem, selection: Selection | None = None):
+    """Run ``problem`` on Blackwell (see :func:`gdn_dispatch.backends.gluon_common.forward.forward`).
+
+    ``selection`` is the registry's choice (its ``device`` sizes the launches); None probes
+    the tensors' device once.
+    """
+    device = selection.device if selection is not None else default_probe().for_torch_device(problem.device)
+    return _forward.forward(problem, device, is_sm100=_TCGEN05)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
          device: DeviceInfo | None = None) -> _plan.ForwardPlan:
     """Dry run: every launch (grid, blocks, descriptors) ``forward`` would make on ``capability``."""
-    return _plan.plan(problem, capability, device)
+    return _plan.plan(problem, capability, device, is_sm100=_TCGEN05)
 
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for ``capability`` (default sm_100)."""
-    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability)
+    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, is_sm100=_TCGEN05)

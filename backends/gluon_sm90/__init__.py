@@ -3,34 +3,52 @@ asynchronous wgmma with register accumulators, TMA loads on mbarriers with next-
 prefetch; Hopper has no TMA scatter, so the rows of a sequence's last, partial chunk are
 written with masked register stores (full chunks use one TMA store).
 
-A thin package: the kernels, the orchestrator and the launch plans live in
-:mod:`gdn_dispatch.backends.gluon_common` and are shared with gluon_sm100 (tcgen05 + TMEM on Blackwell);
-this package binds them to the Hopper matrix engine and names its capability.
+The pipeline kernels, their orchestrator and launch plans live in
+:mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm100 (tcgen05 + TMEM on
+Blackwell); this package runs them on the Hopper matrix engine (their ``IS_SM100``
+constexpr false) and hands them the device the registry chose.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import GDNProblem
-from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.device import DeviceInfo, default_probe
 
-# One orchestrator for both Gluon backends: it reads the matrix engine off the device.
-from gdn_dispatch.backends.gluon_common.forward import forward, unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+
+if TYPE_CHECKING:
+    from gdn_dispatch.registry import Selection
 
 BACKEND = "gluon_sm90"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same):
 #: wgmma needs the sm_90a feature set, which later parts do not carry.
 CAPABILITIES = ((9, 0),)
+#: The shared kernels' engine constexpr: wgmma (not tcgen05).
+_TCGEN05 = False
+
+
+def forward(problem: GDNProblem, selection: Selection | None = None):
+    """Run ``problem`` on Hopper (see :func:`gdn_dispatch.backends.gluon_common.forward.forward`).
+
+    ``selection`` is the registry's choice (its ``device`` sizes the launches); None probes
+    the tensors' device once.
+    """
+    device = selection.device if selection is not None else default_probe().for_torch_device(problem.device)
+    return _forward.forward(problem, device, is_sm100=_TCGEN05)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
          device: DeviceInfo | None = None) -> _plan.ForwardPlan:
     """Dry run: every launch (grid, blocks, descriptors) ``forward`` would make on ``capability``."""
-    return _plan.plan(problem, capability, device)
+    return _plan.plan(problem, capability, device, is_sm100=_TCGEN05)
 
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for sm_90a."""
-    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability)
+    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, is_sm100=_TCGEN05)

@@ -26,8 +26,11 @@ from gdn_dispatch.backends.triton_generic.state import state_fwd
 from gdn_dispatch.backends.triton_generic.wu import wu_fwd
 
 
-def forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``chunk_gated_delta_rule`` for ``problem``.
+
+    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) is accepted for
+    the backends' common signature; the kernels run on the tensors' device.
 
     Returns
     -------

@@ -1,0 +1,285 @@
+"""Launch plans of the Gluon kernels: what one launch needs, computed without launching.
+
+A :class:`LaunchPlan` fixes one kernel launch (grid, warps, register cap, constexprs) with
+its TMA descriptors as :class:`DescPlan` values (global shape, strides, block shape,
+shared-memory layout), touching no GPU and reading no tensor data, so it is testable with
+CPU tensors. Each stage module has a planner ``plan_<stage>(problem, device) ->
+LaunchPlan``; :mod:`.plan` composes them into the forward's plan, the forward launches
+exactly these plans and ``kernels_for_aot`` compiles the same constexprs and signatures.
+
+Descriptors view every ``[B, T, X, D]`` tensor as the 2-D ``[B * T, X * D]`` matrix it is in
+memory (rows = tokens); a tile is addressed by (row, column) element coordinates (int32 in
+the TMA unit: see :func:`index_limits_reason`).
+
+Host cost: a forward builds a descriptor per TMA argument per call, so the pure parts are
+memoized: shared-memory layouts per (tile, dtype), and (in :mod:`.plan`) whole plans.
+Cached plans are shared between calls: treat a plan and its dicts as read-only.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.device import DeviceInfo, assumed_device
+from gdn_dispatch.varlen import ChunkTable
+
+#: Warps per program of every Gluon kernel: one warpgroup (wgmma M = 64 per warpgroup;
+#: 128 threads reach the 128 TMEM lanes).
+NUM_WARPS = 4
+#: Largest fp32 state tile ``K * BV`` a program holds: 64 registers per thread at 4 warps
+#: on sm_90a; on sm_100a the same cap keeps one tcgen05.ld of the state at 64 registers.
+MAX_STATE_TILE = 8192
+INT32_MAX = 2**31 - 1
+#: Plans kept per cache (:func:`.plan.plan`). A server sees few distinct (shape, flags) keys; the bound
+#: only matters when every call's batch differs (then the oldest keys are dropped).
+PLAN_CACHE_SIZE = 256
+
+_SIG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def sig_dtype(dtype: torch.dtype) -> str:
+    """Triton's signature spelling of a torch dtype ("bf16", "fp16", "fp32")."""
+    return _SIG_DTYPE[dtype]
+
+
+def gl_dtype(dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+
+
+_ABSENT = object()
+
+
+class LruCache:
+    """A bounded least-recently-used map, safe across threads.
+
+    ``functools.lru_cache`` needs hashable arguments; :func:`.plan.plan` computes its key from a
+    GDNProblem (which holds tensors, hashed by identity and compared elementwise).
+    """
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key, default=None):
+        with self._lock:
+            value = self._data.get(key, _ABSENT)
+            if value is _ABSENT:
+                return default
+            self._data.move_to_end(key)
+            return value
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` (dropping the least recently used beyond ``maxsize``); returns it."""
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@functools.lru_cache(maxsize=64)
+def nvmma_layout(shape: tuple[int, int], dtype: torch.dtype):
+    """The NVMMASharedLayout of a ``shape`` tile of ``dtype`` (widest swizzle that fits).
+
+    ``get_default_for`` costs about 5 us a call and a forward asks for 19 layouts of a
+    handful of distinct tiles; the layout is a frozen value, so one instance is shared.
+    """
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl_dtype(dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_descriptor_class():
+    """gluon's host TensorDescriptor (looked up once: an import statement per build costs ~0.5 us)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor
+
+
+@dataclass(frozen=True)
+class DescPlan:
+    """One host-side TMA descriptor argument.
+
+    Attributes
+    ----------
+    arg : kernel argument name ("w_desc").
+    tensor : which tensor it views ("w", "u", "k", "h", "v_new", ...).
+    shape, strides : the 2-D global view, in elements (last stride 1).
+    block_shape : the tile one TMA message moves ([1, BN] for a TMA scatter row descriptor).
+    dtype : torch dtype of the tensor.
+    layout_shape : the shared-memory tile whose NVMMASharedLayout the descriptor carries
+        (the block shape, except for scatter descriptors: the staged [BT, BN] tile).
+    """
+
+    arg: str
+    tensor: str
+    shape: tuple[int, int]
+    strides: tuple[int, int]
+    block_shape: tuple[int, int]
+    dtype: torch.dtype
+    layout_shape: tuple[int, int] | None = None
+
+    @property
+    def layout(self):
+        """The NVMMASharedLayout of the shared tile (widest swizzle that fits)."""
+        return nvmma_layout(self.layout_shape or self.block_shape, self.dtype)
+
+    @property
+    def scatter(self) -> bool:
+        """A TMA scatter row descriptor (box ``[1, BN]``, the staged tile's layout)."""
+        return self.layout_shape is not None
+
+    @property
+    def signature(self) -> str:
+        """``tensordesc<bf16[64, 128],NVMMASharedLayout(...)>``, as a launch would specialize."""
+        b0, b1 = self.block_shape
+        return f"tensordesc<{sig_dtype(self.dtype)}[{b0}, {b1}],{self.layout!r}>"
+
+    def check(self, tensor: torch.Tensor) -> None:
+        """ValueError unless ``tensor`` is what the plan describes: its dtype, its element
+        count, contiguous (the plan's 2-D view is then the tensor's memory)."""
+        rows, cols = self.shape
+        if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not tensor.is_contiguous():
+            raise ValueError(f"{self.arg}: planned {self.dtype} [{rows}, {cols}] contiguous, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)} contiguous={tensor.is_contiguous()}")
+
+    def build(self, tensor: torch.Tensor):
+        """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape).
+
+        Triton's constructor validates every build (about 1.2 us). Skipping it for a plan
+        validated once was measured: after the per-plan cache lookup it saved under 0.3 us
+        a descriptor, too little to bypass triton's own checks.
+        """
+        self.check(tensor)
+        TensorDescriptor = _tensor_descriptor_class()
+        return TensorDescriptor(tensor, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One kernel launch.
+
+    Attributes
+    ----------
+    kernel : stage name ("wy_fwd", "qk_rnorm_fwd", "state_output_fwd").
+    grid : launch grid.
+    num_warps : warps per program.
+    maxnreg : register cap per thread passed to ptxas, or None (ptxas's own choice).
+    compiled : the compiled kernels of this plan by launch specialization, filled by
+        :func:`gdn_dispatch.backends.gluon_common.launch.launch_planned` (not part of the plan's value).
+    blocks : block sizes by name ({"BT": 64, "BV": 64, ...}).
+    constexprs : the kernel's constexpr arguments (what kernels_for_aot compiles).
+    descriptors : TMA descriptor arguments, in no particular order (looked up by ``arg``).
+    scalars : runtime integer arguments by name ({"HV": 32, "GROUP": 2}).
+    notes : why the blocks were chosen (for humans and `plan` tests).
+    """
+
+    kernel: str
+    grid: tuple[int, ...]
+    num_warps: int
+    blocks: dict
+    constexprs: dict
+    descriptors: tuple[DescPlan, ...] = ()
+    scalars: dict = field(default_factory=dict)
+    notes: str = ""
+    maxnreg: int | None = None
+    compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def desc(self, arg: str) -> DescPlan:
+        return next(d for d in self.descriptors if d.arg == arg)
+
+
+def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict) -> tuple[tuple[DescPlan, ...], dict]:
+    """(descriptors, constexprs) of a launch that stores through :func:`masks.store_chunk_tile`.
+
+    Only sm_100a with varlen tails (the constexprs' ``IS_SM100`` and ``HAS_TAILS``) reads
+    the TMA scatter row descriptors (sm_90a has no TMA scatter; without tails every chunk
+    is a whole tile). Elsewhere they go to the kernel as None constexprs, so no launch
+    builds or encodes them (each costs a host descriptor and a ``cuTensorMapEncodeTiled``
+    per launch).
+    """
+    if constexprs["IS_SM100"] and constexprs["HAS_TAILS"]:
+        return descriptors, constexprs
+    unused = {d.arg: None for d in descriptors if d.scatter}
+    return tuple(d for d in descriptors if not d.scatter), {**constexprs, **unused}
+
+
+def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
+    """True when some sequence ends inside a chunk: the kernels then mask rows past a
+    sequence's end and never write them (constexpr ``HAS_TAILS``).
+
+    Uniform batch: ``T % 64 != 0``. Varlen (one row of ``T`` tokens, lengths ``L_n``
+    summing to ``T``): the ``NT = sum ceil(L_n / 64)`` chunks span ``64 * NT >= T`` rows,
+    equal exactly when every ``L_n`` is a multiple of 64. So no length is read: O(1) per
+    call, which :func:`.plan.plan_key` relies on (NT itself came from the host copy of cu_seqlens).
+    """
+    if chunks.uniform:
+        return T % CHUNK_SIZE != 0
+    return chunks.num_chunks * chunks.chunk_size != T
+
+
+def has_tails(problem: GDNProblem) -> bool:
+    """:func:`chunks_have_tails` of ``problem``'s chunk table."""
+    return chunks_have_tails(problem.chunks, problem.T)
+
+
+def index_limits_reason(problem: GDNProblem) -> str | None:
+    """TMA coordinates are int32: rows B*T and NT*HV*K must stay below 2^31."""
+    rows = problem.B * problem.T
+    h_rows = problem.chunks.num_chunks * problem.HV * problem.K
+    if rows > INT32_MAX or h_rows > INT32_MAX:
+        return (f"TMA row coordinates are int32: needs B*T = {rows} and NT*HV*K = {h_rows} "
+                f"below 2^31")
+    return None
+
+
+def tile_desc(arg: str, tensor: str, dtype: torch.dtype, rows: int, cols: int, block, scatter: bool = False):
+    """DescPlan of the row-major 2-D view ``[rows, cols]`` with TMA box ``block``; a scatter
+    descriptor (box ``[1, BN]``) carries the layout of the staged ``[64, BN]`` tile."""
+    layout_shape = (CHUNK_SIZE, block[1]) if scatter else None
+    return DescPlan(arg, tensor, (rows, cols), (cols, 1), tuple(block), dtype, layout_shape)
+
+
+def pointer_attrs(fn, names) -> dict:
+    """``tt.divisibility`` 16 on pointer arguments, as a launch with torch tensors passes."""
+    from gdn_dispatch.backends.gluon_common.compat import arg_names
+
+    order = arg_names(fn)
+    return {(order.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+def as_device(device) -> DeviceInfo:
+    """A DeviceInfo from a DeviceInfo or a bare capability (its representative part)."""
+    if isinstance(device, DeviceInfo):
+        return device
+    return assumed_device(f"sm_{device[0]}{device[1]}")
+
+
+def engine_is_sm100(device: DeviceInfo, is_sm100: bool | None = None) -> bool:
+    """The matrix engine a plan is for: ``is_sm100`` as the launching backend passes it
+    (True: tcgen05 + TMEM, gluon_sm100; False: wgmma, gluon_sm90). None (a dry run outside a
+    backend) takes the engine of ``device``'s capability; ValueError for a capability
+    neither engine runs on."""
+    if is_sm100 is not None:
+        return bool(is_sm100)
+    if device.capability is not None and device.capability[0] in (9, 10):
+        return device.capability[0] == 10
+    raise ValueError(f"capability: the Gluon kernels need sm_90 or sm_100/sm_103, got {device.capability}")

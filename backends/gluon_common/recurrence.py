@@ -1,0 +1,71 @@
+"""The per-chunk pieces of the state recurrence that do not depend on the matrix engine:
+which (sequence, v-head, V-block) a program walks, one chunk's gate rows and decays, and
+the scaled ``v_new`` rows that update the state.
+
+With g the chunk-local gate cumsum in log2 units and S the fp32 ``[K, BV]`` state at a
+chunk's start, a chunk of 64 rows updates ``S = 2^g_last S + k^T (2^(g_last - g) v_new)``.
+Rows past a sequence's end (its last chunk only) hold the next sequence's tokens: their
+decay is *selected* to 0, so they contribute exactly nothing to S.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from gdn_dispatch.backends.gluon_common.masks import row_rnorm, tile_layout
+
+
+@gluon.jit
+def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BT: gl.constexpr):
+    """This program's walk: (sequence ``i_n``, ``i_nh`` = i_n * HV + v-head, v-head ``i_h``,
+    V-block ``i_v``), its sequence's rows ``bos .. eos`` and chunk count, and the tile
+    columns of its w, k (q/k head ``i_h // GROUP``) and u / v blocks.
+
+    Axis 0 is (sequence, v-head, V-block) with the V-block fastest: the V-blocks of one
+    head stream the same w and k tiles at the same time, so L2 serves all but the first.
+    """
+    pid = gl.program_id(0)
+    i_v = pid % (V // BV)
+    i_nh = pid // (V // BV)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    bos = gl.load(cu_seqlens + i_n)
+    eos = gl.load(cu_seqlens + i_n + 1)
+    NT = gl.cdiv(eos - bos, BT)
+    return i_n, i_nh, i_h, i_v, bos, eos, NT, i_h * K, (i_h // GROUP) * K, i_h * V + i_v * BV
+
+
+@gluon.jit
+def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constexpr):
+    """One chunk's gate cumsum rows ``b_g`` (0 past the sequence's end; rows in
+    ``row_layout``) and its last valid row's ``g_last``, as loaded from ``g_cum``. Both
+    loads are plain global loads, so a caller may issue them a chunk early."""
+    rows = row + gl.arange(0, BT, layout=row_layout)
+    b_g = gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=rows < eos, other=0.0)
+    g_last = gl.load(g_cum + (gl.minimum(row + BT, eos) - 1).to(gl.int64) * HV + i_h)
+    return b_g, g_last
+
+
+@gluon.jit
+def gate_decays(b_g, g_last, row, eos, BT: gl.constexpr):
+    """Row mask, per-row decay ``2^(g_last - g)`` (0 past the sequence's end) and the
+    chunk decay ``2^g_last`` of one chunk from its :func:`gate_rows`."""
+    rows = row + gl.arange(0, BT, layout=b_g.type.layout)
+    m_t = rows < eos
+    # where(), not a multiply by the mask: past the end b_g is 0 and 2^g_last may be tiny
+    # or the row may hold anything; the row must contribute exactly nothing.
+    b_d = gl.where(m_t, gl.exp2(g_last - b_g), 0.0)
+    return m_t, b_d, gl.exp2(g_last)
+
+
+@gluon.jit
+def state_vs(v, b_d, m_t, k_tile, USE_L2NORM: gl.constexpr):
+    """The B operand of the state update: ``r * 2^(g_last - g) * v_new`` per row, rows past
+    the sequence's end selected to 0 (``r``: k's row-norm reciprocals with the l2 norm)."""
+    if USE_L2NORM:
+        BT: gl.constexpr = k_tile.shape[0]
+        K: gl.constexpr = k_tile.shape[1]
+        r = row_rnorm(k_tile, tile_layout(BT, K, gl.num_warps()))
+        b_d = b_d * gl.convert_layout(r, b_d.type.layout)
+    return gl.where(gl.expand_dims(m_t, 1), v * gl.expand_dims(b_d, 1), 0.0)
