@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gdn_dispatch.bench import BenchShape
+    from gdn_dispatch.bench_shapes import BenchShape
 
 #: The name fla's row carries (the yardstick of every ``x fla`` ratio).
 FLA = "fla"

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from gdn_dispatch import bench, bench_report
-from gdn_dispatch.bench import BenchShape
+from gdn_dispatch import bench, bench_ceiling, bench_report, bench_shapes, bench_timing
+from gdn_dispatch.bench_shapes import BenchShape
 from gdn_dispatch.bench_report import Measurement, ShapeResult
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.registry import GDNDispatchError
@@ -41,7 +41,7 @@ class FakeProbe:
 
 
 def test_default_shapes():
-    shapes = bench.default_shapes()
+    shapes = bench_shapes.default_shapes()
     names = [s.name for s in shapes]
     assert names == [
         "H16-HV32-1x8192", "H16-HV32-1x32768", "H16-HV32-4x8192", "H16-HV32-8x4096", "H16-HV32-ragged16",
@@ -57,9 +57,9 @@ def test_default_shapes():
 
 
 def test_ragged_lengths_are_fixed_across_runs():
-    assert bench.ragged_lengths() == bench.ragged_lengths()
-    assert bench.ragged_lengths(seed=1) != bench.ragged_lengths()
-    assert len(set(bench.ragged_lengths())) > 1
+    assert bench_shapes.ragged_lengths() == bench_shapes.ragged_lengths()
+    assert bench_shapes.ragged_lengths(seed=1) != bench_shapes.ragged_lengths()
+    assert len(set(bench_shapes.ragged_lengths())) > 1
 
 
 @pytest.mark.parametrize("patterns, expected", [
@@ -69,13 +69,13 @@ def test_ragged_lengths_are_fixed_across_runs():
     pytest.param("*ragged*", ["H16-HV32-ragged16", "H16-HV64-ragged16"], id="glob"),
 ])
 def test_select_shapes(patterns, expected):
-    chosen = [s.name for s in bench.select_shapes(bench.default_shapes(), patterns)]
+    chosen = [s.name for s in bench_shapes.select_shapes(bench_shapes.default_shapes(), patterns)]
     assert chosen == expected if isinstance(expected, list) else len(chosen) == expected
 
 
 def test_select_shapes_rejects_unknown():
     with pytest.raises(ValueError, match=r"'H8-\*' matches no shape; valid names: H16-HV32-1x8192"):
-        bench.select_shapes(bench.default_shapes(), "H16-HV32-1x8192,H8-*")
+        bench_shapes.select_shapes(bench_shapes.default_shapes(), "H16-HV32-1x8192,H8-*")
 
 
 def test_flop_count_by_hand():
@@ -83,8 +83,8 @@ def test_flop_count_by_hand():
     # 6KV + C(6K + 4V) + 2C^2/3 per token and v-head, K = V = 128, C = 64
     per_token = 6 * 128 * 128 + 64 * (6 * 128 + 4 * 128) + 2 * 64 * 64 / 3
     assert per_token == pytest.approx(182954.667, rel=1e-8)
-    assert bench.flop_count(shape) == pytest.approx(8192 * 32 * per_token, rel=1e-12)
-    assert bench.flop_count(RAGGED) == pytest.approx(36 * 4 * (6 * 16 * 8 + 64 * (6 * 16 + 4 * 8) + 2 * 64 * 64 / 3))
+    assert bench_shapes.flop_count(shape) == pytest.approx(8192 * 32 * per_token, rel=1e-12)
+    assert bench_shapes.flop_count(RAGGED) == pytest.approx(36 * 4 * (6 * 16 * 8 + 64 * (6 * 16 + 4 * 8) + 2 * 64 * 64 / 3))
 
 
 def test_io_bytes_by_hand():
@@ -93,19 +93,19 @@ def test_io_bytes_by_hand():
     v = o = 15 * 4 * 16 * 2
     g, beta = 15 * 4 * 4, 15 * 4 * 2
     state = 3 * 4 * 8 * 16 * 4
-    assert bench.io_bytes(SMALL) == (q + k + v + g + beta + state, o + state)
-    assert bench.min_bytes(SMALL) == q + k + v + g + beta + 2 * state + o
+    assert bench_shapes.io_bytes(SMALL) == (q + k + v + g + beta + state, o + state)
+    assert bench_shapes.min_bytes(SMALL) == q + k + v + g + beta + 2 * state + o
 
 
 def test_io_bytes_ragged_counts_one_state_per_sequence():
-    read, written = bench.io_bytes(RAGGED)
+    read, written = bench_shapes.io_bytes(RAGGED)
     state = 3 * 4 * 16 * 8 * 4
     assert written == 36 * 4 * 8 * 2 + state
     assert read == 2 * 36 * 2 * 16 * 2 + 36 * 4 * 8 * 2 + 36 * 4 * 6 + state
 
 
 def test_io_bytes_qwen_shape():
-    read, written = bench.io_bytes(BenchShape("x", H=16, HV=32, B=1, T=8192))
+    read, written = bench_shapes.io_bytes(BenchShape("x", H=16, HV=32, B=1, T=8192))
     assert read == 8192 * (2 * 16 * 128 * 2 + 32 * 128 * 2 + 32 * 6) + 32 * 128 * 128 * 4
     assert written == 8192 * 32 * 128 * 2 + 32 * 128 * 128 * 4
 
@@ -115,7 +115,7 @@ def test_io_bytes_qwen_shape():
     pytest.param(4e6, 1e12, (1e-3 * 1e12 / 1e12 * 1.0, "compute"), id="compute-bound"),
 ])
 def test_sol_bound(nbytes, flops, expected):
-    seconds, by = bench.sol_bound_s(nbytes, flops, bandwidth=4e12, matmul_rate=1e15)
+    seconds, by = bench_shapes.sol_bound_s(nbytes, flops, bandwidth=4e12, matmul_rate=1e15)
     assert by == expected[1]
     assert seconds == pytest.approx(max(nbytes / 4e12, flops / 1e15))
 
@@ -128,14 +128,14 @@ def test_sol_bound(nbytes, flops, expected):
     pytest.param(137_887_744, 126 * 2**20, 4, id="larger-l2-raises-budget"),
 ])
 def test_rotation_count(set_bytes, l2_bytes, expected):
-    assert bench.rotation_count(set_bytes, l2_bytes) == expected
+    assert bench_timing.rotation_count(set_bytes, l2_bytes) == expected
 
 
 def test_rotation_sets_exceed_the_budget():
-    for s in bench.default_shapes():
-        n = bench.rotation_count(bench.io_bytes(s)[0], 60 * 10**6)
-        assert 2 <= n <= bench.MAX_INPUT_SETS
-        assert n * bench.io_bytes(s)[0] > bench.ROTATION_BUDGET_BYTES
+    for s in bench_shapes.default_shapes():
+        n = bench_timing.rotation_count(bench_shapes.io_bytes(s)[0], 60 * 10**6)
+        assert 2 <= n <= bench_timing.MAX_INPUT_SETS
+        assert n * bench_shapes.io_bytes(s)[0] > bench_timing.ROTATION_BUDGET_BYTES
 
 
 # --------------------------------------------------------------------------- results, table, JSON, plot
@@ -143,7 +143,7 @@ def test_rotation_sets_exceed_the_budget():
 
 def fake_result() -> ShapeResult:
     shape = BenchShape("H16-HV32-1x8192", H=16, HV=32, B=1, T=8192)
-    result = ShapeResult(shape=shape, min_bytes=bench.min_bytes(shape), flops=bench.flop_count(shape),
+    result = ShapeResult(shape=shape, min_bytes=bench_shapes.min_bytes(shape), flops=bench_shapes.flop_count(shape),
                          bound_ms=0.05, bound_by="memory", input_sets=3)
     result.measurements = [
         bench_report.from_times("triton_generic", [0.30, 0.20, 0.25, 0.90]),
@@ -160,7 +160,7 @@ def test_finish_fills_ratios():
     assert ours.sol_ratio == pytest.approx(0.275 / 0.05)
     assert ours.fla_ratio == pytest.approx(0.275 / 0.45)
     assert fla.fla_ratio == 1.0
-    assert ours.tflops == pytest.approx(bench.flop_count(result.shape) / 0.275e-3 / 1e12)
+    assert ours.tflops == pytest.approx(bench_shapes.flop_count(result.shape) / 0.275e-3 / 1e12)
     assert skipped.ms is skipped.tflops is skipped.sol_ratio is skipped.fla_ratio is None
 
 
@@ -178,7 +178,7 @@ def test_format_table():
     assert lines[1].startswith("H16-HV32-1x8192: B=1 T=8192, H=16 HV=32 K=128 V=128;")
     assert "bound 0.0500 ms (memory), 3 input sets" in lines[1]
     row = lines[2].split()
-    assert row[:5] == ["triton_generic", "0.2750", f"{bench.flop_count(fake_result().shape) / 0.275e9:.1f}",
+    assert row[:5] == ["triton_generic", "0.2750", f"{bench_shapes.flop_count(fake_result().shape) / 0.275e9:.1f}",
                        "5.50", "0.611"]
     assert lines[3].split()[:5] == ["fla", "0.4500", lines[3].split()[2], "9.00", "1.000"]
     assert lines[4].split()[:5] == ["gluon_sm100", "-", "-", "-", "-"]
@@ -214,7 +214,7 @@ def test_json_round_trip(tmp_path):
     assert loaded == report
     shape = loaded["shapes"][0]
     assert shape["name"] == "H16-HV32-1x8192" and shape["tokens"] == 8192 and shape["seqlens"] is None
-    assert shape["min_bytes"] == bench.min_bytes(fake_result().shape)
+    assert shape["min_bytes"] == bench_shapes.min_bytes(fake_result().shape)
     by_name = {m["backend"]: m for m in shape["results"]}
     assert by_name["triton_generic"]["ms"] == 0.275
     assert by_name["triton_generic"]["fla_ratio"] == pytest.approx(0.275 / 0.45)
@@ -233,7 +233,7 @@ def test_json_keeps_nan_and_inf_as_names(tmp_path):
 
 
 def test_json_ragged_lengths_are_a_list(tmp_path):
-    shape = bench.default_shapes()[4]
+    shape = bench_shapes.default_shapes()[4]
     result = ShapeResult(shape=shape, min_bytes=1, flops=1.0, bound_ms=1.0, bound_by="memory", input_sets=2)
     path = tmp_path / "bench.json"
     bench_report.write_json(str(path), make_report(result))
@@ -283,7 +283,7 @@ def test_command_line(argv, expected):
     pytest.param(RAGGED, True, id="ragged-31-0-5-l2norm-in-kernel"),
 ])
 def test_make_input_sets(shape, qk_l2norm):
-    sets = bench.make_input_sets(shape, 3, "cpu", seed=7, qk_l2norm=qk_l2norm)
+    sets = bench_timing.make_input_sets(shape, 3, "cpu", seed=7, qk_l2norm=qk_l2norm)
     assert len(sets) == 3
     x = sets[0]
     B, T, H, HV, K, V = shape.B, shape.T, shape.H, shape.HV, shape.K, shape.V
@@ -299,7 +299,7 @@ def test_make_input_sets(shape, qk_l2norm):
     else:
         assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
     assert not torch.equal(sets[0].v, sets[1].v)
-    assert torch.equal(bench.make_input_sets(shape, 1, "cpu", seed=7, qk_l2norm=qk_l2norm)[0].v, x.v)
+    assert torch.equal(bench_timing.make_input_sets(shape, 1, "cpu", seed=7, qk_l2norm=qk_l2norm)[0].v, x.v)
     if shape.is_varlen:
         assert x.cu_seqlens.tolist() == x.cu_seqlens_cpu.tolist() == [0, 31, 31, 36]
         assert x.cu_seqlens.dtype == x.cu_seqlens_cpu.dtype == torch.int32
@@ -316,8 +316,8 @@ def test_fla_caller_passes_fla_arguments():
         seen.update(kwargs, q=q)
         return v, kwargs["initial_state"]
 
-    x = bench.make_input_sets(RAGGED, 1, "cpu", seed=0)[0]
-    bench.fla_caller(fake_fla)(x)
+    x = bench_timing.make_input_sets(RAGGED, 1, "cpu", seed=0)[0]
+    bench_timing.fla_caller(fake_fla)(x)
     assert seen["q"] is x.q and seen["initial_state"] is x.h0
     assert seen["cu_seqlens"] is x.cu_seqlens_long and seen["cu_seqlens"].dtype == torch.int64
     assert seen["output_final_state"] is True and seen["use_qk_l2norm_in_kernel"] is False
@@ -327,8 +327,8 @@ def test_fla_caller_passes_fla_arguments():
 
 @pytest.mark.parametrize("shape", [pytest.param(SMALL, id="uniform"), pytest.param(RAGGED, id="ragged")])
 def test_ours_caller_runs_the_forced_backend(shape):
-    x = bench.make_input_sets(shape, 1, "cpu", seed=0)[0]
-    o, state = bench.ours_caller("reference")(x)
+    x = bench_timing.make_input_sets(shape, 1, "cpu", seed=0)[0]
+    o, state = bench_timing.ours_caller("reference")(x)
     assert o.shape == (shape.B, shape.T, shape.HV, shape.V) and o.dtype == torch.bfloat16
     assert state.shape == (shape.N, shape.HV, shape.K, shape.V) and state.dtype == torch.float32
     if shape.is_varlen:  # the zero-length sequence keeps its initial state
@@ -339,7 +339,7 @@ def test_load_fla_without_fla(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)  # makes `import fla...` raise
     monkeypatch.setenv("FLA_FLASH_QLA", "unset below")  # so the undo also drops load_fla's value
     monkeypatch.delenv("FLA_FLASH_QLA")
-    fn, version, reason = bench.load_fla()
+    fn, version, reason = bench_timing.load_fla()
     assert fn is None and version is None
     assert reason.startswith("not importable: ModuleNotFoundError: No module named 'fla.ops'")
     assert os.environ["FLA_FLASH_QLA"] == "0"
@@ -348,7 +348,7 @@ def test_load_fla_without_fla(monkeypatch):
 def test_load_fla_keeps_callers_flash_qla_choice(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setenv("FLA_FLASH_QLA", "1")
-    bench.load_fla()
+    bench_timing.load_fla()
     assert os.environ["FLA_FLASH_QLA"] == "1"
 
 
@@ -362,8 +362,8 @@ def fake_timer(call, sets, warmup, iters):
 
 
 def test_bench_shape_with_fake_timer_and_check():
-    sets = bench.make_input_sets(RAGGED, 2, "cpu", seed=0)
-    reference = bench.ours_caller("reference")
+    sets = bench_timing.make_input_sets(RAGGED, 2, "cpu", seed=0)
+    reference = bench_timing.ours_caller("reference")
 
     def slow_fla(x):  # stands in for fla: the same answer, a little perturbed
         o, state = reference(x)
@@ -376,7 +376,7 @@ def test_bench_shape_with_fake_timer_and_check():
         raise RuntimeError("illegal memory access")
 
     callers = {"reference": reference, "gluon_sm100": cannot, "triton_generic": broken, "fla": slow_fla}
-    result = bench.bench_shape(RAGGED, sets, callers, bandwidth=1e12, matmul_rate=1e14, timer=fake_timer,
+    result = bench_timing.bench_shape(RAGGED, sets, callers, bandwidth=1e12, matmul_rate=1e14, timer=fake_timer,
                                warmup=1, iters=3, check_against=("fla", slow_fla))
     by = {m.backend: m for m in result.measurements}
     assert list(by) == ["reference", "gluon_sm100", "triton_generic", "fla"]
@@ -386,7 +386,7 @@ def test_bench_shape_with_fake_timer_and_check():
     assert by["gluon_sm100"].note.startswith("cannot run: ") and not by["gluon_sm100"].failed
     assert by["triton_generic"].note == "error: RuntimeError: illegal memory access" and by["triton_generic"].failed
     assert by["triton_generic"].err_o is None
-    bound = max(bench.min_bytes(RAGGED) / 1e12, bench.flop_count(RAGGED) / 1e14) * 1e3
+    bound = max(bench_shapes.min_bytes(RAGGED) / 1e12, bench_shapes.flop_count(RAGGED) / 1e14) * 1e3
     assert result.bound_ms == pytest.approx(bound) and result.input_sets == 2
     assert by["reference"].sol_ratio == pytest.approx(2.0 / bound)
 
@@ -395,7 +395,7 @@ def test_bench_shape_fla_errors_are_notes_not_failures():
     def fla_without_gva(x):
         raise AssertionError("HV must equal H")
 
-    result = bench.bench_shape(SMALL, bench.make_input_sets(SMALL, 1, "cpu", 0), {"fla": fla_without_gva},
+    result = bench_timing.bench_shape(SMALL, bench_timing.make_input_sets(SMALL, 1, "cpu", 0), {"fla": fla_without_gva},
                                bandwidth=1e12, matmul_rate=1e14, timer=fake_timer, warmup=0, iters=1)
     m = result.measurements[0]
     assert m.note == "error: AssertionError: HV must equal H" and not m.failed
@@ -403,12 +403,12 @@ def test_bench_shape_fla_errors_are_notes_not_failures():
 
 def test_bench_all_on_cpu_prints_each_shape():
     out = io.StringIO()
-    reference = bench.ours_caller("reference")
+    reference = bench_timing.ours_caller("reference")
     results = bench.bench_all([SMALL, RAGGED], {"reference": reference}, "cpu", bandwidth=1e12, matmul_rate=1e14,
                               timer=fake_timer, warmup=0, iters=3, seed=0, check_against=("reference", reference),
                               out=out)
     assert [r.shape.name for r in results] == ["small", "ragged"]
-    assert all(r.input_sets == bench.MAX_INPUT_SETS for r in results)  # tiny sets: the cap
+    assert all(r.input_sets == bench_timing.MAX_INPUT_SETS for r in results)  # tiny sets: the cap
     assert all(r.measurements[0].err_o == 0.0 for r in results)
     lines = out.getvalue().splitlines()
     assert "err o" in lines[0] and lines[1].startswith("small: ") and lines[3].startswith("ragged: ")

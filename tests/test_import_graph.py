@@ -136,8 +136,6 @@ def test_backends_have_no_import_cycle():
     assert through_backends == []
 
 
-@pytest.mark.xfail(strict=True, reason="gdn_dispatch.bench <-> gdn_dispatch.bench_report, until bench.py is split "
-                                       "by job (issue #12 item 7); strict: passing fails until this mark goes")
 def test_import_graph_has_no_cycle():
     assert cycles(import_graph()) == []
 
