@@ -15,8 +15,11 @@ dim; ``V`` value head dim; ``N`` sequences (``B`` without ``cu_seqlens``, else
 
 from __future__ import annotations
 
+import collections
 import enum
+import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,13 @@ MAX_HEAD_DIM = 256
 CHUNK_SIZE = 64
 
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Inputs copied by :func:`make_problem` to a layout the kernels read (see
+#: :func:`token_rows_stride`), counted by argument name; each copy is also logged at DEBUG
+#: level on the ``gdn_dispatch`` logger.
+INPUT_COPIES: collections.Counter = collections.Counter()
+_log = logging.getLogger("gdn_dispatch")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -63,13 +73,21 @@ class GDNProblem:
 
     Attributes
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
-    v : Tensor ``[B, T, HV, V]``, same dtype as q, contiguous.
-    g : Tensor ``[B, T, HV]``, any float dtype, log-space per-token decay (not cumulated).
-    beta : Tensor ``[B, T, HV]``, any float dtype.
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (see
+        :func:`token_rows_stride`: each token's heads one contiguous run, any token stride).
+    v : Tensor ``[B, T, HV, V]``, same dtype as q, in token rows.
+    g : Tensor ``[B, T, HV]``, any float dtype, log-space per-token decay (not cumulated), in
+        token rows.
+    beta : Tensor ``[B, T, HV]``, any float dtype, in token rows.
     scale : float, the output scale (default ``K ** -0.5``).
     initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), any float
-        dtype, contiguous; or None (zero state).
+        dtype, contiguous; or None (zero state). With ``state_indices``: the state pool
+        ``[P, HV, K, V]`` / ``[P, HV, V, K]``, float32 or bfloat16, contiguous.
+    state_indices : int32/int64 Tensor ``[N]`` on the tensors' device, or None: sequence ``n``
+        starts from ``initial_state[state_indices[n]]``; ``-1`` (or any index outside
+        ``[0, P)``) starts from zeros and writes nothing back.
+    inplace_final_state : bool, with ``state_indices``: each final state is written back to
+        its pool row, in the pool's dtype.
     output_final_state : bool
     state_layout : StateLayout, the layout of initial_state and of the returned final state.
     use_qk_l2norm : bool, l2-normalize q and k over K before use.
@@ -92,6 +110,8 @@ class GDNProblem:
     cu_seqlens: torch.Tensor | None
     chunks: ChunkTable
     backend: str | None
+    state_indices: torch.Tensor | None = None
+    inplace_final_state: bool = False
 
     @property
     def B(self) -> int:
@@ -134,6 +154,17 @@ class GDNProblem:
         return self.cu_seqlens is not None
 
     @property
+    def uses_state_pool(self) -> bool:
+        return self.state_indices is not None
+
+    def with_contiguous_inputs(self) -> "GDNProblem":
+        """This problem with q, k, v, g, beta contiguous, for a backend whose kernels take no
+        token stride; each copy made is counted in INPUT_COPIES and logged."""
+        moved = {name: _counted_copy(name, getattr(self, name))
+                 for name in ("q", "k", "v", "g", "beta") if not getattr(self, name).is_contiguous()}
+        return dataclasses.replace(self, **moved) if moved else self
+
+    @property
     def state_shape(self) -> tuple[int, int, int, int]:
         """``[N, HV, K, V]`` for "kv", ``[N, HV, V, K]`` for "vk"."""
         if self.state_layout is StateLayout.KV:
@@ -161,13 +192,49 @@ def _require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...])
 
 
 def _require_contiguous(name: str, t: torch.Tensor) -> None:
-    # Kernels address rows with fixed strides; copying behind the caller's back would hide
-    # a full extra pass over the tensor, so the caller decides.
+    # States are addressed as whole [K, V] blocks per (row, head).
     if not t.is_contiguous():
         raise GDNInputError(
             f"{name}: expected a contiguous tensor (call .contiguous() first), "
             f"got {_describe(t)} with strides {tuple(t.stride())}"
         )
+
+
+def token_rows_stride(t: torch.Tensor) -> int | None:
+    """The token stride (elements) of ``t`` ``[B, T, heads, dim]`` or ``[B, T, heads]`` when
+    its layout is one the kernels read directly, else None.
+
+    Readable: the dims after T packed (each token's heads one contiguous run), any token
+    stride at least that run, and batch rows ``T`` token strides apart. Views split out of
+    one fused projection (``proj[..., a:b].view(B, T, H, K)``) are; a transposed or
+    permuted tensor is not.
+    """
+    shape, strides = t.shape, t.stride()
+    run = 1
+    for size, stride in zip(reversed(shape[2:]), reversed(strides[2:])):
+        if size != 1 and stride != run:
+            return None
+        run *= size
+    B, T = shape[0], shape[1]
+    token = strides[1] if T > 1 else (strides[0] if B > 1 else run)
+    if token < run:
+        return None
+    if B > 1 and strides[0] != T * token:
+        return None
+    return token
+
+
+def _counted_copy(name: str, t: torch.Tensor) -> torch.Tensor:
+    INPUT_COPIES[name] += 1
+    _log.debug("gdn_dispatch: copied %s (shape %s, strides %s) to a contiguous tensor",
+               name, tuple(t.shape), tuple(t.stride()))
+    return t.contiguous()
+
+
+def _token_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the kernels read its layout (:func:`token_rows_stride`), else one
+    counted contiguous copy."""
+    return t if token_rows_stride(t) is not None else _counted_copy(name, t)
 
 
 def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
@@ -221,6 +288,42 @@ def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host) 
             raise GDNInputError(f"{name}: expected finite values, got {bad} NaN/inf entries")
 
 
+def _check_pool(pool, state_indices, N: int, HV: int, K: int, V: int, layout: "StateLayout",
+                device: torch.device) -> torch.Tensor:
+    """A state pool ``[P, HV, K, V]`` ("kv") / ``[P, HV, V, K]`` ("vk") and its row indices ``[N]``."""
+    dims = "[P, HV, K, V]" if layout is StateLayout.KV else "[P, HV, V, K]"
+    if pool is None:
+        raise GDNInputError(f"state_indices: needs initial_state to be the state pool {dims}")
+    state_indices = _require_tensor("state_indices", state_indices, 1, "[N]")
+    _require_dtype("state_indices", state_indices, INDEX_DTYPES)
+    if state_indices.device != device:
+        raise GDNInputError(f"state_indices: expected device {device} (q's), got {state_indices.device}")
+    if state_indices.numel() != N:
+        raise GDNInputError(f"state_indices: expected one index per sequence, N = {N}, got {state_indices.numel()}")
+    pool = _require_tensor("initial_state", pool, 4, f"(the state pool) {dims}")
+    _require_dtype("initial_state", pool, POOL_DTYPES)
+    per_row = (HV, K, V) if layout is StateLayout.KV else (HV, V, K)
+    if tuple(pool.shape[1:]) != per_row or pool.shape[0] < 1:
+        raise GDNInputError(
+            f"initial_state: expected a state pool {dims} = (P, {', '.join(map(str, per_row))}) with P >= 1 "
+            f"for state_layout={layout.value!r}, got {_describe(pool)}"
+        )
+    _require_contiguous("initial_state", pool)
+    return state_indices
+
+
+def _debug_check_indices(state_indices: torch.Tensor, P: int) -> None:
+    """Pool indices in [-1, P) and no pool row used twice (reads them back: a sync)."""
+    idx = state_indices.cpu().to(torch.int64)
+    bad = (idx < -1) | (idx >= P)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise GDNInputError(f"state_indices: expected values in [-1, {P}) (P pool rows), got {int(idx[i])} at position {i}")
+    used = idx[idx >= 0]
+    if used.numel() != used.unique().numel():
+        raise GDNInputError("state_indices: expected each pool row at most once (two sequences would share a state)")
+
+
 def _resolve_layout(state_layout, state_v_first) -> StateLayout:
     """``state_layout`` wins; fla's ``state_v_first=True`` means "vk"; both must agree."""
     if state_layout is None:
@@ -249,6 +352,8 @@ def make_problem(
     backend: str | None = None,
     state_v_first: bool | None = None,
     head_first: bool | None = None,
+    state_indices: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
 ) -> GDNProblem:
     """Validate a ``chunk_gated_delta_rule`` call and return it as a :class:`GDNProblem`.
 
@@ -294,8 +399,8 @@ def make_problem(
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if isinstance(t, torch.Tensor) and t.device != device:
             raise GDNInputError(f"{name}: expected device {device} (q's), got {t.device}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _require_contiguous(name, t)
+    q, k, v, g, beta = (_token_rows(name, t) for name, t in
+                        (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
 
     cu_host = None
     if isinstance(cu_seqlens, (list, tuple)):
@@ -343,7 +448,11 @@ def make_problem(
     chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device)
     N = chunks.num_seqs
 
-    if initial_state is not None:
+    if state_indices is not None:
+        state_indices = _check_pool(initial_state, state_indices, N, HV, K, V, layout, device)
+    elif inplace_final_state:
+        raise GDNInputError("inplace_final_state: needs state_indices (the pool rows to write back)")
+    elif initial_state is not None:
         initial_state = _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V] or [N, HV, V, K]")
         _require_dtype("initial_state", initial_state, FLOAT_DTYPES)
         expected = (N, HV, K, V) if layout is StateLayout.KV else (N, HV, V, K)
@@ -354,6 +463,8 @@ def make_problem(
                 f"and N = {N} sequences, got {_describe(initial_state)}"
             )
         _require_contiguous("initial_state", initial_state)
+    if state_indices is not None and debug_checks_enabled():
+        _debug_check_indices(state_indices, initial_state.shape[0])
 
     if scale is None:
         scale = K ** -0.5
@@ -369,4 +480,5 @@ def make_problem(
         initial_state=initial_state, output_final_state=bool(output_final_state),
         state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens, chunks=chunks, backend=backend,
+        state_indices=state_indices, inplace_final_state=bool(inplace_final_state),
     )

@@ -26,10 +26,20 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int):
+def _pool_slot(problem: GDNProblem, slots: list[int] | None, n: int) -> int | None:
+    """Sequence ``n``'s pool row, or None (no pool, or an index outside [0, P): zeros in,
+    nothing written back)."""
+    if slots is None:
+        return None
+    slot = slots[n]
+    return slot if 0 <= slot < problem.initial_state.shape[0] else None
+
+
+def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int, slot: int | None = None):
     """Float32 inputs of sequence ``n`` (tokens ``bos:eos`` of the packed axis), q/k heads
     expanded to the v-heads. Returns q, k ``[L, HV, K]``, v ``[L, HV, V]``, g, beta
-    ``[L, HV]``, and the initial state ``[HV, K, V]`` (zeros when none)."""
+    ``[L, HV]``, and the initial state ``[HV, K, V]`` (zeros when none; with a state pool,
+    pool row ``slot``, zeros when ``slot`` is None)."""
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, *t.shape[2:])[bos:eos].float()
 
@@ -39,10 +49,11 @@ def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int):
         q, k = l2_normalize(q), l2_normalize(k)
     q = q.repeat_interleave(group, dim=1)
     k = k.repeat_interleave(group, dim=1)
-    if problem.initial_state is None:
+    row = slot if problem.uses_state_pool else n
+    if problem.initial_state is None or row is None:
         s0 = q.new_zeros(problem.HV, problem.K, problem.V)
     else:
-        s0 = problem.initial_state[n].float()
+        s0 = problem.initial_state[row].float()
         if problem.state_layout is StateLayout.VK:
             s0 = s0.transpose(-1, -2)
     return q, k, rows(problem.v), rows(problem.g), rows(problem.beta), s0.clone()
@@ -90,12 +101,17 @@ def _run(problem: GDNProblem, walk) -> tuple[torch.Tensor, torch.Tensor | None]:
     bounds = problem.chunks.cu_seqlens_host
     if bounds is None:
         bounds = problem.chunks.cu_seqlens.cpu()
+    slots = problem.state_indices.tolist() if problem.uses_state_pool else None
     for n in range(problem.N):
         bos, eos = int(bounds[n]), int(bounds[n + 1])
-        q, k, v, g, beta, s = _sequence_inputs(problem, n, bos, eos)
+        slot = _pool_slot(problem, slots, n)
+        q, k, v, g, beta, s = _sequence_inputs(problem, n, bos, eos, slot)
         o_seq, s = walk(q, k, v, g, beta, s, problem.scale)
         o[bos:eos] = o_seq
         final.append(s)
+        if problem.inplace_final_state and slot is not None:
+            pool_row = s.transpose(-1, -2) if problem.state_layout is StateLayout.VK else s
+            problem.initial_state[slot].copy_(pool_row)
     o = o.reshape(problem.B, problem.T, problem.HV, problem.V).to(problem.dtype)
     if not problem.output_final_state:
         return o, None

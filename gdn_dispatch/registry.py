@@ -29,7 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 ENV_VAR = "GDN_BACKEND"
-_FEATURES = ("varlen", "grouped_value_heads", "initial_state", "final_state", "qk_l2norm")
+_FEATURES = ("varlen", "grouped_value_heads", "initial_state", "final_state", "qk_l2norm", "state_pool")
 
 
 class GDNDispatchError(RuntimeError):
@@ -68,6 +68,7 @@ class CallSpec:
     initial_state: bool = True
     final_state: bool = True
     qk_l2norm: bool = False
+    state_pool: bool = False
 
     @classmethod
     def from_problem(cls, problem) -> "CallSpec":
@@ -81,6 +82,7 @@ class CallSpec:
             initial_state=problem.initial_state is not None,
             final_state=problem.output_final_state,
             qk_l2norm=problem.use_qk_l2norm,
+            state_pool=problem.uses_state_pool,
         )
 
 

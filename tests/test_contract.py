@@ -45,8 +45,6 @@ BAD_CALLS = [
     pytest.param(lambda c: c.update(v=c["v"].half()), r"v: expected q's dtype torch.float32, got torch.float16", id="v-dtype"),
     pytest.param(lambda c: c.update(g=c["g"].to(torch.int32)), r"g: expected dtype in", id="g-int"),
     pytest.param(lambda c: c.update(beta=c["beta"].to(torch.bool)), r"beta: expected dtype in", id="beta-bool"),
-    pytest.param(lambda c: c.update(q=c["q"].transpose(1, 2).contiguous().transpose(1, 2)),
-                 r"q: expected a contiguous tensor \(call .contiguous\(\) first\)", id="q-strided"),
     pytest.param(lambda c: c.update(initial_state=torch.randn(2, 4, 12, 8)),
                  r"initial_state: expected \[N, HV, K, V\] = \(2, 4, 8, 12\) for state_layout='kv' and N = 2 sequences, got shape \(2, 4, 12, 8\)",
                  id="h0-kv-shape"),
@@ -200,3 +198,98 @@ def test_debug_checks_are_off_by_default(mutate, monkeypatch):
     mutate(call)
     monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
     chunk_gated_delta_rule(**call)
+
+
+def _fused_projection_views(call):
+    """q, k, v, g, beta as views of one [B, T, 2 H K + HV V + 2 HV] projection (token rows
+    with a token stride wider than each tensor's own row)."""
+    B, T, H, K = call["q"].shape
+    HV, V = call["v"].shape[2:]
+    parts = [call["q"].reshape(B, T, H * K), call["k"].reshape(B, T, H * K), call["v"].reshape(B, T, HV * V),
+             call["g"].float(), call["beta"].float()]
+    fused = torch.cat([p.to(call["q"].dtype) for p in parts], dim=-1)
+    widths = [H * K, H * K, HV * V, HV, HV]
+    views = torch.split(fused, widths, dim=-1)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
+    return {name: view.view(shape) for name, view, shape in zip(("q", "k", "v", "g", "beta"), views, shapes)}
+
+
+@pytest.mark.parametrize("make", [base_call, varlen_call], ids=["uniform", "varlen"])
+def test_row_strided_views_are_read_without_a_copy(make):
+    from gdn_dispatch.contract import INPUT_COPIES, token_rows_stride
+
+    call = make()
+    views = _fused_projection_views(call)
+    width = views["q"].stride(1)
+    assert all(token_rows_stride(t) == width for t in views.values())
+    dense = {name: t.contiguous() for name, t in views.items()}
+    before = sum(INPUT_COPIES.values())
+    problem = make_problem(**{**call, **views})
+    assert sum(INPUT_COPIES.values()) == before
+    assert all(getattr(problem, name) is views[name] for name in views)
+    o, ht = chunk_gated_delta_rule(**{**call, **views}, output_final_state=True)
+    o_ref, ht_ref = chunk_gated_delta_rule(**{**call, **dense}, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+def test_other_strides_are_copied_once_and_counted(caplog):
+    from gdn_dispatch.contract import INPUT_COPIES
+
+    call = base_call()
+    # v as transformers hands it in: the last dim not contiguous.
+    v_t = call["v"].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert v_t.stride(-1) != 1 and torch.equal(v_t, call["v"])
+    before = INPUT_COPIES["v"]
+    with caplog.at_level("DEBUG", logger="gdn_dispatch"):
+        problem = make_problem(**{**call, "v": v_t})
+    assert INPUT_COPIES["v"] == before + 1 and problem.v.is_contiguous()
+    assert "copied v" in caplog.text
+    o, _ = chunk_gated_delta_rule(**{**call, "v": v_t})
+    torch.testing.assert_close(o, chunk_gated_delta_rule(**call)[0], rtol=0, atol=0)
+
+
+def _pool(P=5, layout="kv", dtype=torch.float32):
+    dims = (8, 12) if layout == "kv" else (12, 8)
+    return torch.randn(P, 4, *dims).to(dtype)
+
+
+BAD_POOLS = [
+    pytest.param(dict(initial_state=None, state_indices=_int([0, 1, 2])),
+                 r"state_indices: needs initial_state to be the state pool \[P, HV, K, V\]", id="no-pool"),
+    pytest.param(dict(initial_state=_pool(), state_indices=_int([0, 1])),
+                 r"state_indices: expected one index per sequence, N = 3, got 2", id="idx-count"),
+    pytest.param(dict(initial_state=_pool(), state_indices=torch.tensor([0.0, 1.0, 2.0])),
+                 r"state_indices: expected dtype in", id="idx-float"),
+    pytest.param(dict(initial_state=_pool(), state_indices=_int([[0, 1, 2]])), r"state_indices: expected 1 dims", id="idx-2d"),
+    pytest.param(dict(initial_state=_pool(), state_indices=_int([0, 1, 2]).to("meta")),
+                 r"state_indices: expected device cpu \(q's\), got meta", id="idx-device"),
+    pytest.param(dict(initial_state=_pool(dtype=torch.float16), state_indices=_int([0, 1, 2])),
+                 r"initial_state: expected dtype in \['torch.float32', 'torch.bfloat16'\], got torch.float16", id="pool-fp16"),
+    pytest.param(dict(initial_state=_pool(layout="vk"), state_indices=_int([0, 1, 2])),
+                 r"initial_state: expected a state pool \[P, HV, K, V\] = \(P, 4, 8, 12\)", id="pool-layout"),
+    pytest.param(dict(initial_state=_pool()[:, :, :, :6].contiguous(), state_indices=_int([0, 1, 2])),
+                 r"initial_state: expected a state pool", id="pool-V"),
+    pytest.param(dict(initial_state=_pool().transpose(0, 1).contiguous().transpose(0, 1), state_indices=_int([0, 1, 2])),
+                 r"initial_state: expected a contiguous tensor", id="pool-strided"),
+    pytest.param(dict(initial_state=_pool(P=0), state_indices=_int([-1, -1, -1])),
+                 r"initial_state: expected a state pool .* with P >= 1", id="pool-empty"),
+    pytest.param(dict(inplace_final_state=True), r"inplace_final_state: needs state_indices", id="inplace-no-idx"),
+]
+
+
+@pytest.mark.parametrize("over, message", BAD_POOLS)
+def test_bad_state_pool_raises(over, message):
+    with pytest.raises(GDNInputError, match=message):
+        make_problem(**varlen_call(**over))
+
+
+@pytest.mark.parametrize("idx, message", [
+    pytest.param([0, 5, 1], r"state_indices: expected values in \[-1, 5\) \(P pool rows\), got 5 at position 1", id="past-end"),
+    pytest.param([0, -2, 1], r"state_indices: expected values in \[-1, 5\).* got -2", id="below-minus-one"),
+    pytest.param([3, -1, 3], r"state_indices: expected each pool row at most once", id="duplicate"),
+])
+def test_debug_checks_catch_bad_pool_indices(idx, message, monkeypatch):
+    monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
+    with pytest.raises(GDNInputError, match=message):
+        make_problem(**varlen_call(initial_state=_pool(), state_indices=_int(idx)))

@@ -60,6 +60,7 @@ class FuzzSpec:
     l2: bool
     h0: bool
     final: bool
+    pool: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class FuzzCase:
     lengths: tuple[int, ...] | None
     batch: tuple[int, int] | None
     data_seed: int
+    fused: bool = False
 
     def describe(self) -> str:
         s = self.spec
@@ -79,7 +81,7 @@ class FuzzCase:
         return (f"backend={self.backend!r}: random_call({shape}, H={s.H}, HV={s.HV}, K={s.K}, V={s.V}, "
                 f"dtype=torch.{s.dtype}, seed={self.data_seed}, initial_state={s.h0}, "
                 f"state_layout={s.layout!r}, normalize_qk={not s.l2}) with use_qk_l2norm_in_kernel={s.l2}, "
-                f"output_final_state={s.final}")
+                f"output_final_state={s.final}, state pool={s.pool}, fused-projection views={self.fused}")
 
 
 def _row(name: str):
@@ -93,6 +95,7 @@ def _draw_spec(rng: random.Random, row, dims: tuple[int, ...]) -> FuzzSpec:
         K=rng.choice(admitted), V=rng.choice(admitted), H=H, HV=H * ratio,
         dtype=rng.choice(row.dtypes), layout=rng.choice(row.state_layouts),
         l2=rng.random() < 0.5, h0=rng.random() < 0.7, final=rng.random() < 0.8,
+        pool="state_pool" in row.features and rng.random() < 0.3,
     )
 
 
@@ -125,7 +128,8 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
     cases = []
     for i in range(count):
         lengths, batch = _draw_layout(rng, CPU_LENGTHS if cpu else LENGTHS, max_tokens)
-        cases.append(FuzzCase(backend, pool[i % len(pool)], lengths, batch, data_seed=rng.randrange(1 << 30)))
+        cases.append(FuzzCase(backend, pool[i % len(pool)], lengths, batch, data_seed=rng.randrange(1 << 30),
+                              fused=rng.random() < 0.25))
     return cases
 
 
@@ -137,18 +141,77 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
                        H=s.H, HV=s.HV, K=s.K, V=s.V, dtype=DTYPES[s.dtype], device=device,
                        seed=case.data_seed, initial_state=s.h0, state_layout=s.layout, normalize_qk=not s.l2)
     flags = dict(use_qk_l2norm_in_kernel=s.l2, output_final_state=s.final)
+    ref_call = dict(call)
+    if case.fused:
+        call = {**call, **fused_projection_views(call)}
+    pool_args, pool_ref = {}, None
+    if s.pool:
+        pool_args, ref_call["initial_state"], pool_ref = _pool_for(call, s, case.data_seed, device)
+        call = {**call, "initial_state": pool_args.pop("pool")}
+        if pool_ref is not None:
+            flags["output_final_state"] = True
     if device == "cuda":
         poison_cuda_allocator()
-    o, ht = chunk_gated_delta_rule(**call, **flags, backend=case.backend)
-    o_ref, ht_ref = reference.forward(make_problem(**call, **flags))
+    o, ht = _call_backend(call, flags, pool_args, case.backend)
+    o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags))
     errors = {"o": rel_rms_error(o, o_ref)}
+    if pool_ref is not None:
+        live = pool_args["state_indices"] >= 0
+        pool_ref[pool_args["state_indices"][live].long()] = ht_ref[live].to(pool_ref.dtype)
+        errors["pool"] = rel_rms_error(call["initial_state"], pool_ref)
+        if not s.final:
+            ht, ht_ref = None, None
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, case.describe()
-    if s.final:
+    if ht_ref is not None:
         assert ht is not None and ht.shape == ht_ref.shape and ht.dtype == torch.float32, case.describe()
         errors["final_state"] = rel_rms_error(ht, ht_ref)
     else:
         assert ht is None, case.describe()
     return errors
+
+
+def fused_projection_views(call: dict) -> dict:
+    """q, k, v, g, beta as views of one ``[B, T, 2 H K + HV V + 2 HV]`` projection (token
+    rows with a token stride wider than each tensor's own row)."""
+    B, T, H, K = call["q"].shape
+    HV, V = call["v"].shape[2:]
+    parts = [call["q"].reshape(B, T, -1), call["k"].reshape(B, T, -1), call["v"].reshape(B, T, -1),
+             call["g"].to(call["q"].dtype), call["beta"].to(call["q"].dtype)]
+    views = torch.split(torch.cat(parts, dim=-1), [p.shape[-1] for p in parts], dim=-1)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
+    return {n: t.view(sh) for n, t, sh in zip(("q", "k", "v", "g", "beta"), views, shapes)}
+
+
+def _pool_for(call: dict, s: FuzzSpec, seed: int, device: str):
+    """A pool of N + 2 rows (float32 or bfloat16 by seed), indices with a -1, the gathered
+    initial states for the reference, and a copy of the pool to scatter the reference into
+    (None when the call does not write back: every other seed)."""
+    N = call["cu_seqlens"].numel() - 1 if call.get("cu_seqlens") is not None else call["q"].shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    dims = (s.K, s.V) if s.layout == "kv" else (s.V, s.K)
+    pool_dtype = torch.bfloat16 if seed % 2 else torch.float32
+    pool = (0.1 * torch.randn(N + 2, s.HV, *dims, generator=gen)).to(pool_dtype).to(device)
+    idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
+    if N > 1:
+        idx[int(torch.randint(N, (1,), generator=gen))] = -1
+    idx = idx.to(device)
+    h0 = torch.zeros(N, s.HV, *dims, device=device)
+    live = idx >= 0
+    h0[live] = pool[idx[live].long()].float()
+    inplace = seed % 3 != 0
+    args = {"pool": pool, "state_indices": idx, "inplace_final_state": inplace}
+    return args, h0, (pool.clone() if inplace else None)
+
+
+def _call_backend(call: dict, flags: dict, pool_args: dict, backend: str):
+    if not pool_args:
+        return chunk_gated_delta_rule(**call, **flags, backend=backend)
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.registry import select
+
+    problem = make_problem(**call, **flags, **pool_args, backend=backend)
+    selection = select(default_probe().for_torch_device(problem.device), problem)
+    return selection.module.forward(problem, selection)
 
 
 def _check(case: FuzzCase, device: str) -> None:
@@ -232,6 +295,7 @@ def test_draws_cover_the_classes():
     lengths = {n for c in cases if c.lengths for n in c.lengths}
     assert {0, 1, 63, 64, 65, 2049} <= lengths
     assert any(c.batch for c in cases) and any(c.lengths for c in cases)
+    assert any(s.pool for s in specs) and any(c.fused for c in cases)
     assert draw_cases("triton_generic", 0, 10) == draw_cases("triton_generic", 0, 10)
     gluon = {c.spec for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)}
     assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \

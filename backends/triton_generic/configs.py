@@ -142,15 +142,20 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """The output, one program per (chunk, v-head, BV slice of V).
 
-    Tiles sized for square heads (:func:`_square_tile`). BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
+    On wgmma parts tiles sized for square heads (:func:`_square_tile`). BV = V up to 128 (64 for float32) so that q k^T is formed once per chunk and head in
     the common case; BK = 64 keeps the streamed q, k and h tiles at 8 + 8 + 16 KB per stage
     (32 for float32, and on parts without wgmma, whose mma.sync accumulators then fit the
     register file: 255 registers and spills at BK = 64 on sm_120).
     """
     wgmma = capability is None or capability[0] in (9, 10)
-    edge = _square_tile(K, V)
-    BK = min(edge, 64 if elem <= 2 and wgmma else 32)
-    BV = min(edge, 128 if elem <= 2 else 64)
+    if wgmma:
+        edge = _square_tile(K, V)
+        BK, BV = min(edge, 64 if elem <= 2 else 32), min(edge, 128 if elem <= 2 else 64)
+    else:
+        # mma.sync parts: BK = 32 is never square; the V tile follows V, as at BV = 128 the
+        # padded tile of a narrower V spills (32 bytes at K = 100, V = 60, fp16 on sm_80).
+        BK = min(max(MIN_TILE, next_pow2(K)), 32)
+        BV = max(MIN_TILE, min(next_pow2(V), 128 if elem <= 2 else 64))
     per_stage = (2 * 64 * BK + BK * BV) * elem
     fixed = (64 * 64 + 64 * BV) * elem + per_stage
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)

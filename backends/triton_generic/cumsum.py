@@ -16,6 +16,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import _chunk_rows, jit
+from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import cumsum_config
 
 
@@ -27,6 +28,7 @@ def _chunk_cumsum_fwd_kernel(
     chunk_seq,
     chunk_local,
     scale,
+    s_g: tl.constexpr,
     HV: tl.constexpr,
     BT: tl.constexpr,
     BH: tl.constexpr,
@@ -36,10 +38,9 @@ def _chunk_cumsum_fwd_kernel(
     o_i = tl.arange(0, BT)
     o_h = i_hb * BH + tl.arange(0, BH)
     m_g = (o_i < n_t)[:, None] & (o_h < HV)[None, :]
-    p_g = o_i[:, None] * HV + o_h[None, :]
-    b_g = tl.load(g + t0 * HV + p_g, mask=m_g, other=0.0).to(tl.float32)
+    b_g = tl.load(g + t0 * s_g + o_i[:, None] * s_g + o_h[None, :], mask=m_g, other=0.0).to(tl.float32)
     b_g = tl.cumsum(b_g, axis=0) * scale
-    tl.store(g_cum + t0 * HV + p_g, b_g, mask=m_g)
+    tl.store(g_cum + t0 * HV + o_i[:, None] * HV + o_h[None, :], b_g, mask=m_g)
 
 
 def chunk_cumsum_fwd(
@@ -53,7 +54,7 @@ def chunk_cumsum_fwd(
 
     Parameters
     ----------
-    g : Tensor ``[B, T, HV]`` (or ``[B * T, HV]``), any float dtype, contiguous: the
+    g : Tensor ``[B, T, HV]``, any float dtype, in token rows (any token stride): the
         per-token log-decay.
     chunks : ChunkTable of the call (``problem.chunks``); chunk ``c`` covers tokens
         ``cu_seqlens[n] + 64 * chunk_local[c]`` onwards of sequence ``n = chunk_seq[c]``.
@@ -79,6 +80,7 @@ def chunk_cumsum_fwd(
         chunk_seq=chunks.chunk_seq,
         chunk_local=chunks.chunk_local,
         scale=float(scale),
+        s_g=token_stride("g", g),
         HV=HV,
         BT=chunks.chunk_size,
         BH=cfg.BH,

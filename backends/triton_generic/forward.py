@@ -63,6 +63,8 @@ def _forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
         state_vk=problem.state_layout is StateLayout.VK,
         use_qk_l2norm=l2,
         k_rnorm=k_rnorm,
+        state_indices=problem.state_indices,
+        inplace_final_state=problem.inplace_final_state,
     )
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm)

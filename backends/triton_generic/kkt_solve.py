@@ -28,6 +28,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config, launch
 
 
@@ -88,7 +89,7 @@ def _inv_unit_lower64(a, PREC: tl.constexpr):
 
 
 @jit
-def _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H: tl.constexpr, HV: tl.constexpr,
+def _kkt_solve_tile(k, g_cum, beta, s_k: tl.constexpr, s_b: tl.constexpr, t0, n_t, i_h, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
                     DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """T = (I + A)^-1 of the chunk starting at token ``t0`` (``n_t`` valid rows) for v-head
@@ -99,7 +100,7 @@ def _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H: tl.constexpr, HV: tl.conste
     """
     o_i = tl.arange(0, BT)
     m_t = o_i < n_t
-    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[:, None] * (H * K)
+    p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_ss = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -114,7 +115,7 @@ def _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H: tl.constexpr, HV: tl.conste
     else:
         b_r = tl.full([BT], 1.0, dtype=tl.float32)
     b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
-    b_b = tl.load(beta + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + t0 * s_b + i_h + o_i * s_b, mask=m_t, other=0.0).to(tl.float32)
     # where(), not a multiply by the mask: 2^(g_i - g_j) overflows above the diagonal.
     m_a = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
     b_a = tl.where(m_a, b_kk * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
@@ -131,6 +132,8 @@ def _kkt_solve_fwd_kernel(
     cu_seqlens,
     chunk_seq,
     chunk_local,
+    s_k: tl.constexpr,
+    s_b: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -146,7 +149,7 @@ def _kkt_solve_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
     t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
-    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H, HV, K, BT, BK,
+    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, s_k, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
                                          USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     o_i = tl.arange(0, BT)
     p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
@@ -182,7 +185,7 @@ def kkt_solve_fwd(
 
     Parameters
     ----------
-    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous. Value head ``j`` reads k head
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows. Value head ``j`` reads k head
         ``j // (HV // H)``.
     g_cum : float32 Tensor ``[B, T, HV]``, the chunk-local gate cumsum in log2 units
         (:func:`chunk_cumsum_fwd` with ``scale=log2(e)``).
@@ -211,6 +214,7 @@ def kkt_solve_fwd(
     launch(_kkt_solve_fwd_kernel, (chunks.num_chunks * HV,), cfg,
         k=k, g_cum=g_cum, beta=beta, A_inv=A_inv,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        s_k=token_stride("k", k), s_b=token_stride("beta", beta),
         H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm,
         DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
     )

@@ -17,6 +17,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, output_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.wu import _row_rnorm
@@ -35,6 +36,8 @@ def _output_fwd_kernel(
     chunk_seq,
     chunk_local,
     scale,
+    s_q: tl.constexpr,
+    s_k: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -57,9 +60,9 @@ def _output_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
 
-    o_qk = (t0 * H + i_h // (HV // H)) * K
-    p_q = q + o_qk + o_i[:, None] * (H * K)
-    p_k = k + o_qk + o_i[None, :] * (H * K)
+    o_hk = (i_h // (HV // H)) * K
+    p_q = q + t0 * s_q + o_hk + o_i[:, None] * s_q
+    p_k = k + t0 * s_k + o_hk + o_i[None, :] * s_k
     p_h = h + (i_c * HV + i_h) * (K * V) + o_v[None, :]
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_s = tl.zeros([BT, BT], dtype=tl.float32)
@@ -79,7 +82,7 @@ def _output_fwd_kernel(
     if LOAD_RNORM:
         b_rk = tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     else:
-        b_rk = _row_rnorm(k + o_qk + o_i[:, None] * (H * K), m_t, K, BT, BK, USE_L2NORM)
+        b_rk = _row_rnorm(k + t0 * s_k + o_hk + o_i[:, None] * s_k, m_t, K, BT, BK, USE_L2NORM)
     b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
     b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
@@ -113,7 +116,7 @@ def output_fwd(
 
     Parameters
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
     v_new : Tensor ``[B, T, HV, V]``, q's dtype (from :func:`state_fwd`).
     h : Tensor ``[NT, HV, K, V]``, q's dtype: the state at each chunk's start.
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
@@ -129,7 +132,7 @@ def output_fwd(
     """
     H, K = q.shape[-2], q.shape[-1]
     HV, V, BT = v_new.shape[-2], v_new.shape[-1], chunks.chunk_size
-    o = torch.empty_like(v_new)
+    o = torch.empty(v_new.shape, dtype=q.dtype, device=q.device)
     if chunks.num_chunks == 0 or HV == 0:
         return o
     capability, _ = device_facts(q.device)
@@ -139,7 +142,8 @@ def output_fwd(
     launch(_output_fwd_kernel, grid, cfg,
         q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
-        scale=float(scale), H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
+        scale=float(scale), s_q=token_stride("q", q), s_k=token_stride("k", k),
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
         DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype),
     )

@@ -22,6 +22,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, state_block_k, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 
@@ -39,7 +40,7 @@ def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.c
 
 
 @jit
-def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c, i_h, o_k, o_v,
+def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_v,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr,
                      DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
@@ -66,7 +67,7 @@ def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c, i_h, 
     b_g_last = tl.load(p_g + (n_t - 1) * HV)
     b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
     b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
-    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[None, :] * (H * K) + o_k[:, None]
+    p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
     if LOAD_RNORM:
         b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
@@ -90,6 +91,9 @@ def _state_fwd_kernel(
     ht,
     cu_seqlens,
     seq_chunk_start,
+    state_indices,
+    s_k: tl.constexpr,
+    P,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -98,6 +102,8 @@ def _state_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_H0: tl.constexpr,
+    USE_POOL: tl.constexpr,
+    INPLACE: tl.constexpr,
     STORE_HT: tl.constexpr,
     STATE_VK: tl.constexpr,
     USE_L2NORM: tl.constexpr,
@@ -117,9 +123,18 @@ def _state_fwd_kernel(
     i_c0 = tl.load(seq_chunk_start + i_n).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
+    # With a state pool, sequence i_n's state lives in pool row state_indices[i_n]; an
+    # index outside [0, P) (-1 marks CUDA-graph padding) starts from zeros, writes nothing.
+    if USE_POOL:
+        i_slot = tl.load(state_indices + i_n).to(tl.int64)
+        has_row = (i_slot >= 0) & (i_slot < P)
+        i_row = tl.where(has_row, i_slot, 0)
+    else:
+        has_row = i_n >= 0
+        i_row = i_n
     if USE_H0:
-        p_s, m_s = _state_ptrs(h0 + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
-        b_h = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK)
+        b_h = tl.load(p_s, mask=m_s & has_row, other=0.0).to(tl.float32)
         if STATE_VK:
             b_h = tl.trans(b_h)
     else:
@@ -133,7 +148,7 @@ def _state_fwd_kernel(
         while i_t < NT:
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h,
+            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, t0, n_t, i_c0 + i_t, i_h,
                                    o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
                                    INTERP_BF16)
             i_t += 1
@@ -141,16 +156,21 @@ def _state_fwd_kernel(
         for i_t in range(NT):
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, t0, n_t, i_c0 + i_t, i_h,
+            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, t0, n_t, i_c0 + i_t, i_h,
                                    o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
                                    INTERP_BF16)
 
+    # The final state in the caller's layout, transposed once for both destinations.
+    if STATE_VK:
+        b_out = tl.trans(b_h)
+    else:
+        b_out = b_h
     if STORE_HT:
         p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
-        if STATE_VK:
-            tl.store(p_s, tl.trans(b_h), mask=m_s)
-        else:
-            tl.store(p_s, b_h, mask=m_s)
+        tl.store(p_s, b_out, mask=m_s)
+    if INPLACE:
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK)
+        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s & has_row)
 
 
 def state_fwd(
@@ -165,24 +185,31 @@ def state_fwd(
     state_vk: bool = False,
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the recurrence over every sequence's chunks.
 
     Parameters
     ----------
-    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
     w : Tensor ``[B, T, HV, K]``, k's dtype (from :func:`wu_fwd`).
     u : Tensor ``[B, T, HV, V]``, k's dtype (from :func:`wu_fwd`).
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
     chunks : ChunkTable of the call.
     initial_state : Tensor ``[N, HV, K, V]`` (``state_vk=False``) or ``[N, HV, V, K]``
-        (``state_vk=True``), any float dtype, contiguous; None means zeros.
+        (``state_vk=True``), any float dtype, contiguous; None means zeros. With
+        ``state_indices``, the state pool ``[P, HV, K, V]`` / ``[P, HV, V, K]``.
     output_final_state : also return the state after each sequence's last token.
     state_vk : layout of initial_state and of the final state.
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` from :func:`wu_fwd`, or None to reduce k's rows
         here (inside the serial chunk loop: slower).
+    state_indices : int Tensor ``[N]`` or None: sequence ``n`` starts from pool row
+        ``state_indices[n]`` (zeros for an index outside ``[0, P)``).
+    inplace_final_state : with ``state_indices``, write each final state back to its pool
+        row (in the pool's dtype; none for an index outside ``[0, P)``).
     config : LaunchConfig override (BV, num_warps, num_stages); default from the table.
 
     Returns
@@ -213,8 +240,11 @@ def state_fwd(
         h0=initial_state if initial_state is not None else g_cum,
         ht=final_state if final_state is not None else g_cum,
         cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
+        state_indices=state_indices if state_indices is not None else chunks.cu_seqlens,
+        s_k=token_stride("k", k), P=initial_state.shape[0] if state_indices is not None else 0,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=state_block_k(K), BV=cfg.BV,
-        USE_H0=initial_state is not None, STORE_HT=final_state is not None, STATE_VK=state_vk,
+        USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
+        INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None, STATE_VK=state_vk,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
         DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
     )

@@ -15,6 +15,7 @@ import triton.language as tl
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config, launch
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
 
@@ -50,6 +51,9 @@ def _wu_fwd_kernel(
     cu_seqlens,
     chunk_seq,
     chunk_local,
+    s_k: tl.constexpr,
+    s_v: tl.constexpr,
+    s_b: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -69,15 +73,15 @@ def _wu_fwd_kernel(
     t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
     o_i = tl.arange(0, BT)
     m_t = o_i < n_t
-    p_k = k + (t0 * H + i_h // (HV // H)) * K + o_i[:, None] * (H * K)
+    p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k
     if FUSED_SOLVE:
-        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, t0, n_t, i_h, H, HV, K, BT, BK,
+        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, s_k, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
                                              USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     else:
         p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
         b_x = tl.load(p_a, mask=m_t[:, None], other=0.0).to(tl.float32)
         b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
-        b_b = tl.load(beta + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + t0 * s_b + i_h + o_i * s_b, mask=m_t, other=0.0).to(tl.float32)
         b_r = _row_rnorm(p_k, m_t, K, BT, BK, USE_L2NORM)
 
     # The per-token scales go on T's columns, in fp32, so that k and v enter the MMAs
@@ -97,7 +101,7 @@ def _wu_fwd_kernel(
         b_w = _dot(b_xk, b_k, tl.zeros([BT, BK], dtype=tl.float32), DOT_PREC, INTERP_BF16)
         tl.store(p_w + o_k[None, :], _cast(b_w, w.dtype.element_ty, INTERP_BF16), mask=m_k)
 
-    p_v = v + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V)
+    p_v = v + t0 * s_v + i_h * V + o_i[:, None] * s_v
     p_u = u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -123,8 +127,8 @@ def wu_fwd(
 
     Parameters
     ----------
-    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, contiguous.
-    v : Tensor ``[B, T, HV, V]``, k's dtype, contiguous.
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
+    v : Tensor ``[B, T, HV, V]``, k's dtype, in token rows.
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
     beta : Tensor ``[B, T, HV]``, any float dtype.
     chunks : ChunkTable of the call.
@@ -143,7 +147,7 @@ def wu_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = v.shape[-2], v.shape[-1], chunks.chunk_size
     w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
-    u = torch.empty_like(v)
+    u = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if chunks.num_chunks == 0 or HV == 0:
         return w, u
     capability, _ = device_facts(k.device)
@@ -152,6 +156,7 @@ def wu_fwd(
     launch(_wu_fwd_kernel, (chunks.num_chunks * HV,), cfg,
         k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
         k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        s_k=token_stride("k", k), s_v=token_stride("v", v), s_b=token_stride("beta", beta),
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
         USE_L2NORM=use_qk_l2norm, STORE_RNORM=use_qk_l2norm and k_rnorm is not None,
         DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,

@@ -1,0 +1,95 @@
+"""Strided inputs: views split out of one fused projection (token rows with a wider token
+stride) and tensors whose last dim is not contiguous, per backend.
+
+Token rows are read in place by the reference and triton_generic (no copy: the counter
+``contract.INPUT_COPIES`` stays put); the Gluon kernels read contiguous rows, so their
+forward copies such views once, counted. A last dim that is not contiguous is copied once by
+the contract, for every backend. Every result equals the call on contiguous copies, bit for
+bit (the same kernels on the same values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn_dispatch import chunk_gated_delta_rule
+from gdn_dispatch.contract import INPUT_COPIES, token_rows_stride
+from gdn_dispatch.testing import random_call
+
+HAS_GPU = torch.cuda.is_available()
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
+
+
+def _gluon_on_this_gpu() -> str | None:
+    if not HAS_GPU:
+        return None
+    cap = torch.cuda.get_device_capability()
+    return {(9, 0): "gluon_sm90", (10, 0): "gluon_sm100", (10, 3): "gluon_sm100"}.get(cap)
+
+
+CASES = [
+    pytest.param("reference", "cpu", True, id="reference-cpu"),
+    pytest.param("triton_generic", "cpu", True, id="triton_generic-cpu"),
+    pytest.param("triton_generic", "cuda", True, id="triton_generic-cuda", marks=GPU),
+    pytest.param("gluon", "cuda", False, id="gluon-cuda", marks=GPU),
+]
+
+
+def _fused_views(call: dict) -> dict:
+    """q, k, v, g, beta as views of one ``[B, T, 2 H K + HV V + 2 HV]`` projection."""
+    B, T, H, K = call["q"].shape
+    HV, V = call["v"].shape[2:]
+    parts = [call["q"].reshape(B, T, -1), call["k"].reshape(B, T, -1), call["v"].reshape(B, T, -1),
+             call["g"].to(call["q"].dtype), call["beta"].to(call["q"].dtype)]
+    fused = torch.cat(parts, dim=-1)
+    views = torch.split(fused, [p.shape[-1] for p in parts], dim=-1)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
+    return {n: t.view(s) for n, t, s in zip(("q", "k", "v", "g", "beta"), views, shapes)}
+
+
+def _setup(backend, device, monkeypatch):
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    if device == "cpu" and backend == "triton_generic":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if backend == "gluon":
+        backend = _gluon_on_this_gpu()
+        if backend is None:
+            pytest.skip("no Gluon backend for this GPU")
+    return backend
+
+
+@pytest.mark.parametrize("backend, device, in_place", CASES)
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 130]), dict(batch=(2, 70))], ids=["varlen", "uniform"])
+def test_fused_projection_views(backend, device, in_place, shape, monkeypatch):
+    backend = _setup(backend, device, monkeypatch)
+    dims = dict(H=2, HV=4, K=32, V=16) if device == "cpu" else dict(H=2, HV=4, K=128, V=128)
+    call = random_call(**shape, **dims, dtype=torch.bfloat16, device=device, seed=4)
+    views = _fused_views(call)
+    assert token_rows_stride(views["q"]) == views["q"].stride(1) > views["q"].shape[2] * views["q"].shape[3]
+    dense = {n: t.contiguous() for n, t in views.items()}
+    before = sum(INPUT_COPIES.values())
+    o, ht = chunk_gated_delta_rule(**{**call, **views}, output_final_state=True, backend=backend)
+    copies = sum(INPUT_COPIES.values()) - before
+    assert copies == (0 if in_place else 5)
+    o_ref, ht_ref = chunk_gated_delta_rule(**{**call, **dense}, output_final_state=True, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend, device, in_place", CASES)
+def test_last_dim_not_contiguous_is_copied_once(backend, device, in_place, monkeypatch):
+    backend = _setup(backend, device, monkeypatch)
+    dims = dict(H=1, HV=2, K=16, V=32) if device == "cpu" else dict(H=2, HV=4, K=128, V=128)
+    call = random_call(lengths=[65, 2], **dims, dtype=torch.bfloat16, device=device, seed=8)
+    # v as transformers' Qwen3.5 layer hands it in (from a transposed causal conv).
+    v = call["v"].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert v.stride(-1) != 1
+    before = INPUT_COPIES["v"]
+    o, ht = chunk_gated_delta_rule(**{**call, "v": v}, output_final_state=True, backend=backend)
+    assert INPUT_COPIES["v"] == before + 1
+    o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
