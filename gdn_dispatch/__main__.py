@@ -1,4 +1,9 @@
-"""Command line: ``python -m gdn_dispatch {info,run,bench,compile}``."""
+"""Command line: ``python -m gdn_dispatch {info,run,bench,compile,selftest}``.
+
+Each subcommand is a ``cmd_<name>(args)`` returning the exit status, and its parser is
+built in :func:`build_parser`. A :class:`~gdn_dispatch.usage.UsageError` raised by a
+command is reported as that subcommand's usage error (exit 2), as argparse reports its own.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +23,20 @@ def _version(pkg: str) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     """Versions, devices, and every backend's verdict per device."""
     from gdn_dispatch import __version__
-    from gdn_dispatch.device import assumed_device, default_probe
+    from gdn_dispatch import gate
+    from gdn_dispatch.device import default_probe
     from gdn_dispatch.registry import ENV_VAR, QWEN35_CALL, GDNDispatchError, explain
 
     print(f"gdn-dispatch {__version__}")
     for pkg in ("torch", "triton", "cuda-python", "cuda-bindings"):
         print(f"{pkg:<14} {_version(pkg)}")
     print(f"{ENV_VAR:<14} {os.environ.get(ENV_VAR, '(not set)')}")
+    print(f"{gate.ENV_VAR:<14} {os.environ.get(gate.ENV_VAR, '(not set)')} (self-test verdicts in {gate.cache_dir()})")
     call = QWEN35_CALL
     print(f"call explained: {call.dtype}, K={call.K}, V={call.V}, varlen, grouped value heads, "
           f"state layout {call.state_layout!r}, initial and final state")
     if args.assume:
-        devices = [assumed_device(a) for a in args.assume]
+        devices = args.assume
     else:
         probe = default_probe()
         if probe.unavailable_reason:
@@ -50,7 +57,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gdn_dispatch.device import default_probe
     from gdn_dispatch.job import run_main_job
+    from gdn_dispatch.usage import cuda_index
+
+    if args.device is not None:
+        index = cuda_index(args.device, default_probe())
+        args.device = "cpu" if index is None else f"cuda:{index}"
     return run_main_job(device=args.device, seed=args.seed)
 
 
@@ -64,17 +77,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return aot.run(args)
 
 
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from gdn_dispatch import selftest
+    return selftest.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gdn_dispatch", description=__doc__)
+    from gdn_dispatch import __version__
+    from gdn_dispatch.usage import arch_arg, device_arg
+
+    parser = argparse.ArgumentParser(prog="python -m gdn_dispatch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"gdn-dispatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="versions, devices, and which backend each device gets and why")
-    info.add_argument("--assume", action="append", metavar="ARCH",
+    info.add_argument("--assume", action="append", metavar="ARCH", type=arch_arg,
                       help="explain for a hypothetical device instead (sm_90, sm_100, sm_120, cpu...); repeatable")
     info.set_defaults(func=cmd_info)
 
     run = sub.add_parser("run", help="the main job: a Qwen3.5-shaped ragged prefill, timed and checked")
-    run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if present)")
+    run.add_argument("--device", type=device_arg, default=None,
+                     help="cuda, cuda:N or cpu (default: cuda if present)")
     run.add_argument("--seed", type=int, default=0)
     run.set_defaults(func=cmd_run)
 
@@ -87,12 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
     from gdn_dispatch import aot
     aot.add_arguments(comp)
     comp.set_defaults(func=cmd_compile)
+
+    test = sub.add_parser("selftest", help="every backend the device admits against the reference, "
+                                           "each in a child process with a time limit")
+    from gdn_dispatch import selftest
+    selftest.add_arguments(test)
+    test.set_defaults(func=cmd_selftest)
+
+    for subparser in sub.choices.values():  # where main() reports a command's UsageError
+        subparser.set_defaults(usage_parser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    from gdn_dispatch.usage import UsageError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        args.usage_parser.error(str(exc))
 
 
 if __name__ == "__main__":

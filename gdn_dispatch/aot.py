@@ -174,36 +174,87 @@ def kernels_for_target(capability: tuple[int, int], backends: list[str] | None =
     return kernels
 
 
-def _format_table(rows: list[list[str]]) -> str:
-    header = ["kernel", "specialization", "regs", "spills", "smem", "tmem", "instructions"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+HEADER = ["kernel", "specialization", "regs", "spills", "smem", "tmem", "instructions"]
+#: Widths of the numeric columns, wide enough for any value, so rows print as they finish.
+_NUMBER_WIDTHS = [4, 6, 6, 4]
+
+
+def _column_widths(kernels: list[AotKernel]) -> list[int]:
+    """Widths of every column but the last, known before anything compiles."""
+    name = max([len(HEADER[0]), *(len(f"{k.backend}.{k.kernel}") for k in kernels)])
+    spec = max([len(HEADER[1]), *(len(k.specialization) for k in kernels)])
+    return [name, spec, *(max(w, len(h)) for w, h in zip(_NUMBER_WIDTHS, HEADER[2:6]))]
+
+
+def _format_row(row: list[str], widths: list[int]) -> str:
+    return "  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]).rstrip()
+
+
+def _compile_backend_arg(text: str) -> str:
+    """``--backend`` of compile: a backend with kernels (a CUDA row of the registry)."""
+    from gdn_dispatch.registry import load_registry
+
+    valid = [r.name for r in load_registry() if r.device == "cuda"]
+    if text not in valid:
+        raise argparse.ArgumentTypeError(f"expected a backend with kernels ({', '.join(valid)}), got {text!r}")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="sm_80, sm_90a, sm_100a, sm_103a, sm_120...")
-    parser.add_argument("--backend", action="append", help="only this backend (repeatable); default: every backend admitted on the target")
+    from gdn_dispatch.usage import target_arg
+
+    parser.add_argument("--target", required=True, type=target_arg, help="sm_80, sm_90a, sm_100a, sm_103a, sm_120...")
+    parser.add_argument("--backend", action="append", type=_compile_backend_arg,
+                        help="only this backend (repeatable); default: every backend admitted on the target")
     parser.add_argument("--dump", metavar="DIR", help="write each kernel's PTX as DIR/<backend>.<kernel>.<specialization>.ptx")
+    parser.add_argument("--output", metavar="FILE", help="also write the table and its summary to FILE")
+
+
+def _check_backends(names: list[str], capability: tuple[int, int]) -> None:
+    """UsageError naming ``--backend`` for a backend the target's capability does not admit."""
+    from gdn_dispatch.usage import UsageError
+
+    admitted = backends_for_target(capability)
+    for name in names:
+        if name not in admitted:
+            raise UsageError(f"argument --backend: {name} is not admitted on sm_{capability[0]}{capability[1]}; "
+                             f"valid there: {', '.join(admitted) or 'none'}")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``python -m gdn_dispatch compile``: compile, print the table, exit 1 on spills or smem overflow."""
-    capability = parse_target(args.target)
+    """``python -m gdn_dispatch compile``: compile, print each kernel's row as it finishes
+    (a counter on stderr), exit 1 on spills or smem overflow. ``args.target`` is a
+    capability (major, minor), as ``--target`` parses it."""
+    from gdn_dispatch.progress import Progress
+
+    capability = tuple(args.target)
+    if args.backend:
+        _check_backends(args.backend, capability)
     names = args.backend or backends_for_target(capability)
-    print(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}")
+    print(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}", flush=True)
     limit = SMEM_OPTIN.get(capability)
-    rows, status = [], 0
-    for kernel in kernels_for_target(capability, names):
+    kernels = kernels_for_target(capability, names)
+    widths = _column_widths(kernels)
+    lines, status = [_format_row(HEADER, widths)], 0
+    print(lines[0], flush=True)
+    progress = Progress(len(kernels), f"compiling for sm_{capability[0]}{capability[1]}")
+    for kernel in kernels:
         report = compile_kernel(kernel, capability)
-        rows.append(report.row())
+        lines.append(_format_row(report.row(), widths))
+        print(lines[-1], flush=True)
+        progress.step(f"{kernel.backend}.{kernel.kernel}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             Path(args.dump, f"{kernel.backend}.{kernel.kernel}.{kernel.specialization}.ptx").write_text(report.ptx)
         if (report.spill_bytes or (limit is not None and report.shared_bytes > limit)
                 or report.tmem_columns > TMEM_COLUMNS):
             status = 1
-    print(_format_table(rows))
+    progress.close()
     if limit is not None:
-        print(f"shared memory limit per block: {limit} bytes")
-    print(f"{len(rows)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED OR TENSOR MEMORY"))
+        lines.append(f"shared memory limit per block: {limit} bytes")
+    lines.append(f"{len(kernels)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED OR TENSOR MEMORY"))
+    print("\n".join(lines[-2 if limit is not None else -1:]))
+    if args.output:
+        Path(args.output).write_text(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}\n"
+                                     + "\n".join(lines) + "\n")
     return status

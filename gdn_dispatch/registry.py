@@ -5,6 +5,9 @@ None. Automatic selection walks rows by priority and takes the first with no rea
 explicit choice (the ``backend=`` argument or ``GDN_BACKEND``) turns the reason into an
 error instead of moving on. Backend modules are imported only when a row is about to be
 taken; an import failure becomes that row's reason, verbatim.
+
+A row with ``verified_on`` capabilities passes the self-test gate (:mod:`gdn_dispatch.gate`)
+on any other capability before automatic selection takes it; a forced choice is not gated.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from types import ModuleType
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from gdn_dispatch import gate
 from gdn_dispatch.device import DeviceInfo
 
 if sys.version_info >= (3, 11):
@@ -53,6 +57,7 @@ class BackendSpec:
     max_head_dim: int
     features: frozenset[str]
     state_layouts: tuple[str, ...]
+    verified_on: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ def load_registry(path: Path | None = None) -> tuple[BackendSpec, ...]:
     for raw in data.get("backend", []):
         caps = raw.get("capabilities")
         floor = raw.get("min_capability")
+        verified = raw.get("verified_on")
         rows.append(BackendSpec(
             name=raw["name"],
             module=raw["module"],
@@ -156,6 +162,7 @@ def load_registry(path: Path | None = None) -> tuple[BackendSpec, ...]:
             max_head_dim=int(raw["max_head_dim"]),
             features=frozenset(f for f in _FEATURES if raw.get(f, False)),
             state_layouts=tuple(raw["state_layouts"]),
+            verified_on=None if verified is None else tuple(_parse_capability(c) for c in verified),
         ))
     names = [r.name for r in rows]
     if len(set(names)) != len(names):
@@ -300,12 +307,16 @@ def override_for(device: DeviceInfo, env: dict[str, str] | None = None,
 def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
             backend: str | None = None, env: dict[str, str] | None = None,
             versions: dict[str, str | None] | None = None,
-            rows: tuple[BackendSpec, ...] | None = None) -> Explanation:
+            rows: tuple[BackendSpec, ...] | None = None, run_selftest: bool = False) -> Explanation:
     """Every row's verdict for ``device`` and ``call``, and the one chosen.
 
     ``backend`` (a call's explicit choice) wins over ``GDN_BACKEND`` in ``env``. Rows are
     imported only as far as needed to find the winner; ``problem`` (a GDNProblem), when
-    given, is also offered to a backend module's ``unsupported_reason(problem)``.
+    given, is also offered to a backend module's ``unsupported_reason(problem)``. A row
+    unverified on the device's capability needs a passed self-test to be chosen
+    automatically: a recorded verdict decides; without one, ``run_selftest`` runs it now
+    (what :func:`select` does), otherwise the row is chosen with a note that its first
+    call will test it.
     """
     rows = rows or load_registry()
     names = backend_names(rows)
@@ -339,8 +350,18 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
         if reason is not None:
             verdicts.append(Verdict(spec.name, "not available" if module is None else "rejected", reason))
             continue
+        note = ""
+        if forced is None:
+            try:
+                checked = gate.check(spec.name, spec.verified_on, device, run=run_selftest, env=env)
+            except ValueError as exc:  # a malformed GDN_SELFTEST or GDN_SELFTEST_TIMEOUT
+                raise GDNDispatchError(str(exc)) from None
+            if not checked.allowed:
+                verdicts.append(Verdict(spec.name, "rejected", checked.note))
+                continue
+            note = f"; {checked.note}" if checked.note else ""
         selected = spec.name
-        verdicts.append(Verdict(spec.name, "selected", f"priority {spec.priority}"))
+        verdicts.append(Verdict(spec.name, "selected", f"priority {spec.priority}{note}"))
     return Explanation(device=device, call=call, verdicts=tuple(verdicts), selected=selected,
                        forced=forced, forced_by=forced_by if forced else None)
 
@@ -373,11 +394,13 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
     environ = os.environ if env is None else env
     call = CallSpec.from_problem(problem)
     rows = load_registry()
-    key = (id(rows), device, call, problem.backend, environ.get(ENV_VAR), environ.get("TRITON_INTERPRET"))
+    key = (id(rows), device, call, problem.backend, environ.get(ENV_VAR), environ.get("TRITON_INTERPRET"),
+           environ.get(gate.ENV_VAR))
     kept_rows, static = _selections.get(key, (None, None))
     if kept_rows is not rows:
         static = None
-        static_explanation = explain(device, call, backend=problem.backend, env=environ, rows=rows)
+        static_explanation = explain(device, call, backend=problem.backend, env=environ, rows=rows,
+                                     run_selftest=True)
         if static_explanation.selected is not None:
             static = _selection(static_explanation, rows)
             if len(_selections) < SELECTIONS_KEPT:
@@ -386,7 +409,8 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
         check = getattr(static.module, "unsupported_reason", None)
         if check is None or check(problem) is None:
             return static
-    explanation = explain(device, call, problem=problem, backend=problem.backend, env=environ, rows=rows)
+    explanation = explain(device, call, problem=problem, backend=problem.backend, env=environ, rows=rows,
+                          run_selftest=True)
     if explanation.selected is None:
         if explanation.forced is not None:
             verdict = next(v for v in explanation.verdicts if v.name == explanation.forced)

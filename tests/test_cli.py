@@ -82,3 +82,104 @@ def test_compile_dumps_ptx_and_prints_the_table(tmp_path):
 def test_compile_target_without_kernel_backends():
     out = cli("compile", "--target", "sm_75").stdout
     assert "target sm_75: backends none" in out and "0 kernels compiled" in out
+
+
+class _Probe:
+    """A machine with ``count`` stand-in GPUs (none: no driver)."""
+
+    def __init__(self, count):
+        from gdn_dispatch.device import assumed_device
+
+        self.devices = [assumed_device("sm_90")] * count
+        self.unavailable_reason = None if count else "no CUDA driver"
+
+    def count(self):
+        return len(self.devices)
+
+    def info(self, index):
+        return self.devices[index]
+
+    def all(self):
+        from gdn_dispatch.device import CPU
+
+        return [*self.devices, CPU]
+
+
+@pytest.mark.parametrize(
+    "argv, gpus, message",
+    [
+        (["info", "--assume", "banana"], 0,
+         "argument --assume: expected 'cpu' or an architecture like sm_80, sm_86, sm_89, sm_90a, sm_100a, "
+         "sm_103a, sm_120, got 'banana'"),
+        (["compile", "--target", "banana"], 0,
+         "argument --target: expected a CUDA architecture like sm_80, sm_86, sm_89, sm_90a, sm_100a, "
+         "sm_103a, sm_120, got 'banana'"),
+        (["compile", "--target", "cpu"], 0, "argument --target: expected a CUDA architecture like"),
+        (["compile", "--target", "sm_90a", "--backend", "bogus"], 0,
+         "argument --backend: expected a backend with kernels (gluon_sm100, gluon_sm90, triton_generic), "
+         "got 'bogus'"),
+        (["compile", "--target", "sm_80", "--backend", "gluon_sm100"], 0,
+         "argument --backend: gluon_sm100 is not admitted on sm_80; valid there: triton_generic"),
+        (["run", "--device", "bogus"], 0,
+         "argument --device: expected cpu, cuda, cuda:N or a CUDA device index N, got 'bogus'"),
+        (["run", "--device", "cuda"], 0,
+         "argument --device: cuda asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
+        (["run", "--device", "cuda:3"], 1,
+         "argument --device: cuda:3 asked, but this machine has 1 CUDA device; valid: cpu, cuda:0"),
+        (["selftest", "--device", "cuda"], 0,
+         "argument --device: cuda asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
+        (["selftest", "--backend", "bogus"], 0,
+         "argument --backend: unknown backend 'bogus'; valid: gluon_sm100, gluon_sm90, triton_generic, reference"),
+        (["selftest", "--device", "cpu", "--backend", "gluon_sm100"], 0,
+         "argument --backend: gluon_sm100 cannot run on cpu (host CPU, cpu): needs a CUDA device"),
+    ],
+    ids=lambda x: "-".join(x) if isinstance(x, list) else None,
+)
+def test_usage_errors_exit_2_with_one_line(argv, gpus, message, capsys):
+    from gdn_dispatch.__main__ import main
+    from gdn_dispatch.device import use_probe
+
+    with use_probe(_Probe(gpus)), pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m gdn_dispatch {argv[0]}: error: {message}" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()[-1]) > 0
+
+
+def test_usage_error_in_a_subprocess():
+    done = cli("compile", "--target", "banana", check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("error: argument --target: expected a CUDA "
+                                                          "architecture like sm_80, sm_86, sm_89, sm_90a, sm_100a, "
+                                                          "sm_103a, sm_120, got 'banana'")
+
+
+def test_version():
+    from gdn_dispatch import __version__
+
+    done = cli("--version")
+    assert done.stdout.strip() == f"gdn-dispatch {__version__}"
+
+
+def test_selftest_on_cpu(tmp_path):
+    done = cli("selftest", "--quick", env={"GDN_SELFTEST_CACHE": str(tmp_path)})
+    lines = done.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("backend"))
+    assert lines[header].split()[:4] == ["backend", "picked", "cases", "worst"]
+    assert lines[header + 1].split()[:3] == ["reference", "yes", "3/3"] and lines[header + 1].endswith("PASS")
+    assert lines[-1].startswith("selftest: PASS")
+    assert "[3/3] reference" in done.stderr  # the progress counter
+
+
+def test_info_assume_sm_100_notes_the_first_call_self_test(tmp_path):
+    out = cli("info", "--assume", "sm_100", env={"GDN_SELFTEST_CACHE": str(tmp_path)}).stdout
+    assert out.rstrip().endswith("selected: gluon_sm100")
+    assert ("sm_100 not in verified_on, not yet self-tested on B200 (assumed): its first call runs the quick "
+            "self-test (or run python -m gdn_dispatch selftest)") in out
+
+
+def test_compile_streams_rows_and_writes_the_table(tmp_path):
+    table = tmp_path / "sm_75.txt"
+    out = cli("compile", "--target", "sm_75", "--output", str(table)).stdout
+    assert table.read_text().splitlines() == out.splitlines()
