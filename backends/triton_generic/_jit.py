@@ -8,11 +8,25 @@ for sm_80/sm_90 (``kernels_for_aot``) next to CPU runs under the interpreter (te
 ``backend="triton_generic"`` on CPU tensors), whatever was imported first.
 
 :class:`Kernel` is a ``JITFunction`` (``triton.compile(ASTSource(...))`` and the GPU launcher
-see an ordinary kernel) whose launch, when the interpreter is on *at launch time*, runs
-triton's interpreter instead, within :func:`_interpreted_calls`: the ``triton.language``
-patching the interpreter applies to a kernel's module is applied to ``triton.language.core``
-as well, and any ``@jit`` function the kernel calls (ours or triton's) runs as interpreted
-Python; all of it is undone when the launch returns.
+see an ordinary kernel) whose launch, when the interpreter is on *at launch time*, runs the
+kernel's body as Python in triton's interpreter (its ``GridExecutor``). The callees are
+resolved explicitly, without touching ``JITFunction``: the body is rewritten as triton's
+interpreter rewrites it, and every call ``f(...)`` in it becomes ``_interpreted_call(f,
+...)``, which runs ``f``'s own rewritten body when ``f`` is a ``@jit`` function (ours, or
+triton's library functions such as ``tl.sum``) and calls ``f`` unchanged otherwise. Values
+stay what they are, so a combine function handed to ``tl.reduce`` is still the library's own
+and the interpreter's fast paths recognise it.
+
+What is still patched during an interpreted launch is what triton's interpreter patches
+for any interpreted kernel: ``triton.language`` (and ``triton.language.core``, which
+triton's library functions call into) get the interpreter's builtins until the launch
+returns. That patching is process-wide by triton's design and so is the interpreter's grid
+state; interpreted launches therefore hold :data:`_INTERPRETER_LOCK`, one at a time. (A
+GPU compile in another thread during an interpreted launch would see the patched language:
+interpreting is for tests and CPU debugging, not for a serving process.)
+
+Private triton APIs used here (``triton.runtime.interpreter``: ``ASTTransformer``,
+``FunctionRewriter``, ``GridExecutor``, ``_patch_lang``), checked on triton 3.6.0.
 
 Helpers here: the chunk bounds from the shared chunk tables, and ``_dot`` / ``_cast``, which
 keep the interpreter's bfloat16 numerics those of the GPU (its matmul multiplies raw bit
@@ -21,12 +35,14 @@ patterns and its fp32 -> bf16 conversion truncates; see their docstrings).
 
 from __future__ import annotations
 
-import contextlib
+import ast
+import inspect
+import threading
 
 import triton
 import triton.language as tl
 from triton import knobs
-from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+from triton.runtime import interpreter as _interp
 from triton.runtime.jit import JITFunction
 
 LOG2E = 1.4426950408889634
@@ -34,42 +50,76 @@ LOG2E = 1.4426950408889634
 L2NORM_EPS = tl.constexpr(1e-6)
 _lang_core = tl.core  # makes triton.language.core visible to _patch_lang(_patch_anchor)
 
+#: Held for the whole of an interpreted launch (the language patches and the grid state of
+#: triton's interpreter are process-wide).
+_INTERPRETER_LOCK = threading.RLock()
+
 
 def interpreting() -> bool:
     """True when kernels launched now run in triton's interpreter (read at call time)."""
     return bool(knobs.runtime.interpret)
 
 
-_INTERPRETED: dict[int, InterpretedFunction] = {}
+class _CallResolver(_interp.ASTTransformer):
+    """Triton's interpreter rewrite (assignments become interpreter tensors), plus every
+    call ``f(*a, **kw)`` turned into ``_interpreted_call(f, *a, **kw)``."""
+
+    def visit_Assign(self, node):
+        node.value = self.visit(node.value)
+        return super().visit_Assign(node)
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        return ast.Call(func=ast.Name(id="_interpreted_call", ctx=ast.Load()),
+                        args=[node.func, *node.args], keywords=node.keywords)
 
 
-def _interpreted(fn: JITFunction) -> InterpretedFunction:
-    key = id(fn.fn)
-    if key not in _INTERPRETED:
-        _INTERPRETED[key] = InterpretedFunction(fn.fn)
-    return _INTERPRETED[key]
+class _Rewriter(_interp.FunctionRewriter):
+    """Rewrites one ``@jit`` function for the interpreter into a private namespace: a copy
+    of its module's globals with the interpreter's names and ``_interpreted_call`` added
+    (the module itself is left as it is)."""
+
+    ast_transformer = _CallResolver()
+
+    def _compile_and_exec(self, transformed_ast):
+        code = compile(transformed_ast, filename=self.filename, mode="exec")
+        namespace = {**vars(_interp), **self.fn.__globals__, "_interpreted_call": _interpreted_call}
+        local_namespace = dict(self.kwargs)
+        exec(code, namespace, local_namespace)
+        return local_namespace[self.fn.__name__]
 
 
-def _call_interpreted(fn: JITFunction, *args, **kwargs):
-    """``JITFunction.__call__`` during an interpreted launch: run the function's rewritten
-    Python body (the language is already patched by :func:`_interpreted_calls`)."""
-    return _interpreted(fn).rewrite()(*args, **kwargs)
+_REWRITTEN: dict[object, object] = {}
+
+
+def _rewritten(fn: JITFunction):
+    """The interpreter's Python version of ``fn``'s body, with its callees resolved (cached)."""
+    body = _REWRITTEN.get(fn.fn)
+    if body is None:
+        body = _REWRITTEN[fn.fn] = _Rewriter(fn.fn).rewrite_ast()
+    return body
+
+
+def _interpreted_call(f, *args, **kwargs):
+    """A call inside an interpreted body: a ``@jit`` callee runs as its rewritten Python."""
+    if isinstance(f, JITFunction):
+        return _rewritten(f)(*args, **kwargs)
+    return f(*args, **kwargs)
 
 
 def _patch_anchor():
     """A function whose globals hold both ``tl`` and ``tl.core`` (for ``_patch_lang``)."""
 
 
-@contextlib.contextmanager
-def _interpreted_calls():
-    scope = _patch_lang(_patch_anchor)
-    original = JITFunction.__call__
-    JITFunction.__call__ = _call_interpreted
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
-        scope.restore()
+def _run_interpreted(kernel: JITFunction, args, kwargs, grid):
+    with _INTERPRETER_LOCK:
+        scope = _interp._patch_lang(_patch_anchor)
+        try:
+            body = _rewritten(kernel)
+            arg_names = list(inspect.signature(kernel.fn).parameters)
+            return _interp.GridExecutor(body, arg_names, grid)(*args, **kwargs)
+        finally:
+            scope.restore()
 
 
 class Kernel(JITFunction):
@@ -77,8 +127,9 @@ class Kernel(JITFunction):
 
     def run(self, *args, grid, warmup, **kwargs):
         if interpreting():
-            with _interpreted_calls():
-                return _interpreted(self).run(*args, grid=grid, warmup=warmup, **kwargs)
+            if warmup:
+                return None
+            return _run_interpreted(self, args, kwargs, grid)
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 
