@@ -1,12 +1,43 @@
-"""The public op: validate, select a backend, run it."""
+"""The public op: validate, select a backend, run it.
+
+Eager calls validate (:func:`~gdn_dispatch.contract.make_problem`) and run
+(:func:`~gdn_dispatch.op.run_problem`) directly, with no dispatcher in between. Traced
+calls (``torch.compile``, ``torch.export``, or any tensor subclass such as fake tensors)
+go through the custom op ``torch.ops.gdn_dispatch.chunk_gated_delta_rule``
+(:mod:`gdn_dispatch.op`), which runs the same two steps when the compiled program runs.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from gdn_dispatch.contract import StateLayout, make_problem
-from gdn_dispatch.device import default_probe
-from gdn_dispatch.registry import select
+from gdn_dispatch.contract import GDNInputError, StateLayout, make_problem
+from gdn_dispatch.op import chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op, run_problem
+
+#: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
+#: calls (transformers' Qwen3.5 forwards ``use_cache`` and its ``TransformersKwargs``, as
+#: it does to fla): accepted and ignored. Any other unknown keyword is an error.
+CLIENT_PASSTHROUGH_KWARGS = frozenset({
+    "use_cache", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "seq_idx",
+    "is_causal", "num_items_in_batch", "output_attentions", "output_hidden_states", "output_router_logits",
+})
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _check_client_kwargs(client_kwargs: dict) -> None:
+    unknown = sorted(set(client_kwargs) - CLIENT_PASSTHROUGH_KWARGS)
+    if unknown:
+        raise GDNInputError(
+            f"{unknown[0]}: not an argument of chunk_gated_delta_rule (accepted and ignored: "
+            f"{sorted(CLIENT_PASSTHROUGH_KWARGS)})"
+        )
+
+
+def _is_traced(q) -> bool:
+    """True under torch.compile / export, or for a tensor subclass (fake, functional,
+    proxied): those calls must be the custom op."""
+    return torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and type(q) not in _PLAIN_TENSORS)
 
 
 def chunk_gated_delta_rule(
@@ -18,7 +49,7 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     state_layout: str | StateLayout | None = None,
@@ -26,6 +57,9 @@ def chunk_gated_delta_rule(
     *,
     state_v_first: bool | None = None,
     head_first: bool | None = None,
+    state_indices: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+    **client_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill of a Gated Delta Network layer (chunk C = 64).
 
@@ -37,19 +71,19 @@ def chunk_gated_delta_rule(
 
     Parameters
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bfloat16 or float16 (float32 where the backend allows),
-        contiguous.
-    v : Tensor ``[B, T, HV, V]``, q's dtype, contiguous. ``HV`` is a multiple of ``H``;
-        v-head ``j`` reads q/k head ``j // (HV // H)``.
+    q, k : Tensor ``[B, T, H, K]``, bfloat16 or float16 (float32 where the backend allows).
+    v : Tensor ``[B, T, HV, V]``, q's dtype. ``HV`` is a multiple of ``H``; v-head ``j``
+        reads q/k head ``j // (HV // H)``.
     g : Tensor ``[B, T, HV]``, any float dtype: the log-space decay of each token.
     beta : Tensor ``[B, T, HV]``, any float dtype.
     scale : float, default ``K ** -0.5``.
     initial_state : Tensor ``[N, HV, K, V]`` (state_layout "kv") or ``[N, HV, V, K]``
-        ("vk"), any float dtype, contiguous; None means zeros.
+        ("vk"), any float dtype, contiguous; None means zeros. With ``state_indices``: the
+        state pool ``[P, HV, K, V]`` / ``[P, HV, V, K]``, float32 or bfloat16.
     output_final_state : bool, also return the state after the last token.
-    cu_seqlens : int32/int64 Tensor ``[N + 1]`` on q's device: packed sequence offsets,
-        starting at 0, non-decreasing, ending at ``T``; requires ``B == 1``. Without it,
-        ``N = B`` sequences of ``T`` tokens.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]`` on q's device, or a list of ints (the host
+        copy): packed sequence offsets, starting at 0, non-decreasing, ending at ``T``;
+        requires ``B == 1``. Without it, ``N = B`` sequences of ``T`` tokens.
     cu_seqlens_cpu : the same values as a CPU tensor; with it the call never waits for
         the device (without it, ``cu_seqlens`` is read back once).
     use_qk_l2norm_in_kernel : bool, l2-normalize q and k over ``K`` (eps 1e-6).
@@ -57,6 +91,12 @@ def chunk_gated_delta_rule(
     backend : str, force one backend for this call (see ``python -m gdn_dispatch info``);
         wins over ``GDN_BACKEND``. A forced backend that cannot run the call raises.
     head_first : not supported; passing True raises with the fix.
+    state_indices : int32/int64 Tensor ``[N]``: sequence ``n`` starts from
+        ``initial_state[state_indices[n]]``; -1 starts from zeros.
+    inplace_final_state : bool, with ``state_indices``: final states are written back into
+        the pool rows.
+    **client_kwargs : only the names in ``CLIENT_PASSTHROUGH_KWARGS`` (what transformers
+        passes along, e.g. ``use_cache``), ignored; any other name raises.
 
     Returns
     -------
@@ -69,12 +109,60 @@ def chunk_gated_delta_rule(
     ------
     GDNInputError (a ValueError) for input that breaks the contract; GDNDispatchError
     when no backend (or not the forced one) can run the call on this device.
+
+    Notes
+    -----
+    Under ``torch.compile`` (fullgraph, dynamic ``T``) the call is the custom op
+    ``torch.ops.gdn_dispatch.chunk_gated_delta_rule`` (``..._inplace`` with
+    ``inplace_final_state``); tensor checks then run when the compiled program runs.
     """
+    _check_client_kwargs(client_kwargs)
+    if _is_traced(q):
+        return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                            cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
+                            state_v_first, head_first, state_indices, inplace_final_state)
     problem = make_problem(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout, backend=backend,
         state_v_first=state_v_first, head_first=head_first,
+        state_indices=state_indices, inplace_final_state=inplace_final_state,
     )
-    device = default_probe().for_torch_device(problem.device)
-    return (selection := select(device, problem)).module.forward(problem, selection)
+    return run_problem(problem)
+
+
+def _layout_name(state_layout, state_v_first) -> str:
+    """contract's layout rules in plain string comparisons (dynamo cannot trace an enum
+    lookup that fails), with its messages."""
+    if state_layout is None:
+        return "vk" if state_v_first else "kv"
+    name = state_layout.value if isinstance(state_layout, StateLayout) else str(state_layout).lower()
+    choices = [m.value for m in StateLayout]
+    if name not in choices:
+        raise GDNInputError(f"state_layout: expected one of {choices}, got {state_layout!r}")
+    if state_v_first is not None and bool(state_v_first) != (name == "vk"):
+        raise GDNInputError(f"state_v_first: {state_v_first} contradicts state_layout={name!r}; pass one of them")
+    return name
+
+
+def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                 use_qk_l2norm_in_kernel, state_layout, backend, state_v_first, head_first, state_indices,
+                 inplace_final_state):
+    """The call as the custom op: the arguments the op schema cannot carry (layout aliases,
+    ``head_first``, a host list of offsets) are resolved here, with the eager messages."""
+    if head_first:
+        make_problem(q, k, v, g, beta, head_first=head_first)  # raises the contract's message
+    layout = _layout_name(state_layout, state_v_first)
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if isinstance(cu_seqlens, (list, tuple)):
+        if cu_seqlens_cpu is not None:
+            raise GDNInputError("cu_seqlens_cpu: not needed when cu_seqlens is a list (the list is the host copy); "
+                                "pass one of them")
+        cu_seqlens_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
+        cu_seqlens = cu_seqlens_cpu.to(q.device)
+    args = (q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
+            cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices)
+    op = chunk_gated_delta_rule_inplace_op if inplace_final_state else chunk_gated_delta_rule_op
+    o, final_state = op(*args)
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,249 @@
+"""The custom op behind chunk_gated_delta_rule: schema, fake shapes, torch.compile (fullgraph,
+dynamic T, one compilation), errors under compile, and CUDA-graph capture on a GPU."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gdn_dispatch import GDNInputError, chunk_gated_delta_rule
+from gdn_dispatch.op import INPLACE_OP_NAME, OP_NAME
+from gdn_dispatch.testing import random_call, rel_rms_error
+
+# Sizes chosen so that no two dims coincide: dynamo's duck sizing would otherwise tie them
+# (e.g. HV == N + 1) and a later call that breaks the tie would recompile.
+H, HV, K, V = 2, 6, 8, 12
+TOL = 1e-6  # float32, same reference computation traced and eager
+
+
+def _op_args(call, output_final_state=True, layout="kv"):
+    return (call["q"], call["k"], call["v"], call["g"], call["beta"], None, call.get("initial_state"),
+            output_final_state, call.get("cu_seqlens"), call.get("cu_seqlens_cpu"), False, layout, None, None)
+
+
+def varlen(lengths, seed=0, **over):
+    return random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=torch.float32, seed=seed, **over)
+
+
+def uniform(B, T, seed=0, **over):
+    return random_call(batch=(B, T), H=H, HV=HV, K=K, V=V, dtype=torch.float32, seed=seed, **over)
+
+
+def test_ops_are_registered_with_their_schema():
+    schema = str(torch.ops.gdn_dispatch.chunk_gated_delta_rule.default._schema)
+    assert schema.startswith(OP_NAME + "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale")
+    assert "str state_layout, str? backend" in schema and schema.endswith("-> (Tensor, Tensor)")
+    inplace = str(torch.ops.gdn_dispatch.chunk_gated_delta_rule_inplace.default._schema)
+    assert inplace.startswith(INPLACE_OP_NAME) and "!) initial_state" in inplace
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_op_matches_the_public_function(layout):
+    call = varlen([3, 0, 70], state_layout=layout)
+    o, ht = chunk_gated_delta_rule(**call, output_final_state=True)
+    o_op, ht_op = torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(call, layout=layout))
+    torch.testing.assert_close(o_op, o, rtol=0, atol=0)
+    torch.testing.assert_close(ht_op, ht, rtol=0, atol=0)
+    _, none = torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(call, output_final_state=False, layout=layout))
+    assert none.shape == (0,) and none.dtype == torch.float32
+
+
+def test_op_raises_the_contract_error():
+    call = varlen([3, 0, 70])
+    call["cu_seqlens_cpu"] = torch.tensor([0, 3, 3, 71], dtype=torch.int32)
+    with pytest.raises(GDNInputError, match=r"cu_seqlens_cpu: expected to end at T = 73 \(q.shape\[1\]\), got 71"):
+        torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(call))
+
+
+@pytest.mark.parametrize("layout, varlen_call, final", [
+    pytest.param("kv", True, True, id="varlen-kv-ht"),
+    pytest.param("vk", True, True, id="varlen-vk-ht"),
+    pytest.param("kv", False, True, id="uniform-kv-ht"),
+    pytest.param("vk", False, False, id="uniform-vk-no-ht"),
+])
+def test_fake_implementation_gives_exact_shapes_and_dtypes(layout, varlen_call, final):
+    call = varlen([5, 9, 0, 17], state_layout=layout) if varlen_call else uniform(3, 31, state_layout=layout)
+    call = {**call, "q": call["q"].bfloat16(), "k": call["k"].bfloat16(), "v": call["v"].bfloat16()}
+    o, ht = torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(call, final, layout))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {name: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for name, t in call.items()}
+        o_fake, ht_fake = torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(fake, final, layout))
+    for real, f in ((o, o_fake), (ht, ht_fake)):
+        assert (f.shape, f.dtype, f.stride()) == (real.shape, real.dtype, real.stride())
+    assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["ht", "no-ht"])
+def test_opcheck(final):
+    call = varlen([5, 0, 70])
+    torch.library.opcheck(torch.ops.gdn_dispatch.chunk_gated_delta_rule.default, _op_args(call, final),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+class TinyGDNLayer(torch.nn.Module):
+    """Projections around the op, as a model layer calls it."""
+
+    def __init__(self, hidden=24):
+        super().__init__()
+        self.qkv = torch.nn.Linear(hidden, 2 * H * K + HV * V)
+        self.gb = torch.nn.Linear(hidden, 2 * HV)
+        self.out = torch.nn.Linear(HV * V, hidden)
+
+    def forward(self, x, initial_state, cu_seqlens, cu_seqlens_cpu):
+        B, T, _ = x.shape
+        q, k, v = torch.split(self.qkv(x), [H * K, H * K, HV * V], dim=-1)
+        a, b = self.gb(x).chunk(2, dim=-1)
+        o, ht = chunk_gated_delta_rule(
+            q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V),
+            torch.nn.functional.logsigmoid(a), b.sigmoid(), initial_state=initial_state,
+            output_final_state=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return self.out(o.reshape(B, T, HV * V)), ht
+
+
+def _layer_inputs(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return (torch.randn(1, sum(lengths), 24, generator=gen), torch.randn(len(lengths), HV, K, V, generator=gen) * 0.1,
+            cu, cu.clone())
+
+
+@torch.no_grad()
+def test_compiled_model_traces_fullgraph_once_for_two_lengths():
+    torch.manual_seed(0)
+    layer = TinyGDNLayer().eval()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for lengths, seed in (([3, 70, 0, 9], 1), ([130, 1, 17, 40, 2], 2)):
+        inputs = _layer_inputs(lengths, seed)
+        y, ht = compiled(*inputs)
+        y_ref, ht_ref = layer(*inputs)
+        assert rel_rms_error(y, y_ref) <= TOL and rel_rms_error(ht, ht_ref) <= TOL
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times for two lengths"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_compiled_uniform_call_with_dynamic_T_compiles_once(layout):
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
+    def fn(q, k, v, g, beta, initial_state):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                       state_layout=layout)
+        return o * 2, ht
+
+    for T, seed in ((37, 1), (130, 2)):
+        call = uniform(3, T, seed=seed, state_layout=layout)
+        args = [call[n] for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        o, ht = fn(*args)
+        o_ref, ht_ref = chunk_gated_delta_rule(*args[:5], initial_state=args[5], output_final_state=True,
+                                               state_layout=layout)
+        assert rel_rms_error(o, 2 * o_ref) <= TOL and rel_rms_error(ht, ht_ref) <= TOL
+    assert counter.frame_count == 1
+
+
+@torch.no_grad()
+def test_compiled_call_without_final_state_returns_none():
+    fn = torch.compile(lambda c: chunk_gated_delta_rule(**c), fullgraph=True, backend="aot_eager")
+    o, ht = fn(varlen([4, 20]))
+    assert ht is None and o.shape == (1, 24, HV, V)
+
+
+@torch.no_grad()
+def test_bad_input_raises_the_contract_error_under_compile():
+    fn = torch.compile(lambda c: chunk_gated_delta_rule(**c), fullgraph=True, backend="aot_eager")
+    call = varlen([4, 20])
+    call["cu_seqlens_cpu"] = torch.tensor([0, 4, 23], dtype=torch.int32)
+    with pytest.raises(GDNInputError, match=r"cu_seqlens_cpu: expected to end at T = 24 \(q.shape\[1\]\), got 23"):
+        fn(call)
+    # A bad non-tensor argument is seen while tracing: dynamo runs the frame eagerly, which
+    # raises; with fullgraph=True dynamo reports the same message as the exception it met.
+    bad_layout = {**varlen([4, 20]), "state_layout": "kvv"}
+    message = r"state_layout: expected one of \['kv', 'vk'\], got 'kvv'"
+    with pytest.raises(GDNInputError, match=message):
+        torch.compile(lambda c: chunk_gated_delta_rule(**c), backend="aot_eager")(bad_layout)
+    with pytest.raises(Exception, match=message):
+        fn(bad_layout)
+
+
+# --- GPU tier ---------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_backends():
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.registry import GDNDispatchError, select
+    from gdn_dispatch.contract import make_problem
+
+    if not torch.cuda.is_available():
+        return []
+    call = random_call(lengths=[100, 37], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    names = []
+    for name in ("gluon_sm100", "gluon_sm90", "triton_generic"):
+        try:
+            select(default_probe().for_torch_device(torch.device("cuda")), make_problem(**call, backend=name))
+            names.append(name)
+        except GDNDispatchError:
+            pass
+    return names
+
+
+GPU_BACKENDS = _gpu_backends()
+
+
+def _gpu_call(lengths, seed):
+    return random_call(lengths=lengths, H=4, HV=8, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=seed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_cuda_graph_capture_and_replay(backend):
+    """Capture a varlen call (cu_seqlens + cu_seqlens_cpu), replay it on new values of the
+    same lengths: the replay matches an eager call, through the public function and the op."""
+    lengths = [200, 63, 1, 321]
+    static = _gpu_call(lengths, seed=1)
+    for through_op in (False, True):
+        def step():
+            if through_op:
+                return torch.ops.gdn_dispatch.chunk_gated_delta_rule(*_op_args(static)[:12], backend, None)
+            return chunk_gated_delta_rule(**static, output_final_state=True, backend=backend)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm up (compiles) outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph, ht_graph = step()
+        fresh = _gpu_call(lengths, seed=2)
+        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            static[name].copy_(fresh[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, ht_ref = chunk_gated_delta_rule(**fresh, output_final_state=True, backend=backend)
+        assert rel_rms_error(o_graph, o_ref) <= 1e-6 and rel_rms_error(ht_graph, ht_ref) <= 1e-6
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@torch.no_grad()
+def test_compiled_gpu_call_with_dynamic_T_compiles_once(backend):
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(fullgraph=True, dynamic=True, backend=counter)
+    def fn(c):
+        o, ht = chunk_gated_delta_rule(**c, output_final_state=True, backend=backend)
+        return o.float() * 2, ht
+
+    for lengths, seed in (([200, 63, 1, 321], 1), ([64, 1000, 5], 2)):
+        call = _gpu_call(lengths, seed)
+        o, ht = fn(call)
+        o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+        assert rel_rms_error(o, 2 * o_ref.float()) <= 1e-6 and rel_rms_error(ht, ht_ref) <= 1e-6
+    assert counter.frame_count == 1
