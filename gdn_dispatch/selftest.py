@@ -79,17 +79,20 @@ class Case:
                         initial_state=self.h0, final_state=self.ht, qk_l2norm=self.l2)
 
 
+#: (K, V) pairs for a row without an exact head_dims list: K = V, K < V, K > V (one of them
+#: not a power of two); the small ones for CPU runs.
+FREE_HEAD_DIMS = {False: [(128, 128), (32, 128), (128, 48)], True: [(48, 48), (16, 48), (48, 16)]}
+
+
 def head_dim_pairs(spec, small: bool) -> list[tuple[int, int]]:
-    """(K, V) pairs the row admits: K = V at the largest common size, then K < V, then K > V.
+    """(K, V) pairs the row admits: K = V, then K < V, then K > V.
 
     ``small`` (CPU runs) keeps them at 48 and below.
     """
     if spec.head_dims is not None:
         low, high = min(spec.head_dims), max(spec.head_dims)
         return [(high, high), (low, high), (high, low)]
-    high = min(48 if small else 128, spec.max_head_dim)
-    low = max(8, high // 3)
-    return [(high, high), (low, high), (high, low)]
+    return [(min(k, spec.max_head_dim), min(v, spec.max_head_dim)) for k, v in FREE_HEAD_DIMS[small]]
 
 
 def _dtypes(spec) -> tuple[str, str]:
@@ -149,7 +152,8 @@ def run_case(case: Case, backend: str, device) -> dict:
     start = time.perf_counter()
     try:
         if device.type == "cuda":
-            poison_cuda_allocator()
+            with torch.cuda.device(device):
+                poison_cuda_allocator()
         o, ht = chunk_gated_delta_rule(**call, **flags, backend=backend)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
