@@ -200,8 +200,12 @@ def _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, t
         failures = [c for c in cases if not c.get("ok")]
         ok = code == 0 and not failures and passed == result.get("total", passed)
         status = "passed" if ok else "failed"
-        reason = "" if ok else (f"case {failures[0]['id']}: {failures[0].get('message', '')}" if failures
-                                else result.get("reason", f"the child exited with code {code}"))
+        if ok:
+            reason = ""
+        elif failures:
+            reason = f"case {failures[0]['id']}: {failures[0].get('message', '')}"
+        else:
+            reason = result.get("reason") or f"the child exited with code {code} after {passed} passed cases"
     return ChildResult(backend=backend, status=status, passed=passed, total=int(result.get("total", len(cases))),
                        worst_error=worst, seconds=seconds, reason=reason, cases=tuple(cases))
 

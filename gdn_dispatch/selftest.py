@@ -57,6 +57,8 @@ class Case:
     l2 : bool, the in-kernel qk l2 norm.
     h0 : bool, an initial state.
     ht : bool, the final state asked.
+    pool : bool, the initial states in a pool of N + 2 rows picked by ``state_indices``
+        (one index -1), final states written back in place.
     """
 
     id: str
@@ -71,12 +73,13 @@ class Case:
     l2: bool
     h0: bool
     ht: bool
+    pool: bool = False
 
     def call_spec(self) -> CallSpec:
         """The registry's view of this call."""
         return CallSpec(dtype=self.dtype, K=self.K, V=self.V, varlen=self.lengths is not None,
                         grouped_value_heads=self.HV != self.H, state_layout=self.layout,
-                        initial_state=self.h0, final_state=self.ht, qk_l2norm=self.l2)
+                        initial_state=self.h0, final_state=self.ht, qk_l2norm=self.l2, state_pool=self.pool)
 
 
 #: (K, V) pairs for a row without an exact head_dims list: K = V, K < V, K > V (one of them
@@ -112,10 +115,11 @@ def cases_for(spec, *, quick: bool, small: bool) -> list[Case]:
     long = (300, 1) if small else (2049, 1)
 
     def case(name, lengths=None, batch=None, H=2, HV=4, K=k1, V=v1, dtype=main, layout="kv",
-             l2=False, h0=True, ht=True):
-        flags = "-".join(f for f, on in (("l2", l2), ("h0", h0), ("ht", ht)) if on)
+             l2=False, h0=True, ht=True, pool=False):
+        flags = "-".join(f for f, on in (("l2", l2), ("h0", h0), ("ht", ht), ("pool", pool)) if on)
         tag = f"{name}-H{H}-HV{HV}-K{K}-V{V}-{dtype}-{layout}" + (f"-{flags}" if flags else "")
-        return Case(tag, None if lengths is None else tuple(lengths), batch, H, HV, K, V, dtype, layout, l2, h0, ht)
+        return Case(tag, None if lengths is None else tuple(lengths), batch, H, HV, K, V, dtype, layout, l2, h0, ht,
+                    pool)
 
     cases = [
         case("ragged-zero", lengths=[1, 63, 65, 130, 0]),
@@ -131,7 +135,27 @@ def cases_for(spec, *, quick: bool, small: bool) -> list[Case]:
     ]
     if "float32" in spec.dtypes:
         cases.append(case("fp32", lengths=[33, 100], HV=2, K=k2, V=v2, dtype="float32", l2=True))
+    if "state_pool" in spec.features:
+        cases.append(case("pool", lengths=[1, 63, 65, 0], layout="vk", pool=True))
     return cases
+
+
+def _pool_inputs(call: dict) -> tuple[dict, dict]:
+    """A pool of N + 2 float32 rows and indices (the rows reversed, one -1) for ``call``;
+    returns the backend's extra arguments (pool, state_indices, inplace_final_state) and
+    the initial states the indices gather (zeros for -1), for the oracle."""
+    import torch
+
+    state = call["initial_state"]
+    N, device = state.shape[0], state.device
+    pool = 0.1 * torch.randn(N + 2, *state.shape[1:], generator=torch.Generator().manual_seed(N)).to(device)
+    indices = torch.arange(N + 1, 1, -1, dtype=torch.int32)
+    indices[1 % N] = -1
+    indices = indices.to(device)
+    live = indices >= 0
+    gathered = torch.zeros_like(state)
+    gathered[live] = pool[indices[live].long()]
+    return {"initial_state": pool, "state_indices": indices, "inplace_final_state": True}, {"initial_state": gathered}
 
 
 def run_case(case: Case, backend: str, device) -> dict:
@@ -149,19 +173,29 @@ def run_case(case: Case, backend: str, device) -> dict:
                        device=device, seed=zlib.crc32(case.id.encode()), initial_state=case.h0,
                        state_layout=case.layout, normalize_qk=not case.l2)
     flags = dict(output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2)
+    backend_call, oracle_call = dict(call), dict(call)
+    if case.pool:
+        pool_args, gathered = _pool_inputs(call)
+        backend_call.update(pool_args)
+        oracle_call.update(gathered)
+        expected_pool = pool_args["initial_state"].clone()
     start = time.perf_counter()
     try:
         if device.type == "cuda":
             with torch.cuda.device(device):
                 poison_cuda_allocator()
-        o, ht = chunk_gated_delta_rule(**call, **flags, backend=backend)
+        o, ht = chunk_gated_delta_rule(**backend_call, **flags, backend=backend)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         oracle = reference.forward_recurrent if backend == "reference" else reference.forward
-        o_ref, ht_ref = oracle(make_problem(**call, **flags))
+        o_ref, ht_ref = oracle(make_problem(**oracle_call, **{**flags, "output_final_state": True}))
         error = rel_rms_error(o, o_ref)
         if case.ht:
             error = max(error, rel_rms_error(ht, ht_ref))
+        if case.pool:
+            live = pool_args["state_indices"] >= 0
+            expected_pool[pool_args["state_indices"][live].long()] = ht_ref[live]
+            error = max(error, rel_rms_error(pool_args["initial_state"], expected_pool))
     except Exception as exc:  # a backend's exception is a failed case, reported verbatim
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         oom = isinstance(exc, torch.cuda.OutOfMemoryError)

@@ -234,6 +234,8 @@ def test_cases_are_admitted_and_cover_the_contract(name, quick):
         assert any(c.K < c.V for c in cases) and any(c.K > c.V for c in cases)
         assert any(c.lengths and 0 in c.lengths for c in cases)
         assert any(c.lengths and any(n % 64 for n in c.lengths) for c in cases)  # ragged tails
+        if not quick and "state_pool" in spec.features:
+            assert any(c.pool for c in cases)
 
 
 def test_picked_backends():
