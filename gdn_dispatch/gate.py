@@ -257,6 +257,7 @@ def driver_version() -> str:
         return "none"
 
 
+@functools.cache
 def _package_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)

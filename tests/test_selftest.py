@@ -5,6 +5,8 @@ The gate's children here are small Python scripts (pass, exit 1, hang) installed
 """
 
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -249,3 +251,14 @@ def test_child_result_names_the_failing_case():
     result = gate._child_result("x", cases, {"status": "failed", "total": 2}, 1, False, 10, 1.0, [])
     assert (result.status, result.passed, result.total, result.worst_error) == ("failed", 1, 2, 1.2)
     assert result.reason == "case b: rel. RMS error 1.20e+00 > 5e-03"
+
+
+@pytest.mark.slow
+def test_triton_generic_under_the_interpreter_when_named(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("GDN_BACKEND", "TRITON_INTERPRET")}
+    env["GDN_SELFTEST_CACHE"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "gdn_dispatch", "selftest", "--backend", "triton_generic", "--quick"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("triton_generic"))
+    assert row.split()[:3] == ["triton_generic", "no", "3/3"] and row.endswith("PASS")
