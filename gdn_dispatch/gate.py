@@ -41,7 +41,10 @@ CACHE_ENV_VAR = "GDN_SELFTEST_CACHE"
 TIMEOUT_ENV_VAR = "GDN_SELFTEST_TIMEOUT"
 #: Seconds the gate's child may run: a cold Triton cache compiles a few kernels first.
 DEFAULT_TIMEOUT_S = 300.0
-#: Markers of the child's machine-readable stdout lines (one JSON object each).
+#: Markers of the child's machine-readable stdout lines (one JSON object each after the
+#: case and result markers). The start line comes once the child has imported the package
+#: and found the backend: a child that ends without it never began testing.
+START_MARKER = "GDN_SELFTEST_START"
 CASE_MARKER = "GDN_SELFTEST_CASE "
 RESULT_MARKER = "GDN_SELFTEST_RESULT "
 
@@ -56,7 +59,8 @@ class ChildResult:
     ----------
     backend : str, the backend tested.
     status : "passed", "failed" (wrong numbers, an exception, a crash, a timeout) or
-        "inconclusive" (the child could not test: no device, out of memory).
+        "inconclusive" (the child could not test: it did not start, no device, out of
+        memory); an inconclusive verdict is kept for the process only, never on disk.
     passed, total : int, cases passed and cases run.
     worst_error : float, the largest relative RMS error of any case (inf for a case that
         raised or wrote NaN), NaN when no case ran.
@@ -110,6 +114,11 @@ def use_child_command(factory):
         _CHILD_COMMAND.reset(token)
 
 
+def command_text(backend: str) -> str:
+    """The child's command, short, for messages."""
+    return " ".join(child_command(backend, "cuda:0", True)[1:4])
+
+
 def child_env(device_label: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """The child's environment: the caller's (CUDA_VISIBLE_DEVICES and the Triton cache
     included), with no GDN_BACKEND (the child names its backend), the gate off inside the
@@ -149,11 +158,13 @@ def run_child(backend: str, device_label: str, *, quick: bool, timeout_s: float,
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_env(device_label, env), start_new_session=True)
-    cases, result, tail = [], {}, []
+    cases, result, tail, started = [], {}, [], []
 
     def read_stdout():
         for line in proc.stdout:
-            if line.startswith(CASE_MARKER):
+            if line.startswith(START_MARKER):
+                started.append(True)
+            elif line.startswith(CASE_MARKER):
                 case = json.loads(line[len(CASE_MARKER):])
                 cases.append(case)
                 if on_case is not None:
@@ -178,10 +189,10 @@ def run_child(backend: str, device_label: str, *, quick: bool, timeout_s: float,
     for thread in readers:
         thread.join(timeout=5)
     seconds = time.perf_counter() - start
-    return _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, tail)
+    return _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, tail, bool(started))
 
 
-def _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, tail) -> ChildResult:
+def _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, tail, started=True) -> ChildResult:
     """The verdict from what the child printed and how it ended."""
     passed = sum(1 for c in cases if c.get("ok"))
     errors = [float(c.get("error", float("inf"))) for c in cases]
@@ -189,6 +200,10 @@ def _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, t
     last = next((line for line in reversed(tail) if line.strip()), "")
     if timed_out:
         status, reason = "failed", f"timed out after {timeout_s:g} s ({len(cases)} cases done)"
+    elif not started:
+        status = "inconclusive"
+        reason = f"the child ({command_text(backend)}) ended with code {code} before testing" + (
+            f": {last}" if last else "")
     elif result.get("status") == "inconclusive":
         status, reason = "inconclusive", result.get("reason", "the child could not test")
     elif code != 0 and not result:

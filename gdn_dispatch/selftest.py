@@ -227,6 +227,7 @@ def child_main(backend: str, device_label: str, quick: bool) -> int:
         return 1
     device = torch.device(device_label)
     cases = cases_for(spec, quick=quick, small=device.type == "cpu")
+    print(gate.START_MARKER, flush=True)
     reports = []
     for case in cases:
         report = run_case(case, backend, device)

@@ -28,6 +28,10 @@ import json, sys, time
 log, behaviour, backend = sys.argv[1:4]
 with open(log, "a") as f:
     f.write(backend + "\n")
+if behaviour == "no-start":
+    print("ModuleNotFoundError: No module named 'gdn_dispatch'", file=sys.stderr)
+    sys.exit(1)
+print("GDN_SELFTEST_START", flush=True)
 if behaviour == "fail":
     print("Traceback: illegal memory access", file=sys.stderr)
     sys.exit(1)
@@ -262,3 +266,16 @@ def test_triton_generic_under_the_interpreter_when_named(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("triton_generic"))
     assert row.split()[:3] == ["triton_generic", "no", "3/3"] and row.endswith("PASS")
+
+
+def test_child_that_never_starts_is_inconclusive_and_not_cached(tmp_path, env):
+    children = Children(tmp_path, {"gluon_sm100": "no-start"})
+    with gate.use_child_command(children):
+        explanation = explain(B200, QWEN35_CALL, env=env, run_selftest=True)
+        assert explanation.selected == "triton_generic"
+        reason = _verdict(explanation, "gluon_sm100").reason
+        assert "self-test could not run on B200 (assumed): the child (-c " in reason
+        assert reason.endswith("ended with code 1 before testing: ModuleNotFoundError: No module named 'gdn_dispatch'")
+        explain(B200, QWEN35_CALL, env=env, run_selftest=True)  # kept for this process
+        assert children.runs == ["gluon_sm100", "triton_generic"]
+    assert not list((tmp_path / "cache").glob("selftest-gluon_sm100-*.json"))  # not on disk
