@@ -200,12 +200,12 @@ def _child_result(backend, cases, result, code, timed_out, timeout_s, seconds, t
     last = next((line for line in reversed(tail) if line.strip()), "")
     if timed_out:
         status, reason = "failed", f"timed out after {timeout_s:g} s ({len(cases)} cases done)"
+    elif result.get("status") == "inconclusive":
+        status, reason = "inconclusive", result.get("reason", "the child could not test")
     elif not started:
         status = "inconclusive"
         reason = f"the child ({command_text(backend)}) ended with code {code} before testing" + (
             f": {last}" if last else "")
-    elif result.get("status") == "inconclusive":
-        status, reason = "inconclusive", result.get("reason", "the child could not test")
     elif code != 0 and not result:
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         status, reason = "failed", f"the child {how} after {len(cases)} cases" + (f": {last}" if last else "")
