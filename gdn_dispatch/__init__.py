@@ -3,6 +3,7 @@
 from gdn_dispatch.api import chunk_gated_delta_rule
 from gdn_dispatch.contract import GDNInputError, GDNProblem, StateLayout
 from gdn_dispatch.registry import GDNDispatchError, explain
+from gdn_dispatch.warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -13,5 +14,6 @@ __all__ = [
     "GDNInputError",
     "GDNProblem",
     "StateLayout",
+    "warmup",
     "__version__",
 ]

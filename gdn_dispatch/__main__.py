@@ -1,4 +1,4 @@
-"""Command line: ``python -m gdn_dispatch {info,run,bench,compile,selftest}``.
+"""Command line: ``python -m gdn_dispatch {info,run,bench,compile,selftest,warmup}``.
 
 Each subcommand is a ``cmd_<name>(args)`` returning the exit status, and its parser is
 built in :func:`build_parser`. A :class:`~gdn_dispatch.usage.UsageError` raised by a
@@ -82,6 +82,12 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     return selftest.run(args)
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    # gdn_dispatch.warmup is the function (the package exports it); the module by its path:
+    from gdn_dispatch.warmup import run
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gdn_dispatch import __version__
     from gdn_dispatch.usage import arch_arg, device_arg
@@ -116,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     from gdn_dispatch import selftest
     selftest.add_arguments(test)
     test.set_defaults(func=cmd_selftest)
+
+    warm = sub.add_parser("warmup", help="compile every kernel specialization calls with given dims can hit "
+                                         "on this device, before serving")
+    from gdn_dispatch.warmup import add_arguments as add_warmup_arguments
+    add_warmup_arguments(warm)
+    warm.set_defaults(func=cmd_warmup)
 
     for subparser in sub.choices.values():  # where main() reports a command's UsageError
         subparser.set_defaults(usage_parser=subparser)
