@@ -15,9 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-import pytest
-
-yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra: pip install -e '.[test]'")
+import yaml  # PyYAML, in the test extra
 
 if sys.version_info >= (3, 11):
     import tomllib
