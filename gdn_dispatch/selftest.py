@@ -331,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         if device.kind == "cuda":
             gate.record_verdict(gate.verdict_key(name, device), result)
     print(format_table(results, picked))
+    if device.kind == "cuda":
+        print(f"verdicts recorded for the self-test gate in {gate.cache_dir()}")
     must_pass = set(names) if args.backend else picked & set(names)
     failed = [r.backend for r in results if r.backend in must_pass and r.status != "passed"]
     print(f"selftest: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}"
