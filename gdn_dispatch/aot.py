@@ -91,14 +91,6 @@ class CompileReport:
                 str(self.shared_bytes), str(self.tmem_columns), present]
 
 
-def parse_target(text: str) -> tuple[int, int]:
-    """"sm_100a", "sm_90", "100" -> capability (major, minor)."""
-    info = assumed_device(text)
-    if info.capability is None:
-        raise ValueError(f"--target: expected a CUDA architecture like sm_90a or sm_100a, got {text!r}")
-    return info.capability
-
-
 def _gpu_target(capability: tuple[int, int]):
     from triton.backends.compiler import GPUTarget
     return GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
