@@ -247,3 +247,25 @@ def test_compiled_gpu_call_with_dynamic_T_compiles_once(backend):
         o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
         assert rel_rms_error(o, 2 * o_ref.float()) <= 1e-6 and rel_rms_error(ht, ht_ref) <= 1e-6
     assert counter.frame_count == 1
+
+
+@torch.no_grad()
+def test_compiled_call_writes_the_state_pool_in_place():
+    """inplace_final_state under compile is the _inplace op: the pool is written as in eager."""
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(call, pool, idx):
+        return chunk_gated_delta_rule(**{**call, "initial_state": pool}, state_indices=idx, inplace_final_state=True,
+                                      output_final_state=True)
+
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    call = varlen([5, 70, 9], seed=1)
+    pool = torch.randn(7, HV, K, V)
+    idx = torch.tensor([4, -1, 0])
+    pool_compiled, pool_eager = pool.clone(), pool.clone()
+    o, ht = compiled(call, pool_compiled, idx)
+    o_ref, ht_ref = fn(call, pool_eager, idx)
+    torch.testing.assert_close(pool_compiled, pool_eager, rtol=0, atol=0)
+    assert not torch.equal(pool_compiled[4], pool[4]) and torch.equal(pool_compiled[1], pool[1])
+    assert rel_rms_error(o, o_ref) <= TOL and rel_rms_error(ht, ht_ref) <= TOL
+    assert counter.frame_count == 1
