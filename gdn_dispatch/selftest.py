@@ -34,7 +34,7 @@ from gdn_dispatch import gate
 from gdn_dispatch.device import CPU, default_probe
 from gdn_dispatch.progress import Progress
 from gdn_dispatch.registry import CallSpec, device_reason, explain, load_registry, version_reason
-from gdn_dispatch.usage import UsageError, backend_arg, cuda_index, device_arg
+from gdn_dispatch.usage import UsageError, backend_arg, cuda_index, device_arg, seconds_arg
 
 #: Relative RMS error per output tensor, by q/k/v dtype (DESIGN.md's bounds).
 TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
@@ -268,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only this backend (on the CPU, triton_generic runs under TRITON_INTERPRET=1)")
     parser.add_argument("--quick", action="store_true",
                         help="the gate's three calls instead of the full set")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--timeout", type=seconds_arg, default=None, metavar="S",
                         help="seconds per backend before its child is killed (default 300 with --quick, else 900)")
 
 

@@ -76,3 +76,14 @@ def cuda_index(label: str, probe) -> int | None:
         raise UsageError(f"argument --device: {label} asked, but this machine has {count} CUDA "
                          f"device{'s' if count > 1 else ''}; valid: {valid}")
     return index
+
+
+def seconds_arg(text: str) -> float:
+    """``--timeout``: a positive number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds

@@ -128,6 +128,7 @@ class _Probe:
          "argument --device: cuda:3 asked, but this machine has 1 CUDA device; valid: cpu, cuda:0"),
         (["selftest", "--device", "cuda"], 0,
          "argument --device: cuda asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
+        (["selftest", "--timeout", "-5"], 0, "argument --timeout: expected a positive number of seconds, got '-5'"),
         (["selftest", "--backend", "bogus"], 0,
          "argument --backend: unknown backend 'bogus'; valid: gluon_sm100, gluon_sm90, triton_generic, reference"),
         (["selftest", "--device", "cpu", "--backend", "gluon_sm100"], 0,
