@@ -161,6 +161,10 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
                                 "pass one of them")
         cu_seqlens_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
         cu_seqlens = cu_seqlens_cpu.to(q.device)
+    # The op is forward only (so are the kernel backends in eager mode): detached inputs
+    # keep AOTAutograd from tracing a backward the op does not have.
+    q, k, v, g, beta, initial_state = (t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
+                                       for t in (q, k, v, g, beta, initial_state))
     args = (q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
             cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices)
     op = chunk_gated_delta_rule_inplace_op if inplace_final_state else chunk_gated_delta_rule_op

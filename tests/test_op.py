@@ -123,6 +123,18 @@ def test_compiled_model_traces_fullgraph_once_for_two_lengths():
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times for two lengths"
 
 
+def test_compiled_model_with_parameters_that_require_grad_runs_forward_only():
+    """The op is forward only: under compile its outputs carry no autograd history, and
+    parameters that require grad do not make AOTAutograd look for a backward."""
+    torch.manual_seed(0)
+    layer = TinyGDNLayer()
+    inputs = _layer_inputs([3, 70, 0, 9], 1)
+    _, ht = torch.compile(layer, fullgraph=True, backend="aot_eager")(*inputs)
+    _, ht_eager = layer(*inputs)
+    assert not ht.requires_grad
+    assert rel_rms_error(ht, ht_eager) <= TOL
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_compiled_uniform_call_with_dynamic_T_compiles_once(layout):
