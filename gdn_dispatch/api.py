@@ -155,6 +155,11 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     layout = _layout_name(state_layout, state_v_first)
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if inplace_final_state and state_indices is None:  # the op's pool argument is required
+        raise GDNInputError("inplace_final_state: needs state_indices (the pool rows to write back)")
+    if state_indices is not None and initial_state is None:
+        dims = "[P, HV, K, V]" if layout == "kv" else "[P, HV, V, K]"
+        raise GDNInputError(f"state_indices: needs initial_state to be the state pool {dims}")
     if isinstance(cu_seqlens, (list, tuple)):
         if cu_seqlens_cpu is not None:
             raise GDNInputError("cu_seqlens_cpu: not needed when cu_seqlens is a list (the list is the host copy); "

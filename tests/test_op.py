@@ -180,6 +180,28 @@ def test_bad_input_raises_the_contract_error_under_compile():
         fn(bad_layout)
 
 
+def test_pass_through_keywords_are_ignored_and_others_raise():
+    call = varlen([4, 20])
+    o, _ = chunk_gated_delta_rule(**call, use_cache=True, cu_seq_lens_k=None, max_length_q=20)
+    torch.testing.assert_close(o, chunk_gated_delta_rule(**call)[0], rtol=0, atol=0)
+    with pytest.raises(GDNInputError, match=r"output_final_sate: not an argument of chunk_gated_delta_rule"):
+        chunk_gated_delta_rule(**call, output_final_sate=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("over, message", [
+    pytest.param(dict(inplace_final_state=True), r"inplace_final_state: needs state_indices", id="inplace-no-idx"),
+    pytest.param(dict(initial_state=None, state_indices=torch.tensor([0, 1])),
+                 r"state_indices: needs initial_state to be the state pool \[P, HV, K, V\]", id="idx-no-pool"),
+])
+def test_pool_argument_errors_under_compile_match_eager(over, message):
+    call = {**varlen([4, 20]), **over}
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call)
+    with pytest.raises(GDNInputError, match=message):
+        torch.compile(lambda c: chunk_gated_delta_rule(**c), backend="aot_eager")(call)
+
+
 # --- GPU tier ---------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
