@@ -142,8 +142,12 @@ def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
     with capsys.disabled():
         print(f"\n{report.format()}")
     spec = WarmupSpec(**QWEN35, max_num_seqs=max_num_seqs)
+    compiled = []
     with _CompileCounter() as counter:
         for i, call in enumerate(random_stream(60, seed=11, max_num_seqs=max_num_seqs, max_len=600)):
+            before = counter.count
             chunk_gated_delta_rule(**make_call(spec, call, "cuda", random=True, seed=i), backend=backend)
+            if counter.count != before:
+                compiled.append(f"batch {i} ({call.label()}): {counter.count - before}")
         torch.cuda.synchronize()
-    assert counter.count == 0, f"{counter.count} compiles after warm-up"
+    assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
