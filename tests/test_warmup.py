@@ -151,3 +151,25 @@ def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
                 compiled.append(f"batch {i} ({call.label()}): {counter.count - before}")
         torch.cuda.synchronize()
     assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
+
+
+def test_compile_counter_sees_a_triton_compile():
+    """The counter the GPU test relies on counts a real triton.compile (here ahead of time
+    for sm_90, which needs no GPU): a compile after warm-up could not go unseen."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gdn_dispatch.warmup import _CompileCounter
+
+    @triton.jit
+    def _copy_kernel(src, dst, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs))
+
+    source = ASTSource(_copy_kernel, signature={"src": "*fp32", "dst": "*fp32", "BLOCK": "constexpr"},
+                       constexprs={"BLOCK": 16})
+    with _CompileCounter() as counter:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert counter.count == 1
