@@ -20,19 +20,27 @@ MATRIX = {
 }
 
 
+#: Kernels without a matrix product: the gate cumsum and the qk l2 norms (row reductions).
+NO_MATRIX_PRODUCT = {"chunk_cumsum_fwd", "qk_rnorm_fwd"}
+
+#: The fast tier's sample of the matrix: on these parts, the first listed kernel with a
+#: matrix product (one per matrix engine: mma.sync, wgmma, tcgen05, and consumer Blackwell).
+#: Every other compile is in the slow tier (``-m slow``).
+FAST_SAMPLE = ("sm_80", "sm_90", "sm_100", "sm_120")
+
+
 def _cases():
     for arch, (backend, instruction) in MATRIX.items():
         capability = assumed_device(arch).capability
         kernels = [] if backend == "reference" else kernels_for_target(capability, [backend])
         yield pytest.param(arch, backend, None, None, id=f"{arch}-choice")
+        sampled = arch not in FAST_SAMPLE
         for kernel in kernels:
+            fast = not sampled and kernel.kernel not in NO_MATRIX_PRODUCT
+            sampled = sampled or fast
             yield pytest.param(arch, backend, kernel, instruction,
                                id=f"{arch}-{kernel.backend}.{kernel.kernel}-{kernel.specialization}",
-                               marks=pytest.mark.slow)
-
-
-#: Kernels without a matrix product: the gate cumsum and the qk l2 norms (row reductions).
-NO_MATRIX_PRODUCT = {"chunk_cumsum_fwd", "qk_rnorm_fwd"}
+                               marks=() if fast else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("arch, backend, kernel, instruction", list(_cases()))
