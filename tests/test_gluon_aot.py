@@ -4,7 +4,7 @@ Every ``kernels_for_aot`` entry of gluon_sm100 / gluon_sm90 is compiled for its 
 ``gdn_dispatch.aot.compile_kernel``; the PTX must hold the instructions the design relies on
 (tcgen05 MMA/TMEM/TMA/scatter on sm_100a, wgmma/TMA on sm_90a), with no spills, shared memory
 within the part's 232448 bytes and (sm_100a) at most 512 TMEM columns. A tiny probe kernel
-checks the shared matrix-engine helpers (backends/gluon_common/engine.py) on both targets.
+checks the two matrix engines (backends/gluon_sm100/engine.py, backends/gluon_sm90/engine.py) on their targets.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TMEM_COLUMNS = 512
 
 
 @gluon.jit
-def _engine_probe_kernel(a_desc, b_desc, c_desc, IS_SM100: gl.constexpr):
+def _engine_probe_kernel(a_desc, b_desc, c_desc, ENGINE: gl.constexpr):
     """c = a^T b + 0.5 (a b): one overwrite MMA, a register round trip, one accumulate MMA."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -47,14 +47,14 @@ def _engine_probe_kernel(a_desc, b_desc, c_desc, IS_SM100: gl.constexpr):
     tma_load(a_desc, [0, 0], load_bar, a_smem)
     tma_load(b_desc, [0, 0], load_bar, b_smem)
     mbarrier.wait(load_bar, 0)
-    acc = E.acc_alloc(BM, BN, IS_SM100)
-    acc = E.mma(a_smem, b_smem, acc, False, mma_bar, IS_SM100)
-    acc = E.mma_wait(acc, mma_bar, 0, IS_SM100)
-    acc = E.acc_write(acc, E.acc_read(acc, IS_SM100) * 0.5, IS_SM100)
-    acc = E.mma(a_smem.permute((1, 0)), b_smem, acc, True, mma_bar, IS_SM100)
-    acc = E.mma_wait(acc, mma_bar, 1, IS_SM100)
+    acc = ENGINE.acc_alloc(BM, BN)
+    acc = ENGINE.mma(a_smem, b_smem, acc, False, mma_bar)
+    acc = ENGINE.mma_wait(acc, mma_bar, 0)
+    acc = ENGINE.acc_write(acc, ENGINE.acc_read(acc) * 0.5)
+    acc = ENGINE.mma(a_smem.permute((1, 0)), b_smem, acc, True, mma_bar)
+    acc = ENGINE.mma_wait(acc, mma_bar, 1)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
-    c_smem.store(E.acc_read(acc, IS_SM100).to(c_desc.dtype))
+    c_smem.store(ENGINE.acc_read(acc).to(c_desc.dtype))
     fence_async_shared()  # generic smem writes -> TMA (async proxy) read
     tma_store(c_desc, [0, 0], c_smem)
     tma.store_wait(0)
@@ -66,9 +66,10 @@ def _probe(capability, BM, BN):
     la = E.smem_layout([BM, BM], gl.bfloat16)
     lb = E.smem_layout([BM, BN], gl.bfloat16)
     sig = {"a_desc": f"tensordesc<bf16[{BM}, {BM}],{la!r}>", "b_desc": f"tensordesc<bf16[{BM}, {BN}],{lb!r}>",
-           "c_desc": f"tensordesc<bf16[{BM}, {BN}],{lb!r}>", "IS_SM100": "constexpr"}
+           "c_desc": f"tensordesc<bf16[{BM}, {BN}],{lb!r}>", "ENGINE": "constexpr"}
     return AotKernel(backend="probe", kernel="engine", specialization=f"M{BM}-N{BN}", fn=_engine_probe_kernel,
-                     signature=sig, constexprs={"IS_SM100": capability == SM100}, dialect="gluon")
+                     signature=sig, constexprs={"ENGINE": (gluon_sm100 if capability == SM100 else gluon_sm90).ENGINE},
+                     dialect="gluon")
 
 
 @pytest.mark.slow
@@ -150,6 +151,7 @@ def test_kernel_lists_cover_both_layouts_and_tails():
         state = [k for k in kernels if k.kernel == "state_output_fwd"]
         assert {k.constexprs["STATE_VK"] for k in state} == {False, True}
         assert {k.constexprs["HAS_TAILS"] for k in state} == {False, True}
-        assert {k.constexprs["IS_SM100"] for k in state} == {cap == SM100}
+        assert {k.constexprs["ENGINE"] for k in state} == {module.ENGINE}
+        assert module.ENGINE.is_sm100 == (cap == SM100)
         assert {(k.signature["w_desc"].split("[")[1].split("]")[0]) for k in state} >= {"64, 64", "64, 128"}
         assert all(k.backend == module.BACKEND and k.dialect == "gluon" for k in state)

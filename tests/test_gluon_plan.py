@@ -63,7 +63,7 @@ def test_scatter_row_descriptors_only_where_the_kernel_scatters(shape, capabilit
 def test_forward_plan_has_every_gluon_stage_in_launch_order():
     fp = plan(_problem(lengths=[1, 63, 64, 65, 130, 0]), SM90)
     assert [s.kernel for s in fp.stages] == ["wy_fwd", "state_output_fwd"]
-    assert all(s.constexprs["IS_SM100"] is False for s in fp.stages)
+    assert all(s.constexprs["ENGINE"].is_sm100 is False for s in fp.stages if s.kernel != "qk_rnorm_fwd")
     assert len({s.constexprs["HAS_TAILS"] for s in fp.stages}) == 1
 
 
@@ -108,7 +108,7 @@ def test_backend_packages_plan_and_reason():
     assert gluon_sm100.plan(p).is_sm100
     # The engine is the one the backend passes, not re-derived from the capability.
     assert not gluon_sm90.plan(p, SM100).is_sm100 and gluon_sm100.plan(p, SM90).is_sm100
-    assert plan(p, SM100, is_sm100=False).stage("wy_fwd").constexprs["IS_SM100"] is False
+    assert plan(p, SM100, engine=gluon_sm90.ENGINE).stage("wy_fwd").constexprs["ENGINE"] is gluon_sm90.ENGINE
     assert "needs CUDA tensors" in gluon_sm90.unsupported_reason(p)
     assert "needs CUDA tensors" in gluon_sm100.unsupported_reason(p)
     with pytest.raises(ValueError, match="gluon_sm90 compiles for"):

@@ -28,6 +28,13 @@ from gdn_dispatch.backends.gluon_common.launch_plan import MAX_STATE_TILE, has_t
 SM90, SM100 = (9, 0), (10, 0)
 
 
+def _engine(capability):
+    """The matrix engine of the backend that runs ``capability`` (the plans' ``ENGINE``)."""
+    from gdn_dispatch.backends import gluon_sm90, gluon_sm100
+
+    return (gluon_sm100 if capability[0] == 10 else gluon_sm90).ENGINE
+
+
 def _problem(K=128, V=128, ht=True, **kwargs):
     return random_problem(K=K, V=V, ht=ht, **kwargs)
 
@@ -62,7 +69,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
     scatters = capability == SM100 and has_tails(p)
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
-                                 "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "IS_SM100": capability == SM100,
+                                 "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
                                  **({} if scatters else {"o_rows_desc": None})}
     expected = {
@@ -187,7 +194,7 @@ def test_plan_flags():
     p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
     launch = so.plan_state_output(p, SM90)
     assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
-                                 "HAS_TAILS": True, "IS_SM100": False,
+                                 "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
                                                                      launch.num_warps), "o_rows_desc": None}
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
@@ -212,7 +219,7 @@ def test_aot_list(capability):
     for k in kernels:
         assert k.kernel == "state_output_fwd" and k.backend == backend and k.dialect == "gluon"
         assert list(k.signature) == list(k.fn.arg_names)
-        assert k.constexprs["IS_SM100"] == (capability == SM100)
+        assert k.constexprs["ENGINE"] is _engine(capability)
     blocks = {(k.constexprs["V"], k.signature["u_desc"].split("[")[1].split("]")[0]) for k in kernels}
     assert (128, "64, 32") in blocks and (128, "64, 64") in blocks and (128, "64, 128") in blocks
     assert {k.num_warps for k in kernels} == {4, 8}

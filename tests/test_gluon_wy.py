@@ -24,6 +24,15 @@ from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E4
 from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
+
+
+def _engine(capability):
+    """The matrix engine of the backend that runs ``capability`` (the plans' ``ENGINE``)."""
+    from gdn_dispatch.backends import gluon_sm90, gluon_sm100
+
+    return (gluon_sm100 if capability[0] == 10 else gluon_sm90).ENGINE
+
+
 #: Shared memory of one H100 / H200 multiprocessor (bytes), and what each block reserves.
 SM90_SMEM_PER_SM, BLOCK_RESERVED = 228 * 1024, 1024
 
@@ -40,7 +49,7 @@ def test_plan_wy_uniform_batch(capability):
     assert launch.kernel == "wy_fwd" and launch.num_warps == 4
     assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
     # No tails: every chunk is a whole tile, so the scatter row descriptors are None constexprs.
-    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "IS_SM100": capability == SM100,
+    assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "ENGINE": _engine(capability),
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs", "w_rows_desc": None,
                                  "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
@@ -56,7 +65,7 @@ def test_plan_wy_varlen_tails_l2_fp16():
     p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=1, HV=2, K=64, V=128, dtype=torch.float16, l2=True)
     launch = wy.plan_wy(p, SM90)
     assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
-    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "IS_SM100": False,
+    assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "ENGINE": _engine(SM90),
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs", "w_rows_desc": None,
                                  "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)

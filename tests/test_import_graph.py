@@ -136,6 +136,16 @@ def test_backends_have_no_import_cycle():
     assert through_backends == []
 
 
+def test_shared_gluon_pipeline_imports_no_backend():
+    """The engine is handed down by the backend that launches the kernels: gluon_common
+    never imports gluon_sm100 or gluon_sm90."""
+    shared = {m: e for m, e in import_graph().items() if m.startswith("gdn_dispatch.backends.gluon_common")}
+    assert shared
+    for module, edges in shared.items():
+        assert not any(e.startswith(("gdn_dispatch.backends.gluon_sm100", "gdn_dispatch.backends.gluon_sm90"))
+                       for e in edges), module
+
+
 def test_import_graph_has_no_cycle():
     assert cycles(import_graph()) == []
 

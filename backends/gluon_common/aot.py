@@ -10,13 +10,13 @@ from gdn_dispatch.backends.gluon_common.wy import wy_kernels_for_aot
 
 
 def backend_kernels_for_aot(backend: str, capabilities: tuple[tuple[int, int], ...],
-                            capability: tuple[int, int] | None, *, is_sm100: bool) -> list[AotKernel]:
+                            capability: tuple[int, int] | None, *, engine) -> list[AotKernel]:
     """The kernels the forward launches (wy, the qk norms, and the fused state + output) at
     every specialization, for ``capability`` (default: the backend's first) on the
-    backend's matrix engine ``is_sm100``."""
+    backend's matrix ``engine``."""
     capability = tuple(capability or capabilities[0])
     if capability not in capabilities:
         raise ValueError(f"{backend} compiles for {capabilities}, got {capability}")
-    return (wy_kernels_for_aot(capability, backend, is_sm100=is_sm100)
+    return (wy_kernels_for_aot(capability, backend, engine=engine)
             + qk_rnorm_kernels_for_aot(capability, backend)
-            + state_output_kernels_for_aot(capability, backend, is_sm100=is_sm100))
+            + state_output_kernels_for_aot(capability, backend, engine=engine))

@@ -27,7 +27,7 @@ from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 
 
-def forward(problem: GDNProblem, device: DeviceInfo, *, is_sm100: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``chunk_gated_delta_rule`` for ``problem`` on the Gluon kernels.
 
     Parameters
@@ -35,7 +35,8 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, is_sm100: bool) -> tuple
     problem : a validated call the registry admitted for the backend (dtypes, head dims and
         capability as registry.toml declares them; :func:`unsupported_reason` is None).
     device : DeviceInfo of the tensors' device, as the registry saw it.
-    is_sm100 : the launching backend's matrix engine (True: tcgen05 + TMEM; False: wgmma).
+    engine : the launching backend's matrix engine (its ``ENGINE``: tcgen05 + TMEM, or
+        wgmma), handed to every kernel as its ``ENGINE`` constexpr.
 
     Returns
     -------
@@ -46,8 +47,11 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, is_sm100: bool) -> tuple
     if problem.device.index != torch.cuda.current_device():
         # Triton launches on the current device: make it the tensors' one for this call.
         with torch.cuda.device(problem.device):
-            return forward(problem, device, is_sm100=is_sm100)
-    launches = plan(problem, device=device, is_sm100=is_sm100)
+            return forward(problem, device, engine=engine)
+    # The kernels read contiguous [B*T, heads, dim] rows: views with a token stride of
+    # their own are copied once here (counted in contract.INPUT_COPIES).
+    problem = problem.with_contiguous_inputs()
+    launches = plan(problem, device=device, engine=engine)
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None

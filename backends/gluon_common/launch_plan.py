@@ -19,6 +19,7 @@ Cached plans are shared between calls: treat a plan and its dicts as read-only.
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -210,13 +211,13 @@ class LaunchPlan:
 def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict) -> tuple[tuple[DescPlan, ...], dict]:
     """(descriptors, constexprs) of a launch that stores through :func:`masks.store_chunk_tile`.
 
-    Only sm_100a with varlen tails (the constexprs' ``IS_SM100`` and ``HAS_TAILS``) reads
+    Only tcgen05 with varlen tails (the constexprs' ``ENGINE`` and ``HAS_TAILS``) reads
     the TMA scatter row descriptors (sm_90a has no TMA scatter; without tails every chunk
     is a whole tile). Elsewhere they go to the kernel as None constexprs, so no launch
     builds or encodes them (each costs a host descriptor and a ``cuTensorMapEncodeTiled``
     per launch).
     """
-    if constexprs["IS_SM100"] and constexprs["HAS_TAILS"]:
+    if constexprs["ENGINE"].is_sm100 and constexprs["HAS_TAILS"]:
         return descriptors, constexprs
     unused = {d.arg: None for d in descriptors if d.scatter}
     return tuple(d for d in descriptors if not d.scatter), {**constexprs, **unused}
@@ -273,13 +274,16 @@ def as_device(device) -> DeviceInfo:
     return assumed_device(f"sm_{device[0]}{device[1]}")
 
 
-def engine_is_sm100(device: DeviceInfo, is_sm100: bool | None = None) -> bool:
-    """The matrix engine a plan is for: ``is_sm100`` as the launching backend passes it
-    (True: tcgen05 + TMEM, gluon_sm100; False: wgmma, gluon_sm90). None (a dry run outside a
-    backend) takes the engine of ``device``'s capability; ValueError for a capability
-    neither engine runs on."""
-    if is_sm100 is not None:
-        return bool(is_sm100)
-    if device.capability is not None and device.capability[0] in (9, 10):
-        return device.capability[0] == 10
+def resolve_engine(device: DeviceInfo, engine=None):
+    """The matrix engine a plan is for (the kernels' ``ENGINE`` constexpr): ``engine`` as
+    the launching backend passes it (``gluon_sm100.ENGINE``: tcgen05 + TMEM;
+    ``gluon_sm90.ENGINE``: wgmma). None, in a dry run outside a backend, takes the engine
+    of the Gluon backend registry.toml admits on ``device``; ValueError where none does."""
+    if engine is not None:
+        return engine
+    from gdn_dispatch.registry import device_reason, load_registry
+
+    for row in load_registry():
+        if row.module.startswith("gdn_dispatch.backends.gluon_") and device_reason(row, device) is None:
+            return importlib.import_module(row.module).ENGINE
     raise ValueError(f"capability: the Gluon kernels need sm_90 or sm_100/sm_103, got {device.capability}")

@@ -18,10 +18,11 @@ kernels zero them in registers where they would leak into valid rows (w/u inputs
 never write them:
 
 * sm_100a: ``tma.async_scatter`` with row index ``0x7FFFFFFF`` (out of bounds, so dropped)
-  for the rows past the end;
+  for the rows past the end (``gluon_sm100.engine.store_tail_rows``);
 * sm_90a (no TMA scatter): the staged tile is read back from shared memory in a
-  coalesced register layout and written with masked ``gl.store``. Only a sequence's last
-  chunk takes this path; full chunks use one TMA store on both archs. (A device-side
+  coalesced register layout and written with masked ``gl.store``
+  (``gluon_sm90.engine.store_tail_rows``). Only a sequence's last chunk takes this path;
+  full chunks use one TMA store on both archs. (A device-side
   descriptor bounded to the sequence would also work, but needs ``triton.set_allocator``
   for its 128-byte tensormap scratch at every launch: global state we keep out of the
   library.)
@@ -31,13 +32,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import tma as _bw_tma
 
 from gdn_dispatch.backends.gluon_common.compat import tma_store
 
-#: Row index handed to ``tma.async_scatter`` for a row that must not be written: far past
-#: any tensor's end, so the TMA unit drops it (negative indices are illegal instructions).
-SCATTER_SKIP_ROW = gl.constexpr(0x7FFFFFFF)
 #: eps of the fused q/k l2-normalization (gdn_dispatch.reference.L2NORM_EPS).
 L2NORM_EPS = gl.constexpr(1e-6)
 
@@ -49,13 +46,6 @@ def tile_layout(rows, cols, num_warps):
     vec = min(8, cols)
     tpw_col = min(32, max(cols // vec, 1))
     return gl.BlockedLayout([1, vec], [32 // tpw_col, tpw_col], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def scatter_row_layout(num_warps):
-    """Layout of the row-index vector of ``tma.async_scatter``: 4 consecutive rows per
-    thread (one scatter4 message), broadcast over the lanes."""
-    return gl.SliceLayout(0, gl.BlockedLayout([1, 4], [32, 1], [1, num_warps], [1, 0]))
 
 
 @gluon.jit
@@ -128,7 +118,7 @@ def row_rnorm(x_smem, layout: gl.constexpr):
 
 @gluon.jit
 def store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid,
-                     HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+                     HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
     """Write the staged ``[BT, BN]`` tile to rows ``row0 .. row0 + n_valid`` at column ``col0``.
 
     The caller has stored ``smem`` and issued ``fence_async_shared()`` (the TMA unit reads
@@ -140,22 +130,12 @@ def store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid
     rows_desc : the same tensor with block ``[1, BN]`` (sm_100a scatter; unused on sm_90a).
     ptr, row_stride : the destination's base pointer and row stride in elements (sm_90a
         tails only; unused on sm_100a).
+    ENGINE : the launching backend's engine; its ``store_tail_rows`` writes a partial chunk.
     """
     BT: gl.constexpr = smem.shape[0]
-    BN: gl.constexpr = smem.shape[1]
     if HAS_TAILS:
         if n_valid < BT:
-            if IS_SM100:
-                rows = gl.arange(0, BT, layout=scatter_row_layout(gl.num_warps()))
-                rows = gl.where(rows < n_valid, row0 + rows, SCATTER_SKIP_ROW)
-                _bw_tma.async_scatter(rows_desc, rows, col0, smem)
-            else:
-                layout: gl.constexpr = tile_layout(BT, BN, gl.num_warps())
-                x = smem.load(layout)
-                rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
-                cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-                offs = gl.expand_dims((row0 + rows).to(gl.int64) * row_stride, 1) + gl.expand_dims(col0 + cols, 0)
-                gl.store(ptr + offs, x, mask=gl.expand_dims(rows < n_valid, 1))
+            ENGINE.store_tail_rows(rows_desc, ptr, row_stride, smem, row0, col0, n_valid)
         else:
             tma_store(desc, [row0, col0], smem)
     else:

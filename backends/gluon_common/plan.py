@@ -20,7 +20,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.device import DeviceInfo, assumed_device
 
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    PLAN_CACHE_SIZE, LaunchPlan, LruCache, engine_is_sm100, has_tails)
+    PLAN_CACHE_SIZE, LaunchPlan, LruCache, has_tails, resolve_engine)
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm
 from gdn_dispatch.backends.gluon_common.state_output import plan_state_output
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -41,7 +41,7 @@ class ForwardPlan:
         return next(s for s in self.stages if s.kernel == kernel)
 
 
-def plan_key(problem: GDNProblem, device: DeviceInfo, is_sm100: bool) -> tuple:
+def plan_key(problem: GDNProblem, device: DeviceInfo, engine) -> tuple:
     """Everything the stage planners read from a call, a device and the engine, as a
     hashable key.
 
@@ -51,7 +51,7 @@ def plan_key(problem: GDNProblem, device: DeviceInfo, is_sm100: bool) -> tuple:
     (:func:`~.launch_plan.chunks_have_tails` needs only NT). A stage planner that starts
     reading another attribute of the problem or device must add it.
     """
-    return (tuple(device.capability), device.sm_count, device.smem_optin, is_sm100, tuple(problem.q.shape),
+    return (tuple(device.capability), device.sm_count, device.smem_optin, engine, tuple(problem.q.shape),
             tuple(problem.v.shape), problem.dtype, problem.N, problem.chunks.num_chunks, has_tails(problem),
             problem.initial_state is not None, problem.output_final_state, problem.state_layout,
             problem.use_qk_l2norm)
@@ -66,7 +66,7 @@ def clear_plan_cache() -> None:
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,
-         *, is_sm100: bool | None = None) -> ForwardPlan:
+         *, engine=None) -> ForwardPlan:
     """Dry run of the Gluon forward for ``problem``.
 
     Memoized per :func:`plan_key`: a call with the same key gets the same ForwardPlan
@@ -79,8 +79,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     device : DeviceInfo the launches are sized for (SM count, shared memory). Default: the
         representative part of ``capability`` (gdn_dispatch.device.assumed_device), else
         the probed device of the problem's tensors. The forward passes the registry's.
-    is_sm100 : the matrix engine, as the launching backend passes it (True: tcgen05 +
-        TMEM; False: wgmma); None takes the engine of the capability (dry runs).
+    engine : the matrix engine, as the launching backend passes it (its ``ENGINE``);
+        None takes the one registry.toml's Gluon row admits on the device (dry runs).
 
     Returns
     -------
@@ -97,19 +97,19 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     if capability is not None and tuple(capability) != tuple(device.capability):
         device = DeviceInfo(kind="cuda", index=device.index, name=device.name, capability=tuple(capability),
                             sm_count=device.sm_count, smem_optin=device.smem_optin)
-    is_sm100 = engine_is_sm100(device, is_sm100)
-    key = plan_key(problem, device, is_sm100)
+    engine = resolve_engine(device, engine)
+    key = plan_key(problem, device, engine)
     cached = _PLANS.get(key)
     if cached is not None:
         return cached
-    return _PLANS.put(key, compute_plan(problem, device, is_sm100=is_sm100))
+    return _PLANS.put(key, compute_plan(problem, device, engine=engine))
 
 
-def compute_plan(problem: GDNProblem, device: DeviceInfo, *, is_sm100: bool | None = None) -> ForwardPlan:
+def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ForwardPlan:
     """:func:`plan` without the cache: every stage planned for ``device`` and the engine."""
-    is_sm100 = engine_is_sm100(device, is_sm100)
+    engine = resolve_engine(device, engine)
     # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
     planners = (plan_wy, plan_qk_rnorm, plan_state_output) if problem.use_qk_l2norm else (plan_wy, plan_state_output)
-    stages = [planner(problem, device, is_sm100=is_sm100) for planner in planners]
-    return ForwardPlan(capability=tuple(device.capability), is_sm100=is_sm100, state_layout=problem.state_layout,
+    stages = [planner(problem, device, engine=engine) for planner in planners]
+    return ForwardPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100, state_layout=problem.state_layout,
                        has_tails=has_tails(problem), stages=tuple(stages))

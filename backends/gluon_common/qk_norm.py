@@ -48,11 +48,11 @@ def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, K: gl.constexpr, BLOCK_ROWS: gl.cons
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
 
 
-def plan_qk_rnorm(problem: GDNProblem, device, *, is_sm100: bool | None = None) -> LaunchPlan:
+def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> LaunchPlan:
     """Launch plan of :func:`qk_rnorm_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Grid: (row blocks of the ``B * T * H`` (token, head) rows, 2: q then k). The kernel
-    uses no matrix engine: ``device`` and ``is_sm100`` are accepted for the planners'
+    uses no matrix engine: ``device`` and ``engine`` are accepted for the planners'
     common signature.
     """
     return plan_qk_rnorm_rows(problem.B * problem.T * problem.H, problem.K)

@@ -14,7 +14,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier
 
 
@@ -91,10 +90,10 @@ def state_out(ht, s, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.c
 
 @gluon.jit
 def state_init(S, h0, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-               STATE_VK: gl.constexpr, USE_H0: gl.constexpr, IS_SM100: gl.constexpr):
+               STATE_VK: gl.constexpr, USE_H0: gl.constexpr, ENGINE: gl.constexpr):
     """Write the initial state's [K, BV] tile (zeros without one) into the accumulator ``S``,
     staged through the idle ``ring`` (:func:`state_in`); returns ``S``."""
-    s_layout: gl.constexpr = E.acc_layout(K, BV, IS_SM100, gl.num_warps())
+    s_layout: gl.constexpr = ENGINE.acc_layout(K, BV, gl.num_warps())
     if USE_H0:
         s0 = state_in(h0, ring, i_nh, i_v, K, V, BV, STATE_VK, s_layout)
         # The staging reads (generic proxy) must precede chunk 0's TMA writes into the same
@@ -103,4 +102,4 @@ def state_init(S, h0, ring, i_nh, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.
         thread_barrier()
     else:
         s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
-    return E.acc_write(S, s0, IS_SM100)
+    return ENGINE.acc_write(S, s0)

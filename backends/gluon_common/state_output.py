@@ -58,7 +58,7 @@ barrier of a slot completes once per use of the slot, so chunk t waits ``(t // N
 so chunk t waits ``t & 1``. On sm_100a a commit covers every earlier tcgen05 op, so e.g.
 ``qk_bar`` also implies ``P`` and ``O``; on sm_90a the waits are "at most PENDING wgmma
 groups outstanding" (groups retire in issue order: P, O, QK, S, A v_new; or P, O, S, QK,
-A v_new with QK late), which is what each ``E.mma_wait_until``'s PENDING counts.
+A v_new with QK late), which is what each ``ENGINE.mma_wait_until``'s PENDING counts.
 
 Why each buffer is free when it is rewritten (no "empty" barriers):
 
@@ -114,8 +114,8 @@ from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, as_device, drop_unused_scatter, engine_is_sm100, has_tails,
-    pointer_attrs, sig_dtype, tile_desc)
+    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, as_device, drop_unused_scatter, has_tails,
+    pointer_attrs, resolve_engine, sig_dtype, tile_desc)
 from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
@@ -189,18 +189,18 @@ def _norm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.conste
 
 
 @gluon.jit
-def _overwrite(acc, IS_SM100: gl.constexpr):
+def _overwrite(acc, ENGINE: gl.constexpr):
     """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
     zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
-    if IS_SM100:
+    if ENGINE.IS_SM100:
         out = acc
     else:
-        out = E.acc_alloc(acc.shape[0], acc.shape[1], False)
+        out = ENGINE.acc_alloc(acc.shape[0], acc.shape[1])
     return out
 
 
 @gluon.jit
-def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr):
+def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """``A = causal(QK (* rk per column) 2^(g_i - g_j))`` -> ``p_smem`` (not fenced).
 
     The chunk's gates ``g_row`` and k's row norms ``rk`` come in (each is loaded or
@@ -211,7 +211,7 @@ def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexp
     its words live across it (about 36 registers per thread on sm_90a). Columns come from
     a layout conversion of the row values, not from 32 more global loads per thread.
     """
-    s = E.acc_read(qk, IS_SM100)
+    s = ENGINE.acc_read(qk)
     BT: gl.constexpr = s.shape[0]
     layout: gl.constexpr = s.type.layout
     rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
@@ -228,34 +228,34 @@ def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexp
 
 @gluon.jit
 def _state_output_update(S, p, u_tile, u_bar, ready_phase, k_tile, b_d, m_t, vn_smem, vs_smem, s_bar,
-                         IS_SM100: gl.constexpr):
+                         ENGINE: gl.constexpr):
     """``v_new = u - P`` -> ``vn_smem``; its rows scaled by ``b_d`` (0 where not ``m_t``) ->
     ``vs_smem``; issue ``S += k^T vs``. Returns ``S`` (the MMA in flight)."""
     mbarrier.wait(u_bar, ready_phase)
-    b_v = u_tile.load(E.acc_layout(u_tile.shape[0], u_tile.shape[1], IS_SM100, gl.num_warps())).to(gl.float32)
-    b_v = b_v - E.acc_read(p, IS_SM100)
+    b_v = u_tile.load(ENGINE.acc_layout(u_tile.shape[0], u_tile.shape[1], gl.num_warps())).to(gl.float32)
+    b_v = b_v - ENGINE.acc_read(p)
     vn_smem.store(b_v.to(vn_smem.dtype))
     vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(vs_smem.dtype))
     # Orders vn/vs writes before the MMAs reading them, and the register reads of u and k
     # before the TMA refill of this slot at the top of the next chunk.
     fence_async_shared()
-    return E.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar, IS_SM100)
+    return ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
 
 
 @gluon.jit
 def _state_output_pv(o, qk, g_row, rk, n_valid, p_smem, vn_smem, pv_bar,
-                     USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr):
+                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """``A`` -> ``p_smem`` (:func:`_state_output_scores`); ``O = 2^g O``; issue
     ``O += A v_new``. Returns ``O`` (the MMA in flight)."""
-    _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM, IS_SM100)
-    o = E.acc_write(o, E.acc_read(o, IS_SM100) * gl.expand_dims(gl.exp2(g_row), 1), IS_SM100)
+    _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM, ENGINE)
+    o = ENGINE.acc_write(o, ENGINE.acc_read(o) * gl.expand_dims(gl.exp2(g_row), 1))
     fence_async_shared()  # p_smem writes (and this slot's register reads) -> async proxy
-    return E.mma(p_smem, vn_smem, o, True, pv_bar, IS_SM100)
+    return ENGINE.mma(p_smem, vn_smem, o, True, pv_bar)
 
 
 @gluon.jit
 def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_stride,
-                           row, col_v, n_valid, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+                           row, col_v, n_valid, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
     """``o * r_scale`` per row -> ``o_smem`` -> the chunk's own rows of o."""
     # The previous chunk's store (or masked store) must have read o_smem.
     tma.store_wait(0)
@@ -263,7 +263,7 @@ def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_s
     o_smem.store((o * gl.expand_dims(gl.convert_layout(r_scale, rows), 1)).to(o_smem.dtype))
     # The TMA store / scatter reads o_smem through the async proxy.
     fence_async_shared()
-    store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, IS_SM100)
+    store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, ENGINE)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP"])
@@ -271,17 +271,17 @@ def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
     g_cum, rnorm, h0, ht, cu_seqlens, scale, HV, GROUP,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
-    USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr, DEFER_OUT: gl.constexpr,
+    USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]
     dtype: gl.constexpr = w_desc.dtype
-    p_layout: gl.constexpr = E.acc_layout(BT, BV, IS_SM100, gl.num_warps())
+    p_layout: gl.constexpr = ENGINE.acc_layout(BT, BV, gl.num_warps())
     row_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
     # Where q k^T is issued (see the module docstring): with the w h_t MMA (the design), or
     # after the state update on sm_90a at K * BV = 8192, where the accumulators are registers.
-    QK_LATE: gl.constexpr = _qk_late(K, BV, IS_SM100, gl.num_warps())
+    QK_LATE: gl.constexpr = _qk_late(K, BV, ENGINE.IS_SM100, gl.num_warps())
     P_PENDING: gl.constexpr = 1 if QK_LATE else 2
     # With DEFER_OUT, chunk t's A v_new is waited and stored in chunk t + 1, after P, O
     # (and QK) of chunk t + 1 were issued: the wgmma groups outstanding then.
@@ -318,10 +318,10 @@ def _state_output_fwd_kernel(
 
     # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
     # of every chunk, so the handles stay loop-invariant (the results get other names).
-    S = state_init(E.acc_alloc(K, BV, IS_SM100), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, IS_SM100)
-    P = E.acc_alloc(BT, BV, IS_SM100)
-    O = E.acc_alloc(BT, BV, IS_SM100)
-    QK = E.acc_alloc(BT, BT, IS_SM100)
+    S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, ENGINE)
+    P = ENGINE.acc_alloc(BT, BV)
+    O = ENGINE.acc_alloc(BT, BV)
+    QK = ENGINE.acc_alloc(BT, BT)
     _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                        0, bos, col_w, col_k, col_v, NT > 0)
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
@@ -332,7 +332,7 @@ def _state_output_fwd_kernel(
     else:
         b_rq, b_rk = b_g, b_g  # unused
     # DEFER_OUT: the previous chunk's A v_new accumulator and o row scale, stored one chunk late.
-    o_prev = E.acc_in_flight(E.acc_alloc(BT, BV, IS_SM100), IS_SM100)
+    o_prev = ENGINE.acc_in_flight(ENGINE.acc_alloc(BT, BV))
     r_prev = gl.full([BT], scale, gl.float32, layout=row_layout)
 
     for t in range(NT):
@@ -362,65 +362,65 @@ def _state_output_fwd_kernel(
             b_rq, b_rk = _norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
         # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
-        s_reg = E.acc_read(S, IS_SM100)
+        s_reg = ENGINE.acc_read(S)
         h_smem.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA reads (async proxy)
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
-        p = E.mma(w_tile, h_smem, _overwrite(P, IS_SM100), False, p_bar, IS_SM100)
-        o = E.mma(q_tile, h_smem, _overwrite(O, IS_SM100), False, o_bar, IS_SM100)
+        p = ENGINE.mma(w_tile, h_smem, _overwrite(P, ENGINE), False, p_bar)
+        o = ENGINE.mma(q_tile, h_smem, _overwrite(O, ENGINE), False, o_bar)
         if not QK_LATE:
-            qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
+            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, ENGINE), False, qk_bar)
         # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
-        S = E.acc_write(S, s_reg * decay, IS_SM100)
+        S = ENGINE.acc_write(S, s_reg * decay)
         if USE_L2NORM:
             # k's reciprocal row norms: the row scale of vs (and QK's column scale below).
             b_d = b_d * rk
         if DEFER_OUT:
             # Chunk t - 1's tail, under this chunk's MMAs: its A v_new (issued before them,
             # so long done) -> o. vn_smem and p_smem are free for this chunk after the wait.
-            o_done = E.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING, IS_SM100)
+            o_done = ENGINE.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING)
             if t > 0:
-                _state_output_epilogue(E.acc_read(o_done, IS_SM100), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                       HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, IS_SM100)
-        p = E.mma_wait_until(p, p_bar, mma_phase, P_PENDING, IS_SM100)  # O (and QK) may still run
+                _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                       HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, ENGINE)
+        p = ENGINE.mma_wait_until(p, p_bar, mma_phase, P_PENDING)  # O (and QK) may still run
 
         S = _state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
-                                 vn_smem, vs_smem, s_bar, IS_SM100)
+                                 vn_smem, vs_smem, s_bar, ENGINE)
         if QK_LATE:
-            qk = E.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, IS_SM100), False, qk_bar, IS_SM100)
+            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, ENGINE), False, qk_bar)
 
         # o's row scale (times q's reciprocal row norms); A -> p_smem; O = 2^g O + A v_new.
         r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
         if USE_L2NORM:
             r_scale = r_scale * rq
-        o = E.mma_wait_until(o, o_bar, mma_phase, 2, IS_SM100)  # QK and S (either order) may run
+        o = ENGINE.mma_wait_until(o, o_bar, mma_phase, 2)  # QK and S (either order) may run
         if QK_LATE:
-            S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
-            qk = E.mma_wait_until(qk, qk_bar, mma_phase, 0, IS_SM100)
+            S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
+            qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 0)
         else:
-            qk = E.mma_wait_until(qk, qk_bar, mma_phase, 1, IS_SM100)  # the state update may run
-        o = _state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem, pv_bar, USE_L2NORM, IS_SM100)
+            qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 1)  # the state update may run
+        o = _state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem, pv_bar, USE_L2NORM, ENGINE)
         if not QK_LATE:
-            S = E.mma_wait_until(S, s_bar, mma_phase, 1, IS_SM100)
+            S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
         if DEFER_OUT:
             o_prev = o
             r_prev = r_scale
         else:
-            o = E.mma_wait(o, pv_bar, mma_phase, IS_SM100)
-            _state_output_epilogue(E.acc_read(o, IS_SM100), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
-                                   HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
+            o = ENGINE.mma_wait(o, pv_bar, mma_phase)
+            _state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
+                                   HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
     if DEFER_OUT:
         if NT > 0:
             # The last chunk's tail.
             row = bos + (NT - 1) * BT
-            o_done = E.mma_wait(o_prev, pv_bar, (NT - 1) & 1, IS_SM100)
-            _state_output_epilogue(E.acc_read(o_done, IS_SM100), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                   HV * V, row, col_v, eos - row, HAS_TAILS, IS_SM100)
+            o_done = ENGINE.mma_wait(o_prev, pv_bar, (NT - 1) & 1)
+            _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                   HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
     if STORE_HT:
         # The ring is idle: every load landed and every MMA reading it was waited on.
-        state_out(ht, E.acc_read(S, IS_SM100), ring, i_nh, i_v, K, V, BV, STATE_VK)
+        state_out(ht, ENGINE.acc_read(S), ring, i_nh, i_v, K, V, BV, STATE_VK)
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(wkq_ready.index(i))
@@ -505,7 +505,7 @@ def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int
     return min(usable, key=cost)
 
 
-def state_constexprs(problem: GDNProblem, is_sm100: bool) -> dict:
+def state_constexprs(problem: GDNProblem, engine) -> dict:
     """The constexpr flags of the fused kernel that follow from the call and the engine."""
     return {
         "USE_H0": problem.initial_state is not None,
@@ -513,12 +513,12 @@ def state_constexprs(problem: GDNProblem, is_sm100: bool) -> dict:
         "STATE_VK": problem.state_layout is StateLayout.VK,
         "USE_L2NORM": problem.use_qk_l2norm,
         "HAS_TAILS": has_tails(problem),
-        "IS_SM100": is_sm100,
+        "ENGINE": engine,
     }
 
 
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
-                      defer_out: bool | None = None, is_sm100: bool | None = None) -> LaunchPlan:
+                      defer_out: bool | None = None, engine=None) -> LaunchPlan:
     """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
@@ -530,11 +530,12 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     num_warps : 4 or 8 (a state tile ``K * BV`` over 8192 needs 8); default the chosen
         configuration's, or :func:`state_output_warps` for an overridden BV.
     defer_out : override of :func:`state_output_defers` (sm_90a only).
-    is_sm100 : the matrix engine the launching backend passes; None: the capability's
-        (:func:`~.launch_plan.engine_is_sm100`).
+    engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
+        one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
     """
     info = as_device(device)
-    is_sm100 = engine_is_sm100(info, is_sm100)
+    engine = resolve_engine(info, engine)
+    is_sm100 = engine.is_sm100
     B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
     N, dtype = problem.N, problem.dtype
     BT = CHUNK_SIZE
@@ -562,7 +563,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
     )
     descriptors, constexprs = drop_unused_scatter(
-        descriptors, {**state_constexprs(problem, is_sm100), "DEFER_OUT": defer})
+        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer})
     return LaunchPlan(
         kernel="state_output_fwd",
         grid=(N * HV * NV,),
@@ -690,7 +691,7 @@ def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: 
 
 
 def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
-                                 is_sm100: bool | None = None) -> list[AotKernel]:
+                                 engine=None) -> list[AotKernel]:
     """The fused kernel at every specialization it can launch on ``capability``.
 
     Every (K, V) in {64, 128}^2 at every configuration of :data:`CONFIGS` that holds its
@@ -719,7 +720,7 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
     kernels = []
     for K, V, BV, warps, flags in cases:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
-                                   is_sm100=is_sm100)
+                                   engine=engine)
         tag = (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
                f"{'vk' if flags['vk'] else 'kv'}{'-h0' if flags['h0'] else ''}{'-ht' if flags['ht'] else ''}"
                f"{'-l2' if flags['l2'] else ''}")

@@ -63,8 +63,8 @@ from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    NUM_WARPS, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter, engine_is_sm100, has_tails,
-    pointer_attrs, sig_dtype, tile_desc)
+    NUM_WARPS, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter, has_tails,
+    pointer_attrs, resolve_engine, sig_dtype, tile_desc)
 from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout
 
 
@@ -94,16 +94,16 @@ def _alias(smem, dtype: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, PHASE: gl.constexpr, IS_SM100: gl.constexpr):
+def _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, PHASE: gl.constexpr, ENGINE: gl.constexpr):
     """``x @ y`` for fp32 [64, 64] register tiles through the engine (tf32 inputs); the
     result in ``x``'s layout. ``PHASE``: completions of ``bar`` before this call, mod 2."""
     lhs_smem.store(x)
     rhs_smem.store(y)
     # The MMA reads both operands through the async proxy.
     fence_async_shared()
-    acc = E.mma(lhs_smem, rhs_smem, acc, False, bar, IS_SM100)
-    acc = E.mma_wait(acc, bar, PHASE, IS_SM100)
-    return gl.convert_layout(E.acc_read(acc, IS_SM100), x.type.layout), acc
+    acc = ENGINE.mma(lhs_smem, rhs_smem, acc, False, bar)
+    acc = ENGINE.mma_wait(acc, bar, PHASE)
+    return gl.convert_layout(ENGINE.acc_read(acc), x.type.layout), acc
 
 
 @gluon.jit
@@ -118,34 +118,34 @@ def _block_mask(x, i, j, level: gl.constexpr, BELOW: gl.constexpr):
 
 
 @gluon.jit
-def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, IS_SM100: gl.constexpr):
+def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, ENGINE: gl.constexpr):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile (see the module docstring)."""
     BT: gl.constexpr = a.shape[0]
     layout: gl.constexpr = a.type.layout
     i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
     j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
     eye = gl.where(i == j, 1.0, 0.0)
-    acc = E.acc_alloc_tf32(BT, BT, IS_SM100)
+    acc = ENGINE.acc_alloc_tf32(BT, BT)
     # a is read again at every level: on sm_100a it waits in TMEM, not in 32 registers per
     # thread (uncapped there, the l2 specializations spilled); on sm_90a this is a no-op.
-    a_kept = E.acc_write(E.acc_alloc(BT, BT, IS_SM100), a, IS_SM100)
+    a_kept = ENGINE.acc_write(ENGINE.acc_alloc(BT, BT), a)
     # 4 x 4 diagonal blocks: (I + d)^-1 = (I - d)(I + d^2), as d^4 = 0.
     d = _block_mask(a, i, j, 2, False)
-    p, acc = _f32_product(d, d, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-    x, acc = _f32_product(eye - d, eye + p, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+    p, acc = _f32_product(d, d, lhs_smem, rhs_smem, acc, bar, 0, ENGINE)
+    x, acc = _f32_product(eye - d, eye + p, lhs_smem, rhs_smem, acc, bar, 1, ENGINE)
     # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - x (n x), n = a's
     # blocks just below the diagonal blocks of x inside each pair.
     for level in gl.static_range(2, 6):
-        a = gl.convert_layout(E.acc_read(a_kept, IS_SM100), layout)
+        a = gl.convert_layout(ENGINE.acc_read(a_kept), layout)
         n = _block_mask(a, i, j, level, True)
-        y, acc = _f32_product(n, x, lhs_smem, rhs_smem, acc, bar, 0, IS_SM100)
-        y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, IS_SM100)
+        y, acc = _f32_product(n, x, lhs_smem, rhs_smem, acc, bar, 0, ENGINE)
+        y, acc = _f32_product(x, y, lhs_smem, rhs_smem, acc, bar, 1, ENGINE)
         x = x - y
     return x
 
 
 @gluon.jit
-def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, IS_SM100: gl.constexpr):
+def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.constexpr):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile: :func:`_unit_lower_inverse`'s
     blocks, with the left operand of every product in registers (``lhs_smem`` stages it on
     sm_100a only) and the right one either ``a`` (stored once) or ``x`` (once per level).
@@ -159,30 +159,30 @@ def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, IS_SM100: gl.cons
     layout: gl.constexpr = a.type.layout
     i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
     j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
-    acc = E.acc_alloc_tf32(BT, BT, IS_SM100)
+    acc = ENGINE.acc_alloc_tf32(BT, BT)
     a_smem.store(E.tf32_rhs_order(a))
     # Every product reads a_smem through the async proxy.
     fence_async_shared()
     # 4 x 4 diagonal blocks: (I + d)^-1 = I - d + d^2 - d^3, as d^4 = 0.
     d = _block_mask(a, i, j, 2, False)
-    acc = E.mma_reg_a(E.tf32_lhs_order(d), lhs_smem, a_smem, acc, False, bar, IS_SM100)
-    acc = E.mma_wait(acc, bar, 0, IS_SM100)
-    p = _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, 2, False)
-    acc = E.mma_reg_a(E.tf32_lhs_order(p), lhs_smem, a_smem, acc, False, bar, IS_SM100)
+    acc = ENGINE.mma_reg_a(E.tf32_lhs_order(d), lhs_smem, a_smem, acc, False, bar)
+    acc = ENGINE.mma_wait(acc, bar, 0)
+    p = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
+    acc = ENGINE.mma_reg_a(E.tf32_lhs_order(p), lhs_smem, a_smem, acc, False, bar)
     x = gl.where(i == j, 1.0, 0.0) - d + p
-    acc = E.mma_wait(acc, bar, 1, IS_SM100)
-    x = x - _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, 2, False)
+    acc = ENGINE.mma_wait(acc, bar, 1)
+    x = x - _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
     # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - (x n) x.
     for level in gl.static_range(2, 6):
-        acc = E.mma_reg_a(E.tf32_lhs_order(x), lhs_smem, a_smem, acc, False, bar, IS_SM100)
+        acc = ENGINE.mma_reg_a(E.tf32_lhs_order(x), lhs_smem, a_smem, acc, False, bar)
         # x_smem is free (the product that read it was waited on): store x while x a runs.
         x_smem.store(E.tf32_rhs_order(x))
         fence_async_shared()
-        acc = E.mma_wait(acc, bar, 0, IS_SM100)
-        y = _block_mask(gl.convert_layout(E.acc_read(acc, IS_SM100), layout), i, j, level, True)
-        acc = E.mma_reg_a(E.tf32_lhs_order(y), lhs_smem, x_smem, acc, False, bar, IS_SM100)
-        acc = E.mma_wait(acc, bar, 1, IS_SM100)
-        x = x - gl.convert_layout(E.acc_read(acc, IS_SM100), layout)
+        acc = ENGINE.mma_wait(acc, bar, 0)
+        y = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, level, True)
+        acc = ENGINE.mma_reg_a(E.tf32_lhs_order(y), lhs_smem, x_smem, acc, False, bar)
+        acc = ENGINE.mma_wait(acc, bar, 1)
+        x = x - gl.convert_layout(ENGINE.acc_read(acc), layout)
     return x
 
 
@@ -236,19 +236,19 @@ def _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.const
 
 @gluon.jit
 def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_valid,
-                 HAS_TAILS: gl.constexpr, IS_SM100: gl.constexpr):
+                 HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
     """Accumulator -> ``smem`` (a free operand buffer of the same shape) -> global rows."""
-    smem.store(E.acc_read(acc, IS_SM100).to(smem.dtype))
+    smem.store(ENGINE.acc_read(acc).to(smem.dtype))
     # TMA store / scatter read smem through the async proxy.
     fence_async_shared()
-    store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, IS_SM100)
+    store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, ENGINE)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
     g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
-    HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, IS_SM100: gl.constexpr,
+    HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
     LHS_REGS: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
@@ -271,7 +271,7 @@ def _wy_fwd_kernel(
         # scaled T tiles reuse a's and x's bytes: 66 KB in all on sm_90a, as for "smem".
         a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
         x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
-        if IS_SM100:
+        if ENGINE.IS_SM100:
             lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
         else:
             lhs_smem = a_smem
@@ -300,8 +300,8 @@ def _wy_fwd_kernel(
     tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
 
     mbarrier.wait(ready_bars.index(0), 0)
-    kk = E.mma(k_smem, k_smem.permute((1, 0)), E.acc_alloc(BT, BT, IS_SM100), False, mma_bars.index(0), IS_SM100)
-    kk = E.acc_read(E.mma_wait(kk, mma_bars.index(0), 0, IS_SM100), IS_SM100)
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, mma_bars.index(0))
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, mma_bars.index(0), 0))
     g_i = _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
     a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM)
     if LHS_REGS:
@@ -309,11 +309,11 @@ def _wy_fwd_kernel(
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         w_scale = gl.convert_layout(w_scale, flat)
         u_scale = gl.convert_layout(u_scale, flat)
-        t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, mma_bars.index(1), IS_SM100)
+        t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, mma_bars.index(1), ENGINE)
         w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
         u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     else:
-        t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), IS_SM100)
+        t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), ENGINE)
 
     # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
     # rounding, of the scaled T, per product). The inverse's last MMA was waited on, so the
@@ -321,15 +321,15 @@ def _wy_fwd_kernel(
     tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     fence_async_shared()
-    w_acc = E.mma(tw_smem, k_smem, E.acc_alloc(BT, K, IS_SM100), False, mma_bars.index(2), IS_SM100)
+    w_acc = ENGINE.mma(tw_smem, k_smem, ENGINE.acc_alloc(BT, K), False, mma_bars.index(2))
     mbarrier.wait(ready_bars.index(1), 0)
-    u_acc = E.mma(tu_smem, v_smem, E.acc_alloc(BT, V, IS_SM100), False, mma_bars.index(3), IS_SM100)
-    w_acc = E.mma_wait_until(w_acc, mma_bars.index(2), 0, 1, IS_SM100)
+    u_acc = ENGINE.mma(tu_smem, v_smem, ENGINE.acc_alloc(BT, V), False, mma_bars.index(3))
+    w_acc = ENGINE.mma_wait_until(w_acc, mma_bars.index(2), 0, 1)
     # The w MMA is complete, so k_smem is free to stage w (u = T v may still run).
     # Row strides as HV * constexpr: the masked sm_90a tail stores then vectorize.
-    _wy_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, IS_SM100)
-    u_acc = E.mma_wait(u_acc, mma_bars.index(3), 0, IS_SM100)
-    _wy_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, IS_SM100)
+    _wy_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, ENGINE)
+    u_acc = ENGINE.mma_wait(u_acc, mma_bars.index(3), 0)
+    _wy_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, ENGINE)
     # Shared memory must outlive the bulk stores that read it.
     tma.store_wait(0)
     for i in gl.static_range(2):
@@ -369,7 +369,7 @@ def wy_descriptors(rows: int, H: int, HV: int, K: int, V: int, dtype: torch.dtyp
     )
 
 
-def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, is_sm100: bool | None = None) -> LaunchPlan:
+def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, engine=None) -> LaunchPlan:
     """Launch plan of :func:`wy_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
@@ -378,28 +378,29 @@ def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, is_sm100
     device : DeviceInfo, or a bare capability tuple (its representative part).
     variant : one of :data:`WY_VARIANTS` (how the inverse feeds its products; the results
         agree to rounding), or None for :data:`WY_DEFAULT_VARIANT`.
-    is_sm100 : the matrix engine the launching backend passes; None: the capability's
-        (:func:`~.launch_plan.engine_is_sm100`).
+    engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
+        one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
 
     One program per (chunk, v-head), v-head fastest; whole K and V tiles; 4 warps (one
     warpgroup: wgmma's M = 64).
     """
     return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
                     problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device),
-                    variant, is_sm100)
+                    variant, engine)
 
 
 def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, variant: str | None = None,
-             is_sm100: bool | None = None) -> LaunchPlan:
+             engine=None) -> LaunchPlan:
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
         raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
     lhs_regs = variant == "regs"
-    is_sm100 = engine_is_sm100(info, is_sm100)
+    engine = resolve_engine(info, engine)
+    is_sm100 = engine.is_sm100
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(rows, H, HV, K, V, dtype),
-        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "IS_SM100": is_sm100, "LHS_REGS": lhs_regs})
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
@@ -506,16 +507,16 @@ def aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, l2: bool, H: in
 
 
 def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, variant: str | None = None,
-                       *, is_sm100: bool | None = None) -> list:
+                       *, engine=None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
     on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
     (q's dtype, q's dtype), the gate dtypes models pass; of the inverse ``variant`` (None:
-    the one plan_wy picks by default), on the engine ``is_sm100`` (None: the capability's)."""
+    the one plan_wy picks by default), on ``engine`` (None: :func:`~.launch_plan.resolve_engine`)."""
     from gdn_dispatch.aot import AotKernel
 
     device = as_device(capability)
-    is_sm100 = engine_is_sm100(device, is_sm100)
-    backend = backend or ("gluon_sm100" if is_sm100 else "gluon_sm90")
+    engine = resolve_engine(device, engine)
+    backend = backend or ("gluon_sm100" if engine.is_sm100 else "gluon_sm90")
     kernels = []
     for dtype in (torch.bfloat16, torch.float16):
         for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype)):
@@ -523,7 +524,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                 for V in (64, 128):
                     for tails in (False, True):
                         for l2 in (False, True):
-                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, is_sm100=is_sm100)
+                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, engine=engine)
                             tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
                                    f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}")
                             kernels.append(AotKernel(

@@ -4,8 +4,9 @@ prefetch, TMA scatter (row 0x7FFFFFFF) for rows past a varlen sequence's end.
 
 The pipeline kernels, their orchestrator and launch plans live in
 :mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm90 (wgmma on Hopper); this
-package runs them on the Blackwell matrix engine (their ``IS_SM100`` constexpr) and hands
-them the device the registry chose.
+package holds the Blackwell matrix engine (:mod:`.engine`: tcgen05 MMAs, TMEM
+accumulators, the TMA scatter store), hands it to the kernels as their ``ENGINE``
+constexpr, and hands them the device the registry chose.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_sm100.engine import TCGEN05
 
 if TYPE_CHECKING:
     from gdn_dispatch.registry import Selection
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 BACKEND = "gluon_sm100"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same).
 CAPABILITIES = ((10, 0), (10, 3))
-#: The shared kernels' engine constexpr: tcgen05 MMAs with TMEM accumulators.
-_TCGEN05 = True
+#: The matrix engine this backend hands the shared pipeline kernels (their ``ENGINE``).
+ENGINE = TCGEN05
 
 
 def forward(problem: GDNProblem, selection: Selection | None = None):
@@ -38,15 +40,15 @@ def forward(problem: GDNProblem, selection: Selection | None = None):
     the tensors' device once.
     """
     device = selection.device if selection is not None else default_probe().for_torch_device(problem.device)
-    return _forward.forward(problem, device, is_sm100=_TCGEN05)
+    return _forward.forward(problem, device, engine=ENGINE)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
          device: DeviceInfo | None = None) -> _plan.ForwardPlan:
     """Dry run: every launch (grid, blocks, descriptors) ``forward`` would make on ``capability``."""
-    return _plan.plan(problem, capability, device, is_sm100=_TCGEN05)
+    return _plan.plan(problem, capability, device, engine=ENGINE)
 
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for ``capability`` (default sm_100)."""
-    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, is_sm100=_TCGEN05)
+    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)

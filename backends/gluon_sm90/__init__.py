@@ -5,8 +5,9 @@ written with masked register stores (full chunks use one TMA store).
 
 The pipeline kernels, their orchestrator and launch plans live in
 :mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm100 (tcgen05 + TMEM on
-Blackwell); this package runs them on the Hopper matrix engine (their ``IS_SM100``
-constexpr false) and hands them the device the registry chose.
+Blackwell); this package holds the Hopper matrix engine (:mod:`.engine`: wgmma with
+register accumulators, masked stores for partial chunks), hands it to the kernels as
+their ``ENGINE`` constexpr, and hands them the device the registry chose.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_sm90.engine import WGMMA
 
 if TYPE_CHECKING:
     from gdn_dispatch.registry import Selection
@@ -29,8 +31,8 @@ BACKEND = "gluon_sm90"
 #: Compute capabilities this backend compiles for (registry.toml's row says the same):
 #: wgmma needs the sm_90a feature set, which later parts do not carry.
 CAPABILITIES = ((9, 0),)
-#: The shared kernels' engine constexpr: wgmma (not tcgen05).
-_TCGEN05 = False
+#: The matrix engine this backend hands the shared pipeline kernels (their ``ENGINE``).
+ENGINE = WGMMA
 
 
 def forward(problem: GDNProblem, selection: Selection | None = None):
@@ -40,15 +42,15 @@ def forward(problem: GDNProblem, selection: Selection | None = None):
     the tensors' device once.
     """
     device = selection.device if selection is not None else default_probe().for_torch_device(problem.device)
-    return _forward.forward(problem, device, is_sm100=_TCGEN05)
+    return _forward.forward(problem, device, engine=ENGINE)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
          device: DeviceInfo | None = None) -> _plan.ForwardPlan:
     """Dry run: every launch (grid, blocks, descriptors) ``forward`` would make on ``capability``."""
-    return _plan.plan(problem, capability, device, is_sm100=_TCGEN05)
+    return _plan.plan(problem, capability, device, engine=ENGINE)
 
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for sm_90a."""
-    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, is_sm100=_TCGEN05)
+    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)
