@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.aot import compile_kernel  # noqa: E402
-from gdn_dispatch.device import assumed_device  # noqa: E402
+from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_problem  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
@@ -33,8 +33,9 @@ def _engine(capability):
     return (gluon_sm100 if capability[0] == 10 else gluon_sm90).ENGINE
 
 
-#: Shared memory of one H100 / H200 multiprocessor (bytes), and what each block reserves.
-SM90_SMEM_PER_SM, BLOCK_RESERVED = 228 * 1024, 1024
+#: Shared memory of one H100 / H200 multiprocessor (bytes): the opt-in maximum per block
+#: plus the 1 KB each resident block reserves.
+SM90_SMEM_PER_SM = SMEM_OPTIN[SM90] + SMEM_RESERVED_PER_BLOCK
 
 
 def _problem(lengths=None, B=1, T=128, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, l2=False):
@@ -77,7 +78,7 @@ def test_three_programs_fit_an_sm90_multiprocessor(K, V):
     """The residency the sm_90 launch is tuned for: shared memory and registers of three
     programs within one SM (the plan's budget, and the register cap it passes ptxas)."""
     launch = wy.plan_wy(_problem(K=K, V=V), SM90)
-    assert 3 * (launch.blocks["smem_bytes"] + BLOCK_RESERVED) <= SM90_SMEM_PER_SM
+    assert 3 * (launch.blocks["smem_bytes"] + SMEM_RESERVED_PER_BLOCK) <= SM90_SMEM_PER_SM
     assert launch.maxnreg == wy.WY_MAXNREG_SM90 and 3 * 128 * launch.maxnreg <= 65536
     assert wy.plan_wy(_problem(K=K, V=V), SM100).maxnreg == 255
 
