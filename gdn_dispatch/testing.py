@@ -100,6 +100,19 @@ def random_call(
     return out
 
 
+def fused_projection_views(call: dict) -> dict:
+    """q, k, v, g, beta of ``call`` as views of one ``[B, T, 2 H K + HV V + 2 HV]`` tensor in
+    q's dtype, as a model splits one fused projection: token rows whose token stride is wider
+    than each tensor's own row (``contract.token_rows_stride``)."""
+    B, T, H, K = call["q"].shape
+    HV, V = call["v"].shape[2:]
+    parts = [call["q"].reshape(B, T, H * K), call["k"].reshape(B, T, H * K), call["v"].reshape(B, T, HV * V),
+             call["g"].to(call["q"].dtype), call["beta"].to(call["q"].dtype)]
+    views = torch.split(torch.cat(parts, dim=-1), [p.shape[-1] for p in parts], dim=-1)
+    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
+    return {name: view.view(shape) for name, view, shape in zip(("q", "k", "v", "g", "beta"), views, shapes)}
+
+
 def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2: bool = False, **call):
     """A validated GDNProblem of one :func:`random_call` (``call``: its shape, head, dtype,
     device and seed keywords), with the initial state ``h0`` in ``layout``, the final

@@ -5,7 +5,7 @@ import torch
 
 from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule
 from gdn_dispatch.contract import make_problem
-from gdn_dispatch.testing import random_call
+from gdn_dispatch.testing import fused_projection_views, random_call
 
 
 def base_call(**over):
@@ -200,26 +200,12 @@ def test_debug_checks_are_off_by_default(mutate, monkeypatch):
     chunk_gated_delta_rule(**call)
 
 
-def _fused_projection_views(call):
-    """q, k, v, g, beta as views of one [B, T, 2 H K + HV V + 2 HV] projection (token rows
-    with a token stride wider than each tensor's own row)."""
-    B, T, H, K = call["q"].shape
-    HV, V = call["v"].shape[2:]
-    parts = [call["q"].reshape(B, T, H * K), call["k"].reshape(B, T, H * K), call["v"].reshape(B, T, HV * V),
-             call["g"].float(), call["beta"].float()]
-    fused = torch.cat([p.to(call["q"].dtype) for p in parts], dim=-1)
-    widths = [H * K, H * K, HV * V, HV, HV]
-    views = torch.split(fused, widths, dim=-1)
-    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
-    return {name: view.view(shape) for name, view, shape in zip(("q", "k", "v", "g", "beta"), views, shapes)}
-
-
 @pytest.mark.parametrize("make", [base_call, varlen_call], ids=["uniform", "varlen"])
 def test_row_strided_views_are_read_without_a_copy(make):
     from gdn_dispatch.contract import INPUT_COPIES, token_rows_stride
 
     call = make()
-    views = _fused_projection_views(call)
+    views = fused_projection_views(call)
     width = views["q"].stride(1)
     assert all(token_rows_stride(t) == width for t in views.values())
     dense = {name: t.contiguous() for name, t in views.items()}

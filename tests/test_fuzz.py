@@ -27,7 +27,7 @@ import torch
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.registry import load_registry
-from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
+from gdn_dispatch.testing import fused_projection_views, poison_cuda_allocator, random_call, rel_rms_error
 
 #: Relative RMS error per output tensor, by q/k/v dtype (DESIGN.md's bounds).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
@@ -170,16 +170,8 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
     return errors
 
 
-def fused_projection_views(call: dict) -> dict:
-    """q, k, v, g, beta as views of one ``[B, T, 2 H K + HV V + 2 HV]`` projection (token
-    rows with a token stride wider than each tensor's own row)."""
-    B, T, H, K = call["q"].shape
-    HV, V = call["v"].shape[2:]
-    parts = [call["q"].reshape(B, T, -1), call["k"].reshape(B, T, -1), call["v"].reshape(B, T, -1),
-             call["g"].to(call["q"].dtype), call["beta"].to(call["q"].dtype)]
-    views = torch.split(torch.cat(parts, dim=-1), [p.shape[-1] for p in parts], dim=-1)
-    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
-    return {n: t.view(sh) for n, t, sh in zip(("q", "k", "v", "g", "beta"), views, shapes)}
+def _pool_dtype(seed: int) -> torch.dtype:
+    return torch.bfloat16 if seed % 2 else torch.float32
 
 
 def _pool_for(call: dict, s: FuzzSpec, seed: int, device: str):
@@ -189,7 +181,7 @@ def _pool_for(call: dict, s: FuzzSpec, seed: int, device: str):
     N = call["cu_seqlens"].numel() - 1 if call.get("cu_seqlens") is not None else call["q"].shape[0]
     gen = torch.Generator().manual_seed(seed)
     dims = (s.K, s.V) if s.layout == "kv" else (s.V, s.K)
-    pool_dtype = torch.bfloat16 if seed % 2 else torch.float32
+    pool_dtype = _pool_dtype(seed)
     pool = (0.1 * torch.randn(N + 2, s.HV, *dims, generator=gen)).to(pool_dtype).to(device)
     idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
     if N > 1:
@@ -217,8 +209,11 @@ def _call_backend(call: dict, flags: dict, pool_args: dict, backend: str):
 def _check(case: FuzzCase, device: str) -> None:
     errors = run_case(case, device)
     tol = TOL[DTYPES[case.spec.dtype]]
-    bad = {name: err for name, err in errors.items() if not err <= tol}
-    assert not bad, f"{bad} above {tol} for {case.describe()}"
+    # A bfloat16 pool holds the final states rounded to bfloat16: the kernel's and the
+    # reference's roundings of nearby float32 values differ by up to one bf16 step.
+    tols = {name: max(tol, TOL[_pool_dtype(case.data_seed)]) if name == "pool" else tol for name in errors}
+    bad = {name: err for name, err in errors.items() if not err <= tols[name]}
+    assert not bad, f"{bad} above {tols} for {case.describe()}"
 
 
 # --- GPU tier -----------------------------------------------------------------------------

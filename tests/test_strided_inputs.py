@@ -15,7 +15,7 @@ import torch
 
 from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.contract import INPUT_COPIES, token_rows_stride
-from gdn_dispatch.testing import random_call
+from gdn_dispatch.testing import fused_projection_views, random_call
 
 HAS_GPU = torch.cuda.is_available()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
@@ -34,18 +34,6 @@ CASES = [
     pytest.param("triton_generic", "cuda", True, id="triton_generic-cuda", marks=GPU),
     pytest.param("gluon", "cuda", False, id="gluon-cuda", marks=GPU),
 ]
-
-
-def _fused_views(call: dict) -> dict:
-    """q, k, v, g, beta as views of one ``[B, T, 2 H K + HV V + 2 HV]`` projection."""
-    B, T, H, K = call["q"].shape
-    HV, V = call["v"].shape[2:]
-    parts = [call["q"].reshape(B, T, -1), call["k"].reshape(B, T, -1), call["v"].reshape(B, T, -1),
-             call["g"].to(call["q"].dtype), call["beta"].to(call["q"].dtype)]
-    fused = torch.cat(parts, dim=-1)
-    views = torch.split(fused, [p.shape[-1] for p in parts], dim=-1)
-    shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
-    return {n: t.view(s) for n, t, s in zip(("q", "k", "v", "g", "beta"), views, shapes)}
 
 
 def _setup(backend, device, monkeypatch):
@@ -67,7 +55,7 @@ def test_fused_projection_views(backend, device, in_place, shape, monkeypatch):
     backend = _setup(backend, device, monkeypatch)
     dims = dict(H=2, HV=4, K=32, V=16) if device == "cpu" else dict(H=2, HV=4, K=128, V=128)
     call = random_call(**shape, **dims, dtype=torch.bfloat16, device=device, seed=4)
-    views = _fused_views(call)
+    views = fused_projection_views(call)
     assert token_rows_stride(views["q"]) == views["q"].stride(1) > views["q"].shape[2] * views["q"].shape[3]
     dense = {n: t.contiguous() for n, t in views.items()}
     before = sum(INPUT_COPIES.values())
