@@ -28,14 +28,17 @@ from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, inter
 
 
 @jit
-def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr):
-    """Pointers and mask of a [BV, BK] ("vk") or [BK, BV] ("kv") tile of one [K, V] state."""
+def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.constexpr, k_rows):
+    """Pointers and mask of a [BV, BK] ("vk") or [BK, BV] ("kv") tile of one [K, V] state;
+    the mask admits the first ``k_rows`` rows of K (0: an empty mask, for a pool slot with
+    no row: a scalar folded into the comparison, as a block mask & a scalar bool is not a
+    bool mask under every Triton interpreter)."""
     if STATE_VK:
         p = base + o_v[:, None] * K + o_k[None, :]
-        m = (o_v < V)[:, None] & (o_k < K)[None, :]
+        m = (o_v < V)[:, None] & (o_k < k_rows)[None, :]
     else:
         p = base + o_k[:, None] * V + o_v[None, :]
-        m = (o_k < K)[:, None] & (o_v < V)[None, :]
+        m = (o_k < k_rows)[:, None] & (o_v < V)[None, :]
     return p, m
 
 
@@ -129,12 +132,13 @@ def _state_fwd_kernel(
         i_slot = tl.load(state_indices + i_n).to(tl.int64)
         has_row = (i_slot >= 0) & (i_slot < P)
         i_row = tl.where(has_row, i_slot, 0)
+        k_rows = tl.where(has_row, K, 0)
     else:
-        has_row = i_n >= 0
         i_row = i_n
+        k_rows = K
     if USE_H0:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK)
-        b_h = tl.load(p_s, mask=m_s & has_row, other=0.0).to(tl.float32)
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        b_h = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
         if STATE_VK:
             b_h = tl.trans(b_h)
     else:
@@ -166,11 +170,11 @@ def _state_fwd_kernel(
     else:
         b_out = b_h
     if STORE_HT:
-        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK)
+        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK, K)
         tl.store(p_s, b_out, mask=m_s)
     if INPLACE:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK)
-        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s & has_row)
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s)
 
 
 def state_fwd(
