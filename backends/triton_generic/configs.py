@@ -1,9 +1,9 @@
 """Launch configurations: a fixed table per stage, reasoned rather than autotuned.
 
 Why fixed: autotuning at the first call costs seconds of compiles per key and makes timings
-depend on what ran first. Each choice below is argued in one line; the H200 script
-(benchmarks/h200_triton_generic.py) times the alternatives so the table can be revisited
-with numbers.
+depend on what ran first. Each choice below is argued in one line; every function takes a
+``config=`` override in its host wrapper, so alternatives can be timed against the table
+(``python -m gdn_dispatch bench --backends triton_generic``).
 
 Shared memory: a software-pipelined loop keeps ``num_stages`` copies of its streamed tiles in
 shared memory, so stages are capped by the part's budget (sm_86/89/120 have ~100 KB per
