@@ -100,6 +100,28 @@ def random_call(
     return out
 
 
+def runnable_gpu_backends() -> list[str]:
+    """The kernel backends the registry lets run a Qwen3.5-shaped bf16 varlen call on the
+    current CUDA device (forced one by one), for GPU tests parametrized per backend; [] with
+    no GPU."""
+    if not torch.cuda.is_available():
+        return []
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.registry import GDNDispatchError, select
+
+    call = random_call(lengths=[70, 31], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
+    device = default_probe().for_torch_device(torch.device("cuda"))
+    names = []
+    for name in ("gluon_sm100", "gluon_sm90", "triton_generic"):
+        try:
+            select(device, make_problem(**call, backend=name))
+            names.append(name)
+        except GDNDispatchError:
+            pass
+    return names
+
+
 def fused_projection_views(call: dict) -> dict:
     """q, k, v, g, beta of ``call`` as views of one ``[B, T, 2 H K + HV V + 2 HV]`` tensor in
     q's dtype, as a model splits one fused projection: token rows whose token stride is wider

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gdn_dispatch import GDNInputError, chunk_gated_delta_rule
 from gdn_dispatch.op import INPLACE_OP_NAME, OP_NAME
-from gdn_dispatch.testing import random_call, rel_rms_error
+from gdn_dispatch.testing import random_call, rel_rms_error, runnable_gpu_backends
 
 # Sizes chosen so that no two dims coincide: dynamo's duck sizing would otherwise tie them
 # (e.g. HV == N + 1) and a later call that breaks the tie would recompile.
@@ -207,25 +207,7 @@ def test_pool_argument_errors_under_compile_match_eager(over, message):
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _gpu_backends():
-    from gdn_dispatch.device import default_probe
-    from gdn_dispatch.registry import GDNDispatchError, select
-    from gdn_dispatch.contract import make_problem
-
-    if not torch.cuda.is_available():
-        return []
-    call = random_call(lengths=[100, 37], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
-    names = []
-    for name in ("gluon_sm100", "gluon_sm90", "triton_generic"):
-        try:
-            select(default_probe().for_torch_device(torch.device("cuda")), make_problem(**call, backend=name))
-            names.append(name)
-        except GDNDispatchError:
-            pass
-    return names
-
-
-GPU_BACKENDS = _gpu_backends()
+GPU_BACKENDS = runnable_gpu_backends()
 
 
 def _gpu_call(lengths, seed):

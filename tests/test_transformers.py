@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gdn_dispatch import GDNInputError, chunk_gated_delta_rule
-from gdn_dispatch.testing import rel_rms_error
+from gdn_dispatch.testing import rel_rms_error, runnable_gpu_backends
 
 transformers = pytest.importorskip("transformers", reason="needs the [integration] extra (transformers >= 5)")
 qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5",
@@ -99,27 +99,8 @@ def test_a_wrong_final_state_fails_the_comparison(monkeypatch):
                  tolerance=TOLERANCE["cpu"], state_factor=1.02)
 
 
-def _gpu_backends():
-    if not torch.cuda.is_available():
-        return []
-    from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.device import default_probe
-    from gdn_dispatch.registry import GDNDispatchError, select
-    from gdn_dispatch.testing import random_call
-
-    call = random_call(lengths=[70, 31], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda")
-    names = []
-    for name in ("gluon_sm100", "gluon_sm90", "triton_generic"):
-        try:
-            select(default_probe().for_torch_device(torch.device("cuda")), make_problem(**call, backend=name))
-            names.append(name)
-        except GDNDispatchError:
-            pass
-    return names
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", runnable_gpu_backends())
 def test_qwen35_on_each_gpu_backend_matches_transformers(monkeypatch, backend):
     _compare(monkeypatch, "cuda", torch.bfloat16, head_dim=128, backend=backend, tolerance=TOLERANCE["gpu"])

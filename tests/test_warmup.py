@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gdn_dispatch.device import assumed_device
+from gdn_dispatch.testing import runnable_gpu_backends
 from gdn_dispatch.warmup import (
     LAST_LENGTHS, WarmupCall, WarmupSpec, call_keys, candidate_calls, make_call, plan_warmup, warmup,
 )
@@ -110,28 +111,9 @@ def test_cli_warmup_on_cpu(capsys):
 
 # --- GPU tier ---------------------------------------------------------------------------
 
-def _gpu_backends():
-    if not torch.cuda.is_available():
-        return []
-    from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.device import default_probe
-    from gdn_dispatch.registry import GDNDispatchError, select
-
-    spec = WarmupSpec(**QWEN35)
-    problem_args = make_call(spec, WarmupCall((64, 17), None, True, True), "cuda")
-    names = []
-    for name in ("gluon_sm100", "gluon_sm90", "triton_generic"):
-        try:
-            select(default_probe().for_torch_device(torch.device("cuda")), make_problem(**problem_args, backend=name))
-            names.append(name)
-        except GDNDispatchError:
-            pass
-    return names
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", runnable_gpu_backends())
 def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
     from gdn_dispatch import chunk_gated_delta_rule
     from gdn_dispatch.warmup import _CompileCounter
