@@ -91,7 +91,13 @@ def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     stages suffice.
     """
     cap = 128 if elem <= 2 else 64
-    BK = BV = min(_square_tile(K, V), cap)
+    if capability is None or capability[0] in (9, 10):
+        BK = BV = min(_square_tile(K, V), cap)
+    else:
+        # mma.sync parts (where the miscompile was not seen) keep per-dim tiles: the padded
+        # square tile spills there (80 bytes at K = 100, V = 60, fp16 on sm_120, Triton 3.9).
+        BK = min(max(MIN_TILE, next_pow2(K)), cap)
+        BV = min(max(MIN_TILE, next_pow2(V)), cap)
     per_stage = 64 * max(BK, BV) * elem
     fixed = 64 * 64 * 4 + 64 * max(BK, BV) * elem
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)
