@@ -433,10 +433,9 @@ def make_problem(
                 )
             cu_host = cu_seqlens_cpu
             _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
-        elif cu_host is None:
-            cu_host = cu_seqlens.cpu()
-            _check_cu_seqlens(cu_host, T)
         else:
+            if cu_host is None:  # a device tensor without its host copy: read it back once
+                cu_host = cu_seqlens.cpu()
             _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
