@@ -100,6 +100,36 @@ def random_call(
     return out
 
 
+class StandInProbe:
+    """A device probe for tests: stand-in GPUs of the given architectures (``"sm_90"``...),
+    indexed in order, and the CPU; none means a machine without a CUDA driver. Install it
+    with ``gdn_dispatch.device.use_probe``."""
+
+    def __init__(self, *archs: str):
+        import dataclasses
+
+        from gdn_dispatch.device import assumed_device
+
+        self.devices = [dataclasses.replace(assumed_device(a), index=i) for i, a in enumerate(archs)]
+        self.unavailable_reason = None if archs else "no CUDA driver"
+
+    def count(self) -> int:
+        return len(self.devices)
+
+    def info(self, index: int):
+        return self.devices[index]
+
+    def all(self) -> list:
+        from gdn_dispatch.device import CPU
+
+        return [*self.devices, CPU]
+
+    def for_torch_device(self, device):
+        from gdn_dispatch.device import CPU
+
+        return CPU if device.type == "cpu" else self.devices[device.index or 0]
+
+
 def runnable_gpu_backends() -> list[str]:
     """The kernel backends the registry lets run a Qwen3.5-shaped bf16 varlen call on the
     current CUDA device (forced one by one), for GPU tests parametrized per backend; [] with

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from gdn_dispatch.registry import load_registry
+from gdn_dispatch.testing import StandInProbe
 
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
 
@@ -84,27 +85,6 @@ def test_compile_target_without_kernel_backends():
     assert "target sm_75: backends none" in out and "0 kernels compiled" in out
 
 
-class _Probe:
-    """A machine with ``count`` stand-in GPUs (none: no driver)."""
-
-    def __init__(self, count):
-        from gdn_dispatch.device import assumed_device
-
-        self.devices = [assumed_device("sm_90")] * count
-        self.unavailable_reason = None if count else "no CUDA driver"
-
-    def count(self):
-        return len(self.devices)
-
-    def info(self, index):
-        return self.devices[index]
-
-    def all(self):
-        from gdn_dispatch.device import CPU
-
-        return [*self.devices, CPU]
-
-
 @pytest.mark.parametrize(
     "argv, gpus, message",
     [
@@ -140,7 +120,7 @@ def test_usage_errors_exit_2_with_one_line(argv, gpus, message, capsys):
     from gdn_dispatch.__main__ import main
     from gdn_dispatch.device import use_probe
 
-    with use_probe(_Probe(gpus)), pytest.raises(SystemExit) as exited:
+    with use_probe(StandInProbe(*["sm_90"] * gpus)), pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from gdn_dispatch.registry import (
     select,
     version_reason,
 )
-from gdn_dispatch.testing import random_call
+from gdn_dispatch.testing import StandInProbe, random_call
 
 NAMES = [r.name for r in load_registry()]
 
@@ -198,36 +198,15 @@ def test_registry_rows_are_sorted_and_complete():
     assert _row("gluon_sm100").capabilities == ((10, 0), (10, 3))
 
 
-class _FakeProbe:
-    """Two GPUs of different generations, no driver needed."""
-
-    unavailable_reason = None
-
-    def __init__(self, *archs):
-        self.devices = [dataclasses.replace(assumed_device(a), index=i) for i, a in enumerate(archs)]
-
-    def count(self):
-        return len(self.devices)
-
-    def info(self, index):
-        return self.devices[index]
-
-    def all(self):
-        return [*self.devices, CPU]
-
-    def for_torch_device(self, device):
-        return CPU if device.type == "cpu" else self.devices[device.index or 0]
-
-
 def test_info_reads_the_probe_in_force(capsys, monkeypatch):
     from gdn_dispatch.__main__ import main
     from gdn_dispatch.device import default_probe, use_probe
 
     monkeypatch.delenv("GDN_BACKEND", raising=False)
-    with use_probe(_FakeProbe("sm_100", "sm_120")):
+    with use_probe(StandInProbe("sm_100", "sm_120")):
         assert main(["info"]) == 0
     sections = capsys.readouterr().out.split("\n[")[1:]
     assert [s.splitlines()[0].split("]")[0] for s in sections] == ["cuda:0", "cuda:1", "cpu"]
     assert [s.rstrip().splitlines()[-1] for s in sections] == [
         "selected: gluon_sm100", "selected: triton_generic", "selected: reference"]
-    assert not isinstance(default_probe(), _FakeProbe)  # gone after the block
+    assert not isinstance(default_probe(), StandInProbe)  # gone after the block
