@@ -16,13 +16,16 @@ from gdn_dispatch.op import chunk_gated_delta_rule_inplace_op, chunk_gated_delta
 
 #: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
 #: calls (transformers' Qwen3.5 forwards ``use_cache`` and its ``TransformersKwargs``, as
-#: it does to fla): accepted and ignored. Any other unknown keyword is an error.
+#: it does to fla; transformers 5.17 also passes its ``cache`` object): accepted and ignored.
+#: Any other unknown keyword is an error.
 CLIENT_PASSTHROUGH_KWARGS = frozenset({
-    "use_cache", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "seq_idx",
+    "use_cache", "cache", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "seq_idx",
     "is_causal", "num_items_in_batch", "output_attentions", "output_hidden_states", "output_router_logits",
 })
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: The state layout names, as plain strings: dynamo (torch 2.11) cannot iterate an Enum class.
+_LAYOUT_NAMES = tuple(m.value for m in StateLayout)
 
 
 def _check_client_kwargs(client_kwargs: dict) -> None:
@@ -137,7 +140,7 @@ def _layout_name(state_layout, state_v_first) -> str:
     if state_layout is None:
         return "vk" if state_v_first else "kv"
     name = state_layout.value if isinstance(state_layout, StateLayout) else str(state_layout).lower()
-    choices = [m.value for m in StateLayout]
+    choices = list(_LAYOUT_NAMES)
     if name not in choices:
         raise GDNInputError(f"state_layout: expected one of {choices}, got {state_layout!r}")
     if state_v_first is not None and bool(state_v_first) != (name == "vk"):
