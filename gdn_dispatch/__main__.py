@@ -48,12 +48,28 @@ def cmd_info(args: argparse.Namespace) -> int:
         cap = "" if device.capability is None else f", capability {device.capability[0]}.{device.capability[1]} ({device.arch})"
         extra = "" if device.kind == "cpu" else f", {device.sm_count} SMs, {device.smem_optin // 1024} KiB smem/block"
         print(f"[{device.label}] {device.name}{cap}{extra}")
+        if device.kind != "cpu":
+            _print_context_parallel(device)
         try:
             print(explain(device, call).format())
         except GDNDispatchError as exc:
             print(f"  error: {exc}\nselected: NONE")
             status = 1
     return status
+
+
+#: Calls whose context-parallel decision ``info`` shows per GPU: one 32k-token prompt on the
+#: value heads of a tensor-parallel shard of Qwen3.5 (TP=8, TP=2, none); V = 128.
+_CP_SHOWN = ((1, 32768, 4), (1, 32768, 16), (1, 32768, 32), (8, 4096, 4))
+
+
+def _print_context_parallel(device) -> None:
+    from gdn_dispatch.context_parallel import plan_context_parallel
+
+    for N, T, HV in _CP_SHOWN:
+        decision = plan_context_parallel("auto", T_total=N * T, N=N, HV=HV, V=128, sm_count=device.sm_count,
+                                         max_len=T)
+        print(f"  context parallel (auto), {N} x {T} tokens, HV={HV}: {decision.describe()}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

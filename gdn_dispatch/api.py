@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch.contract import GDNInputError, StateLayout, make_problem
-from gdn_dispatch.op import chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op, run_problem
+from gdn_dispatch.context_parallel import context_parallel_reason
+from gdn_dispatch.op import (chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op, context_parallel_str,
+                             run_problem)
 
 #: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
 #: calls (transformers' Qwen3.5 forwards ``use_cache`` and its ``TransformersKwargs``, as
@@ -62,6 +64,7 @@ def chunk_gated_delta_rule(
     head_first: bool | None = None,
     state_indices: torch.Tensor | None = None,
     inplace_final_state: bool = False,
+    context_parallel: str | int = "auto",
     **client_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill of a Gated Delta Network layer (chunk C = 64).
@@ -98,6 +101,12 @@ def chunk_gated_delta_rule(
         ``initial_state[state_indices[n]]``; -1 starts from zeros.
     inplace_final_state : bool, with ``state_indices``: final states are written back into
         the pool rows.
+    context_parallel : "auto" (default), "off", or int ``n >= 1``: cut long sequences into
+        segments processed in parallel, stitched by an exact float32 scan of each segment's
+        affine map of the state (:mod:`gdn_dispatch.context_parallel`). "auto" decides from
+        the sequences, heads and the device's SM count; ``n`` forces segments sized so
+        that the longest sequence spans ``n`` (``T`` stands for it when ``cu_seqlens`` has
+        no host copy). Results agree with "off" to float32 rounding.
     **client_kwargs : only the names in ``CLIENT_PASSTHROUGH_KWARGS`` (what transformers
         passes along, e.g. ``use_cache``), ignored; any other name raises.
 
@@ -123,13 +132,14 @@ def chunk_gated_delta_rule(
     if _is_traced(q):
         return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                             cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
-                            state_v_first, head_first, state_indices, inplace_final_state)
+                            state_v_first, head_first, state_indices, inplace_final_state, context_parallel)
     problem = make_problem(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout, backend=backend,
         state_v_first=state_v_first, head_first=head_first,
         state_indices=state_indices, inplace_final_state=inplace_final_state,
+        context_parallel=context_parallel,
     )
     return run_problem(problem)
 
@@ -150,7 +160,7 @@ def _layout_name(state_layout, state_v_first) -> str:
 
 def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                  use_qk_l2norm_in_kernel, state_layout, backend, state_v_first, head_first, state_indices,
-                 inplace_final_state):
+                 inplace_final_state, context_parallel):
     """The call as the custom op: the arguments the op schema cannot carry (layout aliases,
     ``head_first``, a host list of offsets) are resolved here, with the eager messages."""
     if head_first:
@@ -158,6 +168,9 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     layout = _layout_name(state_layout, state_v_first)
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
         raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    cp_reason = context_parallel_reason(context_parallel)
+    if cp_reason is not None:
+        raise GDNInputError(f"context_parallel: {cp_reason}")
     if inplace_final_state and state_indices is None:  # the op's pool argument is required
         raise GDNInputError("inplace_final_state: needs state_indices (the pool rows to write back)")
     if state_indices is not None and initial_state is None:
@@ -174,7 +187,8 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     q, k, v, g, beta, initial_state = (t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
                                        for t in (q, k, v, g, beta, initial_state))
     args = (q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
-            cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices)
+            cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices,
+            context_parallel_str(context_parallel))
     op = chunk_gated_delta_rule_inplace_op if inplace_final_state else chunk_gated_delta_rule_op
     o, final_state = op(*args)
     return o, (final_state if output_final_state else None)

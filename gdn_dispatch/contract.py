@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gdn_dispatch.context_parallel import context_parallel_reason
 from gdn_dispatch.registry import backend_names
 from gdn_dispatch.varlen import ChunkTable, build_chunk_table
 
@@ -95,6 +96,8 @@ class GDNProblem:
     chunks : ChunkTable, per-chunk and per-sequence index tables (always present; a
         uniform batch is described as ``B`` sequences of ``T`` tokens each).
     backend : str or None, a backend name forced for this call.
+    context_parallel : "auto", "off" or int >= 1 (segments of the longest sequence): the
+        request :func:`gdn_dispatch.context_parallel.plan_for_problem` decides from.
     """
 
     q: torch.Tensor
@@ -112,6 +115,7 @@ class GDNProblem:
     backend: str | None
     state_indices: torch.Tensor | None = None
     inplace_final_state: bool = False
+    context_parallel: str | int = "auto"
 
     @property
     def B(self) -> int:
@@ -354,6 +358,7 @@ def make_problem(
     head_first: bool | None = None,
     state_indices: torch.Tensor | None = None,
     inplace_final_state: bool = False,
+    context_parallel: str | int = "auto",
 ) -> GDNProblem:
     """Validate a ``chunk_gated_delta_rule`` call and return it as a :class:`GDNProblem`.
 
@@ -469,6 +474,9 @@ def make_problem(
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    cp_reason = context_parallel_reason(context_parallel)
+    if cp_reason is not None:
+        raise GDNInputError(f"context_parallel: {cp_reason}")
     if backend is not None:
         names = backend_names()
         if backend not in names:
@@ -480,4 +488,5 @@ def make_problem(
         state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens, chunks=chunks, backend=backend,
         state_indices=state_indices, inplace_final_state=bool(inplace_final_state),
+        context_parallel=context_parallel,
     )

@@ -56,13 +56,26 @@ def _fresh(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     return out
 
 
+def context_parallel_arg(value: str) -> "str | int":
+    """The op's string ``context_parallel`` ("auto", "off" or a decimal segment count, as
+    :func:`context_parallel_str` writes it) as the contract's value."""
+    return int(value) if value.isdigit() else value
+
+
+def context_parallel_str(value) -> str:
+    """The contract's ``context_parallel`` ("auto", "off" or an int) as the op's string
+    (the schema has no str-or-int type)."""
+    return value if isinstance(value, str) else str(int(value))
+
+
 def _call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-          use_qk_l2norm_in_kernel, state_layout, backend, state_indices, inplace_final_state):
+          use_qk_l2norm_in_kernel, state_layout, backend, state_indices, inplace_final_state, context_parallel):
     problem = make_problem(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout, backend=backend,
         state_indices=state_indices, inplace_final_state=inplace_final_state,
+        context_parallel=context_parallel_arg(context_parallel),
     )
     o, final_state = run_problem(problem)
     inputs = (q, k, v, g, beta, initial_state)
@@ -98,16 +111,19 @@ def chunk_gated_delta_rule_op(
     state_layout: str,
     backend: Optional[str],
     state_indices: Optional[torch.Tensor],
+    context_parallel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, final_state)`` of :func:`gdn_dispatch.api.chunk_gated_delta_rule`; final_state
-    is float32 ``[0]`` unless ``output_final_state``. ``state_layout``: "kv" or "vk"."""
+    is float32 ``[0]`` unless ``output_final_state``. ``state_layout``: "kv" or "vk";
+    ``context_parallel``: "auto", "off" or a decimal segment count."""
     return _call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                 use_qk_l2norm_in_kernel, state_layout, backend, state_indices, False)
+                 use_qk_l2norm_in_kernel, state_layout, backend, state_indices, False, context_parallel)
 
 
 @chunk_gated_delta_rule_op.register_fake
 def _chunk_gated_delta_rule_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, state_indices):
+                                 cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, state_indices,
+                                 context_parallel="auto"):
     return _fake(q, v, output_final_state, cu_seqlens, state_layout)
 
 
@@ -127,15 +143,16 @@ def chunk_gated_delta_rule_inplace_op(
     state_layout: str,
     backend: Optional[str],
     state_indices: torch.Tensor,
+    context_parallel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``chunk_gated_delta_rule``, with ``initial_state`` the state pool ``[P, HV, K, V]``
     / ``[P, HV, V, K]``: sequence ``n``'s final state is written to ``pool[state_indices[n]]``."""
     return _call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                 use_qk_l2norm_in_kernel, state_layout, backend, state_indices, True)
+                 use_qk_l2norm_in_kernel, state_layout, backend, state_indices, True, context_parallel)
 
 
 @chunk_gated_delta_rule_inplace_op.register_fake
 def _chunk_gated_delta_rule_inplace_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                          cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
-                                         state_indices):
+                                         state_indices, context_parallel="auto"):
     return _fake(q, v, output_final_state, cu_seqlens, state_layout)

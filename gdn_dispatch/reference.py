@@ -10,12 +10,19 @@ Two independent formulations of the same function:
 
 Agreement of the two (to relative error 1e-5) is what lets the chunked one serve as the
 oracle for every kernel at sizes where the per-token walk would be too slow.
+
+With context parallelism planned for the call (:mod:`gdn_dispatch.context_parallel`), the
+chunked form runs the segmented computation the kernels run: each segment's affine map
+``S -> M S + N`` (:func:`segment_map`), the serial scan over a sequence's segments
+(:func:`scan_segments`), then every segment's chunk walk from its exact start state. It
+agrees with the unsegmented walk to float32 rounding, which the tests hold it to.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout
 
 L2NORM_EPS = 1e-6
@@ -95,6 +102,53 @@ def _chunked_sequence(q, k, v, g, beta, s, scale: float, chunk_size: int):
     return o, s
 
 
+def segment_map(k, g, beta, v, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map of a segment of tokens on the state: ``S_out = M @ S_in + N``.
+
+    Parameters
+    ----------
+    k : float32 Tensor ``[L, HV, K]`` (normalized when the call asks), v ``[L, HV, V]``,
+        g, beta ``[L, HV]``: the segment's tokens, ``L`` a multiple of ``chunk_size`` or the
+        sequence's tail.
+
+    Returns
+    -------
+    M : float32 Tensor ``[HV, K, K]``: the recurrence run from the identity with v = 0
+        (the product of the tokens' ``exp(g_t) (I - beta_t k_t k_t^T)``).
+    N : float32 Tensor ``[HV, K, V]``: the recurrence run from zeros (the segment's final
+        state from a zero start).
+    """
+    HV, K = k.shape[1], k.shape[2]
+    eye = torch.eye(K, dtype=torch.float32, device=k.device).expand(HV, K, K)
+    q_unused = torch.zeros_like(k)
+    _, M = _chunked_sequence(q_unused, k, torch.zeros_like(k), g, beta, eye.clone(), 1.0, chunk_size)
+    _, N = _chunked_sequence(q_unused, k, v, g, beta, v.new_zeros(HV, K, v.shape[2]), 1.0, chunk_size)
+    return M, N
+
+
+def scan_segments(s0: torch.Tensor, maps) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Start states of a sequence's segments, in order, from its initial state ``s0``
+    ``[HV, K, V]`` and the segments' ``(M, N)`` maps: ``S_next = M @ S + N``. Returns the
+    list of start states and the state after the last segment."""
+    starts, s = [], s0
+    for M, N in maps:
+        starts.append(s)
+        s = M @ s + N
+    return starts, s
+
+
+def _segmented_sequence(q, k, v, g, beta, s, scale: float, chunk_size: int, seg_len: int):
+    """The chunk walk of one sequence cut into segments of ``seg_len`` tokens: maps, scan,
+    then each segment's walk from its start state. Shapes as :func:`_chunked_sequence`."""
+    cuts = [(a, min(a + seg_len, q.shape[0])) for a in range(0, q.shape[0], seg_len)]
+    maps = [segment_map(k[a:b], g[a:b], beta[a:b], v[a:b], chunk_size) for a, b in cuts]
+    starts, final = scan_segments(s, maps)
+    o = v.new_empty(v.shape)
+    for (a, b), start in zip(cuts, starts):
+        o[a:b], _ = _chunked_sequence(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], start, scale, chunk_size)
+    return o, final
+
+
 def _run(problem: GDNProblem, walk) -> tuple[torch.Tensor, torch.Tensor | None]:
     o = torch.empty(problem.B * problem.T, problem.HV, problem.V, dtype=torch.float32, device=problem.device)
     final = []
@@ -133,13 +187,19 @@ def forward_recurrent(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor |
 def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (C = 64) float32 computation; the ``reference`` backend's entry point.
 
-    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) is accepted for
-    the backends' common signature; the computation runs on the tensors' device either way.
+    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) gives the SM
+    count that ``context_parallel="auto"`` decides from (none without it: "auto" is then
+    off); a forced segment count runs the segmented computation. The computation runs on
+    the tensors' device either way.
 
     Returns o ``[B, T, HV, V]`` in q's dtype and, when asked, the final state float32
     ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk").
     """
     size = problem.chunks.chunk_size
+    sm_count = selection.device.sm_count if selection is not None else 0
+    decision = plan_for_problem(problem, sm_count)
+    if decision.enabled:
+        return _run(problem, lambda *args: _segmented_sequence(*args, chunk_size=size, seg_len=decision.seg_len))
     return _run(problem, lambda *args: _chunked_sequence(*args, chunk_size=size))
 
 

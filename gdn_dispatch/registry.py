@@ -25,6 +25,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from gdn_dispatch import gate
+from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.device import DeviceInfo
 
 if sys.version_info >= (3, 11):
@@ -33,7 +34,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 ENV_VAR = "GDN_BACKEND"
-_FEATURES = ("varlen", "grouped_value_heads", "initial_state", "final_state", "qk_l2norm", "state_pool")
+_FEATURES = ("varlen", "grouped_value_heads", "initial_state", "final_state", "qk_l2norm", "state_pool",
+             "context_parallel")
 
 
 class GDNDispatchError(RuntimeError):
@@ -74,6 +76,8 @@ class CallSpec:
     final_state: bool = True
     qk_l2norm: bool = False
     state_pool: bool = False
+    #: A segment count forced (``context_parallel=n``); "auto" and "off" need no support.
+    context_parallel: bool = False
 
     @classmethod
     def from_problem(cls, problem) -> "CallSpec":
@@ -88,6 +92,7 @@ class CallSpec:
             final_state=problem.output_final_state,
             qk_l2norm=problem.use_qk_l2norm,
             state_pool=problem.uses_state_pool,
+            context_parallel=isinstance(problem.context_parallel, int),
         )
 
 
@@ -112,6 +117,8 @@ class Explanation:
     selected: str | None
     forced: str | None = None
     forced_by: str | None = None
+    #: The context-parallel decision for the explained call (only with a problem).
+    context_parallel: str | None = None
 
     def format(self) -> str:
         lines = []
@@ -120,6 +127,8 @@ class Explanation:
         width = max(len(v.name) for v in self.verdicts)
         for v in self.verdicts:
             lines.append(f"  {v.name:<{width}}  {v.status:<13}  {v.reason}")
+        if self.context_parallel is not None:
+            lines.append(f"  context parallel: {self.context_parallel}")
         lines.append(f"selected: {self.selected or 'NONE'}")
         return "\n".join(lines)
 
@@ -363,7 +372,18 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
         selected = spec.name
         verdicts.append(Verdict(spec.name, "selected", f"priority {spec.priority}{note}"))
     return Explanation(device=device, call=call, verdicts=tuple(verdicts), selected=selected,
-                       forced=forced, forced_by=forced_by if forced else None)
+                       forced=forced, forced_by=forced_by if forced else None,
+                       context_parallel=None if problem is None else _context_parallel_note(problem, device, selected, rows))
+
+
+def _context_parallel_note(problem, device: DeviceInfo, selected: str | None, rows) -> str:
+    """The planner's decision for ``problem`` on ``device``, and whether the chosen row runs it."""
+    decision = plan_for_problem(problem, device.sm_count)
+    note = decision.describe()
+    spec = next((r for r in rows if r.name == selected), None)
+    if decision.enabled and spec is not None and "context_parallel" not in spec.features:
+        note += f"; {selected} does not run segments, so this call runs unsegmented"
+    return note
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,194 @@
+"""Context parallelism: whether a call cuts its long sequences into segments, and how long.
+
+The chunk-state recurrence is serial in chunks: one program per (sequence, v-head, V block)
+walks every chunk of its sequence. A call with few sequences and heads (a tensor-parallel
+shard of a long prompt) leaves most SMs idle. Per sequence and v-head the recurrence is
+affine in the state, so a segment of tokens maps a start state ``S`` to ``M S + N``
+(``M`` ``[K, K]``, ``N`` ``[K, V]``, float32). Segments are mapped in parallel, an exact
+serial scan over each sequence's segments gives every segment's start state, and the
+normal forward then runs over the segments as if they were sequences.
+
+Segments are cut at multiples of ``L`` tokens inside each sequence (``L`` a multiple of the
+chunk, so chunk boundaries do not move). Sequence ``n`` of a call with offsets ``cu``
+owns the *segment slots* ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``; its segment ``j``
+is slot ``cu[n] // L + n + j`` and the remaining slots of its range are empty segments.
+The slot count ``NSEG = T_total // L + N`` is known on the host without reading
+``cu_seqlens``. This module is the planner: pure host arithmetic, no tensors.
+
+The automatic rule, with the constants of :class:`CPTuning` (meant to be retuned from
+measurements):
+
+* off when the serial work already fills the device: ``N * HV * ceil(V / 64)`` programs
+  (the state kernel's V blocks) at least ``fill * SMs``;
+* off when the longest sequence (the mean length when ``cu_seqlens`` has no host copy) has
+  fewer than ``min_chunks`` chunks, or would give fewer than two segments;
+* else segments of ``2^round(log2(seg_factor * sqrt(N * HV * chunks / SMs)))`` chunks, at
+  least ``min_seg_chunks``: the segment walk (``seg`` chunk steps, pass 1 and pass 2)
+  against the scan (``chunks / seg`` steps), balanced as FlashQLA's rule of thumb does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Tokens per chunk; a segment length is a multiple of it.
+CHUNK = 64
+#: The V block the automatic rule counts programs in (the state kernel's usual BV).
+COUNTED_BV = 64
+#: Accepted values of ``context_parallel`` besides a positive segment count.
+MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class CPTuning:
+    """The constants of the automatic rule (see the module docstring).
+
+    Attributes
+    ----------
+    fill : float, CP stays off when ``N * HV * ceil(V / 64) >= fill * SMs``.
+    min_chunks : int, CP stays off for a longest sequence of fewer chunks.
+    seg_factor : float, the factor in front of ``sqrt(N * HV * chunks / SMs)``.
+    min_seg_chunks : int, the shortest segment, chunks.
+    """
+
+    fill: float = 1.0
+    min_chunks: int = 16
+    seg_factor: float = 3.0
+    min_seg_chunks: int = 4
+
+
+DEFAULT_TUNING = CPTuning()
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """The decision for one call.
+
+    Attributes
+    ----------
+    enabled : bool, the call runs segmented.
+    seg_len : int, ``L``: tokens per segment, a multiple of 64 (0 when not enabled).
+    num_segments : int, ``NSEG = T_total // L + N`` segment slots (0 when not enabled).
+    reason : str, why, in one line (shown by ``explain`` and ``info``).
+    """
+
+    enabled: bool
+    seg_len: int
+    num_segments: int
+    reason: str
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"off ({self.reason})"
+        return f"on, segments of {self.seg_len} tokens, {self.num_segments} segment slots ({self.reason})"
+
+
+def context_parallel_reason(value) -> str | None:
+    """Why ``value`` is not a valid ``context_parallel`` argument, or None."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return f"expected 'auto', 'off' or a segment count >= 1, got {value!r}"
+    if isinstance(value, str) and value not in MODES:
+        return f"expected 'auto', 'off' or a segment count >= 1, got {value!r}"
+    if isinstance(value, int) and value < 1:
+        return f"expected a segment count >= 1, got {value}"
+    return None
+
+
+def _chunks(tokens: int) -> int:
+    return -(-tokens // CHUNK)
+
+
+def _off(reason: str) -> CPPlan:
+    return CPPlan(enabled=False, seg_len=0, num_segments=0, reason=reason)
+
+
+def _on(seg_chunks: int, T_total: int, N: int, reason: str) -> CPPlan:
+    L = seg_chunks * CHUNK
+    return CPPlan(enabled=True, seg_len=L, num_segments=T_total // L + N, reason=reason)
+
+
+def auto_segment_chunks(N: int, HV: int, chunks: int, sm_count: int,
+                        tuning: CPTuning = DEFAULT_TUNING) -> int:
+    """Chunks per segment of the automatic rule: ``2^round(log2(seg_factor * sqrt(N * HV *
+    chunks / SMs)))``, at least ``min_seg_chunks``."""
+    ideal = tuning.seg_factor * math.sqrt(N * HV * chunks / sm_count)
+    return max(tuning.min_seg_chunks, 2 ** round(math.log2(max(ideal, 1.0))))
+
+
+def plan_context_parallel(
+    request,
+    *,
+    T_total: int,
+    N: int,
+    HV: int,
+    V: int,
+    sm_count: int,
+    max_len: int | None = None,
+    tuning: CPTuning = DEFAULT_TUNING,
+) -> CPPlan:
+    """Decide context parallelism for a call.
+
+    Parameters
+    ----------
+    request : "auto", "off", or int ``n >= 1``: segments sized so that the longest
+        sequence spans ``n`` of them (``T_total`` stands for the longest when its length
+        is not known on the host, so no sequence gets more than ``n``).
+    T_total : int, tokens on the packed axis (``B * T``).
+    N : int, sequences.
+    HV, V : int, value heads and value head dim.
+    sm_count : int, multiprocessors of the device (0 or less: no device to fill; "auto"
+        stays off).
+    max_len : int or None, the longest sequence's length when known on the host (a
+        uniform batch: ``T``; varlen with a host copy of ``cu_seqlens``); None otherwise,
+        and then only ``T_total`` and ``N`` are used (no device sync).
+    tuning : CPTuning, the automatic rule's constants.
+
+    Returns
+    -------
+    CPPlan
+    """
+    reason = context_parallel_reason(request)
+    if reason is not None:
+        raise ValueError(f"context_parallel: {reason}")
+    if request == "off":
+        return _off("context_parallel='off'")
+    if N == 0 or T_total == 0 or HV == 0:
+        return _off("no tokens")
+    if isinstance(request, int):
+        longest = T_total if max_len is None else max_len
+        if longest == 0:
+            return _off("no tokens")
+        seg_chunks = -(-_chunks(longest) // request)
+        return _on(seg_chunks, T_total, N, f"context_parallel={request} forced")
+    if sm_count <= 0:
+        return _off("no SM count on this device")
+    programs = N * HV * -(-V // COUNTED_BV)
+    if programs >= tuning.fill * sm_count:
+        return _off(f"N x HV x V-blocks = {programs} programs fill {sm_count} SMs")
+    known = max_len is not None
+    longest = max_len if known else T_total // N
+    chunks = _chunks(longest)
+    what = "longest sequence" if known else "mean sequence"
+    if chunks < tuning.min_chunks:
+        return _off(f"{what} has {chunks} chunks < {tuning.min_chunks}")
+    seg_chunks = auto_segment_chunks(N, HV, chunks, sm_count, tuning)
+    if chunks < 2 * seg_chunks:
+        return _off(f"{what} of {chunks} chunks gives fewer than 2 segments of {seg_chunks}")
+    return _on(seg_chunks, T_total, N,
+               f"N x HV x V-blocks = {programs} programs < {sm_count} SMs; {what} of {chunks} chunks")
+
+
+def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) -> CPPlan:
+    """:func:`plan_context_parallel` for a validated call (a ``GDNProblem``): the longest
+    sequence from the host copy of ``cu_seqlens`` when there is one, else the mean."""
+    chunks = problem.chunks
+    T_total = problem.B * problem.T
+    max_len = None
+    if chunks.uniform:
+        max_len = problem.T
+    elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0:
+        cu = chunks.cu_seqlens_host
+        max_len = int((cu[1:] - cu[:-1]).max())
+    return plan_context_parallel(problem.context_parallel, T_total=T_total, N=problem.N, HV=problem.HV,
+                                 V=problem.V, sm_count=sm_count, max_len=max_len, tuning=tuning)
