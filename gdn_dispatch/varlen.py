@@ -1,11 +1,22 @@
-"""Chunk index tables: which sequence and which chunk of it each program works on.
+"""Chunk slots: which sequence and which chunk of it each per-chunk program works on.
 
-Every backend launches per-chunk kernels over a flat list of chunks and per-sequence
-kernels over sequences; both need the same tables, built here once per call.
+A call's packed token axis holds ``T_total = B * T`` tokens in ``N`` sequences with offsets
+``cu[0..N]`` (a uniform batch is ``N = B`` sequences of ``T`` tokens: ``cu[n] = n * T``, which
+is exactly how a contiguous ``[B, T, ...]`` tensor lies in memory, so uniform and varlen
+calls take one code path). With ``C = 64`` the chunk length:
 
-A uniform batch (no ``cu_seqlens``) is the special case of ``B`` sequences of ``T`` tokens
-packed along one axis of ``B * T`` tokens, which is exactly how a contiguous ``[B, T, ...]``
-tensor lies in memory, so backends handle both cases with one code path.
+* sequence ``n`` owns the *chunk slots* ``[s_n, s_{n+1})`` with ``s_n = cu[n] // C + n``;
+* its chunk ``j`` (``0 <= j < ceil(len_n / C)``) is slot ``s_n + j``; the other slots of its
+  range are *idle*: the programs launched for them exit at once;
+* ``s_{n+1} - s_n = (cu[n] % C + len_n) // C + 1 >= ceil(len_n / C)``, so every chunk has a
+  slot, and ``s`` is strictly increasing;
+* the slot count ``NS = T_total // C + N`` is known on the host from shapes alone.
+
+A per-chunk program at slot ``c`` finds its sequence by a binary search over ``cu_seqlens``
+in the kernel: the largest ``n`` with ``cu[n] // C + n <= c`` (about ``log2(N)`` loads).
+Per-chunk buffers (the state at each chunk start) are indexed by slot. So no chunk table
+is built per call, grids are sized on the host from ``NS``, and a call that has only a
+device ``cu_seqlens`` needs no device-to-host copy at all.
 """
 
 from __future__ import annotations
@@ -16,44 +27,86 @@ from dataclasses import dataclass
 import torch
 
 
+def num_slots(total_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """``NS = T_total // C + N``: the chunk slots of a call (see the module docstring)."""
+    return total_tokens // chunk_size + num_seqs
+
+
+def slot_starts(cu: list[int], chunk_size: int) -> list[int]:
+    """``s_n = cu[n] // C + n`` for ``n = 0..N``: sequence ``n``'s first slot (host copy)."""
+    return [offset // chunk_size + n for n, offset in enumerate(cu)]
+
+
 @dataclass(frozen=True)
 class ChunkTable:
-    """Index tables for one call; all tensors int32 on the call's device.
+    """How a call's tokens form sequences and chunk slots.
 
     Attributes
     ----------
     num_seqs : int, ``N``.
-    num_chunks : int, ``NT``, total chunks over all sequences (a sequence of ``L`` tokens
-        has ``ceil(L / C)`` chunks; a zero-length sequence has none).
+    num_slots : int, ``NS = B * T // C + N``, the chunk slots per-chunk kernels launch over.
     chunk_size : int, ``C``.
-    cu_seqlens : Tensor ``[N + 1]``, token offsets of the sequences in the packed axis.
-    chunk_seq : Tensor ``[NT]``, sequence id of each chunk.
-    chunk_local : Tensor ``[NT]``, index of each chunk within its sequence.
-    seq_chunk_start : Tensor ``[N + 1]``, index of each sequence's first chunk in the
-        flat chunk list (a prefix sum of chunks per sequence).
-    cu_seqlens_host : Tensor ``[N + 1]`` on the CPU, or None when it was never read back.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]`` on the call's device: token offsets of the
+        sequences in the packed axis (the caller's tensor for a varlen call).
+    cu_seqlens_host : int Tensor ``[N + 1]`` on the CPU, or None when the caller gave no host
+        copy (nothing is read back to make one).
     uniform : bool, True when every sequence has the same length (no cu_seqlens given).
+
+    ``num_chunks``, ``chunk_seq``, ``chunk_local`` and ``seq_chunk_start`` are the flat chunk
+    list's tables (``NT`` chunks, ``[NT]``, ``[NT]``, ``[N + 1]`` int32 on the device), built on
+    first access from the host copy of the offsets (read back when there is none: a sync).
+    Only launchers that map programs to a flat chunk list read them.
     """
 
     num_seqs: int
-    num_chunks: int
+    num_slots: int
     chunk_size: int
     cu_seqlens: torch.Tensor
-    chunk_seq: torch.Tensor
-    chunk_local: torch.Tensor
-    seq_chunk_start: torch.Tensor
     cu_seqlens_host: torch.Tensor | None
     uniform: bool
 
     def seq_bounds(self, n: int) -> tuple[int, int]:
         """Host-side ``(bos, eos)`` token offsets of sequence ``n`` (needs the host copy)."""
         if self.cu_seqlens_host is None:
-            raise RuntimeError("seq_bounds needs cu_seqlens on the host; none was read back")
+            raise RuntimeError("seq_bounds needs cu_seqlens on the host; the call gave no host copy")
         return int(self.cu_seqlens_host[n]), int(self.cu_seqlens_host[n + 1])
 
+    @functools.cached_property
+    def _flat_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        host = self.cu_seqlens_host if self.cu_seqlens_host is not None else self.cu_seqlens.cpu()
+        C, device = self.chunk_size, self.cu_seqlens.device
+        bounds = host.tolist()
+        counts = [-(-(b - a) // C) for a, b in zip(bounds, bounds[1:])]
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        seq = [n for n, count in enumerate(counts) for _ in range(count)]
+        local = [j for count in counts for j in range(count)]
 
-def _chunk_counts(lengths: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    return torch.div(lengths + (chunk_size - 1), chunk_size, rounding_mode="floor")
+        def table(values):
+            return torch.tensor(values, dtype=torch.int32).to(device)
+
+        return starts[-1], table(seq), table(local), table(starts)
+
+    @property
+    def num_chunks(self) -> int:
+        """``NT``, the chunks of all sequences (``ceil(len / C)`` each)."""
+        return self._flat_tables[0]
+
+    @property
+    def chunk_seq(self) -> torch.Tensor:
+        """int32 ``[NT]``: the sequence of each chunk of the flat chunk list."""
+        return self._flat_tables[1]
+
+    @property
+    def chunk_local(self) -> torch.Tensor:
+        """int32 ``[NT]``: each chunk's index within its sequence."""
+        return self._flat_tables[2]
+
+    @property
+    def seq_chunk_start(self) -> torch.Tensor:
+        """int32 ``[N + 1]``: each sequence's first chunk in the flat chunk list."""
+        return self._flat_tables[3]
 
 
 #: Uniform-batch tables kept by :func:`_uniform_table` (a server sees few (B, T) shapes).
@@ -62,27 +115,14 @@ UNIFORM_TABLES = 64
 
 @functools.lru_cache(maxsize=UNIFORM_TABLES)
 def _uniform_table(B: int, T: int, chunk_size: int, device: torch.device) -> ChunkTable:
-    """The tables of ``B`` sequences of ``T`` tokens, built once per (B, T, device).
+    """The table of ``B`` sequences of ``T`` tokens, built once per (B, T, device).
 
-    They depend on nothing else and no kernel writes them, so every call of that shape
-    shares one copy: building them costs seven small device launches, a noticeable part
-    of a short call's host time. Built on the stream current at the first such call.
+    It depends on nothing else and no kernel writes it, so every call of that shape shares
+    one device copy of the offsets (one launch on the stream current at the first call).
     """
-    nt_per_seq = (T + chunk_size - 1) // chunk_size
-    num_chunks = B * nt_per_seq
-    cu = torch.arange(0, B + 1, device=device, dtype=torch.int32) * T
-    flat = torch.arange(num_chunks, device=device, dtype=torch.int32)
-    return ChunkTable(
-        num_seqs=B,
-        num_chunks=num_chunks,
-        chunk_size=chunk_size,
-        cu_seqlens=cu,
-        chunk_seq=torch.div(flat, max(nt_per_seq, 1), rounding_mode="floor"),
-        chunk_local=flat % max(nt_per_seq, 1),
-        seq_chunk_start=torch.arange(0, B + 1, device=device, dtype=torch.int32) * nt_per_seq,
-        cu_seqlens_host=torch.arange(0, B + 1, dtype=torch.int64) * T,
-        uniform=True,
-    )
+    host = torch.arange(0, B + 1, dtype=torch.int64) * T
+    return ChunkTable(num_seqs=B, num_slots=num_slots(B * T, B, chunk_size), chunk_size=chunk_size,
+                      cu_seqlens=host.to(device=device, dtype=torch.int32), cu_seqlens_host=host, uniform=True)
 
 
 def build_chunk_table(
@@ -93,47 +133,23 @@ def build_chunk_table(
     chunk_size: int,
     device: torch.device,
 ) -> ChunkTable:
-    """Build the tables for ``B`` rows of ``T`` tokens, or for the packed ``cu_seqlens``.
+    """The table of ``B`` rows of ``T`` tokens, or of the packed ``cu_seqlens``.
 
     Parameters
     ----------
-    cu_seqlens : Tensor ``[N + 1]`` on ``device`` (validated), or None for a uniform batch.
-    cu_seqlens_host : the same values on the CPU; required with ``cu_seqlens``. Only its
-        sum of chunk counts is taken from the host (to size the tables); the tables
-        themselves are computed on the device from ``cu_seqlens``, so building them never
-        waits for the device.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]`` on ``device`` (validated), or None for a
+        uniform batch. Kept as it is: kernels read either index dtype.
+    cu_seqlens_host : the same values on the CPU, or None. Not needed: the slot count
+        depends only on ``B * T`` and ``N``.
+
+    Nothing here launches device work for a varlen call, nor reads device memory.
     """
     if cu_seqlens is None:
-        device = torch.device(device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Under CUDA-graph capture the tables would only be filled by a replay (and live
-            # in the graph's pool): build them per call, uncached.
+            # Under CUDA-graph capture the offsets would only be filled by a replay (and
+            # live in the graph's pool): build them per call, uncached.
             return _uniform_table.__wrapped__(B, T, chunk_size, device)
         return _uniform_table(B, T, chunk_size, device)
-
-    if cu_seqlens_host is None:
-        raise ValueError("build_chunk_table: cu_seqlens needs its host copy")
-    num_seqs = cu_seqlens.numel() - 1
-    host_counts = _chunk_counts(cu_seqlens_host[1:].long() - cu_seqlens_host[:-1].long(), chunk_size)
-    num_chunks = int(host_counts.sum())
-
-    cu = cu_seqlens.to(torch.int32)
-    counts = _chunk_counts(cu[1:] - cu[:-1], chunk_size)
-    seq_chunk_start = torch.zeros(num_seqs + 1, device=device, dtype=torch.int32)
-    torch.cumsum(counts, 0, out=seq_chunk_start[1:])
-    # output_size keeps repeat_interleave from reading the total back from the device.
-    chunk_seq = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device, dtype=torch.int32), counts, output_size=num_chunks
-    )
-    chunk_local = torch.arange(num_chunks, device=device, dtype=torch.int32) - seq_chunk_start[chunk_seq.long()]
-    return ChunkTable(
-        num_seqs=num_seqs,
-        num_chunks=num_chunks,
-        chunk_size=chunk_size,
-        cu_seqlens=cu,
-        chunk_seq=chunk_seq.to(torch.int32),
-        chunk_local=chunk_local.to(torch.int32),
-        seq_chunk_start=seq_chunk_start,
-        cu_seqlens_host=cu_seqlens_host,
-        uniform=False,
-    )
+    N = cu_seqlens.shape[0] - 1
+    return ChunkTable(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
+                      cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, uniform=False)

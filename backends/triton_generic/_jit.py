@@ -28,7 +28,7 @@ interpreting is for tests and CPU debugging, not for a serving process.)
 Private triton APIs used here (``triton.runtime.interpreter``: ``ASTTransformer``,
 ``FunctionRewriter``, ``GridExecutor``, ``_patch_lang``), checked on triton 3.6.0.
 
-Helpers here: the chunk bounds from the shared chunk tables, and ``_dot`` / ``_cast``, which
+Helpers here: the rows of a chunk slot (:func:`_slot_rows`), and ``_dot`` / ``_cast``, which
 keep the interpreter's bfloat16 numerics those of the GPU (its matmul multiplies raw bit
 patterns and its fp32 -> bf16 conversion truncates; see their docstrings).
 """
@@ -143,18 +143,30 @@ def jit(fn=None, *, do_not_specialize=()):
 
 
 @jit
-def _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: tl.constexpr):
-    """Chunk ``i_c`` of the flat chunk list: ``t0``, its first token in the packed token axis
-    (int64), and ``n_t``, how many of its ``BT`` rows belong to its sequence (int32, >= 1).
+def _slot_rows(cu_seqlens, i_s, N, BT: tl.constexpr):
+    """Chunk slot ``i_s`` (see :mod:`gdn_dispatch.varlen`): ``t0``, its first token in the
+    packed token axis (int64), and ``n_t``, how many of its ``BT`` rows belong to its
+    sequence (int32; ``<= 0`` at an idle slot, whose program exits).
+
+    The sequence is the largest ``n`` with ``cu[n] // BT + n <= i_s``, found by bisection
+    over ``cu_seqlens`` (int32 or int64) with the invariant ``s_lo <= i_s < s_hi``; ``s_N`` is
+    the slot count, so ``n < N``.
 
     Offset convention of every kernel: 64-bit scalar base pointers (``t0 * row_stride``)
     plus 32-bit offsets within the chunk (``o_i * row_stride + column``, below 64 * HV * 256),
     so that no [BT, BK] tile of 64-bit offsets occupies registers.
     """
-    i_n = tl.load(chunk_seq + i_c)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_local + i_c).to(tl.int64) * BT
+    lo = N * 0
+    hi = N + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        s_mid = tl.load(cu_seqlens + mid).to(tl.int64) // BT + mid
+        below = s_mid <= i_s
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    bos = tl.load(cu_seqlens + lo).to(tl.int64)
+    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    t0 = bos + (i_s - (bos // BT + lo)) * BT
     n_t = tl.minimum(eos - t0, BT).to(tl.int32)
     return t0, n_t
 

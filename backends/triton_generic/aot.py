@@ -40,21 +40,18 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
     out = []
     cfg = cumsum_config(HV)
     out.append(_kernel("chunk_cumsum_fwd", f"HV{HV}", _chunk_cumsum_fwd_kernel,
-                       {"g": "*fp32", "g_cum": "*fp32", "cu_seqlens": "*i32", "chunk_seq": "*i32",
-                        "chunk_local": "*i32", "scale": "fp32"},
+                       {"g": "*fp32", "g_cum": "*fp32", "cu_seqlens": "*i32", "N": "i32", "scale": "fp32"},
                        {"HV": HV, "BT": 64, "BH": cfg.BH, "s_g": HV}, cfg))
     cfg = intra_config(K, V, elem, capability)
     qk = {"k": ptr, "g_cum": "*fp32", "beta": "*fp32"}
     out.append(_kernel("kkt_solve_fwd", tag, _kkt_solve_fwd_kernel,
-                       {**qk, "A_inv": ptr, "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32",
-},
+                       {**qk, "A_inv": ptr, "cu_seqlens": "*i32", "N": "i32"},
                        {"s_k": H * K, "s_b": HV, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK, "USE_L2NORM": l2,
                         "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
     fused = fuse_solve_into_wu(capability)
     out.append(_kernel("wu_fwd", tag + ("-fused" if fused else "-stored-inverse"), _wu_fwd_kernel,
                        {"k": ptr, "v": ptr, "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
-                        "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "chunk_seq": "*i32",
-                        "chunk_local": "*i32"},
+                        "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "N": "i32"},
                        {"s_k": H * K, "s_v": HV * V, "s_b": HV, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                         "FUSED_SOLVE": fused, "USE_L2NORM": l2, "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
                         "INTERP_BF16": interp_bf16}, cfg))
@@ -69,8 +66,8 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
         out.append(_kernel("state_fwd", f"{tag}-{layout}-BV{cfg.BV}" + ("-pool" if pool else ""), _state_fwd_kernel,
                            {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "h": ptr,
                             "v_new": ptr,
-                            "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32", "seq_chunk_start": "*i32",
-                            "state_indices": "*i32", "P": "i32"},
+                            "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32", "state_indices": "*i32",
+                            "P": "i32"},
                            {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                             "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True,
                             "STATE_VK": layout == "vk",
@@ -79,8 +76,7 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
     cfg = output_config(K, V, elem, capability)
     out.append(_kernel("output_fwd", tag, _output_fwd_kernel,
                        {"q": ptr, "k": ptr, "v_new": ptr, "h": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "o": ptr,
-                        "cu_seqlens": "*i32", "chunk_seq": "*i32", "chunk_local": "*i32", "scale": "fp32",
-},
+                        "cu_seqlens": "*i32", "N": "i32", "scale": "fp32"},
                        {"s_q": H * K, "s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
     return out

@@ -15,18 +15,17 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import _chunk_rows, jit
+from gdn_dispatch.backends.triton_generic._jit import _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import cumsum_config
 
 
-@jit
+@jit(do_not_specialize=("N",))
 def _chunk_cumsum_fwd_kernel(
     g,
     g_cum,
     cu_seqlens,
-    chunk_seq,
-    chunk_local,
+    N,
     scale,
     s_g: tl.constexpr,
     HV: tl.constexpr,
@@ -34,7 +33,9 @@ def _chunk_cumsum_fwd_kernel(
     BH: tl.constexpr,
 ):
     i_c, i_hb = tl.program_id(0), tl.program_id(1)
-    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
+    if n_t <= 0:  # an idle slot
+        return
     o_i = tl.arange(0, BT)
     o_h = i_hb * BH + tl.arange(0, BH)
     m_g = (o_i < n_t)[:, None] & (o_h < HV)[None, :]
@@ -56,8 +57,8 @@ def chunk_cumsum_fwd(
     ----------
     g : Tensor ``[B, T, HV]``, any float dtype, in token rows (any token stride): the
         per-token log-decay.
-    chunks : ChunkTable of the call (``problem.chunks``); chunk ``c`` covers tokens
-        ``cu_seqlens[n] + 64 * chunk_local[c]`` onwards of sequence ``n = chunk_seq[c]``.
+    chunks : ChunkTable of the call (``problem.chunks``): one program per chunk slot and
+        block of heads (:mod:`gdn_dispatch.varlen`).
     scale : float, multiplies the sums; the orchestrator passes ``log2(e)`` so that later
         stages use ``exp2``.
     out : optional float32 Tensor shaped like ``g`` to write into.
@@ -69,16 +70,15 @@ def chunk_cumsum_fwd(
     """
     HV = g.shape[-1]
     g_cum = torch.empty(g.shape, dtype=torch.float32, device=g.device) if out is None else out
-    if chunks.num_chunks == 0 or HV == 0:
+    if g.shape[0] * g.shape[1] == 0 or HV == 0:
         return g_cum
     cfg = cumsum_config(HV)
-    grid = (chunks.num_chunks, triton.cdiv(HV, cfg.BH))
+    grid = (chunks.num_slots, triton.cdiv(HV, cfg.BH))
     _chunk_cumsum_fwd_kernel[grid](
         g=g,
         g_cum=g_cum,
         cu_seqlens=chunks.cu_seqlens,
-        chunk_seq=chunks.chunk_seq,
-        chunk_local=chunks.chunk_local,
+        N=chunks.num_seqs,
         scale=float(scale),
         s_g=token_stride("g", g),
         HV=HV,

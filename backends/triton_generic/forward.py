@@ -6,9 +6,9 @@
     h, v_new, S  = state_fwd(k, w, u, g_cum, S0)          # stage 4
     o            = output_fwd(q, k, v_new, h, g_cum)      # stage 5
 
-Tensors ``[B, T, ...]`` are contiguous, so they are the packed ``[B * T, ...]`` token axis
-the chunk tables index; a uniform batch and a varlen batch take the same path. Nothing here
-reads a device value back to the host.
+Tensors ``[B, T, ...]`` lie as the packed ``[B * T, ...]`` token axis whose chunk slots
+(:mod:`gdn_dispatch.varlen`) the per-chunk kernels launch over; a uniform batch and a varlen
+batch take the same path. Nothing here reads a device value back to the host.
 """
 
 from __future__ import annotations

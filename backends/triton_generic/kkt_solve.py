@@ -27,7 +27,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, _slot_rows, interpreting, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config, launch
 
@@ -123,15 +123,14 @@ def _kkt_solve_tile(k, g_cum, beta, s_k: tl.constexpr, s_b: tl.constexpr, t0, n_
     return _inv_unit_lower64(b_a, SOLVE_PREC), b_g, b_b, b_r
 
 
-@jit
+@jit(do_not_specialize=("N",))
 def _kkt_solve_fwd_kernel(
     k,
     g_cum,
     beta,
     A_inv,
     cu_seqlens,
-    chunk_seq,
-    chunk_local,
+    N,
     s_k: tl.constexpr,
     s_b: tl.constexpr,
     H: tl.constexpr,
@@ -144,11 +143,13 @@ def _kkt_solve_fwd_kernel(
     SOLVE_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
-    # Grid axis 0 is (chunk, v-head) flattened, v-head fastest: v-heads sharing a k head
-    # run side by side and read the same k rows.
+    # Grid axis 0 is (chunk slot, v-head) flattened, v-head fastest: v-heads sharing a k
+    # head run side by side and read the same k rows.
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
-    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
+    if n_t <= 0:  # an idle slot
+        return
     b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, s_k, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
                                          USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     o_i = tl.arange(0, BT)
@@ -206,14 +207,14 @@ def kkt_solve_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, BT = beta.shape[-1], chunks.chunk_size
     A_inv = torch.empty(*beta.shape, BT, dtype=out_dtype or k.dtype, device=k.device)
-    if chunks.num_chunks == 0 or HV == 0:
+    if beta.shape[0] * beta.shape[1] == 0 or HV == 0:
         return A_inv
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)
     dot_prec, solve_prec = dot_precisions(k.dtype)
-    launch(_kkt_solve_fwd_kernel, (chunks.num_chunks * HV,), cfg,
+    launch(_kkt_solve_fwd_kernel, (chunks.num_slots * HV,), cfg,
         k=k, g_cum=g_cum, beta=beta, A_inv=A_inv,
-        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         s_k=token_stride("k", k), s_b=token_stride("beta", beta),
         H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm,
         DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(k.dtype),

@@ -16,14 +16,14 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic._jit import _cast, _dot, _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, output_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.wu import _row_rnorm
 
 
-@jit
+@jit(do_not_specialize=("N",))
 def _output_fwd_kernel(
     q,
     k,
@@ -33,8 +33,7 @@ def _output_fwd_kernel(
     k_rnorm,
     o,
     cu_seqlens,
-    chunk_seq,
-    chunk_local,
+    N,
     scale,
     s_q: tl.constexpr,
     s_k: tl.constexpr,
@@ -50,11 +49,16 @@ def _output_fwd_kernel(
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
-    # Axis 0: (chunk, v-head) flattened, v-head fastest (it may pass 65535); axis 1: V slice.
+    # Axis 0: (chunk slot, v-head) flattened, v-head fastest (it may pass 65535); axis 1:
+    # V slice. h is indexed by slot.
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
     i_v = tl.program_id(1)
-    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
+    # An idle slot (n_t <= 0) masks every row, and h by k_h = 0 (its h rows were never
+    # written): it loads and stores nothing. (No early return: that cost 39 registers per
+    # thread at K = V = 128 on sm_90.)
+    k_h = tl.where(n_t > 0, K, 0)
     o_i = tl.arange(0, BT)
     m_t = o_i < n_t
     o_v = i_v * BV + tl.arange(0, BV)
@@ -71,7 +75,7 @@ def _output_fwd_kernel(
         m_k = o_k < K
         b_q = tl.load(p_q + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_kt = tl.load(p_k + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        b_h = tl.load(p_h + o_k[:, None] * V, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_h = tl.load(p_h + o_k[:, None] * V, mask=(o_k < k_h)[:, None] & m_v[None, :], other=0.0)
         b_o = _dot(b_q, b_h, b_o, DOT_PREC, INTERP_BF16)
         b_s = _dot(b_q, b_kt, b_s, DOT_PREC, INTERP_BF16)
 
@@ -118,7 +122,7 @@ def output_fwd(
     ----------
     q, k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
     v_new : Tensor ``[B, T, HV, V]``, q's dtype (from :func:`state_fwd`).
-    h : Tensor ``[NT, HV, K, V]``, q's dtype: the state at each chunk's start.
+    h : Tensor ``[NS, HV, K, V]``, q's dtype: the state at each chunk's start, by chunk slot.
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
     chunks : ChunkTable of the call.
     scale : float, the output scale.
@@ -133,15 +137,15 @@ def output_fwd(
     H, K = q.shape[-2], q.shape[-1]
     HV, V, BT = v_new.shape[-2], v_new.shape[-1], chunks.chunk_size
     o = torch.empty(v_new.shape, dtype=q.dtype, device=q.device)
-    if chunks.num_chunks == 0 or HV == 0:
+    if q.shape[0] * q.shape[1] == 0 or HV == 0:
         return o
     capability, _ = device_facts(q.device)
     cfg = config or output_config(K, V, q.element_size(), capability)
     dot_prec, _ = dot_precisions(q.dtype)
-    grid = (chunks.num_chunks * HV, triton.cdiv(V, cfg.BV))
+    grid = (chunks.num_slots * HV, triton.cdiv(V, cfg.BV))
     launch(_output_fwd_kernel, grid, cfg,
         q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
-        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         scale=float(scale), s_q=token_stride("q", q), s_k=token_stride("k", k),
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,

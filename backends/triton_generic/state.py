@@ -47,7 +47,7 @@ def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k: tl.constexpr, 
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BT: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr,
                      DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """One chunk (first token ``t0``, ``n_t`` valid rows, flat index ``i_c``) of the
+    """One chunk (first token ``t0``, ``n_t`` valid rows, chunk slot ``i_c``) of the
     recurrence: store h[i_c] = S, write v_new, return the next S."""
     o_i = tl.arange(0, BT)
     m_t, m_k, m_v = o_i < n_t, o_k < K, o_v < V
@@ -93,7 +93,6 @@ def _state_fwd_kernel(
     h0,
     ht,
     cu_seqlens,
-    seq_chunk_start,
     state_indices,
     s_k: tl.constexpr,
     P,
@@ -123,7 +122,7 @@ def _state_fwd_kernel(
     i_n, i_h = i_nh // HV, i_nh % HV
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    i_c0 = tl.load(seq_chunk_start + i_n).to(tl.int64)
+    i_c0 = bos // BT + i_n  # the sequence's first chunk slot, where its h rows start
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     # With a state pool, sequence i_n's state lives in pool row state_indices[i_n]; an
@@ -218,8 +217,8 @@ def state_fwd(
 
     Returns
     -------
-    h : Tensor ``[NT, HV, K, V]``, k's dtype: the state at the start of every chunk (flat
-        chunk order of the ChunkTable), always [K, V].
+    h : Tensor ``[NS, HV, K, V]``, k's dtype: the state at the start of every chunk, by
+        chunk slot (:mod:`gdn_dispatch.varlen`; idle slots are not written), always [K, V].
     v_new : Tensor ``[B, T, HV, V]``, k's dtype: ``u - w h``.
     final_state : float32 Tensor ``[N, HV, K, V]`` or ``[N, HV, V, K]``, or None. A
         zero-length sequence's final state is its initial state.
@@ -227,7 +226,7 @@ def state_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = u.shape[-2], u.shape[-1], chunks.chunk_size
     N = chunks.num_seqs
-    h = torch.empty(chunks.num_chunks, HV, K, V, dtype=k.dtype, device=k.device)
+    h = torch.empty(chunks.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
     v_new = torch.empty_like(u)
     final_state = None
     if output_final_state:
@@ -243,7 +242,7 @@ def state_fwd(
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, h=h, v_new=v_new,
         h0=initial_state if initial_state is not None else g_cum,
         ht=final_state if final_state is not None else g_cum,
-        cu_seqlens=chunks.cu_seqlens, seq_chunk_start=chunks.seq_chunk_start,
+        cu_seqlens=chunks.cu_seqlens,
         state_indices=state_indices if state_indices is not None else chunks.cu_seqlens,
         s_k=token_stride("k", k), P=initial_state.shape[0] if state_indices is not None else 0,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=state_block_k(K), BV=cfg.BV,

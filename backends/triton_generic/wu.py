@@ -14,7 +14,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _chunk_rows, _dot, jit
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config, launch
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
@@ -38,7 +38,7 @@ def _row_rnorm(p_k, m_t, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     return b_r
 
 
-@jit
+@jit(do_not_specialize=("N",))
 def _wu_fwd_kernel(
     k,
     v,
@@ -49,8 +49,7 @@ def _wu_fwd_kernel(
     u,
     k_rnorm,
     cu_seqlens,
-    chunk_seq,
-    chunk_local,
+    N,
     s_k: tl.constexpr,
     s_v: tl.constexpr,
     s_b: tl.constexpr,
@@ -70,7 +69,9 @@ def _wu_fwd_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
-    t0, n_t = _chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT)
+    t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
+    if n_t <= 0:  # an idle slot
+        return
     o_i = tl.arange(0, BT)
     m_t = o_i < n_t
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k
@@ -148,14 +149,14 @@ def wu_fwd(
     HV, V, BT = v.shape[-2], v.shape[-1], chunks.chunk_size
     w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
     u = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if chunks.num_chunks == 0 or HV == 0:
+    if v.shape[0] * v.shape[1] == 0 or HV == 0:
         return w, u
     capability, _ = device_facts(k.device)
     cfg = config or intra_config(K, V, k.element_size(), capability)
     dot_prec, solve_prec = dot_precisions(k.dtype)
-    launch(_wu_fwd_kernel, (chunks.num_chunks * HV,), cfg,
+    launch(_wu_fwd_kernel, (chunks.num_slots * HV,), cfg,
         k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
-        k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         s_k=token_stride("k", k), s_v=token_stride("v", v), s_b=token_stride("beta", beta),
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
         USE_L2NORM=use_qk_l2norm, STORE_RNORM=use_qk_l2norm and k_rnorm is not None,
