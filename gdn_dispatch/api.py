@@ -90,8 +90,10 @@ def chunk_gated_delta_rule(
     cu_seqlens : int32/int64 Tensor ``[N + 1]`` on q's device, or a list of ints (the host
         copy): packed sequence offsets, starting at 0, non-decreasing, ending at ``T``;
         requires ``B == 1``. Without it, ``N = B`` sequences of ``T`` tokens.
-    cu_seqlens_cpu : the same values as a CPU tensor; with it the call never waits for
-        the device (without it, ``cu_seqlens`` is read back once).
+    cu_seqlens_cpu : the same values as a CPU tensor, optional: with it the offsets are
+        checked on the host; without it they are not read at all (the kernels map their
+        chunks from ``cu_seqlens`` on the device), so the call never waits for the device
+        either way.
     use_qk_l2norm_in_kernel : bool, l2-normalize q and k over ``K`` (eps 1e-6).
     state_layout : "kv" (default) or "vk"; fla's ``state_v_first=True`` means "vk".
     backend : str, force one backend for this call (see ``python -m gdn_dispatch info``);

@@ -2,8 +2,10 @@
 
 A :class:`GDNProblem` is what every backend receives. Building one is the only place user
 input is validated, so a backend may rely on everything stated here: shapes agree, tensors
-share one device and are contiguous, ``cu_seqlens`` is a valid partition of ``T``, and the
-chunk tables are already computed (see :mod:`gdn_dispatch.varlen`).
+share one device and are in token rows, and the chunk slots are sized (see
+:mod:`gdn_dispatch.varlen`). ``cu_seqlens`` values are checked against the partition rules
+on a host copy when the caller gives one, else only under ``GDN_DEBUG_CHECKS=1``: reading
+them back would cost a device sync on every call.
 
 Derived dimensions, used with these meanings everywhere in the package:
 
@@ -93,7 +95,7 @@ class GDNProblem:
     state_layout : StateLayout, the layout of initial_state and of the returned final state.
     use_qk_l2norm : bool, l2-normalize q and k over K before use.
     cu_seqlens : int32/int64 Tensor ``[N + 1]`` on the tensors' device, or None.
-    chunks : ChunkTable, per-chunk and per-sequence index tables (always present; a
+    chunks : ChunkTable, the sequences and chunk slots of the call (always present; a
         uniform batch is described as ``B`` sequences of ``T`` tokens each).
     backend : str or None, a backend name forced for this call.
     context_parallel : "auto", "off" or int >= 1 (segments of the longest sequence): the
@@ -242,23 +244,25 @@ def _token_rows(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
-    """The partition rules of ``cu_seqlens``, checked on a host copy (no device sync)."""
-    n = cu_host.numel()
+    """The partition rules of ``cu_seqlens``, checked on a host copy (no device sync).
+
+    The values are compared as a Python list: a handful of torch ops on a small CPU tensor
+    would cost more host time than the whole kernel launch sequence.
+    """
+    values = cu_host.tolist()
+    n = len(values)
     if n < 2:
         raise GDNInputError(f"{name}: expected at least 2 entries [N + 1], got {n}")
-    if int(cu_host[0]) != 0:
-        raise GDNInputError(f"{name}: expected to start at 0, got {int(cu_host[0])}")
-    steps = cu_host[1:] - cu_host[:-1]
-    if bool((steps < 0).any()):
-        i = int(torch.nonzero(steps < 0)[0])
-        raise GDNInputError(
-            f"{name}: expected non-decreasing values, got {int(cu_host[i])} then "
-            f"{int(cu_host[i + 1])} at positions {i}, {i + 1}"
-        )
-    if int(cu_host[-1]) != T:
-        raise GDNInputError(
-            f"{name}: expected to end at T = {T} (q.shape[1]), got {int(cu_host[-1])}"
-        )
+    if values[0] != 0:
+        raise GDNInputError(f"{name}: expected to start at 0, got {values[0]}")
+    for i in range(n - 1):
+        if values[i + 1] < values[i]:
+            raise GDNInputError(
+                f"{name}: expected non-decreasing values, got {values[i]} then "
+                f"{values[i + 1]} at positions {i}, {i + 1}"
+            )
+    if values[-1] != T:
+        raise GDNInputError(f"{name}: expected to end at T = {T} (q.shape[1]), got {values[-1]}")
 
 
 def _host_offsets(value) -> torch.Tensor:
@@ -275,10 +279,13 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("GDN_DEBUG_CHECKS", "0") == "1"
 
 
-def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host) -> None:
+def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host, T: int) -> None:
     """The checks that read device memory back (one sync each): the device ``cu_seqlens``
-    against its host copy, and every input finite."""
-    if cu_seqlens is not None and cu_host is not None:
+    against its host copy (or, without one, against the partition rules), and every input
+    finite."""
+    if cu_seqlens is not None and cu_host is None:
+        _check_cu_seqlens(cu_seqlens.cpu(), T)
+    elif cu_seqlens is not None:
         device_values = cu_seqlens.cpu().to(torch.int64)
         if not torch.equal(device_values, cu_host.to(torch.int64)):
             i = int(torch.nonzero(device_values != cu_host.to(torch.int64))[0])
@@ -362,9 +369,12 @@ def make_problem(
 ) -> GDNProblem:
     """Validate a ``chunk_gated_delta_rule`` call and return it as a :class:`GDNProblem`.
 
-    Raises :class:`GDNInputError` for the first broken rule. With ``cu_seqlens_cpu``
-    given, nothing here synchronizes with the device; without it, ``cu_seqlens`` is read
-    back once (one device-to-host copy) to validate it and size the chunk tables.
+    Raises :class:`GDNInputError` for the first broken rule. Nothing here synchronizes with
+    the device or reads device memory (unless ``GDN_DEBUG_CHECKS=1``): a device
+    ``cu_seqlens`` is checked for dtype, shape and device, its values only against the
+    partition rules when a host copy (``cu_seqlens_cpu`` or a list) is given. Without one,
+    no backend needs its values on the host (kernels map chunk slots from the device copy,
+    :mod:`gdn_dispatch.varlen`).
     """
     if head_first is not None and head_first:
         raise GDNInputError(
@@ -421,6 +431,8 @@ def make_problem(
         _require_dtype("cu_seqlens", cu_seqlens, INDEX_DTYPES)
         if cu_seqlens.device != device:
             raise GDNInputError(f"cu_seqlens: expected device {device} (q's), got {cu_seqlens.device}")
+        if cu_seqlens.shape[0] < 2:
+            raise GDNInputError(f"cu_seqlens: expected at least 2 entries [N + 1], got {cu_seqlens.shape[0]}")
     if cu_seqlens is not None:
         if B != 1:
             raise GDNInputError(
@@ -438,16 +450,14 @@ def make_problem(
                 )
             cu_host = cu_seqlens_cpu
             _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
-        else:
-            if cu_host is None:  # a device tensor without its host copy: read it back once
-                cu_host = cu_seqlens.cpu()
+        elif cu_host is not None:  # the offsets came as a list
             _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
 
     if debug_checks_enabled():
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
-                      cu_seqlens if cu_seqlens_cpu is not None else None, cu_host)
+                      cu_seqlens, cu_seqlens_cpu, T)
 
     chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device)
     N = chunks.num_seqs

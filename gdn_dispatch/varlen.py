@@ -73,20 +73,21 @@ class ChunkTable:
 
     @functools.cached_property
     def _flat_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        host = self.cu_seqlens_host if self.cu_seqlens_host is not None else self.cu_seqlens.cpu()
+        # Built with device ops from the device offsets (capturable in a CUDA graph); only
+        # the total chunk count comes from the host copy.
         C, device = self.chunk_size, self.cu_seqlens.device
-        bounds = host.tolist()
-        counts = [-(-(b - a) // C) for a, b in zip(bounds, bounds[1:])]
-        starts = [0]
-        for count in counts:
-            starts.append(starts[-1] + count)
-        seq = [n for n, count in enumerate(counts) for _ in range(count)]
-        local = [j for count in counts for j in range(count)]
-
-        def table(values):
-            return torch.tensor(values, dtype=torch.int32).to(device)
-
-        return starts[-1], table(seq), table(local), table(starts)
+        host = self.cu_seqlens_host if self.cu_seqlens_host is not None else self.cu_seqlens.cpu()
+        host = host.to(torch.int64)
+        num_chunks = int(((host[1:] - host[:-1] + C - 1) // C).sum())
+        cu = self.cu_seqlens.to(torch.int32)
+        counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
+        starts = torch.zeros(self.num_seqs + 1, device=device, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=starts[1:])
+        # output_size keeps repeat_interleave from reading the total back from the device.
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=device, dtype=torch.int32), counts,
+                                      output_size=num_chunks)
+        local = torch.arange(num_chunks, device=device, dtype=torch.int32) - starts[seq.long()]
+        return num_chunks, seq.to(torch.int32), local.to(torch.int32), starts
 
     @property
     def num_chunks(self) -> int:

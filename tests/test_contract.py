@@ -6,6 +6,7 @@ import torch
 from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import fused_projection_views, random_call
+from gdn_dispatch.varlen import slot_starts
 
 
 def base_call(**over):
@@ -63,10 +64,6 @@ BAD_CALLS = [
 BAD_VARLEN = [
     pytest.param(lambda c: c.update(cu_seqlens=_int([[0, 10]]), cu_seqlens_cpu=None), r"cu_seqlens: expected 1 dims \[N \+ 1\]", id="cu-2d"),
     pytest.param(lambda c: c.update(cu_seqlens=torch.tensor([0.0, 10.0]), cu_seqlens_cpu=None), r"cu_seqlens: expected dtype in \['torch.int32', 'torch.int64'\], got torch.float32", id="cu-float"),
-    pytest.param(lambda c: c.update(cu_seqlens=_int([1, 3, 10]), cu_seqlens_cpu=None), r"cu_seqlens: expected to start at 0, got 1", id="cu-start"),
-    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 6, 3, 10]), cu_seqlens_cpu=None),
-                 r"cu_seqlens: expected non-decreasing values, got 6 then 3 at positions 1, 2", id="cu-decreasing"),
-    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 9]), cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 9", id="cu-end"),
     pytest.param(lambda c: c.update(cu_seqlens=_int([0]), cu_seqlens_cpu=None), r"cu_seqlens: expected at least 2 entries", id="cu-short"),
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 10])), r"cu_seqlens_cpu: expected 4 entries like cu_seqlens, got 2", id="cu-cpu-len"),
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 3, 3, 11])), r"cu_seqlens_cpu: expected to end at T = 10 \(q.shape\[1\]\), got 11", id="cu-cpu-end"),
@@ -131,6 +128,9 @@ def test_chunk_table_varlen():
     assert table.chunk_local.tolist() == [0, 0, 0, 1, 0, 1, 2]
     assert table.seq_chunk_start.tolist() == [0, 1, 1, 2, 4, 7]
     assert table.cu_seqlens.dtype == torch.int32 and not table.uniform
+    # Chunk slots: sequence n owns [cu[n] // 64 + n, cu[n + 1] // 64 + n + 1).
+    assert table.num_slots == 260 // 64 + 5
+    assert slot_starts(table.cu_seqlens_host.tolist(), 64) == [0, 1, 2, 4, 6, 9]
 
 
 def test_chunk_table_uniform():
@@ -167,6 +167,11 @@ def test_cu_seqlens_as_a_python_sequence_is_the_host_copy(container):
 
 
 DEBUG_FAILURES = [
+    # A device cu_seqlens without a host copy: its values are only read under debug checks.
+    pytest.param(lambda c: c.update(cu_seqlens=_int([1, 3, 10]), cu_seqlens_cpu=None), r"cu_seqlens: expected to start at 0, got 1", id="cu-start"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 6, 3, 10]), cu_seqlens_cpu=None),
+                 r"cu_seqlens: expected non-decreasing values, got 6 then 3 at positions 1, 2", id="cu-decreasing"),
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 9]), cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 9", id="cu-end"),
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 2, 3, 10])),
                  r"cu_seqlens_cpu: expected the values of cu_seqlens, got 2 where the device copy holds 3 \(position 1\)",
                  id="host-copy-differs"),
@@ -190,14 +195,51 @@ def test_debug_checks_catch_what_needs_a_sync(mutate, message, monkeypatch):
 
 @pytest.mark.parametrize("mutate", [
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 4, 4, 10])), id="host-copy-differs"),
-    DEBUG_FAILURES[1].values[0],
+    pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 3, 9]), cu_seqlens_cpu=None), id="device-values-unchecked"),
+    next(p.values[0] for p in DEBUG_FAILURES if p.id == "g-nan"),
 ])
 def test_debug_checks_are_off_by_default(mutate, monkeypatch):
     # Without GDN_DEBUG_CHECKS the call trusts the host copy and reads no values back.
     call = varlen_call()
     mutate(call)
     monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
-    chunk_gated_delta_rule(**call)
+    make_problem(**call)
+
+
+class _NoReadBack(torch.Tensor):
+    """A tensor whose values must not reach the host: every way of reading them raises."""
+
+    READS = frozenset({"cpu", "item", "tolist", "numpy", "to", "__int__", "__index__", "__bool__", "__float__",
+                       "__getitem__", "__array__", "__iter__", "equal", "__eq__", "__ne__", "__lt__", "__le__",
+                       "__gt__", "__ge__", "__repr__", "__format__"})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in cls.READS:
+            raise AssertionError(f"cu_seqlens read back through {name}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_device_cu_seqlens_is_never_read_back(dtype, monkeypatch):
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    call = varlen_call(cu_seqlens_cpu=None)
+    guarded = call["cu_seqlens"].to(dtype).as_subclass(_NoReadBack)
+    problem = make_problem(**{**call, "cu_seqlens": guarded})
+    assert problem.cu_seqlens is guarded and problem.chunks.cu_seqlens_host is None
+    assert (problem.N, problem.chunks.num_slots) == (3, 10 // 64 + 3)
+
+
+def test_the_read_back_guard_can_fail(monkeypatch):
+    """Negative control: the guard trips on a read, and the debug checks (which read the
+    values back on purpose) trip it."""
+    guarded = _int([0, 3, 3, 10]).as_subclass(_NoReadBack)
+    with pytest.raises(AssertionError, match="read back through cpu"):
+        guarded.cpu()
+    monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
+    with pytest.raises(AssertionError, match="read back"):
+        make_problem(**varlen_call(cu_seqlens=guarded, cu_seqlens_cpu=None))
 
 
 @pytest.mark.parametrize("make", [base_call, varlen_call], ids=["uniform", "varlen"])
