@@ -16,11 +16,15 @@ import torch
 
 import gdn_dispatch.backends.triton_generic as tg
 from gdn_dispatch.backends.triton_generic import cumsum, kkt_solve, output, state, wu
-from gdn_dispatch.backends.triton_generic._jit import LOG2E
+import triton.language as tl
+
+from gdn_dispatch.backends.triton_generic._jit import LOG2E, _slot_rows
+from gdn_dispatch.backends.triton_generic._jit import jit as tg_jit
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import random_call, rel_rms_error
+from gdn_dispatch.varlen import num_slots, slot_starts
 
 ORCHESTRATOR = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")  # tg.forward is the function
 
@@ -158,6 +162,74 @@ def test_no_final_state_requested(device):
     o, ht = tg.forward(problem)
     assert ht is None
     assert rel_rms_error(o, reference.forward(problem)[0]) <= TOL[torch.float32]
+
+
+@tg_jit
+def _slot_probe_kernel(cu_seqlens, t0_out, n_out, N, BT: tl.constexpr):
+    i_s = tl.program_id(0)
+    t0, n_t = _slot_rows(cu_seqlens, i_s, N, BT)
+    tl.store(t0_out + i_s, t0)
+    tl.store(n_out + i_s, n_t)
+
+
+def _expected_slots(lengths: list[int], C: int = 64) -> dict[int, tuple[int, int]]:
+    """Slot -> (first token, rows) of every chunk, from the definition in gdn_dispatch.varlen."""
+    cu = [0]
+    for length in lengths:
+        cu.append(cu[-1] + length)
+    starts = slot_starts(cu, C)
+    expected = {}
+    for n, length in enumerate(lengths):
+        assert starts[n + 1] - starts[n] >= -(-length // C)
+        for j in range(-(-length // C)):
+            expected[starts[n] + j] = (cu[n] + j * C, min(C, length - j * C))
+    assert starts[-1] == num_slots(cu[-1], len(lengths), C)
+    return expected
+
+
+SLOT_LENGTHS = [
+    pytest.param([0, 1, 63, 64, 65, 0, 127, 128, 129, 1, 0], id="edges"),
+    pytest.param([1], id="one-token"),
+    pytest.param([0, 0, 0], id="all-empty"),
+    pytest.param(torch.randint(0, 200, (97,), generator=torch.Generator().manual_seed(5)).tolist(), id="97-random"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("lengths", SLOT_LENGTHS)
+def test_slot_rows_find_every_chunk_once(device, cu_dtype, lengths):
+    """The in-kernel bisection maps each slot to its chunk; every other slot is idle."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=cu_dtype, device=device)
+    NS = num_slots(int(cu[-1]), len(lengths), 64)
+    t0 = torch.full((NS,), -7, dtype=torch.int64, device=device)
+    rows = torch.full((NS,), -7, dtype=torch.int32, device=device)
+    _slot_probe_kernel[(NS,)](cu, t0, rows, len(lengths), BT=64)
+    expected = _expected_slots(lengths)
+    got_t0, got_rows = t0.tolist(), rows.tolist()
+    for slot in range(NS):
+        if slot in expected:
+            assert (got_t0[slot], got_rows[slot]) == expected[slot], slot
+        else:
+            assert got_rows[slot] <= 0, slot
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_ragged_batch_without_host_offsets_matches_reference(device, cu_dtype):
+    """Many sequences (lengths 0, 1, 63, 64, 65, ...) from a device cu_seqlens alone, in
+    either index dtype: every output element written (buffers start NaN) and right."""
+    lengths = [0, 1, 63, 64, 65, 0, 127, 128, 129, 1, 2, 0, 66, 5, 64, 3]
+    call = random_call(lengths=lengths, H=1, HV=2, K=16, V=16, dtype=torch.float32, device=device, seed=3,
+                       state_layout="vk")
+    call.pop("cu_seqlens_cpu")
+    call["cu_seqlens"] = call["cu_seqlens"].to(cu_dtype)
+    problem = make_problem(**call, output_final_state=True)
+    assert problem.chunks.cu_seqlens_host is None
+    o, ht = tg.forward(problem)
+    o_ref, ht_ref = reference.forward(problem)
+    assert rel_rms_error(o, o_ref) <= TOL[torch.float32]
+    assert rel_rms_error(ht, ht_ref) <= TOL[torch.float32]
 
 
 def _chunk_rows(problem):
