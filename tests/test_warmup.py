@@ -1,5 +1,7 @@
 """Warm-up: the enumerated calls cover every kernel specialization of a random ragged stream
-(CPU: specialization keys from the backends' launch plans, no GPU), and on a GPU, after
+(plain, pooled and fused-projection calls, both varlen forms; CPU: specialization keys from
+the backends' launch planners, no GPU); triton_generic's key model separates every pair of
+calls its kernels specialize apart (its launches recorded on the CPU); and on a GPU, after
 warmup(), 60 random ragged batches compile nothing."""
 
 import random
@@ -7,116 +9,288 @@ import random
 import pytest
 import torch
 
-from gdn_dispatch.device import assumed_device
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.device import CPU, assumed_device
 from gdn_dispatch.testing import runnable_gpu_backends
-from gdn_dispatch.warmup import (
-    LAST_LENGTHS, WarmupCall, WarmupSpec, call_keys, candidate_calls, make_call, plan_warmup, warmup,
+from gdn_dispatch.warmup import CompileCounter, warmup
+from gdn_dispatch.warmup_plan import (
+    LAST_LENGTHS, LONG_LENGTH, WarmupCall, WarmupSpec, call_keys, candidate_calls, choose_backend, make_call,
+    plan_warmup, specialization_keys, state_variants, triton_arg_class,
 )
 
 QWEN35 = dict(H=16, HV=32, K=128, V=128)
 SMALL = dict(H=2, HV=4, K=64, V=128)
+#: Pool row counts a stream draws: both of Triton's integer classes (16, 48 divisible by 16).
+STREAM_POOL_SIZES = (16, 17, 40, 48)
 
 
-def random_stream(count: int, seed: int, max_num_seqs: int, max_len: int = 200) -> list[WarmupCall]:
+def random_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200) -> list[WarmupCall]:
     """Ragged batches as a server forms them: 1..max_num_seqs sequences of 0..max_len tokens
-    (some whole chunks, some empty), a few uniform batches, any state flags."""
+    (some whole chunks, some empty, now and then one long prompt), a few uniform batches;
+    any state source of ``spec`` (pools of random size with -1 padding rows), final-state
+    flag, input layout and varlen form."""
     rng = random.Random(seed)
     calls = []
     for _ in range(count):
-        n = rng.randint(1, max_num_seqs)
-        h0, ht = rng.random() < 0.5, rng.random() < 0.7
+        n = rng.randint(1, spec.max_num_seqs)
+        state = dict(rng.choice(state_variants(spec)))
+        if state.get("pool_dtype") is not None and spec.pool_size is None:
+            state["pool_size"] = rng.choice(STREAM_POOL_SIZES)
+        flags = dict(output_final_state=rng.choice(spec.final_states), layout=rng.choice(spec.input_layouts), **state)
         if rng.random() < 0.2:
-            calls.append(WarmupCall(None, (n, rng.choice([64, 128, rng.randint(1, max_len)])), h0, ht))
+            calls.append(WarmupCall(None, (n, rng.choice([64, 128, rng.randint(1, max_len)])), **flags))
             continue
         lengths = [rng.choice([0, 64, 128, rng.randint(1, max_len)]) for _ in range(n)]
         lengths[0] = max(lengths[0], 1)
-        calls.append(WarmupCall(tuple(lengths), None, h0, ht))
+        if rng.random() < 0.1:
+            lengths[rng.randrange(n)] = rng.randint(LONG_LENGTH, 2 * LONG_LENGTH)
+        calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
     return calls
 
 
 CASES = [
-    pytest.param("gluon_sm90", "sm_90", QWEN35, True, id="gluon_sm90-qwen35-l2"),
-    pytest.param("gluon_sm90", "sm_90", SMALL, False, id="gluon_sm90-small"),
-    pytest.param("gluon_sm100", "sm_100", QWEN35, True, id="gluon_sm100-qwen35-l2"),
-    pytest.param("gluon_sm100", "sm_100", SMALL, True, id="gluon_sm100-small-l2"),
-    pytest.param("triton_generic", "sm_90", QWEN35, True, id="triton_generic-sm90-qwen35-l2"),
-    pytest.param("triton_generic", "sm_80", SMALL, False, id="triton_generic-sm80-small"),
+    pytest.param("sm_90", QWEN35, True, id="sm90-qwen35-l2"),
+    pytest.param("sm_90", SMALL, False, id="sm90-small"),
+    pytest.param("sm_100", QWEN35, True, id="sm100-qwen35-l2"),
+    pytest.param("sm_80", SMALL, False, id="sm80-small"),
 ]
 
 
-@pytest.mark.parametrize("backend, arch, dims, l2", CASES)
-def test_plan_covers_every_specialization_of_a_random_stream(backend, arch, dims, l2):
+@pytest.mark.parametrize("arch, dims, l2", CASES)
+def test_plan_covers_every_specialization_of_a_random_stream(arch, dims, l2):
     device = assumed_device(arch)
     spec = WarmupSpec(**dims, use_qk_l2norm=l2, max_num_seqs=48)
-    plan = plan_warmup(spec, backend, device)
-    assert plan.keys and len(plan.calls) <= 64
-    for i, call in enumerate(random_stream(60, seed=7, max_num_seqs=spec.max_num_seqs)):
-        missing = call_keys(spec, call, backend, device) - plan.keys
+    plan = plan_warmup(spec, device)
+    assert plan.keys and not plan.unadmitted and len(plan.calls) <= 96
+    for i, call in enumerate(random_stream(60, seed=7, spec=spec)):
+        backend, keys = call_keys(spec, call, device)
+        missing = keys - plan.keys
+        assert backend in plan.backends and keys, f"batch {i} ({call.label()}) ran on {backend}"
         assert not missing, f"batch {i} ({call.label()}) would compile {sorted(map(str, missing))}"
 
 
-def test_a_narrower_plan_misses_what_it_left_out():
-    """Negative control: a plan for calls without a final state does not cover a stream that
-    asks for one."""
+def test_pool_calls_go_where_the_registry_sends_them():
+    """A plan covers each call class on the backend the registry picks for it: on sm_90, pool
+    calls run on a backend with state pools, plain calls on the fastest one."""
+    from gdn_dispatch.registry import load_registry
+
     device = assumed_device("sm_90")
-    spec = WarmupSpec(**SMALL, final_states=(False,), max_num_seqs=8)
-    plan = plan_warmup(spec, "gluon_sm90", device)
-    stream = [c for c in random_stream(20, seed=3, max_num_seqs=8) if c.output_final_state]
-    assert any(call_keys(spec, c, "gluon_sm90", device) - plan.keys for c in stream)
+    spec = WarmupSpec(**SMALL, max_num_seqs=4)
+    plan = plan_warmup(spec, device)
+    with_pools = {row.name for row in load_registry() if "state_pool" in row.features}
+    for call, backend in plan.calls:
+        if call.pool_dtype is not None:
+            assert backend in with_pools, f"{call.label()} planned on {backend}"
+    plain = [backend for call, backend in plan.calls if call.pool_dtype is None]
+    assert plain and set(plain) <= set(plan.backends)
 
 
-def test_candidates_span_tails_layouts_and_state_flags():
+def test_forced_backend_lists_what_it_cannot_run():
+    """Forcing a backend without state pools leaves the pool classes unadmitted, named in
+    the plan (such calls raise), not silently planned elsewhere."""
+    from gdn_dispatch.registry import load_registry
+
+    rows = {row.name: row for row in load_registry()}
+    device = assumed_device("sm_90")
+    spec = WarmupSpec(**SMALL, max_num_seqs=4)
+    plan = plan_warmup(spec, device, backend="gluon_sm90")
+    assert plan.backends == ("gluon_sm90",)
+    if "state_pool" in rows["gluon_sm90"].features:
+        assert not plan.unadmitted
+    else:
+        assert plan.unadmitted and all(c.pool_dtype is not None for c in plan.unadmitted)
+
+
+@pytest.mark.parametrize("dropped", ["final_state", "pool_bf16", "fused_qkv"])
+def test_a_narrower_plan_misses_what_it_left_out(dropped):
+    """Negative control: a plan without one variant does not cover a stream that uses it."""
+    device = assumed_device("sm_90")
+    full = WarmupSpec(**SMALL, max_num_seqs=8)
+    narrow = {
+        "final_state": dict(final_states=(False,)),
+        "pool_bf16": dict(pool_dtypes=(torch.float32,)),
+        "fused_qkv": dict(input_layouts=("contiguous",)),
+    }[dropped]
+    spec = WarmupSpec(**{**SMALL, "max_num_seqs": 8, **narrow})
+    plan = plan_warmup(spec, device)
+    stream = random_stream(40, seed=3, spec=full)
+    uses = {
+        "final_state": lambda c: c.output_final_state,
+        "pool_bf16": lambda c: c.pool_dtype == torch.bfloat16,
+        "fused_qkv": lambda c: c.layout == "fused_qkv",
+    }[dropped]
+    stream = [c for c in stream if uses(c)]
+    assert stream
+    assert any(call_keys(full, c, device)[1] - plan.keys for c in stream)
+
+
+def test_candidates_span_tails_layouts_and_state_sources():
+    device = assumed_device("sm_90")
     spec = WarmupSpec(**SMALL)
-    calls = candidate_calls(spec, [1, 5])
+    calls = candidate_calls(spec, [1, 5], device)
     assert {c.lengths is None for c in calls} == {True, False}
+    assert {c.host_offsets for c in calls if c.lengths is not None} == {True, False}
     assert {(c.initial_state, c.output_final_state) for c in calls} == {(a, b) for a in (0, 1) for b in (0, 1)}
+    assert {c.pool_dtype for c in calls} == {None, torch.float32, torch.bfloat16}
+    assert {c.pool_size % 16 == 0 for c in calls if c.pool_dtype is not None} == {True, False}
+    assert {c.layout for c in calls} == {"contiguous", "fused_qkv"}
     tails = {c.tokens % 64 != 0 for c in calls}
     assert tails == {True, False} and {c.N for c in calls} == {1, 5}
     assert 64 in LAST_LENGTHS and any(n % 64 for n in LAST_LENGTHS)
 
 
+def test_long_candidates_only_where_context_parallel_cuts():
+    """Long prompts are candidates at the N where the context-parallel planner segments
+    them (few sequences x heads on many SMs), and only there."""
+    device = assumed_device("sm_90")
+    spec = WarmupSpec(**SMALL, pool_dtypes=(), input_layouts=("contiguous",))
+    long_ns = {c.N for c in candidate_calls(spec, list(range(1, 65)), device) if max(c.lengths or c.batch) == LONG_LENGTH}
+    assert 1 in long_ns and 64 not in long_ns
+
+
 def test_plan_runs_the_same_keys_with_fewer_calls():
     device = assumed_device("sm_90")
     spec = WarmupSpec(**QWEN35, max_num_seqs=16)
-    plan = plan_warmup(spec, "gluon_sm90", device)
-    covered = frozenset().union(*(call_keys(spec, c, "gluon_sm90", device) for c in plan.calls))
+    plan = plan_warmup(spec, device)
+    covered = frozenset().union(*(call_keys(spec, c, device, b)[1] for c, b in plan.calls))
     assert covered == plan.keys
     # Tails and whole chunks, and both state flags, are separate specializations.
-    flags = {(k[3]) for k in plan.keys if k[0] == "state_output_fwd"}
+    flags = {key[3] for _, key in plan.keys if key[0] == "state_output_fwd"}
     has = {name: {dict(f)[name] for f in flags} for name in ("HAS_TAILS", "USE_H0", "STORE_HT")}
     assert all(values == {True, False} for values in has.values()), has
 
 
-def test_make_call_builds_a_valid_call():
+def test_make_call_builds_valid_calls():
     from gdn_dispatch import chunk_gated_delta_rule
 
     spec = WarmupSpec(H=2, HV=4, K=8, V=12, dtype=torch.float32, state_layout="vk")
-    call = WarmupCall((64, 17), None, True, True)
-    o, ht = chunk_gated_delta_rule(**make_call(spec, call, random=True), backend="reference")
+    o, ht = chunk_gated_delta_rule(**make_call(spec, WarmupCall((64, 17), None, True, True), random=True),
+                                   backend="reference")
     assert o.shape == (1, 81, 4, 12) and ht.shape == (2, 4, 12, 8) and bool(torch.isfinite(o).all())
+
+    pooled = WarmupCall((5, 0, 70), None, True, False, pool_dtype=torch.bfloat16, pool_size=2, inplace=True,
+                        host_offsets=False, layout="fused_qkv")
+    kwargs = make_call(spec, pooled, random=True)
+    assert "cu_seqlens_cpu" not in kwargs and kwargs["state_indices"].tolist() == [0, 1, -1]
+    assert kwargs["q"].stride()[1] == 2 * 2 * 8 + 4 * 12 and kwargs["k"].data_ptr() > kwargs["q"].data_ptr()
+    pool = kwargs["initial_state"]
+    assert pool.shape == (2, 4, 12, 8) and pool.dtype == torch.bfloat16
+    before = pool.clone()
+    o, ht = chunk_gated_delta_rule(**kwargs, backend="reference")
+    assert ht is None and bool(torch.isfinite(o).all()) and not torch.equal(pool, before)
+
+
+def test_choose_backend_on_cpu_is_the_reference():
+    spec = WarmupSpec(H=2, HV=4, K=8, V=12, dtype=torch.float32)
+    problem = make_problem(**make_call(spec, WarmupCall((64, 1), None, True, True)))
+    assert choose_backend(problem, CPU) == "reference"
+    assert specialization_keys("reference", problem, CPU) == frozenset()
 
 
 def test_warmup_on_cpu_has_nothing_to_compile():
     report = warmup(num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, dtype=torch.float32, device="cpu")
-    assert (report.backend, report.calls, report.compiles) == ("reference", 0, 0)
+    assert (report.backends, report.calls, report.compiles) == (("reference",), 0, 0)
 
 
 def test_cli_warmup_on_cpu(capsys):
     from gdn_dispatch.__main__ import main
 
     assert main(["warmup", "--heads", "2", "--v-heads", "4", "--head-k-dim", "8", "--head-v-dim", "12",
-                 "--dtype", "fp32", "--device", "cpu", "--quiet"]) == 0
+                 "--dtype", "fp32", "--device", "cpu", "--pool-dtypes", "bf16", "--layouts", "fused_qkv",
+                 "--host-offsets", "absent", "--index-dtype", "int64", "--quiet"]) == 0
     assert "warmup: reference on cpu: 0 calls" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pool-dtypes", "fp64"], "--pool-dtypes: expected a comma-separated list"),
+    (["--layouts", "packed"], "--layouts: expected a comma-separated list"),
+    (["--host-offsets", "sometimes"], "--host-offsets: invalid choice"),
+])
+def test_cli_warmup_rejects_bad_variants(argv, message, capsys):
+    from gdn_dispatch.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["warmup", "--heads", "2", "--v-heads", "4", "--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_spec_rejects_unknown_layouts_and_pool_sizes():
+    with pytest.raises(ValueError, match="input_layouts: expected names from"):
+        WarmupSpec(**SMALL, input_layouts=("packed",))
+    with pytest.raises(ValueError, match="pool_size: expected a row count >= 1, got 0"):
+        WarmupSpec(**SMALL, pool_size=0)
+
+
+# --- triton_generic's key model against its real launches ---------------------------------
+
+def recorded_launches(problem, monkeypatch) -> frozenset:
+    """Every launch triton_generic's host code makes for ``problem`` (CPU tensors), recorded
+    instead of run: kernel, warps, stages, each constexpr's value and Triton's class of
+    every other argument (what its binder specializes on)."""
+    from gdn_dispatch.backends.triton_generic import _jit
+    from gdn_dispatch.backends.triton_generic.forward import forward
+
+    seen = set()
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        assert not args, "triton_generic launches with keyword arguments only"
+        spec = tuple((p.name, repr(kwargs.get(p.name)) if p.is_constexpr else triton_arg_class(kwargs.get(p.name)))
+                     for p in kernel.params)
+        seen.add((kernel.fn.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"), spec))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_jit.Kernel, "run", record)
+        forward(problem)
+    return frozenset(seen)
+
+
+MODEL_SPEC = WarmupSpec(H=1, HV=2, K=16, V=32, max_num_seqs=20)
+
+
+def uncovered_launches(spec, monkeypatch) -> list[str]:
+    """The recorded launches of a random stream that the recorded launches of triton_generic's
+    warm-up plan (planned from the key model) do not include: each would compile."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the registry admits triton_generic on CPU tensors
+    plan = plan_warmup(spec, CPU, "triton_generic")
+    assert plan.calls and not plan.unadmitted
+
+    def launches(call):
+        return recorded_launches(make_problem(**make_call(spec, call)), monkeypatch)
+
+    covered = frozenset().union(*(launches(call) for call, _ in plan.calls))
+    missing = []
+    for i, call in enumerate(random_stream(80, seed=5, spec=spec, max_len=150)):
+        missing += [f"batch {i} ({call.label()}): {launch[0]}" for launch in launches(call) - covered]
+    return missing
+
+
+def test_triton_generic_warmup_plan_covers_the_launches_of_a_stream(monkeypatch):
+    """Every launch of a random stream, as triton_generic's host code makes it (constexprs,
+    pointer dtypes, alignment, integer classes), is one the warm-up plan's calls make: the
+    key model misses nothing the kernels specialize on."""
+    assert not uncovered_launches(MODEL_SPEC, monkeypatch)
+
+
+def test_key_model_check_catches_a_blind_model(monkeypatch):
+    """Negative control: a key model blind to token strides plans no fused-projection launch,
+    and the check above finds launches it misses."""
+    from gdn_dispatch import warmup_plan
+
+    monkeypatch.setattr(warmup_plan, "token_rows_stride", lambda t: 0)
+    monkeypatch.setattr(warmup_plan, "call_facts", lambda problem: ())
+    assert uncovered_launches(MODEL_SPEC, monkeypatch)
 
 
 # --- GPU tier ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", runnable_gpu_backends())
+@pytest.mark.parametrize("backend", [None, *runnable_gpu_backends()], ids=lambda b: b or "registry-choice")
 def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
+    """60 random ragged batches (plain, pooled with -1 rows, fused-projection views, both
+    varlen forms) after warmup() with the same variants: no compile."""
     from gdn_dispatch import chunk_gated_delta_rule
-    from gdn_dispatch.warmup import _CompileCounter
+    from gdn_dispatch.device import default_probe
 
     max_num_seqs = 32
     report = warmup(num_heads=QWEN35["H"], num_v_heads=QWEN35["HV"], head_k_dim=QWEN35["K"], head_v_dim=QWEN35["V"],
@@ -124,14 +298,20 @@ def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
     with capsys.disabled():
         print(f"\n{report.format()}")
     spec = WarmupSpec(**QWEN35, max_num_seqs=max_num_seqs)
-    compiled = []
-    with _CompileCounter() as counter:
-        for i, call in enumerate(random_stream(60, seed=11, max_num_seqs=max_num_seqs, max_len=600)):
+    device = default_probe().for_torch_device(torch.device("cuda"))
+    compiled, ran = [], 0
+    with CompileCounter() as counter:
+        for i, call in enumerate(random_stream(60, seed=11, spec=spec, max_len=600)):
+            kwargs = make_call(spec, call, "cuda", random=True, seed=i)
+            if backend is not None and choose_backend(make_problem(**kwargs, backend=backend), device, backend) is None:
+                continue  # the forced backend does not run this call class (it would raise)
             before = counter.count
-            chunk_gated_delta_rule(**make_call(spec, call, "cuda", random=True, seed=i), backend=backend)
+            chunk_gated_delta_rule(**kwargs, backend=backend)
+            ran += 1
             if counter.count != before:
                 compiled.append(f"batch {i} ({call.label()}): {counter.count - before}")
         torch.cuda.synchronize()
+    assert ran >= 30, f"only {ran} of 60 batches run on {backend}"
     assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
 
 
@@ -143,8 +323,6 @@ def test_compile_counter_sees_a_triton_compile():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gdn_dispatch.warmup import _CompileCounter
-
     @triton.jit
     def _copy_kernel(src, dst, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
@@ -152,6 +330,6 @@ def test_compile_counter_sees_a_triton_compile():
 
     source = ASTSource(_copy_kernel, signature={"src": "*fp32", "dst": "*fp32", "BLOCK": "constexpr"},
                        constexprs={"BLOCK": 16})
-    with _CompileCounter() as counter:
+    with CompileCounter() as counter:
         triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert counter.count == 1

@@ -1,0 +1,422 @@
+"""The warm-up plan: which calls compile every kernel specialization a stream of ragged calls
+with given head dims can hit on a device. Pure host work: no GPU needed.
+
+A Triton kernel is compiled once per *specialization*: its constexpr arguments (flags such
+as initial/final state, varlen tails, pools, tile sizes a planner picked, token strides
+where a kernel takes them as constexprs), the dtype and 16-byte alignment of each pointer
+argument, and the value class of each integer argument (``== 1``, divisible by 16). For
+fixed dims and dtypes, what varies from call to call is
+
+* the batch: the number of sequences ``N`` (tile and pipeline choices depend on how many
+  programs fill the SMs), whether some sequence ends inside a chunk (tails), the token
+  count ``T``, uniform batch or ``cu_seqlens`` (with or without its host copy), and how
+  long the longest sequence is (context parallelism cuts long ones into segments);
+* the state: none, an initial state, or a state pool (its dtype and row count, written
+  back in place or not), and whether a final state is asked;
+* the input layout: contiguous tensors, or views of one fused q|k|v projection (a token
+  stride wider than each tensor's row).
+
+:func:`candidate_calls` builds one representative call per combination (a representative
+``N`` for every range of ``N`` in which the launches stay the same, up to
+``max_num_seqs``). The backend of each is the registry's choice for it (a pool call may go
+to another backend than a plain one). :func:`specialization_keys` reads a call's
+specializations from the backend's own launch planner (the Gluon backends' ``plan``;
+triton_generic's launch configs and constexpr flags) plus what Triton's binder specializes
+on beyond any planner (argument dtypes, alignment, integer classes); :func:`plan_warmup`
+keeps the fewest candidates that cover every key.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from gdn_dispatch.context_parallel import plan_context_parallel, plan_for_problem
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, make_problem, token_rows_stride
+from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.registry import CallSpec, GDNDispatchError, explain, load_registry, select
+
+#: Length of the last sequence of a candidate (the others are whole chunks): no tail (64),
+#: and tails giving T = 0, 1, 8 (mod 16), and T == 1 for a single sequence.
+LAST_LENGTHS = (64, 1, 8, 16, 17, 40)
+#: The last length of the long candidates: 33 chunks, the last one partial. Long enough for
+#: the context-parallel planner to cut segments where sequences and heads leave SMs idle;
+#: used only at the ``N`` where it does (:func:`_long_is_segmented`).
+LONG_LENGTH = 32 * CHUNK_SIZE + 17
+#: Input layouts a spec may name: "contiguous" tensors, or "fused_qkv": q, k, v views of one
+#: ``[B, T, 2 H K + HV V]`` projection in that order (g and beta contiguous), as servers
+#: split their projection (or convolution) output.
+INPUT_LAYOUTS = ("contiguous", "fused_qkv")
+#: Pool row counts warmed when the spec names none: one of each value class Triton
+#: specializes an integer on (divisible by 16, not); a pool of one row must be named.
+DEFAULT_POOL_SIZES = (16, 17)
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    """The fixed part of every call a model layer makes, and the variants a server uses.
+
+    Attributes
+    ----------
+    H, HV, K, V : q/k heads, v heads, q/k and v head dims.
+    dtype : dtype of q, k, v. ``g_dtype`` and ``beta_dtype`` (None: q's dtype): the gate's
+        and beta's. ``state_dtype``: the initial state's (not a pool).
+    state_layout : "kv" or "vk". ``use_qk_l2norm``: the calls' ``use_qk_l2norm_in_kernel``.
+    max_num_seqs : the most sequences in one call.
+    initial_states, final_states : the values of "an initial state is given" and
+        ``output_final_state`` the calls use.
+    pool_dtypes : dtypes of the state pools calls pass with ``state_indices`` (empty: no
+        pool calls). ``pool_inplace``: their ``inplace_final_state`` values.
+        ``pool_size``: the pool's row count P (None: both value classes, see
+        :data:`DEFAULT_POOL_SIZES`). ``index_dtype``: dtype of ``state_indices``.
+    input_layouts : names from :data:`INPUT_LAYOUTS`.
+    host_offsets : with ``cu_seqlens``, whether ``cu_seqlens_cpu`` is passed too (True,
+        False or both).
+    """
+
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: torch.dtype = torch.bfloat16
+    state_layout: str = "kv"
+    use_qk_l2norm: bool = True
+    g_dtype: torch.dtype = torch.float32
+    beta_dtype: torch.dtype | None = None
+    state_dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 64
+    initial_states: tuple[bool, ...] = (False, True)
+    final_states: tuple[bool, ...] = (False, True)
+    pool_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    pool_inplace: tuple[bool, ...] = (True,)
+    pool_size: int | None = None
+    index_dtype: torch.dtype = torch.int32
+    input_layouts: tuple[str, ...] = INPUT_LAYOUTS
+    host_offsets: tuple[bool, ...] = (True, False)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.input_layouts) - set(INPUT_LAYOUTS))
+        if unknown:
+            raise ValueError(f"input_layouts: expected names from {INPUT_LAYOUTS}, got {unknown}")
+        if self.pool_size is not None and self.pool_size < 1:
+            raise ValueError(f"pool_size: expected a row count >= 1, got {self.pool_size}")
+
+
+@dataclass(frozen=True)
+class WarmupCall:
+    """One representative call.
+
+    ``lengths`` (varlen, B = 1) or ``batch`` = (B, T) (uniform); ``initial_state``: a state
+    is given, which is a pool of ``pool_size`` rows of ``pool_dtype`` when that is set
+    (row ``n`` for sequence ``n < pool_size``, -1 for the rest), written back when
+    ``inplace``; ``host_offsets``: varlen with ``cu_seqlens_cpu``; ``layout``: one of
+    :data:`INPUT_LAYOUTS`.
+    """
+
+    lengths: tuple[int, ...] | None
+    batch: tuple[int, int] | None
+    initial_state: bool
+    output_final_state: bool
+    pool_dtype: torch.dtype | None = None
+    pool_size: int = 0
+    inplace: bool = False
+    host_offsets: bool = True
+    layout: str = "contiguous"
+
+    @property
+    def N(self) -> int:
+        return len(self.lengths) if self.lengths is not None else self.batch[0]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths) if self.lengths is not None else self.batch[0] * self.batch[1]
+
+    def label(self) -> str:
+        if self.lengths is not None:
+            shape = f"varlen N={self.N} T={self.tokens}{'' if self.host_offsets else ' (no host offsets)'}"
+        else:
+            shape = f"B={self.batch[0]} T={self.batch[1]}"
+        state = " h0" if self.initial_state else ""
+        if self.pool_dtype is not None:
+            dtype = str(self.pool_dtype).removeprefix("torch.")
+            state = f" pool {dtype}[{self.pool_size}]{' inplace' if self.inplace else ''}"
+        layout = "" if self.layout == "contiguous" else f" {self.layout}"
+        return f"{shape}{state}{' ht' if self.output_final_state else ''}{layout}"
+
+
+def make_call(spec: WarmupSpec, call: WarmupCall, device: torch.device | str = "cpu", *,
+              random: bool = False, seed: int = 0) -> dict:
+    """Keyword arguments of ``chunk_gated_delta_rule`` for ``call`` (uninitialized tensors
+    unless ``random``: specializations depend on shapes, dtypes and strides only)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = (1, sum(call.lengths)) if call.lengths is not None else call.batch
+
+    def tensor(*shape, dtype, kind="randn"):
+        if not random:
+            return torch.empty(shape, dtype=dtype, device=device)
+        if kind == "gate":
+            x = torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen))
+        else:
+            x = torch.randn(shape, generator=gen) if kind == "randn" else torch.rand(shape, generator=gen)
+        return x.to(device=device, dtype=dtype)
+
+    HK, HVV = spec.H * spec.K, spec.HV * spec.V
+    if call.layout == "fused_qkv":
+        fused = tensor(B, T, 2 * HK + HVV, dtype=spec.dtype)
+        q, k, v = torch.split(fused, [HK, HK, HVV], dim=-1)
+        q, k, v = q.view(B, T, spec.H, spec.K), k.view(B, T, spec.H, spec.K), v.view(B, T, spec.HV, spec.V)
+    else:
+        q, k = tensor(B, T, spec.H, spec.K, dtype=spec.dtype), tensor(B, T, spec.H, spec.K, dtype=spec.dtype)
+        v = tensor(B, T, spec.HV, spec.V, dtype=spec.dtype)
+    kwargs = dict(
+        q=q, k=k, v=v, g=tensor(B, T, spec.HV, dtype=spec.g_dtype, kind="gate"),
+        beta=tensor(B, T, spec.HV, dtype=spec.beta_dtype or spec.dtype, kind="rand"),
+        state_layout=spec.state_layout, use_qk_l2norm_in_kernel=spec.use_qk_l2norm,
+        output_final_state=call.output_final_state,
+    )
+    per_head = (spec.K, spec.V) if spec.state_layout == StateLayout.KV.value else (spec.V, spec.K)
+    if call.pool_dtype is not None:
+        rows = torch.arange(call.N)
+        kwargs["initial_state"] = tensor(call.pool_size, spec.HV, *per_head, dtype=call.pool_dtype)
+        kwargs["state_indices"] = torch.where(rows < call.pool_size, rows, -1).to(device=device, dtype=spec.index_dtype)
+        kwargs["inplace_final_state"] = call.inplace
+    elif call.initial_state:
+        kwargs["initial_state"] = tensor(call.N, spec.HV, *per_head, dtype=spec.state_dtype)
+    if call.lengths is not None:
+        offsets = torch.tensor([0, *torch.tensor(call.lengths).cumsum(0).tolist()], dtype=torch.int32)
+        kwargs["cu_seqlens"] = offsets.to(device)
+        if call.host_offsets:
+            kwargs["cu_seqlens_cpu"] = offsets
+    return kwargs
+
+
+# --- specialization keys ----------------------------------------------------------------
+
+def triton_arg_class(value):
+    """What Triton's binder specializes one kernel argument on: a tensor's pointer dtype
+    and 16-byte alignment, an integer's type and divisibility by 16 (1 is a constant)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    if value is None or isinstance(value, float):
+        return type(value).__name__
+    return native_specialize_impl(BaseBackend, value, False, True, True)
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def call_facts(problem: GDNProblem) -> tuple:
+    """What the binder specializes on that no launch planner states: the class
+    (:func:`triton_arg_class`) of every tensor the call hands the kernels, and of the
+    pool's row count."""
+    names = ("q", "k", "v", "g", "beta", "initial_state", "state_indices")
+    facts = tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
+    rows = problem.initial_state.shape[0] if problem.uses_state_pool else None
+    return facts + (("P", triton_arg_class(rows)),)
+
+
+def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo) -> frozenset:
+    """One key per launch of the Gluon forward's plan: kernel, warps, register cap,
+    constexprs, descriptor signatures and the class of each integer argument."""
+    forward_plan = module.plan(problem, tuple(device.capability), device)
+    keys = set()
+    for launch in forward_plan.stages:
+        keys.add((
+            launch.kernel, launch.num_warps, launch.maxnreg,
+            tuple(sorted((name, _hashable(v)) for name, v in launch.constexprs.items())),
+            tuple(sorted(d.signature for d in launch.descriptors)),
+            tuple(sorted((name, triton_arg_class(v)) for name, v in launch.scalars.items())),
+        ))
+    return frozenset(keys)
+
+
+def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo) -> frozenset:
+    """triton_generic's launches: every stage's config is fixed by the dims and the device
+    except the state recurrence's (N * HV against the SM count); the state and norm flags
+    and the inputs' token strides are constexprs; every kernel takes the sequence count N
+    as an integer argument (the chunk slots find their sequence among N)."""
+    from gdn_dispatch.backends.triton_generic import configs
+
+    elem = problem.q.element_size()
+    capability = tuple(device.capability) if device.capability else None
+    state_cfg = configs.state_config(problem.K, problem.V, problem.N * problem.HV, elem, capability,
+                                     device.sm_count or 1)
+    flags = (problem.initial_state is not None, problem.output_final_state, problem.state_layout.value,
+             problem.use_qk_l2norm, problem.uses_state_pool, problem.inplace_final_state)
+    strides = {name: token_rows_stride(getattr(problem, name)) for name in ("q", "k", "v", "g", "beta")}
+    fused = configs.fuse_solve_into_wu(capability)
+    seqs = triton_arg_class(problem.N)
+    return frozenset({
+        ("chunk_cumsum_fwd", seqs, strides["g"]),
+        ("kkt_solve_fwd", seqs, None if fused else (strides["k"], strides["beta"], flags[3])),
+        ("wu_fwd", seqs, fused, strides["k"], strides["v"], strides["beta"], flags[3]),
+        ("state_fwd", seqs, state_cfg, flags, strides["k"]),
+        ("output_fwd", seqs, strides["q"], strides["k"], flags[3]),
+    })
+
+
+#: Backends with kernels to warm up, and how to read a call's specialization keys.
+KEY_FUNCTIONS = {
+    "gluon_sm100": _gluon_keys,
+    "gluon_sm90": _gluon_keys,
+    "triton_generic": _triton_generic_keys,
+}
+
+
+def _row(name: str):
+    return next(row for row in load_registry() if row.name == name)
+
+
+def specialization_keys(backend: str, problem: GDNProblem, device: DeviceInfo) -> frozenset:
+    """The kernel specializations ``problem`` launches on ``device`` with ``backend``
+    (computed without a GPU); empty for a backend with nothing to compile.
+
+    Each key of the backend's planner carries the call's :func:`call_facts` and, where the
+    backend runs context parallelism, whether the call runs segmented.
+    """
+    key_fn = KEY_FUNCTIONS.get(backend)
+    if key_fn is None:
+        return frozenset()
+    row = _row(backend)
+    segmented = (plan_for_problem(problem, device.sm_count).enabled
+                 if "context_parallel" in row.features else None)
+    shared = (backend, call_facts(problem), segmented)
+    return frozenset((shared, key) for key in key_fn(importlib.import_module(row.module), problem, device))
+
+
+def choose_backend(problem: GDNProblem, device: DeviceInfo, backend: str | None = None) -> str | None:
+    """The backend that runs ``problem`` on ``device`` (None: no backend admits it).
+
+    On the device itself the registry's full choice (:func:`gdn_dispatch.registry.select`,
+    which also asks the backend about this call's tensors); for a device planned from CPU
+    tensors, the choice from the device and the call's features alone.
+    """
+    if problem.device.type == device.kind == "cuda":
+        try:
+            return select(device, problem).spec.name
+        except GDNDispatchError:
+            return None
+    return explain(device, CallSpec.from_problem(problem), backend=backend).selected
+
+
+def call_keys(spec: WarmupSpec, call: WarmupCall, device: DeviceInfo, backend: str | None = None, *,
+              tensor_device: torch.device | str = "cpu") -> tuple[str | None, frozenset]:
+    """(backend chosen for ``call``, its :func:`specialization_keys`), from uninitialized
+    tensors on ``tensor_device``; ``backend`` forces one."""
+    problem = make_problem(**make_call(spec, call, tensor_device), backend=backend)
+    chosen = choose_backend(problem, device, backend)
+    return chosen, (specialization_keys(chosen, problem, device) if chosen is not None else frozenset())
+
+
+# --- enumeration ----------------------------------------------------------------------
+
+def state_variants(spec: WarmupSpec) -> list[dict]:
+    """Keyword arguments of :class:`WarmupCall` for each state source of ``spec``: none or
+    an initial state (``spec.initial_states``), and each pool dtype x row count x in-place."""
+    variants = [dict(initial_state=h0) for h0 in spec.initial_states]
+    sizes = (spec.pool_size,) if spec.pool_size is not None else DEFAULT_POOL_SIZES
+    variants += [dict(initial_state=True, pool_dtype=dtype, pool_size=size, inplace=inplace)
+                 for dtype in spec.pool_dtypes for size in sizes for inplace in spec.pool_inplace]
+    return variants
+
+
+def _long_is_segmented(spec: WarmupSpec, n: int, device: DeviceInfo) -> bool:
+    """Whether the context-parallel planner ("auto") cuts a call of ``n`` sequences whose
+    longest is :data:`LONG_LENGTH` tokens."""
+    decision = plan_context_parallel("auto", T_total=CHUNK_SIZE * (n - 1) + LONG_LENGTH, N=n, HV=spec.HV,
+                                     V=spec.V, sm_count=device.sm_count, max_len=LONG_LENGTH)
+    return decision.enabled
+
+
+def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tensor_device) -> list[int]:
+    """1, 2, and every N <= max_num_seqs at which some backend's keys change (whole chunks,
+    every state source, a final state; long when that is segmented): one representative
+    per range of N that launches the same kernels."""
+    counts, previous = [], None
+    for n in range(1, spec.max_num_seqs + 1):
+        lasts = (CHUNK_SIZE, LONG_LENGTH) if _long_is_segmented(spec, n, device) else (CHUNK_SIZE,)
+        keys = frozenset().union(*(
+            call_keys(spec, WarmupCall((CHUNK_SIZE,) * (n - 1) + (last,), None, output_final_state=True, **state),
+                      device, backend, tensor_device=tensor_device)[1]
+            for last in lasts for state in state_variants(spec)))
+        if keys != previous or n <= 2:
+            counts.append(n)
+        previous = keys
+    return counts
+
+
+def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo) -> list[WarmupCall]:
+    """Every representative call: each N of ``seq_counts``; varlen (with and without host
+    offsets, as ``spec.host_offsets`` says) and uniform; each last length of
+    :data:`LAST_LENGTHS` (and :data:`LONG_LENGTH` where that is segmented); each state
+    source, final-state flag and input layout of ``spec``."""
+    calls = []
+    for n in seq_counts:
+        lasts = LAST_LENGTHS + ((LONG_LENGTH,) if _long_is_segmented(spec, n, device) else ())
+        for last in lasts:
+            shapes = [dict(lengths=(CHUNK_SIZE,) * (n - 1) + (last,), batch=None, host_offsets=host)
+                      for host in spec.host_offsets]
+            shapes.append(dict(lengths=None, batch=(n, last)))
+            for shape in shapes:
+                for state in state_variants(spec):
+                    for ht in spec.final_states:
+                        for layout in spec.input_layouts:
+                            calls.append(WarmupCall(**shape, **state, output_final_state=ht, layout=layout))
+    return calls
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """The calls to run, each with the backend the registry chooses for it (``calls``), the
+    specialization keys they cover (``keys``), and the candidates no backend admits
+    (``unadmitted``: such a call raises; nothing to compile for it)."""
+
+    device: DeviceInfo
+    spec: WarmupSpec
+    calls: tuple[tuple[WarmupCall, str], ...]
+    keys: frozenset
+    unadmitted: tuple[WarmupCall, ...] = ()
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(sorted({backend for _, backend in self.calls}))
+
+
+def plan_warmup(spec: WarmupSpec, device: DeviceInfo, backend: str | None = None, *,
+                tensor_device: torch.device | str = "cpu") -> WarmupPlan:
+    """The fewest candidate calls (greedy set cover, small calls first) whose
+    specialization keys cover those of every candidate.
+
+    ``backend`` forces one backend for every call (default: the registry's choice per
+    call). ``tensor_device``: where the (uninitialized) candidate tensors are made; on
+    ``device`` itself the registry also checks each call's tensors (see
+    :func:`choose_backend`).
+    """
+    candidates = candidate_calls(spec, _seq_counts(spec, device, backend, tensor_device), device)
+    keyed, unadmitted = [], []
+    for call in sorted(candidates, key=lambda c: c.tokens):
+        chosen, keys = call_keys(spec, call, device, backend, tensor_device=tensor_device)
+        if chosen is None:
+            unadmitted.append(call)
+        else:
+            keyed.append((call, chosen, keys))
+    wanted = frozenset().union(*(keys for _, _, keys in keyed))
+    chosen_calls, covered = [], set()
+    while covered != wanted:
+        call, name, keys = max(keyed, key=lambda ck: len(ck[2] - covered))  # first of the smallest on ties
+        chosen_calls.append((call, name))
+        covered |= keys
+    return WarmupPlan(device, spec, tuple(chosen_calls), wanted, tuple(unadmitted))
+
+
+__all__ = ["DEFAULT_POOL_SIZES", "INPUT_LAYOUTS", "LAST_LENGTHS", "LONG_LENGTH", "WarmupCall", "WarmupPlan",
+           "WarmupSpec", "call_facts", "call_keys", "candidate_calls", "choose_backend", "make_call", "plan_warmup",
+           "specialization_keys", "state_variants", "triton_arg_class"]
