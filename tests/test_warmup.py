@@ -61,7 +61,8 @@ def test_plan_covers_every_specialization_of_a_random_stream(arch, dims, l2):
     device = assumed_device(arch)
     spec = WarmupSpec(**dims, use_qk_l2norm=l2, max_num_seqs=48)
     plan = plan_warmup(spec, device)
-    assert plan.keys and not plan.unadmitted and len(plan.calls) <= 96
+    # Greedy cover: each chosen call adds at least one specialization.
+    assert plan.keys and not plan.unadmitted and len(plan.calls) <= len(plan.keys)
     for i, call in enumerate(random_stream(60, seed=7, spec=spec)):
         backend, keys = call_keys(spec, call, device)
         missing = keys - plan.keys
@@ -101,10 +102,12 @@ def test_forced_backend_lists_what_it_cannot_run():
         assert plan.unadmitted and all(c.pool_dtype is not None for c in plan.unadmitted)
 
 
-@pytest.mark.parametrize("dropped", ["final_state", "pool_bf16", "fused_qkv"])
-def test_a_narrower_plan_misses_what_it_left_out(dropped):
-    """Negative control: a plan without one variant does not cover a stream that uses it."""
-    device = assumed_device("sm_90")
+@pytest.mark.parametrize("dropped, arch", [("final_state", "sm_90"), ("pool_bf16", "sm_90"), ("fused_qkv", "sm_80")])
+def test_a_narrower_plan_misses_what_it_left_out(dropped, arch):
+    """Negative control: a plan without one variant does not cover a stream that uses it
+    (token strides on triton_generic, the backend sm_80 gets, whose kernels take them as
+    constexprs)."""
+    device = assumed_device(arch)
     full = WarmupSpec(**SMALL, max_num_seqs=8)
     narrow = {
         "final_state": dict(final_states=(False,)),
