@@ -215,7 +215,13 @@ def token_rows_stride(t: torch.Tensor) -> int | None:
     one fused projection (``proj[..., a:b].view(B, T, H, K)``) are; a transposed or
     permuted tensor is not.
     """
-    shape, strides = t.shape, t.stride()
+    shape = t.shape
+    if t.is_contiguous():  # the common case, without walking the strides
+        run = 1
+        for size in shape[2:]:
+            run *= size
+        return run
+    strides = t.stride()
     run = 1
     for size, stride in zip(reversed(shape[2:]), reversed(strides[2:])):
         if size != 1 and stride != run:

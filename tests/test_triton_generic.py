@@ -417,8 +417,9 @@ def test_unequal_head_dims(device, lengths, H, HV, K, V, dtype, layout, l2):
 
 
 def test_launch_takes_fewer_stages_when_shared_memory_runs_out(monkeypatch):
-    """configs.launch retries a launch whose stages overflow shared memory with one stage
-    fewer, keeps the depth that fit for that launch key, and re-raises anything else."""
+    """A JIT launch (configs._jit_launch, what configs.launch runs the first time) retries a
+    launch whose stages overflow shared memory with one stage fewer, keeps the depth that
+    fit for that launch key, and re-raises anything else."""
     from triton.runtime.errors import OutOfResources
 
     from gdn_dispatch.backends.triton_generic import configs
@@ -437,11 +438,117 @@ def test_launch_takes_fewer_stages_when_shared_memory_runs_out(monkeypatch):
     monkeypatch.setattr(configs, "_FITTED_STAGES", {})
     cfg = LaunchConfig(num_warps=4, num_stages=3, BK=256, BV=32)
     kernel = FakeKernel(fits_at=1)
-    configs.launch(kernel, (1,), cfg, x=torch.zeros(1), K=256)
+    configs._jit_launch(kernel, (1,), cfg, dict(x=torch.zeros(1), K=256))
     assert kernel.tried == [3, 2, 1]
-    configs.launch(kernel, (1,), cfg, x=torch.zeros(1), K=256)
+    configs._jit_launch(kernel, (1,), cfg, dict(x=torch.zeros(1), K=256))
     assert kernel.tried == [3, 2, 1, 1]  # straight to the depth that fit
     other = FakeKernel(fits_at=0)
     with pytest.raises(OutOfResources):
-        configs.launch(other, (1,), cfg, x=torch.zeros(1), K=128)
+        configs._jit_launch(other, (1,), cfg, dict(x=torch.zeros(1), K=128))
     assert other.tried == [3, 2, 1]
+
+
+class _StandInCompiled:
+    """What Triton's JIT returns: a compiled kernel whose launcher records its calls."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        self.launches.append(((g0, g1, g2), stream, args))
+
+
+class _StandInRuntime:
+    """direct_launch's view of Triton (verified release, no hooks) without a driver."""
+
+    def __init__(self):
+        from gdn_dispatch.backends.gluon_common import compat
+
+        self.compat = compat
+
+    def direct(self):
+        import os
+        return os.environ.get("GDN_DISPATCH_JIT_LAUNCH", "") != "1"
+
+    @staticmethod
+    def stream(device):
+        return 1000 + device
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    from gdn_dispatch.backends import direct_launch
+
+    monkeypatch.setattr(direct_launch, "_RUNTIME", _StandInRuntime())
+    monkeypatch.setattr(direct_launch, "_CALL_SITES", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("GDN_DISPATCH_JIT_LAUNCH", raising=False)
+    return direct_launch
+
+
+def test_kept_launch_binds_once_per_specialization(stand_in_gpu):
+    """The first launch of a specialization goes through the JIT; later ones call the kept
+    kernel's launcher with every argument in the kernel's order, constexprs included."""
+    compiled, jit_launches = {}, []
+
+    def jit_launch(key):
+        jit_launches.append(key)
+        return compiled.setdefault(key, _StandInCompiled())
+
+    chunks = make_problem(**random_call(lengths=[3, 70], K=16, V=16, dtype=torch.float32)).chunks
+    g = torch.randn(1, 73, 4)
+    g_cum = torch.full_like(g, float("nan"))
+
+    def launch(g, grid=(4, 1), BH=4, N=2):
+        kwargs = dict(scale=1.5, g_cum=g_cum, g=g, cu_seqlens=chunks.cu_seqlens, N=N, s_g=4, HV=4, BT=64, BH=BH)
+        stand_in_gpu.launch_kept(cumsum._chunk_cumsum_fwd_kernel, grid, (2, 1), kwargs,
+                                 lambda: jit_launch((BH, g.data_ptr() % 16 == 0)))
+
+    launch(g)
+    launch(g, grid=(9, 2), N=5)  # another grid and sequence count: the same kernel
+    assert jit_launches == [(4, True)]
+    (grid, stream, args), = compiled[(4, True)].launches
+    assert grid == (9, 2, 1) and stream == 1000
+    assert list(args) == [g, g_cum, chunks.cu_seqlens, 5, 1.5, 4, 4, 64, 4]  # the kernel's parameter order
+    launch(g, BH=8)  # a constexpr changed: bound anew
+    launch(torch.randn(1, 73, 4))  # other aligned inputs: the kept kernel
+    assert len(compiled[(4, True)].launches) == 2
+    misaligned = torch.randn(293)[1:].view(1, 73, 4)
+    launch(misaligned)  # 4-byte aligned only: bound anew
+    assert jit_launches == [(4, True), (8, True), (4, False)]
+
+
+def test_kept_launch_goes_through_the_jit_when_asked(stand_in_gpu, monkeypatch):
+    monkeypatch.setenv("GDN_DISPATCH_JIT_LAUNCH", "1")
+    calls = []
+    kwargs = dict(g=torch.zeros(1), g_cum=torch.zeros(1), cu_seqlens=torch.zeros(2, dtype=torch.int32), N=1,
+                  scale=1.0, s_g=1, HV=1, BT=64, BH=1)
+    for _ in range(3):
+        stand_in_gpu.launch_kept(cumsum._chunk_cumsum_fwd_kernel, (1,), (2, 1), kwargs,
+                                 lambda: calls.append(1) or _StandInCompiled())
+    assert calls == [1, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (the direct launch path runs compiled kernels)")
+def test_later_calls_launch_the_kept_kernels_directly(monkeypatch):
+    """Calls after the first of a specialization skip Triton's binder (kept kernels) and
+    still match the reference, at other lengths and sequence counts."""
+    from gdn_dispatch.backends import direct_launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(direct_launch.JIT_LAUNCH_ENV, raising=False)
+    shape = dict(H=2, HV=4, K=64, V=64)
+    for seed, lengths in enumerate([[100, 3], [1, 64, 65, 0, 300], [4000], [7, 7, 7, 7, 7, 7, 7, 7, 7]]):
+        call = random_call(lengths=lengths, **shape, dtype=torch.bfloat16, device="cuda", seed=seed)
+        call.pop("cu_seqlens_cpu")
+        problem = make_problem(**call, output_final_state=True)
+        o, ht = tg.forward(problem)
+        o_ref, ht_ref = reference.forward(problem)
+        assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16], lengths
+        assert rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16], lengths
+    kept = [k for site in direct_launch._CALL_SITES.values() for k in site.kept.values()]
+    if direct_launch._RUNTIME.verified:
+        assert kept and all(k is not None for k in kept)

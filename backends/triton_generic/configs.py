@@ -19,7 +19,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from gdn_dispatch.device import SMEM_OPTIN
-from gdn_dispatch.backends.triton_generic._jit import next_pow2
+from gdn_dispatch.backends.direct_launch import launch_kept
+from gdn_dispatch.backends.triton_generic._jit import interpreting, next_pow2
 
 #: Shared memory per block of a part missing from gdn_dispatch.device.SMEM_OPTIN (the
 #: smallest of the parts it lists from sm_80 on).
@@ -59,6 +60,7 @@ def _stages(wanted: int, per_stage: int, fixed: int, capability) -> int:
     return stages
 
 
+@functools.cache
 def cumsum_config(HV: int) -> LaunchConfig:
     # A [64, BH] fp32 tile: 64 columns at most keeps a program's tile at 16 KB.
     BH = min(next_pow2(HV), 64)
@@ -82,6 +84,7 @@ def _square_tile(K: int, V: int) -> int:
     return max(MIN_TILE, next_pow2(max(K, V)))
 
 
+@functools.cache
 def intra_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """kkt + solve + w/u, one program per (chunk, v-head).
 
@@ -109,6 +112,7 @@ def state_block_k(K: int) -> int:
     return max(MIN_TILE, next_pow2(K))
 
 
+@functools.lru_cache(maxsize=1024)  # NHV follows the number of sequences
 def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
                  sm_count: int = 132) -> LaunchConfig:
     """The chunk-state recurrence, one program per (sequence, v-head, BV slice of V).
@@ -145,6 +149,7 @@ def state_config(K: int, V: int, NHV: int, elem: int, capability=None,
     return LaunchConfig(num_warps=4, num_stages=_stages(wanted_stages, per_stage, fixed, capability), BK=BK, BV=BV)
 
 
+@functools.cache
 def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     """The output, one program per (chunk, v-head, BV slice of V).
 
@@ -167,6 +172,7 @@ def output_config(K: int, V: int, elem: int, capability=None) -> LaunchConfig:
     return LaunchConfig(num_warps=4, num_stages=_stages(2, per_stage, fixed, capability), BK=BK, BV=BV)
 
 
+@functools.cache
 def fuse_solve_into_wu(capability=None) -> bool:
     """Whether the orchestrator forms (I + A)^-1 inside the w/u kernel (True) or stores it
     with kkt_solve_fwd and reads it back in wu_fwd (False). Fused saves a [T, HV, 64] write
@@ -208,6 +214,20 @@ def _launch_key(kernel, cfg: LaunchConfig, kwargs: dict) -> tuple:
 def launch(kernel, grid, cfg: LaunchConfig, **kwargs) -> None:
     """``kernel[grid](**kwargs)`` with ``cfg``'s warps and pipeline stages.
 
+    On a GPU the compiled kernel of each launch specialization is kept and later launches
+    call it directly (:func:`gdn_dispatch.backends.direct_launch.launch_kept`); under the
+    interpreter every launch is Triton's. ``kwargs`` names every parameter of ``kernel``.
+    """
+    if interpreting():
+        _jit_launch(kernel, grid, cfg, kwargs)
+        return
+    launch_kept(kernel, grid, (cfg.num_warps, cfg.num_stages), kwargs,
+                lambda: _jit_launch(kernel, grid, cfg, kwargs))
+
+
+def _jit_launch(kernel, grid, cfg: LaunchConfig, kwargs: dict):
+    """``kernel[grid](**kwargs)`` through Triton's JIT; returns the compiled kernel.
+
     ``_stages`` sizes the pipeline from a model of the kernel's shared memory; where the
     compiler finds the buffers larger than the part allows (it raises OutOfResources when
     the kernel is first loaded), the launch takes one stage fewer, down to one, and the
@@ -218,8 +238,7 @@ def launch(kernel, grid, cfg: LaunchConfig, **kwargs) -> None:
         stages = _FITTED_STAGES.get(_launch_key(kernel, cfg, kwargs), stages)
     while True:
         try:
-            kernel[grid](**kwargs, num_warps=cfg.num_warps, num_stages=stages)
-            return
+            return kernel[grid](**kwargs, num_warps=cfg.num_warps, num_stages=stages)
         except OutOfResources as exc:
             if stages <= 1 or "shared memory" not in str(exc):
                 raise

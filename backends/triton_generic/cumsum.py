@@ -10,14 +10,13 @@ down the tile's rows.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
-from gdn_dispatch.backends.triton_generic.configs import cumsum_config
+from gdn_dispatch.backends.triton_generic.configs import cumsum_config, launch
 
 
 @jit(do_not_specialize=("N",))
@@ -73,17 +72,8 @@ def chunk_cumsum_fwd(
     if g.shape[0] * g.shape[1] == 0 or HV == 0:
         return g_cum
     cfg = cumsum_config(HV)
-    grid = (chunks.num_slots, triton.cdiv(HV, cfg.BH))
-    _chunk_cumsum_fwd_kernel[grid](
-        g=g,
-        g_cum=g_cum,
-        cu_seqlens=chunks.cu_seqlens,
-        N=chunks.num_seqs,
-        scale=float(scale),
-        s_g=token_stride("g", g),
-        HV=HV,
-        BT=chunks.chunk_size,
-        BH=cfg.BH,
-        num_warps=cfg.num_warps,
-    )
+    grid = (chunks.num_slots, -(-HV // cfg.BH))  # host ceil-div (triton.cdiv is a slow constexpr function)
+    launch(_chunk_cumsum_fwd_kernel, grid, cfg,
+           g=g, g_cum=g_cum, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs, scale=float(scale),
+           s_g=token_stride("g", g), HV=HV, BT=chunks.chunk_size, BH=cfg.BH)
     return g_cum

@@ -11,7 +11,6 @@ norms scale the results in fp32: q's on the rows of o, k's on the columns of the
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
@@ -142,7 +141,7 @@ def output_fwd(
     capability, _ = device_facts(q.device)
     cfg = config or output_config(K, V, q.element_size(), capability)
     dot_prec, _ = dot_precisions(q.dtype)
-    grid = (chunks.num_slots * HV, triton.cdiv(V, cfg.BV))
+    grid = (chunks.num_slots * HV, -(-V // cfg.BV))
     launch(_output_fwd_kernel, grid, cfg,
         q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
         cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,

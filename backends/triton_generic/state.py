@@ -16,7 +16,6 @@ written through a transposed view, never a copy.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
@@ -237,7 +236,7 @@ def state_fwd(
     capability, sm_count = device_facts(k.device)
     cfg = config or state_config(K, V, N * HV, k.element_size(), capability, sm_count)
     dot_prec, _ = dot_precisions(k.dtype)
-    grid = (N * HV * triton.cdiv(V, cfg.BV),)
+    grid = (N * HV * -(-V // cfg.BV),)
     launch(_state_fwd_kernel, grid, cfg,
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, h=h, v_new=v_new,
         h0=initial_state if initial_state is not None else g_cum,
