@@ -1,53 +1,61 @@
-"""With cu_seqlens_cpu given, a call never waits for the device (GPU only)."""
+"""A varlen call never waits for the device, with or without cu_seqlens_cpu (GPU only).
+
+``torch.cuda.set_sync_debug_mode("error")`` turns any synchronizing CUDA call (a
+device-to-host copy, ``.item()``, a blocking wait) into a RuntimeError, so a call that
+passes under it enqueued its work without reading device memory back.
+"""
 
 import pytest
 import torch
 
 from gdn_dispatch import chunk_gated_delta_rule
-from gdn_dispatch.contract import make_problem
-from gdn_dispatch.device import default_probe
-from gdn_dispatch.registry import select
-from gdn_dispatch.testing import random_call
+from gdn_dispatch.testing import random_call, runnable_gpu_backends
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")]
-#: Backends with a device-specific path to check besides the selected one.
-GLUON = {"gluon_sm90": ((9, 0),), "gluon_sm100": ((10, 0), (10, 3))}
+
+#: The kernel backends that run on this GPU (forced one by one); the reference backend
+#: walks sequences on the host by design and is not among them.
+BACKENDS = runnable_gpu_backends()
 
 
-def _kernel_backend(call) -> str:
-    device = default_probe().for_torch_device(call["q"].device)
-    return select(device, make_problem(**call)).spec.name
+def _call(layout: str, host_copy: bool, cu_dtype: torch.dtype, seed: int) -> dict:
+    call = random_call(lengths=[1, 63, 0, 64, 65, 700], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16,
+                       device="cuda", seed=seed, state_layout=layout)
+    call["cu_seqlens"] = call["cu_seqlens"].to(cu_dtype)
+    if not host_copy:
+        call.pop("cu_seqlens_cpu")
+    return call
 
 
-@pytest.mark.parametrize("backend", [None, *GLUON], ids=["selected", *GLUON])
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_varlen_call_with_host_offsets_never_syncs(layout, backend):
-    call = random_call(lengths=[1, 63, 0, 64, 65, 700], H=2, HV=4, K=64, V=64, dtype=torch.bfloat16,
-                       device="cuda", seed=11, state_layout=layout)
-    if backend is None and _kernel_backend(call) == "reference":
-        pytest.skip("the reference backend walks sequences on the host by design")
-    if backend is not None and torch.cuda.get_device_capability() not in GLUON[backend]:
-        pytest.skip(f"{backend} does not run on this GPU")
-    chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)  # compile outside the checked region
+def _checked(call: dict, backend: str, **extra):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        o, s = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+        return chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **extra)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", BACKENDS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no kernel backend runs on this GPU"))])
+@pytest.mark.parametrize("host_copy", [True, False], ids=["with-cu_seqlens_cpu", "device-cu_seqlens-only"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_varlen_call_never_syncs(layout, cu_dtype, host_copy, backend, monkeypatch):
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    # Compile outside the checked region, then a call with other inputs of the same shapes.
+    chunk_gated_delta_rule(**_call(layout, host_copy, cu_dtype, seed=10), output_final_state=True, backend=backend)
+    o, s = _checked(_call(layout, host_copy, cu_dtype, seed=11), backend)
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
 
 
-def test_call_without_host_offsets_does_sync():
-    """The check above can fail: without cu_seqlens_cpu the offsets are read back once."""
-    call = random_call(lengths=[5, 70], H=1, HV=1, K=64, V=64, dtype=torch.bfloat16, device="cuda", seed=12)
-    call.pop("cu_seqlens_cpu")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError, match="synchroniz"):
-            chunk_gated_delta_rule(**call)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+def test_the_check_can_fail(monkeypatch):
+    """Negative control: GDN_DEBUG_CHECKS=1 reads cu_seqlens back on purpose, and the sync
+    debug mode catches it."""
+    call = _call("kv", False, torch.int32, seed=12)
+    chunk_gated_delta_rule(**call)  # compile first
+    monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _checked(call, None)
