@@ -193,3 +193,214 @@ def test_reference_pool_with_segments():
     assert rel_rms_error(ht_cp, ht) <= 1e-6
     assert rel_rms_error(written[3], ht[0]) <= 1e-6 and rel_rms_error(written[0], ht[1]) <= 1e-6
     assert torch.equal(written[[1, 2, 4]], pool[[1, 2, 4]])
+
+
+# --- triton_generic: the segment kernels and the segmented forward ---------------------------
+
+import importlib  # noqa: E402
+
+from gdn_dispatch.backends.triton_generic import output as tg_output, state as tg_state  # noqa: E402
+from gdn_dispatch.backends.triton_generic import segment_map as tg_map, segment_scan as tg_scan  # noqa: E402
+
+TG_CP = importlib.import_module("gdn_dispatch.backends.triton_generic.context_parallel")
+TG_FORWARD = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")
+HAS_GPU = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU runs the same cases "
+                                                                  "under TRITON_INTERPRET=1")]),
+]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    """CPU tensors run in triton's interpreter, CUDA ones compiled; every buffer the
+    segmented path allocates starts NaN-filled, so an element left unwritten fails."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real_empty = torch.empty
+
+    class Poisoned:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
+
+        @staticmethod
+        def empty_like(t, **kwargs):
+            return Poisoned.empty(t.shape, dtype=kwargs.get("dtype", t.dtype), device=t.device)
+
+    for module in (tg_map, tg_scan, tg_state, tg_output, TG_CP):
+        monkeypatch.setattr(module, "torch", Poisoned())
+    return torch.device(request.param)
+
+
+def _segment_starts(cu: list[int], L: int) -> list[int]:
+    """The segment-slot offsets, written out from the definition."""
+    out = []
+    for n in range(len(cu) - 1):
+        bos, eos = cu[n], cu[n + 1]
+        for j in range(eos // L - bos // L + 1):
+            out.append(min(bos + j * L, eos))
+    return out + [cu[-1]]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("lengths, L", [
+    ([300, 0, 1, 64, 128, 129, 700], 128), ([5], 64), ([0, 0, 0], 64), ([64] * 9, 64), ([1000, 3, 2000], 256),
+    (list(range(0, 400, 7)), 192),
+])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_segment_table_kernel(lengths, L, dtype, device):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    seg_cu = tg_scan.segment_table_fwd(torch.tensor(cu, dtype=dtype, device=device), cu[-1], L)
+    assert seg_cu.dtype == dtype and seg_cu.tolist() == _segment_starts(cu, L)
+    assert len(_segment_starts(cu, L)) == cu[-1] // L + len(lengths) + 1
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype, K, V, l2", [
+    pytest.param(torch.float32, 16, 24, False, id="fp32-K16-V24"),
+    pytest.param(torch.float32, 40, 16, True, id="fp32-K40-V16-l2"),
+    pytest.param(torch.bfloat16, 32, 32, False, id="bf16-K32-V32"),
+])
+def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
+    from gdn_dispatch.backends.triton_generic._jit import LOG2E
+    from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+    from gdn_dispatch.backends.triton_generic.wu import wu_fwd
+
+    lengths, L = [200, 0, 64, 129], 128
+    call = _mild(random_call(lengths=lengths, H=1, HV=2, K=K, V=V, dtype=dtype, device=device, seed=4,
+                             normalize_qk=not l2), 0.02)
+    problem = make_problem(**call, use_qk_l2norm_in_kernel=l2)
+    g_cum = chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    k_rnorm = torch.empty_like(g_cum) if l2 else None
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    seg_cu = tg_scan.segment_table_fwd(problem.chunks.cu_seqlens, sum(lengths), L)
+    M, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    starts = seg_cu.tolist()
+    k_all = call["k"][0].float()
+    if l2:
+        k_all = reference.l2_normalize(k_all)
+    k_all = k_all.repeat_interleave(2, dim=1)
+    for s in range(len(starts) - 1):
+        a, b = starts[s], starts[s + 1]
+        M_ref, N_ref = reference.segment_map(k_all[a:b], call["g"][0, a:b].float(), call["beta"][0, a:b].float(),
+                                             call["v"][0, a:b].float(), 64)
+        tol = TOL[dtype] * (2 if dtype != torch.float32 else 1)
+        assert rel_rms_error(M[s], M_ref) <= tol, (s, a, b)
+        if b > a:
+            assert rel_rms_error(N[s], N_ref) <= tol, (s, a, b)
+        else:
+            assert bool((N[s] == 0).all())
+
+
+def _cp_case(case_id, dtype, cpu, gpu, layout="kv", h0=True, l2=False, pool=None, marks=()):
+    return pytest.param(dtype, cpu, gpu, layout, h0, l2, pool, id=case_id, marks=marks)
+
+
+# (dtype, CPU shape + segment count, GPU shape + segment count, layout, initial state, l2,
+# pool dtype). Segment counts short enough that the CPU shapes cut into segments of 64-128.
+CP_CASES = [
+    _cp_case("varlen-300.0.1.64.128.129.700-H2-HV4-K16-V24-kv-h0-fp32-n11", torch.float32,
+             dict(lengths=[300, 0, 1, 64, 128, 129, 700], H=2, HV=4, K=16, V=24, n=11),
+             dict(lengths=[9000, 0, 1, 64, 4097, 129, 700], H=2, HV=8, K=128, V=128, n=16)),
+    _cp_case("varlen-256.255.257-H1-HV2-K32-vk-h0-l2-bf16-n4", torch.bfloat16,
+             dict(lengths=[256, 255, 257], H=1, HV=2, K=32, V=32, n=4),
+             dict(lengths=[16384, 16383, 16385], H=2, HV=4, K=128, V=128, n=8), layout="vk", l2=True),
+    _cp_case("B2-T200-H1-HV2-K24-V40-kv-fp16-n3", torch.float16,
+             dict(batch=(2, 200), H=1, HV=2, K=24, V=40, n=3),
+             dict(batch=(2, 8192), H=4, HV=8, K=64, V=128, n=8), h0=False),
+    _cp_case("varlen-190.0.70-H1-HV2-K16-vk-pool-bf16-n3", torch.bfloat16,
+             dict(lengths=[190, 0, 70], H=1, HV=2, K=16, V=16, n=3),
+             dict(lengths=[20000, 0, 700], H=2, HV=4, K=128, V=128, n=12), layout="vk", pool=torch.bfloat16),
+    _cp_case("varlen-130.65-H2-HV2-K16-kv-pool-fp32-n2", torch.float32,
+             dict(lengths=[130, 65], H=2, HV=2, K=16, V=16, n=2),
+             dict(lengths=[5000, 65, 3000], H=2, HV=2, K=128, V=64, n=5), pool=torch.float32),
+]
+
+
+def _cp_call(dtype, shape, layout, h0, l2, device, seed=0):
+    shape = dict(shape)
+    n = shape.pop("n")
+    # float32: gates mild enough that a state lives through many segments; 16-bit data keeps
+    # more decay, as its rounding of a long-lived state alone reaches the tolerance.
+    call = _mild(random_call(**shape, dtype=dtype, device=device, seed=seed, initial_state=h0,
+                             state_layout=layout, normalize_qk=not l2), 0.02 if dtype == torch.float32 else 0.1)
+    return call, n
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype, cpu, gpu, layout, h0, l2, pool", CP_CASES)
+def test_triton_generic_segmented_matches_the_reference(dtype, cpu, gpu, layout, h0, l2, pool, device):
+    call, n = _cp_call(dtype, cpu if device.type == "cpu" else gpu, layout, h0, l2, device)
+    flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+    extra, ref_call = {}, dict(call)
+    if pool is not None:
+        N = len(cpu["lengths"] if device.type == "cpu" else gpu["lengths"])
+        gen = torch.Generator().manual_seed(9)
+        dims = tuple(call["initial_state"].shape[2:])
+        rows = (0.1 * torch.randn(N + 2, call["v"].shape[2], *dims, generator=gen)).to(pool).to(device)
+        idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
+        idx[1] = -1
+        idx = idx.to(device)
+        h0_ref = torch.zeros(N, call["v"].shape[2], *dims, device=device)
+        h0_ref[idx >= 0] = rows[idx[idx >= 0].long()].float()
+        ref_call["initial_state"] = h0_ref
+        expected_pool = rows.clone()
+        extra = dict(state_indices=idx, inplace_final_state=True)
+        call = {**call, "initial_state": rows}
+    o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
+    problem = make_problem(**call, **flags, **extra, context_parallel=n, backend="triton_generic")
+    plan = plan_for_problem(problem, 1)
+    assert plan.enabled and plan.num_segments > problem.N
+    o, ht = TG_FORWARD.forward(problem)
+    assert rel_rms_error(o, o_ref) <= TOL[dtype]
+    assert rel_rms_error(ht, ht_ref) <= TOL[dtype]
+    if pool is not None:
+        live = idx >= 0
+        expected_pool[idx[live].long()] = ht_ref[live].to(pool)
+        assert rel_rms_error(call["initial_state"], expected_pool) <= max(TOL[dtype], TOL[pool])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_triton_generic_segmented_with_decays_that_underflow(device):
+    call = random_call(lengths=[200, 129, 0], H=1, HV=2, K=16, V=16, dtype=torch.float32, seed=3, device=device)
+    call["g"] = torch.where(torch.arange(329, device=device)[None, :, None] % 7 == 0, -30.0, call["g"])
+    # These gates make the data ill-conditioned: the chunked walks (the reference's and the
+    # unsegmented kernel's) sit near 1e-5 from the per-token recurrence; the segmented
+    # kernel must match the unsegmented one far closer, and the recurrence within 1e-5.
+    o_ref, ht_ref = reference.forward_recurrent(make_problem(**call, output_final_state=True))
+    o, ht = chunk_gated_delta_rule(**call, output_final_state=True, context_parallel=4, backend="triton_generic")
+    o_off, ht_off = chunk_gated_delta_rule(**call, output_final_state=True, context_parallel="off",
+                                           backend="triton_generic")
+    assert rel_rms_error(o, o_ref) <= 1e-5 and rel_rms_error(ht, ht_ref) <= 1e-5
+    assert rel_rms_error(o, o_off) <= 1e-6 and rel_rms_error(ht, ht_off) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("HV", [4, 8, 32])
+def test_auto_engages_on_a_long_prompt_and_matches_off(HV, monkeypatch):
+    """A 32k-token prompt on a tensor-parallel shard's heads: "auto" turns segments on (as
+    explain says), and the result equals the unsegmented call to bf16 rounding."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    call = random_call(lengths=[32768], H=max(HV // 2, 1), HV=HV, K=128, V=128, dtype=torch.bfloat16,
+                       device="cuda", seed=HV)
+    problem = make_problem(**call, output_final_state=True, backend="triton_generic")
+    assert plan_for_problem(problem, torch.cuda.get_device_properties(0).multi_processor_count).enabled
+    o_auto, ht_auto = chunk_gated_delta_rule(**call, output_final_state=True, backend="triton_generic")
+    o_off, ht_off = chunk_gated_delta_rule(**call, output_final_state=True, backend="triton_generic",
+                                           context_parallel="off")
+    o_ref, ht_ref = reference.forward(make_problem(**call, output_final_state=True))
+    assert rel_rms_error(o_auto, o_ref) <= 5e-3 and rel_rms_error(ht_auto, ht_ref) <= 5e-3
+    assert rel_rms_error(o_auto, o_off) <= 5e-3

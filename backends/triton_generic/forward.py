@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout
 
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
+from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
 from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
 from gdn_dispatch.backends.triton_generic.output import output_fwd
@@ -29,8 +31,10 @@ from gdn_dispatch.backends.triton_generic.wu import wu_fwd
 def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``chunk_gated_delta_rule`` for ``problem``.
 
-    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) is accepted for
-    the backends' common signature; the kernels run on the tensors' device.
+    ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) gives the SM
+    count that ``context_parallel="auto"`` decides from (without one: the tensors'
+    device's); the kernels run on the tensors' device. With context parallelism planned,
+    stages 4 and 5 run over segments (:mod:`.context_parallel`).
 
     Returns
     -------
@@ -42,11 +46,11 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
         # Triton launches on the current device: make it the tensors' one for this call
         # (restored on exit, so the caller's current device is left as it was).
         with torch.cuda.device(problem.device):
-            return _forward(problem)
-    return _forward(problem)
+            return _forward(problem, selection)
+    return _forward(problem, selection)
 
 
-def _forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor | None]:
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
     A_inv = None
@@ -56,6 +60,10 @@ def _forward(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
     k_rnorm = torch.empty_like(g_cum) if l2 else None
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2,
                   k_rnorm=k_rnorm)
+    sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
+    plan = plan_for_problem(problem, sm_count)
+    if plan.enabled:
+        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm)
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,

@@ -1,0 +1,71 @@
+"""Context parallelism for this backend: the call's long sequences cut into segments.
+
+    seg_cu       = segment_table_fwd(cu_seqlens, L)            # segment offsets, on the device
+    M, N         = segment_map_fwd(k, w, u, g_cum, seg_cu)     # pass 1: each segment's map
+    seg_h0, S    = segment_scan_fwd(M, N, cu_seqlens, L, S0)   # serial over segments, fp32
+    h, v_new     = state_fwd(k, w, u, g_cum, segments, seg_h0) # pass 2: the normal stages 4 + 5,
+    o            = output_fwd(q, k, v_new, h, g_cum, segments) #   segments as the sequences
+
+Segments are cut at multiples of ``L`` (a multiple of the chunk) inside each sequence, so
+the per-chunk stages 1-3 (gate cumsum, w, u) are the call's own and run before. The plan
+(:func:`gdn_dispatch.context_parallel.plan_for_problem`) is made on the host from shapes
+and the SM count; nothing here reads a device value back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_dispatch.context_parallel import CPPlan
+from gdn_dispatch.contract import GDNProblem, StateLayout
+from gdn_dispatch.varlen import ChunkTable, num_slots
+
+from gdn_dispatch.backends.triton_generic.output import output_fwd
+from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
+from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd, segment_table_fwd
+from gdn_dispatch.backends.triton_generic.state import state_fwd
+
+
+def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan) -> ChunkTable:
+    """The segments of ``plan`` as a chunk table whose "sequences" are the segment slots
+    (empty segments are zero-length sequences)."""
+    seg_cu = segment_table_fwd(chunks.cu_seqlens, total_tokens, plan.seg_len)
+    return ChunkTable(num_seqs=plan.num_segments, chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
+                      num_slots=num_slots(total_tokens, plan.num_segments, chunks.chunk_size),
+                      cu_seqlens_host=None, uniform=False)
+
+
+def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                  k_rnorm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 4 and 5 of ``problem`` over the segments of ``plan`` (``plan.enabled``).
+
+    Parameters
+    ----------
+    problem : the validated call.
+    plan : its context-parallel plan (segment length ``L``, ``NSEG`` slots).
+    g_cum : float32 Tensor ``[B, T, HV]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` in k's
+        dtype; k_rnorm float32 ``[B, T, HV]`` or None: stages 1-3 of the call.
+
+    Returns
+    -------
+    o : Tensor ``[B, T, HV, V]`` in q's dtype.
+    final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
+        None unless ``problem.output_final_state``; with ``inplace_final_state`` the pool
+        rows are written too.
+    """
+    l2 = problem.use_qk_l2norm
+    segments = segment_table(problem.chunks, problem.B * problem.T, plan)
+    m_in, n_in = segment_map_fwd(problem.k, w, u, g_cum, segments.cu_seqlens, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    seg_h0, final_state = segment_scan_fwd(
+        m_in, n_in, problem.chunks.cu_seqlens, plan.seg_len,
+        initial_state=problem.initial_state,
+        output_final_state=problem.output_final_state,
+        state_vk=problem.state_layout is StateLayout.VK,
+        state_indices=problem.state_indices,
+        inplace_final_state=problem.inplace_final_state,
+    )
+    h, v_new, _ = state_fwd(problem.k, w, u, g_cum, segments, initial_state=seg_h0, use_qk_l2norm=l2,
+                            k_rnorm=k_rnorm)
+    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,
+                   k_rnorm=k_rnorm)
+    return o, final_state

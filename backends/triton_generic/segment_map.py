@@ -1,0 +1,181 @@
+"""Context parallelism, pass 1: the affine map of every segment on the state.
+
+Per segment and value head the chunk recurrence maps a start state ``S`` ``[K, V]`` to
+``M S + N``. ``N`` is the recurrence run from zeros; ``M`` ``[K, K]`` is the same
+recurrence run on a ``K x K`` identity with ``u = 0`` (the columns of a state never mix, so
+each of M's columns is one more "value" column whose update has no ``u`` term)::
+
+    v_new = u - w S;  S = 2^(g_last) S + k^T (2^(g_last - g) v_new)     (u = 0 in M's columns)
+
+One program owns one (segment slot, v-head, BC-wide block of the ``V + K`` columns): a
+block in the first ``V`` columns walks ``N`` from zeros, one in the last ``K`` columns
+walks ``M`` from the identity. Nothing per chunk is stored (no ``h``, no ``v_new``): the
+segment's chunks are walked again in pass 2 from the exact start state. The segments are
+given as offsets ``seg_cu`` (:mod:`.segment_scan`); an empty segment's program stores the
+identity and zeros, so the scan may apply every slot's map.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit, next_pow2
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
+from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic.strides import token_stride
+
+
+@jit
+def _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k: tl.constexpr, t0, n_t, i_h, o_k, o_c, u_cols,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                       USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                       INTERP_BF16: tl.constexpr):
+    """One chunk (first token ``t0``, ``n_t`` valid rows) of the recurrence on the [BK, BC]
+    columns ``o_c`` of ``S``; ``u`` is read in the first ``u_cols`` columns (V for N's
+    columns, 0 for M's). Returns the next ``S``."""
+    o_i = tl.arange(0, BT)
+    m_t, m_k = o_i < n_t, o_k < K
+    p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :]
+    b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
+    p_u = u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V) + o_c[None, :]
+    b_v = tl.load(p_u, mask=m_t[:, None] & (o_c < u_cols)[None, :], other=0.0).to(tl.float32)
+    # S rounded to the data type for the w S product, as the state kernel rounds h.
+    b_sc = _cast(b_s, k.dtype.element_ty, INTERP_BF16)
+    b_v -= _dot(b_w, b_sc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
+
+    p_g = g_cum + t0 * HV + i_h
+    b_g_last = tl.load(p_g + (n_t - 1) * HV)
+    b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
+    b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
+    p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
+    b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
+    if LOAD_RNORM:
+        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    elif USE_L2NORM:
+        b_kf = b_kt.to(tl.float32)
+        b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
+    b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
+    return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
+
+
+@jit
+def _segment_map_fwd_kernel(
+    k,
+    w,
+    u,
+    g_cum,
+    k_rnorm,
+    seg_cu,
+    m_out,
+    n_out,
+    s_k: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    LOAD_RNORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
+    # one head stream the same w and k rows at the same time.
+    NVB: tl.constexpr = (V + BC - 1) // BC
+    NCB: tl.constexpr = NVB + (K + BC - 1) // BC
+    pid = tl.program_id(0).to(tl.int64)
+    i_cb, i_sh = pid % NCB, pid // NCB
+    i_h = i_sh % HV
+    bos = tl.load(seg_cu + i_sh // HV).to(tl.int64)
+    eos = tl.load(seg_cu + i_sh // HV + 1).to(tl.int64)
+    is_m = i_cb >= NVB
+    o_k = tl.arange(0, BK)
+    o_c = tl.where(is_m, i_cb - NVB, i_cb) * BC + tl.arange(0, BC)
+    # Column limits folded into comparisons (a block mask & a scalar bool is not a bool
+    # mask under every Triton interpreter): M's columns are < K, N's < V, u feeds N only.
+    m_cols = tl.where(is_m, K, 0)
+    n_cols = tl.where(is_m, 0, V)
+    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
+
+    NT = tl.cdiv(eos - bos, BT)
+    if INTERPRET:
+        # triton 3.6's interpreter cannot range() over a loaded bound (see state.py).
+        i_t = 0
+        while i_t < NT:
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_t, i_h, o_k, o_c, n_cols,
+                                     H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+            i_t += 1
+    else:
+        for i_t in range(NT):
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_t, i_h, o_k, o_c, n_cols,
+                                     H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+
+    m_k = (o_k < K)[:, None]
+    tl.store(m_out + i_sh * (K * K) + o_k[:, None] * K + o_c[None, :], b_s, mask=m_k & (o_c < m_cols)[None, :])
+    tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
+
+
+def segment_map_config(K: int, V: int) -> LaunchConfig:
+    """Pass 1, one program per (segment, v-head, BC columns of V + K): the whole K extent
+    in registers as in the state kernel, BC up to 64 with BK * BC <= 8192 (64 fp32
+    registers per thread at 4 warps); the next chunk's tiles load during this one."""
+    BK = state_block_k(K)
+    BC = max(MIN_TILE, min(next_pow2(max(K, V)), 64, 8192 // BK))
+    return LaunchConfig(num_warps=4, num_stages=2, BK=BK, BV=BC)
+
+
+def segment_map_fwd(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g_cum: torch.Tensor,
+    seg_cu: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = False,
+    k_rnorm: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map ``S -> M S + N`` of every segment and value head.
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
+    w, u : Tensors ``[B, T, HV, K]``, ``[B, T, HV, V]``, k's dtype (from ``wu_fwd``).
+    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
+    seg_cu : int Tensor ``[NSEG + 1]``: segment offsets on the packed token axis, every
+        segment a whole number of chunks of its sequence (the last one its tail) or empty.
+    use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
+    k_rnorm : float32 Tensor ``[B, T, HV]`` from ``wu_fwd``, or None to reduce k's rows here.
+    config : LaunchConfig override (BV is the column block BC).
+
+    Returns
+    -------
+    M : float32 Tensor ``[NSEG, HV, K, K]``; the identity for an empty segment.
+    N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
+    """
+    H, K = k.shape[-2], k.shape[-1]
+    HV, V = u.shape[-2], u.shape[-1]
+    NSEG = seg_cu.shape[0] - 1
+    m_out = torch.empty(NSEG, HV, K, K, dtype=torch.float32, device=k.device)
+    n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
+    if NSEG * HV == 0:
+        return m_out, n_out
+    cfg = config or segment_map_config(K, V)
+    dot_prec, _ = dot_precisions(k.dtype)
+    grid = (NSEG * HV * (triton.cdiv(V, cfg.BV) + triton.cdiv(K, cfg.BV)),)
+    launch(_segment_map_fwd_kernel, grid, cfg,
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, seg_cu=seg_cu,
+        m_out=m_out, n_out=n_out, s_k=token_stride("k", k), H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV,
+        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
+        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
+    )
+    return m_out, n_out

@@ -1,0 +1,222 @@
+"""Context parallelism: the segment table, and the scan that stitches segments together.
+
+Segment slots (:mod:`gdn_dispatch.context_parallel`): with segments of ``L`` tokens,
+sequence ``n`` owns the slots ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``; its segment
+``j`` starts at token ``cu[n] + j * L`` (clamped to the sequence's end, so the slots past
+its tail are empty segments). :func:`segment_table_fwd` writes those starts as offsets
+``seg_cu`` ``[NSEG + 1]``, on the device, from ``cu_seqlens`` alone: no host copy, no sync.
+With them the segments are "sequences" the unchanged pipeline runs over.
+
+:func:`segment_scan_fwd` is the serial part: per (sequence, v-head, V block) a program
+walks its sequence's slots in order with the state in registers, fp32::
+
+    seg_h0[s] = S;  S = M[s] S + N[s]
+
+starting from the sequence's initial state (zeros, ``h0[n]``, or pool row
+``state_indices[n]``), and ends with the sequence's final state (returned, or written back
+into the pool row). ``M[s] S`` contracts over K in blocks: the program reads ``S`` back
+from ``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the
+loads of other threads), so no ``[K, K]`` tile is held in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdn_dispatch.backends.triton_generic._jit import _dot, jit, next_pow2
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
+from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions
+from gdn_dispatch.backends.triton_generic.state import _state_ptrs
+
+
+@jit
+def _segment_table_kernel(cu_seqlens, seg_cu, N, NSEG, L: tl.constexpr, N_STEPS: tl.constexpr, BS: tl.constexpr):
+    # Slot c's sequence is the largest n with cu[n] // L + n <= c: a bisection of N_STEPS
+    # = ceil(log2(N)) steps over [0, N) with the invariant s_lo <= c.
+    o_s = tl.program_id(0) * BS + tl.arange(0, BS)
+    lo = tl.zeros([BS], dtype=tl.int64)
+    hi = lo + N
+    for _ in tl.static_range(N_STEPS):
+        mid = (lo + hi) // 2
+        s_mid = tl.load(cu_seqlens + mid).to(tl.int64) // L + mid
+        below = s_mid <= o_s
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    bos = tl.load(cu_seqlens + lo).to(tl.int64)
+    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    start = tl.minimum(bos + (o_s - (bos // L + lo)) * L, eos)
+    # Entry NSEG (past the last slot) comes out as eos of the last sequence: T_total.
+    tl.store(seg_cu + o_s, start.to(seg_cu.dtype.element_ty), mask=o_s <= NSEG)
+
+
+def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
+    """Segment offsets of a call cut into segments of ``seg_len`` tokens.
+
+    Parameters
+    ----------
+    cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
+    total_tokens : int, ``T_total = B * T``.
+    seg_len : int, ``L``, a multiple of the 64-token chunk.
+
+    Returns
+    -------
+    seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = T_total // L + N``:
+        ``seg_cu[s]`` is the first token of segment slot ``s``; ``seg_cu[NSEG] = T_total``.
+    """
+    N = cu_seqlens.shape[0] - 1
+    NSEG = total_tokens // seg_len + N
+    seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    BS = 128
+    _segment_table_kernel[(triton.cdiv(NSEG + 1, BS),)](
+        cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len,
+        N_STEPS=(N - 1).bit_length(), BS=BS, num_warps=4,
+    )
+    return seg_cu
+
+
+@jit
+def _segment_scan_fwd_kernel(
+    m_in,
+    n_in,
+    cu_seqlens,
+    h0,
+    ht,
+    seg_h0,
+    state_indices,
+    P,
+    L: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BKC: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    USE_POOL: tl.constexpr,
+    INPLACE: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    STATE_VK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_v, i_nh = pid % NV, pid // NV
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    # The sequence's start state, as the state kernel reads it (pool rows, -1 = zeros).
+    if USE_POOL:
+        i_slot = tl.load(state_indices + i_n).to(tl.int64)
+        has_row = (i_slot >= 0) & (i_slot < P)
+        i_row = tl.where(has_row, i_slot, 0)
+        k_rows = tl.where(has_row, K, 0)
+    else:
+        i_row = i_n
+        k_rows = K
+    if USE_H0:
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+        if STATE_VK:
+            b_s = tl.trans(b_s)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    i_s = bos // L + i_n
+    s_end = eos // L + i_n + 1
+    while i_s < s_end:
+        o_sh = (i_s * HV + i_h) * K
+        tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+        tl.debug_barrier()  # the rows just stored are read below by other threads
+        b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        for i_kc in tl.static_range(0, K, BKC):
+            o_kc = i_kc + tl.arange(0, BKC)
+            b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_kc[None, :],
+                          mask=(o_k < K)[:, None] & (o_kc < K)[None, :], other=0.0)
+            b_sk = tl.load(seg_h0 + o_sh * V + o_kc[:, None] * V + o_v[None, :],
+                           mask=(o_kc < K)[:, None] & (o_v < V)[None, :], other=0.0)
+            b_acc = _dot(b_m, b_sk, b_acc, DOT_PREC, False)
+        b_s = b_acc
+        i_s += 1
+
+    if STATE_VK:
+        b_out = tl.trans(b_s)
+    else:
+        b_out = b_s
+    if STORE_HT:
+        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK, K)
+        tl.store(p_s, b_out, mask=m_s)
+    if INPLACE:
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s)
+
+
+def segment_scan_config(K: int, V: int) -> LaunchConfig:
+    """The scan, one program per (sequence, v-head, BV slice of V): BV = 32 (more programs
+    on the serial path, each step's tiles smaller), M streamed in [BK, 32] column blocks."""
+    return LaunchConfig(num_warps=4, num_stages=1, BK=state_block_k(K), BV=max(MIN_TILE, min(32, next_pow2(V))))
+
+
+def segment_scan_fwd(
+    m_in: torch.Tensor,
+    n_in: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seg_len: int,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_vk: bool = False,
+    state_indices: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every segment's start state, and every sequence's final state.
+
+    Parameters
+    ----------
+    m_in : float32 Tensor ``[NSEG, HV, K, K]``, n_in : float32 Tensor ``[NSEG, HV, K, V]``:
+        the segments' maps (:func:`.segment_map.segment_map_fwd`).
+    cu_seqlens : int Tensor ``[N + 1]``, the call's sequence offsets.
+    seg_len : int, ``L``.
+    initial_state : Tensor ``[N, HV, K, V]`` / ``[N, HV, V, K]`` (``state_vk``), any float
+        dtype, or None (zeros); with ``state_indices`` the pool ``[P, HV, K, V]`` /
+        ``[P, HV, V, K]``.
+    output_final_state : also return each sequence's final state.
+    state_vk : layout of initial_state and of the final state.
+    state_indices : int Tensor ``[N]`` or None: pool rows (outside ``[0, P)``: zeros in,
+        nothing written back).
+    inplace_final_state : with ``state_indices``, write each final state into its pool row.
+
+    Returns
+    -------
+    seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``, the state at each segment slot's start
+        ("kv" layout).
+    final_state : float32 Tensor ``[N, HV, K, V]`` or ``[N, HV, V, K]``, or None.
+    """
+    NSEG, HV, K, V = n_in.shape
+    N = cu_seqlens.shape[0] - 1
+    seg_h0 = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=n_in.device)
+    final_state = None
+    if output_final_state:
+        shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
+        final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
+    if N * HV == 0:
+        return seg_h0, final_state
+    cfg = config or segment_scan_config(K, V)
+    grid = (N * HV * triton.cdiv(V, cfg.BV),)
+    launch(_segment_scan_fwd_kernel, grid, cfg,
+        m_in=m_in, n_in=n_in, cu_seqlens=cu_seqlens,
+        h0=initial_state if initial_state is not None else n_in,
+        ht=final_state if final_state is not None else n_in, seg_h0=seg_h0,
+        state_indices=state_indices if state_indices is not None else cu_seqlens,
+        P=initial_state.shape[0] if state_indices is not None else 0,
+        L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=min(32, cfg.BK), BV=cfg.BV,
+        USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
+        INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None,
+        STATE_VK=state_vk, DOT_PREC=dot_precisions(torch.float32)[0],
+    )
+    return seg_h0, final_state
