@@ -94,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(against '{REFERENCE}' when fla is unavailable)")
     parser.add_argument("--json", metavar="FILE", help="write every result to FILE as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of fraction of SOL (needs matplotlib)")
+    parser.add_argument("--host", action="store_true",
+                        help="instead of the shape table: host cost per call (eager enqueue, per-step breakdown) "
+                             "beside GPU time (CUDA-graph replay) for uniform and varlen calls, and the median of "
+                             "a ragged stream of synchronized calls, per backend and fla")
+    parser.add_argument("--host-calls", type=_positive_int, default=50, metavar="N",
+                        help="back-to-back calls per --host measurement (default 50)")
 
 
 def _positive_int(text: str) -> int:
@@ -193,8 +199,30 @@ def run(args: argparse.Namespace, *, probe=None, out=None) -> int:
         print(f"bench needs a CUDA device; found none: {reason}", file=sys.stderr)
         return EXIT_USAGE
 
+    if getattr(args, "host", False):
+        return _run_host(args, names, want_fla, probe, out)
     with torch.inference_mode():
         return _run_on_device(args, shapes, names, want_fla, probe, out)
+
+
+def _run_host(args, names, want_fla, probe, out) -> int:
+    """``--host``: :mod:`gdn_dispatch.bench_host` on the chosen device."""
+    from gdn_dispatch.bench_host import run_host
+
+    device = torch.device("cuda", args.device)
+    torch.cuda.set_device(device)
+    info = probe.for_torch_device(device)
+    runnable, skipped = discover_backends(info, names, args.qk_l2norm)
+    fla_fn, _, fla_reason = load_fla() if want_fla else (None, None, "not requested")
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=out)
+    if want_fla and fla_fn is None:
+        print(f"skipping fla: {fla_reason}", file=out)
+    if not runnable and fla_fn is None:
+        print(f"bench --host: nothing to time on {info.label} ({info.arch})", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"gdn-dispatch bench --host on {info.name} ({info.arch})", file=out)
+    return run_host(runnable, fla_fn, device, seed=args.seed, calls=args.host_calls, out=out)
 
 
 def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:

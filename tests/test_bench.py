@@ -531,3 +531,106 @@ def test_bench_smoke_on_gpu(tmp_path):
     for m in timed:
         assert m["ms"] > 0 and math.isfinite(m["sol_ratio"]) and m["sol_ratio"] > 0
         assert m["err_o"] is not None and m["err_o"] < 5e-2, m
+
+
+# --------------------------------------------------------------------------- bench --host
+
+
+def test_host_cases_cover_both_sizes_and_both_varlen_forms():
+    from gdn_dispatch.bench_host import host_cases
+
+    cases = {c.name: c for c in host_cases()}
+    for tokens in (64, 8192):
+        assert not cases[f"uniform-1x{tokens}"].varlen
+        assert cases[f"varlen-1x{tokens}"].varlen and cases[f"varlen-1x{tokens}"].host_copy
+        assert not cases[f"varlen-1x{tokens}-no-cpu"].host_copy
+    assert all(sum(c.lengths) in (64, 8192) for c in cases.values())
+
+
+def test_ragged_stream_is_seeded_and_in_bounds():
+    from gdn_dispatch.bench_host import STREAM_BATCHES, ragged_stream
+
+    stream = ragged_stream(seed=4)
+    assert stream == ragged_stream(seed=4) and stream != ragged_stream(seed=5)
+    assert len(stream) == STREAM_BATCHES
+    assert all(1 <= len(b) <= 16 and all(1 <= n <= 4000 for n in b) for b in stream)
+    assert len({len(b) for b in stream}) > 5  # batch sizes vary
+
+
+class StandInClock:
+    """A clock that advances ``step`` seconds per call of the timed function."""
+
+    def __init__(self, step):
+        self.now, self.step, self.events = 0.0, step, []
+
+    def __call__(self):
+        return self.now
+
+    def work(self):
+        self.events.append("call")
+        self.now += self.step
+
+    def sync(self):
+        self.events.append("sync")
+
+
+def test_per_call_us_syncs_only_around_the_loop():
+    from gdn_dispatch.bench_host import per_call_us
+
+    clock = StandInClock(step=25e-6)
+    assert per_call_us(clock.work, 4, clock=clock, sync=clock.sync, warmup=2) == pytest.approx(25.0)
+    assert clock.events == ["call"] * 2 + ["sync"] + ["call"] * 4 + ["sync"]
+
+
+def test_synchronized_us_includes_the_wait():
+    from gdn_dispatch.bench_host import synchronized_us
+
+    clock = StandInClock(step=1e-3)
+
+    def sync():
+        clock.events.append("sync")
+        clock.now += 2e-3  # the device finishing
+
+    assert synchronized_us(clock.work, clock=clock, sync=sync) == pytest.approx(3000.0)
+    assert clock.events == ["sync", "call", "sync"]
+
+
+def test_fla_call_takes_int64_offsets_without_a_host_copy():
+    from gdn_dispatch.bench_host import fla_call, make_call
+
+    call = make_call((5, 70), True, True, "cpu", seed=1)
+    assert call["cu_seqlens_cpu"] is not None
+    theirs = fla_call(call)
+    assert "cu_seqlens_cpu" not in theirs and theirs["cu_seqlens"].dtype == torch.int64
+    assert "cu_seqlens_cpu" not in make_call((5, 70), True, False, "cpu", seed=1)
+    assert make_call((64,), False, True, "cpu", seed=1)["q"].shape[:2] == (1, 64)
+
+
+def test_host_steps_run_alone_on_the_cpu():
+    from gdn_dispatch.bench_host import host_steps, make_call
+
+    call = make_call((3, 9), True, False, "cpu", seed=2)
+    steps = host_steps(call, "reference")
+    assert list(steps) == ["validate", "select", "forward"]
+    assert steps["validate"]().N == 2 and steps["select"]().spec.name == "reference"
+    o, ht = steps["forward"]()
+    assert o.shape == (1, 12, 32, 128) and ht.shape == (2, 32, 128, 128) and torch.isfinite(o.float()).all()
+
+
+def test_host_table_and_stream_format():
+    from gdn_dispatch.bench_host import HostRow, format_rows, format_stream
+
+    lines = format_rows([HostRow("triton_generic", "varlen-1x64", 40.0, 20.0, {"validate": 5.0}),
+                         HostRow("fla", "varlen-1x64", note="error: boom")])
+    assert lines[1].split()[:5] == ["varlen-1x64", "triton_generic", "40.0", "20.0", "2.00"]
+    assert "validate 5.0" in lines[1] and lines[2].rstrip().endswith("error: boom")
+    stream = format_stream({"triton_generic": 900.0, "fla": 1500.0, "gluon_sm90": "error: x"})
+    assert "0.900 ms  0.60x fla" in stream[1] and stream[2].split() == ["fla", "1.500", "ms"]
+    assert stream[3].split() == ["gluon_sm90", "error:", "x"]
+
+
+def test_host_flag_needs_a_gpu(capsys):
+    args = parse("--host", "--host-calls", "7")
+    assert args.host and args.host_calls == 7
+    assert bench.run(args, probe=FakeProbe(count=0)) == 2
+    assert capsys.readouterr().err.startswith("bench needs a CUDA device")

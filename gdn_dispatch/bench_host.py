@@ -1,0 +1,243 @@
+"""``python -m gdn_dispatch bench --host``: what a call costs the host, beside what it costs the GPU.
+
+For each GPU backend (forced) and fla, on Qwen3.5-shaped bf16 calls (H = 16, HV = 32,
+K = V = 128, initial and final state):
+
+* *eager enqueue*: host microseconds per call over back-to-back calls with no
+  synchronization inside the loop (the time a serving loop spends issuing the call);
+* *GPU time*: microseconds per replay of the call captured in a CUDA graph (no host work);
+* for our backends, the *host breakdown*: validate (``make_problem``), select (device probe
+  and registry), forward (plan, allocations and launches), each timed alone;
+
+for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 8192 tokens.
+Then the *ragged stream*: :data:`STREAM_BATCHES` seeded random batches of 1..16 sequences of
+1..4000 tokens, each one call followed by a synchronize, timed wall-clock; the median per
+backend. A call is host-bound where its enqueue time exceeds its GPU time.
+
+The clock and the device synchronization are arguments, so the measuring loops are tested
+on the CPU with stand-ins; only :func:`run_host` needs a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gdn_dispatch.bench_report import FLA
+
+#: Head counts and dims of the host cases (Qwen3.5's linear-attention layer).
+H, HV, HEAD_DIM = 16, 32, 128
+#: Ragged stream: batches, and sequences per batch / tokens per sequence drawn uniformly.
+STREAM_BATCHES, STREAM_SEQS, STREAM_TOKENS = 60, (1, 16), (1, 4000)
+
+
+@dataclass(frozen=True)
+class HostCase:
+    """One call of the host table: ``lengths`` packed (varlen) or one row (uniform)."""
+
+    name: str
+    lengths: tuple[int, ...]
+    varlen: bool
+    host_copy: bool = True
+
+
+def host_cases() -> list[HostCase]:
+    """Uniform and varlen calls at 64 and 8192 tokens, varlen with and without the host copy."""
+    cases = []
+    for tokens in (64, 8192):
+        cases.append(HostCase(f"uniform-1x{tokens}", (tokens,), varlen=False))
+        cases.append(HostCase(f"varlen-1x{tokens}", (tokens,), varlen=True))
+        cases.append(HostCase(f"varlen-1x{tokens}-no-cpu", (tokens,), varlen=True, host_copy=False))
+    cases.append(HostCase("varlen-4x2048", (2048,) * 4, varlen=True))
+    cases.append(HostCase("varlen-4x2048-no-cpu", (2048,) * 4, varlen=True, host_copy=False))
+    return cases
+
+
+def ragged_stream(seed: int, batches: int = STREAM_BATCHES) -> list[tuple[int, ...]]:
+    """``batches`` seeded batches, each a tuple of sequence lengths."""
+    rng = random.Random(seed)
+    return [tuple(rng.randint(*STREAM_TOKENS) for _ in range(rng.randint(*STREAM_SEQS))) for _ in range(batches)]
+
+
+def make_call(lengths: tuple[int, ...], varlen: bool, host_copy: bool, device, seed: int) -> dict:
+    """Keyword arguments of one call (ours): q, k l2-normalized, logsigmoid gates, h0."""
+    from gdn_dispatch.testing import random_call
+
+    kw = dict(lengths=list(lengths)) if varlen else dict(batch=(1, sum(lengths)))
+    call = random_call(**kw, H=H, HV=HV, K=HEAD_DIM, V=HEAD_DIM, dtype=torch.bfloat16, device=device, seed=seed)
+    if not host_copy:
+        call.pop("cu_seqlens_cpu", None)
+    return call
+
+
+def fla_call(call: dict) -> dict:
+    """The same call in fla's keywords (int64 cu_seqlens, no host copy)."""
+    out = {k: v for k, v in call.items() if k != "cu_seqlens_cpu"}
+    if out.get("cu_seqlens") is not None:
+        out["cu_seqlens"] = out["cu_seqlens"].long()
+    return out
+
+
+def per_call_us(fn: Callable[[], object], calls: int, *, clock=time.perf_counter,
+                sync: Callable[[], None] = lambda: None, warmup: int = 3) -> float:
+    """Host microseconds per ``fn()`` over ``calls`` back-to-back calls, synchronized only
+    before and after the loop (few enough calls that the launch queue never fills)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = clock()
+    for _ in range(calls):
+        fn()
+    elapsed = clock() - start
+    sync()
+    return elapsed / calls * 1e6
+
+
+def synchronized_us(fn: Callable[[], object], *, clock=time.perf_counter,
+                    sync: Callable[[], None] = lambda: None) -> float:
+    """Wall-clock microseconds of one ``fn()`` followed by a synchronize."""
+    sync()
+    start = clock()
+    fn()
+    sync()
+    return (clock() - start) * 1e6
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 20) -> float:
+    """GPU microseconds per replay of ``fn`` captured in a CUDA graph (CUDA events)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e3
+
+
+def host_steps(call: dict, backend: str) -> dict[str, Callable[[], object]]:
+    """The host steps of one of our calls, each runnable alone: validate, select, forward."""
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.registry import select
+
+    problem = make_problem(**call, output_final_state=True, backend=backend)
+    probe = default_probe()
+    info = probe.for_torch_device(problem.device)
+    selection = select(info, problem)
+    return {
+        "validate": lambda: make_problem(**call, output_final_state=True, backend=backend),
+        "select": lambda: select(probe.for_torch_device(problem.device), problem),
+        "forward": lambda: selection.module.forward(problem, selection),
+    }
+
+
+@dataclass
+class HostRow:
+    """One backend on one case: microseconds (None where not measured) and a note."""
+
+    backend: str
+    case: str
+    enqueue_us: float | None = None
+    gpu_us: float | None = None
+    steps_us: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def format_rows(rows: list[HostRow]) -> list[str]:
+    """The host table: one line per (case, backend)."""
+    lines = [f"{'case':<24} {'backend':<15} {'enqueue us':>10} {'GPU us':>8} {'host/GPU':>8}  steps (us, each alone)"]
+    for r in rows:
+        ratio = f"{r.enqueue_us / r.gpu_us:8.2f}" if r.enqueue_us and r.gpu_us else f"{'-':>8}"
+        enqueue = f"{r.enqueue_us:10.1f}" if r.enqueue_us is not None else f"{'-':>10}"
+        gpu = f"{r.gpu_us:8.1f}" if r.gpu_us is not None else f"{'-':>8}"
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps_us.items())
+        lines.append(f"{r.case:<24} {r.backend:<15} {enqueue} {gpu} {ratio}  {steps}{'  ' + r.note if r.note else ''}")
+    return lines
+
+
+def format_stream(medians: dict[str, float | str]) -> list[str]:
+    """The ragged stream's medians, each against fla's when fla ran."""
+    base = medians.get(FLA)
+    lines = [f"ragged stream: {STREAM_BATCHES} batches of {STREAM_SEQS[0]}..{STREAM_SEQS[1]} sequences of "
+             f"{STREAM_TOKENS[0]}..{STREAM_TOKENS[1]} tokens, one synchronized call each; median"]
+    for name, value in medians.items():
+        if isinstance(value, str):
+            lines.append(f"  {name:<15} {value}")
+            continue
+        rel = f"  {value / base:.2f}x fla" if isinstance(base, float) and name != FLA else ""
+        lines.append(f"  {name:<15} {value / 1e3:8.3f} ms{rel}")
+    return lines
+
+
+def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int) -> list[HostRow]:
+    """Every caller on one case (GPU): enqueue, graph replay, and our host steps."""
+    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed)
+    rows = []
+    for name, caller in callers.items():
+        row = HostRow(name, case.name)
+        fn = (lambda c=fla_call(call): caller(**c)) if name == FLA else (lambda: caller(**call))
+        try:
+            row.enqueue_us = per_call_us(fn, calls, sync=torch.cuda.synchronize)
+            row.gpu_us = graph_replay_us(fn)
+            if name != FLA:
+                for step, step_fn in host_steps(call, name).items():
+                    row.steps_us[step] = per_call_us(step_fn, calls, sync=torch.cuda.synchronize)
+        except Exception as exc:  # report and go on: a table with a hole beats no table
+            row.note = f"{type(exc).__name__}: {exc}"[:120]
+        rows.append(row)
+    return rows
+
+
+def measure_stream(callers: dict[str, Callable], device, seed: int) -> dict[str, float | str]:
+    """The ragged stream per caller: one untimed pass (compiles), then one timed pass."""
+    batches = [make_call(lengths, True, True, device, seed + i) for i, lengths in enumerate(ragged_stream(seed))]
+    medians: dict[str, float | str] = {}
+    for name, caller in callers.items():
+        calls = [fla_call(c) if name == FLA else c for c in batches]
+        try:
+            for c in calls:
+                caller(**c)
+            times = [synchronized_us(lambda c=c: caller(**c), sync=torch.cuda.synchronize) for c in calls]
+            medians[name] = statistics.median(times)
+        except Exception as exc:
+            medians[name] = f"error: {type(exc).__name__}: {exc}"[:120]
+    return medians
+
+
+def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, calls: int, out) -> int:
+    """The host table and the ragged stream on ``device``; returns 0, or 1 if one of ours failed."""
+    from gdn_dispatch.api import chunk_gated_delta_rule
+
+    callers: dict[str, Callable] = {}
+    for name in backends:
+        callers[name] = (lambda name=name: lambda **c: chunk_gated_delta_rule(**c, output_final_state=True,
+                                                                                backend=name))()
+    if fla_fn is not None:
+        callers[FLA] = lambda **c: fla_fn(**c, output_final_state=True)
+    print(f"host cost per call (H={H}, HV={HV}, K=V={HEAD_DIM}, bf16, h0 + final state); enqueue = "
+          f"{calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
+    rows = []
+    with torch.inference_mode():
+        for case in host_cases():
+            case_rows = measure_case(case, callers, device, seed, calls)
+            lines = format_rows(case_rows)
+            print("\n".join(lines if not rows else lines[1:]), file=out, flush=True)  # header once
+            rows += case_rows
+        print("\n".join(format_stream(measure_stream(callers, device, seed))), file=out, flush=True)
+    return 1 if any(r.note and r.backend != FLA for r in rows) else 0
