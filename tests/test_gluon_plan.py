@@ -253,3 +253,90 @@ def test_build_rejects_a_tensor_the_plan_does_not_describe():
         d.build(torch.empty(512, 128, dtype=torch.bfloat16).t())
     with pytest.raises(AssertionError, match="16-byte aligned"):
         d.build(torch.empty(128 * 512 + 1, dtype=torch.bfloat16)[1:])  # triton's own check
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs read in place: fused-projection views
+
+
+def _fused(H, HV, K=128, V=128, **shape):
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import fused_projection_views, random_call
+
+    call = random_call(**shape, H=H, HV=HV, K=K, V=V, seed=4)
+    return make_problem(**{**call, **fused_projection_views(call)}, output_final_state=True), call
+
+
+def test_fused_views_are_read_in_place_at_their_row_stride():
+    from gdn_dispatch.contract import INPUT_COPIES, make_problem
+    from gdn_dispatch.backends.gluon_common.forward import tma_readable
+
+    p, call = _fused(H=2, HV=4, lengths=[1, 63, 0, 130])
+    stride = p.q.stride(1)
+    assert stride == 2 * 2 * 128 + 4 * 128 + 2 * 4 and stride * 2 % 16 == 0
+    before = sum(INPUT_COPIES.values())
+    assert tma_readable(p) is p
+    assert sum(INPUT_COPIES.values()) == before
+    fp = plan(p, SM90)
+    # The plan does not depend on the stride: the dense call shares it.
+    assert fp is plan(make_problem(**call, output_final_state=True), SM90)
+    for stage in fp.stages:
+        for d in stage.descriptors:
+            if d.tensor in ("q", "k", "v"):
+                t = getattr(p, d.tensor)
+                assert d.token_rows and d.strides_for(t) == [stride, 1]
+                desc = d.build(t)
+                assert list(desc.strides) == [stride, 1] and desc.base is t
+            else:
+                assert not d.token_rows
+
+
+def test_views_tma_cannot_address_are_copied_once_counted():
+    from gdn_dispatch.contract import INPUT_COPIES
+    from gdn_dispatch.backends.gluon_common.forward import tma_readable
+    from gdn_dispatch.backends.gluon_common.launch_plan import tma_rows_reason
+
+    p, _ = _fused(H=1, HV=1, batch=(2, 70))  # rows of 2 * 128 + 128 + 2 = 386 bf16: 772 bytes
+    assert "token stride of a multiple of 16 bytes, got 386 elements of 2 bytes" in tma_rows_reason("q", p.q)
+    before = dict(INPUT_COPIES)
+    moved = tma_readable(p)
+    assert {n: INPUT_COPIES[n] - before.get(n, 0) for n in ("q", "k", "v", "g", "beta")} == \
+        {"q": 1, "k": 1, "v": 1, "g": 0, "beta": 0}
+    for name in ("q", "k", "v"):
+        assert getattr(moved, name).is_contiguous() and torch.equal(getattr(moved, name), getattr(p, name))
+    assert moved.g is p.g and moved.beta is p.beta
+    k_desc = plan(moved, SM90).stage("wy_fwd").desc("k_desc")
+    with pytest.raises(ValueError, match="k_desc: k: TMA needs a token stride of a multiple of 16 bytes"):
+        k_desc.strides_for(p.k)
+
+
+def test_misaligned_base_is_a_tma_reason():
+    from gdn_dispatch.backends.gluon_common.launch_plan import tma_rows_reason
+
+    buf = torch.randn(1 + 64 * 256, dtype=torch.float32).to(torch.bfloat16)
+    q = buf[1:].view(1, 64, 2, 128)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    assert "16-byte-aligned base" in tma_rows_reason("q", q)
+    assert tma_rows_reason("q", buf[:-1].view(1, 64, 2, 128)) is None
+    heads_major = torch.randn(1, 2, 64, 128).transpose(1, 2)
+    assert "not in token rows" in tma_rows_reason("q", heads_major)
+
+
+def test_wy_and_the_norms_take_the_token_strides_of_g_beta_q_k(monkeypatch):
+    from gdn_dispatch.testing import LaunchRecorder
+    from gdn_dispatch.backends.gluon_common import qk_norm, wy
+
+    p, _ = _fused(H=2, HV=4, lengths=[1, 63, 0, 130])
+    stride = p.q.stride(1)
+    recorder = LaunchRecorder(wy._wy_fwd_kernel)
+    monkeypatch.setattr(wy, "_wy_fwd_kernel", recorder)
+    monkeypatch.setenv("GDN_DISPATCH_JIT_LAUNCH", "1")
+    wy.wy_fwd(p.k, p.v, p.g, p.beta, p.chunks, wy.plan_wy(p, SM90))
+    assert recorder.launched["g"] is p.g and recorder.launched["beta"] is p.beta
+    assert recorder.launched["s_g"] == recorder.launched["s_beta"] == stride
+    assert list(recorder.launched["k_desc"].strides) == [stride, 1]
+    norms = LaunchRecorder(qk_norm._qk_rnorm_fwd_kernel)
+    monkeypatch.setattr(qk_norm, "_qk_rnorm_fwd_kernel", norms)
+    qk_norm.qk_rnorm_fwd(p.q, p.k, qk_norm.plan_qk_rnorm(p, SM90))
+    assert (norms.launched["s_q"], norms.launched["s_k"], norms.launched["H"]) == (stride, stride, 2)
+    assert norms.launched["q"] is p.q

@@ -33,7 +33,7 @@ def test_qk_rnorm_fwd_rejects_mismatched_inputs():
     q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
     launch = qk_norm.plan_qk_rnorm_rows(20, 64)
     for k in (q.half(), q[:, :9].contiguous(), q.transpose(1, 2).contiguous().transpose(1, 2)):
-        with pytest.raises(ValueError, match="q and k must be contiguous"):
+        with pytest.raises(ValueError, match=r"q and k must be \[B, T, H, K\] token rows of one dtype"):
             qk_norm.qk_rnorm_fwd(q, k, launch)
 
 

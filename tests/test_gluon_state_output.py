@@ -71,7 +71,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
-                                 **({} if scatters else {"o_rows_desc": None})}
+                                 "USE_POOL": False, "INPLACE": False, **({} if scatters else {"o_rows_desc": None})}
     expected = {
         "q_desc": ("q", (rows, H * K), (BT, K)),
         "k_desc": ("k", (rows, H * K), (BT, K)),
@@ -86,6 +86,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     for arg, (tensor, shape_, block) in expected.items():
         d = launch.desc(arg)
         assert (d.tensor, d.shape, d.strides, d.block_shape) == (tensor, shape_, (shape_[1], 1), block), arg
+        assert d.token_rows == (tensor in ("q", "k")), arg  # inputs read in place, at their own row stride
         assert d.dtype == p.dtype and d.strides[0] * 2 % 16 == 0
     # The ring holds w, k and q in one allocation of w's layout: their tiles must agree.
     assert launch.desc("q_desc").layout == launch.desc("k_desc").layout == launch.desc("w_desc").layout
@@ -196,7 +197,8 @@ def test_plan_flags():
     assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
-                                                                     launch.num_warps), "o_rows_desc": None}
+                                                                     launch.num_warps), "o_rows_desc": None,
+                                 "USE_POOL": False, "INPLACE": False}
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
 
@@ -210,11 +212,12 @@ def test_aot_list(capability):
     backend = "gluon_sm100" if capability == SM100 else "gluon_sm90"
     kernels = so.state_output_kernels_for_aot(capability, backend)
     # Every (K, V) x every configuration whose warps hold the state tile (10), x dtype x
-    # tails x layout x l2 (16); then three initial/final state flips.
+    # tails x layout x l2 (16); then three initial/final state flips; two pools per
+    # configuration, a pool only read and a bfloat16 initial state.
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
     assert len(configs) == 10
-    assert len(kernels) == len(configs) * 16 + 3
+    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2
     assert len({k.specialization for k in kernels}) == len(kernels)
     for k in kernels:
         assert k.kernel == "state_output_fwd" and k.backend == backend and k.dialect == "gluon"
@@ -224,8 +227,20 @@ def test_aot_list(capability):
     assert (128, "64, 32") in blocks and (128, "64, 64") in blocks and (128, "64, 128") in blocks
     assert {k.num_warps for k in kernels} == {4, 8}
     assert {k.constexprs["DEFER_OUT"] for k in kernels} == ({False} if capability == SM100 else {False, True})
-    for flag in ("STATE_VK", "HAS_TAILS", "USE_L2NORM", "USE_H0", "STORE_HT"):
+    for flag in ("STATE_VK", "HAS_TAILS", "USE_L2NORM", "USE_H0", "STORE_HT", "USE_POOL", "INPLACE"):
         assert {k.constexprs[flag] for k in kernels} == {False, True}, flag
+    pools = [k for k in kernels if k.constexprs["USE_POOL"]]
+    # Every configuration with a written-back pool of each dtype, layout and index dtype.
+    written = [k for k in pools if k.constexprs["INPLACE"]]
+    assert len(written) == 2 * len(configs)
+    assert {(k.constexprs["V"], k.signature["w_desc"], k.signature["u_desc"], k.num_warps) for k in written} == \
+        {(k.constexprs["V"], k.signature["w_desc"], k.signature["u_desc"], k.num_warps) for k in kernels
+         if k.signature["o_ptr"] == "*bf16"}
+    assert {(k.signature["h0"], k.signature["state_indices"], k.constexprs["STATE_VK"]) for k in written} == \
+        {("*fp32", "*i32", False), ("*bf16", "*i64", True)}
+    assert all(k.constexprs["USE_H0"] for k in pools)
+    assert {k.signature["h0"] for k in kernels if not k.constexprs["USE_POOL"]} == {"*fp32", "*bf16"}
+    assert {k.signature["state_indices"] for k in kernels if not k.constexprs["USE_POOL"]} == {"*i32"}
     assert {k.constexprs["V"] for k in kernels} == {64, 128}
 
 
@@ -398,3 +413,81 @@ def test_gluon_forward_matches_reference(lengths, layout, l2, dtype):
     o_ref, final_ref = reference.forward(p)
     assert rel_rms_error(o, o_ref) <= TOL["reference"]
     assert rel_rms_error(final, final_ref) <= TOL["reference"]
+
+
+# ---------------------------------------------------------------------------------------
+# State pools (host side)
+
+
+def _pool_problem(inplace=True, layout="vk", lengths=(1, 63, 0, 130), idx_dtype=torch.int64,
+                  pool_dtype=torch.bfloat16):
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
+
+    call = random_call(lengths=list(lengths), H=2, HV=4, K=128, V=64, seed=5, state_layout=layout,
+                       initial_state=False)
+    gen = torch.Generator().manual_seed(1)
+    dims = (64, 128) if layout == "vk" else (128, 64)
+    pool = torch.randn(6, 4, *dims, generator=gen).to(pool_dtype)
+    idx = torch.tensor([5, -1, 0, 2, 4, 1][:len(lengths)], dtype=idx_dtype)
+    return make_problem(**{**call, "initial_state": pool}, state_indices=idx, inplace_final_state=inplace,
+                        output_final_state=True)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "read-only"])
+def test_pool_plan_flags_and_key(inplace):
+    from gdn_dispatch.backends.gluon_common.plan import plan
+
+    p = _pool_problem(inplace=inplace)
+    launch = so.plan_state_output(p, SM90)
+    assert (launch.constexprs["USE_POOL"], launch.constexprs["INPLACE"], launch.constexprs["USE_H0"]) == \
+        (True, inplace, True)
+    other = _pool_problem(inplace=not inplace)
+    assert plan(p, SM90) is not plan(other, SM90)
+    assert plan(p, SM90) is plan(_pool_problem(inplace=inplace), SM90)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_state_output_fwd_reads_the_pool_in_place(monkeypatch, idx_dtype):
+    recorder = LaunchRecorder(so._state_output_fwd_kernel)
+    monkeypatch.setattr(so, "_state_output_fwd_kernel", recorder)
+    p = _pool_problem(idx_dtype=idx_dtype)
+    launch = so.plan_state_output(p, SM90)
+    w = torch.empty(p.B, p.T, p.HV, p.K, dtype=p.dtype)
+    u = torch.empty(p.B, p.T, p.HV, p.V, dtype=p.dtype)
+    so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
+                        initial_state=p.initial_state, output_final_state=True, state_indices=p.state_indices)
+    launched = recorder.launched
+    assert launched["h0"] is p.initial_state  # the pool itself: bf16, never copied
+    assert launched["state_indices"] is p.state_indices and launched["pool_size"] == 6
+    assert launched["USE_POOL"] and launched["INPLACE"]
+    signature, _, _ = so.state_output_signature(launch, p.dtype, torch.bfloat16, idx_dtype)
+    assert signature["h0"] == "*bf16" and signature["state_indices"] == ("*i32" if idx_dtype == torch.int32 else "*i64")
+    with pytest.raises(ValueError, match="USE_POOL plan needs initial_state"):
+        so.state_output_fwd(p.q, p.k, w, u, torch.empty(p.B, p.T, p.HV), p.chunks, launch, scale=p.scale,
+                            initial_state=p.initial_state, output_final_state=True)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_pool_without_tokens_returns_the_named_rows(layout, pool_dtype):
+    p = _pool_problem(lengths=(0, 0, 0, 0), layout=layout, pool_dtype=pool_dtype)
+    launch = so.plan_state_output(p, SM90)
+    pool = p.initial_state
+    before = pool.clone()
+    w, u = torch.empty(1, 0, p.HV, p.K, dtype=p.dtype), torch.empty(1, 0, p.HV, p.V, dtype=p.dtype)
+    o, final = so.state_output_fwd(p.q, p.k, w, u, torch.empty(1, 0, p.HV), p.chunks, launch,
+                                   scale=p.scale, initial_state=pool, output_final_state=True,
+                                   state_indices=p.state_indices)
+    expected = torch.zeros(p.state_shape)
+    for n, i in enumerate(p.state_indices.tolist()):
+        if i >= 0:
+            expected[n] = pool[i].float()
+    assert torch.equal(final, expected) and torch.equal(pool, before)
+
+
+def test_pool_rows_zero_every_index_outside_the_pool():
+    pool = torch.randn(3, 2, 4, 4)
+    rows = so.pool_rows(pool, torch.tensor([2, -1, 3, 0, -7], dtype=torch.int32))
+    assert torch.equal(rows[0], pool[2]) and torch.equal(rows[3], pool[0])
+    assert not rows[[1, 2, 4]].any()

@@ -1,11 +1,13 @@
 """Strided inputs: views split out of one fused projection (token rows with a wider token
 stride) and tensors whose last dim is not contiguous, per backend.
 
-Token rows are read in place by the reference and triton_generic (no copy: the counter
-``contract.INPUT_COPIES`` stays put); the Gluon kernels read contiguous rows, so their
-forward copies such views once, counted. A last dim that is not contiguous is copied once by
-the contract, for every backend. Every result equals the call on contiguous copies, bit for
-bit (the same kernels on the same values).
+Token rows are read in place by every backend (no copy: the counter
+``contract.INPUT_COPIES`` stays put): the Gluon kernels take q, k, v through TMA descriptors
+at the view's row stride and g, beta through pointers with a token stride. Where TMA cannot
+address a view (a token stride off the 16-byte grid), the Gluon forward copies q, k and v
+once each, counted. A last dim that is not contiguous is copied once by the contract, for
+every backend. Every result equals the call on contiguous copies, bit for bit (the same
+kernels on the same values).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ CASES = [
     pytest.param("reference", "cpu", True, id="reference-cpu"),
     pytest.param("triton_generic", "cpu", True, id="triton_generic-cpu"),
     pytest.param("triton_generic", "cuda", True, id="triton_generic-cuda", marks=GPU),
-    pytest.param("gluon", "cuda", False, id="gluon-cuda", marks=GPU),
+    pytest.param("gluon", "cuda", True, id="gluon-cuda", marks=GPU),
 ]
 
 
@@ -62,6 +64,7 @@ def test_fused_projection_views(backend, device, in_place, shape, monkeypatch):
     o, ht = chunk_gated_delta_rule(**{**call, **views}, output_final_state=True, backend=backend)
     copies = sum(INPUT_COPIES.values()) - before
     assert copies == (0 if in_place else 5)
+    assert views["q"].data_ptr() % 16 == 0 and views["q"].stride(1) * 2 % 16 == 0  # TMA reads them in place
     o_ref, ht_ref = chunk_gated_delta_rule(**{**call, **dense}, output_final_state=True, backend=backend)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
@@ -81,3 +84,54 @@ def test_last_dim_not_contiguous_is_copied_once(backend, device, in_place, monke
     o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2"])
+def test_gluon_copies_views_tma_cannot_address(l2, monkeypatch):
+    """One v-head: the fused row is 2 H K + V + 2 = 386 bf16 (772 bytes, not a multiple of
+    16), so TMA cannot step through q, k or v in place: each is copied once, counted; g and
+    beta are still read in place. The result equals the call on contiguous inputs."""
+    backend = _setup("gluon", "cuda", monkeypatch)
+    call = random_call(lengths=[1, 130, 0, 65], H=1, HV=1, K=128, V=128, dtype=torch.bfloat16, device="cuda",
+                       seed=9, normalize_qk=not l2)
+    views = fused_projection_views(call)
+    assert views["q"].stride(1) * 2 % 16 != 0
+    dense = {n: t.contiguous() for n, t in views.items()}
+    before = dict(INPUT_COPIES)
+    o, ht = chunk_gated_delta_rule(**{**call, **views}, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                                   backend=backend)
+    copied = {n: INPUT_COPIES[n] - before.get(n, 0) for n in ("q", "k", "v", "g", "beta")}
+    assert copied == {"q": 1, "k": 1, "v": 1, "g": 0, "beta": 0}
+    o_ref, ht_ref = chunk_gated_delta_rule(**{**call, **dense}, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=l2, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 130, 700]), dict(batch=(3, 100))], ids=["varlen", "uniform"])
+def test_gluon_reads_fused_views_with_the_qk_norm_and_a_pool(shape, monkeypatch):
+    """A server's call: fused-projection views, the in-kernel qk l2 norm, grouped v-heads
+    and a bf16 state pool written back in place; no input copied; equal to contiguous
+    inputs on the same pool."""
+    backend = _setup("gluon", "cuda", monkeypatch)
+    call = random_call(**shape, H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=12,
+                       normalize_qk=False, initial_state=False, state_layout="vk")
+    views = fused_projection_views(call)
+    dense = {n: t.contiguous() for n, t in views.items()}
+    N = len(shape["lengths"]) if "lengths" in shape else shape["batch"][0]
+    gen = torch.Generator().manual_seed(3)
+    pool = (0.1 * torch.randn(N + 2, 8, 128, 128, generator=gen)).to(torch.bfloat16).cuda()
+    pool_dense = pool.clone()
+    idx = torch.tensor([N + 1, -1, *range(N - 2)], dtype=torch.int32, device="cuda")
+    before = sum(INPUT_COPIES.values())
+    o, _ = chunk_gated_delta_rule(**{**call, **views, "initial_state": pool}, state_indices=idx,
+                                  inplace_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+    assert sum(INPUT_COPIES.values()) == before
+    o_ref, _ = chunk_gated_delta_rule(**{**call, **dense, "initial_state": pool_dense}, state_indices=idx,
+                                      inplace_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(pool, pool_dense, rtol=0, atol=0)

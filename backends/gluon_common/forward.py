@@ -11,16 +11,25 @@ k's rows itself; the fused kernel reads q's and k's reciprocal row norms (8 byte
 and head) and folds them into row and column scales in registers (no normalized copy of q
 or k is written). Nothing here reads a device value back to the host. Every launch goes
 through :func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
+
+Inputs are read where they lie: q, k, v in token rows through TMA descriptors with their
+own row stride (views of a fused projection), g and beta through pointers with a token
+stride. Only a q, k or v the TMA unit cannot address (a base or token stride off the
+16-byte grid: :func:`~.launch_plan.tma_rows_reason`) is copied, once, as the contract
+copies other layouts (counted in ``contract.INPUT_COPIES``). A state pool is read, and
+written back, in place through ``state_indices``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gdn_dispatch.contract import GDNProblem
+import dataclasses
+
+from gdn_dispatch.contract import GDNProblem, _counted_copy
 from gdn_dispatch.device import DeviceInfo
 
-from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason
+from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
@@ -48,9 +57,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         # Triton launches on the current device: make it the tensors' one for this call.
         with torch.cuda.device(problem.device):
             return forward(problem, device, engine=engine)
-    # The kernels read contiguous [B*T, heads, dim] rows: views with a token stride of
-    # their own are copied once here (counted in contract.INPUT_COPIES).
-    problem = problem.with_contiguous_inputs()
+    problem = tma_readable(problem)
     launches = plan(problem, device=device, engine=engine)
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
@@ -58,20 +65,28 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
+        state_indices=problem.state_indices,
     )
     return o, final_state
+
+
+def tma_readable(problem: GDNProblem) -> GDNProblem:
+    """``problem`` with q, k and v as the TMA unit reads them: each one that it cannot
+    read in place (:func:`~.launch_plan.tma_rows_reason`) replaced by one contiguous copy,
+    counted in ``contract.INPUT_COPIES`` and logged like the contract's own copies."""
+    moved = {name: _counted_copy(name, getattr(problem, name))
+             for name in ("q", "k", "v") if tma_rows_reason(name, getattr(problem, name)) is not None}
+    return dataclasses.replace(problem, **moved) if moved else problem
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:
     """Why the Gluon kernels cannot run ``problem``, or None.
 
     registry.toml states dtypes, head dims and compute capabilities (the registry checks
-    them before it asks here); this adds what it cannot express: CUDA tensors,
-    16-byte-aligned TMA bases, int32 TMA coordinates.
+    them before it asks here); this adds what it cannot express: CUDA tensors and int32
+    TMA coordinates. (Inputs TMA cannot address in place are copied once by
+    :func:`tma_readable`, not refused.)
     """
     if problem.device.type != "cuda":
         return f"needs CUDA tensors, got device {problem.device}"
-    for name in ("q", "k", "v"):
-        if getattr(problem, name).data_ptr() % 16:
-            return f"TMA needs 16-byte-aligned tensors: {name}.data_ptr() % 16 != 0"
     return index_limits_reason(problem)

@@ -107,7 +107,7 @@ class _Slots:
     def __init__(self, fn, launch: LaunchPlan):
         names = compat.arg_names(fn)
         self.template = [launch.constexprs.get(name) for name in names]
-        self.descs = [(names.index(d.arg), d.tensor, list(d.shape), list(d.strides)) for d in launch.descriptors]
+        self.descs = [(names.index(d.arg), d, list(d.shape)) for d in launch.descriptors]
         self.index = {name: i for i, name in enumerate(names)}
         self.grid = (tuple(launch.grid) + (1, 1))[:3]
 
@@ -125,7 +125,8 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
     fn : the ``@gluon.jit`` kernel the plan is for.
     launch : its LaunchPlan (grid, warps, register cap, constexprs, descriptors).
     tensors : the tensors the plan's descriptors view, by ``DescPlan.tensor`` name; each is
-        checked against its plan (dtype, element count, contiguity) on every launch.
+        checked against its plan (dtype, element count, contiguity or, for inputs read in
+        place, token rows TMA reads) on every launch, which also gives its row stride.
     args : every other runtime argument of ``fn`` by name (pointer tensors, int and float
         scalars), in the same order on every call; the constexprs come from the plan.
 
@@ -147,13 +148,12 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict) -> None:
     if kernel is None:  # a Triton whose compiled kernels lack the launch interface
         _jit_launch(fn, launch, tensors, args)
         return
-    # What DescPlan.build checks on the JIT path (no TensorDescriptor is built here).
-    for d in launch.descriptors:
-        d.check(tensors[d.tensor])
     slots = launch.compiled[_SLOTS]
     values = list(slots.template)
-    for i, tensor, shape, strides in slots.descs:
-        values[i] = TmaArg(tensors[tensor], shape, strides)
+    for i, d, shape in slots.descs:
+        # What DescPlan.build checks on the JIT path (no TensorDescriptor is built here).
+        tensor = tensors[d.tensor]
+        values[i] = TmaArg(tensor, shape, d.strides_for(tensor))
     index = slots.index
     for name, value in args.items():
         values[index[name]] = value

@@ -9,7 +9,10 @@ exactly these plans and ``kernels_for_aot`` compiles the same constexprs and sig
 
 Descriptors view every ``[B, T, X, D]`` tensor as the 2-D ``[B * T, X * D]`` matrix it is in
 memory (rows = tokens); a tile is addressed by (row, column) element coordinates (int32 in
-the TMA unit: see :func:`index_limits_reason`).
+the TMA unit: see :func:`index_limits_reason`). The kernels' own tensors are contiguous
+(row stride ``X * D``); the inputs q, k, v are read in place in token rows (any row stride
+TMA accepts, :func:`tma_rows_reason`), so their descriptors take the row stride of the
+tensor at each launch (``DescPlan.token_rows``): a new stride never needs a new plan.
 
 Host cost: a forward builds a descriptor per TMA argument per call, so the pure parts are
 memoized: shared-memory layouts per (tile, dtype), and (in :mod:`.plan`) whole plans.
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, token_rows_stride
 from gdn_dispatch.device import DeviceInfo, assumed_device
 from gdn_dispatch.varlen import ChunkTable
 
@@ -41,11 +45,12 @@ INT32_MAX = 2**31 - 1
 #: only matters when every call's batch differs (then the oldest keys are dropped).
 PLAN_CACHE_SIZE = 256
 
-_SIG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_SIG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+              torch.int64: "i64"}
 
 
 def sig_dtype(dtype: torch.dtype) -> str:
-    """Triton's signature spelling of a torch dtype ("bf16", "fp16", "fp32")."""
+    """Triton's signature spelling of a torch dtype ("bf16", "fp16", "fp32", "i32", "i64")."""
     return _SIG_DTYPE[dtype]
 
 
@@ -128,6 +133,8 @@ class DescPlan:
     dtype : torch dtype of the tensor.
     layout_shape : the shared-memory tile whose NVMMASharedLayout the descriptor carries
         (the block shape, except for scatter descriptors: the staged [BT, BN] tile).
+    token_rows : an input read in place: ``strides`` are those of a contiguous tensor, and
+        a launch takes the row stride of the tensor it is given (:meth:`strides_for`).
     """
 
     arg: str
@@ -137,6 +144,7 @@ class DescPlan:
     block_shape: tuple[int, int]
     dtype: torch.dtype
     layout_shape: tuple[int, int] | None = None
+    token_rows: bool = False
 
     @property
     def layout(self):
@@ -154,13 +162,29 @@ class DescPlan:
         b0, b1 = self.block_shape
         return f"tensordesc<{sig_dtype(self.dtype)}[{b0}, {b1}],{self.layout!r}>"
 
-    def check(self, tensor: torch.Tensor) -> None:
-        """ValueError unless ``tensor`` is what the plan describes: its dtype, its element
-        count, contiguous (the plan's 2-D view is then the tensor's memory)."""
+    def strides_for(self, tensor: torch.Tensor) -> list[int]:
+        """The 2-D strides of the descriptor over ``tensor``, in elements: the plan's for a
+        contiguous tensor; ``[token stride, 1]`` for a ``token_rows`` input in token rows.
+
+        ValueError unless ``tensor`` is what the plan describes: its dtype, its element
+        count, and contiguous (the plan's 2-D view is then the tensor's memory) or, for a
+        ``token_rows`` input, in token rows the TMA unit reads (:func:`tma_rows_reason`).
+        """
         rows, cols = self.shape
-        if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not tensor.is_contiguous():
+        contiguous = tensor.is_contiguous()
+        if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not (contiguous or self.token_rows):
             raise ValueError(f"{self.arg}: planned {self.dtype} [{rows}, {cols}] contiguous, got "
-                             f"{tensor.dtype} {tuple(tensor.shape)} contiguous={tensor.is_contiguous()}")
+                             f"{tensor.dtype} {tuple(tensor.shape)} contiguous={contiguous}")
+        if contiguous:
+            return list(self.strides)
+        reason = tma_rows_reason(self.tensor, tensor)
+        if reason is not None:
+            raise ValueError(f"{self.arg}: {reason}")
+        return [token_rows_stride(tensor), 1]
+
+    def check(self, tensor: torch.Tensor) -> None:
+        """:meth:`strides_for`'s checks alone."""
+        self.strides_for(tensor)
 
     def build(self, tensor: torch.Tensor):
         """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape).
@@ -169,9 +193,9 @@ class DescPlan:
         validated once was measured: after the per-plan cache lookup it saved under 0.3 us
         a descriptor, too little to bypass triton's own checks.
         """
-        self.check(tensor)
+        strides = self.strides_for(tensor)
         TensorDescriptor = _tensor_descriptor_class()
-        return TensorDescriptor(tensor, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
+        return TensorDescriptor(tensor, list(self.shape), strides, list(self.block_shape), self.layout)
 
 
 @dataclass(frozen=True)
@@ -242,6 +266,43 @@ def has_tails(problem: GDNProblem) -> bool:
     return chunks_have_tails(problem.chunks, problem.T)
 
 
+#: What the TMA unit needs of a global tensor: a 16-byte-aligned base and row strides that
+#: are multiples of 16 bytes.
+TMA_ALIGN = 16
+
+
+def tma_rows_reason(name: str, t: torch.Tensor) -> str | None:
+    """Why the TMA unit cannot read ``t`` ``[B, T, heads, dim]`` in place as the 2-D
+    ``[B * T, heads * dim]`` view of its token rows, or None.
+
+    Token rows (:func:`gdn_dispatch.contract.token_rows_stride`: views split out of one
+    fused projection) qualify when the base is 16-byte aligned and the token stride is a
+    multiple of 16 bytes.
+    """
+    stride = token_stride(t) if t.is_contiguous() else token_rows_stride(t)
+    if stride is None:
+        return f"{name}: not in token rows (strides {tuple(t.stride())} for shape {tuple(t.shape)})"
+    if t.data_ptr() % TMA_ALIGN:
+        return f"{name}: TMA needs a {TMA_ALIGN}-byte-aligned base, got data_ptr() % {TMA_ALIGN} = " \
+               f"{t.data_ptr() % TMA_ALIGN}"
+    if stride * t.element_size() % TMA_ALIGN:
+        return (f"{name}: TMA needs a token stride of a multiple of {TMA_ALIGN} bytes, got {stride} elements of "
+                f"{t.element_size()} bytes")
+    return None
+
+
+def token_stride(t: torch.Tensor) -> int:
+    """Elements between consecutive tokens of ``t`` ``[B, T, heads(, dim)]`` in token rows
+    (what pointer kernels take for g, beta, q and k); ValueError for any other layout."""
+    if t.is_contiguous():
+        return math.prod(t.shape[2:])
+    stride = token_rows_stride(t)
+    if stride is None:
+        raise ValueError(f"expected token rows (heads packed, batch rows T tokens apart), got shape "
+                         f"{tuple(t.shape)} with strides {tuple(t.stride())}")
+    return stride
+
+
 def index_limits_reason(problem: GDNProblem) -> str | None:
     """TMA coordinates are int32: rows B*T and NT*HV*K must stay below 2^31."""
     rows = problem.B * problem.T
@@ -252,15 +313,18 @@ def index_limits_reason(problem: GDNProblem) -> str | None:
     return None
 
 
-def tile_desc(arg: str, tensor: str, dtype: torch.dtype, rows: int, cols: int, block, scatter: bool = False):
+def tile_desc(arg: str, tensor: str, dtype: torch.dtype, rows: int, cols: int, block, scatter: bool = False,
+              token_rows: bool = False):
     """DescPlan of the row-major 2-D view ``[rows, cols]`` with TMA box ``block``; a scatter
-    descriptor (box ``[1, BN]``) carries the layout of the staged ``[64, BN]`` tile."""
+    descriptor (box ``[1, BN]``) carries the layout of the staged ``[64, BN]`` tile; an
+    input read in place in ``token_rows`` takes its row stride from the tensor."""
     layout_shape = (CHUNK_SIZE, block[1]) if scatter else None
-    return DescPlan(arg, tensor, (rows, cols), (cols, 1), tuple(block), dtype, layout_shape)
+    return DescPlan(arg, tensor, (rows, cols), (cols, 1), tuple(block), dtype, layout_shape, token_rows)
 
 
 def pointer_attrs(fn, names) -> dict:
-    """``tt.divisibility`` 16 on pointer arguments, as a launch with torch tensors passes."""
+    """``tt.divisibility`` 16 on the named arguments, as a launch passes it for 16-byte-aligned
+    tensors and for integers divisible by 16."""
     from gdn_dispatch.backends.gluon_common.compat import arg_names
 
     order = arg_names(fn)

@@ -70,11 +70,12 @@ def chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: gl.constexpr, HAS_TA
 
 
 @gluon.jit
-def row_vector(ptr, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
-    """``ptr[(row0 + r) * HV + i_h]`` for the chunk's ``BT`` rows (a ``[B, T, HV]`` tensor:
-    g_cum, beta) as fp32 in ``layout`` (a row SliceLayout); 0 for rows past the end."""
+def row_vector(ptr, row0, n_valid, i_h, stride, BT: gl.constexpr, layout: gl.constexpr):
+    """``ptr[(row0 + r) * stride + i_h]`` for the chunk's ``BT`` rows (a ``[B, T, HV]``
+    tensor of token stride ``stride``: g, beta) as fp32 in ``layout`` (a row SliceLayout);
+    0 for rows past the end."""
     r = gl.arange(0, BT, layout=layout)
-    x = gl.load(ptr + (row0 + r).to(gl.int64) * HV + i_h, mask=r < n_valid, other=0.0)
+    x = gl.load(ptr + (row0 + r).to(gl.int64) * stride + i_h, mask=r < n_valid, other=0.0)
     return x.to(gl.float32)
 
 

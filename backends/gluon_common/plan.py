@@ -45,8 +45,9 @@ def plan_key(problem: GDNProblem, device: DeviceInfo, engine) -> tuple:
     """Everything the stage planners read from a call, a device and the engine, as a
     hashable key.
 
-    Shapes, dtype, sequence and chunk counts, the tail flag, the state and l2-norm flags,
-    the compute capability, the SM count, the shared memory per block and the engine.
+    Shapes, dtype, sequence and chunk counts, the tail flag, the state, state-pool,
+    write-back and l2-norm flags, the compute capability, the SM count, the shared memory
+    per block and the engine.
     Tensor values (cu_seqlens' lengths included) are not in it: plans read none
     (:func:`~.launch_plan.chunks_have_tails` needs only NT). A stage planner that starts
     reading another attribute of the problem or device must add it.
@@ -54,7 +55,7 @@ def plan_key(problem: GDNProblem, device: DeviceInfo, engine) -> tuple:
     return (tuple(device.capability), device.sm_count, device.smem_optin, engine, tuple(problem.q.shape),
             tuple(problem.v.shape), problem.dtype, problem.N, problem.chunks.num_chunks, has_tails(problem),
             problem.initial_state is not None, problem.output_final_state, problem.state_layout,
-            problem.use_qk_l2norm)
+            problem.use_qk_l2norm, problem.uses_state_pool, problem.inplace_final_state)
 
 
 _PLANS = LruCache(PLAN_CACHE_SIZE)

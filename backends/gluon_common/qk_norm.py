@@ -9,7 +9,10 @@ by each of a head's V-blocks, while here every row is read once, by programs tha
 by side. wy keeps its own k norms: it reads each k tile once anyway.
 
 One program reduces ``BLOCK_ROWS`` consecutive (token, head) rows of q (axis 1 = 0) or k
-(axis 1 = 1) with coalesced 16-byte loads; no shared memory, no matrix engine.
+(axis 1 = 1) with coalesced 16-byte loads; no shared memory, no matrix engine. q and k are
+read in place in token rows (any token stride: views of a fused projection). A stride is a
+runtime argument that Triton specializes only by its divisibility by 16 (which keeps the
+16-byte loads), so a new stride value compiles nothing.
 """
 
 from __future__ import annotations
@@ -20,29 +23,31 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gdn_dispatch.contract import GDNProblem
+from gdn_dispatch.contract import GDNProblem, token_rows_stride
 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, pointer_attrs, sig_dtype)
+    NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, pointer_attrs, sig_dtype, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
 BLOCK_ROWS = 64
 
 
-@gluon.jit(do_not_specialize=["rows"])
-def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+@gluon.jit(do_not_specialize=["rows", "H"])
+def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
     layout: gl.constexpr = tile_layout(BLOCK_ROWS, K, gl.num_warps())
     which = gl.program_id(1)
     r = gl.program_id(0) * BLOCK_ROWS + gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, layout))
     c = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-    offs = gl.expand_dims(r.to(gl.int64) * K, 1) + gl.expand_dims(c, 0)
+    # (token, head) row r of q or k: token r // H at its token stride, head r % H within it.
+    token = (r // H).to(gl.int64)
+    head = gl.expand_dims((r % H) * K, 1) + gl.expand_dims(c, 0)
     mask = gl.expand_dims(r < rows, 1)
     if which == 0:
-        x = gl.load(q + offs, mask=mask, other=0.0).to(gl.float32)
+        x = gl.load(q + (gl.expand_dims(token * s_q, 1) + head), mask=mask, other=0.0).to(gl.float32)
     else:
-        x = gl.load(k + offs, mask=mask, other=0.0).to(gl.float32)
+        x = gl.load(k + (gl.expand_dims(token * s_k, 1) + head), mask=mask, other=0.0).to(gl.float32)
     norm = gl.rsqrt(gl.sum(x * x, axis=1) + L2NORM_EPS)
     # (q, k) pairs side by side: the fused kernel loads both norms of a row together.
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
@@ -79,7 +84,8 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan) -> torch.
 
     Parameters
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous (raw: not yet normalized).
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows (any token stride; raw: not yet
+        normalized).
     launch : the ``qk_rnorm_fwd`` LaunchPlan of :func:`plan_qk_rnorm`.
 
     Returns
@@ -88,13 +94,15 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan) -> torch.
         of k's, ``1 / sqrt(sum x^2 + 1e-6)`` (:data:`masks.L2NORM_EPS`).
     """
     B, T, H, K = q.shape
-    if not (q.is_contiguous() and k.is_contiguous()) or k.shape != q.shape or k.dtype != q.dtype:
-        raise ValueError(f"qk_rnorm_fwd: q and k must be contiguous [B, T, H, K] of one dtype, got "
-                         f"{q.dtype} {tuple(q.shape)} and {k.dtype} {tuple(k.shape)}")
+    if k.shape != q.shape or k.dtype != q.dtype or token_rows_stride(q) is None or token_rows_stride(k) is None:
+        raise ValueError(f"qk_rnorm_fwd: q and k must be [B, T, H, K] token rows of one dtype, got "
+                         f"{q.dtype} {tuple(q.shape)} strides {q.stride()} and {k.dtype} {tuple(k.shape)} "
+                         f"strides {k.stride()}")
     rnorm = torch.empty(B * T, H, 2, dtype=torch.float32, device=q.device)
     if B * T * H == 0:
         return rnorm
-    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=launch.scalars["rows"]))
+    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=launch.scalars["rows"], H=H,
+                                                           s_q=token_stride(q), s_k=token_stride(k)))
     return rnorm
 
 
@@ -106,12 +114,14 @@ def qk_rnorm_kernels_for_aot(capability: tuple[int, int], backend: str) -> list:
     for dtype in (torch.bfloat16, torch.float16):
         for K in (64, 128):
             ptr = "*" + sig_dtype(dtype)
-            signature = {"q": ptr, "k": ptr, "rnorm": "*fp32", "rows": "i32", "K": "constexpr",
-                         "BLOCK_ROWS": "constexpr"}
+            signature = {"q": ptr, "k": ptr, "rnorm": "*fp32", "rows": "i32", "H": "i32", "s_q": "i32",
+                         "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
             kernels.append(AotKernel(
                 backend=backend, kernel="qk_rnorm_fwd", specialization=f"K{K}-{sig_dtype(dtype)}",
                 fn=_qk_rnorm_fwd_kernel, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
                 dialect="gluon", num_warps=NUM_WARPS,
-                attrs=pointer_attrs(_qk_rnorm_fwd_kernel, ["q", "k", "rnorm"]),
+                # Token strides H * K of contiguous inputs, and of most fused projections, are
+                # multiples of 16, as a launch specializes them.
+                attrs=pointer_attrs(_qk_rnorm_fwd_kernel, ["q", "k", "rnorm", "s_q", "s_k"]),
             ))
     return kernels

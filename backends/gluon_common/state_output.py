@@ -119,7 +119,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
 from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
-from gdn_dispatch.backends.gluon_common.state_io import state_init, state_out
+from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init, state_out
 
 #: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
 NUM_BUF = gl.constexpr(2)
@@ -266,12 +266,13 @@ def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_s
     store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, ENGINE)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
 def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
-    g_cum, rnorm, h0, ht, cu_seqlens, scale, HV, GROUP,
+    g_cum, rnorm, h0, ht, state_indices, cu_seqlens, scale, HV, GROUP, pool_size,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -292,7 +293,9 @@ def _state_output_fwd_kernel(
     # with tails; loaded at the top of their chunk, they are first read after P's wait.
     NORMS_EARLY: gl.constexpr = GATES_EARLY and not QK_LATE
     # q shares k's head, so its tiles sit at col_k too.
-    _, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
+    # The block of h0 (the initial states, or the pool) this program reads and writes back.
+    block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
 
     ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
@@ -318,7 +321,7 @@ def _state_output_fwd_kernel(
 
     # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
     # of every chunk, so the handles stay loop-invariant (the results get other names).
-    S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, i_nh, i_v, K, V, BV, STATE_VK, USE_H0, ENGINE)
+    S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
     P = ENGINE.acc_alloc(BT, BV)
     O = ENGINE.acc_alloc(BT, BV)
     QK = ENGINE.acc_alloc(BT, BT)
@@ -418,9 +421,9 @@ def _state_output_fwd_kernel(
             _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
                                    HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
-    if STORE_HT:
+    if STORE_HT or INPLACE:
         # The ring is idle: every load landed and every MMA reading it was waited on.
-        state_out(ht, ENGINE.acc_read(S), ring, i_nh, i_v, K, V, BV, STATE_VK)
+        state_out(ht, i_nh, h0, block, i_v, ENGINE.acc_read(S), ring, K, V, BV, STATE_VK, STORE_HT, INPLACE)
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(wkq_ready.index(i))
@@ -514,6 +517,8 @@ def state_constexprs(problem: GDNProblem, engine) -> dict:
         "USE_L2NORM": problem.use_qk_l2norm,
         "HAS_TAILS": has_tails(problem),
         "ENGINE": engine,
+        "USE_POOL": problem.uses_state_pool,
+        "INPLACE": problem.inplace_final_state,
     }
 
 
@@ -555,8 +560,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     NV = V // BV
     rows = B * T
     descriptors = (
-        tile_desc("q_desc", "q", dtype, rows, H * K, (BT, K)),
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
+        tile_desc("q_desc", "q", dtype, rows, H * K, (BT, K), token_rows=True),
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K), token_rows=True),
         tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
         tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, BV)),
         tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
@@ -596,6 +601,7 @@ def state_output_fwd(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     rnorm: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
     per chunk ``v_new = u - w h``, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j))
@@ -603,9 +609,9 @@ def state_output_fwd(
 
     Parameters
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous, 16-byte aligned (raw: with the qk
-        l2 norm the kernel scales by ``rnorm``); v-head ``j`` reads q/k head
-        ``j // (HV // H)``. K in {64, 128}.
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place
+        (:func:`~.launch_plan.tma_rows_reason`) (raw: with the qk l2 norm the kernel scales
+        by ``rnorm``); v-head ``j`` reads q/k head ``j // (HV // H)``. K in {64, 128}.
     w : Tensor ``[B, T, HV, K]``, k's dtype (stage 3; from l2-normalized k when asked).
     u : Tensor ``[B, T, HV, V]``, k's dtype (stage 3). V in {64, 128}.
     g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
@@ -614,11 +620,17 @@ def state_output_fwd(
         constexprs incl. the state layout and the l2 norm, descriptors).
     scale : float, the output scale.
     initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk", as the
-        plan's ``STATE_VK``), any float dtype (read as float32), contiguous; None: zeros.
+        plan's ``STATE_VK``), contiguous, any float dtype: float32 and bfloat16 are read in
+        place, others converted to float32 once; None: zeros. With the plan's ``USE_POOL``,
+        the state pool ``[P, HV, K, V]`` / ``[P, HV, V, K]``, float32 or bfloat16, read (and
+        with ``INPLACE`` written) in place, never copied.
     output_final_state : also return the state after each sequence's last token.
     rnorm : with the qk l2 norm (the plan's ``USE_L2NORM``), float32 ``[B * T, H, 2]``, the
         reciprocal row norms of q and k from :func:`.qk_norm.qk_rnorm_fwd` (computed here
         when None); ignored without it.
+    state_indices : with ``USE_POOL``, int32/int64 ``[N]``: sequence ``n`` starts from pool
+        row ``state_indices[n]`` (zeros for an index outside ``[0, P)``); with ``INPLACE``
+        its final state is written back there in the pool's dtype (nothing outside).
 
     Returns
     -------
@@ -634,11 +646,22 @@ def state_output_fwd(
     final_state = None
     if output_final_state:
         final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    use_pool = launch.constexprs["USE_POOL"]
+    if use_pool and (state_indices is None or initial_state is None):
+        raise ValueError("state_output_fwd: a USE_POOL plan needs initial_state (the pool) and state_indices")
+    h0 = initial_state
+    if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
+        h0 = h0.to(torch.float32)  # the kernel reads float32 and bfloat16 states
     if NT == 0 or B * T == 0 or N * HV == 0:
-        # Nothing to walk (every sequence is empty): the final state is the initial one.
+        # Nothing to walk (every sequence is empty): the final state is the initial one, and
+        # a pool row written back would receive its own values.
         if final_state is not None:
-            final_state.copy_(h0) if h0 is not None else final_state.zero_()
+            if h0 is None:
+                final_state.zero_()
+            elif use_pool:
+                final_state.copy_(pool_rows(h0, state_indices))
+            else:
+                final_state.copy_(h0)
         return o, final_state
     if launch.constexprs["USE_L2NORM"]:
         if rnorm is None:
@@ -652,42 +675,79 @@ def state_output_fwd(
     launch_planned(_state_output_fwd_kernel, launch, tensors, dict(
         o_ptr=o, g_cum=g_cum, rnorm=rnorm,
         h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
+        state_indices=state_indices if use_pool else chunks.cu_seqlens,
         cu_seqlens=chunks.cu_seqlens, scale=float(scale),
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], V=launch.scalars["V"],
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=h0.shape[0] if use_pool else 0,
+        V=launch.scalars["V"],
     ))
     return o, final_state
 
 
-_POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "cu_seqlens")
+def pool_rows(pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, ...]``: row ``state_indices[n]`` of ``pool`` ``[P, ...]``, zeros for an
+    index outside ``[0, P)`` (on the device, no sync). For calls without a token, where no
+    kernel runs; it reads N rows and copies nothing else of the pool."""
+    live = (state_indices >= 0) & (state_indices < pool.shape[0])
+    rows = pool.index_select(0, torch.where(live, state_indices, 0)).to(torch.float32)
+    return torch.where(live.view(-1, *([1] * (pool.dim() - 1))), rows, 0.0)
 
 
-def state_output_signature(launch: LaunchPlan, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+_POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "state_indices", "cu_seqlens")
+
+
+def state_output_signature(launch: LaunchPlan, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
+                           index_dtype: torch.dtype = torch.int32) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of ``_state_output_fwd_kernel`` for ``launch``, in
-    argument order, as a launch of it would specialize (16-byte-aligned pointers)."""
+    argument order, as a launch of it would specialize (16-byte-aligned pointers).
+    ``state_dtype``: of the initial state or pool (float32 or bfloat16; float32 stands in
+    when there is none); ``index_dtype``: of ``state_indices`` with a pool (int32 or int64;
+    without one, cu_seqlens stands in)."""
     constexprs = {"V": launch.scalars["V"], **launch.constexprs}
     sig = {d.arg: d.signature for d in launch.descriptors}
-    sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*fp32", ht="*fp32", cu_seqlens="*i32",
-               scale="fp32", HV="i32", GROUP="i32")
+    pool = launch.constexprs["USE_POOL"]
+    sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*" + sig_dtype(state_dtype),
+               ht="*fp32", state_indices="*" + sig_dtype(index_dtype if pool else torch.int32), cu_seqlens="*i32",
+               scale="fp32", HV="i32", GROUP="i32", pool_size="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in arg_names(_state_output_fwd_kernel)}
     return signature, constexprs, pointer_attrs(_state_output_fwd_kernel, _POINTERS)
 
 
-def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: str) -> AotKernel:
-    """The AotKernel that compiles exactly what ``state_output_fwd`` launches for ``launch``."""
-    signature, constexprs, attrs = state_output_signature(launch, dtype)
+def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: str,
+                            state_dtype: torch.dtype = torch.float32,
+                            index_dtype: torch.dtype = torch.int32) -> AotKernel:
+    """The AotKernel that compiles exactly what ``state_output_fwd`` launches for ``launch``
+    (initial state / pool of ``state_dtype``, pool indices of ``index_dtype``)."""
+    signature, constexprs, attrs = state_output_signature(launch, dtype, state_dtype, index_dtype)
     return AotKernel(backend=backend, kernel="state_output_fwd", specialization=tag,
                      fn=_state_output_fwd_kernel, signature=signature, constexprs=constexprs,
                      dialect="gluon", num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
 
 
-def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool):
-    """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter)."""
-    from gdn_dispatch.testing import random_problem
+def _aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, vk: bool, h0: bool, ht: bool, l2: bool,
+                 pool: bool = False, inplace: bool = False, **_dtypes):
+    """A tiny CPU problem whose plan has the asked flags (only shapes and flags matter);
+    with ``pool``, the initial state is a state pool of 3 rows read through state_indices."""
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
 
     shape = dict(lengths=[64, 65]) if tails else dict(batch=(2, 128))
-    return random_problem(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, layout="vk" if vk else "kv", h0=h0, ht=ht,
-                          l2=l2)
+    call = random_call(**shape, H=2, HV=4, K=K, V=V, dtype=dtype, state_layout="vk" if vk else "kv",
+                       initial_state=h0 and not pool, normalize_qk=not l2)
+    if pool:
+        call["initial_state"] = torch.zeros(3, 4, *((V, K) if vk else (K, V)))
+        call["state_indices"] = torch.tensor([2, -1], dtype=torch.int32)
+        call["inplace_final_state"] = inplace
+    return make_problem(**call, output_final_state=ht, use_qk_l2norm_in_kernel=l2)
+
+
+def _aot_tag(K: int, V: int, BV: int, warps: int, flags: dict) -> str:
+    state = flags["state_dtype"]
+    pool = (f"-pool-{sig_dtype(state)}-{sig_dtype(flags['index_dtype'])}{'-inplace' if flags['inplace'] else ''}"
+            if flags["pool"] else (f"-h0{'' if state == torch.float32 else '-' + sig_dtype(state)}" if flags["h0"]
+                                   else ""))
+    return (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
+            f"{'vk' if flags['vk'] else 'kv'}{pool}{'-ht' if flags['ht'] else ''}{'-l2' if flags['l2'] else ''}")
 
 
 def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
@@ -696,33 +756,41 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
 
     Every (K, V) in {64, 128}^2 at every configuration of :data:`CONFIGS` that holds its
     state tile (o stored a chunk late where :func:`state_output_defers`) x bf16/fp16 x
-    varlen tails or not x "kv"/"vk" x qk l2 norm on/off (with initial and final state); then
-    K = V = 128 at BV = 128 without initial or final state, or with only one of them.
+    varlen tails or not x "kv"/"vk" x qk l2 norm on/off (with a float32 initial state and
+    the final state); then K = V = 128 at BV = 128 without initial or final state, or with
+    only one of them. State pools, at every configuration with tails and the l2 norm: a
+    float32 "kv" pool with int32 indices written back in place (and the final state
+    returned), a bfloat16 "vk" pool with int64 indices written back in place; then a
+    bfloat16 pool only read (K = V = 128, BV = 128) and a bfloat16 initial state without a
+    pool (K = V = 128, BV = 64).
     """
     from gdn_dispatch.device import assumed_device
 
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
-    base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=True)
+    base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=True, pool=False, inplace=False,
+                state_dtype=torch.float32, index_dtype=torch.int32)
+    configs = [(K, V, BV, warps) for K in (64, 128) for V in (64, 128) for BV, warps in CONFIGS
+               if V % BV == 0 and warps >= state_output_warps(K, BV)]
     cases = []
-    for K in (64, 128):
-        for V in (64, 128):
-            for BV, warps in CONFIGS:
-                if V % BV or warps < state_output_warps(K, BV):
-                    continue
-                for dtype in (torch.bfloat16, torch.float16):
-                    for tails in (True, False):
-                        for vk in (False, True):
-                            for l2 in (True, False):
-                                cases.append((K, V, BV, warps, {**base, "dtype": dtype, "tails": tails, "vk": vk,
-                                                                "l2": l2}))
+    for K, V, BV, warps in configs:
+        for dtype in (torch.bfloat16, torch.float16):
+            for tails in (True, False):
+                for vk in (False, True):
+                    for l2 in (True, False):
+                        cases.append((K, V, BV, warps, {**base, "dtype": dtype, "tails": tails, "vk": vk, "l2": l2}))
     for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True)):
         cases.append((128, 128, 128, 8, {**base, **flip}))
+    for K, V, BV, warps in configs:
+        cases.append((K, V, BV, warps, {**base, "pool": True, "inplace": True}))
+        cases.append((K, V, BV, warps, {**base, "pool": True, "inplace": True, "vk": True, "ht": False,
+                                        "state_dtype": torch.bfloat16, "index_dtype": torch.int64}))
+    cases.append((128, 128, 128, 8, {**base, "pool": True, "state_dtype": torch.bfloat16}))
+    cases.append((128, 128, 64, 4, {**base, "state_dtype": torch.bfloat16}))
     kernels = []
     for K, V, BV, warps, flags in cases:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
                                    engine=engine)
-        tag = (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
-               f"{'vk' if flags['vk'] else 'kv'}{'-h0' if flags['h0'] else ''}{'-ht' if flags['ht'] else ''}"
-               f"{'-l2' if flags['l2'] else ''}")
-        kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], tag))
+        state_dtype = flags["state_dtype"] if flags["h0"] or flags["pool"] else torch.float32
+        kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], _aot_tag(K, V, BV, warps, flags),
+                                               state_dtype, flags["index_dtype"]))
     return kernels

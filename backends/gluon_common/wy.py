@@ -64,7 +64,7 @@ from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, ar
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter, has_tails,
-    pointer_attrs, resolve_engine, sig_dtype, tile_desc)
+    pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout
 
 
@@ -192,13 +192,14 @@ def _add(a, b):
 
 
 @gluon.jit
-def _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
-    """The chunk-local inclusive cumsum of the raw gates in log2 units, fp32 [BT] in
-    ``layout`` (rows past the end repeat the last sum), also written to ``g_cum`` for the
-    recurrence kernel: this program owns these rows of this v-head, so no cumsum launch."""
+def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
+    """The chunk-local inclusive cumsum of the raw gates (token stride ``s_g``) in log2
+    units, fp32 [BT] in ``layout`` (rows past the end repeat the last sum), also written to
+    the contiguous ``g_cum`` for the recurrence kernel: this program owns these rows of this
+    v-head, so no cumsum launch."""
     # The scan runs in a plain 1-D layout (Gluon scans no slice of an MMA layout).
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    x = row_vector(g, row0, n_valid, i_h, HV, BT, flat)
+    x = row_vector(g, row0, n_valid, i_h, s_g, BT, flat)
     c = gl.associative_scan(x, 0, _add) * LOG2E
     r = gl.arange(0, BT, layout=flat)
     gl.store(g_cum + (row0 + r).to(gl.int64) * HV + i_h, c, mask=r < n_valid)
@@ -206,17 +207,18 @@ def _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.
 
 
 @gluon.jit
-def _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM: gl.constexpr):
+def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr):
     """A from the raw ``k k^T`` (fp32 [64, 64] registers) and the rows' gate cumsum ``g_i``
     (in the row slice of kk's layout), and the fp32 [64] column scales of T for w
-    (``beta 2^g r``) and for u (``beta``), in the column slice of kk's layout."""
+    (``beta 2^g r``) and for u (``beta``, token stride ``s_beta``), in the column slice of
+    kk's layout."""
     BT: gl.constexpr = kk.shape[0]
     layout: gl.constexpr = kk.type.layout
     rows: gl.constexpr = gl.SliceLayout(1, layout)
     cols: gl.constexpr = gl.SliceLayout(0, layout)
     g_j = gl.convert_layout(g_i, cols)
-    b_i = row_vector(beta, row0, n_valid, i_h, HV, BT, rows)
-    b_j = row_vector(beta, row0, n_valid, i_h, HV, BT, cols)
+    b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
+    b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
     if USE_L2NORM:
         r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
         r_i = gl.convert_layout(r, rows)
@@ -244,10 +246,10 @@ def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_vali
     store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, ENGINE)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
-    g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP,
+    g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
     LHS_REGS: gl.constexpr,
 ):
@@ -302,8 +304,8 @@ def _wy_fwd_kernel(
     mbarrier.wait(ready_bars.index(0), 0)
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, mma_bars.index(0))
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, mma_bars.index(0), 0))
-    g_i = _chunk_gates(g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, row0, n_valid, i_h, HV, USE_L2NORM)
+    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
     if LHS_REGS:
         # The scales wait out the inverse in one register each, not 16.
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -355,12 +357,12 @@ WY_DEFAULT_VARIANT = "regs"
 
 
 def wy_descriptors(rows: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
-    """The k and v tiles the kernel reads and the w and u tiles (and tail rows) it writes,
-    whole [64, K] / [64, V] per (chunk, head)."""
+    """The k and v tiles the kernel reads (in place, in token rows) and the w and u tiles
+    (and tail rows) it writes, whole [64, K] / [64, V] per (chunk, head)."""
     BT = CHUNK_SIZE
     return (
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K)),
-        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V)),
+        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K), token_rows=True),
+        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V), token_rows=True),
         tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
         tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
         tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
@@ -441,13 +443,14 @@ def wy_fwd(
 
     Parameters
     ----------
-    k : Tensor ``[B, T, H, K]``, bf16/fp16, contiguous, 16-byte aligned (raw: with the qk
-        l2 norm the kernel normalizes k's rows itself); v-head ``j`` reads k head
-        ``j // (HV // H)``. K in {64, 128}.
-    v : Tensor ``[B, T, HV, V]``, k's dtype, contiguous, 16-byte aligned. V in {64, 128}.
-    g : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous: the per-token
-        log-decay, summed per chunk in the kernel.
-    beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), contiguous.
+    k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place
+        (:func:`~.launch_plan.tma_rows_reason`: 16-byte aligned base and token stride) (raw:
+        with the qk l2 norm the kernel normalizes k's rows itself); v-head ``j`` reads k
+        head ``j // (HV // H)``. K in {64, 128}.
+    v : Tensor ``[B, T, HV, V]``, k's dtype, in token rows as k. V in {64, 128}.
+    g : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows (any token
+        stride): the per-token log-decay, summed per chunk in the kernel.
+    beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows.
     chunks : ChunkTable of the call.
     launch : the ``wy_fwd`` LaunchPlan of :func:`plan_wy` (what the orchestrator passes);
         None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (then
@@ -477,7 +480,7 @@ def wy_fwd(
     launch_planned(_wy_fwd_kernel, launch, tensors, dict(
         w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
         cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
     ))
     return w, u, g_cum
 
@@ -489,7 +492,8 @@ def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype
     ptr = "*" + sig_dtype(dtype)
     sig.update(w_ptr=ptr, u_ptr=ptr, g="*" + sig_dtype(g_dtype), g_cum="*fp32",
                beta="*" + sig_dtype(beta_dtype or dtype),
-               cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32")
+               cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32", s_g="i32",
+               s_beta="i32")
     sig.update({name: "constexpr" for name in launch.constexprs})
     return {name: sig[name] for name in arg_names(_wy_fwd_kernel)}
 
