@@ -6,7 +6,9 @@ gives the call to paste into a reproduction). What varies: K and V drawn indepen
 from the head-dim classes the backend's registry row admits (K < V, K > V, padded and
 exact tiles), ragged lengths from {0, 1, 15, 63, 64, 65, 127, 2049} (2049 on a GPU only),
 uniform and varlen batches, grouped value heads (HV / H of 1, 2, 4), both state layouts,
-the in-kernel l2 norm, initial and final state on and off, every admitted dtype.
+the in-kernel l2 norm, initial and final state on and off, every admitted dtype, and for a
+backend that runs context parallelism a forced segment count on about a third of the
+calls (drawn from a stream of its own, so the other draws stay as they were).
 
 Kernels specialize on the head shape and the feature flags, so a case draws those from a
 pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
@@ -33,6 +35,8 @@ from gdn_dispatch.testing import fused_projection_views, poison_cuda_allocator, 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 5e-3}
 
 SEEDS = (0, 1)
+#: Share of the calls of a context-parallel backend that force a segment count (1-6).
+CP_SHARE = 0.3
 GPU_CASES_PER_SEED = 150
 SPECS_PER_SEED = 12
 
@@ -74,6 +78,7 @@ class FuzzCase:
     batch: tuple[int, int] | None
     data_seed: int
     fused: bool = False
+    context_parallel: str | int = "auto"
 
     def describe(self) -> str:
         s = self.spec
@@ -81,7 +86,8 @@ class FuzzCase:
         return (f"backend={self.backend!r}: random_call({shape}, H={s.H}, HV={s.HV}, K={s.K}, V={s.V}, "
                 f"dtype=torch.{s.dtype}, seed={self.data_seed}, initial_state={s.h0}, "
                 f"state_layout={s.layout!r}, normalize_qk={not s.l2}) with use_qk_l2norm_in_kernel={s.l2}, "
-                f"output_final_state={s.final}, state pool={s.pool}, fused-projection views={self.fused}")
+                f"output_final_state={s.final}, state pool={s.pool}, fused-projection views={self.fused}, "
+                f"context_parallel={self.context_parallel!r}")
 
 
 def _row(name: str):
@@ -125,11 +131,14 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
     pool[0] = FuzzSpec(lo, hi, 1, 2, row.dtypes[0], "kv", False, True, True)
     pool[1] = FuzzSpec(hi, lo, 2, 4, row.dtypes[-1], row.state_layouts[-1], True, True, True)
     max_tokens = 200 if cpu else 6000
+    cp_rng = random.Random(f"{backend}-{seed}-context-parallel")
+    runs_cp = "context_parallel" in row.features
     cases = []
     for i in range(count):
         lengths, batch = _draw_layout(rng, CPU_LENGTHS if cpu else LENGTHS, max_tokens)
+        cp = cp_rng.randint(1, 6) if runs_cp and cp_rng.random() < CP_SHARE else "auto"
         cases.append(FuzzCase(backend, pool[i % len(pool)], lengths, batch, data_seed=rng.randrange(1 << 30),
-                              fused=rng.random() < 0.25))
+                              fused=rng.random() < 0.25, context_parallel=cp))
     return cases
 
 
@@ -142,6 +151,7 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
                        seed=case.data_seed, initial_state=s.h0, state_layout=s.layout, normalize_qk=not s.l2)
     flags = dict(use_qk_l2norm_in_kernel=s.l2, output_final_state=s.final)
     ref_call = dict(call)
+    cp_flag = {"context_parallel": case.context_parallel}
     if case.fused:
         call = {**call, **fused_projection_views(call)}
     pool_args, pool_ref = {}, None
@@ -152,7 +162,7 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
             flags["output_final_state"] = True
     if device == "cuda":
         poison_cuda_allocator()
-    o, ht = _call_backend(call, flags, pool_args, case.backend)
+    o, ht = _call_backend(call, {**flags, **cp_flag}, pool_args, case.backend)
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags))
     errors = {"o": rel_rms_error(o, o_ref)}
     if pool_ref is not None:
@@ -291,6 +301,9 @@ def test_draws_cover_the_classes():
     assert {0, 1, 63, 64, 65, 2049} <= lengths
     assert any(c.batch for c in cases) and any(c.lengths for c in cases)
     assert any(s.pool for s in specs) and any(c.fused for c in cases)
+    forced = [c for c in cases if isinstance(c.context_parallel, int)]
+    assert forced and any(c.lengths and max(c.lengths) > 64 * c.context_parallel for c in forced)
+    assert any(s.pool for s in {c.spec for c in forced})
     assert draw_cases("triton_generic", 0, 10) == draw_cases("triton_generic", 0, 10)
     gluon = {c.spec for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)}
     assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \

@@ -15,6 +15,9 @@ from gdn_dispatch.backends.triton_generic.configs import (cumsum_config, fuse_so
 from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
+from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, segment_map_config
+from gdn_dispatch.backends.triton_generic.segment_scan import (_segment_scan_fwd_kernel, _segment_table_kernel,
+                                                               segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
 from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel
 
@@ -79,6 +82,32 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
                         "cu_seqlens": "*i32", "N": "i32", "scale": "fp32"},
                        {"s_q": H * K, "s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
+    out += _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag)
+    return out
+
+
+def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[AotKernel]:
+    """The segmented path's own kernels (pass 2 is the state and output kernels above):
+    the segment table, pass 1's maps, and the scan in the "vk" layout with a pool."""
+    out = [_kernel("segment_table_fwd", "L1024", _segment_table_kernel,
+                   {"cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32"},
+                   {"L": 1024, "N_STEPS": 4, "BS": 128}, segment_scan_config(K, V))]
+    cfg = segment_map_config(K, V)
+    out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
+                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "seg_cu": "*i32",
+                        "m_out": "*fp32", "n_out": "*fp32"},
+                       {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
+                        "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
+                        "INTERPRET": False}, cfg))
+    cfg = segment_scan_config(K, V)
+    pool = dtype == "bf16"
+    out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
+                       _segment_scan_fwd_kernel,
+                       {"m_in": "*fp32", "n_in": "*fp32", "cu_seqlens": "*i32", "h0": "*bf16" if pool else "*fp32",
+                        "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32"},
+                       {"L": 1024, "HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": min(32, cfg.BK), "BV": cfg.BV,
+                        "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
+                        "DOT_PREC": "tf32x3"}, cfg))
     return out
 
 
