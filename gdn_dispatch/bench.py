@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a ragged stream of synchronized calls, per backend and fla")
     parser.add_argument("--host-calls", type=_positive_int, default=50, metavar="N",
                         help="back-to-back calls per --host measurement (default 50)")
+    parser.add_argument("--startup", action="store_true",
+                        help="instead: start-up figures (imports, first calls and warmup from a cold and a warm "
+                             "Triton cache, compiles after warmup), each from a fresh process")
 
 
 def _positive_int(text: str) -> int:
@@ -186,6 +189,9 @@ def run(args: argparse.Namespace, *, probe=None, out=None) -> int:
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.startup:
+        from gdn_dispatch import bench_startup
+        return bench_startup.run(args, names, want_fla, probe=probe, out=out)
     if args.list_shapes:
         for s in shapes:
             print(f"{s.name:<22} {s.describe()}", file=out)

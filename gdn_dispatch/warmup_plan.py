@@ -29,6 +29,7 @@ keeps the fewest candidates that cover every key.
 from __future__ import annotations
 
 import importlib
+import random
 from dataclasses import dataclass
 
 import torch
@@ -417,6 +418,37 @@ def plan_warmup(spec: WarmupSpec, device: DeviceInfo, backend: str | None = None
     return WarmupPlan(device, spec, tuple(chosen_calls), wanted, tuple(unadmitted))
 
 
+# --- a stream to check against -----------------------------------------------------------
+
+#: Pool row counts :func:`random_ragged_stream` draws when the spec names none: both of
+#: Triton's integer classes (16 and 48 divisible by 16).
+STREAM_POOL_SIZES = (16, 17, 40, 48)
+
+
+def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200) -> list[WarmupCall]:
+    """Ragged batches as a server forms them, to check a warm-up against: 1..max_num_seqs
+    sequences of 0..max_len tokens (some whole chunks, some empty, now and then one long
+    prompt), a few uniform batches; any state source of ``spec`` (pools of a random size,
+    -1 rows past it), final-state flag, input layout and varlen form."""
+    rng = random.Random(seed)
+    calls = []
+    for _ in range(count):
+        n = rng.randint(1, spec.max_num_seqs)
+        state = dict(rng.choice(state_variants(spec)))
+        if state.get("pool_dtype") is not None and spec.pool_size is None:
+            state["pool_size"] = rng.choice(STREAM_POOL_SIZES)
+        flags = dict(output_final_state=rng.choice(spec.final_states), layout=rng.choice(spec.input_layouts), **state)
+        if rng.random() < 0.2:
+            calls.append(WarmupCall(None, (n, rng.choice([64, 128, rng.randint(1, max_len)])), **flags))
+            continue
+        lengths = [rng.choice([0, 64, 128, rng.randint(1, max_len)]) for _ in range(n)]
+        lengths[0] = max(lengths[0], 1)
+        if rng.random() < 0.1:
+            lengths[rng.randrange(n)] = rng.randint(LONG_LENGTH, 2 * LONG_LENGTH)
+        calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
+    return calls
+
+
 __all__ = ["DEFAULT_POOL_SIZES", "INPUT_LAYOUTS", "LAST_LENGTHS", "LONG_LENGTH", "WarmupCall", "WarmupPlan",
            "WarmupSpec", "call_facts", "call_keys", "candidate_calls", "choose_backend", "make_call", "plan_warmup",
-           "specialization_keys", "state_variants", "triton_arg_class"]
+           "random_ragged_stream", "specialization_keys", "state_variants", "triton_arg_class"]

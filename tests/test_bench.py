@@ -634,3 +634,153 @@ def test_host_flag_needs_a_gpu(capsys):
     assert args.host and args.host_calls == 7
     assert bench.run(args, probe=FakeProbe(count=0)) == 2
     assert capsys.readouterr().err.startswith("bench needs a CUDA device")
+
+
+# --------------------------------------------------------------------------- bench --startup (CPU parts)
+
+from gdn_dispatch import bench_startup  # noqa: E402
+from gdn_dispatch.bench_startup import RESULT_MARK, StartupReport, StartupRow  # noqa: E402
+
+
+def test_startup_flag_defaults_off():
+    assert parse().startup is False and parse("--startup").startup is True
+
+
+def test_startup_without_gpu_exits_2(capsys):
+    code = bench.run(parse("--startup"), probe=FakeProbe(count=0))
+    assert code == 2
+    assert "bench --startup needs a CUDA device; found none: no CUDA driver" in capsys.readouterr().err
+
+
+def test_startup_bad_backends_is_a_usage_error(capsys):
+    assert bench.run(parse("--startup", "--backends", "flash"), probe=FakeProbe(count=1)) == 2
+    assert "unknown backend 'flash'" in capsys.readouterr().err
+
+
+def test_run_child_reads_the_result_line():
+    source = f"print('noise')\nprint({RESULT_MARK!r}, '{{\"seconds\": 1.5}}')\n"
+    assert bench_startup.run_child(source, {}) == {"seconds": 1.5}
+
+
+def test_run_child_passes_its_environment():
+    source = f"import json, os\nprint({RESULT_MARK!r}, json.dumps({{'dir': os.environ['TRITON_CACHE_DIR']}}))\n"
+    assert bench_startup.run_child(source, {"TRITON_CACHE_DIR": "/tmp/some-cache"}) == {"dir": "/tmp/some-cache"}
+
+
+@pytest.mark.parametrize("source, timeout, message", [
+    pytest.param("import sys\nprint('half done')\nsys.exit(3)", 60, "exit status 3, no result line (stdout: half done)",
+                 id="exit-3"),
+    pytest.param("print('nothing to report')", 60, "exit status 0, no result line", id="no-result"),
+    pytest.param("import time\ntime.sleep(30)", 1, "no result within 1 s", id="timeout"),
+])
+def test_run_child_reports_what_went_wrong(source, timeout, message):
+    assert message in bench_startup.run_child(source, {}, timeout=timeout)["error"]
+
+
+def test_import_source_times_an_import_in_a_fresh_process():
+    result = bench_startup.run_child(bench_startup.import_source("json"), {})
+    assert 0 < result["seconds"] < 10
+
+
+def test_task_source_names_the_task_and_its_parameters():
+    source = bench_startup.task_source("first_call", device="cuda:1", backend="triton_generic")
+    assert "child_task('first_call'" in source and '"backend": "triton_generic"' in source
+    with pytest.raises(ValueError, match="task: expected 'first_call' or 'warmup', got 'nap'"):
+        bench_startup.child_task("nap", device="cpu")
+
+
+class StandInRunner:
+    """Stands in for the child processes: records each (task, env), checks the cache the
+    cold runs start from is empty and the warm runs' is not, and answers like a child."""
+
+    def __init__(self, fail: str | None = None):
+        self.runs, self.fail = [], fail
+
+    def __call__(self, source, env):
+        import json as _json
+        import os as _os
+
+        task = "import" if "child_task" not in source else ("warmup" if "'warmup'" in source else "first_call")
+        backend = _json.loads(source.split("json.loads(")[1].split(")))")[0][1:-1]).get("backend") if task != "import" else None
+        cache = env.get("TRITON_CACHE_DIR")
+        cold = cache is not None and not _os.listdir(cache)
+        self.runs.append((task, backend, cache, cold))
+        if cache is not None:
+            open(_os.path.join(cache, f"kernel-{len(self.runs)}"), "w").close()  # what a compile leaves
+        if self.fail is not None and backend == self.fail:
+            return {"error": "exit status 1, no result line"}
+        if task == "import":
+            return {"seconds": 0.5}
+        if task == "first_call":
+            return {"import_s": 1.0, "seconds": 4.0 if cold else 0.3}
+        return {"seconds": 60.0 if cold else 5.0, "compiles": 40, "calls": 40, "backends": ["gluon_sm90"],
+                "stream_compiles": 0}
+
+
+def test_measure_runs_cold_then_warm_on_one_fresh_cache_per_backend():
+    runner = StandInRunner()
+    rows = bench_startup.measure("cuda:0", ["gluon_sm90", "triton_generic"], True, runner=runner, progress=False)
+    imports = [r for r in runner.runs if r[0] == "import"]
+    assert len(imports) == 2 * bench_startup.IMPORT_REPEATS and all(r[2] is None for r in imports)
+    calls = [r for r in runner.runs if r[0] != "import"]
+    assert [(task, backend, cold) for task, backend, _, cold in calls] == [
+        ("first_call", "gluon_sm90", True), ("first_call", "gluon_sm90", False),
+        ("first_call", "triton_generic", True), ("first_call", "triton_generic", False),
+        ("first_call", "fla", True), ("first_call", "fla", False),
+        ("warmup", None, True), ("warmup", None, False)]
+    caches = [cache for _, _, cache, _ in calls]
+    assert caches[0] == caches[1] and len(set(caches)) == 4  # a fresh folder per pair
+    by_name = {row.what: row for row in rows}
+    assert (by_name["first call: gluon_sm90"].cold_s, by_name["first call: gluon_sm90"].warm_s) == (4.0, 0.3)
+    assert (by_name["warmup"].cold_s, by_name["warmup"].warm_compiles) == (60.0, 40)
+    assert rows[-1].cold_compiles == rows[-1].warm_compiles == 0
+    assert bench_startup.exit_status(rows) == 0
+
+
+@pytest.mark.parametrize("fail, status", [("fla", 0), ("triton_generic", 1)])
+def test_exit_status_fails_on_our_errors_not_fla(fail, status):
+    rows = bench_startup.measure("cuda:0", ["triton_generic"], True, runner=StandInRunner(fail=fail), progress=False)
+    failed = next(r for r in rows if r.what == f"first call: {fail}")
+    assert failed.error == "exit status 1, no result line"
+    assert bench_startup.exit_status(rows) == status
+
+
+def test_exit_status_fails_when_a_batch_compiles_after_warmup():
+    rows = [StartupRow("warmup", 1.0, 1.0), StartupRow("compiles over 60 ragged batches after warmup",
+                                                       cold_compiles=0, warm_compiles=2)]
+    assert bench_startup.exit_status(rows) == 1
+
+
+def startup_report() -> StartupReport:
+    return StartupReport(device="NVIDIA H200 (cuda:0)", versions={"triton": "3.6.0"}, rows=[
+        StartupRow("import gdn_dispatch", cold_s=0.812, note="median of 3 fresh processes"),
+        StartupRow("import fla", error="not importable: ModuleNotFoundError: No module named 'fla'"),
+        StartupRow("warmup", cold_s=61.25, warm_s=4.5, cold_compiles=40, warm_compiles=40, note="40 calls"),
+        StartupRow("compiles over 60 ragged batches after warmup", cold_compiles=0, warm_compiles=0),
+    ])
+
+
+def test_startup_table():
+    lines = bench_startup.format_table(startup_report()).splitlines()
+    assert lines[0].startswith("start-up on NVIDIA H200 (cuda:0) (triton 3.6.0)")
+    assert "cold Triton cache" in lines[1] and "warm Triton cache" in lines[1]
+    assert lines[2].split()[:4] == ["import", "gdn_dispatch", "0.81", "s"] and lines[2].count(" - ") == 1
+    assert "not importable: ModuleNotFoundError" in lines[3]
+    assert "61.25 s (40 compiles)" in lines[4] and "4.50 s (40 compiles)" in lines[4]
+    assert lines[5].split()[-2:] == ["0", "0"]
+
+
+def test_startup_json_round_trip(tmp_path):
+    path = tmp_path / "startup.json"
+    bench_startup.write_json(startup_report(), str(path))
+    data = json.loads(path.read_text())
+    assert data["device"] == "NVIDIA H200 (cuda:0)" and data["versions"] == {"triton": "3.6.0"}
+    assert data["rows"][2] == {"what": "warmup", "cold_s": 61.25, "warm_s": 4.5, "cold_compiles": 40,
+                               "warm_compiles": 40, "note": "40 calls", "error": ""}
+    assert data["rows"][1]["cold_s"] is None
+
+
+def test_gpu_backends_follow_the_registry():
+    names = ["gluon_sm100", "gluon_sm90", "triton_generic", "reference"]
+    assert bench_startup.gpu_backends(assumed_device("sm_90"), names) == ["gluon_sm90", "triton_generic"]
+    assert bench_startup.gpu_backends(assumed_device("sm_80"), names) == ["triton_generic"]

@@ -4,8 +4,6 @@ the backends' launch planners, no GPU); triton_generic's key model separates eve
 calls its kernels specialize apart (its launches recorded on the CPU); and on a GPU, after
 warmup(), 60 random ragged batches compile nothing."""
 
-import random
-
 import pytest
 import torch
 
@@ -15,39 +13,12 @@ from gdn_dispatch.testing import runnable_gpu_backends
 from gdn_dispatch.warmup import CompileCounter, warmup
 from gdn_dispatch.warmup_plan import (
     LAST_LENGTHS, LONG_LENGTH, WarmupCall, WarmupSpec, call_keys, candidate_calls, choose_backend, make_call,
-    plan_warmup, specialization_keys, state_variants, triton_arg_class,
+    plan_warmup, specialization_keys, triton_arg_class,
 )
+from gdn_dispatch.warmup_plan import random_ragged_stream as random_stream
 
 QWEN35 = dict(H=16, HV=32, K=128, V=128)
 SMALL = dict(H=2, HV=4, K=64, V=128)
-#: Pool row counts a stream draws: both of Triton's integer classes (16, 48 divisible by 16).
-STREAM_POOL_SIZES = (16, 17, 40, 48)
-
-
-def random_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200) -> list[WarmupCall]:
-    """Ragged batches as a server forms them: 1..max_num_seqs sequences of 0..max_len tokens
-    (some whole chunks, some empty, now and then one long prompt), a few uniform batches;
-    any state source of ``spec`` (pools of random size with -1 padding rows), final-state
-    flag, input layout and varlen form."""
-    rng = random.Random(seed)
-    calls = []
-    for _ in range(count):
-        n = rng.randint(1, spec.max_num_seqs)
-        state = dict(rng.choice(state_variants(spec)))
-        if state.get("pool_dtype") is not None and spec.pool_size is None:
-            state["pool_size"] = rng.choice(STREAM_POOL_SIZES)
-        flags = dict(output_final_state=rng.choice(spec.final_states), layout=rng.choice(spec.input_layouts), **state)
-        if rng.random() < 0.2:
-            calls.append(WarmupCall(None, (n, rng.choice([64, 128, rng.randint(1, max_len)])), **flags))
-            continue
-        lengths = [rng.choice([0, 64, 128, rng.randint(1, max_len)]) for _ in range(n)]
-        lengths[0] = max(lengths[0], 1)
-        if rng.random() < 0.1:
-            lengths[rng.randrange(n)] = rng.randint(LONG_LENGTH, 2 * LONG_LENGTH)
-        calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
-    return calls
-
-
 CASES = [
     pytest.param("sm_90", QWEN35, True, id="sm90-qwen35-l2"),
     pytest.param("sm_90", SMALL, False, id="sm90-small"),
