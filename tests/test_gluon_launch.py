@@ -87,7 +87,7 @@ def setup(monkeypatch, runtime):
 
     def args(**over):
         a = dict(w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens,
-                 chunk_seq=p.chunks.chunk_seq, chunk_local=p.chunks.chunk_local, HV=launch.scalars["HV"],
+                 N=p.N, HV=launch.scalars["HV"],
                  GROUP=launch.scalars["GROUP"], s_g=p.HV, s_beta=p.HV)
         a.update(over)
         return a

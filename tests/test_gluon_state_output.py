@@ -213,11 +213,13 @@ def test_aot_list(capability):
     kernels = so.state_output_kernels_for_aot(capability, backend)
     # Every (K, V) x every configuration whose warps hold the state tile (10), x dtype x
     # tails x layout x l2 (16); then three initial/final state flips; two pools per
-    # configuration, a pool only read and a bfloat16 initial state.
+    # configuration, a pool only read and a bfloat16 initial state; int64 cu_seqlens at
+    # K = V = 128 (3 configurations).
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
     assert len(configs) == 10
-    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2
+    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3
+    assert {k.signature["cu_seqlens"] for k in kernels} == {"*i32", "*i64"}
     assert len({k.specialization for k in kernels}) == len(kernels)
     for k in kernels:
         assert k.kernel == "state_output_fwd" and k.backend == backend and k.dialect == "gluon"
@@ -240,7 +242,9 @@ def test_aot_list(capability):
         {("*fp32", "*i32", False), ("*bf16", "*i64", True)}
     assert all(k.constexprs["USE_H0"] for k in pools)
     assert {k.signature["h0"] for k in kernels if not k.constexprs["USE_POOL"]} == {"*fp32", "*bf16"}
-    assert {k.signature["state_indices"] for k in kernels if not k.constexprs["USE_POOL"]} == {"*i32"}
+    # Without a pool, cu_seqlens stands in for the (unread) indices.
+    assert all(k.signature["state_indices"] == k.signature["cu_seqlens"] for k in kernels
+               if not k.constexprs["USE_POOL"])
     assert {k.constexprs["V"] for k in kernels} == {64, 128}
 
 
@@ -491,3 +495,33 @@ def test_pool_rows_zero_every_index_outside_the_pool():
     rows = so.pool_rows(pool, torch.tensor([2, -1, 3, 0, -7], dtype=torch.int32))
     assert torch.equal(rows[0], pool[2]) and torch.equal(rows[3], pool[0])
     assert not rows[[1, 2, 4]].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("lengths", [[0, 1, 63, 64, 65, 127, 128, 129, 0, 700, 2, 64, 31, 511, 501, 3],
+                                     [64, 128, 0, 192]], ids=["ragged-16", "whole-chunks"])
+def test_chunk_slots_from_a_device_cu_seqlens_alone(lengths, cu_dtype):
+    """The w/u kernel maps chunk slots to chunks by bisection over a device cu_seqlens: with
+    no host copy there is no sync (sync debug mode "error"), and every row of o and every
+    final state matches the reference on NaN-poisoned memory (idle slots write nothing,
+    every chunk is written once)."""
+    from gdn_dispatch import chunk_gated_delta_rule, reference
+
+    backend = "gluon_sm90" if CAPABILITY[0] == 9 else "gluon_sm100"
+    p = _problem(lengths=lengths, H=2, HV=4, layout="vk", l2=True, device="cuda", seed=13)
+    cu = p.cu_seqlens.to(cu_dtype)
+    kwargs = dict(scale=p.scale, initial_state=p.initial_state, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=True, state_layout="vk", backend=backend)
+    chunk_gated_delta_rule(p.q, p.k, p.v, p.g, p.beta, **kwargs)  # compile outside the sync check
+    poison_cuda_allocator()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, final = chunk_gated_delta_rule(p.q, p.k, p.v, p.g, p.beta, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    o_ref, final_ref = reference.forward(p)
+    assert rel_rms_error(o, o_ref) <= TOL["reference"]
+    assert rel_rms_error(final, final_ref) <= TOL["reference"]

@@ -65,7 +65,8 @@ def test_plan_wy_uniform_batch(capability):
 def test_plan_wy_varlen_tails_l2_fp16():
     p = _problem(lengths=[1, 63, 64, 65, 130, 0], H=1, HV=2, K=64, V=128, dtype=torch.float16, l2=True)
     launch = wy.plan_wy(p, SM90)
-    assert launch.grid == ((1 + 1 + 1 + 2 + 3) * 2,)
+    # Chunk slots: T // 64 + N = 323 // 64 + 6 (the 8 chunks and 3 idle slots) x HV.
+    assert launch.grid == ((323 // 64 + 6) * 2,)
     assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "ENGINE": _engine(SM90),
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs", "w_rows_desc": None,
                                  "u_rows_desc": None}
@@ -148,6 +149,9 @@ def test_empty_call_launches_nothing():
 
 def test_aot_list_covers_every_flag():
     kernels = wy.wy_kernels_for_aot(SM90)
-    assert len(kernels) == 2 * 3 * 2 * 2 * 2 * 2  # dtype x (g, beta) dtypes x K x V x tails x l2
+    # dtype x (g, beta) dtypes x K x V x tails x l2 with int32 offsets; bf16, fp32 gates,
+    # int64 offsets x K x V x tails x l2.
+    assert len(kernels) == 2 * 3 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2
+    assert {k.signature["cu_seqlens"] for k in kernels} == {"*i32", "*i64"}
     assert len({k.specialization for k in kernels}) == len(kernels)
     assert all(k.maxnreg == wy.WY_MAXNREG_SM90 for k in kernels)

@@ -251,14 +251,16 @@ def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
     """True when some sequence ends inside a chunk: the kernels then mask rows past a
     sequence's end and never write them (constexpr ``HAS_TAILS``).
 
-    Uniform batch: ``T % 64 != 0``. Varlen (one row of ``T`` tokens, lengths ``L_n``
-    summing to ``T``): the ``NT = sum ceil(L_n / 64)`` chunks span ``64 * NT >= T`` rows,
-    equal exactly when every ``L_n`` is a multiple of 64. So no length is read: O(1) per
-    call, which :func:`.plan.plan_key` relies on (NT itself came from the host copy of cu_seqlens).
+    Uniform batch: ``T % 64 != 0``. Varlen: every length is a multiple of 64 exactly when
+    every offset is, which only a host copy of ``cu_seqlens`` can show (read on the host,
+    no sync); without one, True (the kernels then find each chunk's rows themselves, which
+    is right for any lengths).
     """
     if chunks.uniform:
         return T % CHUNK_SIZE != 0
-    return chunks.num_chunks * chunks.chunk_size != T
+    if chunks.cu_seqlens_host is None:
+        return True
+    return any(offset % CHUNK_SIZE for offset in chunks.cu_seqlens_host.tolist())
 
 
 def has_tails(problem: GDNProblem) -> bool:
@@ -304,12 +306,13 @@ def token_stride(t: torch.Tensor) -> int:
 
 
 def index_limits_reason(problem: GDNProblem) -> str | None:
-    """TMA coordinates are int32: rows B*T and NT*HV*K must stay below 2^31."""
+    """TMA row coordinates are int32, and so are program ids: B*T and the w/u kernel's
+    programs (chunk slots x v-heads) must stay below 2^31."""
     rows = problem.B * problem.T
-    h_rows = problem.chunks.num_chunks * problem.HV * problem.K
-    if rows > INT32_MAX or h_rows > INT32_MAX:
-        return (f"TMA row coordinates are int32: needs B*T = {rows} and NT*HV*K = {h_rows} "
-                f"below 2^31")
+    programs = problem.chunks.num_slots * problem.HV
+    if rows > INT32_MAX or programs > INT32_MAX:
+        return (f"TMA row coordinates and program ids are int32: needs B*T = {rows} and chunk slots x HV = "
+                f"{programs} below 2^31")
     return None
 
 

@@ -49,20 +49,39 @@ def tile_layout(rows, cols, num_warps):
 
 
 @gluon.jit
-def chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
-    """First packed row of chunk ``i_c`` and how many of its ``BT`` rows its sequence owns.
+def slot_rows(cu_seqlens, num_seqs, i_s, BT: gl.constexpr):
+    """First packed row of chunk slot ``i_s`` and how many of its ``BT`` rows its sequence
+    owns, ``<= 0`` at an idle slot (the chunk slots of :mod:`gdn_dispatch.varlen`).
 
-    Without tails (every sequence length a multiple of ``BT``, uniform batch or varlen)
-    chunks tile the packed rows back to back: chunk ``i_c`` starts at row ``i_c * BT`` and
-    is full, so the tables are not read.
+    Sequence ``n`` owns slots from ``s_n = cu[n] // BT + n``; slot ``i_s`` belongs to the
+    largest ``n`` with ``s_n <= i_s``, found by bisection over ``cu_seqlens`` (int32 or
+    int64; ``log2(N)`` loads) with the invariant ``s_lo <= i_s < s_hi`` (``s_N`` is the slot
+    count). Rows come back int32: TMA coordinates are (``B * T < 2^31``, checked on the host).
+    """
+    lo = num_seqs * 0
+    hi = num_seqs + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = gl.load(cu_seqlens + mid).to(gl.int32) // BT + mid <= i_s
+        lo = gl.where(below, mid, lo)
+        hi = gl.where(below, hi, mid)
+    bos = gl.load(cu_seqlens + lo).to(gl.int32)
+    eos = gl.load(cu_seqlens + lo + 1).to(gl.int32)
+    row0 = bos + (i_s - (bos // BT + lo)) * BT
+    return row0, gl.minimum(eos - row0, BT)
+
+
+@gluon.jit
+def chunk_rows(cu_seqlens, num_seqs, i_c, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
+    """First packed row of program ``i_c``'s chunk and how many of its ``BT`` rows its
+    sequence owns (``<= 0``: an idle chunk slot, nothing to do).
+
+    With tails, ``i_c`` is a chunk slot (:func:`slot_rows`). Without (every sequence length
+    a multiple of ``BT``, uniform batch or varlen) chunks tile the packed rows back to back:
+    chunk ``i_c`` starts at row ``i_c * BT`` and is full, so nothing is read.
     """
     if HAS_TAILS:
-        i_n = gl.load(chunk_seq + i_c)
-        i_t = gl.load(chunk_local + i_c)
-        bos = gl.load(cu_seqlens + i_n)
-        eos = gl.load(cu_seqlens + i_n + 1)
-        row0 = bos + i_t * BT
-        n_valid = gl.minimum(eos - row0, BT)
+        row0, n_valid = slot_rows(cu_seqlens, num_seqs, i_c, BT)
     else:
         row0 = i_c * BT
         n_valid = BT

@@ -45,15 +45,16 @@ def plan_key(problem: GDNProblem, device: DeviceInfo, engine) -> tuple:
     """Everything the stage planners read from a call, a device and the engine, as a
     hashable key.
 
-    Shapes, dtype, sequence and chunk counts, the tail flag, the state, state-pool,
+    Shapes, dtype, the sequence count, the tail flag, the state, state-pool,
     write-back and l2-norm flags, the compute capability, the SM count, the shared memory
     per block and the engine.
-    Tensor values (cu_seqlens' lengths included) are not in it: plans read none
-    (:func:`~.launch_plan.chunks_have_tails` needs only NT). A stage planner that starts
-    reading another attribute of the problem or device must add it.
+    Tensor values (cu_seqlens' lengths included) are not in it: plans read none (the w/u
+    kernel's chunk count follows from ``B * T``, ``N`` and the tail flag; the tail flag of
+    a varlen call from its host copy of the offsets, when it has one). A stage planner that
+    starts reading another attribute of the problem or device must add it.
     """
     return (tuple(device.capability), device.sm_count, device.smem_optin, engine, tuple(problem.q.shape),
-            tuple(problem.v.shape), problem.dtype, problem.N, problem.chunks.num_chunks, has_tails(problem),
+            tuple(problem.v.shape), problem.dtype, problem.N, has_tails(problem),
             problem.initial_state is not None, problem.output_final_state, problem.state_layout,
             problem.use_qk_l2norm, problem.uses_state_pool, problem.inplace_final_state)
 

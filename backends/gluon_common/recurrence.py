@@ -30,8 +30,9 @@ def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl
     i_nh = pid // (V // BV)
     i_n = i_nh // HV
     i_h = i_nh % HV
-    bos = gl.load(cu_seqlens + i_n)
-    eos = gl.load(cu_seqlens + i_n + 1)
+    # int32 or int64 offsets; rows are TMA coordinates, int32 (B * T < 2^31, host-checked).
+    bos = gl.load(cu_seqlens + i_n).to(gl.int32)
+    eos = gl.load(cu_seqlens + i_n + 1).to(gl.int32)
     NT = gl.cdiv(eos - bos, BT)
     return i_n, i_nh, i_h, i_v, bos, eos, NT, i_h * K, (i_h // GROUP) * K, i_h * V + i_v * BV
 

@@ -640,7 +640,7 @@ def state_output_fwd(
     """
     B, T, HV, V = u.shape
     H, K = k.shape[2], k.shape[3]
-    N, NT = chunks.num_seqs, chunks.num_chunks
+    N = chunks.num_seqs
     vk = launch.constexprs["STATE_VK"]
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     final_state = None
@@ -652,7 +652,7 @@ def state_output_fwd(
     h0 = initial_state
     if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
         h0 = h0.to(torch.float32)  # the kernel reads float32 and bfloat16 states
-    if NT == 0 or B * T == 0 or N * HV == 0:
+    if B * T == 0 or N * HV == 0:
         # Nothing to walk (every sequence is empty): the final state is the initial one, and
         # a pool row written back would receive its own values.
         if final_state is not None:
@@ -696,17 +696,20 @@ _POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "state_indices", "cu_seqlens
 
 
 def state_output_signature(launch: LaunchPlan, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
-                           index_dtype: torch.dtype = torch.int32) -> tuple[dict, dict, dict]:
+                           index_dtype: torch.dtype = torch.int32,
+                           cu_dtype: torch.dtype = torch.int32) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of ``_state_output_fwd_kernel`` for ``launch``, in
     argument order, as a launch of it would specialize (16-byte-aligned pointers).
     ``state_dtype``: of the initial state or pool (float32 or bfloat16; float32 stands in
     when there is none); ``index_dtype``: of ``state_indices`` with a pool (int32 or int64;
-    without one, cu_seqlens stands in)."""
+    without one, cu_seqlens stands in); ``cu_dtype``: of cu_seqlens (int32 or int64, as the
+    caller passed it)."""
     constexprs = {"V": launch.scalars["V"], **launch.constexprs}
     sig = {d.arg: d.signature for d in launch.descriptors}
     pool = launch.constexprs["USE_POOL"]
     sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*" + sig_dtype(state_dtype),
-               ht="*fp32", state_indices="*" + sig_dtype(index_dtype if pool else torch.int32), cu_seqlens="*i32",
+               ht="*fp32", state_indices="*" + sig_dtype(index_dtype if pool else cu_dtype),
+               cu_seqlens="*" + sig_dtype(cu_dtype),
                scale="fp32", HV="i32", GROUP="i32", pool_size="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in arg_names(_state_output_fwd_kernel)}
@@ -714,11 +717,12 @@ def state_output_signature(launch: LaunchPlan, dtype: torch.dtype, state_dtype: 
 
 
 def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: str,
-                            state_dtype: torch.dtype = torch.float32,
-                            index_dtype: torch.dtype = torch.int32) -> AotKernel:
+                            state_dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int32,
+                            cu_dtype: torch.dtype = torch.int32) -> AotKernel:
     """The AotKernel that compiles exactly what ``state_output_fwd`` launches for ``launch``
-    (initial state / pool of ``state_dtype``, pool indices of ``index_dtype``)."""
-    signature, constexprs, attrs = state_output_signature(launch, dtype, state_dtype, index_dtype)
+    (initial state / pool of ``state_dtype``, pool indices of ``index_dtype``, cu_seqlens
+    of ``cu_dtype``)."""
+    signature, constexprs, attrs = state_output_signature(launch, dtype, state_dtype, index_dtype, cu_dtype)
     return AotKernel(backend=backend, kernel="state_output_fwd", specialization=tag,
                      fn=_state_output_fwd_kernel, signature=signature, constexprs=constexprs,
                      dialect="gluon", num_warps=launch.num_warps, attrs=attrs, maxnreg=launch.maxnreg)
@@ -747,7 +751,8 @@ def _aot_tag(K: int, V: int, BV: int, warps: int, flags: dict) -> str:
             if flags["pool"] else (f"-h0{'' if state == torch.float32 else '-' + sig_dtype(state)}" if flags["h0"]
                                    else ""))
     return (f"K{K}-V{V}-BV{BV}-w{warps}-{sig_dtype(flags['dtype'])}-{'tails' if flags['tails'] else 'full'}-"
-            f"{'vk' if flags['vk'] else 'kv'}{pool}{'-ht' if flags['ht'] else ''}{'-l2' if flags['l2'] else ''}")
+            f"{'vk' if flags['vk'] else 'kv'}{pool}{'-ht' if flags['ht'] else ''}{'-l2' if flags['l2'] else ''}"
+            f"{'-cu64' if flags['cu_dtype'] == torch.int64 else ''}")
 
 
 def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
@@ -762,13 +767,14 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
     float32 "kv" pool with int32 indices written back in place (and the final state
     returned), a bfloat16 "vk" pool with int64 indices written back in place; then a
     bfloat16 pool only read (K = V = 128, BV = 128) and a bfloat16 initial state without a
-    pool (K = V = 128, BV = 64).
+    pool (K = V = 128, BV = 64). int64 cu_seqlens (read as the caller passes them) at
+    K = V = 128 in every configuration.
     """
     from gdn_dispatch.device import assumed_device
 
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
     base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=True, pool=False, inplace=False,
-                state_dtype=torch.float32, index_dtype=torch.int32)
+                state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
     configs = [(K, V, BV, warps) for K in (64, 128) for V in (64, 128) for BV, warps in CONFIGS
                if V % BV == 0 and warps >= state_output_warps(K, BV)]
     cases = []
@@ -786,11 +792,14 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
                                         "state_dtype": torch.bfloat16, "index_dtype": torch.int64}))
     cases.append((128, 128, 128, 8, {**base, "pool": True, "state_dtype": torch.bfloat16}))
     cases.append((128, 128, 64, 4, {**base, "state_dtype": torch.bfloat16}))
+    for K, V, BV, warps in configs:
+        if K == V == 128:
+            cases.append((K, V, BV, warps, {**base, "cu_dtype": torch.int64}))
     kernels = []
     for K, V, BV, warps, flags in cases:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
                                    engine=engine)
         state_dtype = flags["state_dtype"] if flags["h0"] or flags["pool"] else torch.float32
         kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], _aot_tag(K, V, BV, warps, flags),
-                                               state_dtype, flags["index_dtype"]))
+                                               state_dtype, flags["index_dtype"], flags["cu_dtype"]))
     return kernels

@@ -246,10 +246,10 @@ def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_vali
     store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, ENGINE)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
-    g, g_cum, beta, cu_seqlens, chunk_seq, chunk_local, HV, GROUP, s_g, s_beta,
+    g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
     LHS_REGS: gl.constexpr,
 ):
@@ -258,11 +258,14 @@ def _wy_fwd_kernel(
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     # (chunk, v-head) flattened with the v-head fastest: programs sharing a k head run
-    # side by side and hit the same k rows in L2.
+    # side by side and hit the same k rows in L2. With tails the chunks are chunk slots,
+    # and an idle slot's programs have nothing to do.
     pid = gl.program_id(0)
     i_c = pid // HV
     i_h = pid % HV
-    row0, n_valid = chunk_rows(cu_seqlens, chunk_seq, chunk_local, i_c, BT, HAS_TAILS)
+    row0, n_valid = chunk_rows(cu_seqlens, N, i_c, BT, HAS_TAILS)
+    if n_valid <= 0:
+        return
 
     k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
@@ -382,15 +385,23 @@ def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, engine=N
     engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
         one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
 
-    One program per (chunk, v-head), v-head fastest; whole K and V tiles; 4 warps (one
-    warpgroup: wgmma's M = 64).
+    One program per (chunk, v-head), v-head fastest (chunks: :func:`wy_chunks`); whole K and
+    V tiles; 4 warps (one warpgroup: wgmma's M = 64).
     """
     return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
-                    problem.chunks.num_chunks, has_tails(problem), problem.use_qk_l2norm, as_device(device),
-                    variant, engine)
+                    problem.N, has_tails(problem), problem.use_qk_l2norm, as_device(device), variant, engine)
 
 
-def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, variant: str | None = None,
+def wy_chunks(rows: int, num_seqs: int, tails: bool) -> int:
+    """Chunks the w/u kernel launches over for ``rows = B * T`` packed tokens in ``num_seqs``
+    sequences: with tails the chunk slots (``rows // 64 + N``, :mod:`gdn_dispatch.varlen`;
+    each program finds its chunk by bisection over cu_seqlens, idle ones exit), without
+    them the ``rows / 64`` whole chunks that tile the rows back to back. Known on the host
+    from the shapes alone: no chunk table, no read of cu_seqlens."""
+    return rows // CHUNK_SIZE + (num_seqs if tails else 0)
+
+
+def _plan_wy(rows, H, HV, K, V, dtype, N, tails, l2norm, info: DeviceInfo, variant: str | None = None,
              engine=None) -> LaunchPlan:
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
@@ -399,6 +410,7 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, vari
     engine = resolve_engine(info, engine)
     is_sm100 = engine.is_sm100
     BT = CHUNK_SIZE
+    NT = wy_chunks(rows, N, tails)
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(rows, H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs})
@@ -417,7 +429,7 @@ def _plan_wy(rows, H, HV, K, V, dtype, NT, tails, l2norm, info: DeviceInfo, vari
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{NT} chunks x {HV} v-heads, T formed in-kernel ({variant} inverse), whole [64, {K}] / [64, {V}] tiles",
+        notes=f"{NT} {'chunk slots' if tails else 'chunks'} x {HV} v-heads, T formed in-kernel ({variant} inverse), whole [64, {K}] / [64, {V}] tiles",
         # sm_90a: 168 registers (ptxas takes 183-198 uncapped for "smem", 155-159 for "regs",
         # and spills nothing at 168) and
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
@@ -467,33 +479,32 @@ def wy_fwd(
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-    u = torch.empty_like(v)
+    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
-    if chunks.num_chunks == 0 or B * T == 0 or HV == 0:
+    if B * T == 0 or HV == 0:
         return w, u, g_cum
     if launch is None:
         if device_info is None:
             raise ValueError("wy_fwd: pass launch (a plan_wy plan) or device_info to plan one")
-        launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_chunks, chunks_have_tails(chunks, T),
+        launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_seqs, chunks_have_tails(chunks, T),
                           use_qk_l2norm, device_info)
     tensors = {"k": k, "v": v, "w": w, "u": u}
     launch_planned(_wy_fwd_kernel, launch, tensors, dict(
-        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta,
-        cu_seqlens=chunks.cu_seqlens, chunk_seq=chunks.chunk_seq, chunk_local=chunks.chunk_local,
+        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
     ))
     return w, u, g_cum
 
 
 def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype | None = None,
-                 g_dtype: torch.dtype = torch.float32) -> dict:
-    """Argument types of ``_wy_fwd_kernel`` for ``launch``, as a launch would specialize."""
+                 g_dtype: torch.dtype = torch.float32, cu_dtype: torch.dtype = torch.int32) -> dict:
+    """Argument types of ``_wy_fwd_kernel`` for ``launch``, as a launch would specialize
+    (``cu_dtype``: of cu_seqlens, the caller's int32 or int64 offsets)."""
     sig = {d.arg: d.signature for d in launch.descriptors}
     ptr = "*" + sig_dtype(dtype)
     sig.update(w_ptr=ptr, u_ptr=ptr, g="*" + sig_dtype(g_dtype), g_cum="*fp32",
                beta="*" + sig_dtype(beta_dtype or dtype),
-               cu_seqlens="*i32", chunk_seq="*i32", chunk_local="*i32", HV="i32", GROUP="i32", s_g="i32",
-               s_beta="i32")
+               cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
     sig.update({name: "constexpr" for name in launch.constexprs})
     return {name: sig[name] for name in arg_names(_wy_fwd_kernel)}
 
@@ -513,28 +524,33 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                        *, engine=None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
     on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
-    (q's dtype, q's dtype), the gate dtypes models pass; of the inverse ``variant`` (None:
-    the one plan_wy picks by default), on ``engine`` (None: :func:`~.launch_plan.resolve_engine`)."""
+    (q's dtype, q's dtype), the gate dtypes models pass, with int32 cu_seqlens; then bf16
+    with fp32 gates and int64 cu_seqlens (the caller's offsets are read as they come); of
+    the inverse ``variant`` (None: the one plan_wy picks by default), on ``engine`` (None:
+    :func:`~.launch_plan.resolve_engine`)."""
     from gdn_dispatch.aot import AotKernel
 
     device = as_device(capability)
     engine = resolve_engine(device, engine)
     backend = backend or ("gluon_sm100" if engine.is_sm100 else "gluon_sm90")
+    cases = [(dtype, g_dtype, beta_dtype, torch.int32) for dtype in (torch.bfloat16, torch.float16)
+             for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype))]
+    cases.append((torch.bfloat16, torch.float32, torch.float32, torch.int64))
     kernels = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype)):
-            for K in (64, 128):
-                for V in (64, 128):
-                    for tails in (False, True):
-                        for l2 in (False, True):
-                            launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, engine=engine)
-                            tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
-                                   f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}")
-                            kernels.append(AotKernel(
-                                backend=backend, kernel="wy_fwd", specialization=tag, fn=_wy_fwd_kernel,
-                                signature=wy_signature(launch, dtype, beta_dtype, g_dtype),
-                                constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-                                maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
-                                    "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens", "chunk_seq", "chunk_local"]),
-                            ))
+    for dtype, g_dtype, beta_dtype, cu_dtype in cases:
+        for K in (64, 128):
+            for V in (64, 128):
+                for tails in (False, True):
+                    for l2 in (False, True):
+                        launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, engine=engine)
+                        tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
+                               f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}"
+                               f"{'-cu64' if cu_dtype == torch.int64 else ''}")
+                        kernels.append(AotKernel(
+                            backend=backend, kernel="wy_fwd", specialization=tag, fn=_wy_fwd_kernel,
+                            signature=wy_signature(launch, dtype, beta_dtype, g_dtype, cu_dtype),
+                            constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
+                            maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
+                                "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens"]),
+                        ))
     return kernels
