@@ -51,11 +51,6 @@ class ChunkTable:
     cu_seqlens_host : int Tensor ``[N + 1]`` on the CPU, or None when the caller gave no host
         copy (nothing is read back to make one).
     uniform : bool, True when every sequence has the same length (no cu_seqlens given).
-
-    ``num_chunks``, ``chunk_seq``, ``chunk_local`` and ``seq_chunk_start`` are the flat chunk
-    list's tables (``NT`` chunks, ``[NT]``, ``[NT]``, ``[N + 1]`` int32 on the device), built on
-    first access from the host copy of the offsets (read back when there is none: a sync).
-    Only launchers that map programs to a flat chunk list read them.
     """
 
     num_seqs: int
@@ -70,44 +65,6 @@ class ChunkTable:
         if self.cu_seqlens_host is None:
             raise RuntimeError("seq_bounds needs cu_seqlens on the host; the call gave no host copy")
         return int(self.cu_seqlens_host[n]), int(self.cu_seqlens_host[n + 1])
-
-    @functools.cached_property
-    def _flat_tables(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Built with device ops from the device offsets (capturable in a CUDA graph); only
-        # the total chunk count comes from the host copy.
-        C, device = self.chunk_size, self.cu_seqlens.device
-        host = self.cu_seqlens_host if self.cu_seqlens_host is not None else self.cu_seqlens.cpu()
-        host = host.to(torch.int64)
-        num_chunks = int(((host[1:] - host[:-1] + C - 1) // C).sum())
-        cu = self.cu_seqlens.to(torch.int32)
-        counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
-        starts = torch.zeros(self.num_seqs + 1, device=device, dtype=torch.int32)
-        torch.cumsum(counts, 0, out=starts[1:])
-        # output_size keeps repeat_interleave from reading the total back from the device.
-        seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=device, dtype=torch.int32), counts,
-                                      output_size=num_chunks)
-        local = torch.arange(num_chunks, device=device, dtype=torch.int32) - starts[seq.long()]
-        return num_chunks, seq.to(torch.int32), local.to(torch.int32), starts
-
-    @property
-    def num_chunks(self) -> int:
-        """``NT``, the chunks of all sequences (``ceil(len / C)`` each)."""
-        return self._flat_tables[0]
-
-    @property
-    def chunk_seq(self) -> torch.Tensor:
-        """int32 ``[NT]``: the sequence of each chunk of the flat chunk list."""
-        return self._flat_tables[1]
-
-    @property
-    def chunk_local(self) -> torch.Tensor:
-        """int32 ``[NT]``: each chunk's index within its sequence."""
-        return self._flat_tables[2]
-
-    @property
-    def seq_chunk_start(self) -> torch.Tensor:
-        """int32 ``[N + 1]``: each sequence's first chunk in the flat chunk list."""
-        return self._flat_tables[3]
 
 
 #: Uniform-batch tables kept by :func:`_uniform_table` (a server sees few (B, T) shapes).

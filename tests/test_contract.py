@@ -123,10 +123,7 @@ def test_normalized_problem():
 def test_chunk_table_varlen():
     call = random_call(lengths=[1, 0, 64, 65, 130], K=8, V=8, dtype=torch.float32)
     table = make_problem(**call).chunks
-    assert table.num_seqs == 5 and table.num_chunks == 1 + 0 + 1 + 2 + 3
-    assert table.chunk_seq.tolist() == [0, 2, 3, 3, 4, 4, 4]
-    assert table.chunk_local.tolist() == [0, 0, 0, 1, 0, 1, 2]
-    assert table.seq_chunk_start.tolist() == [0, 1, 1, 2, 4, 7]
+    assert table.num_seqs == 5
     assert table.cu_seqlens.dtype == torch.int32 and not table.uniform
     # Chunk slots: sequence n owns [cu[n] // 64 + n, cu[n + 1] // 64 + n + 1).
     assert table.num_slots == 260 // 64 + 5
@@ -136,11 +133,9 @@ def test_chunk_table_varlen():
 def test_chunk_table_uniform():
     call = random_call(batch=(3, 130), K=8, V=8, dtype=torch.float32)
     table = make_problem(**call).chunks
-    assert table.num_seqs == 3 and table.num_chunks == 9 and table.uniform
+    assert table.num_seqs == 3 and table.uniform
     assert table.cu_seqlens.tolist() == [0, 130, 260, 390]
-    assert table.chunk_seq.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert table.chunk_local.tolist() == [0, 1, 2] * 3
-    assert table.seq_chunk_start.tolist() == [0, 3, 6, 9]
+    assert table.num_slots == 390 // 64 + 3 and slot_starts(table.cu_seqlens_host.tolist(), 64) == [0, 3, 6, 9]
 
 
 def test_uniform_chunk_tables_are_built_once_per_shape():
@@ -150,7 +145,7 @@ def test_uniform_chunk_tables_are_built_once_per_shape():
     again = make_problem(**random_call(batch=(2, 100), K=8, V=8, dtype=torch.float32, seed=2)).chunks
     other = make_problem(**random_call(batch=(2, 129), K=8, V=8, dtype=torch.float32, seed=1)).chunks
     assert again is first and other is not first
-    assert other.num_chunks == 6 and other.chunk_local.tolist() == [0, 1, 2] * 2
+    assert other.num_slots == 258 // 64 + 2 and other.cu_seqlens.tolist() == [0, 129, 258]
 
 
 @pytest.mark.parametrize("container", [list, tuple])
