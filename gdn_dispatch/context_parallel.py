@@ -187,8 +187,9 @@ def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) 
     max_len = None
     if chunks.uniform:
         max_len = problem.T
-    elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0:
-        cu = chunks.cu_seqlens_host
-        max_len = int((cu[1:] - cu[:-1]).max())
+    elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0 and problem.context_parallel != "off":
+        # A Python list, not torch ops on the CPU tensor: this runs on every call's host path.
+        cu = chunks.cu_seqlens_host.tolist()
+        max_len = max(b - a for a, b in zip(cu, cu[1:]))
     return plan_context_parallel(problem.context_parallel, T_total=T_total, N=problem.N, HV=problem.HV,
                                  V=problem.V, sm_count=sm_count, max_len=max_len, tuning=tuning)
