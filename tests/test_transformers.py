@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from gdn_dispatch import GDNInputError, chunk_gated_delta_rule
+from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.testing import rel_rms_error, runnable_gpu_backends
 
 transformers = pytest.importorskip("transformers", reason="needs the [integration] extra (transformers >= 5)")
@@ -27,7 +27,6 @@ qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5",
 
 #: Relative RMS error of the logits, ours vs transformers' torch path, per tier.
 TOLERANCE = {"cpu": 1e-5, "gpu": 2e-2}
-STRIDED_REASON = "strided inputs: issue #13 item 1"
 
 
 def tiny_config(head_dim: int):
@@ -74,14 +73,13 @@ def _compare(monkeypatch, device, dtype, head_dim, backend, tolerance, state_fac
             return o, final_state * state_factor
 
         monkeypatch.setattr(qwen, "torch_chunk_gated_delta_rule", counted)
-        try:
-            actual = _run(model, ids, split, steps)
-        except GDNInputError as exc:
-            if "expected a contiguous tensor" in str(exc):
-                pytest.xfail(f"{STRIDED_REASON}: {exc}")
-            raise
-    # 3 GDN layers x (a prefill from zeros, a continuation from the cached state).
-    assert calls == [False] * 3 + [True] * 3
+        actual = _run(model, ids, split, steps)
+    # 3 GDN layers x (a prefill from zeros, a continuation from the cached state); some
+    # transformers versions (5.17) send the single-token decode steps through the chunked
+    # function too, each from the cached state.
+    layers = 3
+    assert calls[:2 * layers] == [False] * layers + [True] * layers, calls
+    assert len(calls) in (2 * layers, (2 + steps) * layers) and all(calls[layers:]), calls
     names = ["prefill", "continuation"] + [f"decode{i}" for i in range(steps)]
     errors = {name: rel_rms_error(a.float(), e.float()) for name, a, e in zip(names, actual, expected)}
     assert max(errors.values()) <= tolerance, errors
