@@ -4,6 +4,20 @@
     rnorm       = qk_rnorm_fwd(q, k)                      # qk l2 norm only: 1/||q||, 1/||k|| per row
     o, S        = state_output_fwd(q, k, w, u, g_cum, S0) # recurrence + output
 
+With context parallelism planned for the call (:func:`gdn_dispatch.context_parallel.plan_for_problem`
+on the registry's SM count: few sequences x heads, long sequences), the fused kernel runs
+over segments of the sequences instead, each from its exact start state::
+
+    seg_cu       = segment_table_fwd(cu_seqlens, L)               # segment offsets, on the device
+    M, N         = segment_map_fwd(k, w, u, g_cum, seg_cu)        # pass 1: each segment's map
+    seg_h0, S    = segment_scan_fwd(M, N, cu_seqlens, L, S0)      # fp32 scan; final state / pool rows
+    o, _         = state_output_fwd(q, k, w, u, g_cum, segments, seg_h0)   # pass 2
+
+The three segment launches are triton_generic's plain-Triton kernels, read at their public
+host functions. w, u and g_cum are per chunk and segments start on chunk boundaries of their
+sequence, so one wy launch serves both passes (pass 1 reads them as triton_generic's own:
+the same ``[B, T, HV, *]`` rows, g_cum chunk-local in log2 units).
+
 The launching backend hands down the device the registry chose and its matrix engine
 (tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.
 Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm: wy reduces
@@ -22,18 +36,24 @@ written back, in place through ``state_indices``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from dataclasses import dataclass
+
 import torch
 
-import dataclasses
-
-from gdn_dispatch.contract import GDNProblem, _counted_copy
+from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
+from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy
 from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.varlen import ChunkTable, num_slots
 
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
-from gdn_dispatch.backends.gluon_common.plan import plan
+from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
+from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd, segment_table_fwd
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -51,7 +71,8 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     -------
     o : Tensor ``[B, T, HV, V]`` in q's dtype.
     final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
-        None unless ``problem.output_final_state``.
+        None unless ``problem.output_final_state``. With a state pool and
+        ``inplace_final_state``, the pool rows are written too.
     """
     if problem.device.index != torch.cuda.current_device():
         # Triton launches on the current device: make it the tensors' one for this call.
@@ -59,9 +80,12 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             return forward(problem, device, engine=engine)
     problem = tma_readable(problem)
     launches = plan(problem, device=device, engine=engine)
+    cp = plan_for_problem(problem, device.sm_count)
     chunks = problem.chunks
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
+    if cp.enabled:
+        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm)
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
@@ -90,3 +114,157 @@ def unsupported_reason(problem: GDNProblem) -> str | None:
     if problem.device.type != "cuda":
         return f"needs CUDA tensors, got device {problem.device}"
     return index_limits_reason(problem)
+
+
+# ----------------------------------------------------------------------------------------
+# Context parallelism
+
+
+def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w: torch.Tensor, u: torch.Tensor,
+                  g_cum: torch.Tensor, rnorm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence and output of ``problem`` over the segments of ``cp`` (``cp.enabled``).
+
+    Parameters
+    ----------
+    problem : the validated call, q / k / v TMA-readable (:func:`tma_readable`).
+    cp : its context-parallel plan: segments of ``L = cp.seg_len`` tokens, ``NSEG =
+        cp.num_segments`` segment slots.
+    device, engine : as :func:`forward` got them.
+    w : Tensor ``[B, T, HV, K]``, u : Tensor ``[B, T, HV, V]``, k's dtype; g_cum : float32
+        Tensor ``[B, T, HV]``, chunk-local in log2 units: the call's :func:`.wy.wy_fwd`.
+    rnorm : float32 Tensor ``[B * T, H, 2]`` (the call's :func:`.qk_norm.qk_rnorm_fwd`) with
+        the qk l2 norm, else None.
+
+    Returns
+    -------
+    o : Tensor ``[B, T, HV, V]`` in q's dtype.
+    final_state : float32 Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk"), or
+        None unless ``problem.output_final_state``; with ``inplace_final_state`` the scan
+        writes the pool rows.
+    """
+    cu_seqlens = problem.chunks.cu_seqlens
+    seg_cu = segment_table_fwd(cu_seqlens, problem.B * problem.T, cp.seg_len)
+    # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
+    # takes per-v-head ones.
+    m_in, n_in = segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=problem.use_qk_l2norm)
+    seg_h0, final_state = segment_scan_fwd(
+        m_in, n_in, cu_seqlens, cp.seg_len,
+        initial_state=problem.initial_state,
+        output_final_state=problem.output_final_state,
+        state_vk=problem.state_layout is StateLayout.VK,
+        state_indices=problem.state_indices,
+        inplace_final_state=problem.inplace_final_state,
+    )
+    segments = segment_problem(problem, cp, seg_cu, seg_h0)
+    launch = plan(segments, device=device, engine=engine).stage("state_output_fwd")
+    o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
+                            initial_state=seg_h0, rnorm=rnorm)
+    return o, final_state
+
+
+def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h0: torch.Tensor) -> GDNProblem:
+    """``problem`` with its segments as the sequences, as pass 2 runs it.
+
+    Segment slot ``s`` is sequence ``s`` (empty slots are zero-length sequences); its start
+    state is ``seg_h0[s]``, float32 in the "kv" layout as the scan writes it, read in
+    place. Pass 2 keeps no final state (the scan has it) and no pool.
+
+    Parameters
+    ----------
+    problem : the validated call.
+    cp : its context-parallel plan (``cp.enabled``).
+    seg_cu : int Tensor ``[NSEG + 1]``, cu_seqlens's dtype: the segment offsets
+        (``segment_table_fwd``; a ``meta`` tensor in a dry run).
+    seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``: the segment start states.
+    """
+    total = problem.B * problem.T
+    chunks = problem.chunks
+    table = ChunkTable(num_seqs=cp.num_segments, num_slots=num_slots(total, cp.num_segments, chunks.chunk_size),
+                       chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
+                       cu_seqlens_host=segment_offsets_host(chunks, cp.seg_len), uniform=False)
+    return dataclasses.replace(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
+                               output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
+                               inplace_final_state=False, context_parallel="off")
+
+
+def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
+    """The segment offsets ``segment_table_fwd`` writes on the device, computed on the host
+    from the call's host copy of ``cu_seqlens`` (int64 ``[NSEG + 1]``), or None without one.
+
+    The fused kernel's tail flag reads it: segments end inside a chunk exactly where the
+    call's sequences do, which only host offsets show (without them the flag is on).
+    """
+    if chunks.cu_seqlens_host is None:
+        return None
+    if chunks.uniform:
+        return _uniform_segment_offsets(chunks.num_seqs, int(chunks.cu_seqlens_host[1]) if chunks.num_seqs else 0,
+                                        seg_len)
+    return torch.tensor(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len), dtype=torch.int64)
+
+
+def _segment_offsets(cu: list[int], seg_len: int) -> list[int]:
+    # Sequence n owns slots cu[n] // L + n .. cu[n + 1] // L + n; its j-th starts at
+    # cu[n] + j L, clamped to its end (gdn_dispatch.context_parallel).
+    out = []
+    for bos, eos in zip(cu, cu[1:]):
+        out.extend(min(bos + j * seg_len, eos) for j in range(eos // seg_len - bos // seg_len + 1))
+    out.append(cu[-1])
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_segment_offsets(B: int, T: int, seg_len: int) -> torch.Tensor:
+    """Uniform batches recur with few shapes: their offsets are built once per shape."""
+    return torch.tensor(_segment_offsets([n * T for n in range(B + 1)], seg_len), dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What :func:`forward` launches for one call (a dry run: :func:`plan_call`).
+
+    Attributes
+    ----------
+    context_parallel : CPPlan, the planner's decision on the device's SM count.
+    launches : ForwardPlan of the call (wy_fwd, [qk_rnorm_fwd,] state_output_fwd).
+    segments : ForwardPlan of the call over its segments (its state_output_fwd stage is
+        pass 2), or None when the call runs unsegmented.
+    """
+
+    context_parallel: CPPlan
+    launches: ForwardPlan
+    segments: ForwardPlan | None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The launches, in order: Gluon stages by their plan's kernel name, the
+        plain-Triton segment kernels as ``segment_table``, ``segment_map``, ``segment_scan``."""
+        front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
+        if self.segments is None:
+            return front + ("state_output_fwd",)
+        return front + ("segment_table", "segment_map", "segment_scan", "state_output_fwd")
+
+    @property
+    def state_output(self):
+        """The LaunchPlan of the fused kernel that runs (pass 2's when segmented)."""
+        return (self.segments or self.launches).stage("state_output_fwd")
+
+
+def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPlan:
+    """Dry run of :func:`forward`: the context-parallel decision and every Gluon launch,
+    with no GPU and no tensor read (CPU tensors do; the segment offsets and start states
+    are ``meta`` tensors of their real shapes).
+
+    Parameters
+    ----------
+    problem : a validated call.
+    device : DeviceInfo the launches are sized for (its SM count decides "auto").
+    engine : the launching backend's matrix engine; None: the one registry.toml admits.
+    """
+    launches = plan(problem, device=device, engine=engine)
+    cp = plan_for_problem(problem, device.sm_count)
+    if not cp.enabled:
+        return CallPlan(context_parallel=cp, launches=launches, segments=None)
+    seg_cu = torch.empty(cp.num_segments + 1, dtype=problem.chunks.cu_seqlens.dtype, device="meta")
+    seg_h0 = torch.empty(cp.num_segments, problem.HV, problem.K, problem.V, dtype=torch.float32, device="meta")
+    segments = plan(segment_problem(problem, cp, seg_cu, seg_h0), device=device, engine=engine)
+    return CallPlan(context_parallel=cp, launches=launches, segments=segments)
