@@ -14,7 +14,7 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.op import context_parallel_arg, context_parallel_str
 from gdn_dispatch.registry import CallSpec, call_reason, explain, load_registry
-from gdn_dispatch.testing import random_call, rel_rms_error
+from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
 
 H200_SMS = 132
 
@@ -404,3 +404,287 @@ def test_auto_engages_on_a_long_prompt_and_matches_off(HV, monkeypatch):
     o_ref, ht_ref = reference.forward(make_problem(**call, output_final_state=True))
     assert rel_rms_error(o_auto, o_ref) <= 5e-3 and rel_rms_error(ht_auto, ht_ref) <= 5e-3
     assert rel_rms_error(o_auto, o_off) <= 5e-3
+
+
+# --- Gluon backends --------------------------------------------------------------------------
+
+GLUON_FORWARD = importlib.import_module("gdn_dispatch.backends.gluon_common.forward")
+from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
+from gdn_dispatch.backends.triton_generic._jit import LOG2E  # noqa: E402
+from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd  # noqa: E402
+from gdn_dispatch.backends.triton_generic.wu import wu_fwd  # noqa: E402
+
+#: The Gluon row the registry admits per compute capability major.
+GLUON_BY_MAJOR = {9: "gluon_sm90", 10: "gluon_sm100"}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("shape, request_, seg_len", [
+    pytest.param(dict(batch=(1, 32768), H=2, HV=4), "auto", {"sm_90": 1024, "sm_100": 512}, id="H2-HV4-1x32768-auto"),
+    pytest.param(dict(batch=(1, 32768), H=16, HV=32), "auto", {"sm_90": 2048, "sm_100": 2048},
+                 id="H16-HV32-1x32768-auto"),
+    pytest.param(dict(batch=(8, 4096), H=2, HV=4), 4, {"sm_90": 1024, "sm_100": 1024}, id="H2-HV4-8x4096-n4"),
+    pytest.param(dict(lengths=[5000, 0, 63, 2000], H=1, HV=2), 5, {"sm_90": 1024, "sm_100": 1024},
+                 id="varlen-5000.0.63.2000-n5"),
+])
+def test_gluon_plan_call_runs_segments(arch, shape, request_, seg_len):
+    """The dry run: with segments on, the segment kernels run between wy and the fused
+    kernel, which walks NSEG segment "sequences" from fp32 "kv" start states in place of
+    the call's sequences, with no final state and no pool of its own."""
+    call = random_call(**shape, K=128, V=128, dtype=torch.bfloat16, seed=1, state_layout="vk")
+    idx = torch.arange(call["v"].shape[0] if "batch" in shape else len(shape["lengths"]), dtype=torch.int32)
+    problem = make_problem(**call, output_final_state=True, context_parallel=request_,
+                           state_indices=idx, inplace_final_state=True)
+    device = assumed_device(arch)
+    planned = GLUON_FORWARD.plan_call(problem, device)
+    cp = planned.context_parallel
+    nseg = problem.B * problem.T // seg_len[arch] + problem.N
+    assert (cp.enabled, cp.seg_len, cp.num_segments) == (True, seg_len[arch], nseg)
+    assert planned.kernels == ("wy_fwd", "segment_table", "segment_map", "segment_scan", "state_output_fwd")
+    fused = planned.state_output
+    assert fused.grid[0] == nseg * problem.HV * fused.blocks["NV"]
+    flags = fused.constexprs
+    assert (flags["USE_H0"], flags["STORE_HT"], flags["STATE_VK"], flags["USE_POOL"], flags["INPLACE"]) == \
+        (True, False, False, False, False)
+    # Segments end inside a chunk exactly where the call's sequences do.
+    assert flags["HAS_TAILS"] == planned.launches.stage("state_output_fwd").constexprs["HAS_TAILS"]
+    off = GLUON_FORWARD.plan_call(make_problem(**call, context_parallel="off"), device)
+    assert off.segments is None and not off.context_parallel.enabled
+    assert off.kernels == ("wy_fwd", "state_output_fwd")
+
+
+def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
+    call = random_call(batch=(4, 8192), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16)
+    planned = GLUON_FORWARD.plan_call(make_problem(**call), assumed_device("sm_90"))
+    assert not planned.context_parallel.enabled and planned.segments is None
+    assert "fill 132 SMs" in planned.context_parallel.reason
+    l2 = GLUON_FORWARD.plan_call(make_problem(**call, use_qk_l2norm_in_kernel=True, context_parallel=2),
+                                 assumed_device("sm_90"))
+    assert l2.kernels == ("wy_fwd", "qk_rnorm_fwd", "segment_table", "segment_map", "segment_scan",
+                          "state_output_fwd")
+
+
+@pytest.mark.parametrize("lengths, L", [([300, 0, 1, 64, 128, 129, 700], 128), ([0, 0], 64), ([5], 64),
+                                        ([1000, 3, 2000], 256)])
+def test_segment_offsets_host_equal_the_table_kernel(lengths, L, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    call = random_call(lengths=lengths, H=1, HV=1, K=16, V=16, dtype=torch.float32)
+    chunks = make_problem(**call).chunks
+    host = GLUON_FORWARD.segment_offsets_host(chunks, L)
+    assert host.tolist() == tg_scan.segment_table_fwd(chunks.cu_seqlens, sum(lengths), L).tolist()
+    assert host.tolist() == _segment_starts(chunks.cu_seqlens_host.tolist(), L)
+    uniform = make_problem(**random_call(batch=(3, 700), H=1, HV=1, K=16, V=16, dtype=torch.float32)).chunks
+    assert GLUON_FORWARD.segment_offsets_host(uniform, L).tolist() == _segment_starts([0, 700, 1400, 2100], L)
+    no_host = make_problem(**{**call, "cu_seqlens_cpu": None}).chunks
+    assert GLUON_FORWARD.segment_offsets_host(no_host, L) is None
+
+
+def test_gluon_rows_run_segments_and_auto_engages(monkeypatch):
+    for name in GLUON_BY_MAJOR.values():
+        # CPU tensors stand for CUDA ones here (the Gluon rows refuse others).
+        monkeypatch.setattr(importlib.import_module(f"gdn_dispatch.backends.{name}"), "unsupported_reason",
+                            lambda problem: None)
+    rows = {r.name: r for r in load_registry()}
+    for name in GLUON_BY_MAJOR.values():
+        assert call_reason(rows[name], CallSpec(context_parallel=True)) is None
+    call = random_call(batch=(1, 32768), H=2, HV=4, K=128, V=128, dtype=torch.bfloat16)
+    problem = make_problem(**call)
+    for arch in ("sm_90", "sm_100"):
+        explanation = explain(assumed_device(arch), CallSpec.from_problem(problem), problem=problem)
+        assert explanation.selected == GLUON_BY_MAJOR[int(arch[3:-1])]
+        assert explanation.context_parallel.startswith("on, segments of ")
+        assert "does not run segments" not in explanation.context_parallel
+
+
+class _GluonStandIns:
+    """The Gluon kernels replaced by triton_generic's (same math, under the interpreter),
+    recording what the orchestrator hands them; the segment kernels stay real."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wy_fwd(self, k, v, g, beta, chunks, launch):
+        self.calls.append("wy_fwd")
+        l2 = launch.constexprs["USE_L2NORM"]
+        g_cum = chunk_cumsum_fwd(g, chunks, scale=LOG2E)
+        w, u = wy_fwd_outputs = wu_fwd(k, v, g_cum, beta, chunks, use_qk_l2norm=l2)
+        self.wy = (*wy_fwd_outputs, g_cum)
+        return w, u, g_cum
+
+    def qk_rnorm_fwd(self, q, k, launch):
+        self.calls.append("qk_rnorm_fwd")
+        self.rnorm = torch.full((q.shape[0] * q.shape[1], q.shape[2], 2), float("nan"))
+        return self.rnorm
+
+    def state_output_fwd(self, q, k, w, u, g_cum, chunks, launch, *, scale, initial_state=None,
+                         output_final_state=False, rnorm=None, state_indices=None):
+        self.calls.append("state_output_fwd")
+        flags = launch.constexprs
+        self.segmented = chunks.num_seqs
+        assert all(a is b for a, b in zip((w, u, g_cum), self.wy)), "pass 2 must read the call's w, u, g_cum"
+        assert (flags["STATE_VK"], flags["USE_POOL"], flags["STORE_HT"]) == (False, False, False)
+        assert not output_final_state and state_indices is None
+        assert initial_state.dtype == torch.float32 and initial_state.shape[0] == chunks.num_seqs
+        assert launch.grid[0] == chunks.num_seqs * u.shape[2] * launch.blocks["NV"]
+        if flags["USE_L2NORM"]:
+            assert rnorm is self.rnorm
+        l2 = flags["USE_L2NORM"]
+        h, v_new, _ = tg_state.state_fwd(k, w, u, g_cum, chunks, initial_state=initial_state, use_qk_l2norm=l2)
+        return tg_output.output_fwd(q, k, v_new, h, g_cum, chunks, scale=scale, use_qk_l2norm=l2), None
+
+
+@pytest.mark.parametrize("device", DEVICES[:1], indirect=True)
+@pytest.mark.parametrize("lengths, layout, l2, pool, n", [
+    pytest.param([300, 0, 1, 64, 129, 250], "kv", False, None, 3, id="varlen-300.0.1.64.129.250-kv-h0-n3"),
+    pytest.param([250, 190], "vk", True, None, 4, id="varlen-250.190-vk-h0-l2-n4"),
+    pytest.param([190, 0, 70], "vk", False, torch.bfloat16, 3, id="varlen-190.0.70-vk-pool-bf16-n3"),
+])
+def test_gluon_orchestration_matches_the_reference_on_cpu(lengths, layout, l2, pool, n, device, monkeypatch):
+    """The segmented Gluon forward end to end on the CPU: the real segment table, maps and
+    scan (interpreted) between stand-ins for the Gluon kernels computing the same math; one
+    wy launch feeds both passes, pass 2 walks the segments, the scan gives the final state
+    and the pool rows."""
+    stand_ins = _GluonStandIns()
+    for name in ("wy_fwd", "qk_rnorm_fwd", "state_output_fwd"):
+        monkeypatch.setattr(GLUON_FORWARD, name, getattr(stand_ins, name))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    call = _mild(random_call(lengths=lengths, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=5,
+                             state_layout=layout, normalize_qk=not l2), 0.1)
+    flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+    ref_call, extra = dict(call), {}
+    if pool is not None:
+        gen = torch.Generator().manual_seed(2)
+        rows = (0.1 * torch.randn(len(lengths) + 1, *call["initial_state"].shape[1:], generator=gen)).to(pool)
+        idx = torch.tensor([2, -1, 0], dtype=torch.int64)
+        ref_call["initial_state"] = torch.where((idx >= 0).view(-1, 1, 1, 1), rows[idx.clamp(min=0)].float(), 0.0)
+        expected_pool = rows.clone()
+        call = {**call, "initial_state": rows}
+        extra = dict(state_indices=idx, inplace_final_state=True)
+    o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
+    problem = make_problem(**call, **flags, **extra, context_parallel=n)
+    clear_plan_cache()
+    o, ht = GLUON_FORWARD.forward(problem, assumed_device("sm_90"), engine=None)
+    cp = plan_for_problem(problem, 132)
+    assert stand_ins.calls == ["wy_fwd"] + (["qk_rnorm_fwd"] if l2 else []) + ["state_output_fwd"]
+    assert stand_ins.segmented == cp.num_segments > problem.N
+    assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16]
+    assert rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16]
+    if pool is not None:
+        live = idx >= 0
+        expected_pool[idx[live]] = ht_ref[live].to(pool)
+        assert rel_rms_error(call["initial_state"], expected_pool) <= TOL[pool]
+        assert torch.equal(call["initial_state"][1], rows[1])  # the row no index names
+
+
+def _gluon_on_this_gpu() -> str | None:
+    if not HAS_GPU:
+        return None
+    return GLUON_BY_MAJOR.get(torch.cuda.get_device_capability()[0])
+
+
+GLUON_GPU = pytest.mark.skipif(_gluon_on_this_gpu() is None, reason="needs an sm_90 or sm_100 GPU (a Gluon row's device)")
+
+# (dtype, shape + segment request, layout, initial state, l2, pool dtype) at the Gluon
+# rows' head dims: ragged with 0- and 1-token sequences, segment cuts at sequence tails,
+# grouped heads, both layouts, pools with -1.
+GLUON_CP_CASES = [
+    pytest.param(torch.bfloat16, dict(lengths=[9000, 0, 1, 64, 4097, 129, 700], H=2, HV=8, K=128, V=128, n=16),
+                 "kv", True, False, None, id="varlen-9000.0.1.64.4097.129.700-H2-HV8-K128-V128-kv-h0-bf16-n16"),
+    pytest.param(torch.bfloat16, dict(lengths=[16384, 16383, 16385], H=2, HV=4, K=128, V=128, n=8),
+                 "vk", True, True, None, id="varlen-16384.16383.16385-H2-HV4-K128-vk-h0-l2-bf16-n8"),
+    pytest.param(torch.float16, dict(batch=(2, 8192), H=4, HV=8, K=64, V=128, n=8),
+                 "kv", False, False, None, id="B2-T8192-H4-HV8-K64-V128-kv-fp16-n8"),
+    pytest.param(torch.bfloat16, dict(lengths=[20000, 0, 700], H=2, HV=4, K=128, V=128, n=12),
+                 "vk", True, False, torch.bfloat16, id="varlen-20000.0.700-H2-HV4-K128-vk-pool-bf16-n12"),
+    pytest.param(torch.bfloat16, dict(lengths=[5000, 65, 3000], H=2, HV=2, K=128, V=64, n=5),
+                 "kv", True, False, torch.float32, id="varlen-5000.65.3000-H2-HV2-K128-V64-kv-pool-fp32-n5"),
+    pytest.param(torch.bfloat16, dict(batch=(1, 32768), H=2, HV=4, K=128, V=128, n="auto"),
+                 "kv", True, False, None, id="B1-T32768-H2-HV4-K128-kv-h0-bf16-auto"),
+    pytest.param(torch.bfloat16, dict(lengths=[12000, 3], H=1, HV=2, K=64, V=64, n="auto"),
+                 "vk", True, True, None, id="varlen-12000.3-H1-HV2-K64-vk-h0-l2-bf16-auto"),
+]
+
+
+@pytest.mark.gpu
+@GLUON_GPU
+@pytest.mark.parametrize("dtype, shape, layout, h0, l2, pool", GLUON_CP_CASES)
+@pytest.mark.usefixtures("compiled")
+def test_gluon_segmented_matches_the_reference_and_off(dtype, shape, layout, h0, l2, pool):
+    """The Gluon row of this GPU with segments (forced counts and auto) against the
+    reference (context_parallel='off') and against its own unsegmented run, on
+    NaN-poisoned memory; pools written back through the scan, -1 rows left alone."""
+    backend = _gluon_on_this_gpu()
+    call, n = _cp_call(dtype, shape, layout, h0, l2, "cuda", seed=11)
+    flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+    ref_call, extra, rows = dict(call), {}, None
+    if pool is not None:
+        N = len(shape["lengths"])
+        gen = torch.Generator().manual_seed(9)
+        dims = tuple(call["initial_state"].shape[1:])
+        rows = (0.1 * torch.randn(N + 2, *dims, generator=gen)).to(pool).cuda()
+        idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
+        idx[1] = -1
+        idx = idx.cuda()
+        live = idx >= 0
+        ref_call["initial_state"] = torch.where(live.view(-1, 1, 1, 1), rows[idx.clamp(min=0).long()].float(), 0.0)
+        extra = dict(state_indices=idx, inplace_final_state=True)
+    o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
+    problem = make_problem(**call, **flags, **extra, context_parallel=n, backend=backend)
+    planned = GLUON_FORWARD.plan_call(problem, _gpu_device())
+    assert planned.segments is not None and planned.context_parallel.num_segments > problem.N
+
+    def run(cp):
+        args = {**call, "initial_state": rows.clone()} if pool is not None else call
+        poison_cuda_allocator()
+        o, ht = chunk_gated_delta_rule(**args, **flags, **extra, context_parallel=cp, backend=backend)
+        return o, ht, args["initial_state"]
+
+    o, ht, pool_after = run(n)
+    o_off, ht_off, pool_off = run("off")
+    assert rel_rms_error(o, o_ref) <= TOL[dtype] and rel_rms_error(ht, ht_ref) <= TOL[dtype]
+    assert rel_rms_error(o, o_off) <= TOL[dtype] and rel_rms_error(ht, ht_off) <= TOL[dtype]
+    if pool is not None:
+        expected = rows.clone()
+        expected[idx[live].long()] = ht_ref[live].to(pool)
+        assert rel_rms_error(pool_after, expected) <= max(TOL[dtype], TOL[pool])
+        untouched = torch.ones(rows.shape[0], dtype=torch.bool, device="cuda")
+        untouched[idx[live].long()] = False
+        assert torch.equal(pool_after[untouched], rows[untouched])
+
+
+#: The tensor-parallel shards of issue 16 (bf16, K = V = 128): (H, HV, lengths).
+TP_SHARDS = [(2, 4, [32768]), (4, 8, [32768]), (2, 8, [32768]), (8, 16, [32768]), (16, 32, [32768]),
+             (2, 4, [4096] * 8)]
+
+
+@pytest.mark.parametrize("H, HV, lengths", [pytest.param(*s, id=f"H{s[0]}-HV{s[1]}-{len(s[2])}x{s[2][0]}")
+                                            for s in TP_SHARDS])
+@pytest.mark.gpu
+@GLUON_GPU
+@pytest.mark.usefixtures("compiled")
+def test_gluon_auto_on_tensor_parallel_shards(H, HV, lengths):
+    """The registry's own choice on the shards (a Gluon row on its GPU): "auto" cuts the
+    prompt into segments and matches both 'off' and the reference."""
+    call = random_call(lengths=lengths, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=HV)
+    problem = make_problem(**call, output_final_state=True)
+    explanation = explain(_gpu_device(), CallSpec.from_problem(problem), problem=problem)
+    assert explanation.selected == _gluon_on_this_gpu()
+    assert GLUON_FORWARD.plan_call(problem, _gpu_device()).segments is not None
+    poison_cuda_allocator()
+    o_auto, ht_auto = chunk_gated_delta_rule(**call, output_final_state=True)
+    o_off, ht_off = chunk_gated_delta_rule(**call, output_final_state=True, context_parallel="off")
+    o_ref, ht_ref = reference.forward(make_problem(**call, output_final_state=True, context_parallel="off"))
+    assert rel_rms_error(o_auto, o_ref) <= 5e-3 and rel_rms_error(ht_auto, ht_ref) <= 5e-3
+    assert rel_rms_error(o_auto, o_off) <= 5e-3 and rel_rms_error(ht_auto, ht_off) <= 5e-3
+
+
+def _gpu_device():
+    from gdn_dispatch.device import default_probe
+
+    return default_probe().for_torch_device(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Compiled kernels: the Gluon rows have no interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
