@@ -308,3 +308,16 @@ def test_draws_cover_the_classes():
     gluon = {c.spec for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)}
     assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \
         {(s.K, s.V) for s in gluon} >= {(64, 128), (128, 64)}
+
+
+@pytest.mark.parametrize("backend", ["gluon_sm90", "gluon_sm100"])
+def test_gluon_draws_force_context_parallel(backend):
+    """The Gluon rows run segments, so their draws force segment counts as triton_generic's
+    do: some cut a long sequence into several, with pools and both layouts among them."""
+    cases = [c for seed in SEEDS for c in draw_cases(backend, seed, GPU_CASES_PER_SEED)]
+    forced = [c for c in cases if isinstance(c.context_parallel, int)]
+    assert 0.15 * len(cases) <= len(forced) <= 0.45 * len(cases)
+    assert any(c.lengths and max(c.lengths) > 64 * c.context_parallel for c in forced)
+    assert any(c.batch for c in forced) and any(c.lengths and 0 in c.lengths for c in forced)
+    specs = {c.spec for c in forced}
+    assert any(s.pool for s in specs) and {s.layout for s in specs} == {"kv", "vk"}
