@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from gdn_dispatch import bench_cp
 from gdn_dispatch.bench_ceiling import COPY_BYTES, MATMUL_N, measure_copy_bandwidth, measure_matmul_rate
 from gdn_dispatch.bench_report import (
     FLA,
@@ -49,9 +50,8 @@ from gdn_dispatch.bench_shapes import (
     FLOP_FORMULA,
     HEAD_DIM,
     BenchShape,
-    default_shapes,
     io_bytes,
-    select_shapes,
+    shapes_for,
 )
 from gdn_dispatch.bench_timing import (
     Caller,
@@ -65,7 +65,7 @@ from gdn_dispatch.bench_timing import (
     rotation_count,
 )
 from gdn_dispatch.contract import CHUNK_SIZE
-from gdn_dispatch.registry import CallSpec, backend_names, explain
+from gdn_dispatch.registry import CallSpec, backend_names, explain, load_registry
 
 REFERENCE = "reference"
 
@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", metavar="LIST",
                         help="comma-separated shape names or glob patterns (default: all; see --list-shapes)")
     parser.add_argument("--list-shapes", action="store_true", help="print the shape table and exit")
+    parser.add_argument("--context-parallel", type=bench_cp.parse_mode, default="auto", metavar="auto|off|N|compare",
+                        help="context_parallel of our calls (default auto); compare: each backend with off and "
+                             "auto side by side, then the crossover table")
     parser.add_argument("--iters", type=_positive_int, default=30, help="timed calls per backend and shape (default 30)")
     parser.add_argument("--warmup", type=_non_negative_int, default=5,
                         help="untimed calls first, to compile and autotune (default 5)")
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace, *, probe=None, out=None) -> int:
     """
     out = out or sys.stdout
     try:
-        shapes = select_shapes(default_shapes(), args.shapes)
+        shapes = shapes_for(args.shapes, listing=args.list_shapes)
         names, want_fla = requested_backends(args.backends, backend_names())
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
@@ -239,7 +242,8 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
     l2_bytes = int(getattr(props, "L2_cache_size", 0) or 0)
 
     runnable, skipped = discover_backends(info, names, args.qk_l2norm)
-    callers: dict[str, Caller] = {name: ours_caller(name) for name in runnable}
+    cp_mode = getattr(args, "context_parallel", "auto")
+    callers: dict[str, Caller] = bench_cp.make_callers(runnable, cp_mode, ours_caller)
     fla_fn, fla_version, fla_reason = load_fla() if want_fla else (None, None, "not requested")
     if fla_fn is not None:
         callers[FLA] = fla_caller(fla_fn)
@@ -275,6 +279,13 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
                   "skipped": skipped, "fla_unavailable": fla_reason if fla_fn is None else None},
         command=command_line(sys.argv),
     )
+    report["settings"]["context_parallel"] = cp_mode
+    if cp_mode == bench_cp.COMPARE:
+        features = {spec.name: spec.features for spec in load_registry()}
+        rows = bench_cp.crossover_rows(results, runnable, info.sm_count,
+                                       lambda name: "context_parallel" in features.get(name, ()))
+        print("\ncontext parallelism, off vs auto:\n" + "\n".join(bench_cp.format_crossover(rows)), file=out)
+        report["context_parallel"] = [dataclasses.asdict(r) for r in rows]
     return finish_run(args, results, report, out)
 
 

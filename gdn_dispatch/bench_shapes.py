@@ -1,5 +1,6 @@
 """The benchmark's shapes and its model of them: the table of Qwen3.5-shaped prefill calls
-(:func:`default_shapes`), the least bytes any implementation must move (:func:`io_bytes`),
+(:func:`default_shapes`), the tensor-parallel shards of one long prompt (:func:`tp_shapes`,
+the ``tp-*`` group), the least bytes any implementation must move (:func:`io_bytes`),
 fla's pipeline FLOP count (:func:`flop_count`) and the speed-of-light bound built from them
 (:func:`sol_bound_s`). Pure functions, tested on the CPU.
 """
@@ -27,6 +28,14 @@ RAGGED_COUNT = 16
 RAGGED_MAX_LEN = 8192
 # Fixed, not --seed: a shape name must mean the same lengths in every run and report.
 RAGGED_SEED = 2025
+#: Tensor-parallel shards of Qwen3.5 layers, (H, HV, sequence lengths): the k- and v-heads
+#: one GPU holds at TP = 8, 4, 2 (and Qwen3.5-397B's 16/64 at TP = 8), one 32k-token prompt
+#: or eight 4k ones, as a varlen call. Few (sequence, head) pairs against the SMs: the calls
+#: context parallelism is for.
+TP_SHARDS = ((2, 4, (32768,)), (4, 8, (32768,)), (2, 8, (32768,)), (8, 16, (32768,)), (16, 32, (32768,)),
+             (2, 4, (4096,) * 8))
+#: Name prefix of the tensor-parallel group (``--shapes 'tp*'``).
+TP_PREFIX = "tp-"
 
 FLOP_FORMULA = "per token and v-head: 6*K*V + C*(6*K + 4*V) + 2*C*C/3 (fla's pipeline count), C = 64"
 BOUND_FORMULA = "bound = max(min_bytes / copy bandwidth, flops / bf16 matmul rate)"
@@ -87,6 +96,22 @@ def default_shapes() -> list[BenchShape]:
         shapes.append(BenchShape(name=f"H{H}-HV{HV}-ragged{len(lengths)}", H=H, HV=HV, B=1,
                                  T=sum(lengths), seqlens=lengths))
     return shapes
+
+
+def tp_shapes() -> list[BenchShape]:
+    """The tensor-parallel group: each of :data:`TP_SHARDS` as a varlen call (``B = 1``),
+    named ``tp-H{H}-HV{HV}-{N}x{length}``."""
+    return [BenchShape(name=f"{TP_PREFIX}H{H}-HV{HV}-{len(lengths)}x{lengths[0]}", H=H, HV=HV, B=1,
+                       T=sum(lengths), seqlens=lengths) for H, HV, lengths in TP_SHARDS]
+
+
+def shapes_for(patterns: str | None, *, listing: bool = False) -> list[BenchShape]:
+    """What ``--shapes`` names: without patterns the default table (every group when
+    ``listing``, for ``--list-shapes``), else the shapes of every group that match
+    (:func:`select_shapes`)."""
+    if not patterns:
+        return default_shapes() + (tp_shapes() if listing else [])
+    return select_shapes(default_shapes() + tp_shapes(), patterns)
 
 
 def select_shapes(shapes: list[BenchShape], patterns: str | None) -> list[BenchShape]:

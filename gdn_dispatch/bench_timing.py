@@ -124,15 +124,16 @@ def make_input_sets(shape: BenchShape, count: int, device: torch.device | str, s
 Caller = Callable[[BenchInputs], tuple]
 
 
-def ours_caller(backend: str) -> Caller:
-    """gdn-dispatch's op with ``backend`` forced; passes cu_seqlens_cpu so it never syncs."""
+def ours_caller(backend: str, context_parallel: str | int = "auto") -> Caller:
+    """gdn-dispatch's op with ``backend`` forced and ``context_parallel`` as given; passes
+    cu_seqlens_cpu so it never syncs."""
     from gdn_dispatch.api import chunk_gated_delta_rule
 
     def call(x: BenchInputs):
         return chunk_gated_delta_rule(
             x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,
             cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu,
-            use_qk_l2norm_in_kernel=x.qk_l2norm, backend=backend,
+            use_qk_l2norm_in_kernel=x.qk_l2norm, backend=backend, context_parallel=context_parallel,
         )
     return call
 

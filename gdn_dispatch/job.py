@@ -13,6 +13,7 @@ import time
 import torch
 
 from gdn_dispatch.api import chunk_gated_delta_rule
+from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import default_probe
 from gdn_dispatch.registry import select
@@ -71,7 +72,9 @@ def run_main_job(device: str | None = None, seed: int = 0) -> int:
         CPU_SHAPE, CPU_LENGTHS, CPU_CHECKED_SEQS)
     call = random_call(lengths=lengths, device=dev, seed=seed, **shape)
     info = probe.for_torch_device(dev)
-    chosen = select(info, make_problem(**call)).spec.name
+    problem = make_problem(**call)
+    chosen = select(info, problem).spec.name
+    segments = plan_for_problem(problem, info.sm_count).describe()
 
     def step():
         return chunk_gated_delta_rule(**call, output_final_state=True)
@@ -94,6 +97,7 @@ def run_main_job(device: str | None = None, seed: int = 0) -> int:
     print(f"backend    {chosen}")
     print(f"shape      {len(lengths)} sequences, {tokens} tokens (lengths {lengths}); "
           f"H={shape['H']} HV={shape['HV']} K={shape['K']} V={shape['V']} {str(shape['dtype']).removeprefix('torch.')}")
+    print(f"context    parallel {segments}")
     print(f"time       {ms:.3f} ms (median of 5)  {tokens / ms * 1e3:,.0f} tokens/s")
     print(f"checked    first {checked} sequences ({end} tokens) against reference."
           f"{oracle.__name__}: rel. RMS error o {err_o:.2e}, final state {err_s:.2e} (tolerance {tol:.0e})")

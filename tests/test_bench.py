@@ -784,3 +784,135 @@ def test_gpu_backends_follow_the_registry():
     names = ["gluon_sm100", "gluon_sm90", "triton_generic", "reference"]
     assert bench_startup.gpu_backends(assumed_device("sm_90"), names) == ["gluon_sm90", "triton_generic"]
     assert bench_startup.gpu_backends(assumed_device("sm_80"), names) == ["triton_generic"]
+
+
+# --------------------------------------------------------------------------- context parallelism
+
+from gdn_dispatch import bench_cp  # noqa: E402
+from gdn_dispatch.testing import rel_rms_error  # noqa: E402
+
+H200_SMS = 132
+
+
+def test_tp_shapes_are_the_issue_shards_as_varlen_calls():
+    shapes = bench_shapes.tp_shapes()
+    assert [s.name for s in shapes] == ["tp-H2-HV4-1x32768", "tp-H4-HV8-1x32768", "tp-H2-HV8-1x32768",
+                                        "tp-H8-HV16-1x32768", "tp-H16-HV32-1x32768", "tp-H2-HV4-8x4096"]
+    for s in shapes:
+        assert (s.K, s.V, s.B, s.tokens) == (128, 128, 1, 32768) and s.is_varlen
+    assert shapes[-1].seqlens == (4096,) * 8 and shapes[-1].N == 8
+
+
+@pytest.mark.parametrize("patterns, listing, expected", [
+    pytest.param(None, False, 10, id="default-table"),
+    pytest.param(None, True, 16, id="listing-every-group"),
+    pytest.param("tp*", False, 6, id="tp-group"),
+    pytest.param("tp-H16*,H16-HV32-1x32768", False, ["H16-HV32-1x32768", "tp-H16-HV32-1x32768"], id="both-groups"),
+])
+def test_shapes_for(patterns, listing, expected):
+    chosen = [s.name for s in bench_shapes.shapes_for(patterns, listing=listing)]
+    assert chosen == expected if isinstance(expected, list) else len(chosen) == expected
+    with pytest.raises(ValueError, match=r"'tp-H3\*' matches no shape; valid names: H16-HV32-1x8192.*tp-H2-HV4"):
+        bench_shapes.shapes_for("tp-H3*")
+
+
+def test_list_shapes_shows_the_tp_group():
+    out = io.StringIO()
+    assert bench.run(parse("--list-shapes", "--shapes", "tp*"), probe=FakeProbe(count=0), out=out) == 0
+    assert [line.split()[0] for line in out.getvalue().splitlines()][0] == "tp-H2-HV4-1x32768"
+
+
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("off", "off"), ("compare", "compare"), ("3", 3)])
+def test_context_parallel_flag(text, value):
+    assert parse("--context-parallel", text).context_parallel == value
+    assert parse().context_parallel == "auto"
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "on", "1.5", ""])
+def test_context_parallel_flag_rejects(text, capsys):
+    with pytest.raises(SystemExit):
+        parse("--context-parallel", text)
+    assert f"expected auto, off, compare or a segment count >= 1, got {text!r}" in capsys.readouterr().err
+
+
+def test_make_callers_times_off_and_auto_under_compare():
+    made = []
+
+    def caller(name, context_parallel):
+        made.append((name, context_parallel))
+        return (name, context_parallel)
+
+    callers = bench_cp.make_callers(["gluon_sm90", "triton_generic"], "compare", caller)
+    assert list(callers) == ["gluon_sm90[cp=off]", "gluon_sm90[cp=auto]", "triton_generic[cp=off]",
+                             "triton_generic[cp=auto]"]
+    assert made == [("gluon_sm90", "off"), ("gluon_sm90", "auto"), ("triton_generic", "off"),
+                    ("triton_generic", "auto")]
+    assert bench_cp.make_callers(["gluon_sm90"], 4, caller) == {"gluon_sm90": ("gluon_sm90", 4)}
+
+
+def test_ours_caller_passes_context_parallel():
+    x = bench_timing.make_input_sets(RAGGED, 1, "cpu", seed=0)[0]
+    o_off, s_off = bench_timing.ours_caller("reference", context_parallel="off")(x)
+    o_seg, s_seg = bench_timing.ours_caller("reference", context_parallel=2)(x)
+    assert rel_rms_error(o_seg, o_off) <= 5e-3 and rel_rms_error(s_seg, s_off) <= 1e-5
+    with pytest.raises(ValueError, match="context_parallel"):
+        bench_timing.ours_caller("reference", context_parallel=0)(x)
+
+
+def test_auto_decision_on_the_tp_shapes():
+    for shape in bench_shapes.tp_shapes():
+        decision = bench_cp.auto_decision(shape, H200_SMS)
+        assert decision.enabled, shape.name
+        assert decision.num_segments == shape.tokens // decision.seg_len + shape.N
+    big = next(s for s in bench_shapes.default_shapes() if s.name == "H16-HV64-8x4096")
+    assert not bench_cp.auto_decision(big, H200_SMS).enabled
+    assert not bench_cp.auto_decision(bench_shapes.tp_shapes()[0], 0).enabled
+
+
+def _result(shape, times):
+    return ShapeResult(shape=shape, min_bytes=1, flops=1.0, bound_ms=0.1, bound_by="memory", input_sets=1,
+                       measurements=[Measurement(backend=name, ms=ms) for name, ms in times.items()])
+
+
+def test_crossover_rows_and_table():
+    tp, big = bench_shapes.tp_shapes()[0], next(s for s in bench_shapes.default_shapes()
+                                                if s.name == "H16-HV64-8x4096")
+    results = [
+        _result(tp, {"gluon_sm90[cp=off]": 0.84, "gluon_sm90[cp=auto]": 0.21, "fla": 0.78,
+                     "triton_generic[cp=off]": 0.85}),
+        _result(big, {"gluon_sm90[cp=off]": 2.0, "gluon_sm90[cp=auto]": 2.0, "triton_generic[cp=off]": 2.5,
+                      "triton_generic[cp=auto]": 2.5}),
+    ]
+    rows = bench_cp.crossover_rows(results, ["gluon_sm90", "triton_generic"], H200_SMS,
+                                   lambda name: name == "gluon_sm90")
+    decision = bench_cp.auto_decision(tp, H200_SMS)
+    assert [(r.shape, r.backend, r.off_ms, r.auto_ms, r.segments) for r in rows] == [
+        (tp.name, "gluon_sm90", 0.84, 0.21, f"{decision.num_segments} x {decision.seg_len}"),
+        (tp.name, "triton_generic", 0.85, None, "off"),  # its row runs no segments; auto failed
+        (big.name, "gluon_sm90", 2.0, 2.0, "off"),
+        (big.name, "triton_generic", 2.5, 2.5, "off"),
+    ]
+    assert rows[0].speedup == pytest.approx(4.0) and rows[1].speedup is None
+    table = bench_cp.format_crossover(rows)
+    assert table[0].startswith("| shape | backend | off ms | auto ms |") and len(table) == 2 + len(rows)
+    assert table[2] == f"| {tp.name} | gluon_sm90 | 0.840 | 0.210 | 4.00 | {rows[0].segments} |"
+    assert table[3] == f"| {tp.name} | triton_generic | 0.850 | - | - | off |"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_cuda, reason="needs a CUDA GPU")
+def test_bench_compare_on_gpu(tmp_path):
+    """``--context-parallel compare`` on a tensor-parallel shard: every runnable backend timed
+    with off and auto, the crossover table printed and in the JSON report."""
+    path = tmp_path / "bench.json"
+    out = io.StringIO()
+    code = bench.run(parse("--shapes", "tp-H2-HV4-1x32768", "--iters", "3", "--warmup", "1", "--context-parallel",
+                           "compare", "--backends", "triton_generic", "--json", str(path)), out=out)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "triton_generic[cp=off]" in text and "triton_generic[cp=auto]" in text
+    assert "| tp-H2-HV4-1x32768 | triton_generic |" in text
+    report = json.loads(path.read_text())
+    assert report["settings"]["context_parallel"] == "compare"
+    (row,) = report["context_parallel"]
+    assert row["off_ms"] > 0 and row["auto_ms"] > 0 and " x " in row["segments"]

@@ -59,6 +59,7 @@ def test_info_rejects_unknown_architecture():
 def test_run_on_cpu():
     out = cli("run", "--device", "cpu").stdout
     assert "backend    reference" in out
+    assert "context    parallel off (no SM count on this device)" in out
     assert "tokens/s" in out and "rel. RMS error" in out
     assert out.rstrip().endswith("PASS")
 
