@@ -39,6 +39,7 @@ class _Jit:
 
     def __init__(self, kernel, compiled=None):
         self.arg_names = kernel.arg_names
+        self.do_not_specialize = kernel.do_not_specialize
         self.bound = []
         self.compiled = _Compiled() if compiled is None else compiled
 
@@ -94,15 +95,20 @@ def setup(monkeypatch, runtime):
     return launch, tensors, args
 
 
+def _launch(fn, launch, tensors, args):
+    """launch_planned of a dry run's plan, with the counts it was bound to."""
+    L.launch_planned(fn, launch.shared, tensors, args, rows=launch.rows, num_seqs=launch.num_seqs)
+
+
 def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
-    L.launch_planned(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
     assert len(fn.bound) == 1 and fn.compiled.calls == []
     grid, bound = fn.bound[0]
     assert grid == launch.grid and bound["num_warps"] == launch.num_warps and bound["maxnreg"] == launch.maxnreg
 
-    L.launch_planned(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
     assert len(fn.bound) == 1 and len(fn.compiled.calls) == 1
     call = fn.compiled.calls[0]
     assert call[:9] == (launch.grid[0], 1, 1, 1234, "fn-handle", "packed", None, None, None)
@@ -123,16 +129,59 @@ def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup, direct):
 def test_a_new_specialization_binds_again(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
-    L.launch_planned(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
     # g one element into a buffer: 4-byte aligned, not 16 -> Triton specializes differently.
     g = args()["g"]
     shifted = torch.empty(g.numel() + 1, dtype=g.dtype)[1:].view_as(g)
     assert shifted.data_ptr() % 16
-    L.launch_planned(fn, launch, tensors, args(g=shifted))
-    L.launch_planned(fn, launch, tensors, args(beta=args()["beta"].to(torch.bfloat16)))
+    _launch(fn, launch, tensors, args(g=shifted))
+    _launch(fn, launch, tensors, args(beta=args()["beta"].to(torch.bfloat16)))
     assert len(fn.bound) == 3 and fn.compiled.calls == []
-    L.launch_planned(fn, launch, tensors, args(g=shifted))
+    _launch(fn, launch, tensors, args(g=shifted))
     assert len(fn.bound) == 3 and len(fn.compiled.calls) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_new_lengths_launch_the_kept_kernel_with_their_own_grid_and_rows(setup, direct, seed):
+    """A call of the same class with other lengths and another sequence count binds nothing:
+    its grid and descriptor rows are computed from its own counts."""
+    launch, tensors, args = setup
+    fn = _Jit(wy._wy_fwd_kernel)
+    _launch(fn, launch, tensors, args())
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(4):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        lengths = torch.randint(0, 300, (n,), generator=gen).tolist()
+        lengths[0] += 1  # some token, and a tail (the setup's class)
+        if sum(lengths) % 64 == 0:
+            lengths[0] += 1
+        p = random_problem(lengths=lengths, H=2, HV=4, K=128, V=64, seed=seed)
+        bound = wy.plan_wy(p, SM90)
+        assert bound.shared == launch.shared
+        rows = p.B * p.T
+        w = torch.full((1, p.T, p.HV, 128), float("nan"), dtype=p.k.dtype)
+        u = torch.full_like(p.v, float("nan"))
+        before = len(fn.compiled.calls)
+        L.launch_planned(fn, launch.shared, {"k": p.k, "v": p.v, "w": w, "u": u},
+                         args(w_ptr=w, u_ptr=u, g=p.g, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens, N=p.N),
+                         rows=rows, num_seqs=p.N)
+        assert len(fn.bound) == 1 and len(fn.compiled.calls) == before + 1
+        call = fn.compiled.calls[-1]
+        assert call[:3] == ((rows // 64 + p.N) * 4, 1, 1) == bound.grid + (1, 1)
+        values = dict(zip(fn.arg_names, call[9:], strict=True))
+        for arg in ("k_desc", "v_desc", "w_desc", "u_desc"):
+            assert values[arg].shape == [rows, launch.desc(arg).shape[1]] == list(bound.desc(arg).shape), arg
+        assert values["N"] == p.N and values["w_ptr"] is w
+
+
+def test_unspecialized_integers_are_keyed_by_type_only():
+    unspecialized = L.unspecialized_args(wy._wy_fwd_kernel)
+    assert unspecialized == {"HV", "GROUP", "s_g", "s_beta", "N"}
+    keys = {L.launch_specialization(0, {"N": n}, unspecialized) for n in (1, 16, 17, 2**31 - 1)}
+    assert len(keys) == 1
+    assert L.launch_specialization(0, {"N": 2**31}, unspecialized) not in keys
+    # A specialized integer: 1, multiples of 16 and the rest are three classes, as Triton keys them.
+    assert len({L.launch_specialization(0, {"s_q": n}) for n in (1, 16, 32, 17, 18)}) == 3
 
 
 def test_direct_launches_only_on_verified_tritons(setup, runtime, monkeypatch):
@@ -143,7 +192,7 @@ def test_direct_launches_only_on_verified_tritons(setup, runtime, monkeypatch):
     monkeypatch.setattr(runtime, "direct", False)
     fn = _Jit(wy._wy_fwd_kernel)
     for _ in range(2):
-        L.launch_planned(fn, launch, tensors, args())
+        _launch(fn, launch, tensors, args())
     assert len(fn.bound) == 2 and fn.compiled.calls == []
 
 
@@ -151,13 +200,13 @@ def test_env_and_kernels_without_the_interface_bind_every_time(setup, monkeypatc
     launch, tensors, args = setup
     bare = _Jit(wy._wy_fwd_kernel, compiled=object())  # no run / function / packed_metadata
     for _ in range(3):
-        L.launch_planned(bare, launch, tensors, args())
+        _launch(bare, launch, tensors, args())
     assert len(bare.bound) == 3
 
     fn = _Jit(wy._wy_fwd_kernel)
     monkeypatch.setenv(L.JIT_LAUNCH_ENV, "1")
     for _ in range(2):
-        L.launch_planned(fn, launch, tensors, args())
+        _launch(fn, launch, tensors, args())
     assert len(fn.bound) == 2 and fn.compiled.calls == []
 
 
@@ -166,18 +215,18 @@ def test_a_registered_launch_hook_sends_launches_through_triton(setup, direct):
 
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
-    L.launch_planned(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
     hook = knobs.runtime.launch_enter_hook
     if not hasattr(hook, "add"):
         pytest.skip("this Triton keeps one launch hook callable, not a HookChain")
     seen = []
     hook.add(seen.append)
     try:
-        L.launch_planned(fn, launch, tensors, args())
+        _launch(fn, launch, tensors, args())
     finally:
         hook.remove(seen.append)
     assert len(fn.bound) == 2 and fn.compiled.calls == []
-    L.launch_planned(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
     assert len(fn.bound) == 2 and len(fn.compiled.calls) == 1
 
 
@@ -185,9 +234,9 @@ def test_descriptor_tensors_are_checked_on_the_direct_path(setup, direct):
     launch, tensors, args = setup
     fn = _Jit(wy._wy_fwd_kernel)
     for _ in range(2):
-        L.launch_planned(fn, launch, tensors, args())
+        _launch(fn, launch, tensors, args())
     with pytest.raises(ValueError, match="w_desc: planned"):
-        L.launch_planned(fn, launch, {**tensors, "w": tensors["w"].half()}, args())
+        _launch(fn, launch, {**tensors, "w": tensors["w"].half()}, args())
 
 
 def test_tma_arg_reads_like_a_tensor_descriptor_to_the_launcher(setup, direct):

@@ -23,7 +23,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (  # noqa: E402
     has_tails,
     index_limits_reason,
 )
-from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, compute_plan, plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import PLAN_COUNTS, clear_plan_cache, compute_plan, plan  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -148,17 +148,19 @@ def test_memoized_plan_equals_a_fresh_plan(shape, layout, l2, capability):
     fresh = compute_plan(p, assumed_device(f"sm_{capability[0]}{capability[1]}"))
     first = plan(p, capability)
     assert first == fresh
-    # The second call, and a new call with the same key (new tensors), hit the cache.
+    # The second call, and a new call with the same key (new tensors), hit the cache: the
+    # same shared launch plans (and the kernels kept on them), the same counts.
     assert plan(p, capability) is first
     assert plan(_problem(**shape, layout=layout, l2=l2), capability) is first
+    # compute_plan, then the first plan(): each planned the class once.
+    assert PLAN_COUNTS["computed"] == 2 and PLAN_COUNTS["hits"] == 2
 
 
 def test_plan_cache_keys_every_planned_input():
     clear_plan_cache()
     base = dict(lengths=[5, 70], H=2, HV=4, layout="kv", h0=True, ht=True, l2=False)
     variants = {
-        "lengths-more-chunks": dict(lengths=[5, 70, 64]),
-        "uniform": dict(lengths=None, batch=(1, 75)),
+        "no-tails": dict(lengths=[64, 128]),
         "HV": dict(HV=8),
         "H": dict(H=4),
         "layout": dict(layout="vk"),
@@ -172,7 +174,7 @@ def test_plan_cache_keys_every_planned_input():
     for name, change in variants.items():
         p = _problem(**{**base, **change})
         fp = plan(p, SM90)
-        assert fp is not reference, name
+        assert fp.cls is not reference.cls and fp != reference, name
         assert fp == compute_plan(p, assumed_device("sm_90")), name
     assert plan(_problem(**base), SM100) != reference
     # The SM count sizes blocks, so it is part of the key.
@@ -183,13 +185,42 @@ def test_plan_cache_keys_every_planned_input():
     assert few.stage("state_output_fwd").blocks["BV"] != many.stage("state_output_fwd").blocks["BV"]
 
 
+@pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
+def test_calls_of_any_length_share_the_plans_of_their_class(capability):
+    """Token and sequence counts are not in the key: calls of one class with other lengths,
+    other sequence counts, or uniform (with tails) share its plans, each seen with its own
+    counts (grids, descriptor rows); only the fused kernel's configuration follows N."""
+    clear_plan_cache()
+    device = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    shapes = [dict(lengths=[5, 70]), dict(lengths=[1, 63, 64, 65, 130, 0]), dict(lengths=[3000]),
+              dict(batch=(3, 100)), dict(lengths=[17] * 40)]
+    problems = [_problem(**shape, H=2, HV=4) for shape in shapes]
+    plans = [plan(p, capability) for p in problems]
+    assert PLAN_COUNTS["computed"] == 1 and PLAN_COUNTS["hits"] == len(shapes) - 1
+    assert all(fp.cls is plans[0].cls for fp in plans)
+    for shape, p, fp in zip(shapes, problems, plans):
+        assert fp == compute_plan(p, device), shape
+        rows = p.B * p.T
+        wy = fp.stage("wy_fwd")
+        assert wy.grid == ((rows // 64 + p.N) * 4,) and wy.shared is fp.launches[0]
+        so = fp.stage("state_output_fwd")
+        assert so.grid == (p.N * 4 * so.blocks["NV"],)
+        assert all(d.shape[0] == rows for s in fp.stages for d in s.descriptors)
+        assert all(d.shape[0] is None for s in fp.launches for d in s.descriptors)
+    # Every configuration the class can pick was planned with it; N picks one.
+    assert {c[0] for c in plans[0].cls.state_outputs} == {32, 64, 128}
+    assert plans[0].stage("state_output_fwd").blocks["BV"] == 32  # 8 (sequence, head) pairs
+    assert plans[-1].stage("state_output_fwd").blocks["BV"] > 32  # 160 pairs
+
+
 def test_plan_cache_shares_plans_across_equal_keys_only():
     """Different lengths with the same N and T plan identically (whatever their chunk
-    counts: the w/u kernel runs over chunk slots), so they share a plan."""
+    counts: the w/u kernel runs over chunk slots); whole chunks only are another class."""
     clear_plan_cache()
     a, b, c = _problem(lengths=[1, 63, 64]), _problem(lengths=[63, 1, 64]), _problem(lengths=[126, 1, 1])
     assert plan(a, SM90) is plan(b, SM90) is plan(c, SM90)
     assert plan(a, SM90) == compute_plan(c, assumed_device("sm_90"))
+    assert plan(_problem(lengths=[64, 64, 64]), SM90).cls is not plan(a, SM90).cls
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -1,10 +1,17 @@
 """Launch plans of the Gluon kernels: what one launch needs, computed without launching.
 
-A :class:`LaunchPlan` fixes one kernel launch (grid, warps, register cap, constexprs) with
-its TMA descriptors as :class:`DescPlan` values (global shape, strides, block shape,
-shared-memory layout), touching no GPU and reading no tensor data, so it is testable with
-CPU tensors. Each stage module has a planner ``plan_<stage>(problem, device) ->
-LaunchPlan``; :mod:`.plan` composes them into the forward's plan, the forward launches
+A :class:`LaunchPlan` fixes one kernel launch for a *call class* (warps, register cap,
+constexprs, the rule of its grid) with its TMA descriptors as :class:`DescPlan` values
+(column count, strides, block shape, shared-memory layout), touching no GPU and reading no
+tensor data, so it is testable with CPU tensors. Nothing in it depends on the call's token
+count ``B * T`` or sequence count ``N``: the grid (:class:`GridRule`) and every
+descriptor's row count are plain integer arithmetic on those two numbers at each launch
+(:func:`.launch.launch_planned`), so calls of any length share one plan, and with it the
+compiled kernel kept on it. :class:`BoundLaunch` is a plan seen with one call's counts:
+what a dry run reports (grid, descriptor shapes).
+
+Each stage module has a planner ``plan_<stage>(problem, device) -> BoundLaunch``;
+:mod:`.plan` composes the shared plans into the forward's plan, the forward launches
 exactly these plans and ``kernels_for_aot`` compiles the same constexprs and signatures.
 
 Descriptors view every ``[B, T, X, D]`` tensor as the 2-D ``[B * T, X * D]`` matrix it is in
@@ -14,13 +21,14 @@ the TMA unit: see :func:`index_limits_reason`). The kernels' own tensors are con
 TMA accepts, :func:`tma_rows_reason`), so their descriptors take the row stride of the
 tensor at each launch (``DescPlan.token_rows``): a new stride never needs a new plan.
 
-Host cost: a forward builds a descriptor per TMA argument per call, so the pure parts are
-memoized: shared-memory layouts per (tile, dtype), and (in :mod:`.plan`) whole plans.
-Cached plans are shared between calls: treat a plan and its dicts as read-only.
+Host cost: the pure parts are memoized: shared-memory layouts per (tile, dtype), and (in
+:mod:`.plan`) whole plans per call class. Cached plans are shared between calls: treat a
+plan and its dicts as read-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -128,18 +136,21 @@ class DescPlan:
     ----------
     arg : kernel argument name ("w_desc").
     tensor : which tensor it views ("w", "u", "k", "h", "v_new", ...).
-    shape, strides : the 2-D global view, in elements (last stride 1).
+    shape : the 2-D global view ``(rows, cols)`` in elements. ``rows`` is None in a shared
+        plan: each launch takes the row count of the tensor it is given (``B * T``); a
+        :class:`BoundLaunch` fills it in for one call.
+    strides : the 2-D strides of a contiguous tensor, ``(cols, 1)``.
     block_shape : the tile one TMA message moves ([1, BN] for a TMA scatter row descriptor).
     dtype : torch dtype of the tensor.
     layout_shape : the shared-memory tile whose NVMMASharedLayout the descriptor carries
         (the block shape, except for scatter descriptors: the staged [BT, BN] tile).
-    token_rows : an input read in place: ``strides`` are those of a contiguous tensor, and
-        a launch takes the row stride of the tensor it is given (:meth:`strides_for`).
+    token_rows : an input read in place: a launch takes the row stride of the tensor it is
+        given (:meth:`view_of`).
     """
 
     arg: str
     tensor: str
-    shape: tuple[int, int]
+    shape: tuple[int | None, int]
     strides: tuple[int, int]
     block_shape: tuple[int, int]
     dtype: torch.dtype
@@ -158,67 +169,117 @@ class DescPlan:
 
     @property
     def signature(self) -> str:
-        """``tensordesc<bf16[64, 128],NVMMASharedLayout(...)>``, as a launch would specialize."""
+        """``tensordesc<bf16[64, 128],NVMMASharedLayout(...)>``, as a launch would specialize
+        (the global shape is not part of it: a new row count compiles nothing)."""
         b0, b1 = self.block_shape
         return f"tensordesc<{sig_dtype(self.dtype)}[{b0}, {b1}],{self.layout!r}>"
 
-    def strides_for(self, tensor: torch.Tensor) -> list[int]:
-        """The 2-D strides of the descriptor over ``tensor``, in elements: the plan's for a
-        contiguous tensor; ``[token stride, 1]`` for a ``token_rows`` input in token rows.
+    def with_rows(self, rows: int) -> DescPlan:
+        """This descriptor over a tensor of ``rows`` token rows (a dry run's view)."""
+        return dataclasses.replace(self, shape=(rows, self.shape[1]))
 
-        ValueError unless ``tensor`` is what the plan describes: its dtype, its element
-        count, and contiguous (the plan's 2-D view is then the tensor's memory) or, for a
-        ``token_rows`` input, in token rows the TMA unit reads (:func:`tma_rows_reason`).
+    def view_of(self, tensor: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``([rows, cols], [row stride, 1])`` of the descriptor over ``tensor``, in elements:
+        rows from the tensor (``numel / cols``: ``B * T`` for a ``[B, T, X, D]`` tensor),
+        the plan's strides for a contiguous tensor, ``[token stride, 1]`` for a
+        ``token_rows`` input in token rows.
+
+        ValueError unless ``tensor`` is what the plan describes: its dtype, whole rows of
+        ``cols`` elements (the plan's row count when it fixes one), and contiguous (the 2-D
+        view is then the tensor's memory) or, for a ``token_rows`` input, in token rows the
+        TMA unit reads (:func:`tma_rows_reason`).
         """
-        rows, cols = self.shape
+        planned_rows, cols = self.shape
+        numel = tensor.numel()
         contiguous = tensor.is_contiguous()
-        if tensor.dtype != self.dtype or tensor.numel() != rows * cols or not (contiguous or self.token_rows):
-            raise ValueError(f"{self.arg}: planned {self.dtype} [{rows}, {cols}] contiguous, got "
-                             f"{tensor.dtype} {tuple(tensor.shape)} contiguous={contiguous}")
+        rows = numel // cols
+        if (tensor.dtype != self.dtype or rows * cols != numel or (planned_rows is not None and rows != planned_rows)
+                or not (contiguous or self.token_rows)):
+            raise ValueError(f"{self.arg}: planned {self.dtype} [{'rows' if planned_rows is None else planned_rows}, "
+                             f"{cols}] contiguous, got {tensor.dtype} {tuple(tensor.shape)} contiguous={contiguous}")
         if contiguous:
-            return list(self.strides)
+            return [rows, cols], list(self.strides)
         reason = tma_rows_reason(self.tensor, tensor)
         if reason is not None:
             raise ValueError(f"{self.arg}: {reason}")
-        return [token_rows_stride(tensor), 1]
+        if rows != tensor.shape[0] * tensor.shape[1]:
+            raise ValueError(f"{self.arg}: planned rows of {cols} elements, got {tuple(tensor.shape)}")
+        return [rows, cols], [token_rows_stride(tensor), 1]
+
+    def strides_for(self, tensor: torch.Tensor) -> list[int]:
+        """The strides of :meth:`view_of` (with its checks)."""
+        return self.view_of(tensor)[1]
 
     def check(self, tensor: torch.Tensor) -> None:
-        """:meth:`strides_for`'s checks alone."""
-        self.strides_for(tensor)
+        """:meth:`view_of`'s checks alone."""
+        self.view_of(tensor)
 
     def build(self, tensor: torch.Tensor):
-        """The gluon TensorDescriptor over ``tensor`` (checked against the plan's shape).
+        """The gluon TensorDescriptor over ``tensor`` (checked against the plan: :meth:`view_of`).
 
-        Triton's constructor validates every build (about 1.2 us). Skipping it for a plan
-        validated once was measured: after the per-plan cache lookup it saved under 0.3 us
-        a descriptor, too little to bypass triton's own checks.
+        Triton's constructor validates every build (about 1.2 us); the JIT launch path
+        builds one per descriptor, the direct path none (:class:`.launch.TmaArg`).
         """
-        strides = self.strides_for(tensor)
+        shape, strides = self.view_of(tensor)
         TensorDescriptor = _tensor_descriptor_class()
-        return TensorDescriptor(tensor, list(self.shape), strides, list(self.block_shape), self.layout)
+        return TensorDescriptor(tensor, shape, strides, list(self.block_shape), self.layout)
+
+
+@dataclass(frozen=True)
+class GridRule:
+    """The launch grid of a call as plain integer arithmetic on its counts.
+
+    ``grid[0] = max(minimum, rows // row_block (rounded up with ceil) + num_seqs * per_seq) * times``
+    (no row term when ``row_block`` is 0), followed by the fixed axes ``more``. ``rows`` is
+    what the stage counts (token rows ``B * T``, or (token, head) rows), ``num_seqs`` the
+    call's ``N``.
+    """
+
+    row_block: int = 0
+    ceil: bool = False
+    per_seq: int = 0
+    times: int = 1
+    minimum: int = 0
+    more: tuple[int, ...] = ()
+
+    def __call__(self, rows: int, num_seqs: int) -> tuple[int, ...]:
+        if self.row_block:
+            units = -(-rows // self.row_block) if self.ceil else rows // self.row_block
+        else:
+            units = 0
+        return (max(self.minimum, units + num_seqs * self.per_seq) * self.times, *self.more)
+
+    def launch_grid(self, rows: int, num_seqs: int) -> tuple[int, int, int]:
+        """:meth:`__call__` padded to the three axes a launcher takes."""
+        grid = self(rows, num_seqs) + (1, 1)
+        return grid[0], grid[1], grid[2]
 
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """One kernel launch.
+    """One kernel launch of a call class (shared by every call of the class, whatever its
+    ``B * T`` and ``N``).
 
     Attributes
     ----------
     kernel : stage name ("wy_fwd", "qk_rnorm_fwd", "state_output_fwd").
-    grid : launch grid.
+    grid_rule : the launch grid from the call's counts (:meth:`grid_for`).
     num_warps : warps per program.
     maxnreg : register cap per thread passed to ptxas, or None (ptxas's own choice).
     compiled : the compiled kernels of this plan by launch specialization, filled by
         :func:`gdn_dispatch.backends.gluon_common.launch.launch_planned` (not part of the plan's value).
     blocks : block sizes by name ({"BT": 64, "BV": 64, ...}).
     constexprs : the kernel's constexpr arguments (what kernels_for_aot compiles).
-    descriptors : TMA descriptor arguments, in no particular order (looked up by ``arg``).
-    scalars : runtime integer arguments by name ({"HV": 32, "GROUP": 2}).
+    descriptors : TMA descriptor arguments (row count from the tensor at each launch), in
+        no particular order (looked up by ``arg``).
+    scalars : runtime integer arguments fixed by the class, by name ({"HV": 32, "GROUP": 2}).
+    row_scalars : runtime integer arguments that are the launch's row count, by name (a
+        dry run's :attr:`BoundLaunch.scalars` shows them).
     notes : why the blocks were chosen (for humans and `plan` tests).
     """
 
     kernel: str
-    grid: tuple[int, ...]
+    grid_rule: GridRule
     num_warps: int
     blocks: dict
     constexprs: dict
@@ -226,10 +287,66 @@ class LaunchPlan:
     scalars: dict = field(default_factory=dict)
     notes: str = ""
     maxnreg: int | None = None
+    row_scalars: tuple[str, ...] = ()
     compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def shared(self) -> LaunchPlan:
+        """The plan itself (a :class:`BoundLaunch` answers with the plan it views)."""
+        return self
+
+    def grid_for(self, rows: int, num_seqs: int) -> tuple[int, ...]:
+        """The grid of a call of ``rows`` rows (as the stage counts them) in ``num_seqs`` sequences."""
+        return self.grid_rule(rows, num_seqs)
 
     def desc(self, arg: str) -> DescPlan:
         return next(d for d in self.descriptors if d.arg == arg)
+
+    def bind(self, rows: int, num_seqs: int) -> BoundLaunch:
+        """This plan as one call of ``rows`` rows in ``num_seqs`` sequences launches it."""
+        return BoundLaunch(self, rows, num_seqs)
+
+
+class BoundLaunch:
+    """A shared :class:`LaunchPlan` with one call's row and sequence counts: what a dry run of
+    that call reports. ``grid``, ``descriptors`` (row counts filled in) and ``scalars`` (with
+    the row scalars) are the call's; every other attribute is the plan's. Host wrappers
+    launch ``shared`` with the counts of the tensors they are given.
+    """
+
+    __slots__ = ("shared", "rows", "num_seqs")
+
+    def __init__(self, shared: LaunchPlan, rows: int, num_seqs: int):
+        self.shared, self.rows, self.num_seqs = shared, rows, num_seqs
+
+    def __getattr__(self, name):
+        return getattr(self.shared, name)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return self.shared.grid_rule(self.rows, self.num_seqs)
+
+    @property
+    def descriptors(self) -> tuple[DescPlan, ...]:
+        return tuple(d.with_rows(self.rows) for d in self.shared.descriptors)
+
+    @property
+    def scalars(self) -> dict:
+        return {**self.shared.scalars, **{name: self.rows for name in self.shared.row_scalars}}
+
+    def desc(self, arg: str) -> DescPlan:
+        return self.shared.desc(arg).with_rows(self.rows)
+
+    def __eq__(self, other):
+        if not isinstance(other, BoundLaunch):
+            return NotImplemented
+        return (self.shared, self.rows, self.num_seqs) == (other.shared, other.rows, other.num_seqs)
+
+    def __hash__(self):
+        return hash((self.shared.kernel, self.rows, self.num_seqs))
+
+    def __repr__(self):
+        return f"BoundLaunch({self.shared.kernel}, rows={self.rows}, num_seqs={self.num_seqs}, grid={self.grid})"
 
 
 def drop_unused_scatter(descriptors: tuple[DescPlan, ...], constexprs: dict) -> tuple[tuple[DescPlan, ...], dict]:
@@ -281,12 +398,12 @@ def tma_rows_reason(name: str, t: torch.Tensor) -> str | None:
     fused projection) qualify when the base is 16-byte aligned and the token stride is a
     multiple of 16 bytes.
     """
-    stride = token_stride(t) if t.is_contiguous() else token_rows_stride(t)
+    stride = math.prod(t.shape[2:]) if t.is_contiguous() else token_rows_stride(t)
     if stride is None:
         return f"{name}: not in token rows (strides {tuple(t.stride())} for shape {tuple(t.shape)})"
-    if t.data_ptr() % TMA_ALIGN:
-        return f"{name}: TMA needs a {TMA_ALIGN}-byte-aligned base, got data_ptr() % {TMA_ALIGN} = " \
-               f"{t.data_ptr() % TMA_ALIGN}"
+    misaligned = t.data_ptr() % TMA_ALIGN
+    if misaligned:
+        return f"{name}: TMA needs a {TMA_ALIGN}-byte-aligned base, got data_ptr() % {TMA_ALIGN} = {misaligned}"
     if stride * t.element_size() % TMA_ALIGN:
         return (f"{name}: TMA needs a token stride of a multiple of {TMA_ALIGN} bytes, got {stride} elements of "
                 f"{t.element_size()} bytes")
@@ -316,13 +433,14 @@ def index_limits_reason(problem: GDNProblem) -> str | None:
     return None
 
 
-def tile_desc(arg: str, tensor: str, dtype: torch.dtype, rows: int, cols: int, block, scatter: bool = False,
+def tile_desc(arg: str, tensor: str, dtype: torch.dtype, cols: int, block, scatter: bool = False,
               token_rows: bool = False):
-    """DescPlan of the row-major 2-D view ``[rows, cols]`` with TMA box ``block``; a scatter
-    descriptor (box ``[1, BN]``) carries the layout of the staged ``[64, BN]`` tile; an
-    input read in place in ``token_rows`` takes its row stride from the tensor."""
+    """DescPlan of the row-major 2-D view ``[rows, cols]`` (rows from the tensor at each
+    launch) with TMA box ``block``; a scatter descriptor (box ``[1, BN]``) carries the layout
+    of the staged ``[64, BN]`` tile; an input read in place in ``token_rows`` takes its row
+    stride from the tensor."""
     layout_shape = (CHUNK_SIZE, block[1]) if scatter else None
-    return DescPlan(arg, tensor, (rows, cols), (cols, 1), tuple(block), dtype, layout_shape, token_rows)
+    return DescPlan(arg, tensor, (None, cols), (cols, 1), tuple(block), dtype, layout_shape, token_rows)
 
 
 def pointer_attrs(fn, names) -> dict:

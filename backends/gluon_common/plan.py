@@ -3,76 +3,187 @@
 :func:`plan` is a dry run of :func:`gdn_dispatch.backends.gluon_common.forward.forward`: for
 a validated call, the device and the matrix engine it returns the planned launches of
 :mod:`.wy` (gate cumsum, T, w / u), :mod:`.qk_norm` (with the qk l2 norm only) and
-:mod:`.state_output` (recurrence and output), in order, each a
-:class:`~.launch_plan.LaunchPlan`. It touches no GPU and reads no tensor data, so it is
-testable with CPU tensors.
+:mod:`.state_output` (recurrence and output), in order. It touches no GPU and reads no
+tensor data, so it is testable with CPU tensors.
 
-Host cost: the forward calls :func:`plan` on every call, so plans are memoized per
-:func:`plan_key` (bounded LRU). Cached plans are shared between calls: treat a plan and its
-dicts as read-only.
+Host cost: the forward calls :func:`plan` on every call, and a server calls with a new
+token count (and often a new sequence count) nearly every time. So the launches are
+planned once per *call class* (:func:`plan_key`: device, engine, head counts and dims,
+dtype, the tail, state, pool and l2 flags; not ``B``, ``T`` or ``N``) into a
+:class:`ClassPlan` (bounded LRU), whose launch plans hold no per-call integer: grids and
+descriptor row counts follow from ``B * T`` and ``N`` at each launch. The one choice that
+depends on ``N``, the fused kernel's V-block (:func:`.state_output.state_output_config`:
+waves of ``N * HV`` programs), picks among that kernel's few configurations, all planned
+with the class. A call's :func:`plan` is then a key, one cache lookup, one dict lookup by
+``N`` and a small :class:`ForwardPlan` view. Cached plans are shared between calls: treat
+a plan and its dicts as read-only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from gdn_dispatch.contract import GDNProblem, StateLayout
-from gdn_dispatch.device import DeviceInfo, assumed_device
+from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_block
 
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    PLAN_CACHE_SIZE, LaunchPlan, LruCache, has_tails, resolve_engine)
+    PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm
-from gdn_dispatch.backends.gluon_common.state_output import plan_state_output
+from gdn_dispatch.backends.gluon_common.state_output import (
+    plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
 
 
-@dataclass(frozen=True)
 class ForwardPlan:
     """Every Gluon launch of one call, in order (wy, [qk_rnorm with the qk l2 norm,]
-    state_output), for one device and engine."""
+    state_output), for one device and engine: the call class's shared launch plans
+    (``launches``) with the call's token rows ``rows = B * T`` and sequence count
+    ``num_seqs`` (``stages``: :class:`~.launch_plan.BoundLaunch` views, as a dry run shows them).
+    """
+
+    __slots__ = ("cls", "launches", "rows", "num_seqs")
+
+    def __init__(self, cls: ClassPlan, launches: tuple[LaunchPlan, ...], rows: int, num_seqs: int):
+        self.cls, self.launches, self.rows, self.num_seqs = cls, launches, rows, num_seqs
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        return self.cls.capability
+
+    @property
+    def is_sm100(self) -> bool:
+        return self.cls.is_sm100
+
+    @property
+    def state_layout(self) -> StateLayout:
+        return self.cls.state_layout
+
+    @property
+    def has_tails(self) -> bool:
+        return self.cls.has_tails
+
+    @property
+    def stages(self) -> tuple[BoundLaunch, ...]:
+        return tuple(self._bind(launch) for launch in self.launches)
+
+    def _bind(self, launch: LaunchPlan) -> BoundLaunch:
+        # The norm kernel counts (token, head) rows; the others token rows.
+        rows = self.rows * self.cls.H if launch.kernel == "qk_rnorm_fwd" else self.rows
+        return launch.bind(rows, self.num_seqs)
+
+    def stage(self, kernel: str) -> BoundLaunch:
+        return self._bind(next(s for s in self.launches if s.kernel == kernel))
+
+    def __eq__(self, other):
+        if not isinstance(other, ForwardPlan):
+            return NotImplemented
+        return (self.cls.flags, self.launches, self.rows, self.num_seqs) == \
+            (other.cls.flags, other.launches, other.rows, other.num_seqs)
+
+    def __hash__(self):
+        return hash((self.rows, self.num_seqs, tuple(s.kernel for s in self.launches)))
+
+    def __repr__(self):
+        return f"ForwardPlan(rows={self.rows}, num_seqs={self.num_seqs}, stages={self.stages})"
+
+
+@dataclass(frozen=True, eq=False)
+class ClassPlan:
+    """The launch plans of one call class (:func:`plan_key`), shared by its calls.
+
+    Attributes
+    ----------
+    capability, is_sm100, state_layout, has_tails : the class's device, engine and flags.
+    H, HV, K, V, elem : head counts, head dims and q's element size in bytes.
+    sm_count, smem_per_block : the device figures the fused kernel's V-block is chosen on.
+    front : the launches before the fused kernel (wy, and the norms with the qk l2 norm).
+    state_outputs : the fused kernel's plan per configuration (BV, warps) it may run in.
+    """
 
     capability: tuple[int, int]
     is_sm100: bool
     state_layout: StateLayout
     has_tails: bool
-    stages: tuple[LaunchPlan, ...]
+    H: int
+    HV: int
+    K: int
+    V: int
+    elem: int
+    sm_count: int
+    smem_per_block: int
+    front: tuple[LaunchPlan, ...]
+    state_outputs: dict
+    #: ForwardPlans by (B * T, N), filled on use (bounded by COUNTS_KEPT).
+    by_counts: dict = field(default_factory=dict, repr=False)
 
-    def stage(self, kernel: str) -> LaunchPlan:
-        return next(s for s in self.stages if s.kernel == kernel)
+    @property
+    def flags(self) -> tuple:
+        return (self.capability, self.is_sm100, self.state_layout, self.has_tails)
+
+    def launches_for(self, num_seqs: int) -> tuple[LaunchPlan, ...]:
+        """The launches of a call of ``num_seqs`` sequences (the front, then the fused
+        kernel in the configuration :func:`.state_output.state_output_config` picks)."""
+        config = state_output_config(self.K, self.V, num_seqs * self.HV, self.sm_count, self.elem,
+                                     smem_per_block=self.smem_per_block)
+        return (*self.front, self.state_outputs[config])
+
+    def for_call(self, rows: int, num_seqs: int) -> ForwardPlan:
+        """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences
+        (memoized per counts, bounded: calls with the same counts get the same object)."""
+        counts = (rows, num_seqs)
+        fp = self.by_counts.get(counts)
+        if fp is None:
+            if len(self.by_counts) >= COUNTS_KEPT:
+                self.by_counts.clear()
+            fp = self.by_counts[counts] = ForwardPlan(self, self.launches_for(num_seqs), rows, num_seqs)
+        return fp
+
+
+#: (B * T, N) pairs a ClassPlan keeps the ForwardPlan of (one dict lookup per call; a
+#: server's counts vary, so the dict is emptied when it fills).
+COUNTS_KEPT = 4096
 
 
 def plan_key(problem: GDNProblem, device: DeviceInfo, engine) -> tuple:
     """Everything the stage planners read from a call, a device and the engine, as a
-    hashable key.
+    hashable key: the call class.
 
-    Shapes, dtype, the sequence count, the tail flag, the state, state-pool,
-    write-back and l2-norm flags, the compute capability, the SM count, the shared memory
-    per block and the engine.
-    Tensor values (cu_seqlens' lengths included) are not in it: plans read none (the w/u
-    kernel's chunk count follows from ``B * T``, ``N`` and the tail flag; the tail flag of
-    a varlen call from its host copy of the offsets, when it has one). A stage planner that
-    starts reading another attribute of the problem or device must add it.
+    Head counts and dims, dtype, the tail flag, the state, state-pool, write-back and
+    l2-norm flags, the state layout, the compute capability, the SM count, the shared
+    memory per block and the engine. Not ``B``, ``T`` or ``N``: grids and descriptor rows
+    follow from ``B * T`` and ``N`` at each launch, and the fused kernel's configuration from
+    ``N`` by a lookup (:meth:`ClassPlan.launches_for`). Tensor values are not in it either
+    (the tail flag of a varlen call comes from its host copy of the offsets, when it has
+    one). A stage planner that starts reading another attribute of the problem or device
+    must add it.
     """
-    return (tuple(device.capability), device.sm_count, device.smem_optin, engine, tuple(problem.q.shape),
-            tuple(problem.v.shape), problem.dtype, problem.N, has_tails(problem),
-            problem.initial_state is not None, problem.output_final_state, problem.state_layout,
-            problem.use_qk_l2norm, problem.uses_state_pool, problem.inplace_final_state)
+    q, v = problem.q.shape, problem.v.shape
+    return (device.capability, device.sm_count, device.smem_optin, engine, q[2], q[3], v[2], v[3],
+            problem.q.dtype, has_tails(problem), problem.initial_state is not None, problem.output_final_state,
+            problem.state_layout, problem.use_qk_l2norm, problem.state_indices is not None,
+            problem.inplace_final_state)
 
 
 _PLANS = LruCache(PLAN_CACHE_SIZE)
+#: How the class-plan cache answered: "computed" counts :func:`compute_class_plan` calls
+#: (one per call class while it stays cached), "hits" the calls that found their class.
+PLAN_COUNTS: Counter = Counter()
 
 
 def clear_plan_cache() -> None:
-    """Forget every memoized plan (tests, or after editing a planner in a live session)."""
+    """Forget every memoized plan and reset :data:`PLAN_COUNTS` (tests, or after editing a
+    planner in a live session)."""
     _PLANS.clear()
+    PLAN_COUNTS.clear()
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,
          *, engine=None) -> ForwardPlan:
     """Dry run of the Gluon forward for ``problem``.
 
-    Memoized per :func:`plan_key`: a call with the same key gets the same ForwardPlan
-    object, equal to what :func:`compute_plan` would return (read-only: it is shared).
+    The launch plans are memoized per call class (:func:`plan_key`): every call of a class
+    gets the same shared plans (read-only), equal to what :func:`compute_plan` returns.
 
     Parameters
     ----------
@@ -87,7 +198,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     Returns
     -------
     ForwardPlan with the forward's Gluon launches (wy_fwd, [qk_rnorm_fwd,]
-    state_output_fwd), in order.
+    state_output_fwd), in order, for this call's ``B * T`` and ``N``.
     """
     if device is None:
         if capability is not None:
@@ -99,19 +210,40 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     if capability is not None and tuple(capability) != tuple(device.capability):
         device = DeviceInfo(kind="cuda", index=device.index, name=device.name, capability=tuple(capability),
                             sm_count=device.sm_count, smem_optin=device.smem_optin)
-    engine = resolve_engine(device, engine)
+    if engine is None:
+        engine = resolve_engine(device)
     key = plan_key(problem, device, engine)
-    cached = _PLANS.get(key)
-    if cached is not None:
-        return cached
-    return _PLANS.put(key, compute_plan(problem, device, engine=engine))
+    cls = _PLANS.get(key)
+    if cls is None:
+        cls = _PLANS.put(key, compute_class_plan(problem, device, engine=engine))
+    else:
+        PLAN_COUNTS["hits"] += 1
+    q = problem.q.shape
+    return cls.for_call(q[0] * q[1], problem.chunks.num_seqs)
+
+
+def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ClassPlan:
+    """The launch plans of ``problem``'s call class for ``device`` and the engine (no cache):
+    wy, the norms with the qk l2 norm, and the fused kernel in every configuration it may
+    run in."""
+    PLAN_COUNTS["computed"] += 1
+    engine = resolve_engine(device, engine)
+    # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
+    front = [plan_wy(problem, device, engine=engine).shared]
+    if problem.use_qk_l2norm:
+        front.append(plan_qk_rnorm(problem, device, engine=engine).shared)
+    elem = problem.q.element_size()
+    state_outputs = {config: plan_state_output(problem, device, block_v=config[0], num_warps=config[1],
+                                               engine=engine).shared
+                     for config in state_output_configs(problem.K, problem.V)}
+    return ClassPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100,
+                     state_layout=problem.state_layout, has_tails=has_tails(problem), H=problem.H, HV=problem.HV,
+                     K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
+                     smem_per_block=shared_memory_per_block(device), front=tuple(front),
+                     state_outputs=state_outputs)
 
 
 def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ForwardPlan:
-    """:func:`plan` without the cache: every stage planned for ``device`` and the engine."""
-    engine = resolve_engine(device, engine)
-    # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
-    planners = (plan_wy, plan_qk_rnorm, plan_state_output) if problem.use_qk_l2norm else (plan_wy, plan_state_output)
-    stages = [planner(problem, device, engine=engine) for planner in planners]
-    return ForwardPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100, state_layout=problem.state_layout,
-                       has_tails=has_tails(problem), stages=tuple(stages))
+    """:func:`plan` without the cache: the call class planned anew, seen with ``problem``'s counts."""
+    q = problem.q.shape
+    return compute_class_plan(problem, device, engine=engine).for_call(q[0] * q[1], problem.chunks.num_seqs)

@@ -27,7 +27,7 @@ from gdn_dispatch.contract import GDNProblem, token_rows_stride
 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    NUM_WARPS, PLAN_CACHE_SIZE, LaunchPlan, pointer_attrs, sig_dtype, token_stride)
+    NUM_WARPS, PLAN_CACHE_SIZE, BoundLaunch, GridRule, LaunchPlan, pointer_attrs, sig_dtype)
 from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
@@ -53,40 +53,50 @@ def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
 
 
-def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> LaunchPlan:
-    """Launch plan of :func:`qk_rnorm_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
+def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
+    """Launch plan of :func:`qk_rnorm_fwd` for ``problem`` (a dry run: no GPU, no tensor read):
+    the shared plan of K (:func:`qk_rnorm_plan`) seen with the call's ``B * T * H``
+    (token, head) rows.
 
     Grid: (row blocks of the ``B * T * H`` (token, head) rows, 2: q then k). The kernel
     uses no matrix engine: ``device`` and ``engine`` are accepted for the planners'
     common signature.
     """
-    return plan_qk_rnorm_rows(problem.B * problem.T * problem.H, problem.K)
+    return qk_rnorm_plan(problem.K).bind(problem.B * problem.T * problem.H, problem.N)
 
 
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_qk_rnorm_rows(rows: int, K: int) -> LaunchPlan:
-    """:func:`plan_qk_rnorm` from the row count ``B * T * H`` and K. Memoized: callers
-    outside the forward's plan cache (``state_output_fwd`` without ``rnorm``) share one
-    plan per shape, and with it the compiled kernel kept on it (read-only)."""
+@functools.lru_cache(maxsize=8)
+def qk_rnorm_plan(K: int) -> LaunchPlan:
+    """The shared norm plan at head dim K, for any row count (the grid and the kernel's
+    ``rows`` follow from ``B * T * H`` at each launch). Memoized: callers outside the
+    forward's plan cache (``state_output_fwd`` without ``rnorm``) share it, and with it the
+    compiled kernel kept on it (read-only)."""
     return LaunchPlan(
         kernel="qk_rnorm_fwd",
-        grid=(max(1, -(-rows // BLOCK_ROWS)), 2),
+        grid_rule=GridRule(row_block=BLOCK_ROWS, ceil=True, minimum=1, more=(2,)),
         num_warps=NUM_WARPS,
         blocks={"BLOCK_ROWS": BLOCK_ROWS, "K": K},
         constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
-        scalars={"rows": rows},
-        notes=f"{rows} (token, head) rows of q and of k, {BLOCK_ROWS} per program",
+        row_scalars=("rows",),
+        notes=f"B*T*H (token, head) rows of q and of k, {BLOCK_ROWS} per program",
     )
 
 
-def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan) -> torch.Tensor:
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan_qk_rnorm_rows(rows: int, K: int) -> BoundLaunch:
+    """The norm plan at head dim K seen with ``rows = B * T * H`` (token, head) rows."""
+    return qk_rnorm_plan(K).bind(rows, 0)
+
+
+def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLaunch) -> torch.Tensor:
     """The reciprocal l2 norms of q's and k's rows (one launch).
 
     Parameters
     ----------
     q, k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows (any token stride; raw: not yet
         normalized).
-    launch : the ``qk_rnorm_fwd`` LaunchPlan of :func:`plan_qk_rnorm`.
+    launch : the ``qk_rnorm_fwd`` plan (:func:`qk_rnorm_plan`, or a dry run's
+        :func:`plan_qk_rnorm`); the grid and ``rows`` follow from q's shape.
 
     Returns
     -------
@@ -94,15 +104,20 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan) -> torch.
         of k's, ``1 / sqrt(sum x^2 + 1e-6)`` (:data:`masks.L2NORM_EPS`).
     """
     B, T, H, K = q.shape
-    if k.shape != q.shape or k.dtype != q.dtype or token_rows_stride(q) is None or token_rows_stride(k) is None:
+    s_q, s_k = token_rows_stride(q), token_rows_stride(k)
+    if k.shape != q.shape or k.dtype != q.dtype or s_q is None or s_k is None:
         raise ValueError(f"qk_rnorm_fwd: q and k must be [B, T, H, K] token rows of one dtype, got "
                          f"{q.dtype} {tuple(q.shape)} strides {q.stride()} and {k.dtype} {tuple(k.shape)} "
                          f"strides {k.stride()}")
+    launch = launch.shared
+    if launch.constexprs["K"] != K:
+        raise ValueError(f"qk_rnorm_fwd: planned K = {launch.constexprs['K']}, got q of K = {K}")
     rnorm = torch.empty(B * T, H, 2, dtype=torch.float32, device=q.device)
-    if B * T * H == 0:
+    rows = B * T * H
+    if rows == 0:
         return rnorm
-    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=launch.scalars["rows"], H=H,
-                                                           s_q=token_stride(q), s_k=token_stride(k)))
+    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=rows, H=H, s_q=s_q, s_k=s_k),
+                   rows=rows, num_seqs=0)
     return rnorm
 
 

@@ -114,7 +114,7 @@ from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    MAX_STATE_TILE, NUM_WARPS, LaunchPlan, as_device, drop_unused_scatter, has_tails,
+    MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, drop_unused_scatter, has_tails,
     pointer_attrs, resolve_engine, sig_dtype, tile_desc)
 from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
@@ -504,8 +504,14 @@ def state_output_config(K: int, V: int, num_heads: int, sm_count: int, elem: int
                                                                    smem_per_block=smem_per_block)
         return (-(-programs // capacity), BV)
 
-    usable = [c for c in CONFIGS if V % c[0] == 0 and c[1] >= state_output_warps(K, c[0])]
-    return min(usable, key=cost)
+    return min(state_output_configs(K, V), key=cost)
+
+
+def state_output_configs(K: int, V: int) -> tuple[tuple[int, int], ...]:
+    """The configurations (BV, warps) of :data:`CONFIGS` the fused kernel can run at K, V
+    (BV divides V; enough warps to hold the state tile): those
+    :func:`state_output_config` chooses from."""
+    return tuple(c for c in CONFIGS if V % c[0] == 0 and c[1] >= state_output_warps(K, c[0]))
 
 
 def state_constexprs(problem: GDNProblem, engine) -> dict:
@@ -523,8 +529,10 @@ def state_constexprs(problem: GDNProblem, engine) -> dict:
 
 
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
-                      defer_out: bool | None = None, engine=None) -> LaunchPlan:
-    """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
+                      defer_out: bool | None = None, engine=None) -> BoundLaunch:
+    """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor
+    read): the shared plan of the call's class in the chosen configuration, seen with the
+    call's ``B * T`` and ``N`` (grid: ``N * HV * V / BV`` programs).
 
     Parameters
     ----------
@@ -541,7 +549,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     info = as_device(device)
     engine = resolve_engine(info, engine)
     is_sm100 = engine.is_sm100
-    B, T, H, K, HV, V = problem.B, problem.T, problem.H, problem.K, problem.HV, problem.V
+    H, K, HV, V = problem.H, problem.K, problem.HV, problem.V
     N, dtype = problem.N, problem.dtype
     BT = CHUNK_SIZE
     elem = torch.finfo(dtype).bits // 8
@@ -558,20 +566,20 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     if defer and is_sm100:
         raise ValueError("defer_out: sm_90a only (on sm_100a the A v_new accumulator is one TMEM tile)")
     NV = V // BV
-    rows = B * T
     descriptors = (
-        tile_desc("q_desc", "q", dtype, rows, H * K, (BT, K), token_rows=True),
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K), token_rows=True),
-        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
-        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, BV)),
-        tile_desc("o_desc", "o", dtype, rows, HV * V, (BT, BV)),
-        tile_desc("o_rows_desc", "o", dtype, rows, HV * V, (1, BV), scatter=True),
+        tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("w_desc", "w", dtype, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, HV * V, (BT, BV)),
+        tile_desc("o_desc", "o", dtype, HV * V, (BT, BV)),
+        tile_desc("o_rows_desc", "o", dtype, HV * V, (1, BV), scatter=True),
     )
     descriptors, constexprs = drop_unused_scatter(
         descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer})
-    return LaunchPlan(
+    launch = LaunchPlan(
         kernel="state_output_fwd",
-        grid=(N * HV * NV,),
+        # (sequence, v-head, V-block) programs.
+        grid_rule=GridRule(per_seq=1, times=HV * NV),
         num_warps=warps,
         # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
         # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
@@ -581,11 +589,12 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "V": V},
-        notes=(f"BV={BV}, {warps} warps: {N * HV} (sequence, v-head) pairs x {NV} V-blocks on "
+        notes=(f"BV={BV}, {warps} warps: N x {HV} (sequence, v-head) pairs x {NV} V-blocks on "
                f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"),
         # The hardware's cap, stated: uncapped, ptxas traded registers for spills on sm_100a.
         maxnreg=255 if is_sm100 else None,
     )
+    return launch.bind(problem.B * problem.T, N)
 
 
 def state_output_fwd(
@@ -595,7 +604,7 @@ def state_output_fwd(
     u: torch.Tensor,
     g_cum: torch.Tensor,
     chunks: ChunkTable,
-    launch: LaunchPlan,
+    launch: LaunchPlan | BoundLaunch,
     *,
     scale: float,
     initial_state: torch.Tensor | None = None,
@@ -616,8 +625,9 @@ def state_output_fwd(
     u : Tensor ``[B, T, HV, V]``, k's dtype (stage 3). V in {64, 128}.
     g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
     chunks : ChunkTable of the call.
-    launch : the ``state_output_fwd`` LaunchPlan of :func:`plan_state_output` (grid, BV,
-        constexprs incl. the state layout and the l2 norm, descriptors).
+    launch : the ``state_output_fwd`` plan of the call's class (:func:`plan_state_output`:
+        BV, constexprs incl. the state layout and the l2 norm, descriptors); the grid and
+        descriptor rows follow from ``chunks.num_seqs`` and the tensors given here.
     scale : float, the output scale.
     initial_state : Tensor ``[N, HV, K, V]`` ("kv") or ``[N, HV, V, K]`` ("vk", as the
         plan's ``STATE_VK``), contiguous, any float dtype: float32 and bfloat16 are read in
@@ -641,6 +651,7 @@ def state_output_fwd(
     B, T, HV, V = u.shape
     H, K = k.shape[2], k.shape[3]
     N = chunks.num_seqs
+    launch = launch.shared
     vk = launch.constexprs["STATE_VK"]
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     final_state = None
@@ -679,7 +690,7 @@ def state_output_fwd(
         cu_seqlens=chunks.cu_seqlens, scale=float(scale),
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=h0.shape[0] if use_pool else 0,
         V=launch.scalars["V"],
-    ))
+    ), rows=B * T, num_seqs=N)
     return o, final_state
 
 
@@ -695,7 +706,7 @@ def pool_rows(pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
 _POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "state_indices", "cu_seqlens")
 
 
-def state_output_signature(launch: LaunchPlan, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
+def state_output_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
                            index_dtype: torch.dtype = torch.int32,
                            cu_dtype: torch.dtype = torch.int32) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of ``_state_output_fwd_kernel`` for ``launch``, in
@@ -716,7 +727,7 @@ def state_output_signature(launch: LaunchPlan, dtype: torch.dtype, state_dtype: 
     return signature, constexprs, pointer_attrs(_state_output_fwd_kernel, _POINTERS)
 
 
-def state_output_aot_kernel(backend: str, launch: LaunchPlan, dtype: torch.dtype, tag: str,
+def state_output_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, tag: str,
                             state_dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int32,
                             cu_dtype: torch.dtype = torch.int32) -> AotKernel:
     """The AotKernel that compiles exactly what ``state_output_fwd`` launches for ``launch``

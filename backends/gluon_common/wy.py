@@ -63,8 +63,8 @@ from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
-    NUM_WARPS, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter, has_tails,
-    pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
+    NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
+    has_tails, pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout
 
 
@@ -359,21 +359,22 @@ WY_VARIANTS = ("smem", "regs")
 WY_DEFAULT_VARIANT = "regs"
 
 
-def wy_descriptors(rows: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
+def wy_descriptors(H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
     """The k and v tiles the kernel reads (in place, in token rows) and the w and u tiles
-    (and tail rows) it writes, whole [64, K] / [64, V] per (chunk, head)."""
+    (and tail rows) it writes, whole [64, K] / [64, V] per (chunk, head); rows ``B * T``
+    from the tensors at each launch."""
     BT = CHUNK_SIZE
     return (
-        tile_desc("k_desc", "k", dtype, rows, H * K, (BT, K), token_rows=True),
-        tile_desc("v_desc", "v", dtype, rows, HV * V, (BT, V), token_rows=True),
-        tile_desc("w_desc", "w", dtype, rows, HV * K, (BT, K)),
-        tile_desc("u_desc", "u", dtype, rows, HV * V, (BT, V)),
-        tile_desc("w_rows_desc", "w", dtype, rows, HV * K, (1, K), scatter=True),
-        tile_desc("u_rows_desc", "u", dtype, rows, HV * V, (1, V), scatter=True),
+        tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
+        tile_desc("w_desc", "w", dtype, HV * K, (BT, K)),
+        tile_desc("u_desc", "u", dtype, HV * V, (BT, V)),
+        tile_desc("w_rows_desc", "w", dtype, HV * K, (1, K), scatter=True),
+        tile_desc("u_rows_desc", "u", dtype, HV * V, (1, V), scatter=True),
     )
 
 
-def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, engine=None) -> LaunchPlan:
+def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, engine=None) -> BoundLaunch:
     """Launch plan of :func:`wy_fwd` for ``problem`` (a dry run: no GPU, no tensor read).
 
     Parameters
@@ -385,11 +386,15 @@ def plan_wy(problem: GDNProblem, device, variant: str | None = None, *, engine=N
     engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
         one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
 
-    One program per (chunk, v-head), v-head fastest (chunks: :func:`wy_chunks`); whole K and
-    V tiles; 4 warps (one warpgroup: wgmma's M = 64).
+    Returns
+    -------
+    The shared plan of the call's class (:func:`wy_plan`) seen with the call's ``B * T``
+    and ``N``. One program per (chunk, v-head), v-head fastest (chunks: :func:`wy_chunks`);
+    whole K and V tiles; 4 warps (one warpgroup: wgmma's M = 64).
     """
-    return _plan_wy(problem.B * problem.T, problem.H, problem.HV, problem.K, problem.V, problem.dtype,
-                    problem.N, has_tails(problem), problem.use_qk_l2norm, as_device(device), variant, engine)
+    launch = wy_plan(problem.H, problem.HV, problem.K, problem.V, problem.dtype, has_tails(problem),
+                     problem.use_qk_l2norm, as_device(device), variant, engine)
+    return launch.bind(problem.B * problem.T, problem.N)
 
 
 def wy_chunks(rows: int, num_seqs: int, tails: bool) -> int:
@@ -397,12 +402,14 @@ def wy_chunks(rows: int, num_seqs: int, tails: bool) -> int:
     sequences: with tails the chunk slots (``rows // 64 + N``, :mod:`gdn_dispatch.varlen`;
     each program finds its chunk by bisection over cu_seqlens, idle ones exit), without
     them the ``rows / 64`` whole chunks that tile the rows back to back. Known on the host
-    from the shapes alone: no chunk table, no read of cu_seqlens."""
+    from the shapes alone: no chunk table, no read of cu_seqlens (the plan's
+    :class:`~.launch_plan.GridRule` computes the same at each launch)."""
     return rows // CHUNK_SIZE + (num_seqs if tails else 0)
 
 
-def _plan_wy(rows, H, HV, K, V, dtype, N, tails, l2norm, info: DeviceInfo, variant: str | None = None,
-             engine=None) -> LaunchPlan:
+def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | None = None,
+            engine=None) -> LaunchPlan:
+    """The shared ``wy_fwd`` LaunchPlan of a call class (no ``B * T``, no ``N`` in it)."""
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
         raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
@@ -410,14 +417,14 @@ def _plan_wy(rows, H, HV, K, V, dtype, N, tails, l2norm, info: DeviceInfo, varia
     engine = resolve_engine(info, engine)
     is_sm100 = engine.is_sm100
     BT = CHUNK_SIZE
-    NT = wy_chunks(rows, N, tails)
     descriptors, constexprs = drop_unused_scatter(
-        wy_descriptors(rows, H, HV, K, V, dtype),
+        wy_descriptors(H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
-        grid=(NT * HV,),
+        # (chunk slots B * T // 64 + N with tails, else the B * T / 64 whole chunks) x HV.
+        grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
         num_warps=NUM_WARPS,
         # TMEM (sm_100a): M = 64 accumulators take 16 of each 32-lane quarter; k k^T (or a,
         # kept for the "smem" inverse) and the inverse's products (64 columns each), w (K),
@@ -429,7 +436,8 @@ def _plan_wy(rows, H, HV, K, V, dtype, N, tails, l2norm, info: DeviceInfo, varia
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{NT} {'chunk slots' if tails else 'chunks'} x {HV} v-heads, T formed in-kernel ({variant} inverse), whole [64, {K}] / [64, {V}] tiles",
+        notes=(f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads, T formed in-kernel "
+               f"({variant} inverse), whole [64, {K}] / [64, {V}] tiles"),
         # sm_90a: 168 registers (ptxas takes 183-198 uncapped for "smem", 155-159 for "regs",
         # and spills nothing at 168) and
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
@@ -445,7 +453,7 @@ def wy_fwd(
     g: torch.Tensor,
     beta: torch.Tensor,
     chunks: ChunkTable,
-    launch: LaunchPlan | None = None,
+    launch: LaunchPlan | BoundLaunch | None = None,
     *,
     use_qk_l2norm: bool = False,
     device_info: DeviceInfo | None = None,
@@ -464,9 +472,10 @@ def wy_fwd(
         stride): the per-token log-decay, summed per chunk in the kernel.
     beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows.
     chunks : ChunkTable of the call.
-    launch : the ``wy_fwd`` LaunchPlan of :func:`plan_wy` (what the orchestrator passes);
-        None plans from the tensors with ``use_qk_l2norm`` and ``device_info`` (then
-        required), which are ignored when ``launch`` is given.
+    launch : the ``wy_fwd`` plan of the call's class (:func:`wy_plan`, or a dry run's
+        :func:`plan_wy`: what the orchestrator passes); the grid and descriptor rows follow
+        from the tensors given here. None plans from the tensors with ``use_qk_l2norm`` and
+        ``device_info`` (then required), which are ignored when ``launch`` is given.
 
     Returns
     -------
@@ -486,17 +495,17 @@ def wy_fwd(
     if launch is None:
         if device_info is None:
             raise ValueError("wy_fwd: pass launch (a plan_wy plan) or device_info to plan one")
-        launch = _plan_wy(B * T, H, HV, K, V, k.dtype, chunks.num_seqs, chunks_have_tails(chunks, T),
-                          use_qk_l2norm, device_info)
+        launch = wy_plan(H, HV, K, V, k.dtype, chunks_have_tails(chunks, T), use_qk_l2norm, device_info)
+    launch = launch.shared
     tensors = {"k": k, "v": v, "w": w, "u": u}
     launch_planned(_wy_fwd_kernel, launch, tensors, dict(
         w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
-    ))
+    ), rows=B * T, num_seqs=chunks.num_seqs)
     return w, u, g_cum
 
 
-def wy_signature(launch: LaunchPlan, dtype: torch.dtype, beta_dtype: torch.dtype | None = None,
+def wy_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, beta_dtype: torch.dtype | None = None,
                  g_dtype: torch.dtype = torch.float32, cu_dtype: torch.dtype = torch.int32) -> dict:
     """Argument types of ``_wy_fwd_kernel`` for ``launch``, as a launch would specialize
     (``cu_dtype``: of cu_seqlens, the caller's int32 or int64 offsets)."""
