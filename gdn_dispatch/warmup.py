@@ -110,9 +110,8 @@ def warmup(
     max_num_seqs : the most sequences one call will carry.
     pool_dtypes : dtypes of the state pools ``[P, HV, K, V]`` / ``[P, HV, V, K]`` passed
         with ``state_indices`` (``()``: the server passes no pools). ``pool_inplace``: the
-        ``inplace_final_state`` values used with them. ``pool_size``: P (None: warm both
-        value classes Triton tells apart, P divisible by 16 or not; P = 1 must be named).
-        ``index_dtype``: dtype of ``state_indices`` (int32 or int64).
+        ``inplace_final_state`` values used with them. ``pool_size``: P (None: any; no
+        kernel specializes on it). ``index_dtype``: dtype of ``state_indices`` (int32 or int64).
     input_layouts : "contiguous" and/or "fused_qkv" (q, k, v views of one
         ``[B, T, 2 H K + HV V]`` projection, in that order).
     host_offsets : varlen calls with ``cu_seqlens_cpu`` (True), without it (False), or both.

@@ -4,15 +4,17 @@ with given head dims can hit on a device. Pure host work: no GPU needed.
 A Triton kernel is compiled once per *specialization*: its constexpr arguments (flags such
 as initial/final state, varlen tails, pools, tile sizes a planner picked, token strides
 where a kernel takes them as constexprs), the dtype and 16-byte alignment of each pointer
-argument, and the value class of each integer argument (``== 1``, divisible by 16). For
-fixed dims and dtypes, what varies from call to call is
+argument, and the value class of each integer argument (``== 1``, divisible by 16) unless
+the kernel marks it ``do_not_specialize`` (the per-call counts are: sequences, segments,
+segment length, pool rows). For fixed dims and dtypes, what varies from call to call is
 
 * the batch: the number of sequences ``N`` (tile and pipeline choices depend on how many
   programs fill the SMs), whether some sequence ends inside a chunk (tails), the token
-  count ``T``, uniform batch or ``cu_seqlens`` (with or without its host copy), and how
-  long the longest sequence is (context parallelism cuts long ones into segments);
-* the state: none, an initial state, or a state pool (its dtype and row count, written
-  back in place or not), and whether a final state is asked;
+  count ``T``, uniform batch or ``cu_seqlens`` (with or without its host copy), and
+  whether context parallelism cuts a long sequence into segments (then how many segments
+  the pass over them has: its tile choice depends on them as on ``N``);
+* the state: none, an initial state, or a state pool (its dtype, written back in place or
+  not), and whether a final state is asked;
 * the input layout: contiguous tensors, or views of one fused q|k|v projection (a token
   stride wider than each tensor's row).
 
@@ -28,13 +30,14 @@ keeps the fewest candidates that cover every key.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 from dataclasses import dataclass
 
 import torch
 
-from gdn_dispatch.context_parallel import plan_context_parallel, plan_for_problem
+from gdn_dispatch.context_parallel import COUNTED_BV, CPPlan, plan_context_parallel, plan_for_problem
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, make_problem, token_rows_stride
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.registry import CallSpec, GDNDispatchError, explain, load_registry, select
@@ -42,17 +45,18 @@ from gdn_dispatch.registry import CallSpec, GDNDispatchError, explain, load_regi
 #: Length of the last sequence of a candidate (the others are whole chunks): no tail (64),
 #: and tails giving T = 0, 1, 8 (mod 16), and T == 1 for a single sequence.
 LAST_LENGTHS = (64, 1, 8, 16, 17, 40)
-#: The last length of the long candidates: 33 chunks, the last one partial. Long enough for
-#: the context-parallel planner to cut segments where sequences and heads leave SMs idle;
-#: used only at the ``N`` where it does (:func:`_long_is_segmented`).
+#: The length of a long prompt in :func:`random_ragged_stream`: 33 chunks, the last one
+#: partial, long enough for the context-parallel planner to cut segments where sequences
+#: and heads leave SMs idle. The plan's segmented candidates force their segment counts
+#: instead (:func:`segmented_lengths`).
 LONG_LENGTH = 32 * CHUNK_SIZE + 17
 #: Input layouts a spec may name: "contiguous" tensors, or "fused_qkv": q, k, v views of one
 #: ``[B, T, 2 H K + HV V]`` projection in that order (g and beta contiguous), as servers
 #: split their projection (or convolution) output.
 INPUT_LAYOUTS = ("contiguous", "fused_qkv")
-#: Pool row counts warmed when the spec names none: one of each value class Triton
-#: specializes an integer on (divisible by 16, not); a pool of one row must be named.
-DEFAULT_POOL_SIZES = (16, 17)
+#: Pool row counts warmed when the spec names none. No kernel specializes on the row count
+#: (``do_not_specialize``), so one stands for every size.
+DEFAULT_POOL_SIZES = (17,)
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,8 @@ class WarmupSpec:
         ``output_final_state`` the calls use.
     pool_dtypes : dtypes of the state pools calls pass with ``state_indices`` (empty: no
         pool calls). ``pool_inplace``: their ``inplace_final_state`` values.
-        ``pool_size``: the pool's row count P (None: both value classes, see
-        :data:`DEFAULT_POOL_SIZES`). ``index_dtype``: dtype of ``state_indices``.
+        ``pool_size``: the pool's row count P (None: :data:`DEFAULT_POOL_SIZES`).
+        ``index_dtype``: dtype of ``state_indices``.
     input_layouts : names from :data:`INPUT_LAYOUTS`.
     host_offsets : with ``cu_seqlens``, whether ``cu_seqlens_cpu`` is passed too (True,
         False or both).
@@ -113,7 +117,8 @@ class WarmupCall:
     is given, which is a pool of ``pool_size`` rows of ``pool_dtype`` when that is set
     (row ``n`` for sequence ``n < pool_size``, -1 for the rest), written back when
     ``inplace``; ``host_offsets``: varlen with ``cu_seqlens_cpu``; ``layout``: one of
-    :data:`INPUT_LAYOUTS`.
+    :data:`INPUT_LAYOUTS`; ``context_parallel``: the call's argument ("auto", or a forced
+    segment count).
     """
 
     lengths: tuple[int, ...] | None
@@ -125,6 +130,7 @@ class WarmupCall:
     inplace: bool = False
     host_offsets: bool = True
     layout: str = "contiguous"
+    context_parallel: str | int = "auto"
 
     @property
     def N(self) -> int:
@@ -144,7 +150,8 @@ class WarmupCall:
             dtype = str(self.pool_dtype).removeprefix("torch.")
             state = f" pool {dtype}[{self.pool_size}]{' inplace' if self.inplace else ''}"
         layout = "" if self.layout == "contiguous" else f" {self.layout}"
-        return f"{shape}{state}{' ht' if self.output_final_state else ''}{layout}"
+        cp = "" if self.context_parallel == "auto" else f" cp={self.context_parallel}"
+        return f"{shape}{state}{' ht' if self.output_final_state else ''}{layout}{cp}"
 
 
 def make_call(spec: WarmupSpec, call: WarmupCall, device: torch.device | str = "cpu", *,
@@ -175,7 +182,7 @@ def make_call(spec: WarmupSpec, call: WarmupCall, device: torch.device | str = "
         q=q, k=k, v=v, g=tensor(B, T, spec.HV, dtype=spec.g_dtype, kind="gate"),
         beta=tensor(B, T, spec.HV, dtype=spec.beta_dtype or spec.dtype, kind="rand"),
         state_layout=spec.state_layout, use_qk_l2norm_in_kernel=spec.use_qk_l2norm,
-        output_final_state=call.output_final_state,
+        output_final_state=call.output_final_state, context_parallel=call.context_parallel,
     )
     per_head = (spec.K, spec.V) if spec.state_layout == StateLayout.KV.value else (spec.V, spec.K)
     if call.pool_dtype is not None:
@@ -195,15 +202,16 @@ def make_call(spec: WarmupSpec, call: WarmupCall, device: torch.device | str = "
 
 # --- specialization keys ----------------------------------------------------------------
 
-def triton_arg_class(value):
+def triton_arg_class(value, specialize: bool = True):
     """What Triton's binder specializes one kernel argument on: a tensor's pointer dtype
-    and 16-byte alignment, an integer's type and divisibility by 16 (1 is a constant)."""
+    and 16-byte alignment, an integer's type and (with ``specialize``, i.e. not
+    ``do_not_specialize``) divisibility by 16 (1 is a constant)."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
     if value is None or isinstance(value, float):
         return type(value).__name__
-    return native_specialize_impl(BaseBackend, value, False, True, True)
+    return native_specialize_impl(BaseBackend, value, False, specialize, True)
 
 
 def _hashable(value):
@@ -216,18 +224,18 @@ def _hashable(value):
 
 def call_facts(problem: GDNProblem) -> tuple:
     """What the binder specializes on that no launch planner states: the class
-    (:func:`triton_arg_class`) of every tensor the call hands the kernels, and of the
-    pool's row count."""
+    (:func:`triton_arg_class`) of every tensor the call hands the kernels. (The pool's row
+    count is a ``do_not_specialize`` argument of every kernel that takes one.)"""
     names = ("q", "k", "v", "g", "beta", "initial_state", "state_indices")
-    facts = tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
-    rows = problem.initial_state.shape[0] if problem.uses_state_pool else None
-    return facts + (("P", triton_arg_class(rows)),)
+    return tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
 
 
-def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo) -> frozenset:
+def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
     """One key per launch of the Gluon forward's plan: kernel, warps, register cap,
-    constexprs, descriptor signatures and the class of each integer argument."""
+    constexprs, descriptor signatures and the class of each integer argument; with the
+    context-parallel decision (``cp``), which the plan does not state."""
     forward_plan = module.plan(problem, tuple(device.capability), device)
+    segmented = cp.enabled if cp is not None else None
     keys = set()
     for launch in forward_plan.stages:
         keys.add((
@@ -235,32 +243,49 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo) -> frozenset:
             tuple(sorted((name, _hashable(v)) for name, v in launch.constexprs.items())),
             tuple(sorted(d.signature for d in launch.descriptors)),
             tuple(sorted((name, triton_arg_class(v)) for name, v in launch.scalars.items())),
+            segmented,
         ))
     return frozenset(keys)
 
 
-def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo) -> frozenset:
+def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
     """triton_generic's launches: every stage's config is fixed by the dims and the device
-    except the state recurrence's (N * HV against the SM count); the state and norm flags
-    and the inputs' token strides are constexprs; every kernel takes the sequence count N
-    as an integer argument (the chunk slots find their sequence among N)."""
+    except the state recurrence's (its programs against the SM count: ``N * HV``, or
+    ``NSEG * HV`` when it runs over segments); the state and norm flags and the inputs'
+    token strides are constexprs. Sequence, segment and pool-row counts and the segment
+    length are runtime integers no kernel specializes on.
+
+    With context parallelism (``cp.enabled``) the call's state flags go to the scan, and
+    the state kernel runs over the segments from float32 start states ("kv", no final
+    state, no pool), next to the segment table and the segment maps.
+    """
     from gdn_dispatch.backends.triton_generic import configs
 
     elem = problem.q.element_size()
     capability = tuple(device.capability) if device.capability else None
-    state_cfg = configs.state_config(problem.K, problem.V, problem.N * problem.HV, elem, capability,
-                                     device.sm_count or 1)
+    l2 = problem.use_qk_l2norm
     flags = (problem.initial_state is not None, problem.output_final_state, problem.state_layout.value,
-             problem.use_qk_l2norm, problem.uses_state_pool, problem.inplace_final_state)
+             problem.uses_state_pool, problem.inplace_final_state)
     strides = {name: token_rows_stride(getattr(problem, name)) for name in ("q", "k", "v", "g", "beta")}
     fused = configs.fuse_solve_into_wu(capability)
-    seqs = triton_arg_class(problem.N)
-    return frozenset({
-        ("chunk_cumsum_fwd", seqs, strides["g"]),
-        ("kkt_solve_fwd", seqs, None if fused else (strides["k"], strides["beta"], flags[3])),
-        ("wu_fwd", seqs, fused, strides["k"], strides["v"], strides["beta"], flags[3]),
-        ("state_fwd", seqs, state_cfg, flags, strides["k"]),
-        ("output_fwd", seqs, strides["q"], strides["k"], flags[3]),
+
+    def state_key(sequences: int, state_flags: tuple) -> tuple:
+        cfg = configs.state_config(problem.K, problem.V, sequences * problem.HV, elem, capability, device.sm_count)
+        return ("state_fwd", cfg, state_flags, l2, strides["k"])
+
+    keys = {
+        ("chunk_cumsum_fwd", strides["g"]),
+        ("kkt_solve_fwd", None if fused else (strides["k"], strides["beta"], l2)),
+        ("wu_fwd", fused, strides["k"], strides["v"], strides["beta"], l2),
+        ("output_fwd", strides["q"], strides["k"], l2),
+    }
+    if cp is None or not cp.enabled:
+        return frozenset(keys | {state_key(problem.N, flags)})
+    return frozenset(keys | {
+        ("segment_table_fwd",),
+        ("segment_map_fwd", strides["k"], l2),
+        ("segment_scan_fwd", flags),
+        state_key(cp.num_segments, (True, False, StateLayout.KV.value, False, False)),
     })
 
 
@@ -280,17 +305,16 @@ def specialization_keys(backend: str, problem: GDNProblem, device: DeviceInfo) -
     """The kernel specializations ``problem`` launches on ``device`` with ``backend``
     (computed without a GPU); empty for a backend with nothing to compile.
 
-    Each key of the backend's planner carries the call's :func:`call_facts` and, where the
-    backend runs context parallelism, whether the call runs segmented.
+    Each key of the backend's planner carries the call's :func:`call_facts`; where the
+    backend runs context parallelism, its key function is handed the call's plan.
     """
     key_fn = KEY_FUNCTIONS.get(backend)
     if key_fn is None:
         return frozenset()
     row = _row(backend)
-    segmented = (plan_for_problem(problem, device.sm_count).enabled
-                 if "context_parallel" in row.features else None)
-    shared = (backend, call_facts(problem), segmented)
-    return frozenset((shared, key) for key in key_fn(importlib.import_module(row.module), problem, device))
+    cp = plan_for_problem(problem, device.sm_count) if "context_parallel" in row.features else None
+    shared = (backend, call_facts(problem))
+    return frozenset((shared, key) for key in key_fn(importlib.import_module(row.module), problem, device, cp))
 
 
 def choose_backend(problem: GDNProblem, device: DeviceInfo, backend: str | None = None) -> str | None:
@@ -329,48 +353,74 @@ def state_variants(spec: WarmupSpec) -> list[dict]:
     return variants
 
 
-def _long_is_segmented(spec: WarmupSpec, n: int, device: DeviceInfo) -> bool:
-    """Whether the context-parallel planner ("auto") cuts a call of ``n`` sequences whose
-    longest is :data:`LONG_LENGTH` tokens."""
-    decision = plan_context_parallel("auto", T_total=CHUNK_SIZE * (n - 1) + LONG_LENGTH, N=n, HV=spec.HV,
-                                     V=spec.V, sm_count=device.sm_count, max_len=LONG_LENGTH)
-    return decision.enabled
+def segmented_call(n: int, num_segments: int, **flags) -> WarmupCall:
+    """A call of ``n`` sequences that runs over ``num_segments`` (> n) segment slots: the
+    last sequence long, the others empty, cut by a forced segment count into one-chunk
+    segments (its length leaves a tail, as a prompt's does)."""
+    long = CHUNK_SIZE * (num_segments - n) + 17
+    return WarmupCall((0,) * (n - 1) + (long,), None, context_parallel=-(-long // CHUNK_SIZE), **flags)
+
+
+@functools.lru_cache(maxsize=256)
+def segment_counts(spec: WarmupSpec, n: int, device: DeviceInfo, backend: str | None = None,
+                   tensor_device: str = "cpu") -> tuple[int, ...]:
+    """Segment-slot counts ``NSEG`` whose segmented calls of ``n`` sequences tell every
+    launch a segmented call can make apart: () where the planner ("auto") never segments
+    ``n`` sequences (they fill the SMs), else the smallest ``NSEG`` of each key set among
+    ``NSEG = n + 1 ...`` (what "auto" can give), up to twice the SMs in the state kernel's
+    programs (``NSEG * HV * ceil(V / 64)``): planners size their tiles by whether the
+    programs fill the SMs, and beyond that nothing changes."""
+    longest = 1 << 30
+    if not plan_context_parallel("auto", T_total=longest, N=n, HV=spec.HV, V=spec.V, sm_count=device.sm_count,
+                                 max_len=longest).enabled:
+        return ()
+    flags = dict(output_final_state=True, **state_variants(spec)[0])
+    counts, seen, nseg = [], set(), n + 1
+    while True:
+        keys = call_keys(spec, segmented_call(n, nseg, **flags), device, backend, tensor_device=tensor_device)[1]
+        if keys not in seen:
+            counts.append(nseg)
+            seen.add(keys)
+        if nseg * spec.HV * -(-spec.V // COUNTED_BV) >= 2 * device.sm_count:
+            return tuple(counts)
+        nseg += 1
 
 
 def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tensor_device) -> list[int]:
     """1, 2, and every N <= max_num_seqs at which some backend's keys change (whole chunks,
-    every state source, a final state; long when that is segmented): one representative
+    every state source, a final state; segmented where that can be): one representative
     per range of N that launches the same kernels."""
     counts, previous = [], None
     for n in range(1, spec.max_num_seqs + 1):
-        lasts = (CHUNK_SIZE, LONG_LENGTH) if _long_is_segmented(spec, n, device) else (CHUNK_SIZE,)
-        keys = frozenset().union(*(
-            call_keys(spec, WarmupCall((CHUNK_SIZE,) * (n - 1) + (last,), None, output_final_state=True, **state),
-                      device, backend, tensor_device=tensor_device)[1]
-            for last in lasts for state in state_variants(spec)))
+        calls = [WarmupCall((CHUNK_SIZE,) * n, None, output_final_state=True, **state) for state in state_variants(spec)]
+        calls += [segmented_call(n, nseg, output_final_state=True, **state_variants(spec)[0])
+                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device))]
+        keys = frozenset().union(*(call_keys(spec, call, device, backend, tensor_device=tensor_device)[1]
+                                   for call in calls))
         if keys != previous or n <= 2:
             counts.append(n)
         previous = keys
     return counts
 
 
-def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo) -> list[WarmupCall]:
+def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo, backend: str | None = None,
+                    tensor_device: torch.device | str = "cpu") -> list[WarmupCall]:
     """Every representative call: each N of ``seq_counts``; varlen (with and without host
     offsets, as ``spec.host_offsets`` says) and uniform; each last length of
-    :data:`LAST_LENGTHS` (and :data:`LONG_LENGTH` where that is segmented); each state
-    source, final-state flag and input layout of ``spec``."""
+    :data:`LAST_LENGTHS`; each state source, final-state flag and input layout of
+    ``spec``; and, where context parallelism can cut N sequences, the segmented calls of
+    :func:`segment_counts` with each of those."""
     calls = []
+    variants = [dict(**state, output_final_state=ht, layout=layout) for state in state_variants(spec)
+                for ht in spec.final_states for layout in spec.input_layouts]
     for n in seq_counts:
-        lasts = LAST_LENGTHS + ((LONG_LENGTH,) if _long_is_segmented(spec, n, device) else ())
-        for last in lasts:
+        for last in LAST_LENGTHS:
             shapes = [dict(lengths=(CHUNK_SIZE,) * (n - 1) + (last,), batch=None, host_offsets=host)
                       for host in spec.host_offsets]
             shapes.append(dict(lengths=None, batch=(n, last)))
-            for shape in shapes:
-                for state in state_variants(spec):
-                    for ht in spec.final_states:
-                        for layout in spec.input_layouts:
-                            calls.append(WarmupCall(**shape, **state, output_final_state=ht, layout=layout))
+            calls += [WarmupCall(**shape, **flags) for shape in shapes for flags in variants]
+        for nseg in segment_counts(spec, n, device, backend, str(tensor_device)):
+            calls += [segmented_call(n, nseg, host_offsets=spec.host_offsets[0], **flags) for flags in variants]
     return calls
 
 
@@ -401,7 +451,8 @@ def plan_warmup(spec: WarmupSpec, device: DeviceInfo, backend: str | None = None
     ``device`` itself the registry also checks each call's tensors (see
     :func:`choose_backend`).
     """
-    candidates = candidate_calls(spec, _seq_counts(spec, device, backend, tensor_device), device)
+    counts = _seq_counts(spec, device, backend, tensor_device)
+    candidates = candidate_calls(spec, counts, device, backend, tensor_device)
     keyed, unadmitted = [], []
     for call in sorted(candidates, key=lambda c: c.tokens):
         chosen, keys = call_keys(spec, call, device, backend, tensor_device=tensor_device)
@@ -425,11 +476,13 @@ def plan_warmup(spec: WarmupSpec, device: DeviceInfo, backend: str | None = None
 STREAM_POOL_SIZES = (16, 17, 40, 48)
 
 
-def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200) -> list[WarmupCall]:
+def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200,
+                         long_len: tuple[int, int] = (LONG_LENGTH, 2 * LONG_LENGTH)) -> list[WarmupCall]:
     """Ragged batches as a server forms them, to check a warm-up against: 1..max_num_seqs
     sequences of 0..max_len tokens (some whole chunks, some empty, now and then one long
-    prompt), a few uniform batches; any state source of ``spec`` (pools of a random size,
-    -1 rows past it), final-state flag, input layout and varlen form."""
+    prompt of ``long_len[0]..long_len[1]`` tokens), a few uniform batches; any state source
+    of ``spec`` (pools of a random size, -1 rows past it), final-state flag, input layout
+    and varlen form."""
     rng = random.Random(seed)
     calls = []
     for _ in range(count):
@@ -444,11 +497,12 @@ def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int =
         lengths = [rng.choice([0, 64, 128, rng.randint(1, max_len)]) for _ in range(n)]
         lengths[0] = max(lengths[0], 1)
         if rng.random() < 0.1:
-            lengths[rng.randrange(n)] = rng.randint(LONG_LENGTH, 2 * LONG_LENGTH)
+            lengths[rng.randrange(n)] = rng.randint(*long_len)
         calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
     return calls
 
 
 __all__ = ["DEFAULT_POOL_SIZES", "INPUT_LAYOUTS", "LAST_LENGTHS", "LONG_LENGTH", "WarmupCall", "WarmupPlan",
            "WarmupSpec", "call_facts", "call_keys", "candidate_calls", "choose_backend", "make_call", "plan_warmup",
-           "random_ragged_stream", "specialization_keys", "state_variants", "triton_arg_class"]
+           "random_ragged_stream", "segment_counts", "segmented_call", "specialization_keys", "state_variants",
+           "triton_arg_class"]

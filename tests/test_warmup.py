@@ -4,6 +4,9 @@ the backends' launch planners, no GPU); triton_generic's key model separates eve
 calls its kernels specialize apart (its launches recorded on the CPU); and on a GPU, after
 warmup(), 60 random ragged batches compile nothing."""
 
+import dataclasses
+import types
+
 import pytest
 import torch
 
@@ -11,9 +14,10 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import CPU, assumed_device
 from gdn_dispatch.testing import runnable_gpu_backends
 from gdn_dispatch.warmup import CompileCounter, warmup
+from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.warmup_plan import (
     LAST_LENGTHS, LONG_LENGTH, WarmupCall, WarmupSpec, call_keys, candidate_calls, choose_backend, make_call,
-    plan_warmup, specialization_keys, triton_arg_class,
+    plan_warmup, segment_counts, segmented_call, specialization_keys,
 )
 from gdn_dispatch.warmup_plan import random_ragged_stream as random_stream
 
@@ -106,20 +110,39 @@ def test_candidates_span_tails_layouts_and_state_sources():
     assert {c.host_offsets for c in calls if c.lengths is not None} == {True, False}
     assert {(c.initial_state, c.output_final_state) for c in calls} == {(a, b) for a in (0, 1) for b in (0, 1)}
     assert {c.pool_dtype for c in calls} == {None, torch.float32, torch.bfloat16}
-    assert {c.pool_size % 16 == 0 for c in calls if c.pool_dtype is not None} == {True, False}
+    # One pool size: no kernel specializes on the row count (test_no_kernel_specializes_on_per_call_counts).
+    assert len({c.pool_size for c in calls if c.pool_dtype is not None}) == 1
     assert {c.layout for c in calls} == {"contiguous", "fused_qkv"}
     tails = {c.tokens % 64 != 0 for c in calls}
     assert tails == {True, False} and {c.N for c in calls} == {1, 5}
     assert 64 in LAST_LENGTHS and any(n % 64 for n in LAST_LENGTHS)
 
 
-def test_long_candidates_only_where_context_parallel_cuts():
-    """Long prompts are candidates at the N where the context-parallel planner segments
-    them (few sequences x heads on many SMs), and only there."""
+def test_segmented_candidates_only_where_context_parallel_cuts():
+    """Segmented calls are candidates at the N where the context-parallel planner can segment
+    (few sequences x heads on many SMs), and only there; each runs segmented, over as many
+    segment slots as it was built for."""
     device = assumed_device("sm_90")
     spec = WarmupSpec(**SMALL, pool_dtypes=(), input_layouts=("contiguous",))
-    long_ns = {c.N for c in candidate_calls(spec, list(range(1, 65)), device) if max(c.lengths or c.batch) == LONG_LENGTH}
-    assert 1 in long_ns and 64 not in long_ns
+    segmented = [c for c in candidate_calls(spec, list(range(1, 65)), device) if c.context_parallel != "auto"]
+    assert {1, 16} <= {c.N for c in segmented} and 17 not in {c.N for c in segmented}
+    for call in segmented[:4]:
+        problem = make_problem(**make_call(spec, call))
+        plan = plan_for_problem(problem, device.sm_count)
+        assert plan.enabled and plan.seg_len == 64 and plan.num_segments > call.N
+
+
+def test_segment_counts_span_the_state_kernels_tile_choices():
+    """triton_generic's segmented calls of SMALL dims on sm_90 run the state kernel over few
+    segments (BV 32), more (BV 64, three stages) and enough to fill the SMs (BV 64, two
+    stages): one segment count per tile choice, each with a key set of its own."""
+    device = assumed_device("sm_90")
+    spec = WarmupSpec(**SMALL, pool_dtypes=(), input_layouts=("contiguous",))
+    counts = segment_counts(spec, 1, device, "triton_generic")
+    keys = [call_keys(spec, segmented_call(1, nseg, initial_state=False, output_final_state=True), device,
+                      "triton_generic")[1] for nseg in counts]
+    configs = {key[1] for keys_ in keys for _, key in keys_ if key[0] == "state_fwd"}
+    assert len(counts) == 3 and len(set(keys)) == 3 and len(configs) == 3, configs
 
 
 def test_plan_runs_the_same_keys_with_fewer_calls():
@@ -197,10 +220,21 @@ def test_spec_rejects_unknown_layouts_and_pool_sizes():
 
 # --- triton_generic's key model against its real launches ---------------------------------
 
+#: A stand-in device for the recorded launches: CPU tensors (the interpreter runs nothing
+#: here; the launches are recorded), with an SM count that makes context parallelism cut
+#: few sequences' long prompts and the state kernel's tiles follow the programs it has.
+MODEL_DEVICE = dataclasses.replace(CPU, sm_count=48)
+
+
 def recorded_launches(problem, monkeypatch) -> frozenset:
-    """Every launch triton_generic's host code makes for ``problem`` (CPU tensors), recorded
-    instead of run: kernel, warps, stages, each constexpr's value and Triton's class of
-    every other argument (what its binder specializes on)."""
+    """Every launch triton_generic's host code makes for ``problem`` (CPU tensors) on
+    :data:`MODEL_DEVICE`, recorded instead of run: kernel, warps, stages and the
+    specialization Triton's own binder computes from the arguments (each constexpr's value,
+    pointer dtypes and alignment, integer classes where the kernel does not mark the
+    integer ``do_not_specialize``)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
     from gdn_dispatch.backends.triton_generic import _jit
     from gdn_dispatch.backends.triton_generic.forward import forward
 
@@ -208,51 +242,99 @@ def recorded_launches(problem, monkeypatch) -> frozenset:
 
     def record(kernel, *args, grid, warmup, **kwargs):
         assert not args, "triton_generic launches with keyword arguments only"
-        spec = tuple((p.name, repr(kwargs.get(p.name)) if p.is_constexpr else triton_arg_class(kwargs.get(p.name)))
-                     for p in kernel.params)
-        seen.add((kernel.fn.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"), spec))
+        binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+        _, specialization, options = binder(**kwargs)
+        spec = tuple((p.name, repr(value)) for p, value in zip(kernel.params, specialization))
+        seen.add((kernel.fn.__name__, options.get("num_warps"), options.get("num_stages"), spec))
 
     with monkeypatch.context() as patch:
         patch.setattr(_jit.Kernel, "run", record)
-        forward(problem)
+        forward(problem, types.SimpleNamespace(device=MODEL_DEVICE))
     return frozenset(seen)
 
 
 MODEL_SPEC = WarmupSpec(H=1, HV=2, K=16, V=32, max_num_seqs=20)
+#: Long prompts of the checked stream: from the shortest the planner segments (16 chunks)
+#: to eight times the usual long prompt, so segmented calls run over few to many segments.
+MODEL_LONG = (16 * 64, 8 * LONG_LENGTH)
 
 
 def uncovered_launches(spec, monkeypatch) -> list[str]:
     """The recorded launches of a random stream that the recorded launches of triton_generic's
     warm-up plan (planned from the key model) do not include: each would compile."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the registry admits triton_generic on CPU tensors
-    plan = plan_warmup(spec, CPU, "triton_generic")
+    plan = plan_warmup(spec, MODEL_DEVICE, "triton_generic")
     assert plan.calls and not plan.unadmitted
 
     def launches(call):
         return recorded_launches(make_problem(**make_call(spec, call)), monkeypatch)
 
     covered = frozenset().union(*(launches(call) for call, _ in plan.calls))
+    stream = random_stream(160, seed=5, spec=spec, max_len=150, long_len=MODEL_LONG)
+    segmented = [c for c in stream
+                 if plan_for_problem(make_problem(**make_call(spec, c)), MODEL_DEVICE.sm_count).enabled]
+    assert len(segmented) >= 3, "the stream must run some calls over segments"
     missing = []
-    for i, call in enumerate(random_stream(80, seed=5, spec=spec, max_len=150)):
+    for i, call in enumerate(stream):
         missing += [f"batch {i} ({call.label()}): {launch[0]}" for launch in launches(call) - covered]
     return missing
 
 
 def test_triton_generic_warmup_plan_covers_the_launches_of_a_stream(monkeypatch):
-    """Every launch of a random stream, as triton_generic's host code makes it (constexprs,
-    pointer dtypes, alignment, integer classes), is one the warm-up plan's calls make: the
-    key model misses nothing the kernels specialize on."""
+    """Every launch of a random stream, as triton_generic's host code makes it and Triton's
+    binder specializes it, is one the warm-up plan's calls make: the key model misses
+    nothing the kernels specialize on (segmented long prompts included)."""
     assert not uncovered_launches(MODEL_SPEC, monkeypatch)
 
 
-def test_key_model_check_catches_a_blind_model(monkeypatch):
-    """Negative control: a key model blind to token strides plans no fused-projection launch,
-    and the check above finds launches it misses."""
+@pytest.mark.parametrize("blind_to", ["token_strides", "segment_counts", "per_call_counts"])
+def test_key_model_check_catches_a_blind_model(blind_to, monkeypatch):
+    """Negative controls: a key model blind to token strides plans no fused-projection
+    launch; one that warms a single segment count misses the state kernel's tiles over more
+    segments; and kernels that specialized on per-call counts (sequences, segments, pool
+    rows) would compile launches no plan can name. The check above finds each."""
     from gdn_dispatch import warmup_plan
+    from gdn_dispatch.backends.triton_generic import _jit
 
-    monkeypatch.setattr(warmup_plan, "token_rows_stride", lambda t: 0)
-    monkeypatch.setattr(warmup_plan, "call_facts", lambda problem: ())
+    if blind_to == "token_strides":
+        monkeypatch.setattr(warmup_plan, "token_rows_stride", lambda t: 0)
+        monkeypatch.setattr(warmup_plan, "call_facts", lambda problem: ())
+    elif blind_to == "segment_counts":
+        counts = warmup_plan.segment_counts.__wrapped__
+        monkeypatch.setattr(warmup_plan, "segment_counts", lambda *a: counts(*a)[:1])
+    else:
+        for kernel in _triton_generic_kernels():
+            for param in kernel.params:
+                monkeypatch.setattr(param, "do_not_specialize", False)
     assert uncovered_launches(MODEL_SPEC, monkeypatch)
+
+
+def _triton_generic_kernels():
+    from gdn_dispatch.backends.triton_generic import aot
+
+    return {k.fn for k in aot.kernels_for_aot()}
+
+
+def test_no_kernel_specializes_on_per_call_counts():
+    """The integers that change from call to call (sequences, segment slots, segment length,
+    pool rows) are ``do_not_specialize`` wherever a kernel takes them at run time, so a
+    serving stream compiles one variant whatever they are (the warm-up plans one pool size)."""
+    import importlib
+
+    from gdn_dispatch.registry import load_registry
+
+    per_call = {"N", "NSEG", "L", "P", "pool_size"}
+    kernels = set(_triton_generic_kernels())
+    for row in load_registry():
+        if row.name.startswith("gluon"):
+            kernels |= {k.fn for k in importlib.import_module(row.module).kernels_for_aot()}
+    checked = 0
+    for fn in kernels:
+        for param in fn.params:
+            if param.name in per_call and not param.is_constexpr:
+                checked += 1
+                assert param.do_not_specialize, f"{fn.fn.__name__} specializes on {param.name}"
+    assert checked >= 8
 
 
 # --- GPU tier ---------------------------------------------------------------------------
@@ -286,6 +368,39 @@ def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
                 compiled.append(f"batch {i} ({call.label()}): {counter.count - before}")
         torch.cuda.synchronize()
     assert ran >= 30, f"only {ran} of 60 batches run on {backend}"
+    assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", [None, "triton_generic"], ids=lambda b: b or "registry-choice")
+def test_after_warmup_segmented_long_prompts_compile_nothing(backend, capsys):
+    """Few sequences with long prompts (1k to 16k tokens) on 4 v-heads: context parallelism
+    cuts them into few to many segments; after warmup() none of 40 such batches compiles."""
+    from gdn_dispatch import chunk_gated_delta_rule
+    from gdn_dispatch.device import default_probe
+
+    dims = dict(H=2, HV=4, K=128, V=128)
+    report = warmup(num_heads=dims["H"], num_v_heads=dims["HV"], head_k_dim=dims["K"], head_v_dim=dims["V"],
+                    backend=backend, max_num_seqs=4)
+    with capsys.disabled():
+        print(f"\n{report.format()}")
+    spec = WarmupSpec(**dims, max_num_seqs=4)
+    device = default_probe().for_torch_device(torch.device("cuda"))
+    compiled, segmented = [], set()
+    with CompileCounter() as counter:
+        for i, call in enumerate(random_stream(40, seed=13, spec=spec, max_len=600, long_len=(1024, 16384))):
+            kwargs = make_call(spec, call, "cuda", random=True, seed=i)
+            problem = make_problem(**kwargs, backend=backend)
+            cp = plan_for_problem(problem, device.sm_count)
+            if cp.enabled:
+                segmented.add(cp.num_segments)
+            before = counter.count
+            chunk_gated_delta_rule(**kwargs, backend=backend)
+            if counter.count != before:
+                compiled.append(f"batch {i} ({call.label()}, {cp.describe()}): {counter.count - before}")
+        torch.cuda.synchronize()
+    assert len(segmented) >= 3, f"segment slot counts seen: {sorted(segmented)}"
     assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
 
 

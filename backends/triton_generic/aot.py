@@ -89,9 +89,9 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
 def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[AotKernel]:
     """The segmented path's own kernels (pass 2 is the state and output kernels above):
     the segment table, pass 1's maps, and the scan in the "vk" layout with a pool."""
-    out = [_kernel("segment_table_fwd", "L1024", _segment_table_kernel,
-                   {"cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32"},
-                   {"L": 1024, "N_STEPS": 4, "BS": 128}, segment_scan_config(K, V))]
+    out = [_kernel("segment_table_fwd", "BS128", _segment_table_kernel,
+                   {"cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32"},
+                   {"BS": 128}, segment_scan_config(K, V))]
     cfg = segment_map_config(K, V)
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
                        {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "seg_cu": "*i32",
@@ -104,8 +104,8 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[Ao
     out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
                        _segment_scan_fwd_kernel,
                        {"m_in": "*fp32", "n_in": "*fp32", "cu_seqlens": "*i32", "h0": "*bf16" if pool else "*fp32",
-                        "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32"},
-                       {"L": 1024, "HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": min(32, cfg.BK), "BV": cfg.BV,
+                        "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32", "L": "i32"},
+                       {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": min(32, cfg.BK), "BV": cfg.BV,
                         "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
                         "DOT_PREC": "tf32x3"}, cfg))
     return out

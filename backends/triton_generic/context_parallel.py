@@ -36,7 +36,7 @@ def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan) -> ChunkT
 
 
 def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                  k_rnorm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  k_rnorm: torch.Tensor | None, sm_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stages 4 and 5 of ``problem`` over the segments of ``plan`` (``plan.enabled``).
 
     Parameters
@@ -45,6 +45,7 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
     plan : its context-parallel plan (segment length ``L``, ``NSEG`` slots).
     g_cum : float32 Tensor ``[B, T, HV]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` in k's
         dtype; k_rnorm float32 ``[B, T, HV]`` or None: stages 1-3 of the call.
+    sm_count : int or None, the SMs the state kernel's config fills (see :func:`state_fwd`).
 
     Returns
     -------
@@ -65,7 +66,7 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
         inplace_final_state=problem.inplace_final_state,
     )
     h, v_new, _ = state_fwd(problem.k, w, u, g_cum, segments, initial_state=seg_h0, use_qk_l2norm=l2,
-                            k_rnorm=k_rnorm)
+                            k_rnorm=k_rnorm, sm_count=sm_count)
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm)
     return o, final_state

@@ -32,8 +32,8 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
     """Run ``chunk_gated_delta_rule`` for ``problem``.
 
     ``selection`` (the registry's :class:`~gdn_dispatch.registry.Selection`) gives the SM
-    count that ``context_parallel="auto"`` decides from (without one: the tensors'
-    device's); the kernels run on the tensors' device. With context parallelism planned,
+    count that ``context_parallel="auto"`` and the state kernel's tile choice decide from
+    (without one: the tensors' device's); the kernels run on the tensors' device. With context parallelism planned,
     stages 4 and 5 run over segments (:mod:`.context_parallel`).
 
     Returns
@@ -63,7 +63,7 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
     plan = plan_for_problem(problem, sm_count)
     if plan.enabled:
-        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm)
+        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count)
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,
@@ -73,6 +73,7 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
         k_rnorm=k_rnorm,
         state_indices=problem.state_indices,
         inplace_final_state=problem.inplace_final_state,
+        sm_count=sm_count,
     )
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm)

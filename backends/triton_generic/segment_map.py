@@ -9,8 +9,10 @@ each of M's columns is one more "value" column whose update has no ``u`` term)::
 
 One program owns one (segment slot, v-head, BC-wide block of the ``V + K`` columns): a
 block in the first ``V`` columns walks ``N`` from zeros, one in the last ``K`` columns
-walks ``M`` from the identity. Nothing per chunk is stored (no ``h``, no ``v_new``): the
-segment's chunks are walked again in pass 2 from the exact start state. The segments are
+walks ``M`` from the identity, both with the state kernel's own chunk walk
+(:func:`.state._walk_chunks`, its stores off). Nothing per chunk is stored (no ``h``, no
+``v_new``): the segment's chunks are walked again in pass 2 from the exact start state. The
+segments are
 given as offsets ``seg_cu`` (:mod:`.segment_scan`); an empty segment's program stores the
 identity and zeros, so the scan may apply every slot's map.
 """
@@ -21,43 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit, next_pow2
+from gdn_dispatch.backends.triton_generic._jit import interpreting, jit, next_pow2
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic.state import _walk_chunks
 from gdn_dispatch.backends.triton_generic.strides import token_stride
-
-
-@jit
-def _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k: tl.constexpr, t0, n_t, i_h, o_k, o_c, u_cols,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                       INTERP_BF16: tl.constexpr):
-    """One chunk (first token ``t0``, ``n_t`` valid rows) of the recurrence on the [BK, BC]
-    columns ``o_c`` of ``S``; ``u`` is read in the first ``u_cols`` columns (V for N's
-    columns, 0 for M's). Returns the next ``S``."""
-    o_i = tl.arange(0, BT)
-    m_t, m_k = o_i < n_t, o_k < K
-    p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :]
-    b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
-    p_u = u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V) + o_c[None, :]
-    b_v = tl.load(p_u, mask=m_t[:, None] & (o_c < u_cols)[None, :], other=0.0).to(tl.float32)
-    # S rounded to the data type for the w S product, as the state kernel rounds h.
-    b_sc = _cast(b_s, k.dtype.element_ty, INTERP_BF16)
-    b_v -= _dot(b_w, b_sc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
-
-    p_g = g_cum + t0 * HV + i_h
-    b_g_last = tl.load(p_g + (n_t - 1) * HV)
-    b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
-    b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
-    p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
-    b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
-    if LOAD_RNORM:
-        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
-    elif USE_L2NORM:
-        b_kf = b_kt.to(tl.float32)
-        b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
-    b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
-    return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
 
 
 @jit
@@ -102,22 +72,10 @@ def _segment_map_fwd_kernel(
     n_cols = tl.where(is_m, 0, V)
     b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
 
-    NT = tl.cdiv(eos - bos, BT)
-    if INTERPRET:
-        # triton 3.6's interpreter cannot range() over a loaded bound (see state.py).
-        i_t = 0
-        while i_t < NT:
-            t0 = bos + i_t * BT
-            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_s = _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_t, i_h, o_k, o_c, n_cols,
-                                     H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
-            i_t += 1
-    else:
-        for i_t in range(NT):
-            t0 = bos + i_t * BT
-            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_s = _segment_map_chunk(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_t, i_h, o_k, o_c, n_cols,
-                                     H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+    # The state kernel's walk without its stores (h and v_new are not written: m_out and
+    # n_out stand in for them).
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_out, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
+                       H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
 
     m_k = (o_k < K)[:, None]
     tl.store(m_out + i_sh * (K * K) + o_k[:, None] * K + o_c[None, :], b_s, mask=m_k & (o_c < m_cols)[None, :])

@@ -28,22 +28,25 @@ import triton.language as tl
 from gdn_dispatch.backends.triton_generic._jit import _dot, jit, next_pow2
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions
-from gdn_dispatch.backends.triton_generic.state import _state_ptrs
+from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
 
 
-@jit
-def _segment_table_kernel(cu_seqlens, seg_cu, N, NSEG, L: tl.constexpr, N_STEPS: tl.constexpr, BS: tl.constexpr):
-    # Slot c's sequence is the largest n with cu[n] // L + n <= c: a bisection of N_STEPS
-    # = ceil(log2(N)) steps over [0, N) with the invariant s_lo <= c.
+@jit(do_not_specialize=("N", "NSEG", "L"))
+def _segment_table_kernel(cu_seqlens, seg_cu, N, NSEG, L, BS: tl.constexpr):
+    # Slot c's sequence is the largest n with cu[n] // L + n <= c: a bisection over [0, N)
+    # with the invariant s_lo <= c, ceil(log2(N)) halvings counted at run time (N, NSEG and
+    # L are runtime integers, so one compiled kernel serves every call).
     o_s = tl.program_id(0) * BS + tl.arange(0, BS)
     lo = tl.zeros([BS], dtype=tl.int64)
     hi = lo + N
-    for _ in tl.static_range(N_STEPS):
+    span = N * 0 + 1
+    while span < N:
         mid = (lo + hi) // 2
         s_mid = tl.load(cu_seqlens + mid).to(tl.int64) // L + mid
         below = s_mid <= o_s
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
+        span *= 2
     bos = tl.load(cu_seqlens + lo).to(tl.int64)
     eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
     start = tl.minimum(bos + (o_s - (bos // L + lo)) * L, eos)
@@ -70,13 +73,12 @@ def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int)
     seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     BS = 128
     _segment_table_kernel[(triton.cdiv(NSEG + 1, BS),)](
-        cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len,
-        N_STEPS=(N - 1).bit_length(), BS=BS, num_warps=4,
+        cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, BS=BS, num_warps=4,
     )
     return seg_cu
 
 
-@jit
+@jit(do_not_specialize=("P", "L"))
 def _segment_scan_fwd_kernel(
     m_in,
     n_in,
@@ -86,7 +88,7 @@ def _segment_scan_fwd_kernel(
     seg_h0,
     state_indices,
     P,
-    L: tl.constexpr,
+    L,
     HV: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -100,31 +102,13 @@ def _segment_scan_fwd_kernel(
     STATE_VK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_v, i_nh = pid % NV, pid // NV
-    i_n, i_h = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     # The sequence's start state, as the state kernel reads it (pool rows, -1 = zeros).
-    if USE_POOL:
-        i_slot = tl.load(state_indices + i_n).to(tl.int64)
-        has_row = (i_slot >= 0) & (i_slot < P)
-        i_row = tl.where(has_row, i_slot, 0)
-        k_rows = tl.where(has_row, K, 0)
-    else:
-        i_row = i_n
-        k_rows = K
-    if USE_H0:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
-        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        if STATE_VK:
-            b_s = tl.trans(b_s)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    b_s, i_row, k_rows = _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV, K, V, BK, BV, USE_H0, USE_POOL,
+                                      STATE_VK)
 
     i_s = bos // L + i_n
     s_end = eos // L + i_n + 1
@@ -143,16 +127,7 @@ def _segment_scan_fwd_kernel(
         b_s = b_acc
         i_s += 1
 
-    if STATE_VK:
-        b_out = tl.trans(b_s)
-    else:
-        b_out = b_s
-    if STORE_HT:
-        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK, K)
-        tl.store(p_s, b_out, mask=m_s)
-    if INPLACE:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
-        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s)
+    _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
 
 def segment_scan_config(K: int, V: int) -> LaunchConfig:

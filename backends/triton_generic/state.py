@@ -11,6 +11,10 @@ the software pipeliner (num_stages) fetches them ahead; what remains serial per 
 two MMAs. ``h`` (the state at every chunk start, for the output stage) is always stored
 [K, V]; only the caller's initial and final states follow ``state_layout``, read and
 written through a transposed view, never a copy.
+
+The chunk step and the walk over a sequence's chunks are written once, here: context
+parallelism's pass 1 (:mod:`.segment_map`) runs them on its own columns without storing,
+and the scan (:mod:`.segment_scan`) reads and writes states with the helpers below.
 """
 
 from __future__ import annotations
@@ -42,26 +46,93 @@ def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.c
 
 
 @jit
-def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_v,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BT: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr,
-                     DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+def _sequence_program(cu_seqlens, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """This program's (V block, sequence x v-head, sequence, v-head) and its sequence's token
+    bounds ``bos``, ``eos`` (int64). Axis 0 carries N * HV * NV (it may pass 65535), the V
+    block fastest: the blocks of one head stream the same rows at the same time, so L2
+    serves all but the first."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_v, i_nh = pid % NV, pid // NV
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_v, i_nh, i_n, i_h, bos, eos
+
+
+@jit
+def _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, USE_POOL: tl.constexpr,
+                 STATE_VK: tl.constexpr):
+    """Sequence ``i_n``'s start state for v-head ``i_h``, a [BK, BV] fp32 tile ("kv" in
+    registers whatever the layout), and where its final state goes back (``i_row``, and
+    ``k_rows``: K, or 0 for no row).
+
+    With a state pool the state lives in pool row ``state_indices[i_n]``; an index outside
+    ``[0, P)`` (-1 marks CUDA-graph padding) starts from zeros and writes nothing back."""
+    if USE_POOL:
+        i_slot = tl.load(state_indices + i_n).to(tl.int64)
+        has_row = (i_slot >= 0) & (i_slot < P)
+        i_row = tl.where(has_row, i_slot, 0)
+        k_rows = tl.where(has_row, K, 0)
+    else:
+        i_row = i_n
+        k_rows = K
+    if USE_H0:
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
+        if STATE_VK:
+            b_s = tl.trans(b_s)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    return b_s, i_row, k_rows
+
+
+@jit
+def _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, INPLACE: tl.constexpr, STORE_HT: tl.constexpr, STATE_VK: tl.constexpr):
+    """The final state ``b_s`` [BK, BV] in the caller's layout (transposed once for both
+    destinations): into ``ht[i_nh]`` (fp32) with STORE_HT, into the pool row ``i_row`` (the
+    pool's dtype; ``k_rows`` = 0: none) with INPLACE."""
+    if STATE_VK:
+        b_out = tl.trans(b_s)
+    else:
+        b_out = b_s
+    if STORE_HT:
+        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK, K)
+        tl.store(p_s, b_out, mask=m_s)
+    if INPLACE:
+        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
+        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s)
+
+
+@jit
+def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_c, u_cols,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                INTERP_BF16: tl.constexpr):
     """One chunk (first token ``t0``, ``n_t`` valid rows, chunk slot ``i_c``) of the
-    recurrence: store h[i_c] = S, write v_new, return the next S."""
+    recurrence on the [BK, BC] columns ``o_c`` of ``S``, ``u`` read in the columns below
+    ``u_cols``: ``v_new = u - w S``; returns the next ``S``. With STORE (the state kernel,
+    columns of V) ``h[i_c] = S`` and ``v_new`` are written; without (context parallelism's
+    pass 1, whose columns may be M's) nothing is."""
     o_i = tl.arange(0, BT)
-    m_t, m_k, m_v = o_i < n_t, o_k < K, o_v < V
-    m_tv = m_t[:, None] & m_v[None, :]
-    p_h = h + (i_c * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_hc = _cast(b_h, h.dtype.element_ty, INTERP_BF16)
-    tl.store(p_h, b_hc, mask=m_k[:, None] & m_v[None, :])
+    m_t, m_k = o_i < n_t, o_k < K
+    # S rounded to the data type, as h is stored, for the w S product.
+    b_sc = _cast(b_s, k.dtype.element_ty, INTERP_BF16)
+    if STORE:
+        p_h = h + (i_c * HV + i_h) * (K * V) + o_k[:, None] * V + o_c[None, :]
+        tl.store(p_h, b_sc, mask=m_k[:, None] & (o_c < V)[None, :])
 
     p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :]
     b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
     o_u = (t0 * HV + i_h) * V
-    p_u = o_i[:, None] * (HV * V) + o_v[None, :]
-    b_v = tl.load(u + o_u + p_u, mask=m_tv, other=0.0).to(tl.float32)
-    b_v -= _dot(b_w, b_hc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
-    tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_tv)
+    p_u = o_i[:, None] * (HV * V) + o_c[None, :]
+    m_u = m_t[:, None] & (o_c < u_cols)[None, :]
+    b_v = tl.load(u + o_u + p_u, mask=m_u, other=0.0).to(tl.float32)
+    b_v -= _dot(b_w, b_sc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
+    if STORE:
+        tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_u)
 
     # Decay to the chunk's last token: the state by 2^g_last, each token's update by
     # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm).
@@ -77,10 +148,38 @@ def _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k: tl.constexpr, 
         b_kf = b_kt.to(tl.float32)
         b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
     b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
-    return _dot(b_kt, b_v, b_h * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
+    return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
 
 
 @jit
+def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos, eos, i_c0, i_h, o_k, o_c, u_cols,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                 INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``S`` after the chunks of tokens ``[bos, eos)`` (chunk slots from ``i_c0``), from
+    ``S = b_s``: :func:`_chunk_step` in order. The loads of w, k, u and the gate do not
+    depend on S, so the software pipeliner (num_stages) fetches the next chunk's ahead."""
+    NT = tl.cdiv(eos - bos, BT)
+    if INTERPRET:
+        # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
+        # (int() of a 1-element array); a while loop reads the bound as a bool instead.
+        i_t = 0
+        while i_t < NT:
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+                              u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+            i_t += 1
+    else:
+        for i_t in range(NT):
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+                              u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+    return b_s
+
+
+@jit(do_not_specialize=("P",))
 def _state_fwd_kernel(
     k,
     w,
@@ -113,66 +212,15 @@ def _state_fwd_kernel(
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # Axis 0 carries N * HV * NV (it may pass 65535), the V slice fastest: the slices of one
-    # head stream the same w and k rows at the same time, so L2 serves all but the first.
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_v, i_nh = pid % NV, pid // NV
-    i_n, i_h = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    i_c0 = bos // BT + i_n  # the sequence's first chunk slot, where its h rows start
+    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    # With a state pool, sequence i_n's state lives in pool row state_indices[i_n]; an
-    # index outside [0, P) (-1 marks CUDA-graph padding) starts from zeros, writes nothing.
-    if USE_POOL:
-        i_slot = tl.load(state_indices + i_n).to(tl.int64)
-        has_row = (i_slot >= 0) & (i_slot < P)
-        i_row = tl.where(has_row, i_slot, 0)
-        k_rows = tl.where(has_row, K, 0)
-    else:
-        i_row = i_n
-        k_rows = K
-    if USE_H0:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
-        b_h = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
-        if STATE_VK:
-            b_h = tl.trans(b_h)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
-
-    NT = tl.cdiv(eos - bos, BT)
-    if INTERPRET:
-        # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
-        # (int() of a 1-element array); a while loop reads the bound as a bool instead.
-        i_t = 0
-        while i_t < NT:
-            t0 = bos + i_t * BT
-            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, t0, n_t, i_c0 + i_t, i_h,
-                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
-                                   INTERP_BF16)
-            i_t += 1
-    else:
-        for i_t in range(NT):
-            t0 = bos + i_t * BT
-            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_h = _state_chunk_fwd(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, t0, n_t, i_c0 + i_t, i_h,
-                                   o_k, o_v, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC,
-                                   INTERP_BF16)
-
-    # The final state in the caller's layout, transposed once for both destinations.
-    if STATE_VK:
-        b_out = tl.trans(b_h)
-    else:
-        b_out = b_h
-    if STORE_HT:
-        p_s, m_s = _state_ptrs(ht + i_nh * K * V, o_k, o_v, K, V, STATE_VK, K)
-        tl.store(p_s, b_out, mask=m_s)
-    if INPLACE:
-        p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
-        tl.store(p_s, b_out.to(h0.dtype.element_ty), mask=m_s)
+    b_h, i_row, k_rows = _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV, K, V, BK, BV, USE_H0, USE_POOL,
+                                      STATE_VK)
+    i_c0 = bos // BT + i_n  # the sequence's first chunk slot, where its h rows start
+    b_h = _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, bos, eos, i_c0, i_h, o_k, o_v, V,
+                       H, HV, K, V, BT, True, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
+    _store_final_state(h0, ht, b_h, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
 
 def state_fwd(
@@ -189,6 +237,7 @@ def state_fwd(
     k_rnorm: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
     inplace_final_state: bool = False,
+    sm_count: int | None = None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the recurrence over every sequence's chunks.
@@ -212,6 +261,8 @@ def state_fwd(
         ``state_indices[n]`` (zeros for an index outside ``[0, P)``).
     inplace_final_state : with ``state_indices``, write each final state back to its pool
         row (in the pool's dtype; none for an index outside ``[0, P)``).
+    sm_count : int or None, the multiprocessors the default config fills (the registry's
+        device facts, as the context-parallel plan reads them); None: the tensors' device's.
     config : LaunchConfig override (BV, num_warps, num_stages); default from the table.
 
     Returns
@@ -233,8 +284,9 @@ def state_fwd(
         final_state = torch.empty(shape, dtype=torch.float32, device=k.device)
     if N * HV == 0:
         return h, v_new, final_state
-    capability, sm_count = device_facts(k.device)
-    cfg = config or state_config(K, V, N * HV, k.element_size(), capability, sm_count)
+    capability, device_sms = device_facts(k.device)
+    cfg = config or state_config(K, V, N * HV, k.element_size(), capability,
+                                 device_sms if sm_count is None else sm_count)
     dot_prec, _ = dot_precisions(k.dtype)
     grid = (N * HV * -(-V // cfg.BV),)
     launch(_state_fwd_kernel, grid, cfg,
