@@ -688,3 +688,32 @@ def _gpu_device():
 def compiled(monkeypatch):
     """Compiled kernels: the Gluon rows have no interpreter."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+#: The segment kernels the Gluon rows launch (triton_generic's; sm_90 and the older parts
+#: compile them in the arch matrix, where triton_generic is chosen or listed).
+SEGMENT_KERNELS = ("segment_table_fwd", "segment_map_fwd", "segment_scan_fwd")
+
+
+def _segment_aot_cases():
+    from gdn_dispatch.backends.triton_generic import kernels_for_aot
+
+    for arch in ("sm_100", "sm_103"):
+        for kernel in kernels_for_aot(assumed_device(arch).capability):
+            if kernel.kernel in SEGMENT_KERNELS:
+                yield pytest.param(arch, kernel, id=f"{arch}-{kernel.kernel}-{kernel.specialization}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, kernel", list(_segment_aot_cases()))
+def test_segment_kernels_compile_for_the_gluon_sm100_parts(arch, kernel):
+    """gluon_sm100's segmented calls launch the plain-Triton segment kernels: they compile
+    for datacenter Blackwell without spills."""
+    from gdn_dispatch.aot import compile_kernel
+    from gdn_dispatch.device import SMEM_OPTIN
+
+    device = assumed_device(arch)
+    report = compile_kernel(kernel, device.capability)
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
+    assert report.shared_bytes <= SMEM_OPTIN[device.capability]
+    assert f".target sm_{device.capability[0]}{device.capability[1]}" in report.ptx
