@@ -18,10 +18,9 @@ from gdn_dispatch.op import (chunk_gated_delta_rule_inplace_op, chunk_gated_delt
 
 #: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
 #: calls (transformers' Qwen3.5 forwards ``use_cache`` and its ``TransformersKwargs``, as
-#: it does to fla; transformers 5.17 also passes its ``cache`` object): accepted and ignored.
-#: Any other unknown keyword is an error.
+#: it does to fla): accepted and ignored. Any other unknown keyword is an error.
 CLIENT_PASSTHROUGH_KWARGS = frozenset({
-    "use_cache", "cache", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "seq_idx",
+    "use_cache", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "seq_idx",
     "is_causal", "num_items_in_batch", "output_attentions", "output_hidden_states", "output_router_logits",
 })
 
