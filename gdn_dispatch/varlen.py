@@ -106,7 +106,12 @@ def build_chunk_table(
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Under CUDA-graph capture the offsets would only be filled by a replay (and
             # live in the graph's pool): build them per call, uncached.
-            return _uniform_table.__wrapped__(B, T, chunk_size, device)
+            # No host-to-device copy either (illegal from pageable memory under capture): the
+            # offsets come from a device arange.
+            host = torch.arange(0, B + 1, dtype=torch.int64) * T
+            return ChunkTable(num_seqs=B, num_slots=num_slots(B * T, B, chunk_size), chunk_size=chunk_size,
+                              cu_seqlens=torch.arange(0, B + 1, device=device, dtype=torch.int32) * T,
+                              cu_seqlens_host=host, uniform=True)
         return _uniform_table(B, T, chunk_size, device)
     N = cu_seqlens.shape[0] - 1
     return ChunkTable(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
