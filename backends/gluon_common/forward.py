@@ -45,15 +45,15 @@ import torch
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy
 from gdn_dispatch.device import DeviceInfo
-from gdn_dispatch.varlen import ChunkTable, num_slots
+from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
-from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
-from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd, segment_table_fwd
+from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
+from gdn_dispatch.backends.triton_generic.segment_scan import segment_table_fwd
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,19 +142,10 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         None unless ``problem.output_final_state``; with ``inplace_final_state`` the scan
         writes the pool rows.
     """
-    cu_seqlens = problem.chunks.cu_seqlens
-    seg_cu = segment_table_fwd(cu_seqlens, problem.B * problem.T, cp.seg_len)
+    seg_cu = segment_table_fwd(problem.chunks.cu_seqlens, problem.B * problem.T, cp.seg_len)
     # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
     # takes per-v-head ones.
-    m_in, n_in = segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=problem.use_qk_l2norm)
-    seg_h0, final_state = segment_scan_fwd(
-        m_in, n_in, cu_seqlens, cp.seg_len,
-        initial_state=problem.initial_state,
-        output_final_state=problem.output_final_state,
-        state_vk=problem.state_layout is StateLayout.VK,
-        state_indices=problem.state_indices,
-        inplace_final_state=problem.inplace_final_state,
-    )
+    seg_h0, final_state = segment_start_states(problem, cp, seg_cu, g_cum, w, u)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
     launch = plan(segments, device=device, engine=engine).stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
@@ -177,11 +168,8 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
         (``segment_table_fwd``; a ``meta`` tensor in a dry run).
     seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``: the segment start states.
     """
-    total = problem.B * problem.T
     chunks = problem.chunks
-    table = ChunkTable(num_seqs=cp.num_segments, num_slots=num_slots(total, cp.num_segments, chunks.chunk_size),
-                       chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
-                       cu_seqlens_host=segment_offsets_host(chunks, cp.seg_len), uniform=False)
+    table = segment_table(chunks, problem.B * problem.T, cp, seg_cu, segment_offsets_host(chunks, cp.seg_len))
     return dataclasses.replace(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
                                output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
                                inplace_final_state=False, context_parallel="off")
