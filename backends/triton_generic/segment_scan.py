@@ -54,6 +54,12 @@ def _segment_table_kernel(cu_seqlens, seg_cu, N, NSEG, L, BS: tl.constexpr):
     tl.store(seg_cu + o_s, start.to(seg_cu.dtype.element_ty), mask=o_s <= NSEG)
 
 
+#: Segment slots per program of the table kernel, and its launch (the same for every call:
+#: the kernel is a bisection per slot, independent of the head dims).
+SEGMENT_TABLE_BLOCK = 128
+SEGMENT_TABLE_CONFIG = LaunchConfig(num_warps=4)
+
+
 def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
     """Segment offsets of a call cut into segments of ``seg_len`` tokens.
 
@@ -71,10 +77,8 @@ def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int)
     N = cu_seqlens.shape[0] - 1
     NSEG = total_tokens // seg_len + N
     seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    BS = 128
-    _segment_table_kernel[(triton.cdiv(NSEG + 1, BS),)](
-        cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, BS=BS, num_warps=4,
-    )
+    launch(_segment_table_kernel, (-(-(NSEG + 1) // SEGMENT_TABLE_BLOCK),), SEGMENT_TABLE_CONFIG,
+           cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, BS=SEGMENT_TABLE_BLOCK)
     return seg_cu
 
 
