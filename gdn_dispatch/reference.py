@@ -149,7 +149,7 @@ def _segmented_sequence(q, k, v, g, beta, s, scale: float, chunk_size: int, seg_
     return o, final
 
 
-def _run(problem: GDNProblem, walk) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _run(problem: GDNProblem, walk, o_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     o = torch.empty(problem.B * problem.T, problem.HV, problem.V, dtype=torch.float32, device=problem.device)
     final = []
     bounds = problem.chunks.cu_seqlens_host
@@ -166,7 +166,7 @@ def _run(problem: GDNProblem, walk) -> tuple[torch.Tensor, torch.Tensor | None]:
         if problem.inplace_final_state and slot is not None:
             pool_row = s.transpose(-1, -2) if problem.state_layout is StateLayout.VK else s
             problem.initial_state[slot].copy_(pool_row)
-    o = o.reshape(problem.B, problem.T, problem.HV, problem.V).to(problem.dtype)
+    o = o.reshape(problem.B, problem.T, problem.HV, problem.V).to(o_dtype or problem.dtype)
     if not problem.output_final_state:
         return o, None
     state = torch.stack(final) if final else o.new_zeros(0, problem.HV, problem.K, problem.V, dtype=torch.float32)
@@ -201,6 +201,17 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
     if decision.enabled:
         return _run(problem, lambda *args: _segmented_sequence(*args, chunk_size=size, seg_len=decision.seg_len))
     return _run(problem, lambda *args: _chunked_sequence(*args, chunk_size=size))
+
+
+def oracle(problem: GDNProblem) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`forward` (unsegmented) with o left in float32: what the tests measure a
+    kernel's error against. Rounding the oracle's o to a 16-bit dtype first would add its
+    own rounding (up to half a bf16 step, about 1.6e-3 relative RMS) to every measurement.
+
+    Returns float32 o ``[B, T, HV, V]`` and, when asked, the final state as :func:`forward`.
+    """
+    size = problem.chunks.chunk_size
+    return _run(problem, lambda *args: _chunked_sequence(*args, chunk_size=size), o_dtype=torch.float32)
 
 
 def kernels_for_aot() -> list:
