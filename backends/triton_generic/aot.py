@@ -17,7 +17,8 @@ from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, segment_map_config
 from gdn_dispatch.backends.triton_generic.segment_scan import (
-    SEGMENT_TABLE_BLOCK, SEGMENT_TABLE_CONFIG, _segment_scan_fwd_kernel, _segment_table_kernel, segment_scan_config)
+    SEGMENT_TABLE_BLOCK, SEGMENT_TABLE_CONFIG, _segment_scan_fwd_kernel, _segment_table_kernel, scan_block_kc,
+    segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
 from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel
 
@@ -104,7 +105,7 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[Ao
                        _segment_scan_fwd_kernel,
                        {"m_in": "*fp32", "n_in": "*fp32", "cu_seqlens": "*i32", "h0": "*bf16" if pool else "*fp32",
                         "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32", "L": "i32"},
-                       {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": min(32, cfg.BK), "BV": cfg.BV,
+                       {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": scan_block_kc(cfg), "BV": cfg.BV,
                         "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
                         "DOT_PREC": "tf32x3"}, cfg))
     return out

@@ -36,6 +36,7 @@ class LaunchConfig:
     BK: int = 0
     BV: int = 0
     BH: int = 0
+    BKC: int = 0
 
 
 def smem_budget(capability: tuple[int, int] | None) -> int:

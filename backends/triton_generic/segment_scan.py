@@ -14,9 +14,11 @@ walks its sequence's slots in order with the state in registers, fp32::
 
 starting from the sequence's initial state (zeros, ``h0[n]``, or pool row
 ``state_indices[n]``), and ends with the sequence's final state (returned, or written back
-into the pool row). ``M[s] S`` contracts over K in blocks: the program reads ``S`` back
-from ``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the
-loads of other threads), so no ``[K, K]`` tile is held in registers.
+into the pool row). Up to K = 128 a step is one product of the whole ``M[s]`` with ``S``
+held in registers, ``M[s + 1]`` and ``N[s + 1]`` loading meanwhile (they do not depend on
+``S``). Larger K contracts over column blocks of M: the program reads ``S`` back from
+``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the loads
+of other threads), so no ``[K, K]`` tile is held in registers.
 """
 
 from __future__ import annotations
@@ -116,29 +118,58 @@ def _segment_scan_fwd_kernel(
 
     i_s = bos // L + i_n
     s_end = eos // L + i_n + 1
-    while i_s < s_end:
+    if BKC == BK:
+        # The whole M per step, S kept in registers: the step's chain is one MMA, and the
+        # next slot's M and N (independent of S) load while it runs.
+        m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
         o_sh = (i_s * HV + i_h) * K
-        tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
-        tl.debug_barrier()  # the rows just stored are read below by other threads
-        b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-        for i_kc in tl.static_range(0, K, BKC):
-            o_kc = i_kc + tl.arange(0, BKC)
-            b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_kc[None, :],
-                          mask=(o_k < K)[:, None] & (o_kc < K)[None, :], other=0.0)
-            b_sk = tl.load(seg_h0 + o_sh * V + o_kc[:, None] * V + o_v[None, :],
-                           mask=(o_kc < K)[:, None] & (o_v < V)[None, :], other=0.0)
-            b_acc = _dot(b_m, b_sk, b_acc, DOT_PREC, False)
-        b_s = b_acc
-        i_s += 1
+        b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk & (i_s < s_end), other=0.0)
+        b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv & (i_s < s_end), other=0.0)
+        while i_s < s_end:
+            tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+            nxt = o_sh + HV * K
+            more = i_s + 1 < s_end
+            b_m_next = tl.load(m_in + nxt * K + o_k[:, None] * K + o_k[None, :], mask=m_kk & more, other=0.0)
+            b_n_next = tl.load(n_in + nxt * V + o_k[:, None] * V + o_v[None, :], mask=m_kv & more, other=0.0)
+            b_s = _dot(b_m, b_s, b_n, DOT_PREC, False)
+            b_m, b_n, o_sh = b_m_next, b_n_next, nxt
+            i_s += 1
+    else:
+        while i_s < s_end:
+            o_sh = (i_s * HV + i_h) * K
+            tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+            tl.debug_barrier()  # the rows just stored are read below by other threads
+            b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            for i_kc in tl.static_range(0, K, BKC):
+                o_kc = i_kc + tl.arange(0, BKC)
+                b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_kc[None, :],
+                              mask=(o_k < K)[:, None] & (o_kc < K)[None, :], other=0.0)
+                b_sk = tl.load(seg_h0 + o_sh * V + o_kc[:, None] * V + o_v[None, :],
+                               mask=(o_kc < K)[:, None] & (o_v < V)[None, :], other=0.0)
+                b_acc = _dot(b_m, b_sk, b_acc, DOT_PREC, False)
+            b_s = b_acc
+            i_s += 1
 
     _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
 
 def segment_scan_config(K: int, V: int) -> LaunchConfig:
-    """The scan, one program per (sequence, v-head, BV slice of V): BV = 32 (more programs
-    on the serial path, each step's tiles smaller), M streamed in [BK, 32] column blocks;
-    8 warps, as the fp32 products (3xTF32) of 4 warps spill on mma.sync parts (sm_80)."""
-    return LaunchConfig(num_warps=8, num_stages=1, BK=state_block_k(K), BV=max(MIN_TILE, min(32, next_pow2(V))))
+    """The scan, one program per (sequence, v-head, BV slice of V), 8 warps (the fp32
+    products, 3xTF32, of 4 warps spill on mma.sync parts, sm_80). Up to K = 128 the whole
+    M per step (BKC = BK) with BV = 16: on the H200 at K = V = 128 a step of 16 columns
+    with the next M prefetched beat 32 columns over M's column blocks by 20% (4-16 heads,
+    8-32 segments). Larger K streams M in [BK, 32] column blocks, BV = 32 (a whole
+    [BK, BK] fp32 M would not fit the registers)."""
+    BK = state_block_k(K)
+    if BK <= 128:
+        return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(16, next_pow2(V))), BKC=BK)
+    return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(32, next_pow2(V))))
+
+
+def scan_block_kc(cfg: LaunchConfig) -> int:
+    """The scan's contraction block: ``BK`` (the whole M per step, S in registers) or a
+    32-wide column block of M (S read back from ``seg_h0``)."""
+    return cfg.BKC or min(32, cfg.BK)
 
 
 def segment_scan_fwd(
@@ -194,7 +225,7 @@ def segment_scan_fwd(
         ht=final_state if final_state is not None else n_in, seg_h0=seg_h0,
         state_indices=state_indices if state_indices is not None else cu_seqlens,
         P=initial_state.shape[0] if state_indices is not None else 0,
-        L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=min(32, cfg.BK), BV=cfg.BV,
+        L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=scan_block_kc(cfg), BV=cfg.BV,
         USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
         INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None,
         STATE_VK=state_vk, DOT_PREC=dot_precisions(torch.float32)[0],
