@@ -1,0 +1,89 @@
+"""Context-parallelism crossover: GPU time of one call (a CUDA graph of it, replayed) with
+``context_parallel="off"`` and ``"auto"`` per shape, the segments "auto" chose, and the
+kernel split of two segmented calls (torch profiler). GPU time, not host time: a server
+replays its layers in CUDA graphs, so the rule is fitted to what the GPU spends.
+
+Usage (a CUDA machine, repository root): ``python benchmarks/cp_crossover.py [BACKEND]``
+(default gluon_sm90). Inputs: bf16, K = V = 128, l2-normalized q and k, gates
+``logsigmoid(randn) / 16``, an initial state and the final state, varlen with a host copy
+of cu_seqlens. Prints a markdown table last (median of 15 x 5 replays).
+"""
+import statistics
+import sys
+import time
+
+import torch, torch.nn.functional as F
+from torch.profiler import profile, ProfilerActivity
+from gdn_dispatch import chunk_gated_delta_rule
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.context_parallel import plan_for_problem
+
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "gluon_sm90"
+sm = torch.cuda.get_device_properties(0).multi_processor_count
+t0 = time.time()
+
+
+def call_for(H, HV, N, L):
+    T = N * L
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
+    v = torch.randn(1, T, HV, 128, device="cuda", generator=g).bfloat16()
+    gate = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=g)) / 16
+    beta = torch.rand(1, T, HV, device="cuda", generator=g).sigmoid()
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32)
+    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=g)
+    return dict(q=q, k=k, v=v, g=gate, beta=beta, initial_state=h0, output_final_state=True,
+                cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+
+
+def graph_ms(call, cp, reps=15):
+    def fn():
+        return chunk_gated_delta_rule(**call, context_parallel=cp, backend=BACKEND)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 5)
+    return statistics.median(ts)
+
+
+SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768), (16, 32, 1, 32768),
+          (2, 4, 8, 4096), (16, 32, 1, 8192), (4, 8, 2, 16384), (2, 4, 1, 8192), (2, 4, 1, 4096), (8, 16, 1, 8192),
+          (2, 4, 2, 32768), (4, 8, 1, 65536)]
+rows = ["| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |",
+        "| --- | --- | ---: | ---: | ---: | --- |"]
+for H, HV, N, L in SHAPES:
+    call = call_for(H, HV, N, L)
+    plan = plan_for_problem(make_problem(**call), sm)
+    off, auto = graph_ms(call, "off"), graph_ms(call, "auto")
+    seg = f"{plan.num_segments - N} of {plan.seg_len}" if plan.enabled else "off"
+    rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |")
+    print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)
+    if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768)]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                chunk_gated_delta_rule(**call, context_parallel="auto", backend=BACKEND)
+            torch.cuda.synchronize()
+        split = [f"{e.key.replace('_fwd_kernel', '').strip('_')} {e.device_time_total / 5:.0f}"
+                 for e in prof.key_averages() if e.device_time_total > 0 and "kernel" in e.key]
+        print("   kernels (us):", ", ".join(split), flush=True)
+    del call
+    torch.cuda.empty_cache()
+print("\n".join(rows))
