@@ -214,11 +214,19 @@ def test_aot_list(capability):
     # Every (K, V) x every configuration whose warps hold the state tile (10), x dtype x
     # tails x layout x l2 (16); then three initial/final state flips; two pools per
     # configuration, a pool only read and a bfloat16 initial state; int64 cu_seqlens at
-    # K = V = 128 (3 configurations).
+    # K = V = 128 (3 configurations), and there context parallelism's second pass (tails x
+    # l2, one of them already among the flips).
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
     assert len(configs) == 10
-    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3
+    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3 + 3 * 4 - 1
+    # Segments start from float32 "kv" states and return no final state of their own.
+    pass2 = {(k.signature["u_desc"], k.num_warps, k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"])
+             for k in kernels
+             if "[64, 128]" in k.signature["k_desc"] and k.constexprs["V"] == 128 and k.constexprs["USE_H0"]
+             and not k.constexprs["STORE_HT"] and not k.constexprs["USE_POOL"] and not k.constexprs["STATE_VK"]
+             and k.signature["h0"] == "*fp32" and k.signature["o_ptr"] == "*bf16"}
+    assert len(pass2) == 3 * 4
     assert {k.signature["cu_seqlens"] for k in kernels} == {"*i32", "*i64"}
     assert len({k.specialization for k in kernels}) == len(kernels)
     for k in kernels:

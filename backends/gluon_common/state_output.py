@@ -779,7 +779,8 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
     returned), a bfloat16 "vk" pool with int64 indices written back in place; then a
     bfloat16 pool only read (K = V = 128, BV = 128) and a bfloat16 initial state without a
     pool (K = V = 128, BV = 64). int64 cu_seqlens (read as the caller passes them) at
-    K = V = 128 in every configuration.
+    K = V = 128 in every configuration, and there context parallelism's second pass (float32
+    "kv" start states, no final state) with and without tails and the l2 norm.
     """
     from gdn_dispatch.device import assumed_device
 
@@ -806,8 +807,19 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
     for K, V, BV, warps in configs:
         if K == V == 128:
             cases.append((K, V, BV, warps, {**base, "cu_dtype": torch.int64}))
-    kernels = []
+            # Context parallelism's second pass: the segments' float32 "kv" start states, no
+            # final state (the scan gives it), either tail flag.
+            for tails in (True, False):
+                for l2 in (True, False):
+                    cases.append((K, V, BV, warps, {**base, "ht": False, "tails": tails, "l2": l2}))
+    seen, unique = set(), []
     for K, V, BV, warps, flags in cases:
+        key = (K, V, BV, warps, tuple(sorted((name, str(value)) for name, value in flags.items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append((K, V, BV, warps, flags))
+    kernels = []
+    for K, V, BV, warps, flags in unique:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
                                    engine=engine)
         state_dtype = flags["state_dtype"] if flags["h0"] or flags["pool"] else torch.float32
