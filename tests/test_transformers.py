@@ -10,11 +10,10 @@ single-token decode steps (transformers' own recurrent step reading the state we
 the cache) give logits that match transformers' torch path on the same weights.
 
 CPU tier: the reference backend in float32, tight tolerance. GPU tier: every GPU backend the
-registry admits, bfloat16, head dims 128, against the same model in float32: ours may be
-off it by at most twice what transformers' own bfloat16 run is (a state 2% off is not).
+registry admits, bfloat16, head dims 128, within fla's own error on the same test (when fla
+is importable) or 2e-2, whichever is larger; a final state 2% off fails it.
 """
 
-import copy
 import functools
 import inspect
 
@@ -28,10 +27,9 @@ transformers = pytest.importorskip("transformers", reason="needs the [integratio
 qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5",
                            reason="needs transformers with Qwen3.5 (>= 5.0)")
 
-#: Relative RMS error of the logits per tier: CPU, ours vs transformers' torch path (both
-#: float32); GPU (bfloat16), ours vs the float32 model at most twice transformers' own
-#: bfloat16 run's error against it.
-TOLERANCE = {"cpu": 1e-5, "gpu": ("x", 2.0)}
+#: Relative RMS error of the logits, ours vs transformers' torch path, per tier (on the GPU
+#: the larger of this and fla's own error on the same test).
+TOLERANCE = {"cpu": 1e-5, "gpu": 2e-2}
 
 
 def tiny_config(head_dim: int):
@@ -65,71 +63,90 @@ def _run(model, ids, split, steps):
     return logits
 
 
-def _compare(monkeypatch, device, dtype, head_dim, backend, tolerance, state_factor=1.0):
-    """Logits of the model with transformers' GDN function and with ours (``backend``), on
-    one cache each. ``tolerance``: a float bounds ours against transformers' at ``dtype``;
-    ``("x", f)`` bounds ours against the float32 model by ``f`` times the error of
-    transformers' own ``dtype`` run against it (a 16-bit model's logits carry its rounding
-    everywhere; transformers' GDN runs in float32 inside, ours in 16-bit MMAs)."""
+def _model(device, dtype, head_dim):
     torch.manual_seed(0)
-    model32 = qwen.Qwen3_5ForCausalLM(tiny_config(head_dim)).to(device=device, dtype=torch.float32).eval()
-    model = copy.deepcopy(model32).to(dtype=dtype)
-    ids = torch.randint(0, 256, (2, 101), device=device)
-    split, steps = 70, 4
+    model = qwen.Qwen3_5ForCausalLM(tiny_config(head_dim)).to(device=device, dtype=dtype).eval()
+    return model, torch.randint(0, 256, (2, 101), device=device)
+
+
+SPLIT, STEPS = 70, 4
+NAMES = ["prefill", "continuation"] + [f"decode{i}" for i in range(STEPS)]
+
+
+def _errors(device, dtype, head_dim, fn, state_factor=1.0) -> dict[str, float]:
+    """Relative RMS error of the logits (per step of :func:`_run`) with transformers' GDN
+    function replaced by ``fn``, called exactly as transformers calls it, against
+    transformers' own torch path on the same weights; the final states ``fn`` returns are
+    scaled by ``state_factor`` (1: untouched)."""
+    model, ids = _model(device, dtype, head_dim)
     with torch.no_grad():
-        expected = _run(model, ids, split, steps)
-        truth = _run(model32, ids, split, steps) if isinstance(tolerance, tuple) else None
-
+        expected = _run(model, ids, SPLIT, STEPS)
         calls = []
-        ours = functools.partial(chunk_gated_delta_rule, backend=backend)
 
-        @functools.wraps(chunk_gated_delta_rule)
         def counted(*args, **kwargs):
             calls.append(kwargs.get("initial_state") is not None)
-            o, final_state = ours(*args, **kwargs)
+            o, final_state = fn(*args, **kwargs)
             return o, final_state * state_factor
 
-        monkeypatch.setattr(qwen, "torch_chunk_gated_delta_rule", counted)
-        actual = _run(model, ids, split, steps)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(qwen, "torch_chunk_gated_delta_rule", counted)
+            actual = _run(model, ids, SPLIT, STEPS)
     # 3 GDN layers x (a prefill from zeros, a continuation from the cached state).
     assert calls == [False] * 3 + [True] * 3, calls
-    names = ["prefill", "continuation"] + [f"decode{i}" for i in range(steps)]
-
-    def errors(got, want):
-        return {name: rel_rms_error(a.float(), e.float()) for name, a, e in zip(names, got, want)}
-
-    if truth is None:
-        assert max(errors(actual, expected).values()) <= tolerance, errors(actual, expected)
-        return
-    ours_err, theirs_err = errors(actual, truth), errors(expected, truth)
-    bound = tolerance[1] * max(theirs_err.values())
-    print(f"logits vs float32: ours {max(ours_err.values()):.2e}, transformers {max(theirs_err.values()):.2e}")
-    assert max(ours_err.values()) <= bound, f"ours vs float32 {ours_err}; transformers {dtype} vs float32 {theirs_err}"
+    return {name: rel_rms_error(a.float(), e.float()) for name, a, e in zip(NAMES, actual, expected)}
 
 
-def test_qwen35_on_the_reference_backend_matches_transformers(monkeypatch):
-    _compare(monkeypatch, "cpu", torch.float32, head_dim=16, backend="reference", tolerance=TOLERANCE["cpu"])
+def _compare(device, dtype, head_dim, backend, tolerance, state_factor=1.0):
+    errors = _errors(device, dtype, head_dim, functools.partial(chunk_gated_delta_rule, backend=backend), state_factor)
+    assert max(errors.values()) <= tolerance, errors
 
 
-def test_a_wrong_final_state_fails_the_comparison(monkeypatch):
+@functools.lru_cache(maxsize=1)
+def _fla_error() -> float | None:
+    """fla's own error on the GPU test (its ``chunk_gated_delta_rule`` swapped in the same
+    way), or None without fla."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        return None
+    accepted = set(inspect.signature(fla_chunk).parameters)
+
+    def fla_fn(*args, **kwargs):
+        return fla_chunk(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+    return max(_errors("cuda", torch.bfloat16, 128, fla_fn).values())
+
+
+def _gpu_tolerance() -> float:
+    """The GPU tier's bound: fla's own error on the same test, or 2e-2, whichever is larger."""
+    fla = _fla_error()
+    print(f"transformers GPU tier: fla's error {fla}")
+    return max(TOLERANCE["gpu"], fla or 0.0)
+
+
+def test_qwen35_on_the_reference_backend_matches_transformers():
+    _compare("cpu", torch.float32, head_dim=16, backend="reference", tolerance=TOLERANCE["cpu"])
+
+
+def test_a_wrong_final_state_fails_the_comparison():
     """Negative control: the comparison sees a final state 2% off (through the continuation
     and the decode steps)."""
     with pytest.raises(AssertionError, match="continuation"):
-        _compare(monkeypatch, "cpu", torch.float32, head_dim=16, backend="reference",
+        _compare("cpu", torch.float32, head_dim=16, backend="reference",
                  tolerance=TOLERANCE["cpu"], state_factor=1.02)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", runnable_gpu_backends())
-def test_qwen35_on_each_gpu_backend_matches_transformers(monkeypatch, backend):
-    _compare(monkeypatch, "cuda", torch.bfloat16, head_dim=128, backend=backend, tolerance=TOLERANCE["gpu"])
+def test_qwen35_on_each_gpu_backend_matches_transformers(backend):
+    _compare("cuda", torch.bfloat16, head_dim=128, backend=backend, tolerance=_gpu_tolerance())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_wrong_final_state_fails_the_bfloat16_comparison(monkeypatch):
+def test_a_wrong_final_state_fails_the_bfloat16_comparison():
     """Negative control of the GPU tier's bound: a final state 2% off fails it."""
-    with pytest.raises(AssertionError, match="ours vs float32"):
-        _compare(monkeypatch, "cuda", torch.bfloat16, head_dim=128, backend=runnable_gpu_backends()[0],
-                 tolerance=TOLERANCE["gpu"], state_factor=1.02)
+    with pytest.raises(AssertionError, match="continuation"):
+        _compare("cuda", torch.bfloat16, head_dim=128, backend=runnable_gpu_backends()[0],
+                 tolerance=_gpu_tolerance(), state_factor=1.02)
