@@ -83,11 +83,11 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
                         "cu_seqlens": "*i32", "N": "i32", "scale": "fp32"},
                        {"s_q": H * K, "s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
-    out += _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag)
+    out += _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability)
     return out
 
 
-def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[AotKernel]:
+def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability) -> list[AotKernel]:
     """The segmented path's own kernels that depend on the head dims (pass 2 is the state
     and output kernels above; the segment table is :func:`_segment_table_aot_kernel`):
     pass 1's maps, and the scan in the "vk" layout with a pool."""
@@ -99,7 +99,7 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag) -> list[Ao
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
                         "INTERPRET": False}, cfg))
-    cfg = segment_scan_config(K, V)
+    cfg = segment_scan_config(K, V, capability)
     pool = dtype == "bf16"
     out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
                        _segment_scan_fwd_kernel,

@@ -14,9 +14,9 @@ walks its sequence's slots in order with the state in registers, fp32::
 
 starting from the sequence's initial state (zeros, ``h0[n]``, or pool row
 ``state_indices[n]``), and ends with the sequence's final state (returned, or written back
-into the pool row). Up to K = 128 a step is one product of the whole ``M[s]`` with ``S``
-held in registers, ``M[s + 1]`` and ``N[s + 1]`` loading meanwhile (they do not depend on
-``S``). Larger K contracts over column blocks of M: the program reads ``S`` back from
+into the pool row). On sm_90 up to K = 128 a step is one product of the whole ``M[s]``
+with ``S`` held in registers, ``M[s + 1]`` and ``N[s + 1]`` loading meanwhile (they do not
+depend on ``S``). Elsewhere the step contracts over column blocks of M: the program reads ``S`` back from
 ``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the loads
 of other threads), so no ``[K, K]`` tile is held in registers.
 """
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import _dot, jit, next_pow2
-from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions
 from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
 
@@ -153,15 +153,20 @@ def _segment_scan_fwd_kernel(
     _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
 
-def segment_scan_config(K: int, V: int) -> LaunchConfig:
+#: Compute capabilities whose scan takes a step with the whole M (see segment_scan_config).
+WHOLE_M_CAPABILITIES = ((9, 0),)
+
+
+def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = None) -> LaunchConfig:
     """The scan, one program per (sequence, v-head, BV slice of V), 8 warps (the fp32
-    products, 3xTF32, of 4 warps spill on mma.sync parts, sm_80). Up to K = 128 the whole
-    M per step (BKC = BK) with BV = 16: on the H200 at K = V = 128 a step of 16 columns
-    with the next M prefetched beat 32 columns over M's column blocks by 20% (4-16 heads,
-    8-32 segments). Larger K streams M in [BK, 32] column blocks, BV = 32 (a whole
-    [BK, BK] fp32 M would not fit the registers)."""
+    products, 3xTF32, of 4 warps spill on mma.sync parts, sm_80). On sm_90 up to K = 128
+    the whole M per step (BKC = BK) with BV = 16: on the H200 at K = V = 128 a step of 16
+    columns with the next M prefetched beat 32 columns over M's column blocks by 20% (4-16
+    heads, 8-32 segments). Elsewhere (the form spills on mma.sync parts and sm_100), and for
+    larger K, M streams in [BK, 32] column blocks with BV = 32. ``capability`` None (the
+    interpreter, or any part) takes the column-block form."""
     BK = state_block_k(K)
-    if BK <= 128:
+    if BK <= 128 and capability is not None and tuple(capability) in WHOLE_M_CAPABILITIES:
         return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(16, next_pow2(V))), BKC=BK)
     return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(32, next_pow2(V))))
 
@@ -217,7 +222,7 @@ def segment_scan_fwd(
         final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
-    cfg = config or segment_scan_config(K, V)
+    cfg = config or segment_scan_config(K, V, device_facts(n_in.device)[0])
     grid = (N * HV * triton.cdiv(V, cfg.BV),)
     launch(_segment_scan_fwd_kernel, grid, cfg,
         m_in=m_in, n_in=n_in, cu_seqlens=cu_seqlens,
