@@ -6,8 +6,10 @@ For every (backend, tool) pair a child process runs the calls below under
 ``compute-sanitizer --tool TOOL --report-api-errors no`` (the cuda-python probe's lookups of
 driver symbols otherwise count as API errors) and the parent reads the tool's error summary.
 The calls cover ragged tails and empty sequences, grouped value heads, both state layouts,
-K != V and the qk l2 norm; each is also checked against the reference, so a run that is
-clean but wrong fails too. Prints a table (backend, tool, calls, errors, seconds) and exits
+K != V and the qk l2 norm, and per backend one call cut into segments (context
+parallelism), one on a state pool read and written in place (a -1 index among them) and
+one on the views of a fused projection; each is also checked against the reference (pool
+rows too), so a run that is clean but wrong fails too. Prints a table (backend, tool, calls, errors, seconds) and exits
 0 only when every tool reports 0 errors for every backend. Needs a CUDA GPU and
 compute-sanitizer (on PATH, or under /usr/local/cuda/bin).
 """
@@ -26,18 +28,27 @@ from pathlib import Path
 TOOLS = ("memcheck", "racecheck", "synccheck")
 ROOT = Path(__file__).resolve().parents[1]
 
-#: (lengths, H, HV, K, V, dtype, layout, l2) per call; small, since racecheck is slow.
+#: (lengths, H, HV, K, V, dtype, layout, l2[, extras]) per call; small, since racecheck is
+#: slow. extras: "cp" (a forced segment count), "pool" (the pool's dtype: a pool of N + 2
+#: rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views of one
+#: projection).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
         ([15, 64, 0, 70], 4, 4, 96, 16, "float16", "vk", True),
         ([64, 1], 1, 2, 128, 32, "bfloat16", "vk", False),
         ([33, 100], 2, 2, 8, 8, "float32", "kv", True),
+        ([300, 0, 129], 1, 2, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
+        ([70, 1, 64], 2, 4, 64, 32, "bfloat16", "vk", False, {"pool": "bfloat16"}),
+        ([65, 130], 2, 4, 32, 64, "bfloat16", "kv", True, {"fused": True}),
     ],
     "gluon_sm90": [
         ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False),
         ([15, 64, 0, 70], 2, 8, 64, 128, "float16", "vk", True),
         ([64, 129], 1, 2, 128, 64, "bfloat16", "vk", True),
+        ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "vk", True, {"cp": 3}),
+        ([70, 1, 64], 2, 4, 128, 64, "bfloat16", "kv", False, {"pool": "float32"}),
+        ([65, 130], 2, 4, 64, 128, "bfloat16", "kv", True, {"fused": True}),
     ],
 }
 CALLS["gluon_sm100"] = CALLS["gluon_sm90"]
@@ -50,19 +61,43 @@ def run_calls(backend: str) -> int:
 
     from gdn_dispatch import chunk_gated_delta_rule, reference
     from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.testing import random_call, rel_rms_error
+    from gdn_dispatch.testing import fused_projection_views, random_call, rel_rms_error
 
     status = 0
-    for i, (lengths, H, HV, K, V, dtype, layout, l2) in enumerate(CALLS[backend]):
+    for i, (lengths, H, HV, K, V, dtype, layout, l2, *more) in enumerate(CALLS[backend]):
+        extras = more[0] if more else {}
         call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), device="cuda",
                            seed=i, state_layout=layout, normalize_qk=not l2)
         flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
-        o, ht = chunk_gated_delta_rule(**call, **flags, backend=backend)
-        o_ref, ht_ref = reference.forward(make_problem(**call, **flags))
+        ref_call, ours = dict(call), dict(call)
+        if extras.get("fused"):
+            ours.update(fused_projection_views(call))
+        if "cp" in extras:
+            ours["context_parallel"] = extras["cp"]
+        pool = None
+        if "pool" in extras:
+            N, dims = len(lengths), ((K, V) if layout == "kv" else (V, K))
+            gen = torch.Generator().manual_seed(i)
+            pool = (0.1 * torch.randn(N + 2, HV, *dims, generator=gen)).to(getattr(torch, extras["pool"])).cuda()
+            idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
+            idx[1] = -1
+            live = idx >= 0
+            ref_call["initial_state"] = torch.zeros(N, HV, *dims, device="cuda")
+            ref_call["initial_state"][live] = pool[idx[live].long()].float()
+            before = pool.clone()
+            ours.update(initial_state=pool, state_indices=idx.cuda(), inplace_final_state=True)
+        o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
+        o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags))
         err = max(rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
+        if pool is not None:
+            rows = idx[live].long().cuda()
+            err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live.cuda()]))
+            untouched = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
+            untouched[rows] = False
+            err = max(err, 0.0 if torch.equal(pool[untouched], before[untouched]) else float("inf"))
         ok = err <= TOL[dtype]
         status |= not ok
-        print(f"call {i}: lengths={lengths} H={H} HV={HV} K={K} V={V} {dtype} {layout} l2={l2}: "
+        print(f"call {i}: lengths={lengths} H={H} HV={HV} K={K} V={V} {dtype} {layout} l2={l2} {extras}: "
               f"error {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
     torch.cuda.synchronize()
     return status
