@@ -121,16 +121,22 @@ def _segment_scan_fwd_kernel(
     if BKC == BK:
         # The whole M per step, S kept in registers: the step's chain is one MMA, and the
         # next slot's M and N (independent of S) load while it runs.
-        m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
+        # Whether a slot exists folds into the row limit (a block mask & a scalar bool is not
+        # a bool mask under every Triton interpreter).
+        rows = tl.where(i_s < s_end, K, 0)
         o_sh = (i_s * HV + i_h) * K
-        b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk & (i_s < s_end), other=0.0)
-        b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv & (i_s < s_end), other=0.0)
+        b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_k[None, :],
+                      mask=(o_k < rows)[:, None] & (o_k < K)[None, :], other=0.0)
+        b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :],
+                      mask=(o_k < rows)[:, None] & (o_v < V)[None, :], other=0.0)
         while i_s < s_end:
             tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
             nxt = o_sh + HV * K
-            more = i_s + 1 < s_end
-            b_m_next = tl.load(m_in + nxt * K + o_k[:, None] * K + o_k[None, :], mask=m_kk & more, other=0.0)
-            b_n_next = tl.load(n_in + nxt * V + o_k[:, None] * V + o_v[None, :], mask=m_kv & more, other=0.0)
+            rows = tl.where(i_s + 1 < s_end, K, 0)
+            b_m_next = tl.load(m_in + nxt * K + o_k[:, None] * K + o_k[None, :],
+                               mask=(o_k < rows)[:, None] & (o_k < K)[None, :], other=0.0)
+            b_n_next = tl.load(n_in + nxt * V + o_k[:, None] * V + o_v[None, :],
+                               mask=(o_k < rows)[:, None] & (o_v < V)[None, :], other=0.0)
             b_s = _dot(b_m, b_s, b_n, DOT_PREC, False)
             b_m, b_n, o_sh = b_m_next, b_n_next, nxt
             i_s += 1
