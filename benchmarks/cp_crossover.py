@@ -8,13 +8,13 @@ Usage (a CUDA machine, repository root): ``python benchmarks/cp_crossover.py [BA
 ``logsigmoid(randn) / 16``, an initial state and the final state, varlen with a host copy
 of cu_seqlens. Prints a markdown table last (median of 15 x 5 replays).
 """
-import statistics
 import sys
 import time
 
 import torch, torch.nn.functional as F
 from torch.profiler import profile, ProfilerActivity
 from gdn_dispatch import chunk_gated_delta_rule
+from gdn_dispatch.bench_host import graph_replay_us
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.context_parallel import plan_for_problem
 
@@ -37,31 +37,9 @@ def call_for(H, HV, N, L):
                 cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
 
 
-def graph_ms(call, cp, reps=15):
-    def fn():
-        return chunk_gated_delta_rule(**call, context_parallel=cp, backend=BACKEND)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 5)
-    return statistics.median(ts)
+def graph_ms(call, cp):
+    return graph_replay_us(lambda: chunk_gated_delta_rule(**call, context_parallel=cp, backend=BACKEND),
+                           replays=5, windows=15) / 1e3
 
 
 SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768), (16, 32, 1, 32768),

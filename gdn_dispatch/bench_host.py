@@ -108,8 +108,9 @@ def synchronized_us(fn: Callable[[], object], *, clock=time.perf_counter,
     return (clock() - start) * 1e6
 
 
-def graph_replay_us(fn: Callable[[], object], replays: int = 20) -> float:
-    """GPU microseconds per replay of ``fn`` captured in a CUDA graph (CUDA events)."""
+def graph_replay_us(fn: Callable[[], object], replays: int = 20, windows: int = 1) -> float:
+    """GPU microseconds per replay of ``fn`` captured in a CUDA graph (CUDA events): the
+    median over ``windows`` timed windows of ``replays`` back-to-back replays each."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -121,13 +122,16 @@ def graph_replay_us(fn: Callable[[], object], replays: int = 20) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
+    per_window = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        per_window.append(start.elapsed_time(end) / replays * 1e3)
+    return statistics.median(per_window)
 
 
 def host_steps(call: dict, backend: str) -> dict[str, Callable[[], object]]:
