@@ -165,6 +165,24 @@ def fused_projection_views(call: dict) -> dict:
     return {name: view.view(shape) for name, view, shape in zip(("q", "k", "v", "g", "beta"), views, shapes)}
 
 
+def padded_pool(num_seqs: int, num_v_heads: int, dims: tuple[int, ...], dtype: torch.dtype, seed: int,
+                device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A state pool as a server holds one, for tests: ``N + 2`` rows of ``0.1 * randn`` in
+    ``dtype`` (``[N + 2, HV, *dims]``), int32 indices ``[N]`` drawn without repeats with
+    index 1 set to -1 (CUDA-graph padding) when ``N > 1``, and the float32 initial states
+    ``[N, HV, *dims]`` they gather (zeros for -1), all on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = (0.1 * torch.randn(num_seqs + 2, num_v_heads, *dims, generator=gen)).to(dtype).to(device)
+    idx = torch.randperm(num_seqs + 2, generator=gen)[:num_seqs].to(torch.int32)
+    if num_seqs > 1:
+        idx[1] = -1
+    idx = idx.to(device)
+    live = idx >= 0
+    gathered = torch.zeros(num_seqs, num_v_heads, *dims, device=device)
+    gathered[live] = pool[idx[live].long()].float()
+    return pool, idx, gathered
+
+
 def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2: bool = False, **call):
     """A validated GDNProblem of one :func:`random_call` (``call``: its shape, head, dtype,
     device and seed keywords), with the initial state ``h0`` in ``layout``, the final

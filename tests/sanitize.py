@@ -61,7 +61,7 @@ def run_calls(backend: str) -> int:
 
     from gdn_dispatch import chunk_gated_delta_rule, reference
     from gdn_dispatch.contract import make_problem
-    from gdn_dispatch.testing import fused_projection_views, random_call, rel_rms_error
+    from gdn_dispatch.testing import fused_projection_views, padded_pool, random_call, rel_rms_error
 
     status = 0
     for i, (lengths, H, HV, K, V, dtype, layout, l2, *more) in enumerate(CALLS[backend]):
@@ -76,22 +76,18 @@ def run_calls(backend: str) -> int:
             ours["context_parallel"] = extras["cp"]
         pool = None
         if "pool" in extras:
-            N, dims = len(lengths), ((K, V) if layout == "kv" else (V, K))
-            gen = torch.Generator().manual_seed(i)
-            pool = (0.1 * torch.randn(N + 2, HV, *dims, generator=gen)).to(getattr(torch, extras["pool"])).cuda()
-            idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
-            idx[1] = -1
+            dims = (K, V) if layout == "kv" else (V, K)
+            pool, idx, ref_call["initial_state"] = padded_pool(len(lengths), HV, dims, getattr(torch, extras["pool"]),
+                                                               seed=i, device="cuda")
             live = idx >= 0
-            ref_call["initial_state"] = torch.zeros(N, HV, *dims, device="cuda")
-            ref_call["initial_state"][live] = pool[idx[live].long()].float()
             before = pool.clone()
-            ours.update(initial_state=pool, state_indices=idx.cuda(), inplace_final_state=True)
+            ours.update(initial_state=pool, state_indices=idx, inplace_final_state=True)
         o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
         o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags))
         err = max(rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         if pool is not None:
-            rows = idx[live].long().cuda()
-            err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live.cuda()]))
+            rows = idx[live].long()
+            err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
             untouched = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
             untouched[rows] = False
             err = max(err, 0.0 if torch.equal(pool[untouched], before[untouched]) else float("inf"))

@@ -14,7 +14,7 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.op import context_parallel_arg, context_parallel_str
 from gdn_dispatch.registry import CallSpec, call_reason, explain, load_registry
-from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
+from gdn_dispatch.testing import padded_pool, poison_cuda_allocator, random_call, rel_rms_error
 
 H200_SMS = 132
 
@@ -404,15 +404,8 @@ def test_triton_generic_segmented_matches_the_reference(dtype, cpu, gpu, layout,
     extra, ref_call = {}, dict(call)
     if pool is not None:
         N = len(cpu["lengths"] if device.type == "cpu" else gpu["lengths"])
-        gen = torch.Generator().manual_seed(9)
         dims = tuple(call["initial_state"].shape[2:])
-        rows = (0.1 * torch.randn(N + 2, call["v"].shape[2], *dims, generator=gen)).to(pool).to(device)
-        idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
-        idx[1] = -1
-        idx = idx.to(device)
-        h0_ref = torch.zeros(N, call["v"].shape[2], *dims, device=device)
-        h0_ref[idx >= 0] = rows[idx[idx >= 0].long()].float()
-        ref_call["initial_state"] = h0_ref
+        rows, idx, ref_call["initial_state"] = padded_pool(N, call["v"].shape[2], dims, pool, seed=9, device=device)
         expected_pool = rows.clone()
         extra = dict(state_indices=idx, inplace_final_state=True)
         call = {**call, "initial_state": rows}
@@ -675,15 +668,10 @@ def test_gluon_segmented_matches_the_reference_and_off(dtype, shape, layout, h0,
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     ref_call, extra, rows = dict(call), {}, None
     if pool is not None:
-        N = len(shape["lengths"])
-        gen = torch.Generator().manual_seed(9)
-        dims = tuple(call["initial_state"].shape[1:])
-        rows = (0.1 * torch.randn(N + 2, *dims, generator=gen)).to(pool).cuda()
-        idx = torch.randperm(N + 2, generator=gen)[:N].to(torch.int32)
-        idx[1] = -1
-        idx = idx.cuda()
+        HV, *dims = call["initial_state"].shape[1:]
+        rows, idx, ref_call["initial_state"] = padded_pool(len(shape["lengths"]), HV, tuple(dims), pool, seed=9,
+                                                           device="cuda")
         live = idx >= 0
-        ref_call["initial_state"] = torch.where(live.view(-1, 1, 1, 1), rows[idx.clamp(min=0).long()].float(), 0.0)
         extra = dict(state_indices=idx, inplace_final_state=True)
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
     problem = make_problem(**call, **flags, **extra, context_parallel=n, backend=backend)

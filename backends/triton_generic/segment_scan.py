@@ -16,7 +16,8 @@ starting from the sequence's initial state (zeros, ``h0[n]``, or pool row
 ``state_indices[n]``), and ends with the sequence's final state (returned, or written back
 into the pool row). On sm_90 up to K = 128 a step is one product of the whole ``M[s]``
 with ``S`` held in registers, ``M[s + 1]`` and ``N[s + 1]`` loading meanwhile (they do not
-depend on ``S``). Elsewhere the step contracts over column blocks of M: the program reads ``S`` back from
+depend on ``S``), as everywhere for K <= 32 (one column block is the whole M). Elsewhere
+the step contracts over 32-wide column blocks of M: the program reads ``S`` back from
 ``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the loads
 of other threads), so no ``[K, K]`` tile is held in registers.
 """
@@ -169,8 +170,9 @@ def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = Non
     the whole M per step (BKC = BK) with BV = 16: on the H200 at K = V = 128 a step of 16
     columns with the next M prefetched beat 32 columns over M's column blocks by 20% (4-16
     heads, 8-32 segments). Elsewhere (the form spills on mma.sync parts and sm_100), and for
-    larger K, M streams in [BK, 32] column blocks with BV = 32. ``capability`` None (the
-    interpreter, or any part) takes the column-block form."""
+    larger K, M streams in [BK, 32] column blocks with BV = 32 (for K <= 32 that one block
+    is the whole M, and the kernel takes the whole-M step). ``capability`` None (the
+    interpreter, or any part) is treated as not sm_90."""
     BK = state_block_k(K)
     if BK <= 128 and capability is not None and tuple(capability) in WHOLE_M_CAPABILITIES:
         return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(16, next_pow2(V))), BKC=BK)
