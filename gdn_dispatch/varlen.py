@@ -76,11 +76,15 @@ def _uniform_table(B: int, T: int, chunk_size: int, device: torch.device) -> Chu
     """The table of ``B`` sequences of ``T`` tokens, built once per (B, T, device).
 
     It depends on nothing else and no kernel writes it, so every call of that shape shares
-    one device copy of the offsets (one launch on the stream current at the first call).
+    one device copy of the offsets (written on the stream current at the first call). They
+    come from a device arange, not a host-to-device copy: the copy would be illegal from
+    pageable memory under CUDA-graph capture, where :func:`build_chunk_table` builds the
+    table per call through this same function.
     """
     host = torch.arange(0, B + 1, dtype=torch.int64) * T
     return ChunkTable(num_seqs=B, num_slots=num_slots(B * T, B, chunk_size), chunk_size=chunk_size,
-                      cu_seqlens=host.to(device=device, dtype=torch.int32), cu_seqlens_host=host, uniform=True)
+                      cu_seqlens=torch.arange(0, B + 1, device=device, dtype=torch.int32) * T,
+                      cu_seqlens_host=host, uniform=True)
 
 
 def build_chunk_table(
@@ -106,12 +110,7 @@ def build_chunk_table(
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Under CUDA-graph capture the offsets would only be filled by a replay (and
             # live in the graph's pool): build them per call, uncached.
-            # No host-to-device copy either (illegal from pageable memory under capture): the
-            # offsets come from a device arange.
-            host = torch.arange(0, B + 1, dtype=torch.int64) * T
-            return ChunkTable(num_seqs=B, num_slots=num_slots(B * T, B, chunk_size), chunk_size=chunk_size,
-                              cu_seqlens=torch.arange(0, B + 1, device=device, dtype=torch.int32) * T,
-                              cu_seqlens_host=host, uniform=True)
+            return _uniform_table.__wrapped__(B, T, chunk_size, device)
         return _uniform_table(B, T, chunk_size, device)
     N = cu_seqlens.shape[0] - 1
     return ChunkTable(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
