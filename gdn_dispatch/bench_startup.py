@@ -267,10 +267,13 @@ def exit_status(rows: list[StartupRow]) -> int:
 def _versions() -> dict:
     import importlib.metadata
 
+    from gdn_dispatch.bench_timing import fla_version
+
     found = {}
-    for dist in ("gdn-dispatch", "torch", "triton", "flash-linear-attention"):
+    for dist in ("gdn-dispatch", "torch", "triton"):
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             found[dist] = "not installed"
+    found["fla"] = fla_version() or "not installed"
     return found

@@ -157,10 +157,11 @@ def load_fla() -> tuple[Callable | None, str | None, str | None]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
     except Exception as exc:  # any import failure means "skip fla", with its reason
         return None, None, f"not importable: {type(exc).__name__}: {exc}"
-    return fla_fn, _fla_version(), None
+    return fla_fn, fla_version(), None
 
 
-def _fla_version() -> str | None:
+def fla_version() -> str | None:
+    """The installed fla version (under either distribution name it ships as), or None."""
     for dist in ("flash-linear-attention", "fla-core"):
         try:
             return importlib.metadata.version(dist)

@@ -48,10 +48,12 @@ class WarmupReport:
 
 class CompileCounter:
     """Counts ``triton.compile`` runs (a compile or a load from Triton's disk cache) through
-    ``triton.knobs.compilation.listener``, chaining any listener already set."""
+    ``triton.knobs.compilation.listener``, chaining any listener already set; ``kernels``
+    names each one's kernel, in order, with its constexprs where Triton states them."""
 
     def __init__(self):
         self.count = 0
+        self.kernels: list[str] = []
         self._previous = None
 
     def __enter__(self):
@@ -63,6 +65,7 @@ class CompileCounter:
 
     def __call__(self, *args, **kwargs):
         self.count += 1
+        self.kernels.append(_describe_source(kwargs.get("src", args[0] if args else None)))
         if self._previous is not None:
             self._previous(*args, **kwargs)
 
@@ -70,6 +73,22 @@ class CompileCounter:
         from triton import knobs
 
         knobs.compilation.listener = self._previous
+
+
+def _describe_source(src) -> str:
+    """A compiled source's kernel name and constexprs (Triton keys them by argument path)."""
+    name = getattr(src, "name", None) or type(src).__name__
+    constants = getattr(src, "constants", None) or {}
+    arg_names = getattr(getattr(src, "fn", None), "arg_names", ())
+
+    def label(path):
+        if isinstance(path, tuple) and len(path) == 1 and path[0] < len(arg_names):
+            return arg_names[path[0]]
+        return str(path)
+
+    shown = ", ".join(f"{label(path)}={value}" for path, value in constants.items()
+                      if isinstance(value, (bool, int, float, str)))
+    return f"{name}({shown})"
 
 
 def warmup(

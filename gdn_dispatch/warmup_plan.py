@@ -230,22 +230,45 @@ def call_facts(problem: GDNProblem) -> tuple:
     return tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
 
 
+def _launch_key(launch) -> tuple:
+    return (
+        launch.kernel, launch.num_warps, launch.maxnreg,
+        tuple(sorted((name, _hashable(v)) for name, v in launch.constexprs.items())),
+        tuple(sorted(d.signature for d in launch.descriptors)),
+        tuple(sorted((name, triton_arg_class(v)) for name, v in launch.scalars.items())),
+    )
+
+
+def _state_flags(problem: GDNProblem) -> tuple:
+    return (problem.initial_state is not None, problem.output_final_state, problem.state_layout.value,
+            problem.uses_state_pool, problem.inplace_final_state)
+
+
+def _segment_kernel_keys(problem: GDNProblem, k_stride, *, k_rnorm: bool) -> set:
+    """The plain-Triton kernels of a segmented call (table, pass-1 maps, scan): their
+    configs are fixed by the dims and the device; the call's state flags go to the scan; pass 1
+    takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
+    return {
+        ("segment_table_fwd",),
+        ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm),
+        ("segment_scan_fwd", _state_flags(problem)),
+    }
+
+
 def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
-    """One key per launch of the Gluon forward's plan: kernel, warps, register cap,
-    constexprs, descriptor signatures and the class of each integer argument; with the
-    context-parallel decision (``cp``), which the plan does not state."""
-    forward_plan = module.plan(problem, tuple(device.capability), device)
-    segmented = cp.enabled if cp is not None else None
-    keys = set()
-    for launch in forward_plan.stages:
-        keys.add((
-            launch.kernel, launch.num_warps, launch.maxnreg,
-            tuple(sorted((name, _hashable(v)) for name, v in launch.constexprs.items())),
-            tuple(sorted(d.signature for d in launch.descriptors)),
-            tuple(sorted((name, triton_arg_class(v)) for name, v in launch.scalars.items())),
-            segmented,
-        ))
-    return frozenset(keys)
+    """One key per launch of the Gluon forward's dry run (:func:`~gdn_dispatch.backends.
+    gluon_common.forward.plan_call`): kernel, warps, register cap, constexprs, descriptor
+    signatures and the class of each integer argument. A segmented call launches its
+    front stages, the segment kernels and pass 2: the fused kernel over the segments (float32
+    "kv" start states, no pool, no final state), configured by the segment slot count."""
+    from gdn_dispatch.backends.gluon_common.forward import plan_call
+
+    call = plan_call(problem, device, engine=module.ENGINE)
+    if call.segments is None:
+        return frozenset(_launch_key(launch) for launch in call.launches.stages)
+    keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}
+    keys.add(_launch_key(call.segments.stage("state_output_fwd")))
+    return frozenset(keys | _segment_kernel_keys(problem, token_rows_stride(problem.k), k_rnorm=False))
 
 
 def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
@@ -264,8 +287,7 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     elem = problem.q.element_size()
     capability = tuple(device.capability) if device.capability else None
     l2 = problem.use_qk_l2norm
-    flags = (problem.initial_state is not None, problem.output_final_state, problem.state_layout.value,
-             problem.uses_state_pool, problem.inplace_final_state)
+    flags = _state_flags(problem)
     strides = {name: token_rows_stride(getattr(problem, name)) for name in ("q", "k", "v", "g", "beta")}
     fused = configs.fuse_solve_into_wu(capability)
 
@@ -281,10 +303,7 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     }
     if cp is None or not cp.enabled:
         return frozenset(keys | {state_key(problem.N, flags)})
-    return frozenset(keys | {
-        ("segment_table_fwd",),
-        ("segment_map_fwd", strides["k"], l2),
-        ("segment_scan_fwd", flags),
+    return frozenset(keys | _segment_kernel_keys(problem, strides["k"], k_rnorm=l2) | {
         state_key(cp.num_segments, (True, False, StateLayout.KV.value, False, False)),
     })
 
@@ -477,12 +496,13 @@ STREAM_POOL_SIZES = (16, 17, 40, 48)
 
 
 def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int = 200,
-                         long_len: tuple[int, int] = (LONG_LENGTH, 2 * LONG_LENGTH)) -> list[WarmupCall]:
+                         long_len: tuple[int, int] = (LONG_LENGTH, 2 * LONG_LENGTH),
+                         long_share: float = 0.1) -> list[WarmupCall]:
     """Ragged batches as a server forms them, to check a warm-up against: 1..max_num_seqs
-    sequences of 0..max_len tokens (some whole chunks, some empty, now and then one long
-    prompt of ``long_len[0]..long_len[1]`` tokens), a few uniform batches; any state source
-    of ``spec`` (pools of a random size, -1 rows past it), final-state flag, input layout
-    and varlen form."""
+    sequences of 0..max_len tokens (some whole chunks, some empty; in a ``long_share`` of
+    the ragged batches one long prompt of ``long_len[0]..long_len[1]`` tokens), a few
+    uniform batches; any state source of ``spec`` (pools of a random size, -1 rows past it),
+    final-state flag, input layout and varlen form."""
     rng = random.Random(seed)
     calls = []
     for _ in range(count):
@@ -496,7 +516,7 @@ def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int =
             continue
         lengths = [rng.choice([0, 64, 128, rng.randint(1, max_len)]) for _ in range(n)]
         lengths[0] = max(lengths[0], 1)
-        if rng.random() < 0.1:
+        if rng.random() < long_share:
             lengths[rng.randrange(n)] = rng.randint(*long_len)
         calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
     return calls

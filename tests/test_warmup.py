@@ -340,6 +340,42 @@ def test_no_kernel_specializes_on_per_call_counts():
     assert checked >= 8
 
 
+#: Few sequences on 4 v-heads, half the ragged batches with one prompt of 1k to 16k tokens:
+#: the stream of the GPU tier's segmented warm-up check.
+SEGMENTED_SPEC = WarmupSpec(H=2, HV=4, K=128, V=128, max_num_seqs=4)
+
+
+def segmented_stream():
+    return random_stream(40, seed=13, spec=SEGMENTED_SPEC, max_len=600, long_len=(1024, 16384), long_share=0.5)
+
+
+def test_segmented_stream_spans_segment_counts_on_an_h200():
+    """The GPU check below is only as good as its stream: on an H200 (132 SMs) the automatic
+    rule must cut its long prompts into at least three different segment slot counts."""
+    counts = set()
+    for call in segmented_stream():
+        if call.lengths is None or max(call.lengths) < 1024:
+            continue
+        problem = make_problem(**make_call(SEGMENTED_SPEC, call, "cpu"))
+        cp = plan_for_problem(problem, sm_count=132)
+        if cp.enabled:
+            counts.add(cp.num_segments)
+    assert len(counts) >= 3, f"segment slot counts: {sorted(counts)}"
+
+
+@pytest.mark.parametrize("backend", [None, "triton_generic"], ids=lambda b: b or "registry-choice")
+def test_plan_covers_the_segmented_stream(backend):
+    """On an H200's SM count the plan covers the segmented stream's launches too: pass 2's
+    configuration follows the segment slot count, pass 1 the inputs' strides."""
+    device = assumed_device("sm_90")
+    plan = plan_warmup(SEGMENTED_SPEC, device, backend=backend)
+    for i, call in enumerate(segmented_stream()):
+        chosen, keys = call_keys(SEGMENTED_SPEC, call, device, backend)
+        missing = keys - plan.keys
+        assert chosen in plan.backends and keys, f"batch {i} ({call.label()}) ran on {chosen}"
+        assert not missing, f"batch {i} ({call.label()}) would compile {sorted(map(str, missing))}"
+
+
 # --- GPU tier ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -368,7 +404,7 @@ def test_after_warmup_a_random_ragged_stream_compiles_nothing(backend, capsys):
             chunk_gated_delta_rule(**kwargs, backend=backend)
             ran += 1
             if counter.count != before:
-                compiled.append(f"batch {i} ({call.label()}): {counter.count - before}")
+                compiled.append(f"batch {i} ({call.label()}): {counter.kernels[before:]}")
         torch.cuda.synchronize()
     assert ran >= 30, f"only {ran} of 60 batches run on {backend}"
     assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
@@ -383,16 +419,16 @@ def test_after_warmup_segmented_long_prompts_compile_nothing(backend, capsys):
     from gdn_dispatch import chunk_gated_delta_rule
     from gdn_dispatch.device import default_probe
 
-    dims = dict(H=2, HV=4, K=128, V=128)
-    report = warmup(num_heads=dims["H"], num_v_heads=dims["HV"], head_k_dim=dims["K"], head_v_dim=dims["V"],
-                    backend=backend, max_num_seqs=4)
+    dims = SEGMENTED_SPEC
+    report = warmup(num_heads=dims.H, num_v_heads=dims.HV, head_k_dim=dims.K, head_v_dim=dims.V,
+                    backend=backend, max_num_seqs=dims.max_num_seqs)
     with capsys.disabled():
         print(f"\n{report.format()}")
-    spec = WarmupSpec(**dims, max_num_seqs=4)
+    spec = SEGMENTED_SPEC
     device = default_probe().for_torch_device(torch.device("cuda"))
     compiled, segmented = [], set()
     with CompileCounter() as counter:
-        for i, call in enumerate(random_stream(40, seed=13, spec=spec, max_len=600, long_len=(1024, 16384))):
+        for i, call in enumerate(segmented_stream()):
             kwargs = make_call(spec, call, "cuda", random=True, seed=i)
             problem = make_problem(**kwargs, backend=backend)
             cp = plan_for_problem(problem, device.sm_count)
@@ -401,7 +437,7 @@ def test_after_warmup_segmented_long_prompts_compile_nothing(backend, capsys):
             before = counter.count
             chunk_gated_delta_rule(**kwargs, backend=backend)
             if counter.count != before:
-                compiled.append(f"batch {i} ({call.label()}, {cp.describe()}): {counter.count - before}")
+                compiled.append(f"batch {i} ({call.label()}, {cp.describe()}): {counter.kernels[before:]}")
         torch.cuda.synchronize()
     assert len(segmented) >= 3, f"segment slot counts seen: {sorted(segmented)}"
     assert counter.count == 0, f"{counter.count} compiles after warm-up: {compiled}"
@@ -425,3 +461,4 @@ def test_compile_counter_sees_a_triton_compile():
     with CompileCounter() as counter:
         triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert counter.count == 1
+    assert counter.kernels == ["_copy_kernel(BLOCK=16)"], counter.kernels
