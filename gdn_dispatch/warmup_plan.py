@@ -260,7 +260,8 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
     gluon_common.forward.plan_call`): kernel, warps, register cap, constexprs, descriptor
     signatures and the class of each integer argument. A segmented call launches its
     front stages, the segment kernels and pass 2: the fused kernel over the segments (float32
-    "kv" start states, no pool, no final state), configured by the segment slot count."""
+    "kv" start states, no pool, no final state), configured by the segment slot count.
+    (``cp`` is not read: the dry run makes the same context-parallel decision itself.)"""
     from gdn_dispatch.backends.gluon_common.forward import plan_call
 
     call = plan_call(problem, device, engine=module.ENGINE)
