@@ -400,6 +400,15 @@ SELECTIONS_KEPT = 256
 _selections: dict[tuple, tuple[tuple[BackendSpec, ...], Selection]] = {}
 
 
+def _call_key(problem) -> tuple:
+    """Everything :meth:`CallSpec.from_problem` reads of ``problem``, as a plain tuple: the
+    selection cache's key (a CallSpec costs ~6 µs per call to build and hash; this ~2)."""
+    q, v = problem.q, problem.v
+    return (q.dtype, q.shape[2], q.shape[3], v.shape[2], v.shape[3], problem.cu_seqlens is not None,
+            problem.state_layout, problem.initial_state is not None, problem.output_final_state,
+            problem.use_qk_l2norm, problem.state_indices is not None, isinstance(problem.context_parallel, int))
+
+
 def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) -> Selection:
     """The backend that runs ``problem`` on ``device``; GDNDispatchError when none can.
 
@@ -412,13 +421,14 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
     full explanation (with the problem offered to every row) decides, as without the cache.
     """
     environ = os.environ if env is None else env
-    call = CallSpec.from_problem(problem)
     rows = load_registry()
-    key = (id(rows), device, call, problem.backend, environ.get(ENV_VAR), environ.get("TRITON_INTERPRET"),
-           environ.get(gate.ENV_VAR))
+    key = (id(rows), device, _call_key(problem), problem.backend, environ.get(ENV_VAR),
+           environ.get("TRITON_INTERPRET"), environ.get(gate.ENV_VAR))
     kept_rows, static = _selections.get(key, (None, None))
+    call = None
     if kept_rows is not rows:
         static = None
+        call = CallSpec.from_problem(problem)
         static_explanation = explain(device, call, backend=problem.backend, env=environ, rows=rows,
                                      run_selftest=True)
         if static_explanation.selected is not None:
@@ -429,8 +439,8 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
         check = getattr(static.module, "unsupported_reason", None)
         if check is None or check(problem) is None:
             return static
-    explanation = explain(device, call, problem=problem, backend=problem.backend, env=environ, rows=rows,
-                          run_selftest=True)
+    explanation = explain(device, call or CallSpec.from_problem(problem), problem=problem, backend=problem.backend,
+                          env=environ, rows=rows, run_selftest=True)
     if explanation.selected is None:
         if explanation.forced is not None:
             verdict = next(v for v in explanation.verdicts if v.name == explanation.forced)

@@ -11,13 +11,14 @@ from gdn_dispatch.device import CPU, assumed_device
 from gdn_dispatch.registry import (
     QWEN35_CALL,
     CallSpec,
+    _call_key,
     explain,
     load_registry,
     parse_override,
     select,
     version_reason,
 )
-from gdn_dispatch.testing import StandInProbe, random_call
+from gdn_dispatch.testing import StandInProbe, padded_pool, random_call
 
 NAMES = [r.name for r in load_registry()]
 
@@ -189,6 +190,37 @@ def test_select_keeps_the_static_choice_and_rechecks_each_problem(monkeypatch):
     monkeypatch.setattr(first.module, "unsupported_reason", lambda problem: "tensors misaligned", raising=False)
     with pytest.raises(GDNDispatchError, match="reference: tensors misaligned"):
         select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)), env={})
+
+
+def test_the_selection_cache_key_tells_apart_every_call_spec():
+    """select() keys its cache by a plain tuple instead of a CallSpec: calls that differ in
+    any CallSpec field must differ in the key (else one call class would get another's
+    backend), over random variations of every field."""
+    import random
+
+    rng = random.Random(3)
+    seen: dict[tuple, CallSpec] = {}
+    specs = set()
+    for i in range(120):
+        H = rng.choice([1, 2])
+        shape = dict(lengths=[5, 9]) if rng.random() < 0.5 else dict(batch=(2, 7))
+        call = random_call(**shape, H=H, HV=H * rng.choice([1, 2]), K=rng.choice([16, 32]), V=rng.choice([16, 32]),
+                           dtype=rng.choice([torch.bfloat16, torch.float16]), seed=i,
+                           initial_state=rng.random() < 0.5, state_layout=rng.choice(["kv", "vk"]))
+        pool = {}
+        if rng.random() < 0.3:
+            HV, K, V = call["v"].shape[2], call["q"].shape[3], call["v"].shape[3]
+            N = call["initial_state"].shape[0] if call["initial_state"] is not None else 2
+            dims = (K, V) if call["state_layout"] == "kv" else (V, K)
+            rows, idx, _ = padded_pool(N, HV, dims, torch.float32, seed=i, device="cpu")
+            pool = dict(initial_state=rows, state_indices=idx, inplace_final_state=rng.random() < 0.5)
+        problem = make_problem(**{**call, **pool}, output_final_state=rng.random() < 0.5,
+                               use_qk_l2norm_in_kernel=rng.random() < 0.5,
+                               context_parallel=rng.choice(["auto", "off", 2]))
+        spec, key = CallSpec.from_problem(problem), _call_key(problem)
+        assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
+        specs.add(spec)
+    assert len(specs) >= 40 and any(spec.state_pool for spec in specs)
 
 
 def test_registry_rows_are_sorted_and_complete():
