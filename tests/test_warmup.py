@@ -38,10 +38,15 @@ def test_plan_covers_every_specialization_of_a_random_stream(arch, dims, l2):
     plan = plan_warmup(spec, device)
     # Greedy cover: each chosen call adds at least one specialization.
     assert plan.keys and not plan.unadmitted and len(plan.calls) <= len(plan.keys)
-    for i, call in enumerate(random_stream(60, seed=7, spec=spec)):
-        backend, keys = call_keys(spec, call, device)
+    assert_plan_covers(plan, spec, device, random_stream(60, seed=7, spec=spec))
+
+
+def assert_plan_covers(plan, spec: WarmupSpec, device, stream, backend: str | None = None) -> None:
+    """Every call of ``stream`` runs on a backend of ``plan`` and compiles nothing it lacks."""
+    for i, call in enumerate(stream):
+        chosen, keys = call_keys(spec, call, device, backend)
         missing = keys - plan.keys
-        assert backend in plan.backends and keys, f"batch {i} ({call.label()}) ran on {backend}"
+        assert chosen in plan.backends and keys, f"batch {i} ({call.label()}) ran on {chosen}"
         assert not missing, f"batch {i} ({call.label()}) would compile {sorted(map(str, missing))}"
 
 
@@ -369,11 +374,7 @@ def test_plan_covers_the_segmented_stream(backend):
     configuration follows the segment slot count, pass 1 the inputs' strides."""
     device = assumed_device("sm_90")
     plan = plan_warmup(SEGMENTED_SPEC, device, backend=backend)
-    for i, call in enumerate(segmented_stream()):
-        chosen, keys = call_keys(SEGMENTED_SPEC, call, device, backend)
-        missing = keys - plan.keys
-        assert chosen in plan.backends and keys, f"batch {i} ({call.label()}) ran on {chosen}"
-        assert not missing, f"batch {i} ({call.label()}) would compile {sorted(map(str, missing))}"
+    assert_plan_covers(plan, SEGMENTED_SPEC, device, segmented_stream(), backend)
 
 
 # --- GPU tier ---------------------------------------------------------------------------
@@ -419,12 +420,11 @@ def test_after_warmup_segmented_long_prompts_compile_nothing(backend, capsys):
     from gdn_dispatch import chunk_gated_delta_rule
     from gdn_dispatch.device import default_probe
 
-    dims = SEGMENTED_SPEC
-    report = warmup(num_heads=dims.H, num_v_heads=dims.HV, head_k_dim=dims.K, head_v_dim=dims.V,
-                    backend=backend, max_num_seqs=dims.max_num_seqs)
+    spec = SEGMENTED_SPEC
+    report = warmup(num_heads=spec.H, num_v_heads=spec.HV, head_k_dim=spec.K, head_v_dim=spec.V,
+                    backend=backend, max_num_seqs=spec.max_num_seqs)
     with capsys.disabled():
         print(f"\n{report.format()}")
-    spec = SEGMENTED_SPEC
     device = default_probe().for_torch_device(torch.device("cuda"))
     compiled, segmented = [], set()
     with CompileCounter() as counter:
