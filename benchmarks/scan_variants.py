@@ -1,0 +1,85 @@
+"""The context-parallel scan alone, in several forms of its step: error and GPU time.
+
+Usage (a CUDA machine, repository root): ``python benchmarks/scan_variants.py``; with
+``--cpu`` (under ``TRITON_INTERPRET=1``) it only checks the forms' numerics at a small size.
+
+Each form is a ``segment_scan_fwd`` launch config (whole M per step or M's column blocks,
+the BV slice, warps) and a dot precision ("tf32x3" as shipped, or "ieee": fp32 FMAs). Inputs:
+one sequence of ``NSEG`` segments of 64 tokens (plus the empty slot past its end), K = V =
+128, random contracting maps ``M`` (entries ``0.9 randn / sqrt(K)``) and random ``N``. The
+error is the relative RMS error of every segment start state against a float64 scan; the
+time is the GPU time per call (a CUDA graph of 10 calls, median of 15 replays).
+Prints a markdown table last.
+"""
+import sys
+
+import torch
+
+from gdn_dispatch.backends.triton_generic import segment_scan
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
+from gdn_dispatch.testing import rel_rms_error
+
+CPU = "--cpu" in sys.argv
+DEVICE = "cpu" if CPU else "cuda"
+K = V = 128
+FORMS = [
+    ("tf32x3, whole M, BV 16, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=16, BKC=128)),
+    ("tf32x3, whole M, BV 8, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=8, BKC=128)),
+    ("tf32x3, whole M, BV 32, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=32, BKC=128)),
+    ("tf32x3, column blocks, BV 32, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=32)),
+    ("ieee, whole M, BV 16, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=16, BKC=128)),
+    ("ieee, whole M, BV 8, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=8, BKC=128)),
+    ("ieee, whole M, BV 16, 4 warps", "ieee", LaunchConfig(num_warps=4, BK=128, BV=16, BKC=128)),
+    ("ieee, column blocks, BV 32, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=32)),
+    ("ieee, column blocks, BV 16, 4 warps", "ieee", LaunchConfig(num_warps=4, BK=128, BV=16)),
+]
+SHAPES = [(2, 3)] if CPU else [(4, 16), (4, 32), (16, 8)]  # (HV, NSEG)
+
+
+def maps(HV: int, NSEG: int):
+    """``NSEG + 1`` slots of float64 maps (the last one is the empty slot past the end) and
+    the one sequence's offsets, drawn on the device from torch's seeded generator."""
+    m = 0.9 * torch.randn(NSEG + 1, HV, K, K, device=DEVICE, dtype=torch.float64) / K ** 0.5
+    n = torch.randn(NSEG + 1, HV, K, V, device=DEVICE, dtype=torch.float64)
+    return m, n, torch.tensor([0, NSEG * 64], device=DEVICE, dtype=torch.int32)
+
+
+def scan64(m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Every slot's start state, float64: ``S_0 = 0``, ``S_{s+1} = M_s S_s + N_s``."""
+    s, starts = torch.zeros_like(n[0]), []
+    for m_s, n_s in zip(m, n):
+        starts.append(s)
+        s = m_s @ s + n_s
+    return torch.stack(starts)
+
+
+def main() -> None:
+    if not CPU:
+        from gdn_dispatch.bench_host import graph_replay_us
+    torch.manual_seed(0)
+    rows = []
+    for HV, NSEG in SHAPES:
+        m64, n64, cu = maps(HV, NSEG)
+        want = scan64(m64, n64)
+        m, n = m64.float(), n64.float()
+        for name, precision, cfg in FORMS:
+            # The kernel's DOT_PREC comes from dot_precisions; each form swaps it in.
+            segment_scan.dot_precisions = lambda dtype, p=precision: (p, p)
+            try:
+                seg_h0, _ = segment_scan.segment_scan_fwd(m, n, cu, 64, config=cfg)
+                err = rel_rms_error(seg_h0.double(), want)
+                us = None if CPU else graph_replay_us(
+                    lambda: [segment_scan.segment_scan_fwd(m, n, cu, 64, config=cfg) for _ in range(10)],
+                    replays=1, windows=15) / 10
+                rows.append((HV, NSEG, name, f"{err:.2e}", "-" if us is None else f"{us:.1f}"))
+            except Exception as exc:  # a form that does not compile here is a row, not a stop
+                rows.append((HV, NSEG, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}"))
+            print(rows[-1], flush=True)
+    print("| HV | segments | step form | rel. error | µs per call |")
+    print("| ---: | ---: | --- | ---: | ---: |")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+if __name__ == "__main__":
+    main()
