@@ -7,9 +7,11 @@ time of a short prefill's kernels. :func:`launch_kept` goes through Triton's JIT
 first launch of each *launch specialization* (device, launch options, each constexpr's
 value, and each runtime argument's value class: a tensor's dtype and 16-byte alignment, an
 integer's ``== 1`` / ``% 16`` / int32 range), keeps the compiled kernel it returns, and
-later calls that kernel's launcher directly with the arguments in the kernel's order. The
-kernel, the launcher and the stream are Triton's own; only the binder and the cache lookup
-are skipped, and they would have found this kernel.
+later calls that kernel's C launch function (:func:`.gluon_common.compat.raw_launch`; its
+Python launcher where that is not at hand) directly, with the arguments in the kernel's
+order and tensors as their addresses. The kernel, the launcher and the stream are Triton's
+own; only the binder, the cache lookup and the Python launcher's wrapping are skipped, and
+they would have found this kernel.
 
 This is the mechanism :mod:`gdn_dispatch.backends.gluon_common.launch` uses for planned
 Gluon launches, for kernels without a plan: the key is computed from the arguments. It
@@ -21,10 +23,11 @@ through ``kernel[grid]``, with the same results.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
+
+from gdn_dispatch.envvars import getenv
 
 #: Set to "1" to launch every kernel through Triton's JIT (binder on every call); the
 #: variable :mod:`gdn_dispatch.backends.gluon_common.launch` reads too.
@@ -58,7 +61,7 @@ class _Runtime:
         self.stream = compat.current_stream_query()
 
     def direct(self) -> bool:
-        return (self.verified and os.environ.get(JIT_LAUNCH_ENV, "") != "1"
+        return (self.verified and getenv(JIT_LAUNCH_ENV) != "1"
                 and not self.compat.launch_hooks_set(self.knobs))
 
 
@@ -107,21 +110,37 @@ def launch_kept(kernel, grid: tuple, options: tuple, kwargs: dict, jit_launch: C
     if site.order is None:
         jit_launch()
         return
-    values = list(kwargs.values())
     device = torch.cuda.current_device()
-    key = (device, options, *[v if c else value_class(v) for c, v in zip(site.constexpr, values)])
-    compiled = site.kept.get(key, _MISSING)
-    if compiled is _MISSING:
+    key = [device, options]
+    values = []
+    for constexpr, value in zip(site.constexpr, kwargs.values()):
+        if constexpr:
+            key.append(value)
+        elif isinstance(value, torch.Tensor):  # as an address: the C launcher skips its pointer query
+            ptr = value.data_ptr()
+            key.append((value.dtype, ptr % 16 == 0))
+            value = ptr
+        else:
+            key.append(value_class(value))
+        values.append(value)
+    key = tuple(key)
+    kept = site.kept.get(key, _MISSING)
+    if kept is _MISSING:
         compiled = jit_launch()
         usable = all(hasattr(compiled, name) for name in runtime.compat.COMPILED_KERNEL_API)
-        site.kept[key] = compiled if usable else None
+        site.kept[key] = (compiled, runtime.compat.raw_launch(compiled)) if usable else None
         return
-    if compiled is None:  # a Triton whose compiled kernels lack the launch interface
+    if kept is None:  # a Triton whose compiled kernels lack the launch interface
         jit_launch()
         return
+    compiled, raw = kept
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+    ordered = [values[i] for i in site.order]
+    if raw is not None and not raw.descriptor_meta:
+        raw.c_launch(g0, g1, g2, runtime.stream(device), *raw.prefix, *ordered)
+        return
     compiled.run(g0, g1, g2, runtime.stream(device), compiled.function, compiled.packed_metadata, None, None,
-                 None, *[values[i] for i in site.order])
+                 None, *ordered)
 
 
 def _init_runtime() -> _Runtime:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-import os
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from gdn_dispatch.context_parallel import context_parallel_reason
+from gdn_dispatch.envvars import getenv
 from gdn_dispatch.registry import backend_names
 from gdn_dispatch.varlen import ChunkTable, build_chunk_table
 
@@ -282,7 +282,7 @@ def _host_offsets(value) -> torch.Tensor:
 def debug_checks_enabled() -> bool:
     """``GDN_DEBUG_CHECKS=1``: also run the checks that synchronize with the device (read
     at every call)."""
-    return os.environ.get("GDN_DEBUG_CHECKS", "0") == "1"
+    return getenv("GDN_DEBUG_CHECKS") == "1"
 
 
 def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host, T: int) -> None:

@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 from gdn_dispatch import gate
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.envvars import getenv
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -421,9 +422,10 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
     full explanation (with the problem offered to every row) decides, as without the cache.
     """
     environ = os.environ if env is None else env
+    read = getenv if env is None else env.get
     rows = load_registry()
-    key = (id(rows), device, _call_key(problem), problem.backend, environ.get(ENV_VAR),
-           environ.get("TRITON_INTERPRET"), environ.get(gate.ENV_VAR))
+    key = (id(rows), device, _call_key(problem), problem.backend, read(ENV_VAR), read("TRITON_INTERPRET"),
+           read(gate.ENV_VAR))
     kept_rows, static = _selections.get(key, (None, None))
     call = None
     if kept_rows is not rows:

@@ -122,6 +122,8 @@ def test_first_launch_binds_then_the_kept_kernel_runs_directly(setup, direct):
         if name in {d.arg for d in launch.descriptors}:
             assert (direct.base is value.base and list(direct.shape) == list(value.shape)
                     and list(direct.strides) == list(value.strides) and direct.padding == value.padding), name
+        elif isinstance(value, torch.Tensor):  # pointers go to the launcher as addresses
+            assert direct == value.data_ptr(), name
         else:
             assert direct is value or direct == value, name
 
@@ -171,7 +173,7 @@ def test_new_lengths_launch_the_kept_kernel_with_their_own_grid_and_rows(setup, 
         values = dict(zip(fn.arg_names, call[9:], strict=True))
         for arg in ("k_desc", "v_desc", "w_desc", "u_desc"):
             assert values[arg].shape == [rows, launch.desc(arg).shape[1]] == list(bound.desc(arg).shape), arg
-        assert values["N"] == p.N and values["w_ptr"] is w
+        assert values["N"] == p.N and values["w_ptr"] == w.data_ptr()
 
 
 def test_unspecialized_integers_are_keyed_by_type_only():
@@ -248,6 +250,109 @@ def test_tma_arg_reads_like_a_tensor_descriptor_to_the_launcher(setup, direct):
         real = d.build(tensors[d.tensor])
         light = L.TmaArg(tensors[d.tensor], list(d.shape), list(d.strides))
         assert make_tensordesc_arg(light, None) == make_tensordesc_arg(real, None), d.arg
+
+
+class _FillRecorder:
+    """Stands in for the driver's ``fill_tma_descriptor``: a "map" is the tuple of what it
+    was asked to encode, so maps compare by value; every encoding is counted."""
+
+    def __init__(self):
+        self.encoded = 0
+
+    def fill_tma_descriptor(self, *args):
+        self.encoded += 1
+        return ("map",) + tuple(tuple(a) if isinstance(a, list) else a for a in args)
+
+
+class _TritonShapedCompiled:
+    """A compiled kernel whose launcher is shaped as Triton 3.6's: ``run`` is an object that
+    Triton's own ``CudaLauncher.__call__`` runs, its ``launch`` Triton's own
+    ``wrap_handle_tensordesc`` wrapper around a C launch that records its arguments."""
+
+    function, packed_metadata = "fn-handle", ("packed",)
+
+    def __init__(self, launch, dtype):
+        from triton.backends.nvidia import driver as nvd
+
+        self.c_calls = []
+        signature = wy.wy_signature(launch, dtype)
+        metas = [dict(swizzle=3, elem_size=2, elem_type=9 + i, block_size=list(launch.desc(name).block_shape),
+                      fp4_padded=False)
+                 for i, name in enumerate(n for n, t in signature.items() if t.startswith("tensordesc"))]
+
+        class Launcher:
+            num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+            global_scratch_size = profile_scratch_size = 0
+            global_scratch_align = profile_scratch_align = 1
+            __call__ = nvd.CudaLauncher.__call__
+
+        self.run = Launcher()
+        self.run.launch = nvd.wrap_handle_tensordesc(lambda *a: self.c_calls.append(a), signature, metas)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    from triton.runtime.driver import driver
+
+    recorder = _FillRecorder()
+    monkeypatch.setattr(driver, "_active", type("Driver", (), {"utils": recorder})())
+    return recorder
+
+
+def test_the_c_launch_gets_what_tritons_launcher_hands_it(setup, direct, fake_driver, monkeypatch):
+    """The C launch path and Triton's Python launcher (its CudaLauncher.__call__ and
+    descriptor wrapper, fed TmaArgs) hand the C function the same arguments: flags, scratch,
+    metadata, every argument in the kernel's order and each descriptor encoded alike."""
+    launch, tensors, args = setup
+    compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
+    fn = _Jit(wy._wy_fwd_kernel, compiled=compiled)
+    _launch(fn, launch, tensors, args())  # binds
+    for _ in range(2):
+        _launch(fn, launch, tensors, args())
+    assert fake_driver.encoded == len(launch.descriptors)  # encoded once, then kept by address and rows
+    direct_calls = list(compiled.c_calls)
+    # The same launch through Triton's Python launcher: kernels kept without their C launch.
+    monkeypatch.setattr(compat, "raw_launch", lambda kernel: None)
+    for key in [k for k in launch.shared.compiled if k != L._SLOTS]:
+        del launch.shared.compiled[key]
+    _launch(fn, launch, tensors, args())  # binds again
+    _launch(fn, launch, tensors, args())
+    assert len(fn.bound) == 2 and len(compiled.c_calls) == 3
+    triton_call = compiled.c_calls[-1]
+    assert direct_calls == [triton_call, triton_call]
+    assert len(triton_call) == 13 + len(fn.arg_names) + 4 * len(launch.descriptors)
+
+
+def test_new_rows_and_buffers_are_encoded_anew(setup, direct, fake_driver):
+    launch, tensors, args = setup
+    compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
+    fn = _Jit(wy._wy_fwd_kernel, compiled=compiled)
+    _launch(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
+    encoded = fake_driver.encoded
+    w2 = torch.empty_like(tensors["w"])
+    _launch(fn, launch, {**tensors, "w": w2}, args(w_ptr=w2))
+    assert fake_driver.encoded == encoded + 1
+    maps = [a for a in compiled.c_calls[-1] if isinstance(a, tuple) and a[:1] == ("map",)]
+    assert len(maps) == len(launch.descriptors) and any(m[1] == w2.data_ptr() for m in maps)
+    # More buffers than are kept: the oldest are dropped, nothing grows without bound.
+    for _ in range(L.TMA_MAPS_KEPT + 5):
+        w3 = torch.empty_like(tensors["w"])
+        _launch(fn, launch, {**tensors, "w": w3}, args(w_ptr=w3))
+    kept = next(v for v in launch.shared.compiled.values() if isinstance(v, L._Kept))
+    assert all(len(maps) <= L.TMA_MAPS_KEPT for *_, maps, _ in kept.descs)
+
+
+def test_launchers_of_another_shape_are_not_called_directly(setup):
+    launch, tensors, _ = setup
+    compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
+    assert compat.raw_launch(compiled) is not None
+    compiled.run.global_scratch_size = 256  # Triton allocates scratch per launch
+    assert compat.raw_launch(compiled) is None
+    compiled.run.global_scratch_size = 0
+    compiled.run.launch = (lambda inner: lambda *a: inner(*a))(compiled.run.launch)  # an unknown wrapper
+    assert compat.raw_launch(compiled) is None
+    assert compat.raw_launch(_Compiled()) is None  # no launcher object at all
 
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

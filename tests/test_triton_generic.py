@@ -491,7 +491,8 @@ def stand_in_gpu(monkeypatch):
 
 def test_kept_launch_binds_once_per_specialization(stand_in_gpu):
     """The first launch of a specialization goes through the JIT; later ones call the kept
-    kernel's launcher with every argument in the kernel's order, constexprs included."""
+    kernel's launcher with every argument in the kernel's order, constexprs included, and
+    tensors as their addresses."""
     compiled, jit_launches = {}, []
 
     def jit_launch(key):
@@ -512,13 +513,46 @@ def test_kept_launch_binds_once_per_specialization(stand_in_gpu):
     assert jit_launches == [(4, True)]
     (grid, stream, args), = compiled[(4, True)].launches
     assert grid == (9, 2, 1) and stream == 1000
-    assert list(args) == [g, g_cum, chunks.cu_seqlens, 5, 1.5, 4, 4, 64, 4]  # the kernel's parameter order
+    # The kernel's parameter order, tensors as their addresses.
+    assert list(args) == [g.data_ptr(), g_cum.data_ptr(), chunks.cu_seqlens.data_ptr(), 5, 1.5, 4, 4, 64, 4]
     launch(g, BH=8)  # a constexpr changed: bound anew
     launch(torch.randn(1, 73, 4))  # other aligned inputs: the kept kernel
     assert len(compiled[(4, True)].launches) == 2
     misaligned = torch.randn(293)[1:].view(1, 73, 4)
     launch(misaligned)  # 4-byte aligned only: bound anew
     assert jit_launches == [(4, True), (8, True), (4, False)]
+
+
+def test_kept_launch_calls_the_c_launch_as_tritons_launcher_would(stand_in_gpu):
+    """With a launcher shaped as Triton 3.6's (its own CudaLauncher.__call__ around a C
+    launch), the kept path calls the C launch itself with what that launcher would pass."""
+    nvd = pytest.importorskip("triton.backends.nvidia.driver")
+
+    class Compiled:
+        function, packed_metadata = "function", ("metadata",)
+
+        def __init__(self):
+            self.c_calls = []
+
+            class Launcher:
+                num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+                global_scratch_size = profile_scratch_size = 0
+                global_scratch_align = profile_scratch_align = 1
+                __call__ = nvd.CudaLauncher.__call__
+
+            self.run = Launcher()
+            self.run.launch = lambda *a: self.c_calls.append(a)
+
+    compiled = Compiled()
+    g, g_cum = torch.randn(1, 73, 4), torch.empty(1, 73, 4)
+    cu = torch.tensor([0, 3, 73], dtype=torch.int32)
+    kwargs = dict(scale=1.5, g_cum=g_cum, g=g, cu_seqlens=cu, N=2, s_g=4, HV=4, BT=64, BH=4)
+    for _ in range(2):
+        stand_in_gpu.launch_kept(cumsum._chunk_cumsum_fwd_kernel, (4, 2), (2, 1), kwargs, lambda: compiled)
+    direct, = compiled.c_calls
+    ordered = [g.data_ptr(), g_cum.data_ptr(), cu.data_ptr(), 2, 1.5, 4, 4, 64, 4]
+    compiled.run(4, 2, 1, 1000, "function", ("metadata",), None, None, None, *ordered)
+    assert direct == compiled.c_calls[1]
 
 
 def test_kept_launch_goes_through_the_jit_when_asked(stand_in_gpu, monkeypatch):

@@ -27,6 +27,7 @@ CHECKED_ON = {
     "GluonASTSource (triton.experimental.gluon._runtime)": ("3.6.0", "3.9.0"),
     "get_ptxas, sm_arch_from_capability (triton.backends.nvidia.compiler)": ("3.6.0", "3.9.0"),
     "CompiledKernel.run / function / packed_metadata, launcher descriptor args": ("3.6.0",),
+    "CudaLauncher.launch (C launch, wrap_handle_tensordesc closure), fill_tma_descriptor": ("3.6.0",),
     "knobs.runtime.launch_enter_hook / launch_exit_hook, driver.active.get_current_stream": ("3.6.0",),
     "JITFunction.arg_names": ("3.6.0", "3.9.0"),
 }
@@ -127,3 +128,75 @@ def current_stream_query():
     from triton.runtime.driver import driver
 
     return driver.active.get_current_stream
+
+
+class RawLaunch:
+    """A compiled kernel's C launch function and what Triton's Python launcher adds around it
+    (Triton 3.6: ``CudaLauncher.__call__`` inserts the launch flags and scratch buffers,
+    ``wrap_handle_tensordesc`` encodes each descriptor argument per launch).
+
+    Call ``c_launch(g0, g1, g2, stream, *prefix, *args)`` with ``args`` in the kernel's
+    order, each descriptor expanded to ``(CUtensorMap, *shape, *strides)`` (``encode``
+    makes the map) and pointers as ints or tensors: what the wrapper hands the C function.
+
+    Attributes
+    ----------
+    c_launch : the compiled launcher module's ``launch``.
+    prefix : ``(function, cooperative, pdl, global scratch, profile scratch, packed
+        metadata, launch metadata, enter hook, exit hook)``.
+    descriptor_meta : per descriptor argument in the kernel's order, Triton's encoding
+        metadata (swizzle, element size and type, block size).
+    """
+
+    __slots__ = ("c_launch", "prefix", "descriptor_meta")
+
+    def __init__(self, c_launch, prefix: tuple, descriptor_meta: list):
+        self.c_launch, self.prefix, self.descriptor_meta = c_launch, prefix, descriptor_meta
+
+
+#: The closure of Triton 3.6's ``wrap_handle_tensordesc`` wrapper, by variable name.
+_TENSORDESC_WRAPPER_CELLS = frozenset({"launcher", "tensordesc_indices", "tensordesc_meta"})
+
+
+def raw_launch(compiled) -> RawLaunch | None:
+    """The C launch of ``compiled`` (a CompiledKernel), or None where its launcher is not
+    the shape this was verified on (then launch through ``compiled.run``): a launcher with
+    scratch buffers (allocated per launch by Triton), descriptors without encoding metadata
+    or not 2-D, or a wrapper other than 3.6's."""
+    try:
+        launcher = compiled.run
+        fn = launcher.launch
+        prefix = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                  compiled.packed_metadata, None, None, None)
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+    except AttributeError:
+        return None
+    cells = getattr(fn, "__closure__", None)
+    if not cells:
+        return RawLaunch(fn, prefix, [])
+    free = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in cells)))
+    if set(free) != _TENSORDESC_WRAPPER_CELLS:
+        return None
+    meta = list(free["tensordesc_meta"] or ())
+    if len(meta) != len(free["tensordesc_indices"]) or any(
+            m is None or m.get("fp4_padded") or len(m["block_size"]) != 2 for m in meta):
+        return None
+    return RawLaunch(free["launcher"], prefix, meta)
+
+
+def tma_encoder(meta: dict):
+    """``encode(ptr, shape, strides) -> CUtensorMap`` for one descriptor argument of a
+    compiled kernel (its ``tensordesc_meta`` entry), as Triton 3.6's launcher encodes it
+    (zero padding). Reaches the driver's utilities: call only when launching."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    from triton.runtime.driver import driver
+
+    fill = driver.active.utils.fill_tma_descriptor
+    swizzle, elem_size, block = meta["swizzle"], meta["elem_size"], meta["block_size"]
+    elem_type = TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
+
+    def encode(ptr: int, shape: list, strides: list):
+        return fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, 0)
+
+    return encode
