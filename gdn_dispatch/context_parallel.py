@@ -35,6 +35,7 @@ tokens on 4-32 v-heads, every forced segment count from 2 to 64 against "off"):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -194,13 +195,23 @@ def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) 
     """:func:`plan_context_parallel` for a validated call (a ``GDNProblem``): the longest
     sequence from the host copy of ``cu_seqlens`` when there is one, else the mean."""
     chunks = problem.chunks
-    T_total = problem.B * problem.T
+    q, v = problem.q.shape, problem.v.shape
+    T_total = q[0] * q[1]
     max_len = None
     if chunks.uniform:
-        max_len = problem.T
+        max_len = q[1]
     elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0 and problem.context_parallel != "off":
-        # A Python list, not torch ops on the CPU tensor: this runs on every call's host path.
-        cu = chunks.cu_seqlens_host.tolist()
-        max_len = max(b - a for a, b in zip(cu, cu[1:]))
-    return plan_context_parallel(problem.context_parallel, T_total=T_total, N=problem.N, HV=problem.HV,
-                                 V=problem.V, sm_count=sm_count, max_len=max_len, tuning=tuning)
+        max_len = chunks.longest
+        if max_len is None:  # a table built without it; a Python list, not torch ops on the CPU tensor
+            cu = chunks.cu_seqlens_host.tolist()
+            max_len = max(b - a for a, b in zip(cu, cu[1:]))
+    return _plan_kept(problem.context_parallel, T_total, chunks.num_seqs, v[2], v[3], sm_count, max_len, tuning)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _plan_kept(request, T_total: int, N: int, HV: int, V: int, sm_count: int, max_len: int | None,
+               tuning: CPTuning) -> CPPlan:
+    """:func:`plan_context_parallel`, memoized: a server's calls repeat their counts, and the
+    decision (with its reason string) costs several microseconds to form per call."""
+    return plan_context_parallel(request, T_total=T_total, N=N, HV=HV, V=V, sm_count=sm_count, max_len=max_len,
+                                 tuning=tuning)

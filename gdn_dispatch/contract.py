@@ -18,6 +18,7 @@ dim; ``V`` value head dim; ``N`` sequences (``B`` without ``cu_seqlens``, else
 from __future__ import annotations
 
 import collections
+import functools
 import enum
 import logging
 import dataclasses
@@ -246,10 +247,12 @@ def _counted_copy(name: str, t: torch.Tensor) -> torch.Tensor:
 def _token_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when the kernels read its layout (:func:`token_rows_stride`), else one
     counted contiguous copy."""
-    return t if token_rows_stride(t) is not None else _counted_copy(name, t)
+    if t.is_contiguous() or token_rows_stride(t) is not None:
+        return t
+    return _counted_copy(name, t)
 
 
-def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> None:
+def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> list[int]:
     """The partition rules of ``cu_seqlens``, checked on a host copy (no device sync).
 
     The values are compared as a Python list: a handful of torch ops on a small CPU tensor
@@ -269,6 +272,7 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
             )
     if values[-1] != T:
         raise GDNInputError(f"{name}: expected to end at T = {T} (q.shape[1]), got {values[-1]}")
+    return values
 
 
 def _host_offsets(value) -> torch.Tensor:
@@ -277,6 +281,12 @@ def _host_offsets(value) -> torch.Tensor:
         kinds = sorted({type(x).__name__ for x in value})
         raise GDNInputError(f"cu_seqlens: expected a list of ints [N + 1], got elements of type {kinds}")
     return torch.tensor(list(value), dtype=torch.int64)
+
+
+@functools.cache
+def _backend_name_set() -> frozenset:
+    """registry.toml's backend names (a forced ``backend=`` is checked against them per call)."""
+    return frozenset(backend_names())
 
 
 def debug_checks_enabled() -> bool:
@@ -393,26 +403,29 @@ def make_problem(
     v = _require_tensor("v", v, 4, "[B, T, HV, V]")
     g = _require_tensor("g", g, 3, "[B, T, HV]")
     beta = _require_tensor("beta", beta, 3, "[B, T, HV]")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    q_shape, v_shape = q.shape, v.shape
+    B, T, H, K = q_shape
+    _, _, HV, V = v_shape
 
-    if k.shape != q.shape:
-        raise GDNInputError(f"k: expected the shape of q {tuple(q.shape)} [B, T, H, K], got {_describe(k)}")
-    if v.shape[:2] != q.shape[:2]:
+    if k.shape != q_shape:
+        raise GDNInputError(f"k: expected the shape of q {tuple(q_shape)} [B, T, H, K], got {_describe(k)}")
+    if v_shape[0] != B or v_shape[1] != T:
         raise GDNInputError(f"v: expected [B, T] = {(B, T)} as q, got {_describe(v)}")
+    gate_shape = (B, T, HV)
     for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (B, T, HV):
-            raise GDNInputError(f"{name}: expected shape [B, T, HV] = {(B, T, HV)}, got {_describe(t)}")
+        if t.shape != gate_shape:
+            raise GDNInputError(f"{name}: expected shape [B, T, HV] = {gate_shape}, got {_describe(t)}")
     if H == 0 or HV % H != 0:
         raise GDNInputError(f"v: expected HV (v.shape[2]) to be a multiple of H = {H}, got HV = {HV}")
     for name, dim, size in (("q", "K", K), ("v", "V", V)):
         if not 1 <= size <= MAX_HEAD_DIM:
             raise GDNInputError(f"{name}: expected head dim {dim} in [1, {MAX_HEAD_DIM}], got {size}")
 
+    dtype = q.dtype
     _require_dtype("q", q, QKV_DTYPES)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise GDNInputError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype is not dtype:
+            raise GDNInputError(f"{name}: expected q's dtype {dtype}, got {t.dtype}")
     _require_dtype("g", g, FLOAT_DTYPES)
     _require_dtype("beta", beta, FLOAT_DTYPES)
 
@@ -423,7 +436,7 @@ def make_problem(
     q, k, v, g, beta = (_token_rows(name, t) for name, t in
                         (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
 
-    cu_host = None
+    cu_host = host_offsets = None
     if isinstance(cu_seqlens, (list, tuple)):
         if cu_seqlens_cpu is not None:
             raise GDNInputError(
@@ -455,9 +468,9 @@ def make_problem(
                     f"got {cu_seqlens_cpu.numel()}"
                 )
             cu_host = cu_seqlens_cpu
-            _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
+            host_offsets = _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
         elif cu_host is not None:  # the offsets came as a list
-            _check_cu_seqlens(cu_host, T)
+            host_offsets = _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
 
@@ -465,7 +478,7 @@ def make_problem(
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
                       cu_seqlens, cu_seqlens_cpu, T)
 
-    chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device)
+    chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device, host_offsets)
     N = chunks.num_seqs
 
     if state_indices is not None:
@@ -476,7 +489,7 @@ def make_problem(
         initial_state = _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V] or [N, HV, V, K]")
         _require_dtype("initial_state", initial_state, FLOAT_DTYPES)
         expected = (N, HV, K, V) if layout is StateLayout.KV else (N, HV, V, K)
-        if tuple(initial_state.shape) != expected:
+        if initial_state.shape != expected:
             dims = "[N, HV, K, V]" if layout is StateLayout.KV else "[N, HV, V, K]"
             raise GDNInputError(
                 f"initial_state: expected {dims} = {expected} for state_layout={layout.value!r} "
@@ -493,7 +506,7 @@ def make_problem(
     cp_reason = context_parallel_reason(context_parallel)
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")
-    if backend is not None:
+    if backend is not None and backend not in _backend_name_set():
         names = backend_names()
         if backend not in names:
             raise GDNInputError(f"backend: expected one of {names} or None, got {backend!r}")

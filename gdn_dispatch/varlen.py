@@ -51,6 +51,10 @@ class ChunkTable:
     cu_seqlens_host : int Tensor ``[N + 1]`` on the CPU, or None when the caller gave no host
         copy (nothing is read back to make one).
     uniform : bool, True when every sequence has the same length (no cu_seqlens given).
+    longest : int or None, the longest sequence's length, known on the host for a uniform
+        batch and with a host copy of the offsets, else None.
+    aligned : bool or None, whether every offset is a multiple of ``C`` (no sequence ends
+        inside a chunk); None where the host does not know the offsets.
     """
 
     num_seqs: int
@@ -59,6 +63,8 @@ class ChunkTable:
     cu_seqlens: torch.Tensor
     cu_seqlens_host: torch.Tensor | None
     uniform: bool
+    longest: int | None = None
+    aligned: bool | None = None
 
     def seq_bounds(self, n: int) -> tuple[int, int]:
         """Host-side ``(bos, eos)`` token offsets of sequence ``n`` (needs the host copy)."""
@@ -84,7 +90,7 @@ def _uniform_table(B: int, T: int, chunk_size: int, device: torch.device) -> Chu
     host = torch.arange(0, B + 1, dtype=torch.int64) * T
     return ChunkTable(num_seqs=B, num_slots=num_slots(B * T, B, chunk_size), chunk_size=chunk_size,
                       cu_seqlens=torch.arange(0, B + 1, device=device, dtype=torch.int32) * T,
-                      cu_seqlens_host=host, uniform=True)
+                      cu_seqlens_host=host, uniform=True, longest=T, aligned=T % chunk_size == 0)
 
 
 def build_chunk_table(
@@ -94,6 +100,7 @@ def build_chunk_table(
     cu_seqlens_host: torch.Tensor | None,
     chunk_size: int,
     device: torch.device,
+    host_offsets: list[int] | None = None,
 ) -> ChunkTable:
     """The table of ``B`` rows of ``T`` tokens, or of the packed ``cu_seqlens``.
 
@@ -103,6 +110,9 @@ def build_chunk_table(
         uniform batch. Kept as it is: kernels read either index dtype.
     cu_seqlens_host : the same values on the CPU, or None. Not needed: the slot count
         depends only on ``B * T`` and ``N``.
+    host_offsets : ``cu_seqlens_host`` as a list of ints when the caller has it (the
+        contract's check reads it), else read here; the table keeps the longest length and
+        whether every offset is chunk-aligned, which the planners read on every call.
 
     Nothing here launches device work for a varlen call, nor reads device memory.
     """
@@ -113,5 +123,11 @@ def build_chunk_table(
             return _uniform_table.__wrapped__(B, T, chunk_size, device)
         return _uniform_table(B, T, chunk_size, device)
     N = cu_seqlens.shape[0] - 1
+    longest = aligned = None
+    if cu_seqlens_host is not None:
+        offsets = cu_seqlens_host.tolist() if host_offsets is None else host_offsets
+        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+        aligned = not any(offset % chunk_size for offset in offsets)
     return ChunkTable(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
-                      cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, uniform=False)
+                      cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, uniform=False, longest=longest,
+                      aligned=aligned)

@@ -26,6 +26,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
+from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import forward as F  # noqa: E402
 from gdn_dispatch.backends.gluon_common import launch as L  # noqa: E402
 from gdn_dispatch.backends.gluon_common import state_output as so_module  # noqa: E402
@@ -34,15 +35,29 @@ from gdn_dispatch.backends.gluon_common.plan import PLAN_COUNTS, clear_plan_cach
 
 
 class _Compiled:
-    """A compiled kernel's launch interface; ``run`` records the launcher call."""
+    """A compiled kernel's launch interface, with a C launch (``compat.raw_launch`` of it,
+    stubbed below) that records the launcher call, the way Triton 3.6's launcher hands it."""
 
     function, packed_metadata = "fn-handle", "packed"
 
-    def __init__(self, fn, record):
-        self.fn, self.record = fn, record
+    def __init__(self, fn, record, descriptors: int):
+        self.fn, self.record, self.descriptors = fn, record, descriptors
 
     def run(self, *args):
-        self.record.append((self.fn, args))
+        raise AssertionError("kept kernels launch through their C launch")
+
+    def c_launch(self, *args):
+        # (grid, stream, function, flags, scratch, metadata, hooks) then the kernel's arguments
+        self.record.append((self.fn, args[:4] + args[4:13], args[13:]))
+
+
+def _raw_launch(compiled):
+    return compat.RawLaunch(compiled.c_launch, ("fn-handle", False, False, None, None, "packed", None, None, None),
+                            [{}] * compiled.descriptors)
+
+
+def _tma_encoder(meta):
+    return lambda ptr, shape, strides: ("map", ptr, tuple(shape), tuple(strides))
 
 
 class _Runtime(L._Runtime):
@@ -82,9 +97,10 @@ def stubbed_launches():
         for d in launch.descriptors:
             d.build(tensors[d.tensor])
         launches.binds.append((fn, launch, grid))
-        return _Compiled(fn, launches.runs)
+        return _Compiled(fn, launches.runs, len(launch.descriptors))
 
     with mock.patch.object(L, "_RUNTIME", _Runtime()), mock.patch.object(L, "_jit_launch", bind), \
+            mock.patch.object(compat, "raw_launch", _raw_launch), mock.patch.object(compat, "tma_encoder", _tma_encoder), \
             mock.patch.object(L, "JIT_LAUNCH_ENV", "GDN_DISPATCH_JIT_LAUNCH_UNSET_IN_THIS_TEST"), \
             mock.patch.object(torch.cuda, "current_device", lambda: None):  # CPU tensors: device index None
         yield launches
@@ -164,13 +180,13 @@ def test_a_call_class_is_planned_and_bound_once_over_a_ragged_stream(capability)
             tails = so.constexprs["HAS_TAILS"]
             expected = {wy._wy_fwd_kernel: (rows // 64 + (n if tails else 0)) * HV,
                         so_module._state_output_fwd_kernel: n * HV * so.blocks["NV"]}
-            grids = [(fn, args[:3]) for fn, args in launches.runs[runs:]]
+            grids = [(fn, head[:3]) for fn, head, _ in launches.runs[runs:]]
             grids += [(fn, grid + (1, 1)) for fn, _, grid in launches.binds[binds:]]
             assert sorted(expected[fn] for fn, _ in grids) == sorted(expected.values())
             assert all(grid == (expected[fn], 1, 1) for fn, grid in grids)
-            for _, args in launches.runs[runs:]:
-                descs = [a for a in args[9:] if isinstance(a, L.TmaArg)]
-                assert descs and all(d.shape[0] == rows for d in descs)
+            for _, _, args in launches.runs[runs:]:
+                maps = [a for a in args if isinstance(a, tuple) and a[:1] == ("map",)]
+                assert maps and all(m[2][0] == rows for m in maps)
             assert o.shape == (problem.B, problem.T, HV, V) and final.shape == (n, HV, K, V)
     assert PLAN_COUNTS["computed"] == len(classes) <= 4
     assert PLAN_COUNTS["hits"] == len(problems) * 2 - len(classes)

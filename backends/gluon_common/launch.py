@@ -270,7 +270,12 @@ class _Kept:
             return
         for pos, d, cols, maps, encode in self.descs:
             tensor = tensors[d.tensor]
-            (rows, _), (stride, _) = d.view_of(tensor)
+            numel = tensor.numel()
+            rows = numel // cols
+            if tensor.dtype is d.dtype and rows * cols == numel and d.shape[0] is None and tensor.is_contiguous():
+                stride = cols  # DescPlan.view_of of a contiguous tensor of whole rows, inline
+            else:
+                (rows, _), (stride, _) = d.view_of(tensor)  # other layouts, and every error
             ptr = tensor.data_ptr()
             tma_map = maps.get((ptr, rows, stride))
             if tma_map is None:
