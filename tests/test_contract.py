@@ -316,3 +316,22 @@ def test_debug_checks_catch_bad_pool_indices(idx, message, monkeypatch):
     monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
     with pytest.raises(GDNInputError, match=message):
         make_problem(**varlen_call(initial_state=_pool(), state_indices=_int(idx)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_host_copy(seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        lengths = (torch.randint(0, 4, (n,), generator=gen) * 64).tolist()
+        if torch.rand(1, generator=gen).item() < 0.5:  # some sequence ends inside a chunk
+            lengths[int(torch.randint(0, n, (1,), generator=gen))] += int(torch.randint(1, 64, (1,), generator=gen))
+        call = random_call(lengths=lengths, H=1, HV=1, K=8, V=8, dtype=torch.float32, seed=seed)
+        chunks = make_problem(**call).chunks
+        assert chunks.longest == max(lengths)
+        assert chunks.aligned == all(length % 64 == 0 for length in lengths)
+        call.pop("cu_seqlens_cpu")
+        chunks = make_problem(**call).chunks  # no host copy: unknown, never read back
+        assert chunks.longest is None and chunks.aligned is None
+    uniform = make_problem(**random_call(batch=(2, 100), H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
+    assert uniform.longest == 100 and uniform.aligned is False
