@@ -19,8 +19,6 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch.context_parallel import plan_for_problem
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "gluon_sm90"
-sm = torch.cuda.get_device_properties(0).multi_processor_count
-t0 = time.time()
 
 
 def call_for(H, HV, N, L):
@@ -45,23 +43,31 @@ def graph_ms(call, cp):
 SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768), (16, 32, 1, 32768),
           (2, 4, 8, 4096), (16, 32, 1, 8192), (4, 8, 2, 16384), (2, 4, 1, 8192), (2, 4, 1, 4096), (8, 16, 1, 8192),
           (2, 4, 2, 32768), (4, 8, 1, 65536)]
-rows = ["| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |",
-        "| --- | --- | ---: | ---: | ---: | --- |"]
-for H, HV, N, L in SHAPES:
-    call = call_for(H, HV, N, L)
-    plan = plan_for_problem(make_problem(**call), sm)
-    off, auto = graph_ms(call, "off"), graph_ms(call, "auto")
-    seg = f"{plan.num_segments - N} of {plan.seg_len}" if plan.enabled else "off"
-    rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |")
-    print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)
-    if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768)]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                chunk_gated_delta_rule(**call, context_parallel="auto", backend=BACKEND)
-            torch.cuda.synchronize()
-        split = [f"{e.key.replace('_fwd_kernel', '').strip('_')} {e.device_time_total / 5:.0f}"
-                 for e in prof.key_averages() if e.device_time_total > 0 and "kernel" in e.key]
-        print("   kernels (us):", ", ".join(split), flush=True)
-    del call
-    torch.cuda.empty_cache()
-print("\n".join(rows))
+
+
+def main():
+    t0 = time.time()
+    rows = ["| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |",
+            "| --- | --- | ---: | ---: | ---: | --- |"]
+    for H, HV, N, L in SHAPES:
+        call = call_for(H, HV, N, L)
+        plan = plan_for_problem(make_problem(**call), torch.cuda.get_device_properties(0).multi_processor_count)
+        off, auto = graph_ms(call, "off"), graph_ms(call, "auto")
+        seg = f"{plan.num_segments - N} of {plan.seg_len}" if plan.enabled else "off"
+        rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |")
+        print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)
+        if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768)]:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    chunk_gated_delta_rule(**call, context_parallel="auto", backend=BACKEND)
+                torch.cuda.synchronize()
+            split = [f"{e.key.replace('_fwd_kernel', '').strip('_')} {e.device_time_total / 5:.0f}"
+                     for e in prof.key_averages() if e.device_time_total > 0 and "kernel" in e.key]
+            print("   kernels (us):", ", ".join(split), flush=True)
+        del call
+        torch.cuda.empty_cache()
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
