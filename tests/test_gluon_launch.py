@@ -343,7 +343,7 @@ def test_new_rows_and_buffers_are_encoded_anew(setup, direct, fake_driver):
     assert all(len(maps) <= L.TMA_MAPS_KEPT for *_, maps, _ in kept.descs)
 
 
-def test_launchers_of_another_shape_are_not_called_directly(setup):
+def test_launchers_of_another_shape_are_not_called_directly(setup, direct):
     launch, tensors, _ = setup
     compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
     assert compat.raw_launch(compiled) is not None
