@@ -230,3 +230,21 @@ class LaunchRecorder:
         def launch(**kwargs):
             self.launched.update(grid=grid, **kwargs)
         return launch
+
+
+def triton_shaped_launcher(launch):
+    """An object that runs like Triton 3.6's ``CudaLauncher`` (its own ``__call__``; no
+    scratch buffers, no cooperative or PDL launch) around the C launch ``launch``: for CPU
+    tests of the direct launch paths, which read it as they read Triton's
+    (``gluon_common.compat.raw_launch``)."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    class Launcher:
+        num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+        global_scratch_size = profile_scratch_size = 0
+        global_scratch_align = profile_scratch_align = 1
+        __call__ = CudaLauncher.__call__
+
+    launcher = Launcher()
+    launcher.launch = launch
+    return launcher

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn_dispatch.testing import random_problem, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import random_problem, rel_rms_error, triton_shaped_launcher  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import launch as L  # noqa: E402
@@ -279,15 +279,8 @@ class _TritonShapedCompiled:
         metas = [dict(swizzle=3, elem_size=2, elem_type=9 + i, block_size=list(launch.desc(name).block_shape),
                       fp4_padded=False)
                  for i, name in enumerate(n for n, t in signature.items() if t.startswith("tensordesc"))]
-
-        class Launcher:
-            num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
-            global_scratch_size = profile_scratch_size = 0
-            global_scratch_align = profile_scratch_align = 1
-            __call__ = nvd.CudaLauncher.__call__
-
-        self.run = Launcher()
-        self.run.launch = nvd.wrap_handle_tensordesc(lambda *a: self.c_calls.append(a), signature, metas)
+        self.run = triton_shaped_launcher(
+            nvd.wrap_handle_tensordesc(lambda *a: self.c_calls.append(a), signature, metas))
 
 
 @pytest.fixture

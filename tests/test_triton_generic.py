@@ -23,7 +23,7 @@ from gdn_dispatch.backends.triton_generic._jit import jit as tg_jit
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
-from gdn_dispatch.testing import random_call, rel_rms_error
+from gdn_dispatch.testing import random_call, rel_rms_error, triton_shaped_launcher
 from gdn_dispatch.varlen import num_slots, slot_starts
 
 ORCHESTRATOR = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")  # tg.forward is the function
@@ -530,22 +530,12 @@ def test_kept_launch_calls_the_c_launch_as_tritons_launcher_would(stand_in_gpu):
 
     if not stand_in_gpu._RUNTIME.compat.direct_launch_verified(triton.__version__):
         pytest.skip("kept kernels launch directly only on the Triton releases this was verified on")
-    nvd = pytest.importorskip("triton.backends.nvidia.driver")
-
     class Compiled:
         function, packed_metadata = "function", ("metadata",)
 
         def __init__(self):
             self.c_calls = []
-
-            class Launcher:
-                num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
-                global_scratch_size = profile_scratch_size = 0
-                global_scratch_align = profile_scratch_align = 1
-                __call__ = nvd.CudaLauncher.__call__
-
-            self.run = Launcher()
-            self.run.launch = lambda *a: self.c_calls.append(a)
+            self.run = triton_shaped_launcher(lambda *a: self.c_calls.append(a))
 
     compiled = Compiled()
     g, g_cum = torch.randn(1, 73, 4), torch.empty(1, 73, 4)
