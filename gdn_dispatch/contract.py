@@ -63,12 +63,18 @@ class StateLayout(str, enum.Enum):
     def parse(cls, value: "str | StateLayout") -> "StateLayout":
         if isinstance(value, StateLayout):
             return value
+        layout = _LAYOUT_NAMES.get(value) if isinstance(value, str) else None
+        if layout is not None:  # "kv" / "vk" as callers spell them, without the Enum's lookup
+            return layout
         try:
             return cls(str(value).lower())
         except ValueError:
             raise GDNInputError(
                 f"state_layout: expected one of {[m.value for m in cls]}, got {value!r}"
             ) from None
+
+
+_LAYOUT_NAMES = {"kv": StateLayout.KV, "vk": StateLayout.VK}
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,15 @@ class GDNProblem:
         return (self.N, self.HV, self.V, self.K)
 
 
+def _new_problem(**fields) -> GDNProblem:
+    """``GDNProblem(**fields)`` with every field given, built without the frozen dataclass's
+    per-field ``object.__setattr__`` (about 4 µs of a call's validation, where the whole
+    host path is budgeted in tens of microseconds); the object is the same."""
+    problem = object.__new__(GDNProblem)
+    problem.__dict__.update(fields)
+    return problem
+
+
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
@@ -252,8 +267,11 @@ def _token_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     return _counted_copy(name, t)
 
 
-def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> list[int]:
+def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -> tuple[int, bool]:
     """The partition rules of ``cu_seqlens``, checked on a host copy (no device sync).
+
+    Returns what the planners read of the offsets, from the same pass: the longest
+    sequence's length, and whether every offset is a multiple of the chunk length.
 
     The values are compared as a Python list: a handful of torch ops on a small CPU tensor
     would cost more host time than the whole kernel launch sequence.
@@ -264,15 +282,21 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
         raise GDNInputError(f"{name}: expected at least 2 entries [N + 1], got {n}")
     if values[0] != 0:
         raise GDNInputError(f"{name}: expected to start at 0, got {values[0]}")
-    for i in range(n - 1):
-        if values[i + 1] < values[i]:
+    longest, misaligned, previous = 0, 0, 0
+    for i, value in enumerate(values):
+        length = value - previous
+        if length < 0:
             raise GDNInputError(
-                f"{name}: expected non-decreasing values, got {values[i]} then "
-                f"{values[i + 1]} at positions {i}, {i + 1}"
+                f"{name}: expected non-decreasing values, got {previous} then "
+                f"{value} at positions {i - 1}, {i}"
             )
+        if length > longest:
+            longest = length
+        misaligned |= value % CHUNK_SIZE
+        previous = value
     if values[-1] != T:
         raise GDNInputError(f"{name}: expected to end at T = {T} (q.shape[1]), got {values[-1]}")
-    return values
+    return longest, not misaligned
 
 
 def _host_offsets(value) -> torch.Tensor:
@@ -353,6 +377,8 @@ def _debug_check_indices(state_indices: torch.Tensor, P: int) -> None:
 
 def _resolve_layout(state_layout, state_v_first) -> StateLayout:
     """``state_layout`` wins; fla's ``state_v_first=True`` means "vk"; both must agree."""
+    if state_layout is None and state_v_first is None:  # the common call, without the enum lookup
+        return StateLayout.KV
     if state_layout is None:
         return StateLayout.VK if state_v_first else StateLayout.KV
     layout = StateLayout.parse(state_layout)
@@ -433,10 +459,13 @@ def make_problem(
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if isinstance(t, torch.Tensor) and t.device != device:
             raise GDNInputError(f"{name}: expected device {device} (q's), got {t.device}")
-    q, k, v, g, beta = (_token_rows(name, t) for name, t in
-                        (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+            and beta.is_contiguous()):
+        q, k, v, g, beta = (_token_rows(name, t) for name, t in
+                            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
 
-    cu_host = host_offsets = None
+    cu_host = None
+    longest = aligned = None
     if isinstance(cu_seqlens, (list, tuple)):
         if cu_seqlens_cpu is not None:
             raise GDNInputError(
@@ -468,9 +497,9 @@ def make_problem(
                     f"got {cu_seqlens_cpu.numel()}"
                 )
             cu_host = cu_seqlens_cpu
-            host_offsets = _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
+            longest, aligned = _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
         elif cu_host is not None:  # the offsets came as a list
-            host_offsets = _check_cu_seqlens(cu_host, T)
+            longest, aligned = _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
 
@@ -478,7 +507,7 @@ def make_problem(
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
                       cu_seqlens, cu_seqlens_cpu, T)
 
-    chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device, host_offsets)
+    chunks = build_chunk_table(B, T, cu_seqlens, cu_host, CHUNK_SIZE, device, longest=longest, aligned=aligned)
     N = chunks.num_seqs
 
     if state_indices is not None:
@@ -503,7 +532,7 @@ def make_problem(
         scale = K ** -0.5
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
-    cp_reason = context_parallel_reason(context_parallel)
+    cp_reason = None if context_parallel == "auto" else context_parallel_reason(context_parallel)
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")
     if backend is not None and backend not in _backend_name_set():
@@ -511,7 +540,7 @@ def make_problem(
         if backend not in names:
             raise GDNInputError(f"backend: expected one of {names} or None, got {backend!r}")
 
-    return GDNProblem(
+    return _new_problem(
         q=q, k=k, v=v, g=g, beta=beta, scale=float(scale),
         initial_state=initial_state, output_final_state=bool(output_final_state),
         state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),

@@ -335,3 +335,29 @@ def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_hos
         assert chunks.longest is None and chunks.aligned is None
     uniform = make_problem(**random_call(batch=(2, 100), H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
     assert uniform.longest == 100 and uniform.aligned is False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_validated_problems_are_whole_frozen_dataclasses(seed):
+    """make_problem builds its GDNProblem and chunk table without the dataclass __init__;
+    they must hold every field, equal what the constructors build, and stay frozen."""
+    import dataclasses
+
+    from gdn_dispatch.contract import GDNProblem
+    from gdn_dispatch.varlen import ChunkTable
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 200, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+    for call in (random_call(lengths=lengths, H=2, HV=4, K=16, V=8, dtype=torch.float32, seed=seed),
+                 random_call(batch=(2, 70), H=1, HV=2, K=8, V=8, dtype=torch.float32, seed=seed)):
+        for state_layout in ("kv", "vk", "VK", StateLayout.VK):
+            p = make_problem(**{**call, "initial_state": None, "state_layout": state_layout})
+            assert p.state_layout is StateLayout(str(getattr(state_layout, "value", state_layout)).lower())
+            for obj, cls in ((p, GDNProblem), (p.chunks, ChunkTable)):
+                names = [f.name for f in dataclasses.fields(cls)]
+                assert sorted(vars(obj)) == sorted(names)
+                rebuilt = cls(**{name: getattr(obj, name) for name in names})
+                assert all(getattr(rebuilt, name) is getattr(obj, name) for name in names)
+                with pytest.raises(dataclasses.FrozenInstanceError):
+                    setattr(obj, names[0], None)
+            assert dataclasses.replace(p, backend="reference").backend == "reference"
