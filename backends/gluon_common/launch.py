@@ -6,23 +6,23 @@ compiled kernel up, and rebuild each TMA descriptor's host object before it enco
 That is the largest host cost of a forward's launches (about 100 us a launch on the
 H200's host), and at small prefills the host, not the GPU, sets the time of a call.
 
-A :class:`~.launch_plan.LaunchPlan` already fixes everything the binder derives except
-the pointer arguments' dtypes and alignments and the device. So the first launch of a
-plan per *launch specialization* (device, and dtype + ``data_ptr() % 16 == 0`` of every
-tensor argument; the value classes Triton specializes integers on, except for arguments
-the kernel declares ``do_not_specialize``, which Triton keys by type alone) goes through
-Triton's JIT as usual, and the compiled kernel it returns is kept on the plan
-(``LaunchPlan.compiled``). Later launches with the same specialization call Triton's C
-launch function of that kernel directly (:func:`.compat.raw_launch`), with the arguments in
-the kernel's order, pointers as addresses and each descriptor expanded as Triton's Python
-launcher expands it (the ``CUtensorMap`` encoded by Triton's own ``fill_tma_descriptor``,
-kept per descriptor argument by address, rows and row stride, then rows, cols and strides).
-The kernel, the C launcher and the descriptor encoding are Triton's own; only the binder,
-the cache lookup and the Python launcher's per-launch wrapping are skipped (on the H200's
-host a launch through Triton's Python launcher took 18-20 us, the C launch with addresses
-about 6 us, and an encoding 0.7 us). Where the C
-launch is not at hand (a launcher shape other than Triton 3.6's), the compiled kernel's
-launcher is called with each descriptor as the four fields it reads (:class:`TmaArg`).
+A :class:`~.launch_plan.LaunchPlan` already fixes everything the binder derives except the
+pointer arguments' dtypes and alignments and the device. So the first launch of a plan per
+*launch specialization* (device, and dtype + ``data_ptr() % 16 == 0`` of every tensor
+argument; the value classes Triton specializes integers on, except for arguments the kernel
+declares ``do_not_specialize``, which Triton keys by type alone) goes through Triton's JIT
+as usual, and the compiled kernel it returns is kept on the plan (``LaunchPlan.compiled``).
+Later launches with the same specialization call Triton's C launch function of that kernel
+directly (:func:`.compat.raw_launch`), with the arguments in the kernel's order, pointers
+as addresses and each descriptor expanded as Triton's Python launcher expands it (the
+``CUtensorMap`` encoded by Triton's own ``fill_tma_descriptor``, kept per descriptor
+argument by address, rows and row stride, then rows, cols and strides). The kernel, the C
+launcher and the descriptor encoding are Triton's own; only the binder, the cache lookup
+and the Python launcher's per-launch wrapping are skipped (on the H200's host a launch
+through Triton's Python launcher took 16-20 us, the C launch with addresses about 6 us, and
+an encoding 0.7 us). Where the C launch is not at hand (a launcher shape other than Triton
+3.6's), the compiled kernel's launcher is called with each descriptor as the four fields it
+reads (:class:`TmaArg`).
 
 A plan is shared by every call of its class, whatever the call's token count ``B * T``
 and sequence count ``N``: the grid (the plan's :class:`~.launch_plan.GridRule`) and each
@@ -32,11 +32,12 @@ block and layout; the kernels' sequence and row counts are ``do_not_specialize``
 new length compiles nothing and binds nothing.
 
 The direct path uses Triton's CompiledKernel launch interface (``run``, ``function``,
-``packed_metadata``), its launcher's internals and its reading of descriptor arguments, so it is taken only
-on the Triton releases it was verified with (:data:`.compat.DIRECT_LAUNCH_TRITON`). Another
-release, a compiled kernel without that interface, a registered launch hook (profilers
-such as proton read launch metadata), or ``GDN_DISPATCH_JIT_LAUNCH=1`` (read at call time)
-send every launch through ``fn[grid]``. Results are the same either way.
+``packed_metadata``), its launcher's internals and its reading of descriptor arguments, so
+it is taken only on the Triton releases it was verified with
+(:data:`.compat.DIRECT_LAUNCH_TRITON`). Another release, a compiled kernel without that
+interface, a registered launch hook (profilers such as proton read launch metadata), or
+``GDN_DISPATCH_JIT_LAUNCH=1`` (read at call time) send every launch through ``fn[grid]``.
+Results are the same either way.
 """
 
 from __future__ import annotations
