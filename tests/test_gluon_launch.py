@@ -398,3 +398,18 @@ def test_direct_launches_match_triton_launches_on_the_gpu(lengths, monkeypatch):
     o = check(g_odd, 0)
     o_ref, _ = reference.forward(p)
     assert rel_rms_error(o, o_ref) <= 1e-2
+
+
+def test_a_c_launch_that_does_not_match_the_plan_is_not_used(setup, direct, monkeypatch):
+    """A C launch whose descriptor count differs from the plan's is not this plan's kernel:
+    the kept kernel launches through its Python launcher (TmaArgs) instead."""
+    launch, tensors, args = setup
+    c_calls = []
+    short = compat.RawLaunch(lambda *a: c_calls.append(a), ("fn-handle",) + (None,) * 8,
+                             [{}] * (len(launch.descriptors) - 1))
+    monkeypatch.setattr(compat, "raw_launch", lambda kernel: short)
+    fn = _Jit(wy._wy_fwd_kernel)
+    for _ in range(2):
+        _launch(fn, launch, tensors, args())
+    assert c_calls == [] and len(fn.compiled.calls) == 1
+    assert sum(isinstance(a, L.TmaArg) for a in fn.compiled.calls[0]) == len(launch.descriptors)

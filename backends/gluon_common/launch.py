@@ -232,6 +232,8 @@ class _Kept:
     def __init__(self, kernel, slots: _Slots, names: tuple):
         self.kernel = kernel
         self.raw = compat.raw_launch(kernel)
+        if self.raw is not None and len(self.raw.descriptor_meta) != len(slots.descs):
+            self.raw = None  # not the kernel the plan describes: let Triton's launcher expand it
         by_index = {i: d for i, d in slots.descs}
         if self.raw is None:
             self.template = list(slots.template)
