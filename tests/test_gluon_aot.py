@@ -88,6 +88,79 @@ def test_engine_probe_compiles(capability, BM, BN):
     assert report.shared_bytes <= SMEM_OPTIN[capability]
 
 
+@gluon.jit
+def _ws_probe_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, NT: gl.constexpr):
+    """Worker partition (one warp): TMA loads into a two-stage ring, each stage waited free."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    for i in range(NT):
+        s = i % 2
+        mbarrier.wait(empty.index(s), ((i // 2) & 1) ^ 1)  # a fresh ring's stages start free
+        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma_load(a_desc, [i * BM, 0], ready.index(s), a_ring.index(s))
+        tma_load(b_desc, [0, 0], ready.index(s), b_ring.index(s))
+
+
+@gluon.jit
+def _ws_probe_math(c_desc, a_ring, b_ring, ready, empty, mma_bar, ENGINE: gl.constexpr, NT: gl.constexpr):
+    """Default partition (one warpgroup): c = sum_i a_i b, each stage released after its MMA."""
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    acc = ENGINE.acc_alloc(BM, BN)
+    for i in range(NT):
+        s = i % 2
+        mbarrier.wait(ready.index(s), (i // 2) & 1)
+        acc = ENGINE.mma(a_ring.index(s), b_ring.index(s), acc, i > 0, mma_bar)
+        acc = ENGINE.mma_wait(acc, mma_bar, i & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    c_smem.store(ENGINE.acc_read(acc).to(c_desc.dtype))
+    fence_async_shared()
+    tma_store(c_desc, [0, 0], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_probe_kernel(a_desc, b_desc, c_desc, ENGINE: gl.constexpr, NT: gl.constexpr):
+    """A warp-specialized pipeline in the shape the fused kernels need: a TMA loader warp
+    feeding the matrix engine's warpgroup through a ring of mbarrier pairs."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [2, BM, BK], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [2, BK, BN], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mma_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(mma_bar, count=1)
+    gl.warp_specialize([(_ws_probe_math, (c_desc, a_ring, b_ring, ready, empty, mma_bar, ENGINE, NT)),
+                        (_ws_probe_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, NT))], [1], [24])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", [SM100, SM90], ids=["sm100a", "sm90a"])
+def test_warp_specialized_probe_compiles(capability):
+    """gl.warp_specialize with the engine's MMA in the default partition and a TMA loader
+    warp compiles for both targets: registers are split per partition (setmaxnreg), the
+    engine's instructions and the TMA copies are there, nothing spills."""
+    BM = BN = 64
+    layout = E.smem_layout([BM, BN], gl.bfloat16)
+    desc = f"tensordesc<bf16[{BM}, {BN}],{layout!r}>"
+    kernel = AotKernel(backend="probe", kernel="warp_specialized", specialization=f"M{BM}-N{BN}",
+                       fn=_ws_probe_kernel, signature={"a_desc": desc, "b_desc": desc, "c_desc": desc,
+                                                       "ENGINE": "constexpr", "NT": "constexpr"},
+                       constexprs={"ENGINE": (gluon_sm100 if capability == SM100 else gluon_sm90).ENGINE, "NT": 4},
+                       dialect="gluon")
+    report = compile_kernel(kernel, capability)
+    ptx = report.ptx
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
+    assert ("tcgen05.mma" if capability == SM100 else "wgmma.mma_async") in ptx
+    assert report.spill_bytes == 0
+    assert report.shared_bytes <= SMEM_OPTIN[capability]
+
+
 # ---------------------------------------------------------------------------------------
 # Every kernels_for_aot entry of both backends
 
