@@ -201,17 +201,15 @@ def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) 
     if chunks.uniform:
         max_len = q[1]
     elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0 and problem.context_parallel != "off":
-        max_len = chunks.longest
-        if max_len is None:  # a table built without it; a Python list, not torch ops on the CPU tensor
-            cu = chunks.cu_seqlens_host.tolist()
-            max_len = max(b - a for a, b in zip(cu, cu[1:]))
+        max_len = chunks.longest_length()
     return _plan_kept(problem.context_parallel, T_total, chunks.num_seqs, v[2], v[3], sm_count, max_len, tuning)
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
 def _plan_kept(request, T_total: int, N: int, HV: int, V: int, sm_count: int, max_len: int | None,
                tuning: CPTuning) -> CPPlan:
-    """:func:`plan_context_parallel`, memoized: a server's calls repeat their counts, and the
-    decision (with its reason string) costs several microseconds to form per call."""
+    """:func:`plan_context_parallel`, memoized: a call whose counts recur (a steady shape, a
+    bucketed batch) skips forming the decision and its reason string (~2.5 µs of ~4 on a
+    2-core CPU); a new count costs the cache insert (~0.5 µs)."""
     return plan_context_parallel(request, T_total=T_total, N=N, HV=HV, V=V, sm_count=sm_count, max_len=max_len,
                                  tuning=tuning)

@@ -536,9 +536,7 @@ def make_problem(
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")
     if backend is not None and backend not in _backend_name_set():
-        names = backend_names()
-        if backend not in names:
-            raise GDNInputError(f"backend: expected one of {names} or None, got {backend!r}")
+        raise GDNInputError(f"backend: expected one of {backend_names()} or None, got {backend!r}")
 
     return _new_problem(
         q=q, k=k, v=v, g=g, beta=beta, scale=float(scale),

@@ -51,10 +51,12 @@ class ChunkTable:
     cu_seqlens_host : int Tensor ``[N + 1]`` on the CPU, or None when the caller gave no host
         copy (nothing is read back to make one).
     uniform : bool, True when every sequence has the same length (no cu_seqlens given).
-    longest : int or None, the longest sequence's length, known on the host for a uniform
-        batch and with a host copy of the offsets, else None.
+    longest : int or None, the longest sequence's length as the builder read it from the
+        host offsets (a uniform batch's ``T``; the contract's check of ``cu_seqlens_cpu``),
+        else None. Read it through :meth:`longest_length`.
     aligned : bool or None, whether every offset is a multiple of ``C`` (no sequence ends
-        inside a chunk); None where the host does not know the offsets.
+        inside a chunk), as the builder read it, else None. Read it through
+        :meth:`chunk_aligned`.
     """
 
     num_seqs: int
@@ -65,6 +67,20 @@ class ChunkTable:
     uniform: bool
     longest: int | None = None
     aligned: bool | None = None
+
+    def longest_length(self) -> int | None:
+        """The longest sequence's length, or None when the host has no copy of the offsets."""
+        if self.longest is not None or self.cu_seqlens_host is None:
+            return self.longest
+        offsets = self.cu_seqlens_host.tolist()  # a Python list: this runs on a call's host path
+        return max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+
+    def chunk_aligned(self) -> bool | None:
+        """Whether every offset is a multiple of ``chunk_size``, or None when the host has no
+        copy of the offsets."""
+        if self.aligned is not None or self.cu_seqlens_host is None:
+            return self.aligned
+        return not any(offset % self.chunk_size for offset in self.cu_seqlens_host.tolist())
 
     def seq_bounds(self, n: int) -> tuple[int, int]:
         """Host-side ``(bos, eos)`` token offsets of sequence ``n`` (needs the host copy)."""
@@ -114,8 +130,8 @@ def build_chunk_table(
         depends only on ``B * T`` and ``N``.
     longest, aligned : the longest sequence's length and whether every offset is a
         multiple of ``chunk_size``, when the caller has read them from the host copy (the
-        contract's check does); else read here from ``cu_seqlens_host``. The planners read
-        both on every call.
+        contract's check does), kept on the table for the planners, which read them on every
+        call; else the table reads the host copy when asked.
 
     Nothing here launches device work for a varlen call, nor reads device memory.
     """
@@ -126,11 +142,7 @@ def build_chunk_table(
             return _uniform_table.__wrapped__(B, T, chunk_size, device)
         return _uniform_table(B, T, chunk_size, device)
     N = cu_seqlens.shape[0] - 1
-    if cu_seqlens_host is not None and (longest is None or aligned is None):
-        offsets = cu_seqlens_host.tolist()
-        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-        aligned = not any(offset % chunk_size for offset in offsets)
-    elif cu_seqlens_host is None:
+    if cu_seqlens_host is None:
         longest = aligned = None
     # ChunkTable(...) without the frozen dataclass's per-field object.__setattr__ (~2 µs per call).
     table = object.__new__(ChunkTable)

@@ -6,7 +6,7 @@ import torch
 from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import fused_projection_views, random_call
-from gdn_dispatch.varlen import slot_starts
+from gdn_dispatch.varlen import build_chunk_table, slot_starts
 
 
 def base_call(**over):
@@ -330,9 +330,15 @@ def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_hos
         chunks = make_problem(**call).chunks
         assert chunks.longest == max(lengths)
         assert chunks.aligned == all(length % 64 == 0 for length in lengths)
+        # A table built without them reads the host copy when asked.
+        unread = build_chunk_table(1, chunks.cu_seqlens_host[-1].item(), chunks.cu_seqlens, chunks.cu_seqlens_host,
+                                   64, chunks.cu_seqlens.device)
+        assert unread.longest is None and unread.aligned is None
+        assert (unread.longest_length(), unread.chunk_aligned()) == (chunks.longest, chunks.aligned)
         call.pop("cu_seqlens_cpu")
         chunks = make_problem(**call).chunks  # no host copy: unknown, never read back
         assert chunks.longest is None and chunks.aligned is None
+        assert chunks.longest_length() is None and chunks.chunk_aligned() is None
     uniform = make_problem(**random_call(batch=(2, 100), H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
     assert uniform.longest == 100 and uniform.aligned is False
 

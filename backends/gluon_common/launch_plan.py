@@ -377,8 +377,8 @@ def chunks_have_tails(chunks: ChunkTable, T: int) -> bool:
         return T % CHUNK_SIZE != 0
     if chunks.cu_seqlens_host is None:
         return True
-    if chunks.aligned is not None and chunks.chunk_size == CHUNK_SIZE:
-        return not chunks.aligned
+    if chunks.chunk_size == CHUNK_SIZE:
+        return not chunks.chunk_aligned()
     return any(offset % CHUNK_SIZE for offset in chunks.cu_seqlens_host.tolist())
 
 
