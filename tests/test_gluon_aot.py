@@ -172,8 +172,16 @@ def _entries(module, capability):
 PLAIN_KERNELS = {"qk_rnorm_fwd"}
 
 
+#: Spill bytes a kernel may show, by name (others: none). gluon_sm90's warp-specialized
+#: kernel: ptxas keeps a few scalars (loop bounds, ring offsets) in local memory around
+#: the partitions' register reallocation (setmaxnreg), 40-250 bytes by specialization;
+#: its chunk loop's speed is measured on the H200 instead (benchmarks/RESULTS.md).
+SPILL_BYTES_ALLOWED = {"fused_fwd": 256}
+
+
 def _check_common(report, capability):
-    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
+    allowed = SPILL_BYTES_ALLOWED.get(report.kernel.kernel, 0)
+    assert report.spill_bytes <= allowed, f"{report.spill_bytes} bytes of spills (at most {allowed})"
     assert report.shared_bytes <= SMEM_OPTIN[capability], f"{report.shared_bytes} B of shared memory"
     ptx = report.ptx
     if report.kernel.kernel in PLAIN_KERNELS:
@@ -209,12 +217,20 @@ def test_gluon_sm90_kernel_compiles(kernel):
         return
     assert "wgmma.mma_async" in report.ptx
     assert "tcgen05" not in report.ptx
+    if kernel.kernel == "fused_fwd":
+        # Two partitions with their own register budgets: the aux warpgroup's, the
+        # state's (the rest), and the 64-row register operand of the chain's MMAs.
+        budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+        assert {120, 192} <= budgets, budgets
+        assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
 
 
 def test_kernel_lists_cover_both_layouts_and_tails():
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
         kernels = module.kernels_for_aot(cap)
-        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd"}  # what forward launches
+        # What the forward launches; on sm_90a also the warp-specialized path.
+        extra = {"wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
+        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd"} | extra
         norms = [k for k in kernels if k.kernel == "qk_rnorm_fwd"]
         assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {
             (K, f"*{d}") for K in (64, 128) for d in ("bf16", "fp16")}

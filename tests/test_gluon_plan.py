@@ -82,9 +82,11 @@ def test_state_plan_flags(h0, ht, l2):
 
 def test_plan_follows_the_device_sm_count():
     p = _problem(batch=(8, 64), H=16, HV=64)  # N * HV = 512 (sequence, v-head) pairs
-    few = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=8))
+    # The two-launch pipeline's V-block (the warp-specialized path would take these calls).
+    few = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=8), fused=False)
     assert few.stage("state_output_fwd").blocks["BV"] == 128  # the fewest waves (K = 128)
-    many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=4096))
+    many = plan(p, SM90, device=assumed_device("sm_90").__class__(kind="cuda", capability=SM90, sm_count=4096),
+                fused=False)
     # Every narrow program fits at once: the narrowest block.
     assert many.stage("state_output_fwd").blocks["BV"] == 32 and many.stage("state_output_fwd").num_warps == 4
 
@@ -180,26 +182,31 @@ def test_plan_cache_keys_every_planned_input():
     # The SM count sizes blocks, so it is part of the key.
     p = _problem(batch=(8, 64), H=16, HV=64)
     info = assumed_device("sm_90")
-    few = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=8))
-    many = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=4096))
+    few = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=8), fused=False)
+    many = plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=4096), fused=False)
     assert few.stage("state_output_fwd").blocks["BV"] != many.stage("state_output_fwd").blocks["BV"]
+    # ... and whether the warp-specialized path is taken (sm_90a: N * HV against the SMs).
+    assert plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=8)).fused
+    assert not plan(p, device=info.__class__(kind="cuda", capability=SM90, sm_count=4096)).fused
 
 
 @pytest.mark.parametrize("capability", [SM90, SM100], ids=["sm90", "sm100"])
 def test_calls_of_any_length_share_the_plans_of_their_class(capability):
     """Token and sequence counts are not in the key: calls of one class with other lengths,
     other sequence counts, or uniform (with tails) share its plans, each seen with its own
-    counts (grids, descriptor rows); only the fused kernel's configuration follows N."""
+    counts (grids, descriptor rows); only the fused kernel's configuration follows N (and,
+    on sm_90a, whether the warp-specialized path runs: the 40-sequence call takes it)."""
     clear_plan_cache()
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
     shapes = [dict(lengths=[5, 70]), dict(lengths=[1, 63, 64, 65, 130, 0]), dict(lengths=[3000]),
               dict(batch=(3, 100)), dict(lengths=[17] * 40)]
     problems = [_problem(**shape, H=2, HV=4) for shape in shapes]
-    plans = [plan(p, capability) for p in problems]
+    plans = [plan(p, capability, fused=False) for p in problems]
     assert PLAN_COUNTS["computed"] == 1 and PLAN_COUNTS["hits"] == len(shapes) - 1
     assert all(fp.cls is plans[0].cls for fp in plans)
+    assert plan(problems[-1], capability).fused == (capability == SM90)
     for shape, p, fp in zip(shapes, problems, plans):
-        assert fp == compute_plan(p, device), shape
+        assert fp == compute_plan(p, device, fused=False), shape
         rows = p.B * p.T
         wy = fp.stage("wy_fwd")
         assert wy.grid == ((rows // 64 + p.N) * 4,) and wy.shared is fp.launches[0]

@@ -18,6 +18,14 @@ host functions. w, u and g_cum are per chunk and segments start on chunk boundar
 sequence, so one wy launch serves both passes (pass 1 reads them as triton_generic's own:
 the same ``[B, T, HV, *]`` rows, g_cum chunk-local in log2 units).
 
+Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
+:mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
+l2 norm, no context parallelism, enough (sequence, v-head) programs to fill the SMs),
+the call is instead::
+
+    t_tiles, g_cum = wy_t_fwd(k, g, beta)                 # the chunk inverses only
+    o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum)   # everything else
+
 The launching backend hands down the device the registry chose and its matrix engine
 (tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.
 Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm: wy reduces
@@ -52,6 +60,7 @@ from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+from gdn_dispatch.backends.gluon_common.wy_t import wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
 from gdn_dispatch.backends.triton_generic.segment_scan import segment_table_fwd
 
@@ -79,9 +88,12 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         with torch.cuda.device(problem.device):
             return forward(problem, device, engine=engine)
     problem = tma_readable(problem)
-    launches = plan(problem, device=device, engine=engine)
     cp = plan_for_problem(problem, device.sm_count)
+    launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     chunks = problem.chunks
+    if launches.fused:
+        t_tiles, g_cum = wy_t_fwd(problem.k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
+        return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"))
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     if cp.enabled:
@@ -147,7 +159,7 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     # takes per-v-head ones.
     seg_h0, final_state = segment_start_states(problem, cp, seg_cu, g_cum, w, u)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
-    launch = plan(segments, device=device, engine=engine).stage("state_output_fwd")
+    launch = plan(segments, device=device, engine=engine, fused=False).stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
                             initial_state=seg_h0, rnorm=rnorm)
     return o, final_state
@@ -226,6 +238,8 @@ class CallPlan:
     def kernels(self) -> tuple[str, ...]:
         """The launches, in order: Gluon stages by their plan's kernel name, the
         plain-Triton segment kernels as ``segment_table``, ``segment_map``, ``segment_scan``."""
+        if self.launches.fused:
+            return tuple(s.kernel for s in self.launches.stages)
         front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
         if self.segments is None:
             return front + ("state_output_fwd",)
@@ -233,8 +247,10 @@ class CallPlan:
 
     @property
     def state_output(self):
-        """The LaunchPlan of the fused kernel that runs (pass 2's when segmented)."""
-        return (self.segments or self.launches).stage("state_output_fwd")
+        """The LaunchPlan of the kernel that runs the recurrence (pass 2's when
+        segmented; the warp-specialized kernel's on that path)."""
+        launches = self.segments or self.launches
+        return launches.stage("fused_fwd" if launches.fused else "state_output_fwd")
 
 
 def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPlan:
@@ -248,11 +264,11 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     device : DeviceInfo the launches are sized for (its SM count decides "auto").
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
-    launches = plan(problem, device=device, engine=engine)
     cp = plan_for_problem(problem, device.sm_count)
+    launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     if not cp.enabled:
         return CallPlan(context_parallel=cp, launches=launches, segments=None)
     seg_cu = torch.empty(cp.num_segments + 1, dtype=problem.chunks.cu_seqlens.dtype, device="meta")
     seg_h0 = torch.empty(cp.num_segments, problem.HV, problem.K, problem.V, dtype=torch.float32, device="meta")
-    segments = plan(segment_problem(problem, cp, seg_cu, seg_h0), device=device, engine=engine)
+    segments = plan(segment_problem(problem, cp, seg_cu, seg_h0), device=device, engine=engine, fused=False)
     return CallPlan(context_parallel=cp, launches=launches, segments=segments)

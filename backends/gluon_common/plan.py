@@ -21,6 +21,7 @@ a plan and its dicts as read-only.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm
 from gdn_dispatch.backends.gluon_common.state_output import (
     plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
+from gdn_dispatch.backends.gluon_common.wy_t import plan_wy_t
 
 
 class ForwardPlan:
@@ -62,6 +64,11 @@ class ForwardPlan:
     @property
     def has_tails(self) -> bool:
         return self.cls.has_tails
+
+    @property
+    def fused(self) -> bool:
+        """Whether the call runs the warp-specialized path (wy_t_fwd, fused_fwd)."""
+        return self.launches[-1].kernel == "fused_fwd"
 
     @property
     def stages(self) -> tuple[BoundLaunch, ...]:
@@ -99,6 +106,10 @@ class ClassPlan:
     sm_count, smem_per_block : the device figures the fused kernel's V-block is chosen on.
     front : the launches before the fused kernel (wy, and the norms with the qk l2 norm).
     state_outputs : the fused kernel's plan per configuration (BV, warps) it may run in.
+    fused : the warp-specialized path's launches (wy_t, fused) where the engine offers one
+        and the class can run it (``engine.fused.fused_reason``), else None.
+    fused_min_programs : the ``N * HV`` from which a call takes ``fused``
+        (``engine.fused.MIN_SM_SHARE`` of the SMs).
     """
 
     capability: tuple[int, int]
@@ -114,29 +125,36 @@ class ClassPlan:
     smem_per_block: int
     front: tuple[LaunchPlan, ...]
     state_outputs: dict
-    #: ForwardPlans by (B * T, N), filled on use (bounded by COUNTS_KEPT).
+    fused: tuple[LaunchPlan, ...] | None = None
+    fused_min_programs: int = 0
+    #: ForwardPlans by (B * T, N, fused allowed), filled on use (bounded by COUNTS_KEPT).
     by_counts: dict = field(default_factory=dict, repr=False)
 
     @property
     def flags(self) -> tuple:
         return (self.capability, self.is_sm100, self.state_layout, self.has_tails)
 
-    def launches_for(self, num_seqs: int) -> tuple[LaunchPlan, ...]:
-        """The launches of a call of ``num_seqs`` sequences (the front, then the fused
-        kernel in the configuration :func:`.state_output.state_output_config` picks)."""
+    def launches_for(self, num_seqs: int, fused: bool = True) -> tuple[LaunchPlan, ...]:
+        """The launches of a call of ``num_seqs`` sequences: the warp-specialized path
+        where the class has one, ``fused`` allows it and the call's programs fill the SMs
+        (:attr:`fused_min_programs`); else the front, then the fused kernel in the
+        configuration :func:`.state_output.state_output_config` picks."""
+        if fused and self.fused is not None and num_seqs * self.HV >= self.fused_min_programs:
+            return self.fused
         config = state_output_config(self.K, self.V, num_seqs * self.HV, self.sm_count, self.elem,
                                      smem_per_block=self.smem_per_block)
         return (*self.front, self.state_outputs[config])
 
-    def for_call(self, rows: int, num_seqs: int) -> ForwardPlan:
+    def for_call(self, rows: int, num_seqs: int, fused: bool = True) -> ForwardPlan:
         """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences
-        (memoized per counts, bounded: calls with the same counts get the same object)."""
-        counts = (rows, num_seqs)
+        (memoized per counts, bounded: calls with the same counts get the same object);
+        ``fused=False`` keeps it on the two-launch pipeline (context parallelism's passes)."""
+        counts = (rows, num_seqs, fused)
         fp = self.by_counts.get(counts)
         if fp is None:
             if len(self.by_counts) >= COUNTS_KEPT:
                 self.by_counts.clear()
-            fp = self.by_counts[counts] = ForwardPlan(self, self.launches_for(num_seqs), rows, num_seqs)
+            fp = self.by_counts[counts] = ForwardPlan(self, self.launches_for(num_seqs, fused), rows, num_seqs)
         return fp
 
 
@@ -179,7 +197,7 @@ def clear_plan_cache() -> None:
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,
-         *, engine=None) -> ForwardPlan:
+         *, engine=None, fused: bool = True) -> ForwardPlan:
     """Dry run of the Gluon forward for ``problem``.
 
     The launch plans are memoized per call class (:func:`plan_key`): every call of a class
@@ -194,11 +212,12 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
         the probed device of the problem's tensors. The forward passes the registry's.
     engine : the matrix engine, as the launching backend passes it (its ``ENGINE``);
         None takes the one registry.toml's Gluon row admits on the device (dry runs).
+    fused : allow the engine's warp-specialized path (False: the two-launch pipeline).
 
     Returns
     -------
-    ForwardPlan with the forward's Gluon launches (wy_fwd, [qk_rnorm_fwd,]
-    state_output_fwd), in order, for this call's ``B * T`` and ``N``.
+    ForwardPlan with the forward's Gluon launches, in order, for this call's ``B * T`` and
+    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or wy_t_fwd, fused_fwd.
     """
     if device is None:
         if capability is not None:
@@ -219,7 +238,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     else:
         PLAN_COUNTS["hits"] += 1
     q = problem.q.shape
-    return cls.for_call(q[0] * q[1], problem.chunks.num_seqs)
+    return cls.for_call(q[0] * q[1], problem.chunks.num_seqs, fused)
 
 
 def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ClassPlan:
@@ -236,14 +255,20 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     state_outputs = {config: plan_state_output(problem, device, block_v=config[0], num_warps=config[1],
                                                engine=engine).shared
                      for config in state_output_configs(problem.K, problem.V)}
+    fused, fused_min_programs = None, 0
+    fused_path = getattr(engine, "fused", None)
+    if fused_path is not None and fused_path.fused_reason(problem) is None:
+        fused = (plan_wy_t(problem, device, engine=engine).shared,
+                 fused_path.plan_fused(problem, device, engine=engine).shared)
+        fused_min_programs = math.ceil(fused_path.MIN_SM_SHARE * device.sm_count)
     return ClassPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100,
                      state_layout=problem.state_layout, has_tails=has_tails(problem), H=problem.H, HV=problem.HV,
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
-                     state_outputs=state_outputs)
+                     state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs)
 
 
-def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ForwardPlan:
+def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None, fused: bool = True) -> ForwardPlan:
     """:func:`plan` without the cache: the call class planned anew, seen with ``problem``'s counts."""
     q = problem.q.shape
-    return compute_class_plan(problem, device, engine=engine).for_call(q[0] * q[1], problem.chunks.num_seqs)
+    return compute_class_plan(problem, device, engine=engine).for_call(q[0] * q[1], problem.chunks.num_seqs, fused)

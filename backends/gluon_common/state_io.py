@@ -80,11 +80,12 @@ def _block_base(h0, block, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def state_in(h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-             STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, layout: gl.constexpr):
+             STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, layout: gl.constexpr, OUT_VK: gl.constexpr = False):
     """The [K, BV] tile (columns ``i_v * BV ...``) of block ``block`` (:func:`state_block`)
     of the initial states or pool ``h0`` (fp32 or bf16 in memory) as fp32 in ``layout``,
     staged through the idle ``ring``; zeros for block -1 (pools only). "vk" tiles are read
-    coalesced as [BV, K] and read back through a transposed view (no transpose kernel)."""
+    coalesced as [BV, K] and read back through a transposed view (no transpose kernel).
+    ``OUT_VK`` returns the tile transposed, [BV, K] (a kernel holding the state as S^T)."""
     base, limit = _block_base(h0, block, K, V)
     if STATE_VK:
         io_vk: gl.constexpr = _io_layout(BV, K, gl.num_warps())
@@ -99,7 +100,7 @@ def state_in(h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.cons
     else:
         x = gl.load(base + offs)
     stage.store(x.to(gl.float32))
-    if STATE_VK:
+    if STATE_VK != OUT_VK:
         s = stage.permute((1, 0)).load(layout)
     else:
         s = stage.load(layout)
@@ -108,20 +109,27 @@ def state_in(h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.cons
 
 @gluon.jit
 def state_out(ht, i_nh, h0, block, i_v, s, ring, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-              STATE_VK: gl.constexpr, STORE_HT: gl.constexpr, INPLACE: gl.constexpr):
+              STATE_VK: gl.constexpr, STORE_HT: gl.constexpr, INPLACE: gl.constexpr, IN_VK: gl.constexpr = False):
     """Write the fp32 [K, BV] register tile ``s`` in the state layout, staged through the
     idle ``ring`` (the mirror of :func:`state_in`): to block ``i_nh`` (sequence * HV +
     v-head) of the float32 final state ``ht`` with ``STORE_HT``, and back to block
-    ``block`` of the pool ``h0``, in the pool's dtype, with ``INPLACE`` (not for block -1)."""
+    ``block`` of the pool ``h0``, in the pool's dtype, with ``INPLACE`` (not for block -1).
+    ``IN_VK``: ``s`` is the tile transposed, [BV, K]."""
     if STATE_VK:
         stage = _staging(ring, BV, K)
-        stage.permute((1, 0)).store(s)
+        if IN_VK:
+            stage.store(s)
+        else:
+            stage.permute((1, 0)).store(s)
         io_vk: gl.constexpr = _io_layout(BV, K, gl.num_warps())
         offs = _tile_offsets(BV, K, K, i_v * BV, 0, io_vk)
         x = stage.load(io_vk)
     else:
         stage = _staging(ring, K, BV)
-        stage.store(s)
+        if IN_VK:
+            stage.permute((1, 0)).store(s)
+        else:
+            stage.store(s)
         io_kv: gl.constexpr = _io_layout(K, BV, gl.num_warps())
         offs = _tile_offsets(K, BV, V, 0, i_v * BV, io_kv)
         x = stage.load(io_kv)

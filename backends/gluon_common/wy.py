@@ -145,7 +145,7 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, ENGINE: gl.constexpr):
 
 
 @gluon.jit
-def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.constexpr):
+def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.constexpr, pin=0):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile: :func:`_unit_lower_inverse`'s
     blocks, with the left operand of every product in registers (``lhs_smem`` stages it on
     sm_100a only) and the right one either ``a`` (stored once) or ``x`` (once per level).
@@ -154,10 +154,15 @@ def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.conste
     exactly (a select drops the rest), and on the 4 x 4 diagonal blocks ``(d a) = d^2``:
     every product reads the same stored ``a``. Both operands go in the k order of
     :func:`E.tf32_lhs_order`, where a product's result is already a left operand.
+
+    ``pin``: 0, added to the row indices. Inside a loop over chunks, pass a zero the
+    compiler cannot prove (one computed from a loop value): the block masks are then
+    rebuilt per chunk instead of hoisted out of the loop, where their predicates would
+    stay live across it (they took the registers of a warp-specialized partition).
     """
     BT: gl.constexpr = a.shape[0]
     layout: gl.constexpr = a.type.layout
-    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)), 1)
+    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)) + pin, 1)
     j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
     acc = ENGINE.acc_alloc_tf32(BT, BT)
     a_smem.store(E.tf32_rhs_order(a))

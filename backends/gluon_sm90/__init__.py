@@ -7,7 +7,10 @@ The pipeline kernels, their orchestrator and launch plans live in
 :mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm100 (tcgen05 + TMEM on
 Blackwell); this package holds the Hopper matrix engine (:mod:`.engine`: wgmma with
 register accumulators, masked stores for partial chunks), hands it to the kernels as
-their ``ENGINE`` constexpr, and hands them the device the registry chose.
+their ``ENGINE`` constexpr, and hands them the device the registry chose. It also holds
+the Hopper-only warp-specialized path (:mod:`.fused`: the state held transposed in
+registers as wgmma's left operand), which the shared planner takes for calls whose
+(sequence, v-head) programs fill the SMs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common.wy_t import wy_t_kernels_for_aot
+from gdn_dispatch.backends.gluon_sm90 import fused as _fused_path
 from gdn_dispatch.backends.gluon_sm90.engine import WGMMA
 
 if TYPE_CHECKING:
@@ -33,6 +38,9 @@ BACKEND = "gluon_sm90"
 CAPABILITIES = ((9, 0),)
 #: The matrix engine this backend hands the shared pipeline kernels (their ``ENGINE``).
 ENGINE = WGMMA
+#: Its warp-specialized path (:mod:`.fused`), which the shared planner offers on this
+#: engine: one T launch, then one kernel for the recurrence and the output.
+ENGINE.fused = _fused_path
 
 
 def forward(problem: GDNProblem, selection: Selection | None = None):
@@ -52,5 +60,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
 
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
-    """Every Gluon kernel specialization of the backend, for sm_90a."""
-    return backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)
+    """Every Gluon kernel specialization of the backend, for sm_90a: the shared pipeline's
+    and the warp-specialized path's (the T kernel and the fused kernel)."""
+    return (backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)
+            + wy_t_kernels_for_aot(tuple(capability or CAPABILITIES[0]), BACKEND, engine=ENGINE)
+            + _fused_path.fused_kernels_for_aot(tuple(capability or CAPABILITIES[0]), BACKEND, engine=ENGINE))

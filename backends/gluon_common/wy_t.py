@@ -1,0 +1,186 @@
+"""The chunk inverses alone: per (chunk, v-head) the two scaled T tiles the fused kernel
+multiplies k and v by, and the gates' chunk-local cumsum.
+
+    A   = strictly-lower(beta_i r_i r_j (k_i . k_j) 2^(g_i - g_j))      [64, 64]
+    T   = (I + A)^-1
+    T_w = T diag(beta 2^g r)          T_u = T diag(beta)                  (q's dtype)
+
+(:mod:`.wy` forms the same T and goes on to ``w = T_w k``, ``u = T_u v``.) The fused
+kernel then needs 16 KB per chunk and head from here instead of w and u (32 KB each at
+K = V = 128): the inverse is a chain of ten dependent products, which many small programs
+per SM run side by side here, while the fused kernel's one aux warpgroup per SM would
+take them one chunk at a time.
+
+Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
+(:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
+and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u. Idle slots are not
+written. Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.varlen import ChunkTable
+
+from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
+    tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common.masks import chunk_rows
+from gdn_dispatch.backends.gluon_common.wy import (
+    _alias, _chunk_a, _chunk_gates, _f32_layout, _unit_lower_inverse_regs, wy_chunks)
+
+
+@gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
+def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
+                     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+    BT: gl.constexpr = k_desc.block_type.shape[0]
+    K: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    # (chunk slot, v-head), v-head fastest: programs sharing a k head run side by side.
+    pid = gl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    row0, n_valid = chunk_rows(cu_seqlens, N, i_c, BT, HAS_TAILS)
+    if n_valid <= 0:
+        return
+
+    k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
+    a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+    x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+    if ENGINE.IS_SM100:
+        lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+    else:
+        lhs_smem = a_smem
+    # The scaled T tiles reuse the inverse's operand bytes (free once it is done).
+    t_layout: gl.constexpr = t_desc.layout
+    tw_smem = _alias(a_smem, dtype, t_layout)
+    tu_smem = _alias(x_smem, dtype, t_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bars.index(i), count=1)
+
+    mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
+    mbarrier.wait(bars.index(0), 0)
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, bars.index(1))
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, bars.index(1), 0))
+    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+    # The scales wait out the inverse in one register each, not 16.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    w_scale = gl.convert_layout(w_scale, flat)
+    u_scale = gl.convert_layout(u_scale, flat)
+    t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bars.index(2), ENGINE)
+    cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
+    tw_smem.store((t * gl.expand_dims(gl.convert_layout(w_scale, cols), 0)).to(dtype))
+    tu_smem.store((t * gl.expand_dims(gl.convert_layout(u_scale, cols), 0)).to(dtype))
+    # The TMA stores read the tiles through the async proxy.
+    fence_async_shared()
+    base = (i_c * HV + i_h) * (2 * BT)
+    tma_store(t_desc, [base, 0], tw_smem)
+    tma_store(t_desc, [base + BT, 0], tu_smem)
+    tma.store_wait(0)
+    for i in gl.static_range(3):
+        mbarrier.invalidate(bars.index(i))
+
+
+def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
+    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
+    return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
+
+
+#: Register cap of the sm_90a launch (as the w/u kernel's: three programs per SM).
+WY_T_MAXNREG_SM90 = 168
+
+
+def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
+    """Launch plan of :func:`wy_t_fwd` for ``problem`` (a dry run: no GPU, no tensor read):
+    one program per (chunk slot, v-head), v-head fastest; 4 warps."""
+    info = as_device(device)
+    engine = resolve_engine(info, engine)
+    tails = has_tails(problem)
+    H, HV, K = problem.H, problem.HV, problem.K
+    BT = CHUNK_SIZE
+    dtype = problem.dtype
+    launch = LaunchPlan(
+        kernel="wy_t_fwd",
+        grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
+        num_warps=NUM_WARPS,
+        blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + 2 * BT * BT * 4},
+        constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine},
+        descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+                     tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
+        scalars={"HV": HV, "GROUP": HV // H},
+        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: T_w, T_u only",
+        maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
+    )
+    return launch.bind(problem.B * problem.T, problem.N)
+
+
+def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: ChunkTable,
+             launch: LaunchPlan | BoundLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled chunk inverses and the gates' chunk-local cumsum (one launch).
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place.
+    g, beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows.
+    chunks : ChunkTable of the call.
+    launch : the call class's :func:`plan_wy_t` plan.
+
+    Returns
+    -------
+    t_tiles : Tensor ``[slots * HV * 128, 64]`` in k's dtype (module docstring).
+    g_cum : float32 Tensor ``[B, T, HV]``: ``log2(e)`` times the chunk-local inclusive
+        cumsum of g (rows of every sequence written).
+    """
+    B, T, H, K = k.shape
+    launch = launch.shared
+    HV = launch.scalars["HV"]
+    tails = launch.constexprs["HAS_TAILS"]
+    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails), CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    if B * T == 0 or HV == 0:
+        return t_tiles, g_cum
+    launch_planned(_wy_t_fwd_kernel, launch, {"k": k, "t": t_tiles}, dict(
+        g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
+        HV=HV, GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
+    ), rows=B * T, num_seqs=chunks.num_seqs)
+    return t_tiles, g_cum
+
+
+def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -> list:
+    """Every specialization :func:`wy_t_fwd` launches with the fused kernel of ``backend``:
+    K = 128, bf16/fp16, tails or not, (g, beta) in (fp32, fp32), (fp32, q's dtype) or
+    (q's dtype, q's dtype), int32 cu_seqlens; then bf16 with int64 cu_seqlens."""
+    from gdn_dispatch.aot import AotKernel
+    from gdn_dispatch.backends.gluon_common.wy import aot_problem
+
+    device = as_device(capability)
+    cases = [(dtype, g_dtype, beta_dtype, torch.int32) for dtype in (torch.bfloat16, torch.float16)
+             for g_dtype, beta_dtype in ((torch.float32, torch.float32), (torch.float32, dtype), (dtype, dtype))]
+    cases.append((torch.bfloat16, torch.float32, torch.float32, torch.int64))
+    kernels = []
+    for dtype, g_dtype, beta_dtype, cu_dtype in cases:
+        for tails in (False, True):
+            launch = plan_wy_t(aot_problem(128, 128, dtype, tails, False), device, engine=engine)
+            sig = {d.arg: d.signature for d in launch.descriptors}
+            sig.update(g="*" + sig_dtype(g_dtype), g_cum="*fp32", beta="*" + sig_dtype(beta_dtype),
+                       cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
+            sig.update({name: "constexpr" for name in launch.constexprs})
+            tag = (f"K128-{'varlen' if tails else 'dense'}-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}"
+                   f"-beta{sig_dtype(beta_dtype)}{'-cu64' if cu_dtype == torch.int64 else ''}")
+            kernels.append(AotKernel(
+                backend=backend, kernel="wy_t_fwd", specialization=tag, fn=_wy_t_fwd_kernel,
+                signature={name: sig[name] for name in arg_names(_wy_t_fwd_kernel)},
+                constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
+                maxnreg=launch.maxnreg,
+                attrs=pointer_attrs(_wy_t_fwd_kernel, ["g", "g_cum", "beta", "cu_seqlens"])))
+    return kernels

@@ -1,0 +1,455 @@
+"""The recurrence and the output in one warp-specialized launch on Hopper (sm_90a), fed
+by the chunk inverses of :mod:`..gluon_common.wy_t`: w, u, the causal scores and the gate
+vectors are formed on chip, one chunk ahead of the serial chain, and never leave the SM.
+
+Two launches per call::
+
+    t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_w, T_u per (chunk, v-head)
+    o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
+
+One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
+partitions that share the program's shared memory through mbarrier rings:
+
+* **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
+  ``u^T = (T_u v)^T`` [V, 64], the causal scores ``scale q k^T 2^(g_i - g_j)`` [64, 64]
+  and three gate vectors, into a two-slot ring; it also loads v (one slot) and the T
+  tiles (two slots) itself.
+* **state** (two warpgroups, the default partition): the serial chain. The state is held
+  transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
+  of the chain takes a register operand on the left and nothing of the chain goes through
+  shared memory::
+
+      P^T = S^T w^T                                         (bf16 S^T from registers)
+      v_new^T = u^T - P^T
+      S^T = 2^g_last S^T + (v_new^T 2^(g_last - g)) k       (rows past the end: 0)
+      O^T = scale 2^g (S_old^T q^T) + v_new^T scores^T ;  o = (O^T)^T  (TMA store)
+
+  It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
+
+Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
+and the v slot (phase ``t & 1``). "empty" barriers are waited with the opposite phase (a
+fresh barrier's previous phase counts as complete), so the first use of a slot does not
+wait. A partition of several warps joins its warps (a barrier within the partition)
+before its one elected arrive or TMA issue, so every warp's reads and writes precede it.
+
+Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
+:data:`AUX_REGS` and the state's two get the rest (184): the state tile is 64 per thread,
+and w/u are formed in [64, 64] halves so that the aux accumulators stay at 32.
+
+What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs those
+calls): the fused q/k l2 norm, context-parallel segments, K or V other than 128, and
+sm_100a (tcgen05 takes no register operand: its twin would keep ``S^T`` in TMEM).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
+from gdn_dispatch.backends.gluon_common.masks import causal_gate, store_chunk_tile
+from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, walk_program
+from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
+from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
+
+#: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
+STATE_WARPS = 8
+AUX_WARPS = gl.constexpr(4)
+#: Registers per thread asked for the aux partition; the state partition gets the rest
+#: of the register file (65536 / 12 warps = 168 at launch, then 136 aux / 184 state).
+AUX_REGS = gl.constexpr(120)
+
+
+# ----------------------------------------------------------------------------------------
+# Partitions
+
+
+@gluon.jit
+def _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row, col_k):
+    """TMA loads of one chunk's k and q tiles into k/q slot ``s``."""
+    mbarrier.expect(kq_ready.index(s), 2 * k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, col_k], kq_ready.index(s), kq_ring.index(2 * s))
+    tma_load(q_desc, [row, col_k], kq_ready.index(s), kq_ring.index(2 * s + 1))
+
+
+@gluon.jit
+def _load_v(v_desc, v_smem, v_ready, row, col_v):
+    mbarrier.expect(v_ready, v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, col_v], v_ready, v_smem)
+
+
+@gluon.jit
+def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
+    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``) into T slot ``s``."""
+    BT: gl.constexpr = t_desc.block_type.shape[0]
+    base = (slot * HV + i_h) * (2 * BT)
+    mbarrier.expect(t_ready.index(s), 2 * t_desc.block_type.nbytes)
+    tma_load(t_desc, [base, 0], t_ready.index(s), t_ring.index(2 * s))
+    tma_load(t_desc, [base + BT, 0], t_ready.index(s), t_ring.index(2 * s + 1))
+
+
+@gluon.jit
+def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
+         kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+         g_cum, scale, HV, i_h, bos, eos, NT, slot0, col_v):
+    BT: gl.constexpr = kq_ring.shape[1]
+    K: gl.constexpr = kq_ring.shape[2]
+    BV: gl.constexpr = v_smem.shape[1]
+    dtype: gl.constexpr = kq_ring.dtype
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
+    rows: gl.constexpr = gl.SliceLayout(1, acc_bt)
+    # The gate rows in every warp (two per lane): their conversions stay within a warp.
+    gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
+    for t in range(NT):
+        s = t % 2
+        row = bos + t * BT
+        n_valid = eos - row
+        mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
+        k_tile = kq_ring.index(2 * s)
+        q_tile = kq_ring.index(2 * s + 1)
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                           use_acc=False, is_async=True)
+        g_row = b_g
+        g_end = g_last
+        if t + 1 < NT:
+            # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
+            _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
+        # The next chunk's gate rows, loaded while this one is formed.
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
+        # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
+        mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
+        # The gate vectors: the state update's 2^(g_last - g) (0 past the end), o's scale
+        # scale 2^g, and the chunk decay 2^g_last (in every element).
+        r = gl.arange(0, BT, layout=gate_layout)
+        gate_ring.index(3 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0))
+        gate_ring.index(3 * s + 1).store(gl.exp2(g_row) * scale)
+        gate_ring.index(3 * s + 2).store(gl.full([BT], 0.0, gl.float32, gate_layout) + gl.exp2(g_end))
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        s_ring.index(s).store((causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols))
+                               * scale).to(dtype))
+        # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
+        HALF: gl.constexpr = BT
+        acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
+        mbarrier.wait(t_ready.index(s), (t // 2) & 1)
+        tw = t_ring.index(2 * s)
+        tu = t_ring.index(2 * s + 1)
+        w0 = warpgroup_mma(tw, k_tile.slice(0, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
+                           use_acc=False, is_async=True)
+        w1 = warpgroup_mma(tw, k_tile.slice(HALF, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
+                           use_acc=False, is_async=True)
+        w0, w1 = warpgroup_mma_wait(0, deps=(w0, w1))
+        w_ring.index(s).slice(0, HALF, dim=1).store(w0.to(dtype))
+        w_ring.index(s).slice(HALF, HALF, dim=1).store(w1.to(dtype))
+        # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
+        mbarrier.wait(v_ready, t & 1)
+        u0 = warpgroup_mma(v_smem.slice(0, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
+                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
+        u1 = warpgroup_mma(v_smem.slice(HALF, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
+                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
+        u0, u1 = warpgroup_mma_wait(0, deps=(u0, u1))
+        u_ring.index(s).slice(0, HALF, dim=0).store(u0.to(dtype))
+        u_ring.index(s).slice(HALF, HALF, dim=0).store(u1.to(dtype))
+        fence_async_shared()
+        # Every warp's reads of k, q, v and writes of the slot precede the releases and
+        # the refill of v (v is only read here: its one slot needs no "empty" barrier).
+        thread_barrier()
+        if t + 1 < NT:
+            _load_v(v_desc, v_smem, v_ready, row + BT, col_v)
+        mbarrier.arrive(kq_empty.index(s), count=1)
+        mbarrier.arrive(wu_ready.index(s), count=1)
+
+
+@gluon.jit
+def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
+           wu_empty, o_desc, o_ptr, row_stride, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
+           ENGINE: gl.constexpr):
+    """The serial chain (module docstring); returns the final S^T."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    K: gl.constexpr = kq_ring.shape[2]
+    BV: gl.constexpr = o_smem.shape[1]
+    dtype: gl.constexpr = kq_ring.dtype
+    nw: gl.constexpr = gl.num_warps()
+    acc_s: gl.constexpr = wgmma_layout(BV, K, nw)      # S^T [V, K]
+    acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T, u^T [V, 64]
+    lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
+    lhs_u: gl.constexpr = lhs_reg_layout(acc_s, 16)    # v_new^T scaled, of the state update
+    lhs_o: gl.constexpr = lhs_reg_layout(acc_c, 16)    # v_new^T, of O^T += v_new^T scores^T
+    cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
+    for t in range(NT):
+        s = t % 2
+        phase = (t // 2) & 1
+        row = bos + t * BT
+        k_tile = kq_ring.index(2 * s)
+        q_tile = kq_ring.index(2 * s + 1)
+        sb = gl.convert_layout(S.to(dtype), lhs_s)
+        mbarrier.wait(wu_ready.index(s), phase)
+        # The chain: P^T alone, then the state update; O^T after, off the chain.
+        p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                          use_acc=False, is_async=True)
+        decay = gl.max(gate_ring.index(3 * s + 2).slice(0, 1).load(one), axis=0)
+        b_d = gate_ring.index(3 * s).load(cols_c)
+        u = u_ring.index(s).load(acc_c).to(gl.float32)
+        p = warpgroup_mma_wait(0, deps=(p,))
+        vn = u - p
+        vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_u)
+        mbarrier.wait(kq_ready.index(s), phase)
+        S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+        o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                          use_acc=False, is_async=True)
+        # wgmma groups retire in issue order: O^T is done when the state update is.
+        S, o = warpgroup_mma_wait(0, deps=(S, o))
+        e_g = gate_ring.index(3 * s + 1).load(cols_c)
+        o = o * gl.expand_dims(e_g, 0)
+        o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_o), s_ring.index(s).permute((1, 0)), o,
+                          use_acc=True, is_async=True)
+        S, o = warpgroup_mma_wait(0, deps=(S, o))
+        # Every warp's MMAs reading the slots are complete (each waited its own).
+        thread_barrier()
+        mbarrier.arrive(wu_empty.index(s), count=1)
+        if t + 2 < NT:
+            # The state is the last reader of k/q slot s: refill it with chunk t + 2 once
+            # the aux partition is done with chunk t.
+            mbarrier.wait(kq_empty.index(s), phase)
+            _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
+        # The previous chunk's store must have read o_smem.
+        tma.store_wait(0)
+        o_smem.permute((1, 0)).store(o.to(dtype))
+        fence_async_shared()
+        store_chunk_tile(o_desc, o_desc, o_ptr, row_stride, o_smem, row, col_v, eos - row, HAS_TAILS, ENGINE)
+    tma.store_wait(0)
+    return (S,)
+
+
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
+def _fused_fwd_kernel(
+    q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
+    HV, GROUP, pool_size,
+    USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr,
+):
+    BT: gl.constexpr = k_desc.block_type.shape[0]
+    K: gl.constexpr = k_desc.block_type.shape[1]
+    V: gl.constexpr = v_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+    block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
+    # The sequence's first chunk slot in t_tiles (with tails a sequence starts a new slot).
+    if HAS_TAILS:
+        slot0 = bos // BT + i_n
+    else:
+        slot0 = bos // BT
+
+    kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
+    t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
+    w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
+    u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
+    s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
+    # Three gate vectors per w/u slot (see _aux).
+    gate_ring = gl.allocate_shared_memory(gl.float32, [6, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
+    kq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    wu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    wu_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kq_ready.index(i), count=1)
+        mbarrier.init(kq_empty.index(i), count=1)
+        mbarrier.init(t_ready.index(i), count=1)
+        mbarrier.init(wu_ready.index(i), count=1)
+        mbarrier.init(wu_empty.index(i), count=1)
+    mbarrier.init(v_ready, count=1)
+
+    # S^T [V, K]: the initial state staged through the k/q ring before any load is issued.
+    acc_s: gl.constexpr = wgmma_layout(V, K, gl.num_warps())
+    if USE_H0:
+        S = state_in(h0, kq_ring, block, 0, K, V, V, STATE_VK, USE_POOL, acc_s, True)
+        fence_async_shared()
+        thread_barrier()
+    else:
+        S = gl.zeros([V, K], gl.float32, acc_s)
+
+    # Chunks 0 and 1 of k/q, chunk 0 of v and T: the partitions issue the rest.
+    if NT > 0:
+        _load_kq(k_desc, q_desc, kq_ring, kq_ready, 0, bos, col_k)
+        _load_v(v_desc, v_smem, v_ready, bos, col_v)
+        _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h)
+    if NT > 1:
+        _load_kq(k_desc, q_desc, kq_ring, kq_ready, 1, bos + BT, col_k)
+
+    S = gl.warp_specialize([
+        (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
+                  wu_empty, o_desc, o_ptr, HV * V, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
+        (_aux, (v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
+                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+                g_cum, scale, HV, i_h, bos, eos, NT, slot0, col_v)),
+    ], [AUX_WARPS], [AUX_REGS])[0]
+
+    if STORE_HT or INPLACE:
+        # The program's indices again rather than kept live across the partitions, where
+        # the register budget changes (ptxas kept them in local memory).
+        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+        block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
+        state_out(ht, i_nh, h0, block, 0, S, kq_ring, K, V, V, STATE_VK, STORE_HT, INPLACE, True)
+
+
+# ----------------------------------------------------------------------------------------
+# Host side: admission, plan (dry run), launch, AOT list
+
+#: Head dims the kernel is built for (the state tile and the rings fill the register file
+#: and shared memory at 128).
+HEAD_DIM = 128
+#: The fused path runs a call when its (sequence, v-head) programs fill at least this
+#: share of the SMs: it has no V-split, so fewer programs leave SMs idle that the
+#: two-launch pipeline (V-blocks of 32 or 64) fills. Measured on the H200 (132 SMs, bf16,
+#: H = 16): 128 programs (4 x 8192, HV = 32) 0.785 ms against 0.916; 64 programs (1 x 8192,
+#: HV = 64) 0.581 against 0.520; 32 programs 0.496 against 0.326.
+MIN_SM_SHARE = 0.75
+
+
+def fused_reason(problem) -> str | None:
+    """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
+    or None."""
+    if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
+        return f"head dims K = V = {HEAD_DIM} only, got K = {problem.K}, V = {problem.V}"
+    if problem.use_qk_l2norm:
+        return "the fused q/k l2 norm is not built into it"
+    return None
+
+
+def plan_fused(problem, device, *, engine):
+    """Launch plan of :func:`fused_fwd` for ``problem`` (a dry run): one program per
+    (sequence, v-head), 8 warps for the state plus the aux warpgroup."""
+    import torch
+
+    from gdn_dispatch.backends.gluon_common.launch_plan import GridRule, LaunchPlan, has_tails, tile_desc
+    from gdn_dispatch.backends.gluon_common.state_output import state_constexprs
+
+    H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
+    BT = 64
+    constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
+    launch = LaunchPlan(
+        kernel="fused_fwd",
+        grid_rule=GridRule(per_seq=1, times=HV),
+        num_warps=STATE_WARPS,
+        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8)},
+        constexprs=constexprs,
+        descriptors=(
+            tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
+            tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+            tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
+            tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
+            tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
+        ),
+        scalars={"HV": HV, "GROUP": HV // H},
+        notes=f"N x {HV} (sequence, v-head) programs, warp-specialized: state 2 warpgroups + aux 1",
+    )
+    return launch.bind(problem.B * problem.T, problem.N)
+
+
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = 64) -> int:
+    """Shared memory of the kernel: k/q ring (2 slots), v, T ring (2 x 2 tiles), w, u and
+    scores rings (2 slots), o, the gate vectors and the barriers."""
+    return (4 * BT * K + BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
+        + 6 * BT * 4 + 11 * 8
+
+
+def fused_fwd(problem, t_tiles, g_cum, launch):
+    """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
+    the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
+
+    Returns o ``[B, T, HV, V]`` in q's dtype and the float32 final state (``[N, HV, K, V]``
+    "kv" or ``[N, HV, V, K]`` "vk") or None unless ``problem.output_final_state``; with a
+    pool and ``inplace_final_state`` the pool rows are written back too.
+    """
+    import torch
+
+    from gdn_dispatch.backends.gluon_common.launch import launch_planned
+    from gdn_dispatch.backends.gluon_common.state_output import pool_rows
+
+    launch = launch.shared
+    q, k, v = problem.q, problem.k, problem.v
+    B, T, HV, V = v.shape
+    K = k.shape[3]
+    N = problem.chunks.num_seqs
+    vk = launch.constexprs["STATE_VK"]
+    use_pool = launch.constexprs["USE_POOL"]
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    final_state = None
+    if problem.output_final_state:
+        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
+    h0 = problem.initial_state
+    if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
+        h0 = h0.to(torch.float32)  # the kernel reads float32 and bfloat16 states
+    if B * T == 0 or N * HV == 0:
+        if final_state is not None:
+            if h0 is None:
+                final_state.zero_()
+            elif use_pool:
+                final_state.copy_(pool_rows(h0, problem.state_indices))
+            else:
+                final_state.copy_(h0)
+        return o, final_state
+    cu = problem.chunks.cu_seqlens
+    launch_planned(_fused_fwd_kernel, launch, {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
+        o_ptr=o, g_cum=g_cum, h0=h0 if h0 is not None else g_cum,
+        ht=final_state if final_state is not None else g_cum,
+        state_indices=problem.state_indices if use_pool else cu, cu_seqlens=cu, scale=float(problem.scale),
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=h0.shape[0] if use_pool else 0,
+    ), rows=B * T, num_seqs=N)
+    return o, final_state
+
+
+def fused_kernels_for_aot(capability, backend: str, *, engine) -> list:
+    """The kernel at every specialization the forward launches on sm_90a: bf16/fp16 x
+    tails or not x "kv"/"vk" with a float32 initial and final state; then without either
+    or with one of them; pools (float32 "kv" int32 indices in place, bfloat16 "vk" int64
+    indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens."""
+    import torch
+
+    from gdn_dispatch.aot import AotKernel
+    from gdn_dispatch.backends.gluon_common.compat import arg_names
+    from gdn_dispatch.backends.gluon_common.launch_plan import as_device, pointer_attrs, sig_dtype
+    from gdn_dispatch.backends.gluon_common.state_output import _aot_problem
+
+    device = as_device(capability)
+    base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, pool=False, inplace=False,
+                state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+    cases = [{**base, "dtype": dtype, "tails": tails, "vk": vk} for dtype in (torch.bfloat16, torch.float16)
+             for tails in (True, False) for vk in (False, True)]
+    cases += [{**base, **flip} for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True))]
+    cases += [{**base, "pool": True, "inplace": True},
+              {**base, "pool": True, "inplace": True, "vk": True, "state_dtype": torch.bfloat16,
+               "index_dtype": torch.int64},
+              {**base, "pool": True, "ht": False, "state_dtype": torch.bfloat16},
+              {**base, "state_dtype": torch.bfloat16},
+              {**base, "cu_dtype": torch.int64}]
+    kernels = []
+    for case in cases:
+        problem = _aot_problem(128, 128, l2=False, **case)
+        launch = plan_fused(problem, device, engine=engine)
+        sig = {d.arg: d.signature for d in launch.descriptors}
+        sig.update(o_ptr="*" + sig_dtype(case["dtype"]), g_cum="*fp32", h0="*" + sig_dtype(case["state_dtype"]),
+                   ht="*fp32", state_indices="*" + sig_dtype(case["index_dtype"] if case["pool"] else case["cu_dtype"]),
+                   cu_seqlens="*" + sig_dtype(case["cu_dtype"]), scale="fp32", HV="i32", GROUP="i32", pool_size="i32")
+        sig.update({name: "constexpr" for name in launch.constexprs})
+        tag = "-".join([sig_dtype(case["dtype"]), "varlen" if case["tails"] else "dense", "vk" if case["vk"] else "kv",
+                        *(["h0"] if case["h0"] else []), *(["ht"] if case["ht"] else []),
+                        *([f"pool-{sig_dtype(case['state_dtype'])}-{sig_dtype(case['index_dtype'])}"
+                           + ("-inplace" if case["inplace"] else "")] if case["pool"] else []),
+                        *([f"h0-{sig_dtype(case['state_dtype'])}"] if not case["pool"] and case["state_dtype"] != torch.float32 else []),
+                        *(["cu64"] if case["cu_dtype"] == torch.int64 else [])])
+        kernels.append(AotKernel(
+            backend=backend, kernel="fused_fwd", specialization=tag, fn=_fused_fwd_kernel,
+            signature={name: sig[name] for name in arg_names(_fused_fwd_kernel)},
+            constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
+            attrs=pointer_attrs(_fused_fwd_kernel, ["o_ptr", "g_cum", "h0", "ht", "state_indices", "cu_seqlens"])))
+    return kernels

@@ -1,0 +1,206 @@
+"""gluon_sm90's warp-specialized path: the T kernel (backends/gluon_common/wy_t.py) and the
+fused recurrence + output kernel (backends/gluon_sm90/fused.py).
+
+CPU: when the planner takes the path (programs against the SM count, head dims, the l2
+norm, context parallelism, the engine), its launches as dry runs (grids over chunk slots
+and (sequence, v-head) pairs, descriptors, the T tiles' rows), and that the kernel's chunk
+slots are the ones the T kernel writes. The compiles for sm_90a run in
+tests/test_gluon_aot.py (both kernels are in gluon_sm90's AOT list).
+
+GPU (sm_90 only): the public call on this path against the float32 reference, with
+NaN-poisoned memory, over lengths with tails and empty sequences, both state layouts,
+grouped heads, fp16, strided inputs and state pools.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch import chunk_gated_delta_rule  # noqa: E402
+from gdn_dispatch.contract import CHUNK_SIZE, make_problem  # noqa: E402
+from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
+from gdn_dispatch.testing import (  # noqa: E402
+    fused_projection_views, padded_pool, poison_cuda_allocator, random_call, random_problem, rel_rms_error)
+from gdn_dispatch.varlen import slot_starts  # noqa: E402
+
+from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
+from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.wy_t import t_tile_rows  # noqa: E402
+
+SM90, SM100 = (9, 0), (10, 0)
+
+
+def _engines():
+    from gdn_dispatch.backends import gluon_sm90, gluon_sm100
+
+    return gluon_sm90.ENGINE, gluon_sm100.ENGINE
+
+
+def _device(sm_count=132, capability=SM90):
+    info = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    return DeviceInfo(kind="cuda", index=0, name=info.name, capability=capability, sm_count=sm_count,
+                      smem_optin=info.smem_optin)
+
+
+# ---------------------------------------------------------------------------------------
+# Plans
+
+
+@pytest.mark.parametrize("N, taken", [(2, False), (3, False), (4, True), (9, True)])
+def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
+    """(sequence, v-head) programs against 3/4 of 132 SMs (99): HV = 32 takes the path
+    from 4 sequences (128 programs), not at 3 (96)."""
+    sm90, _ = _engines()
+    p = random_problem(lengths=[70] * N, H=4, HV=32, K=128, V=128, ht=True)
+    call = plan_call(p, _device(132), engine=sm90)
+    assert call.kernels == (("wy_t_fwd", "fused_fwd") if taken else ("wy_fwd", "state_output_fwd"))
+    assert call.launches.fused == taken
+
+
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 130]), dict(batch=(2, 128)),
+                                   dict(batch=(3, 100)), dict(lengths=[64, 128, 0])],
+                         ids=["varlen-tails", "uniform", "uniform-tails", "varlen-whole-chunks"])
+def test_launches_of_the_path(shape):
+    sm90, _ = _engines()
+    p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
+    fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
+    wy_t, fused = fp.stages
+    rows, tails = p.B * p.T, has_tails(p)
+    slots = rows // CHUNK_SIZE + (p.N if tails else 0)
+    assert (wy_t.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
+    assert wy_t.grid == (slots * 4,) and fused.grid == (p.N * 4,)
+    assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90}
+    assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
+                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False}
+    assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
+    assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
+        "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
+        "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
+    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
+    assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
+    assert fused.blocks["smem_bytes"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kernel_reads_the_slots_the_t_kernel_writes(seed):
+    """The fused kernel reads chunk t of sequence n at slot ``cu[n] // 64 + n + t`` (with
+    tails) or ``cu[n] // 64 + t`` (whole chunks): the varlen chunk slots the T kernel's
+    programs find by bisection (gdn_dispatch.varlen.slot_starts)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 300, (7,), generator=gen).tolist()
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    starts = slot_starts(cu, CHUNK_SIZE)
+    for n, (bos, eos) in enumerate(zip(cu, cu[1:])):
+        assert bos // CHUNK_SIZE + n == starts[n], (lengths, n)
+    whole = [64 * x for x in lengths]
+    cu = [0, *torch.tensor(whole).cumsum(0).tolist()]
+    for n, (bos, eos) in enumerate(zip(cu, cu[1:])):
+        # Without tails, chunks tile the rows back to back: slot = row // 64.
+        assert all((bos + t * 64) // 64 == bos // 64 + t for t in range((eos - bos) // 64))
+
+
+def test_calls_the_path_leaves_to_the_pipeline():
+    sm90, sm100 = _engines()
+    many = dict(lengths=[70] * 8, H=4, HV=32)
+    device = _device(132)
+    # The qk l2 norm, other head dims, Blackwell's engine: the two-launch pipeline.
+    assert not plan(random_problem(**many, K=128, V=128, l2=True), device=device, engine=sm90).fused
+    assert not plan(random_problem(**many, K=64, V=128), device=device, engine=sm90).fused
+    assert not plan(random_problem(**many, K=128, V=128), device=_device(132, SM100), engine=sm100).fused
+    assert not plan(random_problem(**many, K=128, V=128), device=device, engine=sm90, fused=False).fused
+    from gdn_dispatch.backends.gluon_sm90.fused import fused_reason
+
+    assert "l2 norm" in fused_reason(random_problem(**many, K=128, V=128, l2=True))
+    assert "K = V = 128" in fused_reason(random_problem(**many, K=64, V=64))
+
+
+def test_context_parallel_calls_stay_on_the_pipeline():
+    """Segments run the pipeline's pass 2 (over w and u); a segmented call never takes the
+    path, whatever its program count."""
+    sm90, _ = _engines()
+    call = random_call(lengths=[4096] * 4, H=4, HV=32, K=128, V=128)
+    p = make_problem(**call, output_final_state=True, context_parallel=4)
+    planned = plan_call(p, _device(132), engine=sm90)
+    assert planned.context_parallel.enabled
+    assert planned.kernels == ("wy_fwd", "segment_table", "segment_map", "segment_scan", "state_output_fwd")
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != SM90,
+                                reason="needs an sm_90 GPU")
+
+
+def _on_path(call: dict) -> None:
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.device import default_probe
+
+    p = make_problem(**call)
+    device = default_probe().for_torch_device(p.device)
+    assert plan_call(p, device, engine=gluon_sm90.ENGINE).launches.fused, "the call must take the fused path"
+
+
+def _check(call: dict, tol: float = 5e-3):
+    _on_path(call)
+    expected = chunk_gated_delta_rule(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in call.items()},
+                                      backend="reference")
+    poison_cuda_allocator()
+    o, ht = chunk_gated_delta_rule(**call, backend="gluon_sm90")
+    assert rel_rms_error(o.float().cpu(), expected[0].float()) < tol
+    if call.get("output_final_state"):
+        assert rel_rms_error(ht.float().cpu(), expected[1].float()) < tol
+    return o, ht
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(2, 300)),
+                                   dict(batch=(4, 256))], ids=["varlen", "uniform-tails", "uniform"])
+@pytest.mark.parametrize("seed", range(2))
+def test_path_matches_the_reference(shape, layout, dtype, seed):
+    call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=seed,
+                       state_layout=layout)
+    _check({**call, "output_final_state": True})
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("seed", range(2))
+def test_path_without_states_and_with_strided_inputs(seed):
+    call = random_call(lengths=[200, 5, 333], H=16, HV=64, K=128, V=128, device="cuda", seed=seed,
+                       initial_state=False)
+    _check(call)
+    _check({**call, **fused_projection_views(call), "output_final_state": True})
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_path_with_a_state_pool(pool_dtype):
+    lengths = [100, 0, 257, 64]
+    call = random_call(lengths=lengths, H=32, HV=64, K=128, V=128, device="cuda", seed=3, initial_state=False)
+    call.pop("initial_state", None)
+    pool, indices, h0 = padded_pool(len(lengths), 64, (128, 128), pool_dtype, seed=4, device="cuda")
+    before = pool.clone()
+    expected = chunk_gated_delta_rule(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in call.items()},
+                                      initial_state=h0.cpu(), output_final_state=True, backend="reference")
+    pooled = {**call, "initial_state": pool, "state_indices": indices, "inplace_final_state": True,
+              "output_final_state": True}
+    _on_path(pooled)
+    poison_cuda_allocator()
+    o, ht = chunk_gated_delta_rule(**pooled, backend="gluon_sm90")
+    assert rel_rms_error(o.float().cpu(), expected[0].float()) < 5e-3
+    live = indices >= 0
+    assert rel_rms_error(ht[live].cpu(), expected[1][live.cpu()]) < 5e-3
+    tol = 5e-3 if pool_dtype == torch.float32 else 1e-2
+    assert rel_rms_error(pool[indices[live].long()].float().cpu(), expected[1][live.cpu()]) < tol
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[indices[live].long().cpu()] = False
+    assert torch.equal(pool[untouched.to(pool.device)], before[untouched.to(pool.device)])
