@@ -11,7 +11,7 @@ One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in tw
 partitions that share the program's shared memory through mbarrier rings:
 
 * **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
-  ``u^T = (T_u v)^T`` [V, 64], the causal scores ``scale q k^T 2^(g_i - g_j)`` [64, 64]
+  ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
   and three gate vectors, into a two-slot ring; it also loads v (one slot) and the T
   tiles (two slots) itself.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
@@ -22,7 +22,7 @@ partitions that share the program's shared memory through mbarrier rings:
       P^T = S^T w^T                                         (bf16 S^T from registers)
       v_new^T = u^T - P^T
       S^T = 2^g_last S^T + (v_new^T 2^(g_last - g)) k       (rows past the end: 0)
-      O^T = scale 2^g (S_old^T q^T) + v_new^T scores^T ;  o = (O^T)^T  (TMA store)
+      O^T = 2^g (S_old^T q^T) + v_new^T scores^T ;  o = scale (O^T)^T  (TMA store)
 
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
 
@@ -94,7 +94,7 @@ def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
 @gluon.jit
 def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
          kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-         g_cum, scale, HV, i_h, bos, eos, NT, slot0, col_v):
+         g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_smem.shape[1]
@@ -123,15 +123,15 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        # The gate vectors: the state update's 2^(g_last - g) (0 past the end), o's scale
-        # scale 2^g, and the chunk decay 2^g_last (in every element).
+        # The gate vectors: the state update's 2^(g_last - g) (0 past the end), the row
+        # decay 2^g of q h, and the chunk decay 2^g_last (in every element).
         r = gl.arange(0, BT, layout=gate_layout)
         gate_ring.index(3 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0))
-        gate_ring.index(3 * s + 1).store(gl.exp2(g_row) * scale)
+        gate_ring.index(3 * s + 1).store(gl.exp2(g_row))
         gate_ring.index(3 * s + 2).store(gl.full([BT], 0.0, gl.float32, gate_layout) + gl.exp2(g_end))
         qk = warpgroup_mma_wait(0, deps=(qk,))
-        s_ring.index(s).store((causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols))
-                               * scale).to(dtype))
+        # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
+        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
         # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
         HALF: gl.constexpr = BT
         acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
@@ -166,7 +166,7 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
 
 @gluon.jit
 def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-           wu_empty, o_desc, o_ptr, row_stride, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
+           wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
            ENGINE: gl.constexpr):
     """The serial chain (module docstring); returns the final S^T."""
     BT: gl.constexpr = kq_ring.shape[1]
@@ -219,7 +219,7 @@ def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem
             _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
         # The previous chunk's store must have read o_smem.
         tma.store_wait(0)
-        o_smem.permute((1, 0)).store(o.to(dtype))
+        o_smem.permute((1, 0)).store((o * scale).to(dtype))
         fence_async_shared()
         store_chunk_tile(o_desc, o_desc, o_ptr, row_stride, o_smem, row, col_v, eos - row, HAS_TAILS, ENGINE)
     tma.store_wait(0)
@@ -287,10 +287,10 @@ def _fused_fwd_kernel(
 
     S = gl.warp_specialize([
         (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-                  wu_empty, o_desc, o_ptr, HV * V, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
+                  wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
         (_aux, (v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
                 kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-                g_cum, scale, HV, i_h, bos, eos, NT, slot0, col_v)),
+                g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
     ], [AUX_WARPS], [AUX_REGS])[0]
 
     if STORE_HT or INPLACE:
