@@ -103,6 +103,19 @@ def test_the_kernel_reads_the_slots_the_t_kernel_writes(seed):
         assert all((bos + t * 64) // 64 == bos // 64 + t for t in range((eos - bos) // 64))
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_a_call_without_tokens_returns_its_initial_state(layout):
+    """Every sequence empty: nothing is launched (the CPU has no GPU to launch on), o is
+    empty and the final state is the initial one."""
+    from gdn_dispatch.backends.gluon_sm90.fused import fused_fwd
+
+    sm90, _ = _engines()
+    p = random_problem(lengths=[0, 0, 0], H=2, HV=4, K=128, V=128, ht=True, layout=layout)
+    launch = plan(p, device=_device(4), engine=sm90).stage("fused_fwd")
+    o, ht = fused_fwd(p, torch.empty(0, 64, dtype=p.dtype), torch.empty(0, 0, 4), launch)
+    assert o.shape == (1, 0, 4, 128) and torch.equal(ht, p.initial_state)
+
+
 def test_calls_the_path_leaves_to_the_pipeline():
     sm90, sm100 = _engines()
     many = dict(lengths=[70] * 8, H=4, HV=32)

@@ -652,28 +652,13 @@ def state_output_fwd(
     H, K = k.shape[2], k.shape[3]
     N = chunks.num_seqs
     launch = launch.shared
-    vk = launch.constexprs["STATE_VK"]
-    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    final_state = None
-    if output_final_state:
-        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
     use_pool = launch.constexprs["USE_POOL"]
     if use_pool and (state_indices is None or initial_state is None):
         raise ValueError("state_output_fwd: a USE_POOL plan needs initial_state (the pool) and state_indices")
-    h0 = initial_state
-    if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
-        h0 = h0.to(torch.float32)  # the kernel reads float32 and bfloat16 states
+    o, final_state, h0 = state_buffers(q, (B, T, HV, V), N, K, launch.constexprs["STATE_VK"], output_final_state,
+                                       initial_state, use_pool)
     if B * T == 0 or N * HV == 0:
-        # Nothing to walk (every sequence is empty): the final state is the initial one, and
-        # a pool row written back would receive its own values.
-        if final_state is not None:
-            if h0 is None:
-                final_state.zero_()
-            elif use_pool:
-                final_state.copy_(pool_rows(h0, state_indices))
-            else:
-                final_state.copy_(h0)
-        return o, final_state
+        return o, fill_final_state_of_empty_call(final_state, h0, use_pool, state_indices)
     if launch.constexprs["USE_L2NORM"]:
         if rnorm is None:
             rnorm = qk_rnorm_fwd(q, k, plan_qk_rnorm_rows(B * T * H, K))
@@ -692,6 +677,38 @@ def state_output_fwd(
         V=launch.scalars["V"],
     ), rows=B * T, num_seqs=N)
     return o, final_state
+
+
+def state_buffers(q: torch.Tensor, o_shape: tuple, N: int, K: int, vk: bool, output_final_state: bool,
+                  initial_state: torch.Tensor | None, use_pool: bool):
+    """What a recurrence kernel writes and reads: o ``o_shape`` in q's dtype, the float32
+    final state (``[N, HV, V, K]`` with ``vk``, else ``[N, HV, K, V]``) or None, and the
+    initial state as the kernels read it (float32 and bfloat16 in place, other dtypes
+    converted to float32 once; a pool always in place)."""
+    B, T, HV, V = o_shape
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    final_state = None
+    if output_final_state:
+        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
+    h0 = initial_state
+    if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
+        h0 = h0.to(torch.float32)
+    return o, final_state, h0
+
+
+def fill_final_state_of_empty_call(final_state: torch.Tensor | None, h0: torch.Tensor | None, use_pool: bool,
+                                   state_indices: torch.Tensor | None) -> torch.Tensor | None:
+    """The final state of a call with no token to walk (every sequence empty): the initial
+    one (zeros without one; a pool's rows through ``state_indices``). Nothing is written
+    back to a pool: its rows would receive their own values."""
+    if final_state is not None:
+        if h0 is None:
+            final_state.zero_()
+        elif use_pool:
+            final_state.copy_(pool_rows(h0, state_indices))
+        else:
+            final_state.copy_(h0)
+    return final_state
 
 
 def pool_rows(pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:

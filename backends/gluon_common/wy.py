@@ -242,6 +242,36 @@ def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.c
 
 
 @gluon.jit
+def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op1, lhs_smem, kk_bar, inv_bar,
+            LHS_REGS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+    """One chunk's ``T = (I + A)^-1`` (fp32 [64, 64] registers) from its k tile in
+    ``k_smem`` (landed), and T's column scales for w (``beta 2^g r``) and u (``beta``) in
+    T's column slice; writes the chunk's gate cumsum to ``g_cum`` (:func:`_chunk_gates`).
+
+    ``LHS_REGS`` picks the inverse: :func:`_unit_lower_inverse_regs` with ``op0`` / ``op1``
+    its a / x operand tiles (``lhs_smem`` stages left operands on sm_100a), else
+    :func:`_unit_lower_inverse` with ``op0`` / ``op1`` its left / right operand tiles.
+    ``kk_bar`` and ``inv_bar``: the mbarriers of k k^T and of the inverse's products (fresh).
+    """
+    BT: gl.constexpr = k_smem.shape[0]
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, 0))
+    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+    if LHS_REGS:
+        # The scales wait out the inverse in one register each, not 16.
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        w_scale = gl.convert_layout(w_scale, flat)
+        u_scale = gl.convert_layout(u_scale, flat)
+        t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
+        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
+        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+    else:
+        t = _unit_lower_inverse(a, op0, op1, inv_bar, ENGINE)
+    return t, w_scale, u_scale
+
+
+@gluon.jit
 def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_valid,
                  HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
     """Accumulator -> ``smem`` (a free operand buffer of the same shape) -> global rows."""
@@ -310,20 +340,14 @@ def _wy_fwd_kernel(
     tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
 
     mbarrier.wait(ready_bars.index(0), 0)
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, mma_bars.index(0))
-    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, mma_bars.index(0), 0))
-    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
     if LHS_REGS:
-        # The scales wait out the inverse in one register each, not 16.
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        w_scale = gl.convert_layout(w_scale, flat)
-        u_scale = gl.convert_layout(u_scale, flat)
-        t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, mma_bars.index(1), ENGINE)
-        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
-        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+        t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
+                                      a_smem, x_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), True,
+                                      USE_L2NORM, ENGINE)
     else:
-        t = _unit_lower_inverse(a, lhs_smem, rhs_smem, mma_bars.index(1), ENGINE)
+        t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
+                                      lhs_smem, rhs_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), False,
+                                      USE_L2NORM, ENGINE)
 
     # The token scales go on T's columns in fp32, so k and v enter the MMAs as stored (one
     # rounding, of the scaled T, per product). The inverse's last MMA was waited on, so the

@@ -33,8 +33,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import chunk_rows
-from gdn_dispatch.backends.gluon_common.wy import (
-    _alias, _chunk_a, _chunk_gates, _f32_layout, _unit_lower_inverse_regs, wy_chunks)
+from gdn_dispatch.backends.gluon_common.wy import _alias, _f32_layout, chunk_t, wy_chunks
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
@@ -69,18 +68,10 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
     mbarrier.wait(bars.index(0), 0)
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, bars.index(1))
-    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, bars.index(1), 0))
-    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-    # The scales wait out the inverse in one register each, not 16.
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    w_scale = gl.convert_layout(w_scale, flat)
-    u_scale = gl.convert_layout(u_scale, flat)
-    t = _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bars.index(2), ENGINE)
-    cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
-    tw_smem.store((t * gl.expand_dims(gl.convert_layout(w_scale, cols), 0)).to(dtype))
-    tu_smem.store((t * gl.expand_dims(gl.convert_layout(u_scale, cols), 0)).to(dtype))
+    t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
+                                  a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM, ENGINE)
+    tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
+    tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     # The TMA stores read the tiles through the async proxy.
     fence_async_shared()
     base = (i_c * HV + i_h) * (2 * BT)

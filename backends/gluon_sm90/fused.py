@@ -43,16 +43,25 @@ sm_100a (tcgen05 takes no register operand: its twin would keep ``S^T`` in TMEM)
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from gdn_dispatch.aot import AotKernel
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names, thread_barrier, tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, sig_dtype, tile_desc)
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, walk_program
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
+from gdn_dispatch.backends.gluon_common.state_output import (
+    _aot_problem, fill_final_state_of_empty_call, state_buffers, state_constexprs)
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -315,7 +324,7 @@ HEAD_DIM = 128
 MIN_SM_SHARE = 0.75
 
 
-def fused_reason(problem) -> str | None:
+def fused_reason(problem: GDNProblem) -> str | None:
     """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
     or None."""
     if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
@@ -325,16 +334,11 @@ def fused_reason(problem) -> str | None:
     return None
 
 
-def plan_fused(problem, device, *, engine):
+def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     """Launch plan of :func:`fused_fwd` for ``problem`` (a dry run): one program per
     (sequence, v-head), 8 warps for the state plus the aux warpgroup."""
-    import torch
-
-    from gdn_dispatch.backends.gluon_common.launch_plan import GridRule, LaunchPlan, has_tails, tile_desc
-    from gdn_dispatch.backends.gluon_common.state_output import state_constexprs
-
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
-    BT = 64
+    BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     launch = LaunchPlan(
         kernel="fused_fwd",
@@ -355,14 +359,15 @@ def plan_fused(problem, device, *, engine):
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = 64) -> int:
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v, T ring (2 x 2 tiles), w, u and
     scores rings (2 slots), o, the gate vectors and the barriers."""
     return (4 * BT * K + BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
         + 6 * BT * 4 + 11 * 8
 
 
-def fused_fwd(problem, t_tiles, g_cum, launch):
+def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor,
+              launch: LaunchPlan | BoundLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
     the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
 
@@ -370,11 +375,6 @@ def fused_fwd(problem, t_tiles, g_cum, launch):
     "kv" or ``[N, HV, V, K]`` "vk") or None unless ``problem.output_final_state``; with a
     pool and ``inplace_final_state`` the pool rows are written back too.
     """
-    import torch
-
-    from gdn_dispatch.backends.gluon_common.launch import launch_planned
-    from gdn_dispatch.backends.gluon_common.state_output import pool_rows
-
     launch = launch.shared
     q, k, v = problem.q, problem.k, problem.v
     B, T, HV, V = v.shape
@@ -382,22 +382,10 @@ def fused_fwd(problem, t_tiles, g_cum, launch):
     N = problem.chunks.num_seqs
     vk = launch.constexprs["STATE_VK"]
     use_pool = launch.constexprs["USE_POOL"]
-    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    final_state = None
-    if problem.output_final_state:
-        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
-    h0 = problem.initial_state
-    if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
-        h0 = h0.to(torch.float32)  # the kernel reads float32 and bfloat16 states
+    o, final_state, h0 = state_buffers(q, (B, T, HV, V), N, K, vk, problem.output_final_state,
+                                       problem.initial_state, use_pool)
     if B * T == 0 or N * HV == 0:
-        if final_state is not None:
-            if h0 is None:
-                final_state.zero_()
-            elif use_pool:
-                final_state.copy_(pool_rows(h0, problem.state_indices))
-            else:
-                final_state.copy_(h0)
-        return o, final_state
+        return o, fill_final_state_of_empty_call(final_state, h0, use_pool, problem.state_indices)
     cu = problem.chunks.cu_seqlens
     launch_planned(_fused_fwd_kernel, launch, {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
         o_ptr=o, g_cum=g_cum, h0=h0 if h0 is not None else g_cum,
@@ -408,18 +396,11 @@ def fused_fwd(problem, t_tiles, g_cum, launch):
     return o, final_state
 
 
-def fused_kernels_for_aot(capability, backend: str, *, engine) -> list:
+def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -> list[AotKernel]:
     """The kernel at every specialization the forward launches on sm_90a: bf16/fp16 x
     tails or not x "kv"/"vk" with a float32 initial and final state; then without either
     or with one of them; pools (float32 "kv" int32 indices in place, bfloat16 "vk" int64
     indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens."""
-    import torch
-
-    from gdn_dispatch.aot import AotKernel
-    from gdn_dispatch.backends.gluon_common.compat import arg_names
-    from gdn_dispatch.backends.gluon_common.launch_plan import as_device, pointer_attrs, sig_dtype
-    from gdn_dispatch.backends.gluon_common.state_output import _aot_problem
-
     device = as_device(capability)
     base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, pool=False, inplace=False,
                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
@@ -445,7 +426,8 @@ def fused_kernels_for_aot(capability, backend: str, *, engine) -> list:
                         *(["h0"] if case["h0"] else []), *(["ht"] if case["ht"] else []),
                         *([f"pool-{sig_dtype(case['state_dtype'])}-{sig_dtype(case['index_dtype'])}"
                            + ("-inplace" if case["inplace"] else "")] if case["pool"] else []),
-                        *([f"h0-{sig_dtype(case['state_dtype'])}"] if not case["pool"] and case["state_dtype"] != torch.float32 else []),
+                        *([f"state-{sig_dtype(case['state_dtype'])}"]
+                          if not case["pool"] and case["state_dtype"] != torch.float32 else []),
                         *(["cu64"] if case["cu_dtype"] == torch.int64 else [])])
         kernels.append(AotKernel(
             backend=backend, kernel="fused_fwd", specialization=tag, fn=_fused_fwd_kernel,
