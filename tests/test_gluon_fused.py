@@ -195,6 +195,21 @@ def test_path_without_states_and_with_strided_inputs(seed):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("form", ["int64-offsets", "no-host-copy", "one-v-head-per-k-head"])
+def test_path_with_other_call_forms(form):
+    """int64 cu_seqlens (read as given), no host copy of them (the kernels then assume
+    tails and find each chunk's slot themselves), and H == HV (no grouped heads)."""
+    H = 128 if form == "one-v-head-per-k-head" else 32
+    call = random_call(lengths=[64, 1, 191, 0, 320], H=H, HV=128, K=128, V=128, device="cuda", seed=5)
+    if form == "int64-offsets":
+        call["cu_seqlens"] = call["cu_seqlens"].to(torch.int64)
+    if form == "no-host-copy":
+        call.pop("cu_seqlens_cpu")
+    _check({**call, "output_final_state": True})
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_path_with_a_state_pool(pool_dtype):
     lengths = [100, 0, 257, 64]
