@@ -137,6 +137,10 @@ def cases_for(spec, *, quick: bool, small: bool) -> list[Case]:
         cases.append(case("fp32", lengths=[33, 100], HV=2, K=k2, V=v2, dtype="float32", l2=True))
     if "state_pool" in spec.features:
         cases.append(case("pool", lengths=[1, 63, 65, 0], layout="vk", pool=True))
+    if not small:
+        # Enough (sequence, v-head) pairs to fill any GPU's SMs: the calls a server batches,
+        # where gluon_sm90 takes its warp-specialized path.
+        cases.append(case("many-heads", lengths=[100, 37, 64], H=32, HV=128))
     return cases
 
 
