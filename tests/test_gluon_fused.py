@@ -128,6 +128,11 @@ def test_calls_the_path_leaves_to_the_pipeline():
     from gdn_dispatch.backends.gluon_sm90.fused import fused_reason
 
     assert "l2 norm" in fused_reason(random_problem(**many, K=128, V=128, l2=True))
+    # T tile rows are int32 TMA coordinates: 2 HV tiles of 64 rows per chunk slot.
+    huge = make_problem(torch.empty(1, 2 ** 24, 1, 128, device="meta"), torch.empty(1, 2 ** 24, 1, 128, device="meta"),
+                        torch.empty(1, 2 ** 24, 64, 128, device="meta"), torch.empty(1, 2 ** 24, 64, device="meta"),
+                        torch.empty(1, 2 ** 24, 64, device="meta"))
+    assert "past int32" in fused_reason(huge)
     assert "K = V = 128" in fused_reason(random_problem(**many, K=64, V=64))
 
 

@@ -62,6 +62,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, walk_progra
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, fill_final_state_of_empty_call, state_buffers, state_constexprs)
+from gdn_dispatch.backends.gluon_common.wy_t import t_tile_rows
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -331,6 +332,9 @@ def fused_reason(problem: GDNProblem) -> str | None:
         return f"head dims K = V = {HEAD_DIM} only, got K = {problem.K}, V = {problem.V}"
     if problem.use_qk_l2norm:
         return "the fused q/k l2 norm is not built into it"
+    # The T tiles' rows are int32 TMA coordinates (2 HV tiles of 64 rows per chunk slot).
+    if t_tile_rows(problem.B * problem.T, problem.N, problem.HV, True) >= 2 ** 31:
+        return f"{problem.B * problem.T} tokens x {problem.HV} v-heads: T tile rows past int32"
     return None
 
 
