@@ -40,6 +40,8 @@ class AotKernel:
     maxnreg : register cap per thread (a launch option), or None.
     attrs : dict, argument-index tuple -> specialization hints, as a launch would pass
         them (e.g. ``{(0,): [["tt.divisibility", 16]]}`` for a 16-byte-aligned pointer).
+    spill_bytes_allowed : spill bytes the kernel is known to keep (0 for all but a kernel
+        whose list says why; the compile checks and ``compile``'s exit status allow them).
     """
 
     backend: str
@@ -53,6 +55,7 @@ class AotKernel:
     num_stages: int = 3
     attrs: dict | None = None
     maxnreg: int | None = None
+    spill_bytes_allowed: int = 0
 
 
 # PTX spellings of the instructions the compile table reports, per column.
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             Path(args.dump, f"{kernel.backend}.{kernel.kernel}.{kernel.specialization}.ptx").write_text(report.ptx)
-        if (report.spill_bytes or (limit is not None and report.shared_bytes > limit)
+        if (report.spill_bytes > kernel.spill_bytes_allowed or (limit is not None and report.shared_bytes > limit)
                 or report.tmem_columns > TMEM_COLUMNS):
             status = 1
     progress.close()

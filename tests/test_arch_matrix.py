@@ -51,7 +51,7 @@ def test_matrix(arch, backend, kernel, instruction):
     if kernel is None:
         return
     report = compile_kernel(kernel, device.capability)
-    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
+    assert report.spill_bytes <= kernel.spill_bytes_allowed, f"{report.spill_bytes} bytes of spills"
     assert report.shared_bytes <= SMEM_OPTIN[device.capability]
     assert report.tmem_columns <= TMEM_COLUMNS
     if kernel.kernel not in NO_MATRIX_PRODUCT:

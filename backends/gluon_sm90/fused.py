@@ -316,6 +316,11 @@ def _fused_fwd_kernel(
 # ----------------------------------------------------------------------------------------
 # Host side: admission, plan (dry run), launch, AOT list
 
+#: Spill bytes the kernel keeps (``AotKernel.spill_bytes_allowed``): ptxas holds a few
+#: scalars (loop bounds, ring offsets) in local memory around the partitions' register
+#: reallocation (setmaxnreg), 40-250 bytes by specialization; the chunk loop's speed is
+#: measured on the H200 instead (benchmarks/RESULTS.md).
+SPILL_BYTES = 256
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -439,5 +444,6 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
             backend=backend, kernel="fused_fwd", specialization=tag, fn=_fused_fwd_kernel,
             signature={name: sig[name] for name in arg_names(_fused_fwd_kernel)},
             constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-            attrs=pointer_attrs(_fused_fwd_kernel, ["o_ptr", "g_cum", "h0", "ht", "state_indices", "cu_seqlens"])))
+            attrs=pointer_attrs(_fused_fwd_kernel, ["o_ptr", "g_cum", "h0", "ht", "state_indices", "cu_seqlens"]),
+            spill_bytes_allowed=SPILL_BYTES))
     return kernels
