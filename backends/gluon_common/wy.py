@@ -242,6 +242,21 @@ def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.c
 
 
 @gluon.jit
+def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
+    """This program's chunk slot ``i_c`` and v-head ``i_h``, and the chunk's first row and
+    valid row count (:func:`.masks.chunk_rows`; ``<= 0``: an idle slot, nothing to do).
+
+    (chunk, v-head) flattened with the v-head fastest: programs sharing a k head run side
+    by side and hit the same k rows in L2. With tails the chunks are chunk slots.
+    """
+    pid = gl.program_id(0)
+    i_c = pid // HV
+    i_h = pid % HV
+    row0, n_valid = chunk_rows(cu_seqlens, N, i_c, BT, HAS_TAILS)
+    return i_c, i_h, row0, n_valid
+
+
+@gluon.jit
 def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op1, lhs_smem, kk_bar, inv_bar,
             LHS_REGS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """One chunk's ``T = (I + A)^-1`` (fp32 [64, 64] registers) from its k tile in
@@ -292,13 +307,7 @@ def _wy_fwd_kernel(
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    # (chunk, v-head) flattened with the v-head fastest: programs sharing a k head run
-    # side by side and hit the same k rows in L2. With tails the chunks are chunk slots,
-    # and an idle slot's programs have nothing to do.
-    pid = gl.program_id(0)
-    i_c = pid // HV
-    i_h = pid % HV
-    row0, n_valid = chunk_rows(cu_seqlens, N, i_c, BT, HAS_TAILS)
+    i_c, i_h, row0, n_valid = chunk_program(cu_seqlens, N, HV, BT, HAS_TAILS)
     if n_valid <= 0:
         return
 

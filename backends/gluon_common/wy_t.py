@@ -32,8 +32,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.masks import chunk_rows
-from gdn_dispatch.backends.gluon_common.wy import _alias, _f32_layout, chunk_t, wy_chunks
+from gdn_dispatch.backends.gluon_common.wy import _alias, _f32_layout, chunk_program, chunk_t, wy_chunks
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
@@ -42,11 +41,7 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    # (chunk slot, v-head), v-head fastest: programs sharing a k head run side by side.
-    pid = gl.program_id(0)
-    i_c = pid // HV
-    i_h = pid % HV
-    row0, n_valid = chunk_rows(cu_seqlens, N, i_c, BT, HAS_TAILS)
+    i_c, i_h, row0, n_valid = chunk_program(cu_seqlens, N, HV, BT, HAS_TAILS)
     if n_valid <= 0:
         return
 

@@ -62,6 +62,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for sm_90a: the shared pipeline's
     and the warp-specialized path's (the T kernel and the fused kernel)."""
-    return (backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)
-            + wy_t_kernels_for_aot(tuple(capability or CAPABILITIES[0]), BACKEND, engine=ENGINE)
-            + _fused_path.fused_kernels_for_aot(tuple(capability or CAPABILITIES[0]), BACKEND, engine=ENGINE))
+    shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
+    capability = tuple(capability or CAPABILITIES[0])
+    return (shared + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE)
+            + _fused_path.fused_kernels_for_aot(capability, BACKEND, engine=ENGINE))

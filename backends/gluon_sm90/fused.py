@@ -146,6 +146,7 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
         # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
         HALF: gl.constexpr = BT
+        gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
         acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
         mbarrier.wait(t_ready.index(s), (t // 2) & 1)
         tw = t_ring.index(2 * s)
