@@ -6,7 +6,9 @@ Every case is drawn from a seed and printed in full on failure (``FuzzCase.descr
 gives the call to paste into a reproduction). What varies: K and V drawn independently
 from the head-dim classes the backend's registry row admits (K < V, K > V, padded and
 exact tiles), ragged lengths from {0, 1, 15, 63, 64, 65, 127, 2049} (2049 on a GPU only),
-uniform and varlen batches, grouped value heads (HV / H of 1, 2, 4), both state layouts,
+uniform and varlen batches, grouped value heads (HV / H of 1, 2, 4; on a GPU also two
+specializations of 128 value heads at K = V, where gluon_sm90 takes its warp-specialized
+path), both state layouts,
 the in-kernel l2 norm, initial and final state on and off, every admitted dtype, and for a
 backend that runs context parallelism a forced segment count on about a third of the
 calls (drawn from a stream of its own, so the other draws stay as they were).
@@ -131,6 +133,12 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
     lo, hi = min(admitted), max(admitted)
     pool[0] = FuzzSpec(lo, hi, 1, 2, row.dtypes[0], "kv", False, True, True)
     pool[1] = FuzzSpec(hi, lo, 2, 4, row.dtypes[-1], row.state_layouts[-1], True, True, True)
+    if not cpu:
+        # Many value heads at K = V: a batch of them fills a GPU's SMs, which is where
+        # gluon_sm90 takes its warp-specialized path (one sequence x 128 v-heads already).
+        pool[2] = FuzzSpec(hi, hi, 32, 128, row.dtypes[0], row.state_layouts[-1], False, True, True)
+        pool[3] = FuzzSpec(hi, hi, 64, 128, row.dtypes[-1], "kv", False, False, True,
+                           pool="state_pool" in row.features)
     max_tokens = 200 if cpu else 6000
     cp_rng = random.Random(f"{backend}-{seed}-context-parallel")
     runs_cp = "context_parallel" in row.features
@@ -306,9 +314,23 @@ def test_draws_cover_the_classes():
     assert forced and any(c.lengths and max(c.lengths) > 64 * c.context_parallel for c in forced)
     assert any(s.pool for s in {c.spec for c in forced})
     assert draw_cases("triton_generic", 0, 10) == draw_cases("triton_generic", 0, 10)
-    gluon = {c.spec for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)}
+    gluon_cases = [c for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)]
+    gluon = {c.spec for c in gluon_cases}
     assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \
         {(s.K, s.V) for s in gluon} >= {(64, 128), (128, 64)}
+    # Calls gluon_sm90 runs on its warp-specialized path on a 132-SM H100/H200: K = V =
+    # 128, no l2 norm, no forced segments, (sequence, v-head) pairs >= 3/4 of the SMs;
+    # with tails, a pool and both layouts among them.
+    from gdn_dispatch.backends.gluon_sm90.fused import MIN_SM_SHARE
+
+    def sequences(c):
+        return len(c.lengths) if c.lengths else c.batch[0]
+
+    wide = [c for c in gluon_cases if c.spec.K == c.spec.V == 128 and not c.spec.l2
+            and c.context_parallel == "auto" and sequences(c) * c.spec.HV >= MIN_SM_SHARE * 132]
+    assert len(wide) >= 20
+    assert any(c.spec.pool for c in wide) and {c.spec.layout for c in wide} == {"kv", "vk"}
+    assert any(c.lengths and {1, 63, 65} & set(c.lengths) for c in wide)
 
 
 @pytest.mark.parametrize("backend", ["gluon_sm90", "gluon_sm100"])
