@@ -51,8 +51,9 @@ def test_plan_wy_uniform_batch(capability):
     assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
     # No tails: every chunk is a whole tile, so the scatter row descriptors are None constexprs.
     assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "ENGINE": _engine(capability),
-                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs", "w_rows_desc": None,
-                                 "u_rows_desc": None}
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem",
+                                 "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16" and capability == SM90,
+                                 "w_rows_desc": None, "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -68,7 +69,8 @@ def test_plan_wy_varlen_tails_l2_fp16():
     # Chunk slots: T // 64 + N = 323 // 64 + 6 (the 8 chunks and 3 idle slots) x HV.
     assert launch.grid == ((323 // 64 + 6) * 2,)
     assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "ENGINE": _engine(SM90),
-                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT == "regs", "w_rows_desc": None,
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem",
+                                 "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16", "w_rows_desc": None,
                                  "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
@@ -110,7 +112,7 @@ def test_plan_wy_variants(capability):
 
 
 def test_plan_wy_rejects_an_unknown_variant():
-    with pytest.raises(ValueError, match=r"variant must be one of \('smem', 'regs'\), got 'tmem'"):
+    with pytest.raises(ValueError, match=r"variant must be one of \('smem', 'regs', 'f16'\), got 'tmem'"):
         wy.plan_wy(_problem(), SM90, "tmem")
 
 
@@ -133,6 +135,25 @@ def test_regs_variant_compiles_to_register_operands(capability):
         reg_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k8\.f32\.tf32\.tf32 \{[^}]*\}, \{", report.ptx)
         assert len(reg_a) == 80
         assert report.ptx.count("shfl.sync.idx") <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails):
+    """The T kernel's sm_90a inverse: its ten products as 40 fp16 wgmmas (k16 steps) with the
+    left operand in registers, the tf32 redo's 80 beside them, and no spills at the cap."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
+    kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.specialization == spec)
+    assert kernel.constexprs["F16_INVERSE"] is True
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes == 0 and report.registers <= wy_t.WY_T_MAXNREG_SM90
+    f16_reg_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.f16\.f16 \{[^}]*\}, \{", report.ptx)
+    tf32 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k8\.f32\.tf32\.tf32", report.ptx)
+    assert (len(f16_reg_a), len(tf32)) == (40, 80)
 
 
 def test_forward_plans_wy_first():

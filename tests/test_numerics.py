@@ -119,3 +119,55 @@ def test_correlated_keys_are_correlated():
     cos = (k @ k.T).fill_diagonal_(0)
     assert cos.sum() / (64 * 63) > 0.9
     assert float(call["beta"].min()) >= 0.5 and float(call["g"].min()) >= -0.01
+
+
+def _t_tiles_reference(p, g_cum):
+    """float64 T_u = T diag(beta) of every chunk and v-head, gathered as wy_t_fwd lays its
+    tiles out (with tails, sequence n's chunks start at slot cu[n] // 64 + n), and the
+    kernel rows that hold them: (rows of t_tiles, [rows, 64] reference)."""
+    from gdn_dispatch.backends.gluon_common.launch_plan import has_tails
+
+    T = _exact_inverse(p, g_cum)  # [B*T, HV, 64]: row t of its chunk
+    beta = p.beta.reshape(-1, p.HV).double()
+    tails = has_tails(p)
+    rows, ref = [], []
+    cu = p.chunks.cu_seqlens_host.tolist()
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        for c0 in range(bos, eos, 64):
+            r = min(64, eos - c0)
+            slot = c0 // 64 + n if tails else c0 // 64
+            for h in range(p.HV):
+                base = (slot * p.HV + h) * 128 + 64
+                tile = torch.zeros(64, 64, dtype=torch.float64, device=T.device)
+                tile[:r, :r] = T[c0:c0 + r, h, :r] * beta[c0:c0 + r, h][None, :]
+                rows.append(torch.arange(base, base + 64, device=T.device))
+                ref.append(tile)
+    return torch.cat(rows), torch.cat(ref)
+
+
+@pytest.mark.parametrize("device", _device_params(gluon=True))
+@pytest.mark.parametrize("case", ["cosine-0.9", "cosine-0.99", "beyond-fp16-range"])
+def test_gluon_t_tiles_against_float64(device, case, monkeypatch):
+    """The T kernel of the warp-specialized path (on sm_90a its inverse runs on fp16
+    operands): T_u against float64, with correlated keys, and with keys so long that A's
+    entries (about 1e5) and T's leave fp16's range, where the kernel must redo the inverse
+    in tf32 (an fp16 result would hold inf / NaN there)."""
+    from gdn_dispatch.backends.gluon_common.wy_t import plan_wy_t, wy_t_fwd
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if case == "beyond-fp16-range":
+        call = random_call(lengths=[3, 2, 130, 3], H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, device=device,
+                           seed=5, key_cosine=0.9)
+        k = call["k"]
+        k[0, :5] *= 300.0  # the first two sequences
+        k[0, -3:] *= 300.0  # and the last
+    else:
+        call = random_call(lengths=[130, 64, 1], H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, device=device,
+                           seed=3, key_cosine=float(case.split("-")[1]))
+    p = make_problem(**call)
+    t_tiles, g_cum = wy_t_fwd(p.k, p.g, p.beta, p.chunks, plan_wy_t(p, torch.cuda.get_device_capability()))
+    rows, ref = _t_tiles_reference(p, g_cum)
+    got = t_tiles[rows].double()
+    assert torch.isfinite(got).all()
+    # T_u is rounded to bf16 (2^-9 relative); the inverse's own error is about 1e-3.
+    assert rel_rms_error(got, ref) < 5e-3

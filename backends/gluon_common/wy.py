@@ -36,6 +36,14 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   ``d^3 = (d^2 a)`` on the diagonal blocks; ``x <- x - (x n) x``. The same blocks of T and
   A as "smem" (no powers beyond d^3), 5 tile stores, and the operands go in a k order
   where a product's result already is wgmma's register operand (no shuffles).
+* "f16" (sm_90a; elsewhere as "regs"): "regs" with fp16 operands, fp32 accumulation
+  (:func:`_unit_lower_inverse_f16`). fp16 has tf32's 11 significant bits (rounded, where
+  tf32 inputs are truncated) at twice the MMA rate and half the operand bytes, but not its
+  range: a program whose T has an entry beyond 32768 or one not finite (any operand entry
+  beyond 65504 ends there) forms A again and redoes the inverse in tf32, so no call loses
+  range. On the H200 it made the T kernel 3% (4 x 8192) to 8% (ragged) faster and the
+  w/u kernel 3-5%, at 3e-5 from the tf32 result: the programs are bound by instruction
+  issue (masks, conversions, stores), not by the tensor cores.
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -192,6 +200,63 @@ def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.conste
 
 
 @gluon.jit
+def _unit_lower_inverse_f16(a, a_smem, x_smem, bar, ENGINE: gl.constexpr, pin=0):
+    """:func:`_unit_lower_inverse_regs` on sm_90a with fp16 operands (fp32 accumulation):
+    the same products and blocks, at twice tf32's MMA rate and half its operand bytes.
+    fp16 keeps tf32's 11 significant bits (rounded, where tf32 inputs are truncated), but
+    not its range: an operand entry beyond 65504 becomes inf, which reaches the result
+    (``inf * 0`` is NaN in every column it meets, and x only ever has y's subtracted), so
+    :func:`chunk_t` checks the result and redoes the inverse in tf32 where it is not
+    finite and small. ``a_smem`` / ``x_smem``: fp32 [64, 64] buffers, used through fp16
+    views of their first bytes; ``pin`` as there."""
+    BT: gl.constexpr = a.shape[0]
+    layout: gl.constexpr = a.type.layout
+    f16_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float16)
+    a16 = _alias(a_smem, gl.float16, f16_layout)
+    x16 = _alias(x_smem, gl.float16, f16_layout)
+    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)) + pin, 1)
+    j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
+    acc = ENGINE.acc_alloc(BT, BT)
+    a16.store(a.to(gl.float16))
+    # Every product reads a16 through the async proxy.
+    fence_async_shared()
+    # 4 x 4 diagonal blocks: (I + d)^-1 = I - d + d^2 - d^3, as d^4 = 0.
+    d = _block_mask(a, i, j, 2, False)
+    acc = ENGINE.mma_reg_a(d, a16, a16, acc, False, bar)
+    acc = ENGINE.mma_wait(acc, bar, 0)
+    p = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
+    acc = ENGINE.mma_reg_a(p, a16, a16, acc, False, bar)
+    x = gl.where(i == j, 1.0, 0.0) - d + p
+    acc = ENGINE.mma_wait(acc, bar, 1)
+    x = x - _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
+    # Blocks of 4 -> 8 -> 16 -> 32 -> 64: x <- x - (x n) x, as in the tf32 version.
+    for level in gl.static_range(2, 6):
+        acc = ENGINE.mma_reg_a(x, a16, a16, acc, False, bar)
+        # x16 is free (the product that read it was waited on): store x while x a runs.
+        x16.store(x.to(gl.float16))
+        fence_async_shared()
+        acc = ENGINE.mma_wait(acc, bar, 0)
+        y = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, level, True)
+        acc = ENGINE.mma_reg_a(y, a16, x16, acc, False, bar)
+        acc = ENGINE.mma_wait(acc, bar, 1)
+        x = x - gl.convert_layout(ENGINE.acc_read(acc), layout)
+    return x
+
+
+#: Largest |T| entry :func:`chunk_t` keeps from the fp16 inverse: half fp16's range, so an
+#: entry that only grew near the top of the range is redone in tf32 too.
+F16_INVERSE_LIMIT = gl.constexpr(32768.0)
+
+
+@gluon.jit
+def _unsafe_entries(t):
+    """How many entries of ``t`` are not finite or reach :data:`F16_INVERSE_LIMIT` (NaN
+    compares false, so it counts)."""
+    bad = gl.where(gl.abs(t) < F16_INVERSE_LIMIT, 0, 1)
+    return gl.sum(gl.sum(bad, 1), 0)
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -258,7 +323,8 @@ def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
 
 @gluon.jit
 def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op1, lhs_smem, kk_bar, inv_bar,
-            LHS_REGS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+            LHS_REGS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
+            F16_INVERSE: gl.constexpr = False):
     """One chunk's ``T = (I + A)^-1`` (fp32 [64, 64] registers) from its k tile in
     ``k_smem`` (landed), and T's column scales for w (``beta 2^g r``) and u (``beta``) in
     T's column slice; writes the chunk's gate cumsum to ``g_cum`` (:func:`_chunk_gates`).
@@ -273,7 +339,24 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, 0))
     g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
     a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-    if LHS_REGS:
+    if F16_INVERSE:
+        gl.static_assert(not ENGINE.IS_SM100, "the fp16 inverse reads its left operands from registers (sm_90a)")
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        w_scale = gl.convert_layout(w_scale, flat)
+        u_scale = gl.convert_layout(u_scale, flat)
+        t = _unit_lower_inverse_f16(a, op0, op1, inv_bar, ENGINE)
+        if _unsafe_entries(t) > 0:
+            # Rare (entries of A or T near fp16's range): the same T in tf32, from A (and the
+            # gate cumsum, rewritten as it was) formed again rather than kept alive across
+            # the fp16 inverse in 34 more registers, which spilled.
+            kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+            kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, 1))
+            g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+            a, _, _ = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+            t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
+        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
+        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+    elif LHS_REGS:
         # The scales wait out the inverse in one register each, not 16.
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         w_scale = gl.convert_layout(w_scale, flat)
@@ -301,7 +384,7 @@ def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
     g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-    LHS_REGS: gl.constexpr,
+    LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -352,7 +435,7 @@ def _wy_fwd_kernel(
     if LHS_REGS:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), True,
-                                      USE_L2NORM, ENGINE)
+                                      USE_L2NORM, ENGINE, F16_INVERSE)
     else:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       lhs_smem, rhs_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), False,
@@ -391,9 +474,12 @@ WY_MAXNREG_SM90 = 168
 #: operands of each of the ten products (:func:`_unit_lower_inverse`); "regs" reads the left
 #: one from registers on sm_90a and stores only a once and x once per level
 #: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
-WY_VARIANTS = ("smem", "regs")
+WY_VARIANTS = ("smem", "regs", "f16")
 #: The variant plan_wy picks when none is asked for: "regs" (1.26-1.35x faster than "smem"
-#: on the H200 at the same error). "smem" stays selectable for comparisons.
+#: on the H200 at the same error). "smem" stays selectable for comparisons; "f16" (3-5%
+#: faster here) is what the T kernel of the warp-specialized path runs, and stays off this
+#: kernel's default until the whole GPU tier has run with it (and its one l2 specialization,
+#: K = V = 128 with tails, spills 12 bytes).
 WY_DEFAULT_VARIANT = "regs"
 
 
@@ -451,13 +537,14 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
         raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
-    lhs_regs = variant == "regs"
+    lhs_regs = variant in ("regs", "f16")
     engine = resolve_engine(info, engine)
     is_sm100 = engine.is_sm100
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(H, HV, K, V, dtype),
-        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs})
+        {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs,
+         "F16_INVERSE": variant == "f16" and not is_sm100})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
