@@ -37,7 +37,7 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   A as "smem" (no powers beyond d^3), 5 tile stores, and the operands go in a k order
   where a product's result already is wgmma's register operand (no shuffles).
 * "f16" (sm_90a; elsewhere as "regs"): "regs" with fp16 operands, fp32 accumulation
-  (:func:`_unit_lower_inverse_f16`). fp16 has tf32's 11 significant bits (rounded, where
+  (:func:`_unit_lower_inverse_regs` with ``F16``). fp16 has tf32's 11 significant bits (rounded, where
   tf32 inputs are truncated) at twice the MMA rate and half the operand bytes, but not its
   range: a program whose T has an entry beyond 32768 or one not finite (any operand entry
   beyond 65504 ends there) forms A again and redoes the inverse in tf32, so no call loses
@@ -153,7 +153,30 @@ def _unit_lower_inverse(a, lhs_smem, rhs_smem, bar, ENGINE: gl.constexpr):
 
 
 @gluon.jit
-def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.constexpr, pin=0):
+def _operand_store(x, F16: gl.constexpr):
+    """``x`` (fp32 registers) as an inverse product's right operand is stored: fp16, or
+    fp32 in the k order of :func:`E.tf32_rhs_order` (tf32)."""
+    if F16:
+        y = x.to(gl.float16)
+    else:
+        y = E.tf32_rhs_order(x)
+    return y
+
+
+@gluon.jit
+def _operand_lhs(x, F16: gl.constexpr):
+    """``x`` as an inverse product's left operand (registers): as it is for fp16, in the k
+    order of :func:`E.tf32_lhs_order` for tf32 (a product's result then needs no shuffle)."""
+    if F16:
+        y = x
+    else:
+        y = E.tf32_lhs_order(x)
+    return y
+
+
+@gluon.jit
+def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.constexpr, pin=0,
+                             F16: gl.constexpr = False):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile: :func:`_unit_lower_inverse`'s
     blocks, with the left operand of every product in registers (``lhs_smem`` stages it on
     sm_100a only) and the right one either ``a`` (stored once) or ``x`` (once per level).
@@ -163,6 +186,14 @@ def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.conste
     every product reads the same stored ``a``. Both operands go in the k order of
     :func:`E.tf32_lhs_order`, where a product's result is already a left operand.
 
+    ``F16`` (sm_90a): fp16 operands, fp32 accumulation, through fp16 views of the first
+    bytes of ``a_smem`` / ``x_smem`` (``lhs_smem`` unused): the same products and blocks at
+    twice tf32's MMA rate and half its operand bytes. fp16 keeps tf32's 11 significant bits
+    (rounded, where tf32 inputs are truncated) but not its range: an operand entry beyond
+    65504 becomes inf, which reaches the result (``inf * 0`` is NaN in every column it
+    meets, and x only ever has y's subtracted), so :func:`chunk_t` checks the result and
+    redoes the inverse in tf32 where it is not finite and small.
+
     ``pin``: 0, added to the row indices. Inside a loop over chunks, pass a zero the
     compiler cannot prove (one computed from a loop value): the block masks are then
     rebuilt per chunk instead of hoisted out of the loop, where their predicates would
@@ -170,74 +201,41 @@ def _unit_lower_inverse_regs(a, a_smem, x_smem, lhs_smem, bar, ENGINE: gl.conste
     """
     BT: gl.constexpr = a.shape[0]
     layout: gl.constexpr = a.type.layout
+    if F16:
+        gl.static_assert(not ENGINE.IS_SM100, "fp16 inverse operands: sm_90a only")
+        f16_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float16)
+        a_op = _alias(a_smem, gl.float16, f16_layout)
+        x_op = _alias(x_smem, gl.float16, f16_layout)
+        lhs_op = a_op
+        acc = ENGINE.acc_alloc(BT, BT)
+    else:
+        a_op = a_smem
+        x_op = x_smem
+        lhs_op = lhs_smem
+        acc = ENGINE.acc_alloc_tf32(BT, BT)
     i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)) + pin, 1)
     j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
-    acc = ENGINE.acc_alloc_tf32(BT, BT)
-    a_smem.store(E.tf32_rhs_order(a))
-    # Every product reads a_smem through the async proxy.
+    a_op.store(_operand_store(a, F16))
+    # Every product reads a through the async proxy.
     fence_async_shared()
     # 4 x 4 diagonal blocks: (I + d)^-1 = I - d + d^2 - d^3, as d^4 = 0.
     d = _block_mask(a, i, j, 2, False)
-    acc = ENGINE.mma_reg_a(E.tf32_lhs_order(d), lhs_smem, a_smem, acc, False, bar)
+    acc = ENGINE.mma_reg_a(_operand_lhs(d, F16), lhs_op, a_op, acc, False, bar)
     acc = ENGINE.mma_wait(acc, bar, 0)
     p = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
-    acc = ENGINE.mma_reg_a(E.tf32_lhs_order(p), lhs_smem, a_smem, acc, False, bar)
+    acc = ENGINE.mma_reg_a(_operand_lhs(p, F16), lhs_op, a_op, acc, False, bar)
     x = gl.where(i == j, 1.0, 0.0) - d + p
     acc = ENGINE.mma_wait(acc, bar, 1)
     x = x - _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
     # Blocks of 4 -> 8 -> 16 -> 32 -> 64 (2^level -> 2^(level + 1)): x <- x - (x n) x.
     for level in gl.static_range(2, 6):
-        acc = ENGINE.mma_reg_a(E.tf32_lhs_order(x), lhs_smem, a_smem, acc, False, bar)
-        # x_smem is free (the product that read it was waited on): store x while x a runs.
-        x_smem.store(E.tf32_rhs_order(x))
+        acc = ENGINE.mma_reg_a(_operand_lhs(x, F16), lhs_op, a_op, acc, False, bar)
+        # x's buffer is free (the product that read it was waited on): store x while x a runs.
+        x_op.store(_operand_store(x, F16))
         fence_async_shared()
         acc = ENGINE.mma_wait(acc, bar, 0)
         y = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, level, True)
-        acc = ENGINE.mma_reg_a(E.tf32_lhs_order(y), lhs_smem, x_smem, acc, False, bar)
-        acc = ENGINE.mma_wait(acc, bar, 1)
-        x = x - gl.convert_layout(ENGINE.acc_read(acc), layout)
-    return x
-
-
-@gluon.jit
-def _unit_lower_inverse_f16(a, a_smem, x_smem, bar, ENGINE: gl.constexpr, pin=0):
-    """:func:`_unit_lower_inverse_regs` on sm_90a with fp16 operands (fp32 accumulation):
-    the same products and blocks, at twice tf32's MMA rate and half its operand bytes.
-    fp16 keeps tf32's 11 significant bits (rounded, where tf32 inputs are truncated), but
-    not its range: an operand entry beyond 65504 becomes inf, which reaches the result
-    (``inf * 0`` is NaN in every column it meets, and x only ever has y's subtracted), so
-    :func:`chunk_t` checks the result and redoes the inverse in tf32 where it is not
-    finite and small. ``a_smem`` / ``x_smem``: fp32 [64, 64] buffers, used through fp16
-    views of their first bytes; ``pin`` as there."""
-    BT: gl.constexpr = a.shape[0]
-    layout: gl.constexpr = a.type.layout
-    f16_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float16)
-    a16 = _alias(a_smem, gl.float16, f16_layout)
-    x16 = _alias(x_smem, gl.float16, f16_layout)
-    i = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, layout)) + pin, 1)
-    j = gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(0, layout)), 0)
-    acc = ENGINE.acc_alloc(BT, BT)
-    a16.store(a.to(gl.float16))
-    # Every product reads a16 through the async proxy.
-    fence_async_shared()
-    # 4 x 4 diagonal blocks: (I + d)^-1 = I - d + d^2 - d^3, as d^4 = 0.
-    d = _block_mask(a, i, j, 2, False)
-    acc = ENGINE.mma_reg_a(d, a16, a16, acc, False, bar)
-    acc = ENGINE.mma_wait(acc, bar, 0)
-    p = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
-    acc = ENGINE.mma_reg_a(p, a16, a16, acc, False, bar)
-    x = gl.where(i == j, 1.0, 0.0) - d + p
-    acc = ENGINE.mma_wait(acc, bar, 1)
-    x = x - _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, 2, False)
-    # Blocks of 4 -> 8 -> 16 -> 32 -> 64: x <- x - (x n) x, as in the tf32 version.
-    for level in gl.static_range(2, 6):
-        acc = ENGINE.mma_reg_a(x, a16, a16, acc, False, bar)
-        # x16 is free (the product that read it was waited on): store x while x a runs.
-        x16.store(x.to(gl.float16))
-        fence_async_shared()
-        acc = ENGINE.mma_wait(acc, bar, 0)
-        y = _block_mask(gl.convert_layout(ENGINE.acc_read(acc), layout), i, j, level, True)
-        acc = ENGINE.mma_reg_a(y, a16, x16, acc, False, bar)
+        acc = ENGINE.mma_reg_a(_operand_lhs(y, F16), lhs_op, x_op, acc, False, bar)
         acc = ENGINE.mma_wait(acc, bar, 1)
         x = x - gl.convert_layout(ENGINE.acc_read(acc), layout)
     return x
@@ -344,7 +342,7 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         w_scale = gl.convert_layout(w_scale, flat)
         u_scale = gl.convert_layout(u_scale, flat)
-        t = _unit_lower_inverse_f16(a, op0, op1, inv_bar, ENGINE)
+        t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE, F16=True)
         if _unsafe_entries(t) > 0:
             # Rare (entries of A or T near fp16's range): the same T in tf32, from A (and the
             # gate cumsum, rewritten as it was) formed again rather than kept alive across

@@ -85,7 +85,7 @@ def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
     return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
 
 
-#: The inverse on fp16 operands on sm_90a (:func:`.wy._unit_lower_inverse_f16`; 3-8%
+#: The inverse on fp16 operands on sm_90a (:func:`.wy._unit_lower_inverse_regs` with ``F16``; 3-8%
 #: faster than tf32 on the H200, equal to 3e-5).
 WY_T_F16_INVERSE = True
 
