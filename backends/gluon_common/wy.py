@@ -39,9 +39,9 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
 * "f16" (sm_90a; elsewhere as "regs"): "regs" with fp16 operands, fp32 accumulation
   (:func:`_unit_lower_inverse_regs` with ``F16``). fp16 has tf32's 11 significant bits
   (rounded, where tf32 inputs are truncated) at twice the MMA rate and half the operand
-  bytes, but not its range: a program whose T has an entry beyond 32768 or one not finite (any operand entry
-  beyond 65504 ends there) forms A again and redoes the inverse in tf32, so no call loses
-  range. On the H200 it made the T kernel 3% (4 x 8192) to 8% (ragged) faster and the
+  bytes, but not its range: a program whose T has an entry beyond 32768 or one not
+  finite (any operand entry beyond 65504 ends there) forms A again and redoes the inverse
+  in tf32, so no call loses range. On the H200 it made the T kernel 3% (4 x 8192) to 8% (ragged) faster and the
   w/u kernel 3-5%, at 3e-5 from the tf32 result: the programs are bound by instruction
   issue (masks, conversions, stores), not by the tensor cores.
 
