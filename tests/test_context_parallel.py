@@ -503,6 +503,43 @@ def test_gluon_plan_call_runs_segments(arch, shape, request_, seg_len):
     assert off.kernels == ("wy_fwd", "state_output_fwd")
 
 
+@pytest.mark.parametrize("lengths, L, busy", [
+    (None, 2048, 2 * 2),  # uniform 2 x 4096: 6 slots, the one past each sequence empty
+    ([0, 4096, 100, 2049], 2048, 0 + 2 + 1 + 2),
+    ([64, 0, 0], 64, 1),
+    ([1, 2, 3], 1024, 3),
+])
+def test_busy_segment_slots_count_the_slots_with_tokens(lengths, L, busy):
+    """The slots with tokens, against the segment offsets the table kernel writes (computed
+    on the host): a slot holds tokens where its offsets differ."""
+    shape = dict(batch=(2, 4096)) if lengths is None else dict(lengths=lengths)
+    chunks = make_problem(**random_call(**shape, H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
+    assert GLUON_FORWARD.busy_segment_slots(chunks, L) == busy
+    offsets = GLUON_FORWARD.segment_offsets_host(chunks, L).tolist()
+    assert sum(b > a for a, b in zip(offsets, offsets[1:])) == busy
+
+
+def test_busy_segment_slots_need_host_offsets():
+    call = random_call(lengths=[4096, 100], H=1, HV=1, K=8, V=8, dtype=torch.float32)
+    call.pop("cu_seqlens_cpu")
+    assert GLUON_FORWARD.busy_segment_slots(make_problem(**call).chunks, 2048) is None
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-offsets", "device-offsets-only"])
+def test_pass_two_picks_its_v_block_on_the_slots_with_tokens(host):
+    """16 segments of one 32768-token sequence on 4 v-heads fill 17 slots on the H200's
+    132 SMs: the 128 programs with tokens fit one wave at BV 64, where counting the empty
+    slot (136 programs) took BV 128 (0.297 ms against 0.266 forced at BV 64,
+    benchmarks/RESULTS.md). Without a host copy of the offsets, all slots count."""
+    call = random_call(lengths=[32768], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=2)
+    if not host:
+        call.pop("cu_seqlens_cpu")
+    planned = GLUON_FORWARD.plan_call(make_problem(**call, output_final_state=True, context_parallel=16),
+                                      assumed_device("sm_90"))
+    assert planned.context_parallel.num_segments == 17
+    assert planned.state_output.blocks["BV"] == (64 if host else 128)
+
+
 def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
     call = random_call(batch=(4, 8192), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16)
     planned = GLUON_FORWARD.plan_call(make_problem(**call), assumed_device("sm_90"))

@@ -134,27 +134,32 @@ class ClassPlan:
     def flags(self) -> tuple:
         return (self.capability, self.is_sm100, self.state_layout, self.has_tails)
 
-    def launches_for(self, num_seqs: int, fused: bool = True) -> tuple[LaunchPlan, ...]:
+    def launches_for(self, num_seqs: int, fused: bool = True, busy_seqs: int | None = None) -> tuple[LaunchPlan, ...]:
         """The launches of a call of ``num_seqs`` sequences: the warp-specialized path
         where the class has one, ``fused`` allows it and the call's programs fill the SMs
         (:attr:`fused_min_programs`); else the front, then the fused kernel in the
-        configuration :func:`.state_output.state_output_config` picks."""
+        configuration :func:`.state_output.state_output_config` picks for the ``busy_seqs``
+        sequences that hold tokens (None: all ``num_seqs``; a program of an empty one
+        exits at once, so it takes no place in a wave)."""
         if fused and self.fused is not None and num_seqs * self.HV >= self.fused_min_programs:
             return self.fused
-        config = state_output_config(self.K, self.V, num_seqs * self.HV, self.sm_count, self.elem,
+        busy = num_seqs if busy_seqs is None else busy_seqs
+        config = state_output_config(self.K, self.V, busy * self.HV, self.sm_count, self.elem,
                                      smem_per_block=self.smem_per_block)
         return (*self.front, self.state_outputs[config])
 
-    def for_call(self, rows: int, num_seqs: int, fused: bool = True) -> ForwardPlan:
-        """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences
-        (memoized per counts, bounded: calls with the same counts get the same object);
-        ``fused=False`` keeps it on the two-launch pipeline (context parallelism's passes)."""
-        counts = (rows, num_seqs, fused)
+    def for_call(self, rows: int, num_seqs: int, fused: bool = True, busy_seqs: int | None = None) -> ForwardPlan:
+        """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
+        ``busy_seqs`` of them holding tokens where the host knows it (memoized per counts,
+        bounded: calls with the same counts get the same object); ``fused=False`` keeps it
+        on the two-launch pipeline (context parallelism's passes)."""
+        counts = (rows, num_seqs, fused, busy_seqs)
         fp = self.by_counts.get(counts)
         if fp is None:
             if len(self.by_counts) >= COUNTS_KEPT:
                 self.by_counts.clear()
-            fp = self.by_counts[counts] = ForwardPlan(self, self.launches_for(num_seqs, fused), rows, num_seqs)
+            fp = self.by_counts[counts] = ForwardPlan(self, self.launches_for(num_seqs, fused, busy_seqs), rows,
+                                                      num_seqs)
         return fp
 
 
@@ -197,7 +202,7 @@ def clear_plan_cache() -> None:
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,
-         *, engine=None, fused: bool = True) -> ForwardPlan:
+         *, engine=None, fused: bool = True, busy_seqs: int | None = None) -> ForwardPlan:
     """Dry run of the Gluon forward for ``problem``.
 
     The launch plans are memoized per call class (:func:`plan_key`): every call of a class
@@ -213,6 +218,10 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     engine : the matrix engine, as the launching backend passes it (its ``ENGINE``);
         None takes the one registry.toml's Gluon row admits on the device (dry runs).
     fused : allow the engine's warp-specialized path (False: the two-launch pipeline).
+    busy_seqs : how many of the call's sequences hold tokens, where the host knows it
+        (context parallelism's pass 2: the segment slots with tokens,
+        :func:`.forward.busy_segment_slots`); None: all of them. The fused kernel's
+        V-block is chosen on these.
 
     Returns
     -------
@@ -238,7 +247,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     else:
         PLAN_COUNTS["hits"] += 1
     q = problem.q.shape
-    return cls.for_call(q[0] * q[1], problem.chunks.num_seqs, fused)
+    return cls.for_call(q[0] * q[1], problem.chunks.num_seqs, fused, busy_seqs)
 
 
 def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ClassPlan:
