@@ -86,6 +86,8 @@ class CompileReport:
     shared_bytes: int
     tmem_columns: int
     instructions: dict
+    #: Triton's GPU-level IR of the kernel (where warp-specialized partitions are regions).
+    ttgir: str = ""
 
     def row(self) -> list[str]:
         k = self.kernel
@@ -146,7 +148,7 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     tmem = int(getattr(compiled.metadata, "tmem_size", 0) or 0)
     return CompileReport(kernel=kernel, target=f"sm_{target.arch}", ptx=ptx, registers=registers,
                          spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), tmem_columns=tmem,
-                         instructions=found)
+                         instructions=found, ttgir=compiled.asm.get("ttgir", ""))
 
 
 def backends_for_target(capability: tuple[int, int]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 gluon_mod = pytest.importorskip("triton.experimental.gluon")
@@ -23,9 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.backends.gluon_common import engine as E  # noqa: E402
 from gdn_dispatch.backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
 from gdn_dispatch.aot import AotKernel, compile_kernel  # noqa: E402
-from gdn_dispatch.device import SMEM_OPTIN  # noqa: E402
+from gdn_dispatch.device import SMEM_OPTIN, assumed_device  # noqa: E402
 
 from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
@@ -217,6 +219,71 @@ def test_gluon_sm90_kernel_compiles(kernel):
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
         assert {120, 192} <= budgets, budgets
         assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
+
+
+def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """How often each op of ``names`` occurs in each region of the kernel's one
+    ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""
+    counts, region = {}, "outside"
+    for line in ttgir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("default {"):
+            region = "default"
+        elif re.match(r"partition\d+\(", stripped):
+            region = stripped.split("(")[0]
+        for name in names:
+            if name in stripped:
+                counts.setdefault(region, {}).setdefault(name, 0)
+                counts[region][name] += 1
+    return counts
+
+
+def _sm100_twin_entries():
+    from gdn_dispatch.backends.gluon_sm100 import fused
+
+    return [pytest.param(k, id=k.specialization)
+            for k in fused.fused_kernels_for_aot(SM100, "gluon_sm100", engine=gluon_sm100.ENGINE)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", _sm100_twin_entries())
+def test_sm100_fused_twin_compiles(kernel):
+    """gluon_sm100's warp-specialized kernel (compiled only: never run, not routed): no
+    spills; shared memory as planned, within the opt-in limit; all 512 TMEM columns and no
+    more; every tcgen05 MMA and commit issued from the one MMA partition (the second
+    worker), every TMA load from the load partition (the third), the state partition
+    (default) and the aux one (the first) only reading and writing tensor memory; the
+    registers split per partition (aux 152, the two one-warp partitions 24)."""
+    from gdn_dispatch.backends.gluon_sm100 import fused
+    from gdn_dispatch.testing import random_problem
+
+    report = compile_kernel(kernel, SM100)
+    assert report.spill_bytes == 0
+    planned = fused.fused_smem_bytes(128, 128, 2)
+    assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM100]
+    assert report.tmem_columns == fused.TMEM_COLUMNS == TMEM_COLUMNS
+    assert "trap;" not in report.ptx
+    ops = _partition_ops(report.ttgir, ("ttng.tc_gen5_mma", "ttng.tc_gen5_commit", "ttng.async_tma_copy_global_to_local",
+                                        "ttng.tmem_load", "ttng.tmem_store"))
+    mma = {region: c["ttng.tc_gen5_mma"] for region, c in ops.items() if "ttng.tc_gen5_mma" in c}
+    commits = {region for region, c in ops.items() if "ttng.tc_gen5_commit" in c}
+    loads = {region for region, c in ops.items() if "ttng.async_tma_copy_global_to_local" in c}
+    # qk, two w halves (one copy before the loop), u^T (one before the loop), P^T, O1^T,
+    # the update and O2^T.
+    assert mma == {"partition1": 11}, mma
+    assert commits == {"partition1"}, commits
+    assert loads == {"partition2"}, loads
+    assert "ttng.tmem_load" in ops["default"] and "ttng.tmem_store" in ops["default"]
+    assert "ttng.tmem_load" in ops["partition0"]
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    assert {int(fused.AUX_REGS), int(fused.WARP_REGS)} <= budgets, budgets
+    # A tail chunk's o goes out through the TMA scatter.
+    if kernel.constexprs["HAS_TAILS"]:
+        assert "tile::scatter4" in report.ptx
+    # Not offered to the forward: it has not run on a Blackwell GPU.
+    assert getattr(gluon_sm100.ENGINE, "fused", None) is None
+    p = random_problem(lengths=[70, 64], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16)
+    assert plan(p, device=assumed_device("sm_100")).fused is False
 
 
 def test_only_the_warp_specialized_kernel_may_spill():

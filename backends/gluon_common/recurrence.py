@@ -49,6 +49,20 @@ def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constex
 
 
 @gluon.jit
+def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid):
+    """A warp-specialized kernel's three gate vectors of one chunk into gate-ring slot
+    ``s`` (rows ``3 s .. 3 s + 2`` of the fp32 ``[6, BT]`` ring), from the chunk's
+    :func:`gate_rows` (``g_row`` in any 1-D layout, ``g_end`` its ``g_last``): the state
+    update's ``2^(g_last - g)`` (0 past the sequence's end, row ``n_valid`` on), the row
+    decay ``2^g`` of the output, and the chunk decay ``2^g_last`` in every element."""
+    BT: gl.constexpr = g_row.shape[0]
+    r = gl.arange(0, BT, layout=g_row.type.layout)
+    gate_ring.index(3 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0))
+    gate_ring.index(3 * s + 1).store(gl.exp2(g_row))
+    gate_ring.index(3 * s + 2).store(gl.full([BT], 0.0, gl.float32, g_row.type.layout) + gl.exp2(g_end))
+
+
+@gluon.jit
 def gate_decays(b_g, g_last, row, eos, BT: gl.constexpr):
     """Row mask, per-row decay ``2^(g_last - g)`` (0 past the sequence's end) and the
     chunk decay ``2^g_last`` of one chunk from its :func:`gate_rows`."""

@@ -80,6 +80,17 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def first_t_slot(bos, i_n, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
+    """The chunk slot of sequence ``i_n``'s first chunk (it starts at row ``bos``) in
+    ``t_tiles``: with tails every sequence starts a new slot (:func:`.wy.wy_chunks`)."""
+    if HAS_TAILS:
+        slot = bos // BT + i_n
+    else:
+        slot = bos // BT
+    return slot
+
+
 def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
     """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
     return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE

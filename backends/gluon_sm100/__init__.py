@@ -6,7 +6,9 @@ The pipeline kernels, their orchestrator and launch plans live in
 :mod:`gdn_dispatch.backends.gluon_common`, shared with gluon_sm90 (wgmma on Hopper); this
 package holds the Blackwell matrix engine (:mod:`.engine`: tcgen05 MMAs, TMEM
 accumulators, the TMA scatter store), hands it to the kernels as their ``ENGINE``
-constexpr, and hands them the device the registry chose.
+constexpr, and hands them the device the registry chose. :mod:`.fused` is the twin of
+gluon_sm90's warp-specialized kernel, compiled and checked ahead of time only: ``ENGINE``
+offers no fused path, so no call takes it until it has run on a Blackwell GPU.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
 and w/u are formed in [64, 64] halves so that the aux accumulators stay at 32.
 
 What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs those
-calls): the fused q/k l2 norm, context-parallel segments, K or V other than 128, and
-sm_100a (tcgen05 takes no register operand: its twin would keep ``S^T`` in TMEM).
+calls): the fused q/k l2 norm, context-parallel segments, K or V other than 128. On
+sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`, keeps
+``S^T`` in tensor memory (compiled and checked only, not routed).
 """
 
 from __future__ import annotations
@@ -53,16 +54,16 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import arg_names, thread_barrier, tma_load
+from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
+from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
-from gdn_dispatch.backends.gluon_common.launch_plan import (
-    BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, sig_dtype, tile_desc)
+from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, store_chunk_tile
-from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, walk_program
+from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
-    _aot_problem, fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy_t import t_tile_rows
+    fill_final_state_of_empty_call, state_buffers, state_constexprs)
+from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -135,12 +136,8 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        # The gate vectors: the state update's 2^(g_last - g) (0 past the end), the row
-        # decay 2^g of q h, and the chunk decay 2^g_last (in every element).
-        r = gl.arange(0, BT, layout=gate_layout)
-        gate_ring.index(3 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0))
-        gate_ring.index(3 * s + 1).store(gl.exp2(g_row))
-        gate_ring.index(3 * s + 2).store(gl.full([BT], 0.0, gl.float32, gate_layout) + gl.exp2(g_end))
+        # The gate vectors the state partition reads.
+        store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
         qk = warpgroup_mma_wait(0, deps=(qk,))
         # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
         s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
@@ -252,11 +249,7 @@ def _fused_fwd_kernel(
     dtype: gl.constexpr = k_desc.dtype
     i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
-    # The sequence's first chunk slot in t_tiles (with tails a sequence starts a new slot).
-    if HAS_TAILS:
-        slot0 = bos // BT + i_n
-    else:
-        slot0 = bos // BT
+    slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
@@ -413,11 +406,8 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
     tails or not x "kv"/"vk" with a float32 initial and final state; then without either
     or with one of them; pools (float32 "kv" int32 indices in place, bfloat16 "vk" int64
     indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens."""
-    device = as_device(capability)
-    base = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, pool=False, inplace=False,
-                state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
-    cases = [{**base, "dtype": dtype, "tails": tails, "vk": vk} for dtype in (torch.bfloat16, torch.float16)
-             for tails in (True, False) for vk in (False, True)]
+    base = BASE_CASE
+    cases = core_cases()
     cases += [{**base, **flip} for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True))]
     cases += [{**base, "pool": True, "inplace": True},
               {**base, "pool": True, "inplace": True, "vk": True, "state_dtype": torch.bfloat16,
@@ -425,26 +415,5 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "pool": True, "ht": False, "state_dtype": torch.bfloat16},
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
-    kernels = []
-    for case in cases:
-        problem = _aot_problem(128, 128, l2=False, **case)
-        launch = plan_fused(problem, device, engine=engine)
-        sig = {d.arg: d.signature for d in launch.descriptors}
-        sig.update(o_ptr="*" + sig_dtype(case["dtype"]), g_cum="*fp32", h0="*" + sig_dtype(case["state_dtype"]),
-                   ht="*fp32", state_indices="*" + sig_dtype(case["index_dtype"] if case["pool"] else case["cu_dtype"]),
-                   cu_seqlens="*" + sig_dtype(case["cu_dtype"]), scale="fp32", HV="i32", GROUP="i32", pool_size="i32")
-        sig.update({name: "constexpr" for name in launch.constexprs})
-        tag = "-".join([sig_dtype(case["dtype"]), "varlen" if case["tails"] else "dense", "vk" if case["vk"] else "kv",
-                        *(["h0"] if case["h0"] else []), *(["ht"] if case["ht"] else []),
-                        *([f"pool-{sig_dtype(case['state_dtype'])}-{sig_dtype(case['index_dtype'])}"
-                           + ("-inplace" if case["inplace"] else "")] if case["pool"] else []),
-                        *([f"state-{sig_dtype(case['state_dtype'])}"]
-                          if not case["pool"] and case["state_dtype"] != torch.float32 else []),
-                        *(["cu64"] if case["cu_dtype"] == torch.int64 else [])])
-        kernels.append(AotKernel(
-            backend=backend, kernel="fused_fwd", specialization=tag, fn=_fused_fwd_kernel,
-            signature={name: sig[name] for name in arg_names(_fused_fwd_kernel)},
-            constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-            attrs=pointer_attrs(_fused_fwd_kernel, ["o_ptr", "g_cum", "h0", "ht", "state_indices", "cu_seqlens"]),
-            spill_bytes_allowed=SPILL_BYTES))
-    return kernels
+    return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
+                             spill_bytes_allowed=SPILL_BYTES)
