@@ -373,11 +373,13 @@ def state_variants(spec: WarmupSpec) -> list[dict]:
     return variants
 
 
-def segmented_call(n: int, num_segments: int, **flags) -> WarmupCall:
+def segmented_call(n: int, num_segments: int, tail: bool = True, **flags) -> WarmupCall:
     """A call of ``n`` sequences that runs over ``num_segments`` (> n) segment slots: the
     last sequence long, the others empty, cut by a forced segment count into one-chunk
-    segments (its length leaves a tail, as a prompt's does)."""
-    long = CHUNK_SIZE * (num_segments - n) + 17
+    segments. With ``tail`` its length leaves a partial last chunk, as most prompts do;
+    without, it is whole chunks (the segments then have no tails, and the slot past its
+    end holds no tokens, which pass 2's configuration counts)."""
+    long = CHUNK_SIZE * (num_segments - n) + (17 if tail else 0)
     return WarmupCall((0,) * (n - 1) + (long,), None, context_parallel=-(-long // CHUNK_SIZE), **flags)
 
 
@@ -397,7 +399,8 @@ def segment_counts(spec: WarmupSpec, n: int, device: DeviceInfo, backend: str | 
     flags = dict(output_final_state=True, **state_variants(spec)[0])
     counts, seen, nseg = [], set(), n + 1
     while True:
-        keys = call_keys(spec, segmented_call(n, nseg, **flags), device, backend, tensor_device=tensor_device)[1]
+        keys = frozenset().union(*(call_keys(spec, segmented_call(n, nseg, tail, **flags), device, backend,
+                                             tensor_device=tensor_device)[1] for tail in (True, False)))
         if keys not in seen:
             counts.append(nseg)
             seen.add(keys)
@@ -413,8 +416,8 @@ def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tenso
     counts, previous = [], None
     for n in range(1, spec.max_num_seqs + 1):
         calls = [WarmupCall((CHUNK_SIZE,) * n, None, output_final_state=True, **state) for state in state_variants(spec)]
-        calls += [segmented_call(n, nseg, output_final_state=True, **state_variants(spec)[0])
-                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device))]
+        calls += [segmented_call(n, nseg, tail, output_final_state=True, **state_variants(spec)[0])
+                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device)) for tail in (True, False)]
         keys = frozenset().union(*(call_keys(spec, call, device, backend, tensor_device=tensor_device)[1]
                                    for call in calls))
         if keys != previous or n <= 2:
@@ -429,7 +432,7 @@ def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo,
     offsets, as ``spec.host_offsets`` says) and uniform; each last length of
     :data:`LAST_LENGTHS`; each state source, final-state flag and input layout of
     ``spec``; and, where context parallelism can cut N sequences, the segmented calls of
-    :func:`segment_counts` with each of those."""
+    :func:`segment_counts` with each of those, their long sequence with and without a tail."""
     calls = []
     variants = [dict(**state, output_final_state=ht, layout=layout) for state in state_variants(spec)
                 for ht in spec.final_states for layout in spec.input_layouts]
@@ -440,7 +443,8 @@ def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo,
             shapes.append(dict(lengths=None, batch=(n, last)))
             calls += [WarmupCall(**shape, **flags) for shape in shapes for flags in variants]
         for nseg in segment_counts(spec, n, device, backend, str(tensor_device)):
-            calls += [segmented_call(n, nseg, host_offsets=spec.host_offsets[0], **flags) for flags in variants]
+            calls += [segmented_call(n, nseg, tail, host_offsets=spec.host_offsets[0], **flags)
+                      for tail in (True, False) for flags in variants]
     return calls
 
 

@@ -377,6 +377,20 @@ def test_plan_covers_the_segmented_stream(backend):
     assert_plan_covers(plan, SEGMENTED_SPEC, device, segmented_stream(), backend)
 
 
+def test_plan_covers_prompts_of_whole_segments():
+    """Prompts whose lengths are multiples of the segment length leave an empty slot past
+    their end, and pass 2 then sizes its V-block on the slots with tokens (16 segments of
+    32768 tokens on 4 v-heads: BV 64, not the 128 the 17 slots alone give): the plan
+    covers those calls too, with and without host offsets (without them every slot counts)."""
+    device = assumed_device("sm_90")
+    plan = plan_warmup(SEGMENTED_SPEC, device)
+    stream = [WarmupCall((length,), None, initial_state=True, output_final_state=True, host_offsets=host)
+              for length in (16384, 32768) for host in (True, False)]
+    stream += [WarmupCall((2048, 0, 8192), None, initial_state=True, output_final_state=True),
+               WarmupCall(None, (2, 16384), initial_state=True, output_final_state=True)]
+    assert_plan_covers(plan, SEGMENTED_SPEC, device, stream)
+
+
 # --- GPU tier ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
