@@ -238,3 +238,23 @@ def test_path_with_a_state_pool(pool_dtype):
     untouched = torch.ones(pool.shape[0], dtype=torch.bool)
     untouched[indices[live].long().cpu()] = False
     assert torch.equal(pool[untouched.to(pool.device)], before[untouched.to(pool.device)])
+
+
+def test_the_sanitizer_names_the_warp_specialized_kernel():
+    """tests/sanitize.py leaves the warp-specialized kernel to memcheck and synccheck while
+    racecheck fails its control: the name it excludes must be the kernel's, and the
+    control must be there."""
+    import importlib.util
+    from pathlib import Path
+
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    path = Path(__file__).resolve().parent / "sanitize.py"
+    spec = importlib.util.spec_from_file_location("sanitize_under_test", path)
+    sanitize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sanitize)
+    names = {k.fn.__name__ for k in fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)}
+    assert set(sanitize.WARP_SPECIALIZED["gluon_sm90"]) == names == {"_fused_fwd_kernel"}
+    assert sanitize.CONTROL.is_file()
+    assert set(sanitize.WARP_SPECIALIZED) <= set(sanitize.CALLS)
