@@ -120,6 +120,8 @@ class Explanation:
     forced_by: str | None = None
     #: The context-parallel decision for the explained call (only with a problem).
     context_parallel: str | None = None
+    #: What the chosen backend launches for the call, where it can say (only with a problem).
+    launches: str | None = None
 
     def format(self) -> str:
         lines = []
@@ -130,6 +132,8 @@ class Explanation:
             lines.append(f"  {v.name:<{width}}  {v.status:<13}  {v.reason}")
         if self.context_parallel is not None:
             lines.append(f"  context parallel: {self.context_parallel}")
+        if self.launches is not None:
+            lines.append(f"  launches: {self.launches}")
         lines.append(f"selected: {self.selected or 'NONE'}")
         return "\n".join(lines)
 
@@ -374,7 +378,19 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
         verdicts.append(Verdict(spec.name, "selected", f"priority {spec.priority}{note}"))
     return Explanation(device=device, call=call, verdicts=tuple(verdicts), selected=selected,
                        forced=forced, forced_by=forced_by if forced else None,
-                       context_parallel=None if problem is None else _context_parallel_note(problem, device, selected, rows))
+                       context_parallel=None if problem is None else _context_parallel_note(problem, device, selected, rows),
+                       launches=None if problem is None else _launches_note(problem, device, selected, rows))
+
+
+def _launches_note(problem, device: DeviceInfo, selected: str | None, rows) -> str | None:
+    """The chosen row's own account of its launches for ``problem`` (a backend module's
+    ``describe_launches(problem, device)``, a dry run), or None where it has none."""
+    spec = next((r for r in rows if r.name == selected), None)
+    if spec is None or device.kind != "cuda":
+        return None
+    module, _ = _import_backend(spec.module)
+    describe = getattr(module, "describe_launches", None)
+    return None if describe is None else describe(problem, device)
 
 
 def _context_parallel_note(problem, device: DeviceInfo, selected: str | None, rows) -> str:

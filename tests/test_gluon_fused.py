@@ -258,3 +258,30 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     assert set(sanitize.WARP_SPECIALIZED["gluon_sm90"]) == names == {"_fused_fwd_kernel"}
     assert sanitize.CONTROL.is_file()
     assert set(sanitize.WARP_SPECIALIZED) <= set(sanitize.CALLS)
+
+
+@pytest.mark.parametrize("shape, extra, expected", [
+    (dict(batch=(4, 256), HV=32), {}, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "
+                                      "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
+    (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
+     "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the warp-specialized "
+     "path: the fused q/k l2 norm is not built into it)"),
+    (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
+     "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
+     "not the warp-specialized path: segmented calls run the pipeline)"),
+])
+def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch):
+    """``explain`` with a call says what gluon_sm90 launches for it and why it takes (or
+    not) the warp-specialized path, from the same dry run the forward plans with. (The
+    call's tensors are on the CPU here: the backend's check of them is stubbed out.)"""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.registry import CallSpec, explain
+
+    call = random_call(**shape, H=16, K=128, V=128, dtype=torch.bfloat16, seed=1)
+    p = make_problem(**call, output_final_state=True, **extra)
+    assert gluon_sm90.describe_launches(p, _device(132)) == expected
+    monkeypatch.setattr(gluon_sm90, "unsupported_reason", lambda problem: None)
+    text = explain(_device(132), CallSpec.from_problem(p), problem=p, backend="gluon_sm90").format()
+    assert f"  launches: {expected}" in text.splitlines(), text
+    assert text.splitlines()[-1] == "selected: gluon_sm90"

@@ -270,6 +270,30 @@ class CallPlan:
         return launches.stage("fused_fwd" if launches.fused else "state_output_fwd")
 
 
+def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
+    """The launches :func:`forward` makes for ``problem`` on ``device``, in one line, with
+    why it takes the warp-specialized path or the pipeline (what ``explain`` shows)."""
+    call = plan_call(problem, device, engine=engine)
+    launches = call.segments or call.launches
+    text = ", ".join(call.kernels)
+    if call.launches.fused:
+        return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
+               f"{device.sm_count} SMs)"
+    so = call.state_output
+    config = f"state kernel V-blocks of {so.blocks['BV']} on {so.num_warps} warps"
+    fused_path = getattr(engine, "fused", None)
+    if fused_path is None:
+        return f"{text} ({config})"
+    reason = fused_path.fused_reason(problem)
+    if reason is None:
+        if call.context_parallel.enabled:
+            reason = "segmented calls run the pipeline"
+        else:
+            need = launches.cls.fused_min_programs
+            reason = f"{problem.N * problem.HV} (sequence, v-head) programs, it needs {need}"
+    return f"{text} ({config}; not the warp-specialized path: {reason})"
+
+
 def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPlan:
     """Dry run of :func:`forward`: the context-parallel decision and every Gluon launch,
     with no GPU and no tensor read (CPU tensors do; the segment offsets and start states

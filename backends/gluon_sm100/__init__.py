@@ -35,6 +35,12 @@ CAPABILITIES = ((10, 0), (10, 3))
 ENGINE = TCGEN05
 
 
+def describe_launches(problem: GDNProblem, device: DeviceInfo) -> str:
+    """What this backend launches for ``problem`` on ``device``, in one line (a dry run;
+    ``explain`` shows it)."""
+    return _forward.describe_call(problem, device, engine=ENGINE)
+
+
 def forward(problem: GDNProblem, selection: Selection | None = None):
     """Run ``problem`` on Blackwell (see :func:`gdn_dispatch.backends.gluon_common.forward.forward`).
 

@@ -43,6 +43,12 @@ ENGINE = WGMMA
 ENGINE.fused = _fused_path
 
 
+def describe_launches(problem: GDNProblem, device: DeviceInfo) -> str:
+    """What this backend launches for ``problem`` on ``device``, in one line (a dry run;
+    ``explain`` shows it)."""
+    return _forward.describe_call(problem, device, engine=ENGINE)
+
+
 def forward(problem: GDNProblem, selection: Selection | None = None):
     """Run ``problem`` on Hopper (see :func:`gdn_dispatch.backends.gluon_common.forward.forward`).
 
