@@ -41,6 +41,13 @@ its one elected arrive, so every warp's reads and writes precede it.
 
 What this kernel does not do, as its Hopper twin: the fused q/k l2 norm, context-parallel
 segments, head dims other than 128.
+
+Open points for its first run on hardware: the tensor-memory handoffs (the state's
+``tcgen05.st`` of v_new^T and the scaled S^T, then an mbarrier, then the MMA warp's
+``tcgen05.mma`` reading them) carry ``tcgen05.wait::st`` but no
+``tcgen05.fence::before_thread_sync`` / ``after_thread_sync`` (Gluon emits none; its
+Blackwell attention example hands P over through tensor memory the same way); and the
+whole mbarrier protocol above has only been argued, never executed.
 """
 
 from __future__ import annotations
