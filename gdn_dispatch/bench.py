@@ -59,6 +59,7 @@ from gdn_dispatch.bench_timing import (
     bench_shape,
     cuda_event_timer,
     fla_caller,
+    launches_note,
     load_fla,
     make_input_sets,
     ours_caller,
@@ -268,7 +269,9 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
                   check_against)
     results = bench_all(shapes, callers, device, bandwidth=bandwidth, matmul_rate=matmul_rate,
                         timer=cuda_event_timer, warmup=args.warmup, iters=args.iters, seed=args.seed,
-                        qk_l2norm=args.qk_l2norm, l2_bytes=l2_bytes, check_against=check_against, out=out)
+                        qk_l2norm=args.qk_l2norm, l2_bytes=l2_bytes, check_against=check_against,
+                        describe=launch_describer(device, info, cp_mode if cp_mode != bench_cp.COMPARE else "auto"),
+                        out=out)
     report = build_report(
         results,
         device={"name": info.name, "capability": f"{info.capability[0]}.{info.capability[1]}",
@@ -292,8 +295,9 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
 def bench_all(shapes: list[BenchShape], callers: dict[str, Caller], device: torch.device | str, *,
               bandwidth: float, matmul_rate: float, timer: Timer, warmup: int, iters: int, seed: int,
               qk_l2norm: bool = False, l2_bytes: int = 0, check_against: tuple[str, Caller] | None = None,
-              out=None) -> list[ShapeResult]:
-    """Each shape in turn: fresh rotating input sets, every caller timed, its block printed.
+              describe=None, out=None) -> list[ShapeResult]:
+    """Each shape in turn: fresh rotating input sets, every caller timed, its block printed
+    (``describe``: each of our rows' note, :func:`launch_describer`).
 
     The table is printed as it grows, so a long run shows progress and a crash mid-run
     still leaves the finished shapes on screen.
@@ -306,13 +310,39 @@ def bench_all(shapes: list[BenchShape], callers: dict[str, Caller], device: torc
         count = rotation_count(io_bytes(shape)[0], l2_bytes)
         sets = make_input_sets(shape, count, device, seed, qk_l2norm)
         result = bench_shape(shape, sets, callers, bandwidth=bandwidth, matmul_rate=matmul_rate,
-                             timer=timer, warmup=warmup, iters=iters, check_against=check_against)
+                             timer=timer, warmup=warmup, iters=iters, check_against=check_against,
+                             describe=describe)
         del sets
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # the next shape's sets may be larger; give the memory back
         results.append(result)
         print("\n".join(format_shape_block(result, check)), file=out, flush=True)
     return results
+
+
+def launch_describer(device, info=None, context_parallel: str | int = "auto"):
+    """The note of each of our rows on a CUDA ``device``: the kernels its backend launches
+    for the shape with ``context_parallel`` (:func:`.bench_timing.launches_note`: the
+    warp-specialized path or the pipeline, segmented or not), or None off CUDA. ``info``:
+    the DeviceInfo to plan for (default: the probed one). Rows under another name (the
+    labels of ``--context-parallel compare``) get no note; nor does a backend that cannot
+    say: a note never costs a measurement."""
+    if info is None:
+        if torch.device(device).type != "cuda":
+            return None
+        from gdn_dispatch.device import default_probe
+
+        info = default_probe().for_torch_device(torch.device(device))
+    names = set(backend_names())
+
+    def describe(name: str, inputs) -> str:
+        if name not in names:
+            return ""
+        try:
+            return launches_note(name, inputs, info, context_parallel)
+        except Exception:  # an annotation of the table, not part of the measurement
+            return ""
+    return describe
 
 
 def finish_run(args: argparse.Namespace, results: list[ShapeResult], report: dict, out) -> int:

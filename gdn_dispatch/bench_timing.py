@@ -138,6 +138,21 @@ def ours_caller(backend: str, context_parallel: str | int = "auto") -> Caller:
     return call
 
 
+def launches_note(backend: str, x: BenchInputs, device, context_parallel: str | int = "auto") -> str:
+    """What ``backend`` launches for the call :func:`ours_caller` makes on ``x`` with
+    ``context_parallel`` (its kernels, as ``explain`` reads them from the backend's dry run;
+    "" where the backend does not say), for ``device`` (a DeviceInfo)."""
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.registry import CallSpec, explain
+
+    problem = make_problem(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.h0, output_final_state=True,
+                           cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu,
+                           use_qk_l2norm_in_kernel=x.qk_l2norm, context_parallel=context_parallel)
+    launches = explain(device, CallSpec.from_problem(problem), problem=problem, backend=backend).launches
+    # The kernels only: why the path is taken is explain's to say.
+    return "" if launches is None else launches.split(" (")[0]
+
+
 def fla_caller(fla_fn: Callable) -> Caller:
     """fla's ``chunk_gated_delta_rule`` on the same inputs (int64 cu_seqlens, as fla documents)."""
     def call(x: BenchInputs):
@@ -195,8 +210,10 @@ def cuda_event_timer(call: Caller, sets: list[BenchInputs], warmup: int, iters: 
 
 def bench_shape(shape: BenchShape, sets: list[BenchInputs], callers: dict[str, Caller], *,
                 bandwidth: float, matmul_rate: float, timer: Timer, warmup: int, iters: int,
-                check_against: tuple[str, Caller] | None = None) -> ShapeResult:
-    """Time every caller on ``sets``; with ``check_against`` also compare outputs on set 0.
+                check_against: tuple[str, Caller] | None = None,
+                describe: Callable[[str, BenchInputs], str] | None = None) -> ShapeResult:
+    """Time every caller on ``sets``; with ``check_against`` also compare outputs on set 0;
+    with ``describe``, each of our rows' note is ``describe(name, set 0)`` (its launches).
 
     A backend that cannot run the call (GDNDispatchError) gets a note; any other exception
     from one of ours marks its row failed. fla's exceptions are notes: it is a yardstick.
@@ -212,6 +229,8 @@ def bench_shape(shape: BenchShape, sets: list[BenchInputs], callers: dict[str, C
             m = Measurement(backend=name, note=f"cannot run: {exc}")
         except Exception as exc:  # report and go on to the next backend
             m = Measurement(backend=name, note=f"error: {type(exc).__name__}: {exc}", failed=name != FLA)
+        if describe is not None and name != FLA and m.ms is not None:
+            m.note = describe(name, sets[0])
         result.measurements.append(m)
     if check_against is not None:
         _check_outputs(result, sets[0], callers, check_against)

@@ -921,3 +921,38 @@ def test_bench_compare_on_gpu(tmp_path):
     assert report["settings"]["context_parallel"] == "compare"
     (row,) = report["context_parallel"]
     assert row["off_ms"] > 0 and row["auto_ms"] > 0 and " x " in row["segments"]
+
+
+def test_bench_rows_name_their_launches(monkeypatch):
+    """On a GPU each of our rows notes the kernels its backend launched (gluon_sm90: the
+    warp-specialized path or the pipeline); a name the registry does not know, fla, and a
+    row that did not run get no note. Planned here for an H200 from CPU tensors (the
+    backend's tensor check stubbed out)."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.bench_shapes import BenchShape
+    from gdn_dispatch.device import assumed_device
+
+    monkeypatch.setattr(gluon_sm90, "unsupported_reason", lambda problem: None)
+    describe = bench.launch_describer("cpu", assumed_device("sm_90"))
+    many = BenchShape(name="ws", B=4, T=128, H=16, HV=32, K=128, V=128)
+    few = BenchShape(name="pipe", B=1, T=128, H=16, HV=32, K=128, V=128)
+    assert describe("gluon_sm90", bench_timing.make_input_sets(many, 1, "cpu", 0)[0]) == "wy_t_fwd, fused_fwd"
+    assert describe("gluon_sm90", bench_timing.make_input_sets(few, 1, "cpu", 0)[0]) == "wy_fwd, state_output_fwd"
+    assert describe("gluon_sm90[cp=off]", bench_timing.make_input_sets(few, 1, "cpu", 0)[0]) == ""
+    forced = bench.launch_describer("cpu", assumed_device("sm_90"), context_parallel=2)
+    assert forced("gluon_sm90", bench_timing.make_input_sets(many, 1, "cpu", 0)[0]) == \
+        "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd"
+    assert bench.launch_describer("cpu") is None
+
+    def ok(x):
+        return None
+
+    def broken(x):
+        raise RuntimeError("boom")
+
+    result = bench_timing.bench_shape(SMALL, bench_timing.make_input_sets(SMALL, 1, "cpu", 0),
+                                      {"triton_generic": ok, "reference": broken, "fla": ok}, bandwidth=1e12,
+                                      matmul_rate=1e14, timer=fake_timer, warmup=0, iters=1,
+                                      describe=lambda name, x: f"launches of {name}")
+    by = {m.backend: m.note for m in result.measurements}
+    assert by == {"triton_generic": "launches of triton_generic", "reference": "error: RuntimeError: boom", "fla": ""}
