@@ -390,7 +390,12 @@ def _launches_note(problem, device: DeviceInfo, selected: str | None, rows) -> s
         return None
     module, _ = _import_backend(spec.module)
     describe = getattr(module, "describe_launches", None)
-    return None if describe is None else describe(problem, device)
+    if describe is None:
+        return None
+    try:
+        return describe(problem, device)
+    except Exception as exc:  # an explanation must not stop the call it explains (select asks too)
+        return f"not planned here ({type(exc).__name__}: {exc})"
 
 
 def _context_parallel_note(problem, device: DeviceInfo, selected: str | None, rows) -> str:

@@ -285,3 +285,19 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     text = explain(_device(132), CallSpec.from_problem(p), problem=p, backend="gluon_sm90").format()
     assert f"  launches: {expected}" in text.splitlines(), text
     assert text.splitlines()[-1] == "selected: gluon_sm90"
+
+
+def test_explain_survives_a_backend_that_cannot_describe(monkeypatch):
+    """select() may explain a call with its problem: a backend's failing dry run becomes a
+    note, never an exception of the call."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.registry import CallSpec, explain
+
+    def broken(problem, device):
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(gluon_sm90, "unsupported_reason", lambda problem: None)
+    monkeypatch.setattr(gluon_sm90, "describe_launches", broken)
+    p = make_problem(**random_call(batch=(1, 64), H=2, HV=4, K=128, V=128, dtype=torch.bfloat16))
+    text = explain(_device(132), CallSpec.from_problem(p), problem=p, backend="gluon_sm90").format()
+    assert "  launches: not planned here (RuntimeError: no plan)" in text.splitlines()
