@@ -73,8 +73,11 @@ def run_main_job(device: str | None = None, seed: int = 0) -> int:
     call = random_call(lengths=lengths, device=dev, seed=seed, **shape)
     info = probe.for_torch_device(dev)
     problem = make_problem(**call)
-    chosen = select(info, problem).spec.name
+    selection = select(info, problem)
+    chosen = selection.spec.name
     segments = plan_for_problem(problem, info.sm_count).describe()
+    describe = getattr(selection.module, "describe_launches", None)
+    launches = describe(problem, info) if describe is not None else None
 
     def step():
         return chunk_gated_delta_rule(**call, output_final_state=True)
@@ -98,6 +101,8 @@ def run_main_job(device: str | None = None, seed: int = 0) -> int:
     print(f"shape      {len(lengths)} sequences, {tokens} tokens (lengths {lengths}); "
           f"H={shape['H']} HV={shape['HV']} K={shape['K']} V={shape['V']} {str(shape['dtype']).removeprefix('torch.')}")
     print(f"context    parallel {segments}")
+    if launches is not None:
+        print(f"launches   {launches}")
     print(f"time       {ms:.3f} ms (median of 5)  {tokens / ms * 1e3:,.0f} tokens/s")
     print(f"checked    first {checked} sequences ({end} tokens) against reference."
           f"{oracle.__name__}: rel. RMS error o {err_o:.2e}, final state {err_s:.2e} (tolerance {tol:.0e})")

@@ -60,8 +60,21 @@ def test_run_on_cpu():
     out = cli("run", "--device", "cpu").stdout
     assert "backend    reference" in out
     assert "context    parallel off (no SM count on this device)" in out
+    assert "launches" not in out  # the reference backend does not describe its launches
     assert "tokens/s" in out and "rel. RMS error" in out
     assert out.rstrip().endswith("PASS")
+
+
+def test_run_prints_the_launches_a_backend_describes(monkeypatch, capsys):
+    """A backend with ``describe_launches`` (the Gluon ones) gets a "launches" line: here
+    the reference backend is given one."""
+    import gdn_dispatch.reference as reference
+    from gdn_dispatch.job import run_main_job
+
+    monkeypatch.setattr(reference, "describe_launches", lambda problem, device: f"one pass on {device.kind}",
+                        raising=False)
+    assert run_main_job(device="cpu") == 0
+    assert "launches   one pass on cpu" in capsys.readouterr().out.splitlines()
 
 
 def test_compile_requires_target():
