@@ -41,9 +41,9 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   (rounded, where tf32 inputs are truncated) at twice the MMA rate and half the operand
   bytes, but not its range: a program whose T has an entry beyond 32768 or one not
   finite (any operand entry beyond 65504 ends there) forms A again and redoes the inverse
-  in tf32, so no call loses range. On the H200 it made the T kernel 3% (4 x 8192) to 8% (ragged) faster and the
-  w/u kernel 3-5%, at 3e-5 from the tf32 result: the programs are bound by instruction
-  issue (masks, conversions, stores), not by the tensor cores.
+  in tf32, so no call loses range. On the H200 it made the T kernel 3% (4 x 8192) to 8%
+  (ragged) faster and the w/u kernel 3-5%, at 3e-5 from the tf32 result: the programs are
+  bound by instruction issue (masks, conversions, stores), not by the tensor cores.
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -320,6 +320,19 @@ def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
 
 
 @gluon.jit
+def _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE: gl.constexpr,
+                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+    """A and T's column scales (:func:`_chunk_a`) from the chunk's k tile: k k^T on the
+    engine (``kk_bar``'s ``KK_PHASE``-th completion, mod 2) and the gate cumsum, which it
+    writes to ``g_cum`` (:func:`_chunk_gates`)."""
+    BT: gl.constexpr = k_smem.shape[0]
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
+    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+    return _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+
+
+@gluon.jit
 def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op1, lhs_smem, kk_bar, inv_bar,
             LHS_REGS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
             F16_INVERSE: gl.constexpr = False):
@@ -330,36 +343,27 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
     ``LHS_REGS`` picks the inverse: :func:`_unit_lower_inverse_regs` with ``op0`` / ``op1``
     its a / x operand tiles (``lhs_smem`` stages left operands on sm_100a), else
     :func:`_unit_lower_inverse` with ``op0`` / ``op1`` its left / right operand tiles.
-    ``kk_bar`` and ``inv_bar``: the mbarriers of k k^T and of the inverse's products (fresh).
+    ``F16_INVERSE`` (with ``LHS_REGS``, sm_90a): the inverse on fp16 operands, redone in
+    tf32 where T leaves fp16's range. ``kk_bar`` and ``inv_bar``: the mbarriers of k k^T and
+    of the inverse's products (fresh).
     """
-    BT: gl.constexpr = k_smem.shape[0]
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, 0))
-    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-    if F16_INVERSE:
-        gl.static_assert(not ENGINE.IS_SM100, "the fp16 inverse reads its left operands from registers (sm_90a)")
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        w_scale = gl.convert_layout(w_scale, flat)
-        u_scale = gl.convert_layout(u_scale, flat)
-        t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE, F16=True)
-        if _unsafe_entries(t) > 0:
-            # Rare (entries of A or T near fp16's range): the same T in tf32, from A (and the
-            # gate cumsum, rewritten as it was) formed again rather than kept alive across
-            # the fp16 inverse in 34 more registers, which spilled.
-            kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-            kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, 1))
-            g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-            a, _, _ = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-            t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
-        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
-        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
-    elif LHS_REGS:
+    gl.static_assert(LHS_REGS or not F16_INVERSE, "the fp16 inverse is the register-operand one")
+    a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+                                        USE_L2NORM, ENGINE)
+    if LHS_REGS:
         # The scales wait out the inverse in one register each, not 16.
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         w_scale = gl.convert_layout(w_scale, flat)
         u_scale = gl.convert_layout(u_scale, flat)
-        t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
+        t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE, F16=F16_INVERSE)
+        if F16_INVERSE:
+            if _unsafe_entries(t) > 0:
+                # Rare (entries of A or T near fp16's range): the same T in tf32, from A (and
+                # the gate cumsum, rewritten as it was) formed again rather than kept alive
+                # across the fp16 inverse in 34 more registers, which spilled.
+                a, _, _ = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 1,
+                                        USE_L2NORM, ENGINE)
+                t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
         w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
         u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     else:
