@@ -82,6 +82,13 @@ class ChunkTable:
             return self.aligned
         return not any(offset % self.chunk_size for offset in self.cu_seqlens_host.tolist())
 
+    def nonempty_seqs(self) -> int | None:
+        """How many sequences hold tokens, or None when the host has no copy of the offsets."""
+        if self.cu_seqlens_host is None:
+            return None
+        offsets = self.cu_seqlens_host.tolist()
+        return sum(b > a for a, b in zip(offsets, offsets[1:]))
+
     def seq_bounds(self, n: int) -> tuple[int, int]:
         """Host-side ``(bos, eos)`` token offsets of sequence ``n`` (needs the host copy)."""
         if self.cu_seqlens_host is None:

@@ -509,20 +509,27 @@ def test_gluon_plan_call_runs_segments(arch, shape, request_, seg_len):
     ([64, 0, 0], 64, 1),
     ([1, 2, 3], 1024, 3),
 ])
-def test_busy_segment_slots_count_the_slots_with_tokens(lengths, L, busy):
-    """The slots with tokens, against the segment offsets the table kernel writes (computed
-    on the host): a slot holds tokens where its offsets differ."""
+def test_segment_tables_count_the_slots_with_tokens(lengths, L, busy):
+    """Pass 2's table (as the forward builds it, with the host segment offsets) counts the
+    slots with tokens: a slot holds tokens where its offsets differ."""
+    from gdn_dispatch.backends.triton_generic.context_parallel import segment_table
+    from gdn_dispatch.context_parallel import CPPlan
+
     shape = dict(batch=(2, 4096)) if lengths is None else dict(lengths=lengths)
     chunks = make_problem(**random_call(**shape, H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
-    assert GLUON_FORWARD.busy_segment_slots(chunks, L) == busy
-    offsets = GLUON_FORWARD.segment_offsets_host(chunks, L).tolist()
+    offsets = GLUON_FORWARD.segment_offsets_host(chunks, L)
+    cp = CPPlan(enabled=True, seg_len=L, num_segments=len(offsets) - 1, reason="forced")
+    table = segment_table(chunks, int(chunks.cu_seqlens_host[-1]), cp, offsets, offsets)
+    assert table.nonempty_seqs() == busy
+    offsets = offsets.tolist()
     assert sum(b > a for a, b in zip(offsets, offsets[1:])) == busy
 
 
-def test_busy_segment_slots_need_host_offsets():
+def test_slots_with_tokens_need_host_offsets():
     call = random_call(lengths=[4096, 100], H=1, HV=1, K=8, V=8, dtype=torch.float32)
     call.pop("cu_seqlens_cpu")
-    assert GLUON_FORWARD.busy_segment_slots(make_problem(**call).chunks, 2048) is None
+    chunks = make_problem(**call).chunks
+    assert chunks.nonempty_seqs() is None and GLUON_FORWARD.segment_offsets_host(chunks, 2048) is None
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host-offsets", "device-offsets-only"])

@@ -160,7 +160,7 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     seg_h0, final_state = segment_start_states(problem, cp, seg_cu, g_cum, w, u)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
     launch = plan(segments, device=device, engine=engine, fused=False,
-                  busy_seqs=busy_segment_slots(problem.chunks, cp.seg_len)).stage("state_output_fwd")
+                  busy_seqs=segments.chunks.nonempty_seqs()).stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
                             initial_state=seg_h0, rnorm=rnorm)
     return o, final_state
@@ -171,7 +171,12 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
 
     Segment slot ``s`` is sequence ``s`` (empty slots are zero-length sequences); its start
     state is ``seg_h0[s]``, float32 in the "kv" layout as the scan writes it, read in
-    place. Pass 2 keeps no final state (the scan has it) and no pool.
+    place. Pass 2 keeps no final state (the scan has it) and no pool. Its table's host
+    offsets (when the call has them) show which slots hold tokens: pass 2's V-block is
+    chosen on those (``plan(..., busy_seqs=)``): 16 segments of a 32768-token sequence fill
+    17 slots, and counting the empty one took a wider V-block than the 128 programs with
+    tokens fit in one wave at (HV 4 on the H200: 0.297 ms against 0.266 forced,
+    ``benchmarks/RESULTS.md``).
 
     Parameters
     ----------
@@ -186,22 +191,6 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
     return dataclasses.replace(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
                                output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
                                inplace_final_state=False, context_parallel="off")
-
-
-def busy_segment_slots(chunks: ChunkTable, seg_len: int) -> int | None:
-    """How many of the call's segment slots hold tokens (``sum ceil(len / L)`` over its
-    sequences; the others are the empty slot past a sequence whose length is a multiple of
-    ``L``, and those of empty sequences), from the host copy of the offsets or a uniform
-    batch's shape; None without one. Pass 2's V-block is chosen on these: 16 segments of
-    a 32768-token sequence fill 17 slots, and counting the empty one as programs took a
-    wider V-block than the one the 128 programs with tokens fit in one wave at (HV 4 on
-    the H200: 0.297 ms against 0.266 forced, ``benchmarks/RESULTS.md``)."""
-    if chunks.cu_seqlens_host is None:
-        return None
-    if chunks.uniform:
-        return chunks.num_seqs * -(-(chunks.longest_length() or 0) // seg_len)
-    cu = chunks.cu_seqlens_host.tolist()
-    return sum(-(-(eos - bos) // seg_len) for bos, eos in zip(cu, cu[1:]))
 
 
 def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
@@ -311,6 +300,7 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
         return CallPlan(context_parallel=cp, launches=launches, segments=None)
     seg_cu = torch.empty(cp.num_segments + 1, dtype=problem.chunks.cu_seqlens.dtype, device="meta")
     seg_h0 = torch.empty(cp.num_segments, problem.HV, problem.K, problem.V, dtype=torch.float32, device="meta")
-    segments = plan(segment_problem(problem, cp, seg_cu, seg_h0), device=device, engine=engine, fused=False,
-                    busy_seqs=busy_segment_slots(problem.chunks, cp.seg_len))
+    seg_problem = segment_problem(problem, cp, seg_cu, seg_h0)
+    segments = plan(seg_problem, device=device, engine=engine, fused=False,
+                    busy_seqs=seg_problem.chunks.nonempty_seqs())
     return CallPlan(context_parallel=cp, launches=launches, segments=segments)

@@ -220,7 +220,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     fused : allow the engine's warp-specialized path (False: the two-launch pipeline).
     busy_seqs : how many of the call's sequences hold tokens, where the host knows it
         (context parallelism's pass 2: the segment slots with tokens,
-        :func:`.forward.busy_segment_slots`); None: all of them. The fused kernel's
+        ``ChunkTable.nonempty_seqs`` of its segment table); None: all of them. The fused kernel's
         V-block is chosen on these.
 
     Returns
