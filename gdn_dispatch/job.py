@@ -16,7 +16,7 @@ from gdn_dispatch.api import chunk_gated_delta_rule
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import default_probe
-from gdn_dispatch.registry import select
+from gdn_dispatch.registry import launches_of, select
 from gdn_dispatch import reference
 from gdn_dispatch.testing import random_call, rel_rms_error
 
@@ -76,8 +76,7 @@ def run_main_job(device: str | None = None, seed: int = 0) -> int:
     selection = select(info, problem)
     chosen = selection.spec.name
     segments = plan_for_problem(problem, info.sm_count).describe()
-    describe = getattr(selection.module, "describe_launches", None)
-    launches = describe(problem, info) if describe is not None else None
+    launches = launches_of(selection.module, problem, info)
 
     def step():
         return chunk_gated_delta_rule(**call, output_final_state=True)

@@ -383,12 +383,16 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
 
 
 def _launches_note(problem, device: DeviceInfo, selected: str | None, rows) -> str | None:
-    """The chosen row's own account of its launches for ``problem`` (a backend module's
-    ``describe_launches(problem, device)``, a dry run), or None where it has none."""
+    """The chosen row's own account of its launches for ``problem`` (:func:`launches_of`)."""
     spec = next((r for r in rows if r.name == selected), None)
     if spec is None or device.kind != "cuda":
         return None
-    module, _ = _import_backend(spec.module)
+    return launches_of(_import_backend(spec.module)[0], problem, device)
+
+
+def launches_of(module, problem, device: DeviceInfo) -> str | None:
+    """A backend module's account of its launches for ``problem`` on ``device`` (its
+    ``describe_launches``, a dry run), or None where it has none."""
     describe = getattr(module, "describe_launches", None)
     if describe is None:
         return None

@@ -263,7 +263,6 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
     """The launches :func:`forward` makes for ``problem`` on ``device``, in one line, with
     why it takes the warp-specialized path or the pipeline (what ``explain`` shows)."""
     call = plan_call(problem, device, engine=engine)
-    launches = call.segments or call.launches
     text = ", ".join(call.kernels)
     if call.launches.fused:
         return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
@@ -278,7 +277,7 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
         if call.context_parallel.enabled:
             reason = "segmented calls run the pipeline"
         else:
-            need = launches.cls.fused_min_programs
+            need = call.launches.cls.fused_min_programs
             reason = f"{problem.N * problem.HV} (sequence, v-head) programs, it needs {need}"
     return f"{text} ({config}; not the warp-specialized path: {reason})"
 
