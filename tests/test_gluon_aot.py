@@ -171,7 +171,7 @@ def _entries(module, capability):
 
 
 #: Kernels with no matrix engine and no TMA: the qk l2 norms are a row reduction.
-PLAIN_KERNELS = {"qk_rnorm_fwd"}
+PLAIN_KERNELS = {"qk_rnorm_fwd", "qk_l2norm_fwd"}
 
 
 def _check_common(report, capability):
@@ -184,6 +184,8 @@ def _check_common(report, capability):
         # 16-byte global loads of the 16-bit rows, and no matrix instructions.
         assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), "expected 16-byte loads"
         assert "wgmma" not in ptx and "tcgen05" not in ptx
+        if report.kernel.kernel == "qk_l2norm_fwd":
+            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx), "expected 16-byte stores of the rows"
         return False
     assert "cp.async.bulk.tensor" in ptx
     assert "mbarrier.try_wait" in ptx
@@ -296,11 +298,12 @@ def test_kernel_lists_cover_both_layouts_and_tails():
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
         kernels = module.kernels_for_aot(cap)
         # What the forward launches; on sm_90a also the warp-specialized path.
-        extra = {"wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
+        extra = {"qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
         assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd"} | extra
-        norms = [k for k in kernels if k.kernel == "qk_rnorm_fwd"]
-        assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {
-            (K, f"*{d}") for K in (64, 128) for d in ("bf16", "fp16")}
+        for name in {"qk_rnorm_fwd", "qk_l2norm_fwd"} & {k.kernel for k in kernels}:
+            norms = [k for k in kernels if k.kernel == name]
+            assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {
+                (K, f"*{d}") for K in (64, 128) for d in ("bf16", "fp16")}
         wy = [k for k in kernels if k.kernel == "wy_fwd"]
         assert {(k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"]) for k in wy} == {
             (False, False), (False, True), (True, False), (True, True)}

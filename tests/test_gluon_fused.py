@@ -1,15 +1,15 @@
 """gluon_sm90's warp-specialized path: the T kernel (backends/gluon_common/wy_t.py) and the
 fused recurrence + output kernel (backends/gluon_sm90/fused.py).
 
-CPU: when the planner takes the path (programs against the SM count, head dims, the l2
-norm, context parallelism, the engine), its launches as dry runs (grids over chunk slots
+CPU: when the planner takes the path (programs against the SM count, head dims, context
+parallelism, the engine; with the l2 norm, on normalized copies of q and k), its launches as dry runs (grids over chunk slots
 and (sequence, v-head) pairs, descriptors, the T tiles' rows), and that the kernel's chunk
 slots are the ones the T kernel writes. The compiles for sm_90a run in
 tests/test_gluon_aot.py (both kernels are in gluon_sm90's AOT list).
 
 GPU (sm_90 only): the public call on this path against the float32 reference, with
 NaN-poisoned memory, over lengths with tails and empty sequences, both state layouts,
-grouped heads, fp16, strided inputs and state pools.
+grouped heads, fp16, the qk l2 norm, strided inputs and state pools.
 """
 
 from __future__ import annotations
@@ -121,20 +121,53 @@ def test_calls_the_path_leaves_to_the_pipeline():
     sm90, sm100 = _engines()
     many = dict(lengths=[70] * 8, H=4, HV=32)
     device = _device(132)
-    # The qk l2 norm, other head dims, Blackwell's engine: the two-launch pipeline.
-    assert not plan(random_problem(**many, K=128, V=128, l2=True), device=device, engine=sm90).fused
+    # Other head dims, Blackwell's engine: the two-launch pipeline.
     assert not plan(random_problem(**many, K=64, V=128), device=device, engine=sm90).fused
     assert not plan(random_problem(**many, K=128, V=128), device=_device(132, SM100), engine=sm100).fused
     assert not plan(random_problem(**many, K=128, V=128), device=device, engine=sm90, fused=False).fused
     from gdn_dispatch.backends.gluon_sm90.fused import fused_reason
 
-    assert "l2 norm" in fused_reason(random_problem(**many, K=128, V=128, l2=True))
+    assert "qk l2 norm" in fused_reason(random_problem(**many, K=128, V=128, l2=True))
     # T tile rows are int32 TMA coordinates: 2 HV tiles of 64 rows per chunk slot.
     huge = make_problem(torch.empty(1, 2 ** 24, 1, 128, device="meta"), torch.empty(1, 2 ** 24, 1, 128, device="meta"),
                         torch.empty(1, 2 ** 24, 64, 128, device="meta"), torch.empty(1, 2 ** 24, 64, device="meta"),
                         torch.empty(1, 2 ** 24, 64, device="meta"))
     assert "past int32" in fused_reason(huge)
     assert "K = V = 128" in fused_reason(random_problem(**many, K=64, V=64))
+
+
+@pytest.fixture
+def l2_on_path(monkeypatch):
+    """The qk l2 norm on the path (fused.QK_L2NORM), with the plan cache cleared around it
+    (its key does not hold the switch)."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    clear_plan_cache()
+    monkeypatch.setattr(fused, "QK_L2NORM", True)
+    yield
+    clear_plan_cache()
+
+
+def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path):
+    """With the qk l2 norm the path launches the row norms first (normalized q and k rows)
+    and plans its T and fused kernels as for a call without the norm: they read the copies
+    and normalize nothing."""
+    sm90, _ = _engines()
+    p = random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, l2=True, ht=True)
+    launches = plan(p, device=_device(132), engine=sm90)
+    assert launches.fused
+    assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"]
+    plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, ht=True), device=_device(132),
+                 engine=sm90)
+    assert launches.stages[1:] == plain.stages
+    assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
+    norms = launches.stage("qk_l2norm_fwd")
+    # (token, head) rows of q and of k: B * T * H rows, 64 per program, two grid columns.
+    assert norms.grid == (-(-p.B * p.T * p.H // 64), 2)
+    # The pipeline's norms stay reciprocal norms, folded into its kernels.
+    pipe = plan(p, device=_device(132), engine=sm90, fused=False)
+    assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
 
 
 def test_context_parallel_calls_stay_on_the_pipeline():
@@ -187,6 +220,22 @@ def test_path_matches_the_reference(shape, layout, dtype, seed):
     call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=seed,
                        state_layout=layout)
     _check({**call, "output_final_state": True})
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(4, 256))],
+                         ids=["varlen", "uniform"])
+def test_path_with_the_qk_l2_norm(shape, layout, dtype, l2_on_path):
+    """Raw q and k (rows of norm ~11): the path normalizes copies of them; strided views
+    of one projection too."""
+    call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=7, state_layout=layout,
+                       normalize_qk=False)
+    call = {**call, "use_qk_l2norm_in_kernel": True, "output_final_state": True}
+    _check(call)
+    _check({**call, **fused_projection_views(call)})
 
 
 @pytest.mark.gpu
@@ -266,7 +315,7 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
                                       "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
     (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
      "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the warp-specialized "
-     "path: the fused q/k l2 norm is not built into it)"),
+     "path: the qk l2 norm (fused.QK_L2NORM is off))"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
@@ -285,6 +334,19 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     text = explain(_device(132), CallSpec.from_problem(p), problem=p, backend="gluon_sm90").format()
     assert f"  launches: {expected}" in text.splitlines(), text
     assert text.splitlines()[-1] == "selected: gluon_sm90"
+
+
+@pytest.mark.parametrize("batch, expected", [
+    ((4, 256), "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    ((2, 256), "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 64 on 4 warps; not the "
+               "warp-specialized path: 64 (sequence, v-head) programs, it needs 99)"),
+])
+def test_explain_names_the_l2_launches_on_the_path(batch, expected, l2_on_path):
+    from gdn_dispatch.backends import gluon_sm90
+
+    call = random_call(batch=batch, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=1, normalize_qk=False)
+    p = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert gluon_sm90.describe_launches(p, _device(132)) == expected
 
 
 def test_explain_survives_a_backend_that_cannot_describe(monkeypatch):

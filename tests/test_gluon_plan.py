@@ -379,3 +379,8 @@ def test_wy_and_the_norms_take_the_token_strides_of_g_beta_q_k(monkeypatch):
     qk_norm.qk_rnorm_fwd(p.q, p.k, qk_norm.plan_qk_rnorm(p, SM90))
     assert (norms.launched["s_q"], norms.launched["s_k"], norms.launched["H"]) == (stride, stride, 2)
     assert norms.launched["q"] is p.q
+    rows = LaunchRecorder(qk_norm._qk_l2norm_fwd_kernel)
+    monkeypatch.setattr(qk_norm, "_qk_l2norm_fwd_kernel", rows)
+    q_hat, k_hat = qk_norm.qk_l2norm_fwd(p.q, p.k, qk_norm.plan_qk_l2norm(p, SM90))
+    assert (rows.launched["s_q"], rows.launched["s_k"], rows.launched["rows"]) == (stride, stride, 2 * p.B * p.T)
+    assert rows.launched["out"].shape == (2, *p.q.shape) and q_hat.is_contiguous() and k_hat.is_contiguous()

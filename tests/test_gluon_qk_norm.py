@@ -1,5 +1,5 @@
-"""The qk l2 norms kernel (backends/gluon_common/qk_norm.py): its plan on the CPU, its
-rows against torch on a GPU of either Gluon engine."""
+"""The qk l2 norm kernels (backends/gluon_common/qk_norm.py): their plans on the CPU, the
+reciprocal norms and the normalized rows against torch on a GPU of either Gluon engine."""
 
 from __future__ import annotations
 
@@ -53,6 +53,28 @@ def test_qk_rnorm_fwd_matches_torch(T, H, K, dtype):
     expect = torch.stack([torch.rsqrt((x.double() ** 2).sum(-1) + 1e-6).reshape(2 * T, H) for x in (q, k)], -1)
     assert rnorm.shape == (2 * T, H, 2) and not rnorm.isnan().any()
     assert rel_rms_error(rnorm, expect) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10), reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
+@pytest.mark.parametrize("T, H, K, dtype", [(1, 1, 64, torch.bfloat16), (333, 3, 128, torch.float16),
+                                            (4099, 16, 128, torch.bfloat16)], ids=["T1-H1-K64", "T333-H3-K128", "T4099-H16"])
+def test_qk_l2norm_fwd_matches_torch(T, H, K, dtype):
+    """The normalized rows, read through token strides wider than a row (views of one
+    projection), against float64 rows rounded once to the dtype."""
+    gen = torch.Generator(device="cuda").manual_seed(T + 1)
+    qk = torch.randn(2, T, 2 * H * K + 8, device="cuda", generator=gen).to(dtype)
+    q = (3 * qk[..., :H * K]).view(2, T, H, K)
+    k = (0.1 * qk[..., H * K:2 * H * K]).view(2, T, H, K)
+    poison_cuda_allocator()
+    launch = qk_norm.plan_qk_l2norm(random_problem(batch=(2, T), H=H, HV=H, K=K, V=K, l2=True), SM90)
+    q_hat, k_hat = qk_norm.qk_l2norm_fwd(q, k, launch)
+    for x, x_hat in ((q, q_hat), (k, k_hat)):
+        expect = x.double() * torch.rsqrt((x.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+        assert x_hat.shape == x.shape and x_hat.dtype == dtype and x_hat.is_contiguous()
+        assert not x_hat.isnan().any()
+        # One rounding to the dtype: within half an ulp of it, relatively.
+        assert rel_rms_error(x_hat.double(), expect) <= torch.finfo(dtype).eps
 
 
 def test_row_plans_are_shared_per_shape():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gdn_dispatch.aot import AotKernel
 
-from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.qk_norm import qk_norm_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.state_output import state_output_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.wy import wy_kernels_for_aot
 
@@ -18,5 +18,5 @@ def backend_kernels_for_aot(backend: str, capabilities: tuple[tuple[int, int], .
     if capability not in capabilities:
         raise ValueError(f"{backend} compiles for {capabilities}, got {capability}")
     return (wy_kernels_for_aot(capability, backend, engine=engine)
-            + qk_rnorm_kernels_for_aot(capability, backend)
+            + qk_norm_kernels_for_aot(capability, backend)
             + state_output_kernels_for_aot(capability, backend, engine=engine))

@@ -9,8 +9,8 @@ on the registry's SM count: few sequences x heads, long sequences), the fused ke
 over segments of the sequences instead, each from its exact start state::
 
     seg_cu       = segment_table_fwd(cu_seqlens, L)               # segment offsets, on the device
-    M, N         = segment_map_fwd(k, w, u, g_cum, seg_cu)        # pass 1: each segment's map
-    seg_h0, S    = segment_scan_fwd(M, N, cu_seqlens, L, S0)      # fp32 scan; final state / pool rows
+    M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, seg_cu)       # pass 1: each segment's map
+    seg_h0, S    = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)  # fp32 scan; final state / pool rows
     o, _         = state_output_fwd(q, k, w, u, g_cum, segments, seg_h0)   # pass 2
 
 The three segment launches are triton_generic's plain-Triton kernels, read at their public
@@ -20,18 +20,20 @@ the same ``[B, T, HV, *]`` rows, g_cum chunk-local in log2 units).
 
 Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
 :mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
-l2 norm, no context parallelism, enough (sequence, v-head) programs to fill the SMs),
-the call is instead::
+context parallelism, enough (sequence, v-head) programs to fill the SMs), the call is
+instead::
 
+    q, k           = qk_l2norm_fwd(q, k)                  # qk l2 norm only: normalized copies
     t_tiles, g_cum = wy_t_fwd(k, g, beta)                 # the chunk inverses only
-    o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum)   # everything else
+    o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum, q, k)   # everything else
 
 The launching backend hands down the device the registry chose and its matrix engine
 (tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.
-Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm: wy reduces
-k's rows itself; the fused kernel reads q's and k's reciprocal row norms (8 bytes per token
-and head) and folds them into row and column scales in registers (no normalized copy of q
-or k is written). Nothing here reads a device value back to the host. Every launch goes
+Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm on the pipeline: wy
+reduces k's rows itself; the fused kernel reads q's and k's reciprocal row norms (8 bytes
+per token and head) and folds them into row and column scales in registers (no normalized
+copy of q or k is written). The warp-specialized path reads normalized copies instead:
+there the norms would add to the aux partition, which paces that kernel. Nothing here reads a device value back to the host. Every launch goes
 through :func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
 
 Inputs are read where they lie: q, k, v in token rows through TMA descriptors with their
@@ -57,7 +59,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
-from gdn_dispatch.backends.gluon_common.qk_norm import qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import wy_t_fwd
@@ -92,8 +94,11 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     chunks = problem.chunks
     if launches.fused:
-        t_tiles, g_cum = wy_t_fwd(problem.k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
-        return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"))
+        q, k = problem.q, problem.k
+        if problem.use_qk_l2norm:
+            q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
+        t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
+        return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     if cp.enabled:

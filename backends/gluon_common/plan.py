@@ -21,6 +21,7 @@ a plan and its dicts as read-only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,11 +31,15 @@ from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_bl
 
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
-from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm
+from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_l2norm, plan_qk_rnorm
 from gdn_dispatch.backends.gluon_common.state_output import (
     plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
 from gdn_dispatch.backends.gluon_common.wy_t import plan_wy_t
+
+
+#: The launches whose rows are (token, head) rows of q and k.
+NORM_KERNELS = frozenset({"qk_rnorm_fwd", "qk_l2norm_fwd"})
 
 
 class ForwardPlan:
@@ -75,8 +80,8 @@ class ForwardPlan:
         return tuple(self._bind(launch) for launch in self.launches)
 
     def _bind(self, launch: LaunchPlan) -> BoundLaunch:
-        # The norm kernel counts (token, head) rows; the others token rows.
-        rows = self.rows * self.cls.H if launch.kernel == "qk_rnorm_fwd" else self.rows
+        # The norm kernels count (token, head) rows; the others token rows.
+        rows = self.rows * self.cls.H if launch.kernel in NORM_KERNELS else self.rows
         return launch.bind(rows, self.num_seqs)
 
     def stage(self, kernel: str) -> BoundLaunch:
@@ -226,7 +231,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     Returns
     -------
     ForwardPlan with the forward's Gluon launches, in order, for this call's ``B * T`` and
-    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or wy_t_fwd, fused_fwd.
+    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd.
     """
     if device is None:
         if capability is not None:
@@ -267,8 +272,13 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     fused, fused_min_programs = None, 0
     fused_path = getattr(engine, "fused", None)
     if fused_path is not None and fused_path.fused_reason(problem) is None:
-        fused = (plan_wy_t(problem, device, engine=engine).shared,
-                 fused_path.plan_fused(problem, device, engine=engine).shared)
+        # With the qk l2 norm the path runs on normalized copies of q and k (qk_l2norm_fwd
+        # first): its two kernels see a call without the norm.
+        plain = dataclasses.replace(problem, use_qk_l2norm=False) if problem.use_qk_l2norm else problem
+        fused = (plan_wy_t(plain, device, engine=engine).shared,
+                 fused_path.plan_fused(plain, device, engine=engine).shared)
+        if problem.use_qk_l2norm:
+            fused = (plan_qk_l2norm(problem, device, engine=engine).shared, *fused)
         fused_min_programs = math.ceil(fused_path.MIN_SM_SHARE * device.sm_count)
     return ClassPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100,
                      state_layout=problem.state_layout, has_tails=has_tails(problem), H=problem.H, HV=problem.HV,

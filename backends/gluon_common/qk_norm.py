@@ -13,6 +13,11 @@ One program reduces ``BLOCK_ROWS`` consecutive (token, head) rows of q (axis 1 =
 read in place in token rows (any token stride: views of a fused projection). A stride is a
 runtime argument that Triton specializes only by its divisibility by 16 (which keeps the
 16-byte loads), so a new stride value compiles nothing.
+
+:func:`qk_l2norm_fwd` writes the normalized rows themselves instead (``x * rnorm`` in q's
+dtype, one contiguous ``[2, B, T, H, K]`` buffer): the warp-specialized path
+(:mod:`..gluon_sm90.fused`) runs on those copies, as fla does, so that its aux partition,
+which paces that kernel, folds no norm into its scores and gate vectors.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
 BLOCK_ROWS = 64
 
 
-@gluon.jit(do_not_specialize=["rows", "H"])
-def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+@gluon.jit
+def _row_block(q, k, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+    """Program (row block, which)'s ``[BLOCK_ROWS, K]`` rows of q (which = 0) or k, in
+    float32, and their reciprocal norms; with the rows' indices, columns and mask."""
     layout: gl.constexpr = tile_layout(BLOCK_ROWS, K, gl.num_warps())
     which = gl.program_id(1)
     r = gl.program_id(0) * BLOCK_ROWS + gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, layout))
@@ -49,8 +56,27 @@ def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_
     else:
         x = gl.load(k + (gl.expand_dims(token * s_k, 1) + head), mask=mask, other=0.0).to(gl.float32)
     norm = gl.rsqrt(gl.sum(x * x, axis=1) + L2NORM_EPS)
+    return x, norm, which, r, c, mask
+
+
+@gluon.jit(do_not_specialize=["rows", "H"])
+def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+    x, norm, which, r, c, mask = _row_block(q, k, rows, H, s_q, s_k, K, BLOCK_ROWS)
     # (q, k) pairs side by side: the fused kernel loads both norms of a row together.
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
+
+
+@gluon.jit(do_not_specialize=["rows", "H"])
+def _qk_l2norm_fwd_kernel(q, k, out, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+    x, norm, which, r, c, mask = _row_block(q, k, rows, H, s_q, s_k, K, BLOCK_ROWS)
+    # out [2, rows, K]: q's normalized rows, then k's.
+    at = gl.expand_dims((which * rows + r).to(gl.int64) * K, 1) + gl.expand_dims(c, 0)
+    gl.store(out + at, (x * gl.expand_dims(norm, 1)).to(out.dtype.element_ty), mask=mask)
+
+
+#: The output argument of each norm kernel, by launch-plan name (the reciprocal norms, or
+#: the normalized rows).
+_OUTPUTS = {"qk_rnorm_fwd": "rnorm", "qk_l2norm_fwd": "out"}
 
 
 def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
@@ -65,14 +91,24 @@ def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     return qk_rnorm_plan(problem.K).bind(problem.B * problem.T * problem.H, problem.N)
 
 
-@functools.lru_cache(maxsize=8)
+def plan_qk_l2norm(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
+    """Launch plan of :func:`qk_l2norm_fwd` for ``problem``: as :func:`plan_qk_rnorm`, the
+    same grid over the (token, head) rows."""
+    return _norm_plan("qk_l2norm_fwd", problem.K).bind(problem.B * problem.T * problem.H, problem.N)
+
+
 def qk_rnorm_plan(K: int) -> LaunchPlan:
-    """The shared norm plan at head dim K, for any row count (the grid and the kernel's
-    ``rows`` follow from ``B * T * H`` at each launch). Memoized: callers outside the
-    forward's plan cache (``state_output_fwd`` without ``rnorm``) share it, and with it the
-    compiled kernel kept on it (read-only)."""
+    """The shared reciprocal-norm plan at head dim K, for any row count (the grid and the
+    kernel's ``rows`` follow from ``B * T * H`` at each launch). Memoized: callers outside
+    the forward's plan cache (``state_output_fwd`` without ``rnorm``) share it, and with it
+    the compiled kernel kept on it (read-only)."""
+    return _norm_plan("qk_rnorm_fwd", K)
+
+
+@functools.lru_cache(maxsize=8)
+def _norm_plan(kernel: str, K: int) -> LaunchPlan:
     return LaunchPlan(
-        kernel="qk_rnorm_fwd",
+        kernel=kernel,
         grid_rule=GridRule(row_block=BLOCK_ROWS, ceil=True, minimum=1, more=(2,)),
         num_warps=NUM_WARPS,
         blocks={"BLOCK_ROWS": BLOCK_ROWS, "K": K},
@@ -103,40 +139,74 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLau
     rnorm : float32 Tensor ``[B * T, H, 2]``: ``rnorm[..., 0]`` of q's rows, ``rnorm[..., 1]``
         of k's, ``1 / sqrt(sum x^2 + 1e-6)`` (:data:`masks.L2NORM_EPS`).
     """
-    B, T, H, K = q.shape
-    s_q, s_k = token_rows_stride(q), token_rows_stride(k)
-    if k.shape != q.shape or k.dtype != q.dtype or s_q is None or s_k is None:
-        raise ValueError(f"qk_rnorm_fwd: q and k must be [B, T, H, K] token rows of one dtype, got "
-                         f"{q.dtype} {tuple(q.shape)} strides {q.stride()} and {k.dtype} {tuple(k.shape)} "
-                         f"strides {k.stride()}")
-    launch = launch.shared
-    if launch.constexprs["K"] != K:
-        raise ValueError(f"qk_rnorm_fwd: planned K = {launch.constexprs['K']}, got q of K = {K}")
+    B, T, H, _ = q.shape
     rnorm = torch.empty(B * T, H, 2, dtype=torch.float32, device=q.device)
-    rows = B * T * H
-    if rows == 0:
-        return rnorm
-    launch_planned(_qk_rnorm_fwd_kernel, launch, {}, dict(q=q, k=k, rnorm=rnorm, rows=rows, H=H, s_q=s_q, s_k=s_k),
-                   rows=rows, num_seqs=0)
+    _launch_norms(q, k, rnorm, launch)
     return rnorm
 
 
-def qk_rnorm_kernels_for_aot(capability: tuple[int, int], backend: str) -> list:
-    """The norm kernel at K in {64, 128} x bf16/fp16."""
+def qk_l2norm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLaunch
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k with every row l2-normalized (one launch, one allocation).
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows (any token stride).
+    launch : the ``qk_l2norm_fwd`` plan (:func:`plan_qk_l2norm`).
+
+    Returns
+    -------
+    q_hat, k_hat : contiguous Tensors ``[B, T, H, K]`` in q's dtype, ``x / sqrt(sum x^2 +
+        1e-6)`` per row rounded once; the two halves of one ``[2, B, T, H, K]`` buffer.
+    """
+    out = torch.empty((2, *q.shape), dtype=q.dtype, device=q.device)
+    _launch_norms(q, k, out, launch)
+    return out[0], out[1]
+
+
+def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: LaunchPlan | BoundLaunch) -> None:
+    """One launch of ``launch``'s norm kernel over q's and k's rows into ``out``."""
+    B, T, H, K = q.shape
+    launch = launch.shared
+    name = launch.kernel
+    s_q, s_k = token_rows_stride(q), token_rows_stride(k)
+    if k.shape != q.shape or k.dtype != q.dtype or s_q is None or s_k is None:
+        raise ValueError(f"{name}: q and k must be [B, T, H, K] token rows of one dtype, got "
+                         f"{q.dtype} {tuple(q.shape)} strides {q.stride()} and {k.dtype} {tuple(k.shape)} "
+                         f"strides {k.stride()}")
+    if launch.constexprs["K"] != K:
+        raise ValueError(f"{name}: planned K = {launch.constexprs['K']}, got q of K = {K}")
+    rows = B * T * H
+    if rows == 0:
+        return
+    kernel = _qk_rnorm_fwd_kernel if name == "qk_rnorm_fwd" else _qk_l2norm_fwd_kernel
+    out_name = _OUTPUTS[name]
+    launch_planned(kernel, launch, {}, {"q": q, "k": k, out_name: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k},
+                   rows=rows, num_seqs=0)
+
+
+def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str, names: tuple[str, ...] = ("qk_rnorm_fwd",)
+                            ) -> list:
+    """The norm kernels ``names`` (the pipeline's reciprocal norms by default; the
+    warp-specialized path adds the normalized rows) at K in {64, 128} x bf16/fp16."""
     from gdn_dispatch.aot import AotKernel
 
     kernels = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for K in (64, 128):
-            ptr = "*" + sig_dtype(dtype)
-            signature = {"q": ptr, "k": ptr, "rnorm": "*fp32", "rows": "i32", "H": "i32", "s_q": "i32",
-                         "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
-            kernels.append(AotKernel(
-                backend=backend, kernel="qk_rnorm_fwd", specialization=f"K{K}-{sig_dtype(dtype)}",
-                fn=_qk_rnorm_fwd_kernel, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
-                dialect="gluon", num_warps=NUM_WARPS,
-                # Token strides H * K of contiguous inputs, and of most fused projections, are
-                # multiples of 16, as a launch specializes them.
-                attrs=pointer_attrs(_qk_rnorm_fwd_kernel, ["q", "k", "rnorm", "s_q", "s_k"]),
-            ))
+    for name in names:
+        out_name = _OUTPUTS[name]
+        fn = _qk_rnorm_fwd_kernel if name == "qk_rnorm_fwd" else _qk_l2norm_fwd_kernel
+        for dtype in (torch.bfloat16, torch.float16):
+            for K in (64, 128):
+                ptr = "*" + sig_dtype(dtype)
+                out_type = "*fp32" if out_name == "rnorm" else ptr
+                signature = {"q": ptr, "k": ptr, out_name: out_type, "rows": "i32", "H": "i32", "s_q": "i32",
+                             "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
+                kernels.append(AotKernel(
+                    backend=backend, kernel=name, specialization=f"K{K}-{sig_dtype(dtype)}",
+                    fn=fn, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+                    dialect="gluon", num_warps=NUM_WARPS,
+                    # Token strides H * K of contiguous inputs, and of most fused projections, are
+                    # multiples of 16, as a launch specializes them.
+                    attrs=pointer_attrs(fn, ["q", "k", out_name, "s_q", "s_k"]),
+                ))
     return kernels

@@ -25,6 +25,7 @@ from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
+from gdn_dispatch.backends.gluon_common.qk_norm import qk_norm_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.wy_t import wy_t_kernels_for_aot
 from gdn_dispatch.backends.gluon_sm90 import fused as _fused_path
 from gdn_dispatch.backends.gluon_sm90.engine import WGMMA
@@ -70,5 +71,6 @@ def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel
     and the warp-specialized path's (the T kernel and the fused kernel)."""
     shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
     capability = tuple(capability or CAPABILITIES[0])
-    return (shared + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE)
+    return (shared + qk_norm_kernels_for_aot(capability, BACKEND, ("qk_l2norm_fwd",))
+            + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE)
             + _fused_path.fused_kernels_for_aot(capability, BACKEND, engine=ENGINE))

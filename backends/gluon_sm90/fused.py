@@ -37,7 +37,10 @@ Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
 and w/u are formed in [64, 64] halves so that the aux accumulators stay at 32.
 
 What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs those
-calls): the fused q/k l2 norm, context-parallel segments, K or V other than 128. On
+calls): context-parallel segments, K or V other than 128, and the qk l2 norm while
+:data:`QK_L2NORM` is off. With the norm it reads normalized copies of q and k
+(:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
+does. On
 sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`, keeps
 ``S^T`` in tensor memory (compiled and checked only, not routed).
 """
@@ -325,14 +328,20 @@ HEAD_DIM = 128
 #: HV = 64) 0.581 against 0.520; 32 programs 0.496 against 0.326.
 MIN_SM_SHARE = 0.75
 
+#: Calls with the qk l2 norm take the path (on normalized copies of q and k). Off until the
+#: path's GPU tests with the norm (``test_gluon_fused.py::test_path_with_the_qk_l2_norm``,
+#: which turn it on) pass on an sm_90 part: such calls run the pipeline meanwhile. On the
+#: H200 with it on, 4 x 8192 HV 32: 0.876 ms against the pipeline's 1.057.
+QK_L2NORM = False
+
 
 def fused_reason(problem: GDNProblem) -> str | None:
     """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
     or None."""
     if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
         return f"head dims K = V = {HEAD_DIM} only, got K = {problem.K}, V = {problem.V}"
-    if problem.use_qk_l2norm:
-        return "the fused q/k l2 norm is not built into it"
+    if problem.use_qk_l2norm and not QK_L2NORM:
+        return "the qk l2 norm (fused.QK_L2NORM is off)"
     # The T tiles' rows are int32 TMA coordinates (2 HV tiles of 64 rows per chunk slot).
     if t_tile_rows(problem.B * problem.T, problem.N, problem.HV, True) >= 2 ** 31:
         return f"{problem.B * problem.T} tokens x {problem.HV} v-heads: T tile rows past int32"
@@ -371,17 +380,22 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE) -> int:
         + 6 * BT * 4 + 11 * 8
 
 
-def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor,
-              launch: LaunchPlan | BoundLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
+              *, q: torch.Tensor | None = None, k: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
     the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
+    ``q``, ``k``: read instead of the problem's (with the qk l2 norm, the normalized copies
+    of :func:`~..gluon_common.qk_norm.qk_l2norm_fwd`: the kernel normalizes nothing).
 
     Returns o ``[B, T, HV, V]`` in q's dtype and the float32 final state (``[N, HV, K, V]``
     "kv" or ``[N, HV, V, K]`` "vk") or None unless ``problem.output_final_state``; with a
     pool and ``inplace_final_state`` the pool rows are written back too.
     """
     launch = launch.shared
-    q, k, v = problem.q, problem.k, problem.v
+    q = problem.q if q is None else q
+    k = problem.k if k is None else k
+    v = problem.v
     B, T, HV, V = v.shape
     K = k.shape[3]
     N = problem.chunks.num_seqs
