@@ -3,12 +3,13 @@
 Usage (a CUDA machine, repository root): ``python benchmarks/scan_variants.py``; with
 ``--cpu`` (under ``TRITON_INTERPRET=1``) it only checks the forms' numerics at a small size.
 
-Each form is a ``segment_scan_fwd`` launch config (whole M per step or M's column blocks,
-the BV slice, warps) and a dot precision ("tf32x3" as shipped, or "ieee": fp32 FMAs). Inputs:
-one sequence of ``NSEG`` segments of 64 tokens (plus the empty slot past its end), K = V =
-128, random contracting maps ``M`` (entries ``0.9 randn / sqrt(K)``) and random ``N``. The
-error is the relative RMS error of every segment start state against a float64 scan; the
-time is the GPU time per call (a CUDA graph of 10 calls, median of 15 replays).
+Each form is a ``segment_scan_fwd`` launch config: the whole M per step or M's column
+blocks, the BV slice, warps and pipeline stages (M split as pass 1 stores it:
+``segment_scan.split_maps``). Inputs: one sequence of ``NSEG`` segments of 64 tokens (plus
+the empty slot past its end), K = V = 128, random contracting maps ``M`` (entries
+``0.9 randn / sqrt(K)``) and random ``N``. The error is the relative RMS error of every
+segment start state against a float64 scan; the time is the GPU time per call (a CUDA
+graph of 10 calls, median of 15 replays).
 Prints a markdown table last.
 """
 import sys
@@ -23,15 +24,12 @@ CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
 K = V = 128
 FORMS = [
-    ("tf32x3, whole M, BV 16, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=16, BKC=128)),
-    ("tf32x3, whole M, BV 8, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=8, BKC=128)),
-    ("tf32x3, whole M, BV 32, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=32, BKC=128)),
-    ("tf32x3, column blocks, BV 32, 8 warps", "tf32x3", LaunchConfig(num_warps=8, BK=128, BV=32)),
-    ("ieee, whole M, BV 16, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=16, BKC=128)),
-    ("ieee, whole M, BV 8, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=8, BKC=128)),
-    ("ieee, whole M, BV 16, 4 warps", "ieee", LaunchConfig(num_warps=4, BK=128, BV=16, BKC=128)),
-    ("ieee, column blocks, BV 32, 8 warps", "ieee", LaunchConfig(num_warps=8, BK=128, BV=32)),
-    ("ieee, column blocks, BV 16, 4 warps", "ieee", LaunchConfig(num_warps=4, BK=128, BV=16)),
+    ("whole M, BV 16, 8 warps, 2 stages (sm_90 default)", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=16, BKC=128)),
+    ("whole M, BV 16, 4 warps, 2 stages", LaunchConfig(num_warps=4, num_stages=2, BK=128, BV=16, BKC=128)),
+    ("whole M, BV 8, 8 warps, 2 stages", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=8, BKC=128)),
+    ("whole M, BV 16, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=16, BKC=128)),
+    ("whole M, BV 32, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32, BKC=128)),
+    ("column blocks, BV 32, 8 warps (elsewhere)", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32)),
 ]
 SHAPES = [(2, 3)] if CPU else [(4, 16), (4, 32), (16, 8)]  # (HV, NSEG)
 
@@ -61,15 +59,14 @@ def main() -> None:
     for HV, NSEG in SHAPES:
         m64, n64, cu = maps(HV, NSEG)
         want = scan64(m64, n64)
-        m, n = m64.float(), n64.float()
-        for name, precision, cfg in FORMS:
-            # The kernel's DOT_PREC comes from dot_precisions; each form swaps it in.
-            segment_scan.dot_precisions = lambda dtype, p=precision: (p, p)
+        m_hi, m_lo = segment_scan.split_maps(m64.float())
+        n = n64.float()
+        for name, cfg in FORMS:
             try:
-                seg_h0, _ = segment_scan.segment_scan_fwd(m, n, cu, 64, config=cfg)
+                seg_h0, _ = segment_scan.segment_scan_fwd(m_hi, m_lo, n, cu, 64, config=cfg)
                 err = rel_rms_error(seg_h0.double(), want)
                 us = None if CPU else graph_replay_us(
-                    lambda: [segment_scan.segment_scan_fwd(m, n, cu, 64, config=cfg) for _ in range(10)],
+                    lambda: [segment_scan.segment_scan_fwd(m_hi, m_lo, n, cu, 64, config=cfg) for _ in range(10)],
                     replays=1, windows=15) / 10
                 rows.append((HV, NSEG, name, f"{err:.2e}", "-" if us is None else f"{us:.1f}"))
             except Exception as exc:  # a form that does not compile here is a row, not a stop

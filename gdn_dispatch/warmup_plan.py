@@ -244,14 +244,19 @@ def _state_flags(problem: GDNProblem) -> tuple:
             problem.uses_state_pool, problem.inplace_final_state)
 
 
-def _segment_kernel_keys(problem: GDNProblem, k_stride, *, k_rnorm: bool) -> set:
-    """The plain-Triton kernels of a segmented call (table, pass-1 maps, scan): their
-    configs are fixed by the dims and the device; the call's state flags go to the scan; pass 1
-    takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
+def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool) -> set:
+    """The plain-Triton kernels of a segmented call (table, pass-1 maps, scan): the table's
+    and pass 1's configs are fixed by the dims and the device, the scan's V-block by its
+    (sequence, v-head) pairs against the SM count; the call's state flags go to the scan;
+    pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
+    from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_config
+
+    capability = tuple(device.capability) if device.capability else None
+    scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count)
     return {
         ("segment_table_fwd",),
         ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm),
-        ("segment_scan_fwd", _state_flags(problem)),
+        ("segment_scan_fwd", _state_flags(problem), scan),
     }
 
 
@@ -269,7 +274,7 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
         return frozenset(_launch_key(launch) for launch in call.launches.stages)
     keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}
     keys.add(_launch_key(call.segments.stage("state_output_fwd")))
-    return frozenset(keys | _segment_kernel_keys(problem, token_rows_stride(problem.k), k_rnorm=False))
+    return frozenset(keys | _segment_kernel_keys(problem, device, token_rows_stride(problem.k), k_rnorm=False))
 
 
 def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
@@ -304,7 +309,7 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     }
     if cp is None or not cp.enabled:
         return frozenset(keys | {state_key(problem.N, flags)})
-    return frozenset(keys | _segment_kernel_keys(problem, strides["k"], k_rnorm=l2) | {
+    return frozenset(keys | _segment_kernel_keys(problem, device, strides["k"], k_rnorm=l2) | {
         state_key(cp.num_segments, (True, False, StateLayout.KV.value, False, False)),
     })
 

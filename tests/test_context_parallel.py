@@ -300,7 +300,12 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
     k_rnorm = torch.empty_like(g_cum) if l2 else None
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2, k_rnorm=k_rnorm)
     seg_cu = tg_scan.segment_table_fwd(problem.chunks.cu_seqlens, sum(lengths), L)
-    M, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    M_hi, M_lo, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    # M comes split for the scan: a TF32-exact fp32 part and a bf16 rest below its last bit.
+    assert M_hi.dtype == torch.float32 and M_lo.dtype == torch.bfloat16
+    assert bool((M_hi.view(torch.int32) & 0x1FFF == 0).all())
+    assert bool((M_lo.float().abs() <= M_hi.abs() * 2 ** -10 + 1e-30).all())
+    M = M_hi + M_lo.float()
     starts = seg_cu.tolist()
     k_all = call["k"][0].float()
     if l2:
@@ -319,12 +324,14 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("whole_m", [True, False], ids=["whole-M", "column-blocks"])
+@pytest.mark.parametrize("whole_m, stages", [(True, 1), (True, 2), (False, 1)],
+                         ids=["whole-M", "whole-M-2-stages", "column-blocks"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_segment_scan_kernel_matches_the_reference_scan(whole_m, layout, device):
-    """Both forms of the scan's step (the whole M with S in registers and the next map
-    prefetched; M in column blocks with S read back) against :func:`reference.scan_segments`,
-    on random maps over ragged sequences (a 0-length one, several segments per sequence)."""
+def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout, device):
+    """Both forms of the scan's step (the whole M with S in registers, the next map streamed
+    in by the pipeliner with 2 stages as on sm_90; M in column blocks with S read back)
+    against :func:`reference.scan_segments`, on random maps over ragged sequences (a
+    0-length one, several segments per sequence)."""
     from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 
     K, V = (32, 24) if device.type == "cpu" else (128, 128)
@@ -343,9 +350,11 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, layout, device)
     h0_arg = h0.transpose(-1, -2).contiguous() if layout == "vk" else h0
     base = tg_scan.segment_scan_config(K, V)
     BKC = base.BK if whole_m else 16
-    cfg = LaunchConfig(num_warps=base.num_warps, num_stages=base.num_stages, BK=base.BK, BV=base.BV, BKC=BKC)
+    BV = 16 if stages == 2 else base.BV
+    cfg = LaunchConfig(num_warps=base.num_warps, num_stages=stages, BK=base.BK, BV=BV, BKC=BKC)
     assert tg_scan.scan_block_kc(cfg) == BKC
-    seg_h0, final = tg_scan.segment_scan_fwd(M, N, cu_seqlens, L, initial_state=h0_arg, output_final_state=True,
+    seg_h0, final = tg_scan.segment_scan_fwd(*tg_scan.split_maps(M), N, cu_seqlens, L, initial_state=h0_arg,
+                                             output_final_state=True,
                                              state_vk=layout == "vk", config=cfg)
     starts = seg_cu.tolist()
     slot = 0
@@ -359,6 +368,22 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, layout, device)
         assert rel_rms_error(got, ref_final) <= 1e-5, n
         slot += slots
     assert slot == NSEG
+
+
+def test_scan_takes_narrow_v_blocks_where_they_fill_one_wave():
+    """On sm_90 the whole-M step takes 8 value columns per program where that many programs
+    still fit one wave of the SMs (the chain is bound by M's bytes into each SM), else 16;
+    other parts stream M's column blocks with 32 columns."""
+    from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
+
+    whole = dict(num_warps=8, num_stages=2, BK=128, BKC=128)
+    for pairs, bv in ((1, 8), (4, 8), (8, 8), (9, 16), (16, 16)):
+        assert tg_scan.segment_scan_config(128, 128, (9, 0), pairs, 132) == LaunchConfig(**whole, BV=bv), pairs
+    assert tg_scan.segment_scan_config(128, 128, (9, 0)).BV == 16
+    assert tg_scan.segment_scan_config(64, 64, (9, 0), 16, 132).BV == 8
+    for capability in ((8, 0), (10, 0), None):
+        cfg = tg_scan.segment_scan_config(128, 128, capability, 1, 132)
+        assert (cfg.BV, tg_scan.scan_block_kc(cfg), cfg.num_stages) == (32, 32, 1)
 
 
 def _cp_case(case_id, dtype, cpu, gpu, layout="kv", h0=True, l2=False, pool=None, marks=()):
@@ -785,15 +810,15 @@ def compiled(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-#: The segment kernels the Gluon rows launch (triton_generic's; sm_90 and the older parts
-#: compile them in the arch matrix, where triton_generic is chosen or listed).
+#: The segment kernels the Gluon rows launch (triton_generic's; the older parts compile
+#: them in the arch matrix, where triton_generic is chosen or listed).
 SEGMENT_KERNELS = ("segment_table_fwd", "segment_map_fwd", "segment_scan_fwd")
 
 
 def _segment_aot_cases():
     from gdn_dispatch.backends.triton_generic import kernels_for_aot
 
-    for arch in ("sm_100", "sm_103"):
+    for arch in ("sm_90", "sm_100", "sm_103"):
         for kernel in kernels_for_aot(assumed_device(arch).capability):
             if kernel.kernel in SEGMENT_KERNELS:
                 yield pytest.param(arch, kernel, id=f"{arch}-{kernel.kernel}-{kernel.specialization}")
@@ -801,9 +826,11 @@ def _segment_aot_cases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, kernel", list(_segment_aot_cases()))
-def test_segment_kernels_compile_for_the_gluon_sm100_parts(arch, kernel):
-    """gluon_sm100's segmented calls launch the plain-Triton segment kernels: they compile
-    for datacenter Blackwell without spills."""
+def test_segment_kernels_compile_for_the_gluon_parts(arch, kernel):
+    """The Gluon rows' segmented calls launch the plain-Triton segment kernels: they compile
+    for Hopper and datacenter Blackwell without spills, within shared memory; on sm_90 the
+    scan streams M's parts in with asynchronous copies into its products (both of its
+    V-blocks)."""
     from gdn_dispatch.aot import compile_kernel
     from gdn_dispatch.device import SMEM_OPTIN
 
@@ -812,3 +839,8 @@ def test_segment_kernels_compile_for_the_gluon_sm100_parts(arch, kernel):
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes of spills"
     assert report.shared_bytes <= SMEM_OPTIN[device.capability]
     assert f".target sm_{device.capability[0]}{device.capability[1]}" in report.ptx
+    if arch == "sm_90" and kernel.kernel == "segment_scan_fwd":
+        assert kernel.constexprs["BKC"] == kernel.constexprs["BK"] and kernel.num_stages == 2
+        # Triton lowers the 8-column products to mma.sync, the 16-column ones to wgmma.
+        assert "cp.async" in report.ptx
+        assert ("wgmma.mma_async" if kernel.constexprs["BV"] >= 16 else "mma.sync") in report.ptx

@@ -185,6 +185,14 @@ def _dot(a, b, acc, PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 
 @jit
+def _tf32_round(x):
+    """fp32 ``x`` rounded to its 10 leading mantissa bits (TF32), as an fp32 value: an MMA
+    reads it unchanged however it treats the 13 bits below (truncation or rounding)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@jit
 def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``x.to(dtype)``, rounding to nearest even (the GPU's conversion) also under the
     interpreter, whose fp32 -> bf16 conversion truncates: a biased error that would make

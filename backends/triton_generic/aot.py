@@ -95,19 +95,23 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability
     cfg = segment_map_config(K, V)
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
                        {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "seg_cu": "*i32",
-                        "m_out": "*fp32", "n_out": "*fp32"},
+                        "m_hi": "*fp32", "m_lo": "*bf16", "n_out": "*fp32"},
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
                         "INTERPRET": False}, cfg))
-    cfg = segment_scan_config(K, V, capability)
     pool = dtype == "bf16"
-    out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
-                       _segment_scan_fwd_kernel,
-                       {"m_in": "*fp32", "n_in": "*fp32", "cu_seqlens": "*i32", "h0": "*bf16" if pool else "*fp32",
-                        "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32", "L": "i32"},
-                       {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": scan_block_kc(cfg), "BV": cfg.BV,
-                        "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
-                        "DOT_PREC": "tf32x3"}, cfg))
+    # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
+    # the part takes them).
+    configs = {segment_scan_config(K, V, capability, pairs, 132) for pairs in (10 ** 6, 1)}
+    for cfg in sorted(configs, key=lambda c: -c.BV):
+        out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
+                           _segment_scan_fwd_kernel,
+                           {"m_hi": "*fp32", "m_lo": "*bf16", "n_in": "*fp32", "cu_seqlens": "*i32",
+                            "h0": "*bf16" if pool else "*fp32",
+                            "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32", "L": "i32"},
+                           {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": scan_block_kc(cfg), "BV": cfg.BV,
+                            "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
+                            "INTERPRET": False}, cfg))
     return out
 
 

@@ -1,8 +1,8 @@
 """Context parallelism for this backend: the call's long sequences cut into segments.
 
     seg_cu       = segment_table_fwd(cu_seqlens, L)            # segment offsets, on the device
-    M, N         = segment_map_fwd(k, w, u, g_cum, seg_cu)     # pass 1: each segment's map
-    seg_h0, S    = segment_scan_fwd(M, N, cu_seqlens, L, S0)   # serial over segments, fp32
+    M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, seg_cu)    # pass 1: each segment's map
+    seg_h0, S    = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)   # serial over segments
     h, v_new     = state_fwd(k, w, u, g_cum, segments, seg_h0) # pass 2: the normal stages 4 + 5,
     o            = output_fwd(q, k, v_new, h, g_cum, segments) #   segments as the sequences
 
@@ -61,10 +61,10 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, seg_cu: torch.Tensor
     final_state : as :func:`segmented_fwd` returns it; with ``inplace_final_state`` the
         pool rows are written too.
     """
-    m_in, n_in = segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=problem.use_qk_l2norm,
-                                 k_rnorm=k_rnorm)
+    m_hi, m_lo, n_in = segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=problem.use_qk_l2norm,
+                                       k_rnorm=k_rnorm)
     return segment_scan_fwd(
-        m_in, n_in, problem.chunks.cu_seqlens, plan.seg_len,
+        m_hi, m_lo, n_in, problem.chunks.cu_seqlens, plan.seg_len,
         initial_state=problem.initial_state,
         output_final_state=problem.output_final_state,
         state_vk=problem.state_layout is StateLayout.VK,

@@ -15,6 +15,13 @@ walks ``M`` from the identity, both with the state kernel's own chunk walk
 segments are
 given as offsets ``seg_cu`` (:mod:`.segment_scan`); an empty segment's program stores the
 identity and zeros, so the scan may apply every slot's map.
+
+M is stored split for the scan's products: ``M_hi`` (fp32 values rounded to TF32) and
+``M_lo = M - M_hi`` in bf16, 6 bytes per entry, together M to about 2^-19 of each entry.
+The scan multiplies both parts on the tensor cores straight from shared memory (three
+products per step with S's own split), where a fp32 M would be split in registers at
+every step; the bf16 part keeps the two of them small enough for the scan to stream the
+next segment's while it multiplies this one.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_dispatch.backends.triton_generic._jit import interpreting, jit, next_pow2
+from gdn_dispatch.backends.triton_generic._jit import _cast, _tf32_round, interpreting, jit, next_pow2
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.state import _walk_chunks
@@ -38,7 +45,8 @@ def _segment_map_fwd_kernel(
     g_cum,
     k_rnorm,
     seg_cu,
-    m_out,
+    m_hi,
+    m_lo,
     n_out,
     s_k: tl.constexpr,
     H: tl.constexpr,
@@ -72,13 +80,17 @@ def _segment_map_fwd_kernel(
     n_cols = tl.where(is_m, 0, V)
     b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
 
-    # The state kernel's walk without its stores (h and v_new are not written: m_out and
+    # The state kernel's walk without its stores (h and v_new are not written: m_hi and
     # n_out stand in for them).
-    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_out, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
                        H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
 
     m_k = (o_k < K)[:, None]
-    tl.store(m_out + i_sh * (K * K) + o_k[:, None] * K + o_c[None, :], b_s, mask=m_k & (o_c < m_cols)[None, :])
+    at_m = i_sh * (K * K) + o_k[:, None] * K + o_c[None, :]
+    m_m = m_k & (o_c < m_cols)[None, :]
+    b_hi = _tf32_round(b_s)
+    tl.store(m_hi + at_m, b_hi, mask=m_m)
+    tl.store(m_lo + at_m, _cast(b_s - b_hi, tl.bfloat16, INTERPRET), mask=m_m)
     tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
 
 
@@ -101,8 +113,8 @@ def segment_map_fwd(
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affine map ``S -> M S + N`` of every segment and value head.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The affine map ``S -> M S + N`` of every segment and value head, M split in two.
 
     Parameters
     ----------
@@ -117,23 +129,26 @@ def segment_map_fwd(
 
     Returns
     -------
-    M : float32 Tensor ``[NSEG, HV, K, K]``; the identity for an empty segment.
+    M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32; the identity for an
+        empty segment.
+    M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi`` rounded to bf16.
     N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
     """
     H, K = k.shape[-2], k.shape[-1]
     HV, V = u.shape[-2], u.shape[-1]
     NSEG = seg_cu.shape[0] - 1
-    m_out = torch.empty(NSEG, HV, K, K, dtype=torch.float32, device=k.device)
+    m_hi = torch.empty(NSEG, HV, K, K, dtype=torch.float32, device=k.device)
+    m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
     n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
     if NSEG * HV == 0:
-        return m_out, n_out
+        return m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
     dot_prec, _ = dot_precisions(k.dtype)
     grid = (NSEG * HV * (triton.cdiv(V, cfg.BV) + triton.cdiv(K, cfg.BV)),)
     launch(_segment_map_fwd_kernel, grid, cfg,
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, seg_cu=seg_cu,
-        m_out=m_out, n_out=n_out, s_k=token_stride("k", k), H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV,
+        m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k), H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV,
         USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
         DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
     )
-    return m_out, n_out
+    return m_hi, m_lo, n_out

@@ -14,12 +14,19 @@ walks its sequence's slots in order with the state in registers, fp32::
 
 starting from the sequence's initial state (zeros, ``h0[n]``, or pool row
 ``state_indices[n]``), and ends with the sequence's final state (returned, or written back
-into the pool row). On sm_90 up to K = 128 a step is one product of the whole ``M[s]``
-with ``S`` held in registers, ``M[s + 1]`` and ``N[s + 1]`` loading meanwhile (they do not
-depend on ``S``), as everywhere for K <= 32 (one column block is the whole M). Elsewhere
-the step contracts over 32-wide column blocks of M: the program reads ``S`` back from
-``seg_h0[s]``, which it has just stored (a CTA barrier orders the store before the loads
-of other threads), so no ``[K, K]`` tile is held in registers.
+into the pool row). M comes split from pass 1 (:mod:`.segment_map`: ``M_hi`` TF32-exact
+fp32, ``M_lo`` bf16) and the step splits S the same way, so the product is three tensor-core
+products with no conversion of M::
+
+    M S ~ M_lo bf16(S) + M_hi (S - tf32(S)) + M_hi tf32(S)       (about 2^-19 relative)
+
+On sm_90 up to K = 128 a step is those products over the whole M with ``S`` held in
+registers, the software pipeliner streaming ``M[s + 1]`` and ``N[s + 1]`` (they do not
+depend on ``S``) into shared memory while step ``s`` multiplies; as everywhere for K <= 32
+(one column block is the whole M). Elsewhere the step contracts over 32-wide column blocks
+of M: the program reads ``S`` back from ``seg_h0[s]``, which it has just stored (a CTA
+barrier orders the store before the loads of other threads), so no ``[K, K]`` tile is
+held in registers.
 """
 
 from __future__ import annotations
@@ -28,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_dispatch.backends.triton_generic._jit import _dot, jit, next_pow2
+from gdn_dispatch.backends.triton_generic._jit import _dot, _tf32_round, interpreting, jit, next_pow2
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
-from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions
 from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
 
 
@@ -85,9 +91,32 @@ def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int)
     return seg_cu
 
 
+@jit
+def _split_product(m_hi, m_lo, b_s, acc, INTERPRET: tl.constexpr):
+    """``acc + M b_s`` from M's two parts: the small terms first."""
+    s_hi = _tf32_round(b_s)
+    acc = _dot(m_lo, b_s.to(tl.bfloat16), acc, "tf32", INTERPRET)
+    acc = _dot(m_hi, b_s - s_hi, acc, "tf32", False)
+    return _dot(m_hi, s_hi, acc, "tf32", False)
+
+
+@jit
+def _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, o_sh, o_k, o_v, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Slot ``o_sh`` (its row offset ``(slot * HV + h) * K``): store its start state,
+    return the next. M's parts and N feed the products straight from their loads, which
+    the pipeliner moves ahead into shared memory."""
+    tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+    b_hi = tl.load(m_hi + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
+    b_lo = tl.load(m_lo + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
+    b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+    return _split_product(b_hi, b_lo, b_s, b_n, INTERPRET)
+
+
 @jit(do_not_specialize=("P", "L"))
 def _segment_scan_fwd_kernel(
-    m_in,
+    m_hi,
+    m_lo,
     n_in,
     cu_seqlens,
     h0,
@@ -107,7 +136,7 @@ def _segment_scan_fwd_kernel(
     INPLACE: tl.constexpr,
     STORE_HT: tl.constexpr,
     STATE_VK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV)
     o_k = tl.arange(0, BK)
@@ -120,27 +149,17 @@ def _segment_scan_fwd_kernel(
     i_s = bos // L + i_n
     s_end = eos // L + i_n + 1
     if BKC == BK:
-        # The whole M per step, S kept in registers: the step's chain is one MMA, and the
-        # next slot's M and N (independent of S) load while it runs.
-        # Whether a slot exists folds into the row limit (a block mask & a scalar bool is not
-        # a bool mask under every Triton interpreter).
-        rows = tl.where(i_s < s_end, K, 0)
-        o_sh = (i_s * HV + i_h) * K
-        b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_k[None, :],
-                      mask=(o_k < rows)[:, None] & (o_k < K)[None, :], other=0.0)
-        b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :],
-                      mask=(o_k < rows)[:, None] & (o_v < V)[None, :], other=0.0)
-        while i_s < s_end:
-            tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
-            nxt = o_sh + HV * K
-            rows = tl.where(i_s + 1 < s_end, K, 0)
-            b_m_next = tl.load(m_in + nxt * K + o_k[:, None] * K + o_k[None, :],
-                               mask=(o_k < rows)[:, None] & (o_k < K)[None, :], other=0.0)
-            b_n_next = tl.load(n_in + nxt * V + o_k[:, None] * V + o_v[None, :],
-                               mask=(o_k < rows)[:, None] & (o_v < V)[None, :], other=0.0)
-            b_s = _dot(b_m, b_s, b_n, DOT_PREC, False)
-            b_m, b_n, o_sh = b_m_next, b_n_next, nxt
-            i_s += 1
+        m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
+        if INTERPRET:
+            # triton 3.6's interpreter cannot range() over a loaded bound (see state.py).
+            while i_s < s_end:
+                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_s * HV + i_h) * K, o_k, o_v, m_kv, m_kk, K, V,
+                                    INTERPRET)
+                i_s += 1
+        else:
+            for i_t in range(i_s, s_end):
+                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_t * HV + i_h) * K, o_k, o_v, m_kv, m_kk, K, V,
+                                    INTERPRET)
     else:
         while i_s < s_end:
             o_sh = (i_s * HV + i_h) * K
@@ -149,11 +168,12 @@ def _segment_scan_fwd_kernel(
             b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             for i_kc in tl.static_range(0, K, BKC):
                 o_kc = i_kc + tl.arange(0, BKC)
-                b_m = tl.load(m_in + o_sh * K + o_k[:, None] * K + o_kc[None, :],
-                              mask=(o_k < K)[:, None] & (o_kc < K)[None, :], other=0.0)
+                m_kc = (o_k < K)[:, None] & (o_kc < K)[None, :]
+                b_hi = tl.load(m_hi + o_sh * K + o_k[:, None] * K + o_kc[None, :], mask=m_kc, other=0.0)
+                b_lo = tl.load(m_lo + o_sh * K + o_k[:, None] * K + o_kc[None, :], mask=m_kc, other=0.0)
                 b_sk = tl.load(seg_h0 + o_sh * V + o_kc[:, None] * V + o_v[None, :],
                                mask=(o_kc < K)[:, None] & (o_v < V)[None, :], other=0.0)
-                b_acc = _dot(b_m, b_sk, b_acc, DOT_PREC, False)
+                b_acc = _split_product(b_hi, b_lo, b_sk, b_acc, INTERPRET)
             b_s = b_acc
             i_s += 1
 
@@ -164,18 +184,28 @@ def _segment_scan_fwd_kernel(
 WHOLE_M_CAPABILITIES = ((9, 0),)
 
 
-def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = None) -> LaunchConfig:
+def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = None, pairs: int | None = None,
+                        sm_count: int | None = None) -> LaunchConfig:
     """The scan, one program per (sequence, v-head, BV slice of V), 8 warps (the fp32
-    products, 3xTF32, of 4 warps spill on mma.sync parts, sm_80). On sm_90 up to K = 128
-    the whole M per step (BKC = BK) with BV = 16: on the H200 at K = V = 128 a step of 16
-    columns with the next M prefetched beat 32 columns over M's column blocks by 20% (4-16
-    heads, 8-32 segments). Elsewhere (the form spills on mma.sync parts and sm_100), and for
-    larger K, M streams in [BK, 32] column blocks with BV = 32 (for K <= 32 that one block
-    is the whole M, and the kernel takes the whole-M step). ``capability`` None (the
-    interpreter, or any part) is treated as not sm_90."""
+    products of 4 warps spill on mma.sync parts, sm_80). On sm_90 up to K = 128 the whole
+    M per step (BKC = BK) with BV = 16, two pipeline stages: M's parts and N of the next
+    slot, 104 KB at K = V = 128, stream into shared memory during the step (192 KB in all);
+    on the H200 at K = V = 128 a step of 16 columns beat 32 columns over M's column blocks
+    by 20% with M in fp32 (4-16 heads, 8-32 segments), and M split and pipelined beat that
+    by 24% (43.5 against 57.2 µs at 4 heads x 16 segments). With few ``pairs`` (sequences x
+    v-heads), BV = 8 where that many programs still fit one wave of ``sm_count`` SMs: the
+    step's time is M's bytes into one SM, so more SMs per head shorten the chain (H200, 4
+    heads: 37.4 against 50.6 µs at 16 segments, 71.2 against 98.0 at 32; 16 heads, whose
+    256 programs at BV = 8 fill two waves: 44.7 against 31.0). Elsewhere (the form spills on
+    mma.sync parts, and shared memory is smaller), and for larger K, M streams in [BK, 32]
+    column blocks with BV = 32 (for K <= 32 that one block is the whole M, and the kernel
+    takes the whole-M step). ``capability`` None (the interpreter, or any part) is treated
+    as not sm_90."""
     BK = state_block_k(K)
     if BK <= 128 and capability is not None and tuple(capability) in WHOLE_M_CAPABILITIES:
-        return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(16, next_pow2(V))), BKC=BK)
+        narrow = pairs is not None and sm_count is not None and pairs * -(-V // 8) <= sm_count
+        BV = 8 if narrow else max(MIN_TILE, min(16, next_pow2(V)))
+        return LaunchConfig(num_warps=8, num_stages=2, BK=BK, BV=BV, BKC=BK)
     return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(32, next_pow2(V))))
 
 
@@ -186,7 +216,8 @@ def scan_block_kc(cfg: LaunchConfig) -> int:
 
 
 def segment_scan_fwd(
-    m_in: torch.Tensor,
+    m_hi: torch.Tensor,
+    m_lo: torch.Tensor,
     n_in: torch.Tensor,
     cu_seqlens: torch.Tensor,
     seg_len: int,
@@ -202,8 +233,10 @@ def segment_scan_fwd(
 
     Parameters
     ----------
-    m_in : float32 Tensor ``[NSEG, HV, K, K]``, n_in : float32 Tensor ``[NSEG, HV, K, V]``:
-        the segments' maps (:func:`.segment_map.segment_map_fwd`).
+    m_hi : float32 Tensor ``[NSEG, HV, K, K]`` (TF32-exact), m_lo : bfloat16 Tensor
+        ``[NSEG, HV, K, K]``, n_in : float32 Tensor ``[NSEG, HV, K, V]``: the segments' maps
+        ``S -> (m_hi + m_lo) S + n_in`` (:func:`.segment_map.segment_map_fwd`;
+        :func:`split_maps` splits a float32 M).
     cu_seqlens : int Tensor ``[N + 1]``, the call's sequence offsets.
     seg_len : int, ``L``.
     initial_state : Tensor ``[N, HV, K, V]`` / ``[N, HV, V, K]`` (``state_vk``), any float
@@ -230,10 +263,13 @@ def segment_scan_fwd(
         final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
-    cfg = config or segment_scan_config(K, V, device_facts(n_in.device)[0])
+    if config is None:
+        capability, sm_count = device_facts(n_in.device)
+        config = segment_scan_config(K, V, capability, N * HV, sm_count)
+    cfg = config
     grid = (N * HV * triton.cdiv(V, cfg.BV),)
     launch(_segment_scan_fwd_kernel, grid, cfg,
-        m_in=m_in, n_in=n_in, cu_seqlens=cu_seqlens,
+        m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens,
         h0=initial_state if initial_state is not None else n_in,
         ht=final_state if final_state is not None else n_in, seg_h0=seg_h0,
         state_indices=state_indices if state_indices is not None else cu_seqlens,
@@ -241,6 +277,14 @@ def segment_scan_fwd(
         L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=scan_block_kc(cfg), BV=cfg.BV,
         USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
         INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None,
-        STATE_VK=state_vk, DOT_PREC=dot_precisions(torch.float32)[0],
+        STATE_VK=state_vk, INTERPRET=interpreting(),
     )
     return seg_h0, final_state
+
+
+def split_maps(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 ``M`` as pass 1 stores it: (TF32-rounded fp32, the rest in bf16); the
+    rounding of :func:`._jit._tf32_round` in torch (tests, benchmarks)."""
+    bits = m.contiguous().view(torch.int32)
+    hi = ((bits + 0x1000) & -0x2000).view(torch.float32)
+    return hi, (m - hi).to(torch.bfloat16)
