@@ -29,12 +29,13 @@ instead::
 
 The launching backend hands down the device the registry chose and its matrix engine
 (tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.
-Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm on the pipeline: wy
-reduces k's rows itself; the fused kernel reads q's and k's reciprocal row norms (8 bytes
-per token and head) and folds them into row and column scales in registers (no normalized
-copy of q or k is written). The warp-specialized path reads normalized copies instead:
-there the norms would add to the aux partition, which paces that kernel. Nothing here reads a device value back to the host. Every launch goes
-through :func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
+Neither T, the per-chunk state h nor v_new reaches global memory. qk l2 norm on the
+pipeline: wy reduces k's rows itself; the fused kernel reads q's and k's reciprocal row
+norms (8 bytes per token and head) and folds them into row and column scales in registers
+(no normalized copy of q or k is written). The warp-specialized path reads normalized
+copies instead: there the norms would add to the aux partition, which paces that kernel.
+Nothing here reads a device value back to the host. Every launch goes through
+:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
 
 Inputs are read where they lie: q, k, v in token rows through TMA descriptors with their
 own row stride (views of a fused projection), g and beta through pointers with a token

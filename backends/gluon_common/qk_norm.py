@@ -70,13 +70,16 @@ def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_
 def _qk_l2norm_fwd_kernel(q, k, out, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
     x, norm, which, r, c, mask = _row_block(q, k, rows, H, s_q, s_k, K, BLOCK_ROWS)
     # out [2, rows, K]: q's normalized rows, then k's.
-    at = gl.expand_dims((which * rows + r).to(gl.int64) * K, 1) + gl.expand_dims(c, 0)
+    at = gl.expand_dims((r.to(gl.int64) + which.to(gl.int64) * rows) * K, 1) + gl.expand_dims(c, 0)
     gl.store(out + at, (x * gl.expand_dims(norm, 1)).to(out.dtype.element_ty), mask=mask)
 
 
-#: The output argument of each norm kernel, by launch-plan name (the reciprocal norms, or
-#: the normalized rows).
-_OUTPUTS = {"qk_rnorm_fwd": "rnorm", "qk_l2norm_fwd": "out"}
+def _norm_kernel(name: str):
+    """The norm kernel of launch-plan ``name`` and its output argument's name: the
+    reciprocal norms, or the normalized rows (read at call time: tests stand in for them)."""
+    if name == "qk_rnorm_fwd":
+        return _qk_rnorm_fwd_kernel, "rnorm"
+    return _qk_l2norm_fwd_kernel, "out"
 
 
 def plan_qk_rnorm(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
@@ -179,8 +182,7 @@ def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: L
     rows = B * T * H
     if rows == 0:
         return
-    kernel = _qk_rnorm_fwd_kernel if name == "qk_rnorm_fwd" else _qk_l2norm_fwd_kernel
-    out_name = _OUTPUTS[name]
+    kernel, out_name = _norm_kernel(name)
     launch_planned(kernel, launch, {}, {"q": q, "k": k, out_name: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k},
                    rows=rows, num_seqs=0)
 
@@ -193,8 +195,7 @@ def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str, names: tu
 
     kernels = []
     for name in names:
-        out_name = _OUTPUTS[name]
-        fn = _qk_rnorm_fwd_kernel if name == "qk_rnorm_fwd" else _qk_l2norm_fwd_kernel
+        fn, out_name = _norm_kernel(name)
         for dtype in (torch.bfloat16, torch.float16):
             for K in (64, 128):
                 ptr = "*" + sig_dtype(dtype)

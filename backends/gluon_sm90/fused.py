@@ -40,9 +40,8 @@ What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs
 calls): context-parallel segments, K or V other than 128, and the qk l2 norm while
 :data:`QK_L2NORM` is off. With the norm it reads normalized copies of q and k
 (:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
-does. On
-sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`, keeps
-``S^T`` in tensor memory (compiled and checked only, not routed).
+does. On sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`,
+keeps ``S^T`` in tensor memory (compiled and checked only, not routed).
 """
 
 from __future__ import annotations

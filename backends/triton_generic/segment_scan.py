@@ -263,10 +263,10 @@ def segment_scan_fwd(
         final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
-    if config is None:
-        capability, sm_count = device_facts(n_in.device)
-        config = segment_scan_config(K, V, capability, N * HV, sm_count)
     cfg = config
+    if cfg is None:
+        capability, sm_count = device_facts(n_in.device)
+        cfg = segment_scan_config(K, V, capability, N * HV, sm_count)
     grid = (N * HV * triton.cdiv(V, cfg.BV),)
     launch(_segment_scan_fwd_kernel, grid, cfg,
         m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens,
