@@ -117,7 +117,7 @@ def test_a_call_without_tokens_returns_its_initial_state(layout):
     assert o.shape == (1, 0, 4, 128) and torch.equal(ht, p.initial_state)
 
 
-def test_calls_the_path_leaves_to_the_pipeline():
+def test_calls_the_path_leaves_to_the_pipeline(monkeypatch):
     sm90, sm100 = _engines()
     many = dict(lengths=[70] * 8, H=4, HV=32)
     device = _device(132)
@@ -127,6 +127,8 @@ def test_calls_the_path_leaves_to_the_pipeline():
     assert not plan(random_problem(**many, K=128, V=128), device=device, engine=sm90, fused=False).fused
     from gdn_dispatch.backends.gluon_sm90.fused import fused_reason
 
+    assert fused_reason(random_problem(**many, K=128, V=128, l2=True)) is None
+    monkeypatch.setattr("gdn_dispatch.backends.gluon_sm90.fused.QK_L2NORM", False)
     assert "qk l2 norm" in fused_reason(random_problem(**many, K=128, V=128, l2=True))
     # T tile rows are int32 TMA coordinates: 2 HV tiles of 64 rows per chunk slot.
     huge = make_problem(torch.empty(1, 2 ** 24, 1, 128, device="meta"), torch.empty(1, 2 ** 24, 1, 128, device="meta"),
@@ -136,15 +138,22 @@ def test_calls_the_path_leaves_to_the_pipeline():
     assert "K = V = 128" in fused_reason(random_problem(**many, K=64, V=64))
 
 
-@pytest.fixture
-def l2_on_path(monkeypatch):
-    """The qk l2 norm on the path (fused.QK_L2NORM), with the plan cache cleared around it
-    (its key does not hold the switch)."""
+def _set_l2_switch(monkeypatch, on: bool):
+    """fused.QK_L2NORM set for one test, with the plan cache cleared (its key does not hold
+    the switch)."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     clear_plan_cache()
-    monkeypatch.setattr(fused, "QK_L2NORM", True)
+    monkeypatch.setattr(fused, "QK_L2NORM", on)
+
+
+@pytest.fixture
+def l2_on_path(monkeypatch):
+    """The qk l2 norm on the path (fused.QK_L2NORM), whatever the default."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    _set_l2_switch(monkeypatch, True)
     yield
     clear_plan_cache()
 
@@ -314,8 +323,7 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "
                                       "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
     (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
-     "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the warp-specialized "
-     "path: the qk l2 norm (fused.QK_L2NORM is off))"),
+     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
@@ -336,17 +344,26 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     assert text.splitlines()[-1] == "selected: gluon_sm90"
 
 
-@pytest.mark.parametrize("batch, expected", [
-    ((4, 256), "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
-    ((2, 256), "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 64 on 4 warps; not the "
-               "warp-specialized path: 64 (sequence, v-head) programs, it needs 99)"),
+@pytest.mark.parametrize("batch, switch, expected", [
+    ((4, 256), True, "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    ((4, 256), False, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the "
+                      "warp-specialized path: the qk l2 norm (fused.QK_L2NORM is off))"),
+    ((2, 256), True, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 64 on 4 warps; not the "
+                     "warp-specialized path: 64 (sequence, v-head) programs, it needs 99)"),
 ])
-def test_explain_names_the_l2_launches_on_the_path(batch, expected, l2_on_path):
+def test_explain_names_the_l2_launches_on_the_path(batch, switch, expected, monkeypatch):
+    """With the switch on, l2 calls that fill the SMs take the path on normalized copies;
+    with it off, or too few programs, the pipeline with its reciprocal norms."""
     from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
+    _set_l2_switch(monkeypatch, switch)
     call = random_call(batch=batch, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=1, normalize_qk=False)
     p = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    assert gluon_sm90.describe_launches(p, _device(132)) == expected
+    try:
+        assert gluon_sm90.describe_launches(p, _device(132)) == expected
+    finally:
+        clear_plan_cache()
 
 
 def test_explain_survives_a_backend_that_cannot_describe(monkeypatch):
