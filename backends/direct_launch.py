@@ -79,6 +79,10 @@ class _CallSite:
         # Every parameter given by name, none left to a default: else launch through the JIT.
         self.order = [position[p.name] for p in kernel.params] if set(names) == set(params) else None
         self.kept: dict[tuple, object] = {}
+        # The straight-line launcher of the kernel launched last (fast_launcher), and each
+        # kept kernel's, made once.
+        self.fast = None
+        self.fast_by_key: dict[tuple, object] = {}
 
 
 _CALL_SITES: dict[tuple, _CallSite] = {}
@@ -111,6 +115,11 @@ def launch_kept(kernel, grid: tuple, options: tuple, kwargs: dict, jit_launch: C
         jit_launch()
         return
     device = torch.cuda.current_device()
+    fast = site.fast
+    if fast is not None:
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        if fast(device, options, kwargs, g0, g1, g2, runtime.stream(device)):
+            return
     key = [device, options]
     values = []
     for constexpr, value in zip(site.constexpr, kwargs.values()):
@@ -138,9 +147,90 @@ def launch_kept(kernel, grid: tuple, options: tuple, kwargs: dict, jit_launch: C
     ordered = [values[i] for i in site.order]
     if raw is not None and not raw.descriptor_meta:
         raw.c_launch(g0, g1, g2, runtime.stream(device), *raw.prefix, *ordered)
+        fast = site.fast_by_key.get(key, _MISSING)
+        if fast is _MISSING:
+            fast = site.fast_by_key[key] = fast_launcher(site, raw, device, options, kwargs)
+        site.fast = fast
         return
     compiled.run(g0, g1, g2, runtime.stream(device), compiled.function, compiled.packed_metadata, None, None,
                  None, *ordered)
+
+
+_INT32_MIN, _INT32_END = -2 ** 31, 2 ** 31
+#: Names every generated launcher's guards read (:func:`guard_lines`).
+GUARD_NAMES = {"Tensor": torch.Tensor, "INT32_MIN": _INT32_MIN, "INT32_END": _INT32_END}
+
+
+def guard_lines(i: int, value, specialized: bool, ns: dict) -> tuple[list[str], str] | None:
+    """Source lines of a generated launcher that return False unless ``v{i}`` has the value
+    class of ``value`` (as Triton's binder specializes on it: a tensor's dtype and 16-byte
+    alignment, an integer's ``== 1`` / ``% 16`` classes when ``specialized`` and its int32
+    range, a bool's or None's value, any other float or str its type), and the expression
+    the launcher passes for it (a tensor's address ``a{i}``); None for another kind. Names
+    the lines read are put into ``ns`` (and :data:`GUARD_NAMES`)."""
+    v = f"v{i}"
+    if isinstance(value, torch.Tensor):
+        ns[f"D{i}"] = value.dtype
+        return [f"    if not isinstance({v}, Tensor) or {v}.dtype is not D{i}:",
+                "        return False",
+                f"    a{i} = {v}.data_ptr()",
+                f"    if (a{i} % 16 == 0) is not {value.data_ptr() % 16 == 0}:",
+                "        return False"], f"a{i}"
+    if value.__class__ is int:
+        checks = [f"({v} == 1) is {value == 1}", f"({v} % 16 == 0) is {value % 16 == 0}"] if specialized else []
+        checks.append(f"(INT32_MIN <= {v} < INT32_END) is {_INT32_MIN <= value < _INT32_END}")
+        test = f"{v}.__class__ is not int or not ({' and '.join(checks)})"
+    elif isinstance(value, bool) or value is None:
+        test = f"{v} is not {value!r}"
+    elif value.__class__ in (float, str):
+        test = f"{v}.__class__ is not {value.__class__.__name__}"
+    else:
+        return None
+    return [f"    if {test}:", "        return False"], v
+
+
+def compile_launcher(body: list[str], ns: dict):
+    """The function ``launch`` that the source lines ``body`` define, over the names of
+    ``ns`` (and :data:`GUARD_NAMES`)."""
+    scope = {**GUARD_NAMES, **ns}
+    exec(compile("\n".join(body), "<gdn_dispatch fast launcher>", "exec"), scope)
+    return scope["launch"]
+
+
+def fast_launcher(site: _CallSite, raw, device, options: tuple, kwargs: dict):
+    """A straight-line launcher of the kept kernel ``raw`` (its C launch) for the keyword
+    list ``kwargs`` of one launch that found it, or None (an argument kind it does not
+    guard).
+
+    The function returned, ``(device, options, kwargs, g0, g1, g2, stream) -> bool``, is
+    :func:`launch_kept`'s key and argument loop unrolled for this call site with the
+    kept kernel's key bound in: each constexpr compared with its value, each runtime
+    argument's value class checked (:func:`guard_lines`), then the C launch. It returns
+    False, having launched nothing, at the first difference (or another device or launch
+    options), and :func:`launch_kept` then looks the key up as usual. One generated
+    function instead of a loop, a key tuple and a dict lookup per launch: the
+    plain-Triton forward launches five kernels a call."""
+    ns = {"c_launch": raw.c_launch, "PREFIX": tuple(raw.prefix), "DEVICE": device, "OPTIONS": options}
+    body = ["def launch(device, options, kwargs, g0, g1, g2, stream):",
+            "    if device != DEVICE or options != OPTIONS:",
+            "        return False"]
+    exprs = []
+    for i, (name, constexpr, value) in enumerate(zip(kwargs, site.constexpr, kwargs.values())):
+        body.append(f"    v{i} = kwargs[{name!r}]")
+        if constexpr:
+            # The key holds the value itself: a dict finds it by ==, and so does this.
+            ns[f"C{i}"] = value
+            body += [f"    if v{i} != C{i}:", "        return False"]
+            exprs.append(f"v{i}")
+            continue
+        guard = guard_lines(i, value, True, ns)
+        if guard is None:
+            return None
+        body += guard[0]
+        exprs.append(guard[1])
+    ordered = ", ".join(exprs[i] for i in site.order)
+    body += [f"    c_launch(g0, g1, g2, stream, *PREFIX, {ordered})", "    return True"]
+    return compile_launcher(body, ns)
 
 
 def _init_runtime() -> _Runtime:

@@ -1,14 +1,16 @@
 """Context parallelism at the tensor-parallel shards: GPU time over segment counts and the
 fused kernel's configuration in pass 2, to fit the planner's choices.
 
-Usage (a CUDA machine, repository root): ``python benchmarks/cp_sweep.py [BACKEND]``
-(default gluon_sm90). Inputs as ``cp_crossover.py`` (bf16, K = V = 128, one sequence of
+Usage (a CUDA machine, repository root): ``python benchmarks/cp_sweep.py [BACKEND]
+[--segments 8,16,32,64] [--planner-only]`` (default gluon_sm90; ``--planner-only``: pass 2
+in the planner's configuration alone). Inputs as ``cp_crossover.py`` (bf16, K = V = 128, one sequence of
 32768 tokens, initial and final state, varlen with a host copy). For each shard (H/HV),
 ``context_parallel`` forced to 8, 16, 32 and 64 segments, and pass 2's (BV, warps) forced
 to each configuration the fused kernel has (``state_output.CONFIGS``) against the one the
 planner picks; GPU time of one call (a CUDA graph, median of 9 x 5 replays) and the
 relative RMS error of o against the unsegmented call. Prints a markdown table last.
 """
+import argparse
 import sys
 from unittest import mock
 
@@ -23,9 +25,14 @@ from gdn_dispatch.testing import rel_rms_error
 sys.path.insert(0, "benchmarks")
 from cp_crossover import call_for  # noqa: E402
 
-BACKEND = sys.argv[1] if len(sys.argv) > 1 else "gluon_sm90"
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("backend", nargs="?", default="gluon_sm90")
+parser.add_argument("--segments", default="8,16,32,64", help="segment counts to force, comma-separated")
+parser.add_argument("--planner-only", action="store_true", help="pass 2 in the planner's configuration only")
+args = parser.parse_args()
+BACKEND = args.backend
 SHARDS = [(2, 4), (4, 8), (2, 8), (8, 16)]
-SEGMENTS = (8, 16, 32, 64)
+SEGMENTS = tuple(int(s) for s in args.segments.split(","))
 
 
 def timed(call, segments, config):
@@ -50,7 +57,7 @@ for H, HV in SHARDS:
     rows.append(f"| {H}/{HV} | off | - | {off:.3f} | 0 |")
     print(rows[-1], flush=True)
     for segments in SEGMENTS:
-        for config in (None, *CONFIGS):
+        for config in (None,) if args.planner_only else (None, *CONFIGS):
             try:
                 ms, o = timed(call, segments, config)
                 rows.append(f"| {H}/{HV} | {segments} | {config or 'planner'} | {ms:.3f} | "

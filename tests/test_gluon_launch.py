@@ -336,6 +336,95 @@ def test_new_rows_and_buffers_are_encoded_anew(setup, direct, fake_driver):
     assert all(len(maps) <= L.TMA_MAPS_KEPT for *_, maps, _ in kept.descs)
 
 
+def _varied_launches(setup, gen):
+    """Launch arguments a stream of calls hands one plan: new buffers and lengths, and now
+    and then a value class the first binding did not see (a 4-byte-aligned g, a bf16 beta,
+    N = 1, a misaligned w buffer), each followed by the original class again."""
+    launch, tensors, args = setup
+    g = args()["g"]
+    shifted = torch.empty(g.numel() + 1, dtype=g.dtype)[1:].view_as(g)
+    w_odd = torch.empty(tensors["w"].numel() + 8, dtype=tensors["w"].dtype)[8:].view_as(tensors["w"])
+    variants = [{}, {"g": shifted}, {"beta": args()["beta"].to(torch.bfloat16)}, {"N": 1}, {"w": w_odd}]
+    buffers = [tensors["w"]] + [torch.empty_like(tensors["w"]) for _ in range(3)]
+    stream = []
+    for _ in range(24):
+        pick = variants[int(torch.randint(0, len(variants), (1,), generator=gen))]
+        w = pick.get("w", buffers[int(torch.randint(0, len(buffers), (1,), generator=gen))])
+        over = {k: v for k, v in pick.items() if k != "w"}
+        stream.append(({**tensors, "w": w}, args(w_ptr=w, **over)))
+    return stream
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_straight_line_launcher_hands_the_c_launch_what_binding_does(setup, direct, fake_driver, monkeypatch,
+                                                                          seed):
+    """Over a stream of launches of one plan (other buffers, other value classes now and
+    then), the C launch gets the same arguments, and the same kernels are bound, with the
+    straight-line launchers (:func:`.launch.fast_launcher`) as without them."""
+    launch, tensors, _ = setup
+    stream = _varied_launches(setup, torch.Generator().manual_seed(seed))
+    runs = {}
+    for mode in ("generic", "fast"):
+        if mode == "generic":
+            monkeypatch.setattr(L, "fast_launcher", lambda *a: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(L, "_RUNTIME", _Runtime())
+            monkeypatch.setattr(L, "fast_launcher", _counting(L.fast_launcher, runs))
+        from triton.runtime.driver import driver
+        monkeypatch.setattr(driver, "_active", type("Driver", (), {"utils": _FillRecorder()})())
+        for key in list(launch.shared.compiled):
+            del launch.shared.compiled[key]
+        compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
+        fn = _Jit(wy._wy_fwd_kernel, compiled=compiled)
+        for t, a in stream:
+            _launch(fn, launch, t, a)
+        runs[mode] = (len(fn.bound), compiled.c_calls)
+    assert runs["fast"][0] == runs["generic"][0] >= 2
+    assert len(runs["fast"][1]) == len(runs["generic"][1]) >= 12
+    assert runs["fast"][1] == runs["generic"][1]
+    assert runs["made"] >= 2  # launchers were made, for more than one kept kernel
+
+
+def _counting(make, counts):
+    def wrapped(*a):
+        counts["made"] = counts.get("made", 0) + 1
+        return make(*a)
+    return wrapped
+
+
+def test_the_straight_line_launcher_refuses_another_value_class(setup, direct, fake_driver):
+    """The launcher made for one kept kernel launches nothing and says so for an argument
+    of another class (alignment, dtype, integer class, bool), another device or another
+    argument count; for its own class it launches."""
+    launch, tensors, args = setup
+    compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
+    fn = _Jit(wy._wy_fwd_kernel, compiled=compiled)
+    _launch(fn, launch, tensors, args())
+    _launch(fn, launch, tensors, args())
+    fast = launch.shared.compiled[L._FAST]
+    assert fast is not None
+    device = L._runtime().current_device()  # what launch_planned passes
+    calls = len(compiled.c_calls)
+    assert fast(device, args(N=3), tensors, 1, 1, 1, 1234) is True
+    g = args()["g"]
+    shifted = torch.empty(g.numel() + 1, dtype=g.dtype)[1:].view_as(g)
+    for other in (dict(g=shifted), dict(beta=g.to(torch.bfloat16)), dict(s_g=True), dict(N=2 ** 31), dict(N=1.0)):
+        assert fast(device, args(**other), tensors, 1, 1, 1, 1234) is False, other
+    assert fast("another device", args(), tensors, 1, 1, 1, 1234) is False
+    assert fast(device, {**args(), "extra": 1}, tensors, 1, 1, 1, 1234) is False
+    # The kernel's integers are do_not_specialize (keyed by type and range): N = 1 or 16
+    # launches. Guarded as specialized, they are other classes than the bound N = 6.
+    assert fast(device, args(N=1), tensors, 1, 1, 1, 1234) and fast(device, args(N=16), tensors, 1, 1, 1, 1234)
+    kept = next(v for v in launch.shared.compiled.values() if isinstance(v, L._Kept))
+    specialized = L.fast_launcher(kept, device, args(), frozenset())
+    assert specialized(device, args(N=5), tensors, 1, 1, 1, 1234) is True
+    for n in (1, 16):
+        assert specialized(device, args(N=n), tensors, 1, 1, 1, 1234) is False, n
+    # Four C launches (N = 3, 1, 16; the specialized launcher's N = 5), one kernel bound.
+    assert len(compiled.c_calls) == calls + 4 and len(fn.bound) == 1
+
+
 def test_launchers_of_another_shape_are_not_called_directly(setup, direct):
     launch, tensors, _ = setup
     compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)

@@ -549,6 +549,60 @@ def test_kept_launch_calls_the_c_launch_as_tritons_launcher_would(stand_in_gpu):
     assert direct == compiled.c_calls[1]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_straight_line_launchers_launch_as_the_key_lookup_does(stand_in_gpu, monkeypatch, seed):
+    """Over a stream of launches of one kernel (other grids and buffers; now and then
+    another constexpr, a 4-byte-aligned input, N = 1 or 16, another device), the C launches
+    and the JIT launches are the same with the straight-line launchers
+    (``direct_launch.fast_launcher``) as with the key lookup alone."""
+    import triton
+
+    if not stand_in_gpu._RUNTIME.compat.direct_launch_verified(triton.__version__):
+        pytest.skip("kept kernels launch directly only on the Triton releases this was verified on")
+
+    class Compiled:
+        function, packed_metadata = "function", ("metadata",)
+
+        def __init__(self, c_calls):
+            self.c_calls = c_calls
+            # A bound method, as Triton's C launch function: compat.raw_launch takes it.
+            self.run = triton_shaped_launcher(self.record)
+
+        def record(self, *args):
+            self.c_calls.append(args)
+
+    gen = torch.Generator().manual_seed(seed)
+    buffers = [torch.randn(1, 73, 4, generator=gen) for _ in range(3)]
+    misaligned = torch.randn(293, generator=gen)[1:].view(1, 73, 4)
+    g_cum = torch.empty(1, 73, 4)
+    cu = torch.tensor([0, 3, 73], dtype=torch.int32)
+    stream = []
+    for _ in range(30):
+        pick = int(torch.randint(0, 6, (1,), generator=gen))
+        stream.append(dict(g=misaligned if pick == 1 else buffers[int(torch.randint(0, 3, (1,), generator=gen))],
+                           BH=8 if pick == 2 else 4, N=(1 if pick == 3 else 16) if pick in (3, 4) else 2,
+                           device=1 if pick == 5 else 0, grid=(int(torch.randint(1, 9, (1,), generator=gen)), 2)))
+    runs = {}
+    for mode in ("lookup", "fast"):
+        monkeypatch.setattr(stand_in_gpu, "_CALL_SITES", {})
+        made = []
+        real = stand_in_gpu.fast_launcher
+        monkeypatch.setattr(stand_in_gpu, "fast_launcher",
+                            (lambda *a: made.append(1) or real(*a)) if mode == "fast" else (lambda *a: None))
+        c_calls, jit_keys = [], []
+        for call in stream:
+            monkeypatch.setattr(torch.cuda, "current_device", lambda d=call["device"]: d)
+            kwargs = dict(scale=1.5, g_cum=g_cum, g=call["g"], cu_seqlens=cu, N=call["N"], s_g=4, HV=4, BT=64,
+                          BH=call["BH"])
+            key = (call["BH"], call["g"].data_ptr() % 16 == 0, call["N"], call["device"])
+            stand_in_gpu.launch_kept(cumsum._chunk_cumsum_fwd_kernel, call["grid"], (2, 1), kwargs,
+                                     lambda k=key: jit_keys.append(k) or Compiled(c_calls))
+        runs[mode] = (jit_keys, c_calls, len(made))
+        monkeypatch.setattr(stand_in_gpu, "fast_launcher", real)
+    assert runs["fast"][:2] == runs["lookup"][:2]
+    assert len(runs["fast"][1]) >= 15 and runs["fast"][2] >= 2
+
+
 def test_kept_launch_goes_through_the_jit_when_asked(stand_in_gpu, monkeypatch):
     monkeypatch.setenv("GDN_DISPATCH_JIT_LAUNCH", "1")
     calls = []

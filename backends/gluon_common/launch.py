@@ -46,6 +46,7 @@ import torch
 
 from gdn_dispatch.envvars import getenv
 
+from gdn_dispatch.backends.direct_launch import compile_launcher, guard_lines
 from gdn_dispatch.backends.gluon_common import compat
 from gdn_dispatch.backends.gluon_common.launch_plan import LaunchPlan
 
@@ -166,8 +167,10 @@ class _Slots:
 
 
 _MISSING = object()
-#: LaunchPlan.compiled holds the plan's _Slots under this key, beside the kernels (keyed by tuples).
+#: LaunchPlan.compiled holds the plan's _Slots under this key, beside the kernels (keyed by
+#: tuples), and under _FAST the straight-line launcher of the kernel it launched last.
 _SLOTS = "slots"
+_FAST = "fast"
 
 
 def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict, *, rows: int, num_seqs: int) -> None:
@@ -193,10 +196,15 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict, *, rows: i
     if not runtime.direct or getenv(JIT_LAUNCH_ENV) == "1" or runtime.hooks_set():
         _jit_launch(fn, launch, tensors, args, launch.grid_rule(rows, num_seqs))
         return
+    device = runtime.current_device()
+    fast = launch.compiled.get(_FAST)
+    if fast is not None:
+        g0, g1, g2 = launch.grid_rule.launch_grid(rows, num_seqs)
+        if fast(device, args, tensors, g0, g1, g2, runtime.stream(device)):
+            return
     slots = launch.compiled.get(_SLOTS)
     if slots is None:
         slots = launch.compiled[_SLOTS] = _Slots(fn, launch)
-    device = runtime.current_device()
     key, values = bind_arguments(device, args, slots.unspecialized)
     kept = launch.compiled.get(key, _MISSING)
     if kept is _MISSING:
@@ -209,6 +217,10 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict, *, rows: i
         return
     g0, g1, g2 = launch.grid_rule.launch_grid(rows, num_seqs)
     kept.launch(g0, g1, g2, runtime.stream(device), tensors, values)
+    # The next launch of this plan tries this kernel's straight-line launcher first.
+    if kept.fast is _MISSING:
+        kept.fast = fast_launcher(kept, device, args, slots.unspecialized)
+    launch.compiled[_FAST] = kept.fast
 
 
 #: Encoded TMA descriptors kept per descriptor argument of a kept kernel, by (address, rows,
@@ -227,10 +239,11 @@ class _Kept:
     and kept by address, rows and row stride. Otherwise it calls the compiled kernel's
     launcher with each descriptor as a :class:`TmaArg`, which Triton encodes."""
 
-    __slots__ = ("kernel", "raw", "template", "arg_pos", "descs")
+    __slots__ = ("kernel", "raw", "template", "arg_pos", "descs", "fast")
 
     def __init__(self, kernel, slots: _Slots, names: tuple):
         self.kernel = kernel
+        self.fast = _MISSING  # its fast_launcher, made at its first direct launch
         self.raw = compat.raw_launch(kernel)
         if self.raw is not None and len(self.raw.descriptor_meta) != len(slots.descs):
             self.raw = None  # not the kernel the plan describes: let Triton's launcher expand it
@@ -282,13 +295,74 @@ class _Kept:
             ptr = tensor.data_ptr()
             tma_map = maps.get((ptr, rows, stride))
             if tma_map is None:
-                if len(maps) >= TMA_MAPS_KEPT:
-                    maps.clear()
-                tma_map = maps[(ptr, rows, stride)] = encode(ptr, [rows, cols], [stride, 1])
+                tma_map = _encode_kept(maps, encode, ptr, rows, cols, stride)
             args[pos] = tma_map
             args[pos + 1] = rows
             args[pos + 3] = stride
         raw.c_launch(g0, g1, g2, stream, *raw.prefix, *args)
+
+
+def _encode_kept(maps: dict, encode, ptr: int, rows: int, cols: int, stride: int):
+    """Encode the TMA map of a ``[rows, cols]`` view at ``ptr`` (row stride ``stride``) and
+    keep it in ``maps`` (emptied first when full)."""
+    if len(maps) >= TMA_MAPS_KEPT:
+        maps.clear()
+    tma_map = maps[(ptr, rows, stride)] = encode(ptr, [rows, cols], [stride, 1])
+    return tma_map
+
+
+def fast_launcher(kept: _Kept, device, args: dict, unspecialized: frozenset):
+    """A straight-line launcher of ``kept`` for the argument list ``args`` of one launch
+    that bound to it, or None (no C launch at hand, or an argument kind it does not
+    guard).
+
+    The function returned, ``(device, args, tensors, g0, g1, g2, stream) -> bool``, does
+    what :func:`bind_arguments` and :meth:`_Kept.launch` do for a launch with the same
+    argument names and launch specialization, unrolled into one function with the kept
+    kernel's constants bound in: each argument's value class checked against ``kept``'s
+    (:func:`gdn_dispatch.backends.direct_launch.guard_lines`), then the descriptors' maps
+    and the C launch. It returns False, having launched nothing, at the first argument
+    whose class differs (or another device, or another argument count), and the caller
+    then binds as usual: the generic path, with a loop and a dict per launch, costs about
+    a fifth more of a call's host time (``tests/test_gluon_host_path.py``'s stub)."""
+    raw = kept.raw
+    if raw is None:
+        return None
+    names = tuple(args)
+    ns = {"c_launch": raw.c_launch, "PREFIX": tuple(raw.prefix), "T": kept.template, "DEVICE": device,
+          "encode_kept": _encode_kept}
+    body = ["def launch(device, args, tensors, g0, g1, g2, stream):",
+            f"    if device != DEVICE or len(args) != {len(names)}:",
+            "        return False"]
+    slot_expr = {}
+    for i, name in enumerate(names):
+        body.append(f"    v{i} = args[{name!r}]")
+        guard = guard_lines(i, args[name], name not in unspecialized, ns)
+        if guard is None:
+            return None
+        body += guard[0]
+        slot_expr[kept.arg_pos[i]] = guard[1]
+    for j, (pos, d, cols, maps, encode) in enumerate(kept.descs):
+        ns[f"VIEW{j}"], ns[f"MAPS{j}"], ns[f"ENC{j}"], ns[f"DD{j}"] = d.view_of, maps, encode, d.dtype
+        t = f"t{j}"
+        body.append(f"    {t} = tensors[{d.tensor!r}]")
+        if d.shape[0] is None:  # whole rows of a contiguous tensor, as _Kept.launch reads them inline
+            body += [f"    n{j} = {t}.numel()",
+                     f"    r{j} = n{j} // {cols}",
+                     f"    if {t}.dtype is DD{j} and r{j} * {cols} == n{j} and {t}.is_contiguous():",
+                     f"        s{j} = {cols}",
+                     "    else:",
+                     f"        (r{j}, _), (s{j}, _) = VIEW{j}({t})"]
+        else:
+            body.append(f"    (r{j}, _), (s{j}, _) = VIEW{j}({t})")
+        body += [f"    p{j} = {t}.data_ptr()",
+                 f"    m{j} = MAPS{j}.get((p{j}, r{j}, s{j}))",
+                 f"    if m{j} is None:",
+                 f"        m{j} = encode_kept(MAPS{j}, ENC{j}, p{j}, r{j}, {cols}, s{j})"]
+        slot_expr.update({pos: f"m{j}", pos + 1: f"r{j}", pos + 2: str(cols), pos + 3: f"s{j}", pos + 4: "1"})
+    launch_args = ", ".join(slot_expr.get(k, f"T[{k}]") for k in range(len(kept.template)))
+    body += [f"    c_launch(g0, g1, g2, stream, *PREFIX, {launch_args})", "    return True"]
+    return compile_launcher(body, ns)
 
 
 def _jit_launch(fn, launch: LaunchPlan, tensors: dict, args: dict, grid: tuple):
