@@ -253,10 +253,13 @@ def token_rows_stride(t: torch.Tensor) -> int | None:
 
 
 def _counted_copy(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of ``t``, counted and logged. Always a new allocation (the
+    allocator's alignment): ``contiguous()`` would hand back a contiguous tensor whose base
+    is what the kernels cannot read (a 16-byte-misaligned slice)."""
     INPUT_COPIES[name] += 1
-    _log.debug("gdn_dispatch: copied %s (shape %s, strides %s) to a contiguous tensor",
-               name, tuple(t.shape), tuple(t.stride()))
-    return t.contiguous()
+    _log.debug("gdn_dispatch: copied %s (shape %s, strides %s, data_ptr %% 16 = %d) to a new contiguous tensor",
+               name, tuple(t.shape), tuple(t.stride()), t.data_ptr() % 16)
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _token_rows(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -344,6 +344,44 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     assert text.splitlines()[-1] == "selected: gluon_sm90"
 
 
+@pytest.mark.parametrize("switch, copied", [(True, 0), (False, 1)], ids=["path", "pipeline"])
+def test_the_norm_reads_q_and_k_where_tma_cannot(switch, copied, monkeypatch):
+    """q and k at a 2-byte offset (no TMA read in place): on the path the qk l2 norm reads
+    them by pointer and the TMA reads its normalized copies, so they are not copied first;
+    the pipeline reads q and k through the TMA and copies each once (contract.INPUT_COPIES).
+    The host path runs with its launches stubbed (tests/test_gluon_host_path.py)."""
+    import sys
+    from pathlib import Path
+
+    from gdn_dispatch.contract import INPUT_COPIES
+    from gdn_dispatch.backends.gluon_common import forward as F
+    from gdn_dispatch.backends.gluon_common.launch_plan import tma_rows_reason
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_gluon_host_path import stubbed_launches
+
+    _set_l2_switch(monkeypatch, switch)
+    sm90, _ = _engines()
+    call = random_call(batch=(4, 64), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=2, normalize_qk=False)
+    for name in ("q", "k"):
+        odd = torch.empty(call[name].numel() + 1, dtype=torch.bfloat16)[1:].view_as(call[name])
+        call[name] = odd.copy_(call[name])
+        assert "aligned base" in tma_rows_reason(name, call[name])
+    p = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    try:
+        assert plan_call(p, _device(132), engine=sm90).launches.fused is switch
+        before = dict(INPUT_COPIES)
+        with stubbed_launches() as launches:
+            for _ in range(2):
+                o, _ = F.forward(p, _device(132), engine=sm90)
+        assert o.shape == (4, 64, 32, 128) and launches.binds and launches.runs
+        assert {n: INPUT_COPIES[n] - before.get(n, 0) for n in ("q", "k", "v")} == \
+            {"q": 2 * copied, "k": 2 * copied, "v": 0}
+    finally:
+        clear_plan_cache()
+
+
 @pytest.mark.parametrize("batch, switch, expected", [
     ((4, 256), True, "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
     ((4, 256), False, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the "

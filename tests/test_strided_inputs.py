@@ -110,6 +110,43 @@ def test_gluon_copies_views_tma_cannot_address(l2, monkeypatch):
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose base sits one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = flat[1:].view_as(t).copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2"])
+@pytest.mark.parametrize("lengths", [[200], [1, 130, 64, 65]], ids=["32-programs", "128-programs"])
+def test_gluon_copies_contiguous_inputs_at_a_misaligned_base(l2, lengths, monkeypatch):
+    """Contiguous q, k, v whose base is 2 bytes off the 16-byte grid (slices of a flat
+    buffer): TMA cannot read them in place, and contiguous() would return them unmoved, so
+    each one TMA reads is copied to a new allocation; on the warp-specialized path with the
+    qk l2 norm, q and k are read by the norm kernel instead and only v is copied. Equal bit
+    for bit to the call on aligned inputs."""
+    backend = _setup("gluon", "cuda", monkeypatch)
+    call = random_call(lengths=lengths, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=21,
+                       normalize_qk=not l2)
+    odd = {n: _misaligned(call[n]) for n in ("q", "k", "v")}
+    before = dict(INPUT_COPIES)
+    o, ht = chunk_gated_delta_rule(**{**call, **odd}, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                                   backend=backend)
+    copied = {n: INPUT_COPIES[n] - before.get(n, 0) for n in ("q", "k", "v")}
+    # 128 (sequence, v-head) programs fill 3/4 of an H100's or H200's SMs: gluon_sm90's path.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    on_path = backend == "gluon_sm90" and len(lengths) * 32 >= 0.75 * sms
+    qk = 0 if (l2 and on_path) else 1
+    assert copied == {"q": qk, "k": qk, "v": 1}, (backend, on_path)
+    o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                                           backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 130, 700]), dict(batch=(3, 100))], ids=["varlen", "uniform"])

@@ -90,9 +90,13 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         # Triton launches on the current device: make it the tensors' one for this call.
         with torch.cuda.device(problem.device):
             return forward(problem, device, engine=engine)
-    problem = tma_readable(problem)
+    # Plans read shapes, dtypes and flags, never strides: planned before any copy, so that
+    # the path's own needs decide what is copied.
     cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
+    # On the path the qk l2 norm reads q and k by pointer, at any token stride, and the
+    # TMA reads its normalized copies: only v must be TMA-readable.
+    problem = tma_readable(problem, ("v",) if launches.fused and problem.use_qk_l2norm else ("q", "k", "v"))
     chunks = problem.chunks
     if launches.fused:
         q, k = problem.q, problem.k
@@ -112,12 +116,13 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     return o, final_state
 
 
-def tma_readable(problem: GDNProblem) -> GDNProblem:
-    """``problem`` with q, k and v as the TMA unit reads them: each one that it cannot
-    read in place (:func:`~.launch_plan.tma_rows_reason`) replaced by one contiguous copy,
-    counted in ``contract.INPUT_COPIES`` and logged like the contract's own copies."""
+def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:
+    """``problem`` with the inputs ``names`` (of q, k, v) as the TMA unit reads them: each
+    one that it cannot read in place (:func:`~.launch_plan.tma_rows_reason`) replaced by
+    one contiguous copy, counted in ``contract.INPUT_COPIES`` and logged like the
+    contract's own copies."""
     moved = {name: _counted_copy(name, getattr(problem, name))
-             for name in ("q", "k", "v") if tma_rows_reason(name, getattr(problem, name)) is not None}
+             for name in names if tma_rows_reason(name, getattr(problem, name)) is not None}
     return dataclasses.replace(problem, **moved) if moved else problem
 
 
