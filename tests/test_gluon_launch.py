@@ -339,19 +339,21 @@ def test_new_rows_and_buffers_are_encoded_anew(setup, direct, fake_driver):
 def _varied_launches(setup, gen):
     """Launch arguments a stream of calls hands one plan: new buffers and lengths, and now
     and then a value class the first binding did not see (a 4-byte-aligned g, a bf16 beta,
-    N = 1, a misaligned w buffer), each followed by the original class again."""
+    N = 1, a misaligned w buffer, another current device), each followed by the original
+    class again."""
     launch, tensors, args = setup
     g = args()["g"]
     shifted = torch.empty(g.numel() + 1, dtype=g.dtype)[1:].view_as(g)
     w_odd = torch.empty(tensors["w"].numel() + 8, dtype=tensors["w"].dtype)[8:].view_as(tensors["w"])
-    variants = [{}, {"g": shifted}, {"beta": args()["beta"].to(torch.bfloat16)}, {"N": 1}, {"w": w_odd}]
+    variants = [{}, {"g": shifted}, {"beta": args()["beta"].to(torch.bfloat16)}, {"N": 1}, {"w": w_odd},
+                {"device": 1}]
     buffers = [tensors["w"]] + [torch.empty_like(tensors["w"]) for _ in range(3)]
     stream = []
-    for _ in range(24):
-        pick = variants[int(torch.randint(0, len(variants), (1,), generator=gen))]
-        w = pick.get("w", buffers[int(torch.randint(0, len(buffers), (1,), generator=gen))])
-        over = {k: v for k, v in pick.items() if k != "w"}
-        stream.append(({**tensors, "w": w}, args(w_ptr=w, **over)))
+    for _ in range(30):
+        pick = dict(variants[int(torch.randint(0, len(variants), (1,), generator=gen))])
+        w = pick.pop("w", buffers[int(torch.randint(0, len(buffers), (1,), generator=gen))])
+        device = pick.pop("device", 0)
+        stream.append(({**tensors, "w": w}, args(w_ptr=w, **pick), device))
     return stream
 
 
@@ -361,23 +363,21 @@ def test_the_straight_line_launcher_hands_the_c_launch_what_binding_does(setup, 
     """Over a stream of launches of one plan (other buffers, other value classes now and
     then), the C launch gets the same arguments, and the same kernels are bound, with the
     straight-line launchers (:func:`.launch.fast_launcher`) as without them."""
+    from triton.runtime.driver import driver
+
     launch, tensors, _ = setup
     stream = _varied_launches(setup, torch.Generator().manual_seed(seed))
+    make = L.fast_launcher
     runs = {}
     for mode in ("generic", "fast"):
-        if mode == "generic":
-            monkeypatch.setattr(L, "fast_launcher", lambda *a: None)
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(L, "_RUNTIME", _Runtime())
-            monkeypatch.setattr(L, "fast_launcher", _counting(L.fast_launcher, runs))
-        from triton.runtime.driver import driver
+        monkeypatch.setattr(L, "fast_launcher", _counting(make, runs) if mode == "fast" else (lambda *a: None))
         monkeypatch.setattr(driver, "_active", type("Driver", (), {"utils": _FillRecorder()})())
         for key in list(launch.shared.compiled):
             del launch.shared.compiled[key]
         compiled = _TritonShapedCompiled(launch.shared, tensors["k"].dtype)
         fn = _Jit(wy._wy_fwd_kernel, compiled=compiled)
-        for t, a in stream:
+        for t, a, device in stream:
+            monkeypatch.setattr(L._RUNTIME, "current_device", lambda d=device: d)
             _launch(fn, launch, t, a)
         runs[mode] = (len(fn.bound), compiled.c_calls)
     assert runs["fast"][0] == runs["generic"][0] >= 2
