@@ -9,9 +9,10 @@ value, and each runtime argument's value class: a tensor's dtype and 16-byte ali
 integer's ``== 1`` / ``% 16`` / int32 range), keeps the compiled kernel it returns, and
 later calls that kernel's C launch function (:func:`.gluon_common.compat.raw_launch`; its
 Python launcher where that is not at hand) directly, with the arguments in the kernel's
-order and tensors as their addresses. The kernel, the launcher and the stream are Triton's
-own; only the binder, the cache lookup and the Python launcher's wrapping are skipped, and
-they would have found this kernel.
+order and tensors as their addresses (from the second such launch on through one generated
+function per call site, :func:`fast_launcher`). The kernel, the launcher and the stream
+are Triton's own; only the binder, the cache lookup and the Python launcher's wrapping
+are skipped, and they would have found this kernel.
 
 This is the mechanism :mod:`gdn_dispatch.backends.gluon_common.launch` uses for planned
 Gluon launches, for kernels without a plan: the key is computed from the arguments. It

@@ -16,8 +16,11 @@ Later launches with the same specialization call Triton's C launch function of t
 directly (:func:`.compat.raw_launch`), with the arguments in the kernel's order, pointers
 as addresses and each descriptor expanded as Triton's Python launcher expands it (the
 ``CUtensorMap`` encoded by Triton's own ``fill_tma_descriptor``, kept per descriptor
-argument by address, rows and row stride, then rows, cols and strides). The kernel, the C
-launcher and the descriptor encoding are Triton's own; only the binder, the cache lookup
+argument by address, rows and row stride, then rows, cols and strides); from the second
+such launch on, through one generated function per plan that checks each argument's value
+class against the kept kernel's and launches (:func:`fast_launcher`), falling back to the
+key lookup at the first difference. The kernel, the C launcher and the descriptor
+encoding are Triton's own; only the binder, the cache lookup
 and the Python launcher's per-launch wrapping are skipped (on the H200's host a launch
 through Triton's Python launcher took 16-20 us, the C launch with addresses about 6 us, and
 an encoding 0.7 us). Where the C launch is not at hand (a launcher shape other than Triton
