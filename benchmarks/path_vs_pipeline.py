@@ -1,6 +1,7 @@
 """gluon_sm90's warp-specialized path against its two-launch pipeline: public calls in one
 process, each shape timed on both (the plan's threshold ``fused.MIN_SM_SHARE`` moved to
-force each; with ``--qk-l2norm`` the path's ``fused.QK_L2NORM`` switch turned on too).
+force each, and ``fused.QK_L2NORM`` held on whatever its default, so that ``--qk-l2norm``
+calls take the path when forced).
 
 Usage (an sm_90 GPU, repository root): ``python benchmarks/path_vs_pipeline.py
 [--qk-l2norm] [--shapes N]`` (the first N shapes). Inputs: ``testing.random_call(seed=1)``,

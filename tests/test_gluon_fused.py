@@ -350,16 +350,12 @@ def test_the_norm_reads_q_and_k_where_tma_cannot(switch, copied, monkeypatch):
     them by pointer and the TMA reads its normalized copies, so they are not copied first;
     the pipeline reads q and k through the TMA and copies each once (contract.INPUT_COPIES).
     The host path runs with its launches stubbed (tests/test_gluon_host_path.py)."""
-    import sys
-    from pathlib import Path
+    from test_gluon_host_path import stubbed_launches  # tests/ is on sys.path (pytest's rootdir-less import)
 
     from gdn_dispatch.contract import INPUT_COPIES
     from gdn_dispatch.backends.gluon_common import forward as F
     from gdn_dispatch.backends.gluon_common.launch_plan import tma_rows_reason
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_gluon_host_path import stubbed_launches
 
     _set_l2_switch(monkeypatch, switch)
     sm90, _ = _engines()

@@ -136,9 +136,13 @@ def test_gluon_copies_contiguous_inputs_at_a_misaligned_base(l2, lengths, monkey
     o, ht = chunk_gated_delta_rule(**{**call, **odd}, output_final_state=True, use_qk_l2norm_in_kernel=l2,
                                    backend=backend)
     copied = {n: INPUT_COPIES[n] - before.get(n, 0) for n in ("q", "k", "v")}
-    # 128 (sequence, v-head) programs fill 3/4 of an H100's or H200's SMs: gluon_sm90's path.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    on_path = backend == "gluon_sm90" and len(lengths) * 32 >= 0.75 * sms
+    # Whether the call takes the warp-specialized path is the planner's decision, read from it.
+    from gdn_dispatch.backends.gluon_common.forward import plan_call
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.device import default_probe
+
+    problem = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    on_path = plan_call(problem, default_probe().for_torch_device(problem.device)).launches.fused
     qk = 0 if (l2 and on_path) else 1
     assert copied == {"q": qk, "k": qk, "v": 1}, (backend, on_path)
     o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2,
