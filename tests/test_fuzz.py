@@ -23,6 +23,7 @@ per-token recurrence.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -135,8 +136,9 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
     pool[1] = FuzzSpec(hi, lo, 2, 4, row.dtypes[-1], row.state_layouts[-1], True, True, True)
     if not cpu:
         # Many value heads at K = V: a batch of them fills a GPU's SMs, which is where
-        # gluon_sm90 takes its warp-specialized path (one sequence x 128 v-heads already).
-        pool[2] = FuzzSpec(hi, hi, 32, 128, row.dtypes[0], row.state_layouts[-1], False, True, True)
+        # gluon_sm90 takes its warp-specialized path (one sequence x 128 v-heads already),
+        # with the qk l2 norm (normalized copies) and without.
+        pool[2] = FuzzSpec(hi, hi, 32, 128, row.dtypes[0], row.state_layouts[-1], True, True, True)
         pool[3] = FuzzSpec(hi, hi, 64, 128, row.dtypes[-1], "kv", False, False, True,
                            pool="state_pool" in row.features)
     max_tokens = 200 if cpu else 6000
@@ -318,18 +320,34 @@ def test_draws_cover_the_classes():
     gluon = {c.spec for c in gluon_cases}
     assert {(s.K, s.V) for s in gluon} == {(64, 64), (64, 128), (128, 64), (128, 128)} or \
         {(s.K, s.V) for s in gluon} >= {(64, 128), (128, 64)}
-    # Calls gluon_sm90 runs on its warp-specialized path on a 132-SM H100/H200: K = V =
-    # 128, no l2 norm, no forced segments, (sequence, v-head) pairs >= 3/4 of the SMs;
-    # with tails, a pool and both layouts among them.
-    from gdn_dispatch.backends.gluon_sm90.fused import MIN_SM_SHARE
+    # Calls gluon_sm90 runs on its warp-specialized path on a 132-SM H100/H200, as its
+    # planner decides (K = V = 128, no forced segments, (sequence, v-head) pairs >= 3/4 of
+    # the SMs); with tails, a pool, both layouts and the qk l2 norm on and off among them.
+    from gdn_dispatch.backends.gluon_common.forward import plan_call
+    from gdn_dispatch.device import assumed_device
 
-    def sequences(c):
-        return len(c.lengths) if c.lengths else c.batch[0]
+    def on_path(c):
+        # The case's shapes on the meta device (planning reads no values).
+        s = c.spec
+        B, T = (1, sum(c.lengths)) if c.lengths is not None else c.batch
+        N = len(c.lengths) if c.lengths is not None else B
 
-    wide = [c for c in gluon_cases if c.spec.K == c.spec.V == 128 and not c.spec.l2
-            and c.context_parallel == "auto" and sequences(c) * c.spec.HV >= MIN_SM_SHARE * 132]
+        def meta(*shape, dtype=DTYPES[s.dtype]):
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        state = (N, s.HV, s.K, s.V) if s.layout == "kv" else (N, s.HV, s.V, s.K)
+        p = make_problem(meta(B, T, s.H, s.K), meta(B, T, s.H, s.K), meta(B, T, s.HV, s.V),
+                         meta(B, T, s.HV, dtype=torch.float32), meta(B, T, s.HV, dtype=torch.float32),
+                         initial_state=meta(*state, dtype=torch.float32) if s.h0 else None,
+                         output_final_state=s.final, state_layout=s.layout, use_qk_l2norm_in_kernel=s.l2,
+                         cu_seqlens=[0, *itertools.accumulate(c.lengths)] if c.lengths is not None else None,
+                         context_parallel=c.context_parallel)
+        return plan_call(p, assumed_device("sm_90")).launches.fused
+
+    wide = [c for c in gluon_cases if on_path(c)]
     assert len(wide) >= 20
     assert any(c.spec.pool for c in wide) and {c.spec.layout for c in wide} == {"kv", "vk"}
+    assert {c.spec.l2 for c in wide} == {False, True}
     assert any(c.lengths and {1, 63, 65} & set(c.lengths) for c in wide)
 
 
