@@ -57,11 +57,13 @@ CALLS = {
         ([65, 130], 2, 4, 64, 128, "bfloat16", "kv", True, {"fused": True}),
     ],
 }
-#: gluon_sm90: the same calls, and two with enough (sequence, v-head) pairs (3 x 128) to
-#: take its warp-specialized path (the T kernel and the fused kernel).
+#: gluon_sm90: the same calls, and three with enough (sequence, v-head) pairs (3 x 128) to
+#: take its warp-specialized path (the T kernel and the fused kernel; with the qk l2 norm,
+#: the normalized-rows kernel first).
 CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False),
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
+    ([63, 1, 129], 32, 128, 128, 128, "bfloat16", "kv", True),
 ]
 TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
 #: Kernels with ``gl.warp_specialize`` partitions that hand shared memory over through
