@@ -2,6 +2,10 @@
 which (sequence, v-head, V-block) a program walks, one chunk's gate rows and decays, and
 the scaled ``v_new`` rows that update the state.
 
+Sequences are walked longest first (:func:`longest_first`): the scheduler starts programs
+in id order as SMs free up, so a long sequence drawn late in a ragged batch would otherwise
+run on alone after the rest are done.
+
 With g the chunk-local gate cumsum in log2 units and S the fp32 ``[K, BV]`` state at a
 chunk's start, a chunk of 64 rows updates ``S = 2^g_last S + k^T (2^(g_last - g) v_new)``.
 Rows past a sequence's end (its last chunk only) hold the next sequence's tokens: their
@@ -16,20 +20,66 @@ from triton.experimental.gluon import language as gl
 from gdn_dispatch.backends.gluon_common.masks import row_rnorm, tile_layout
 
 
+#: Batches of up to this many sequences are walked longest first (one register vector of
+#: their chunk counts per program); larger ones in batch order.
+LONGEST_FIRST_SEQS = gl.constexpr(256)
+
+
+@gluon.jit
+def _add_i32(a, b):
+    return a + b
+
+
+@gluon.jit
+def longest_first(cu_seqlens, N, p, BT: gl.constexpr):
+    """The sequence at position ``p`` of the batch ordered by chunk count, most first, ties
+    in batch order (``p`` itself when ``N`` is 1 or above :data:`LONGEST_FIRST_SEQS`).
+
+    Every program finds its own entry: a bisection for the chunk count ``c`` at position
+    ``p`` (the largest ``c`` that more than ``p`` sequences reach), then the rank of ``p``
+    among the sequences of exactly ``c`` chunks, by a prefix count. About log2(longest
+    chunk count) CTA-wide sums; no launch, no host copy of the lengths.
+    """
+    i_n = p
+    if (N > 1) & (N <= LONGEST_FIRST_SEQS):
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        r = gl.arange(0, LONGEST_FIRST_SEQS, layout=flat)
+        live = r < N
+        bos = gl.load(cu_seqlens + r, mask=live, other=0).to(gl.int32)
+        eos = gl.load(cu_seqlens + r + 1, mask=live, other=0).to(gl.int32)
+        nt = gl.where(live, (eos - bos + BT - 1) // BT, -1)
+        # Invariant: more than p sequences reach lo chunks, at most p reach hi.
+        lo = 0
+        hi = gl.max(nt, 0) + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            reach = gl.sum(gl.where(nt >= mid, 1, 0), 0)
+            lo = gl.where(reach > p, mid, lo)
+            hi = gl.where(reach > p, hi, mid)
+        tied = gl.where(nt == lo, 1, 0)
+        q = p - gl.sum(gl.where(nt > lo, 1, 0), 0)
+        rank = gl.associative_scan(tied, 0, _add_i32) - 1
+        i_n = gl.sum(gl.where((tied == 1) & (rank == q), r, 0), 0)
+    return i_n
+
+
 @gluon.jit
 def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BT: gl.constexpr):
     """This program's walk: (sequence ``i_n``, ``i_nh`` = i_n * HV + v-head, v-head ``i_h``,
     V-block ``i_v``), its sequence's rows ``bos .. eos`` and chunk count, and the tile
     columns of its w, k (q/k head ``i_h // GROUP``) and u / v blocks.
 
-    Axis 0 is (sequence, v-head, V-block) with the V-block fastest: the V-blocks of one
-    head stream the same w and k tiles at the same time, so L2 serves all but the first.
+    Axis 0 is (sequence position, v-head, V-block) with the V-block fastest: the V-blocks of
+    one head stream the same w and k tiles at the same time, so L2 serves all but the
+    first. Sequence positions are the batch longest first (:func:`longest_first`); the grid
+    is exactly N x HV x V-blocks.
     """
     pid = gl.program_id(0)
     i_v = pid % (V // BV)
-    i_nh = pid // (V // BV)
-    i_n = i_nh // HV
-    i_h = i_nh % HV
+    per_seq = HV * (V // BV)
+    i_n = longest_first(cu_seqlens, gl.num_programs(0) // per_seq, pid // per_seq, BT)
+    i_h = (pid // (V // BV)) % HV
+    i_nh = i_n * HV + i_h
     # int32 or int64 offsets; rows are TMA coordinates, int32 (B * T < 2^31, host-checked).
     bos = gl.load(cu_seqlens + i_n).to(gl.int32)
     eos = gl.load(cu_seqlens + i_n + 1).to(gl.int32)
