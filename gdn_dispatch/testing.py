@@ -130,6 +130,15 @@ class StandInProbe:
         return CPU if device.type == "cpu" else self.devices[device.index or 0]
 
 
+def random_walk_lengths(gen: torch.Generator, n: int) -> list[int]:
+    """``n`` sequence lengths that exercise the longest-first walk order: a few distinct
+    chunk counts (ties), empty sequences, tails, and one long sequence at a random place."""
+    pool = torch.tensor([0, 1, 63, 64, 65, 200, 640, 641, 4000])
+    lengths = pool[torch.randint(0, len(pool), (n,), generator=gen)].tolist()
+    lengths[int(torch.randint(0, n, (1,), generator=gen))] = 9000
+    return lengths
+
+
 def runnable_gpu_backends() -> list[str]:
     """The kernel backends the registry lets run a Qwen3.5-shaped bf16 varlen call on the
     current CUDA device (forced one by one), for GPU tests parametrized per backend; [] with

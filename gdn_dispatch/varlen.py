@@ -17,6 +17,13 @@ in the kernel: the largest ``n`` with ``cu[n] // C + n <= c`` (about ``log2(N)``
 Per-chunk buffers (the state at each chunk start) are indexed by slot. So no chunk table
 is built per call, grids are sized on the host from ``NS``, and a call that has only a
 device ``cu_seqlens`` needs no device-to-host copy at all.
+
+Per-sequence programs (the state recurrence: one per sequence, v-head and V-block) walk the
+sequences *longest first*: program position ``p`` takes the ``p``-th sequence by chunk count,
+most first, ties in batch order (:func:`walk_order`), found by a bisection over the chunk
+counts in the kernel. The scheduler starts programs in id order as SMs free up, so a long
+sequence late in a ragged batch would otherwise run on alone after the rest. Batches of one
+sequence or more than :data:`LONGEST_FIRST_SEQS` keep batch order.
 """
 
 from __future__ import annotations
@@ -35,6 +42,21 @@ def num_slots(total_tokens: int, num_seqs: int, chunk_size: int) -> int:
 def slot_starts(cu: list[int], chunk_size: int) -> list[int]:
     """``s_n = cu[n] // C + n`` for ``n = 0..N``: sequence ``n``'s first slot (host copy)."""
     return [offset // chunk_size + n for n, offset in enumerate(cu)]
+
+
+#: Batches of up to this many sequences are walked longest first (the kernels hold the chunk
+#: counts in one register vector of this length).
+LONGEST_FIRST_SEQS = 256
+
+
+def walk_order(lengths: list[int], chunk_size: int) -> list[int]:
+    """The sequences in the order per-sequence programs walk them (module docstring): host
+    copy of the kernels' rule."""
+    n = len(lengths)
+    if n == 1 or n > LONGEST_FIRST_SEQS:
+        return list(range(n))
+    chunks = [-(-length // chunk_size) for length in lengths]
+    return sorted(range(n), key=lambda i: (-chunks[i], i))
 
 
 @dataclass(frozen=True)

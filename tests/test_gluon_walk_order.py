@@ -2,10 +2,11 @@
 (backends/gluon_common/recurrence.py: ``longest_first``, which ``walk_program`` maps every
 program through).
 
-GPU (sm_90 / sm_100): a kernel that records each program's sequence against the order
-defined here (chunk count, most first, ties in batch order; batch order for one sequence or
-more than ``LONGEST_FIRST_SEQS``), over seeded random lengths with ties, empty sequences
-and both cu_seqlens dtypes. The kernels that walk in this order are checked end to end by
+CPU: the host rule (``gdn_dispatch.varlen.walk_order``) on hand-made batches. GPU (sm_90 /
+sm_100): a kernel that records each program's sequence, against that rule, over seeded
+random lengths with ties, empty sequences and both cu_seqlens dtypes (triton_generic's
+plain-Triton twin of the search is checked the same way in tests/test_triton_generic.py,
+under the interpreter too). The kernels that walk in this order are checked end to end by
 tests/test_gluon_fused.py, tests/test_gluon_state_output.py and tests/test_fuzz.py on
 ragged batches (every output element written and matching the reference).
 """
@@ -20,41 +21,27 @@ pytest.importorskip("triton.experimental.gluon")
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
-from gdn_dispatch.backends.gluon_common.recurrence import LONGEST_FIRST_SEQS, longest_first  # noqa: E402
+from gdn_dispatch.testing import random_walk_lengths  # noqa: E402
+from gdn_dispatch.varlen import LONGEST_FIRST_SEQS, walk_order  # noqa: E402
+
+from gdn_dispatch.backends.gluon_common.recurrence import longest_first  # noqa: E402
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 BT = 64
 
 
-def longest_first_order(lengths: list[int]) -> list[int]:
-    """The batch positions in walk order."""
-    n = len(lengths)
-    if n == 1 or n > LONGEST_FIRST_SEQS.value:
-        return list(range(n))
-    chunks = [-(-length // BT) for length in lengths]
-    return sorted(range(n), key=lambda i: (-chunks[i], i))
-
-
 def test_the_order_puts_long_sequences_first_and_keeps_ties_in_batch_order():
-    assert longest_first_order([70, 0, 640, 64, 100, 1]) == [2, 0, 4, 3, 5, 1]
-    assert longest_first_order([5]) == [0]
-    big = [1] * (LONGEST_FIRST_SEQS.value + 1)
+    assert walk_order([70, 0, 640, 64, 100, 1], BT) == [2, 0, 4, 3, 5, 1]
+    assert walk_order([5], BT) == [0]
+    big = [1] * (LONGEST_FIRST_SEQS + 1)
     big[-1] = 10_000
-    assert longest_first_order(big) == list(range(len(big)))
+    assert walk_order(big, BT) == list(range(len(big)))
 
 
 @gluon.jit
 def _walk_order_kernel(cu_seqlens, out, BT: gl.constexpr):
     p = gl.program_id(0)
     gl.store(out + p, longest_first(cu_seqlens, gl.num_programs(0), p, BT))
-
-
-def _random_lengths(gen: torch.Generator, n: int) -> list[int]:
-    # A few distinct chunk counts (ties), empty sequences, tails, and one long sequence.
-    pool = torch.tensor([0, 1, 63, 64, 65, 200, 640, 641, 4000])
-    lengths = pool[torch.randint(0, len(pool), (n,), generator=gen)].tolist()
-    lengths[int(torch.randint(0, n, (1,), generator=gen))] = 9000
-    return lengths
 
 
 @pytest.mark.gpu
@@ -65,10 +52,10 @@ def _random_lengths(gen: torch.Generator, n: int) -> list[int]:
 def test_programs_walk_the_sequences_longest_first(n, cu_dtype):
     gen = torch.Generator().manual_seed(1000 + n)
     for _ in range(3):
-        lengths = _random_lengths(gen, n)
+        lengths = random_walk_lengths(gen, n)
         cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(cu_dtype).cuda()
         out = torch.full((n,), -1, dtype=torch.int32, device="cuda")
         _walk_order_kernel[(n,)](cu, out, BT, num_warps=4)
         got = out.tolist()
         assert sorted(got) == list(range(n)), "not a permutation of the batch"
-        assert got == longest_first_order(lengths)
+        assert got == walk_order(lengths, BT)

@@ -21,10 +21,11 @@ import triton.language as tl
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, _slot_rows
 from gdn_dispatch.backends.triton_generic._jit import jit as tg_jit
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
+from gdn_dispatch.backends.triton_generic.state import _longest_first
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch.contract import make_problem
-from gdn_dispatch.testing import random_call, rel_rms_error, triton_shaped_launcher
-from gdn_dispatch.varlen import num_slots, slot_starts
+from gdn_dispatch.testing import random_call, random_walk_lengths, rel_rms_error, triton_shaped_launcher
+from gdn_dispatch.varlen import num_slots, slot_starts, walk_order
 
 ORCHESTRATOR = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")  # tg.forward is the function
 
@@ -170,6 +171,28 @@ def _slot_probe_kernel(cu_seqlens, t0_out, n_out, N, BT: tl.constexpr):
     t0, n_t = _slot_rows(cu_seqlens, i_s, N, BT)
     tl.store(t0_out + i_s, t0)
     tl.store(n_out + i_s, n_t)
+
+
+@tg_jit
+def _walk_order_probe_kernel(cu_seqlens, out, BT: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    tl.store(out + p, _longest_first(cu_seqlens, tl.num_programs(0).to(tl.int64), p, BT))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [1, 2, 9, 256, 257])
+def test_programs_walk_the_sequences_longest_first(device, cu_dtype, n):
+    """Program position p takes the p-th sequence of gdn_dispatch.varlen.walk_order (ties,
+    empty sequences, tails; batch order past LONGEST_FIRST_SEQS)."""
+    gen = torch.Generator().manual_seed(2000 + n)
+    lengths = random_walk_lengths(gen, n)
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(cu_dtype).to(device)
+    out = torch.full((n,), -1, dtype=torch.int64, device=device)
+    _walk_order_probe_kernel[(n,)](cu, out, BT=64)
+    got = out.tolist()
+    assert sorted(got) == list(range(n)), "not a permutation of the batch"
+    assert got == walk_order(lengths, 64)
 
 
 def _expected_slots(lengths: list[int], C: int = 64) -> dict[int, tuple[int, int]]:

@@ -2,9 +2,8 @@
 which (sequence, v-head, V-block) a program walks, one chunk's gate rows and decays, and
 the scaled ``v_new`` rows that update the state.
 
-Sequences are walked longest first (:func:`longest_first`): the scheduler starts programs
-in id order as SMs free up, so a long sequence drawn late in a ragged batch would otherwise
-run on alone after the rest are done.
+Sequences are walked longest first (:func:`longest_first`, the rule of
+:func:`gdn_dispatch.varlen.walk_order`).
 
 With g the chunk-local gate cumsum in log2 units and S the fp32 ``[K, BV]`` state at a
 chunk's start, a chunk of 64 rows updates ``S = 2^g_last S + k^T (2^(g_last - g) v_new)``.
@@ -17,12 +16,12 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from gdn_dispatch import varlen
+
 from gdn_dispatch.backends.gluon_common.masks import row_rnorm, tile_layout
 
 
-#: Batches of up to this many sequences are walked longest first (one register vector of
-#: their chunk counts per program); larger ones in batch order.
-LONGEST_FIRST_SEQS = gl.constexpr(256)
+LONGEST_FIRST_SEQS = gl.constexpr(varlen.LONGEST_FIRST_SEQS)
 
 
 @gluon.jit
@@ -32,8 +31,9 @@ def _add_i32(a, b):
 
 @gluon.jit
 def longest_first(cu_seqlens, N, p, BT: gl.constexpr):
-    """The sequence at position ``p`` of the batch ordered by chunk count, most first, ties
-    in batch order (``p`` itself when ``N`` is 1 or above :data:`LONGEST_FIRST_SEQS`).
+    """The sequence at position ``p`` of the batch walked longest first
+    (:func:`gdn_dispatch.varlen.walk_order`): by chunk count, most first, ties in batch
+    order (``p`` itself when ``N`` is 1 or above ``LONGEST_FIRST_SEQS``).
 
     Every program finds its own entry: a bisection for the chunk count ``c`` at position
     ``p`` (the largest ``c`` that more than ``p`` sequences reach), then the rank of ``p``

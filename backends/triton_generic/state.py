@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from gdn_dispatch import varlen
+from gdn_dispatch.contract import CHUNK_SIZE
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
@@ -45,16 +47,56 @@ def _state_ptrs(base, o_k, o_v, K: tl.constexpr, V: tl.constexpr, STATE_VK: tl.c
     return p, m
 
 
+LONGEST_FIRST_SEQS = tl.constexpr(varlen.LONGEST_FIRST_SEQS)
+CHUNK = tl.constexpr(CHUNK_SIZE)
+
+
+@jit
+def _longest_first(cu_seqlens, N, p, BT: tl.constexpr):
+    """The sequence at position ``p`` of the batch walked longest first
+    (:func:`gdn_dispatch.varlen.walk_order`, ``BT`` tokens a chunk): by chunk count, most
+    first, ties in batch order; ``p`` itself for one sequence or more than
+    ``LONGEST_FIRST_SEQS``.
+
+    Each program finds its own entry: a bisection for the chunk count ``c`` at position
+    ``p`` (the largest ``c`` more than ``p`` sequences reach), then the rank of ``p`` among
+    the sequences of exactly ``c`` chunks by a prefix count (int64 throughout).
+    """
+    i_n = p
+    if (N > 1) & (N <= LONGEST_FIRST_SEQS):
+        r = tl.arange(0, LONGEST_FIRST_SEQS)
+        live = r < N
+        bos = tl.load(cu_seqlens + r, mask=live, other=0).to(tl.int64)
+        eos = tl.load(cu_seqlens + r + 1, mask=live, other=0).to(tl.int64)
+        nt = tl.where(live, (eos - bos + BT - 1) // BT, -1)
+        # Invariant: more than p sequences reach lo chunks, at most p reach hi.
+        lo = p * 0
+        hi = tl.max(nt, 0) + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            reach = tl.sum(tl.where(nt >= mid, 1, 0), 0)
+            lo = tl.where(reach > p, mid, lo)
+            hi = tl.where(reach > p, hi, mid)
+        tied = tl.where(nt == lo, 1, 0)
+        q = p - tl.sum(tl.where(nt > lo, 1, 0), 0)
+        rank = tl.cumsum(tied, 0) - 1
+        i_n = tl.sum(tl.where((tied == 1) & (rank == q), r, 0), 0).to(tl.int64)
+    return i_n
+
+
 @jit
 def _sequence_program(cu_seqlens, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """This program's (V block, sequence x v-head, sequence, v-head) and its sequence's token
-    bounds ``bos``, ``eos`` (int64). Axis 0 carries N * HV * NV (it may pass 65535), the V
-    block fastest: the blocks of one head stream the same rows at the same time, so L2
-    serves all but the first."""
+    bounds ``bos``, ``eos`` (int64). Axis 0 carries N * HV * NV, exactly (it may pass
+    65535), the V block fastest: the blocks of one head stream the same rows at the same
+    time, so L2 serves all but the first. Sequences are walked longest first
+    (:func:`_longest_first`)."""
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
-    i_v, i_nh = pid % NV, pid // NV
-    i_n, i_h = i_nh // HV, i_nh % HV
+    i_v = pid % NV
+    i_h = (pid // NV) % HV
+    i_n = _longest_first(cu_seqlens, tl.num_programs(0).to(tl.int64) // (HV * NV), pid // (HV * NV), CHUNK)
+    i_nh = i_n * HV + i_h
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     return i_v, i_nh, i_n, i_h, bos, eos
