@@ -141,7 +141,8 @@ def test_regs_variant_compiles_to_register_operands(capability):
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
 def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails):
     """The T kernel's sm_90a inverse: its ten products as 40 fp16 wgmmas (k16 steps) with the
-    left operand in registers, the tf32 redo's 80 beside them, and no spills at the cap."""
+    left operand in registers, the tf32 redo's 80 beside them, and no more spill bytes at
+    the cap than the kernel's measured allowance (four programs per SM paid for them)."""
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common import wy_t
 
@@ -150,7 +151,8 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails):
                   if k.specialization == spec)
     assert kernel.constexprs["F16_INVERSE"] is True
     report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes == 0 and report.registers <= wy_t.WY_T_MAXNREG_SM90
+    assert kernel.spill_bytes_allowed == wy_t.WY_T_SPILL_BYTES_SM90
+    assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
     f16_reg_a = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.f16\.f16 \{[^}]*\}, \{", report.ptx)
     tf32 = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k8\.f32\.tf32\.tf32", report.ptx)
     assert (len(f16_reg_a), len(tf32)) == (40, 80)
