@@ -101,12 +101,14 @@ def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
 WY_T_F16_INVERSE = True
 
 #: Register cap of the sm_90a launch: four programs per SM (49 KB of shared memory each).
-#: ptxas then keeps 248-304 bytes per thread in local memory (:data:`WY_T_SPILL_BYTES_SM90`),
-#: and the kernel is still faster than at 168 registers and three programs (H200, 4 x 8192
-#: HV 32: 0.319 against 0.351 ms; ragged16: 0.635 against 0.658; outputs bit-equal).
+#: ptxas then keeps some bytes per thread in local memory (:data:`WY_T_SPILL_BYTES_SM90`),
+#: and the kernel is still faster than at 168 registers and three programs (H200, triton
+#: 3.6.0, 4 x 8192 HV 32: 0.319 against 0.351 ms; ragged16: 0.635 against 0.658; outputs
+#: bit-equal).
 WY_T_MAXNREG_SM90 = 128
-#: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90` (``AotKernel.spill_bytes_allowed``).
-WY_T_SPILL_BYTES_SM90 = 320
+#: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90` (``AotKernel.spill_bytes_allowed``):
+#: 248-304 per specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
+WY_T_SPILL_BYTES_SM90 = 384
 
 
 def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
