@@ -2,8 +2,8 @@
 which (sequence, v-head, V-block) a program walks, one chunk's gate rows and decays, and
 the scaled ``v_new`` rows that update the state.
 
-Sequences are walked longest first (:func:`longest_first`, the rule of
-:func:`gdn_dispatch.varlen.walk_order`).
+The warp-specialized kernels walk the sequences longest first (:func:`longest_first`, the
+rule of :func:`gdn_dispatch.varlen.walk_order`).
 
 With g the chunk-local gate cumsum in log2 units and S the fp32 ``[K, BV]`` state at a
 chunk's start, a chunk of 64 rows updates ``S = 2^g_last S + k^T (2^(g_last - g) v_new)``.
@@ -64,22 +64,27 @@ def longest_first(cu_seqlens, N, p, BT: gl.constexpr):
 
 
 @gluon.jit
-def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BT: gl.constexpr):
+def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BT: gl.constexpr,
+                 LONGEST_FIRST: gl.constexpr):
     """This program's walk: (sequence ``i_n``, ``i_nh`` = i_n * HV + v-head, v-head ``i_h``,
     V-block ``i_v``), its sequence's rows ``bos .. eos`` and chunk count, and the tile
     columns of its w, k (q/k head ``i_h // GROUP``) and u / v blocks.
 
     Axis 0 is (sequence position, v-head, V-block) with the V-block fastest: the V-blocks of
     one head stream the same w and k tiles at the same time, so L2 serves all but the
-    first. Sequence positions are the batch longest first (:func:`longest_first`); the grid
-    is exactly N x HV x V-blocks.
+    first. With ``LONGEST_FIRST`` sequence positions are the batch longest first
+    (:func:`longest_first`; the warp-specialized kernels, one program per SM for a whole
+    sequence), else batch order (the pipeline's state kernel, at the register limit, where
+    the search's loop made ptxas spill); the grid is exactly N x HV x V-blocks.
     """
     pid = gl.program_id(0)
     i_v = pid % (V // BV)
-    per_seq = HV * (V // BV)
-    i_n = longest_first(cu_seqlens, gl.num_programs(0) // per_seq, pid // per_seq, BT)
-    i_h = (pid // (V // BV)) % HV
-    i_nh = i_n * HV + i_h
+    i_nh = pid // (V // BV)
+    i_n = i_nh // HV
+    i_h = i_nh % HV
+    if LONGEST_FIRST:
+        i_n = longest_first(cu_seqlens, gl.num_programs(0) // (HV * (V // BV)), i_n, BT)
+        i_nh = i_n * HV + i_h
     # int32 or int64 offsets; rows are TMA coordinates, int32 (B * T < 2^31, host-checked).
     bos = gl.load(cu_seqlens + i_n).to(gl.int32)
     eos = gl.load(cu_seqlens + i_n + 1).to(gl.int32)

@@ -293,7 +293,7 @@ def _state_output_fwd_kernel(
     # with tails; loaded at the top of their chunk, they are first read after P's wait.
     NORMS_EARLY: gl.constexpr = GATES_EARLY and not QK_LATE
     # q shares k's head, so its tiles sit at col_k too.
-    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT)
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT, False)
     # The block of h0 (the initial states, or the pool) this program reads and writes back.
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
 

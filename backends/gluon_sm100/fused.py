@@ -303,7 +303,7 @@ def _fused_fwd_kernel(
     HALF: gl.constexpr = BT
     dtype: gl.constexpr = k_desc.dtype
     gl.static_assert(K == 2 * HALF and V == 128, "built for K = V = 128")
-    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
     slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
@@ -380,7 +380,7 @@ def _fused_fwd_kernel(
     if STORE_HT or INPLACE:
         # The last update is complete: the state partition waited for it before its last
         # output. The program's indices again rather than kept live across the partitions.
-        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
         block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
         state_out(ht, i_nh, h0, block, 0, s_tmem.load(acc_s), kq, K, V, V, STATE_VK, STORE_HT, INPLACE, True)
 

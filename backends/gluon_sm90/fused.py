@@ -249,7 +249,7 @@ def _fused_fwd_kernel(
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
     slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
@@ -304,7 +304,7 @@ def _fused_fwd_kernel(
     if STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
         # the register budget changes (ptxas kept them in local memory).
-        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT)
+        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
         block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
         state_out(ht, i_nh, h0, block, 0, S, kq_ring, K, V, V, STATE_VK, STORE_HT, INPLACE, True)
 

@@ -138,7 +138,7 @@ def _segment_scan_fwd_kernel(
     STATE_VK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV)
+    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV, False)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]

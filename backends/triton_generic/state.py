@@ -88,18 +88,21 @@ def _longest_first(cu_seqlens, N, p, BT: tl.constexpr):
 
 
 @jit
-def _sequence_program(cu_seqlens, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _sequence_program(cu_seqlens, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, LONGEST_FIRST: tl.constexpr):
     """This program's (V block, sequence x v-head, sequence, v-head) and its sequence's token
     bounds ``bos``, ``eos`` (int64). Axis 0 carries N * HV * NV, exactly (it may pass
     65535), the V block fastest: the blocks of one head stream the same rows at the same
-    time, so L2 serves all but the first. Sequences are walked longest first
-    (:func:`_longest_first`)."""
+    time, so L2 serves all but the first. With ``LONGEST_FIRST`` (the state kernel) the
+    sequences are walked longest first (:func:`_longest_first`), else in batch order (the
+    context-parallel scan, whose sequences are few and whose register budget the search
+    overran with triton 3.9)."""
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
-    i_v = pid % NV
-    i_h = (pid // NV) % HV
-    i_n = _longest_first(cu_seqlens, tl.num_programs(0).to(tl.int64) // (HV * NV), pid // (HV * NV), CHUNK)
-    i_nh = i_n * HV + i_h
+    i_v, i_nh = pid % NV, pid // NV
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if LONGEST_FIRST:
+        i_n = _longest_first(cu_seqlens, tl.num_programs(0).to(tl.int64) // (HV * NV), i_n, CHUNK)
+        i_nh = i_n * HV + i_h
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     return i_v, i_nh, i_n, i_h, bos, eos
@@ -257,7 +260,7 @@ def _state_fwd_kernel(
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV)
+    i_v, i_nh, i_n, i_h, bos, eos = _sequence_program(cu_seqlens, HV, V, BV, True)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     b_h, i_row, k_rows = _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV, K, V, BK, BV, USE_H0, USE_POOL,
