@@ -1,14 +1,14 @@
-"""The order in which the Gluon recurrence kernels walk a batch's sequences
-(backends/gluon_common/recurrence.py: ``longest_first``, which ``walk_program`` maps every
-program through).
+"""The order in which the warp-specialized Gluon kernels walk a batch's sequences
+(backends/gluon_common/recurrence.py: ``longest_first``, which ``walk_program`` maps their
+programs through).
 
 CPU: the host rule (``gdn_dispatch.varlen.walk_order``) on hand-made batches. GPU (sm_90 /
 sm_100): a kernel that records each program's sequence, against that rule, over seeded
 random lengths with ties, empty sequences and both cu_seqlens dtypes (triton_generic's
 plain-Triton twin of the search is checked the same way in tests/test_triton_generic.py,
 under the interpreter too). The kernels that walk in this order are checked end to end by
-tests/test_gluon_fused.py, tests/test_gluon_state_output.py and tests/test_fuzz.py on
-ragged batches (every output element written and matching the reference).
+tests/test_gluon_fused.py and tests/test_fuzz.py on ragged batches (every output element
+written and matching the reference).
 """
 
 from __future__ import annotations
