@@ -75,7 +75,7 @@ def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl
     first. With ``LONGEST_FIRST`` sequence positions are the batch longest first
     (:func:`longest_first`; the warp-specialized kernels, one program per SM for a whole
     sequence), else batch order (the pipeline's state kernel, at the register limit, where
-    the search's loop made ptxas spill); the grid is exactly N x HV x V-blocks.
+    the search made triton 3.9's ptxas spill); the grid is exactly N x HV x V-blocks.
     """
     pid = gl.program_id(0)
     i_v = pid % (V // BV)
