@@ -29,7 +29,7 @@ from gdn_dispatch.varlen import slot_starts  # noqa: E402
 from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
-from gdn_dispatch.backends.gluon_common.wy_t import WY_T_F16_INVERSE, t_tile_rows  # noqa: E402
+from gdn_dispatch.backends.gluon_common.wy_t import WY_T_BLOCKED_INVERSE, WY_T_F16_INVERSE, t_tile_rows  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -74,7 +74,8 @@ def test_launches_of_the_path(shape):
     assert (wy_t.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
     assert wy_t.grid == (slots * 4,) and fused.grid == (p.N * 4,)
     assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
-                               "F16_INVERSE": WY_T_F16_INVERSE}
+                               "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
+                               "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False}
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}

@@ -139,7 +139,7 @@ def test_regs_variant_compiles_to_register_operands(capability):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails):
+def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails, monkeypatch):
     """The T kernel's sm_90a inverse: its ten products as 40 fp16 wgmmas (k16 steps) with the
     left operand in registers, the tf32 redo's 80 beside them, and no more spill bytes at
     the cap than the kernel's measured allowance (four programs per SM paid for them)."""
@@ -147,6 +147,7 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails):
     from gdn_dispatch.backends.gluon_common import wy_t
 
     spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
+    monkeypatch.setattr(wy_t, "WY_T_BLOCKED_INVERSE", False)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == spec)
     assert kernel.constexprs["F16_INVERSE"] is True

@@ -28,18 +28,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load, tma_store
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.wy import _alias, _f32_layout, chunk_program, chunk_t, wy_chunks
+from gdn_dispatch.backends.gluon_common.wy import _alias, _chunk_a_of_k, _f32_layout, chunk_program, chunk_t, wy_chunks
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-                     F16_INVERSE: gl.constexpr):
+                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -65,9 +66,21 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
     mbarrier.wait(bars.index(0), 0)
-    t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
-                                  a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM, ENGINE,
-                                  F16_INVERSE)
+    if BLOCKED_INVERSE:
+        a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
+                                            bars.index(1), 0, USE_L2NORM, ENGINE)
+        # The scales wait out the inverse in one register each; its tables use x's bytes.
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        w_scale = gl.convert_layout(w_scale, flat)
+        u_scale = gl.convert_layout(u_scale, flat)
+        tables = _tables(x_smem)
+        t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
+        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+    else:
+        t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
+                                      a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
+                                      ENGINE, F16_INVERSE)
     tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     # The TMA stores read the tiles through the async proxy.
@@ -78,6 +91,17 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _tables(x_smem):
+    """The blocked inverse's three [4, 16, 16] fp32 tables in the first 12 KB of ``x_smem`` (viewed as [16, 16, 16])."""
+    layout: gl.constexpr = table_layout()
+    if HAS_PUBLIC_REINTERPRET:
+        view = x_smem.reinterpret(gl.float32, [16, 16, 16], layout)
+    else:
+        view = x_smem._reinterpret(gl.float32, [16, 16, 16], layout)
+    return view
 
 
 @gluon.jit
@@ -99,6 +123,10 @@ def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
 #: The inverse on fp16 operands on sm_90a (:func:`.wy._unit_lower_inverse_regs` with ``F16``; 3-8%
 #: faster than tf32 on the H200, equal to 3e-5).
 WY_T_F16_INVERSE = True
+
+#: The inverse in 16 x 16 blocks on tf32 mma.sync (:mod:`.blocked_inverse`; sm_90a, 4 warps)
+#: instead of ten 64 x 64 wgmma products. Not yet timed on a GPU.
+WY_T_BLOCKED_INVERSE = True
 
 #: Register cap of the sm_90a launch: four programs per SM (49 KB of shared memory each).
 #: ptxas then keeps some bytes per thread in local memory (:data:`WY_T_SPILL_BYTES_SM90`),
@@ -126,7 +154,8 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         num_warps=NUM_WARPS,
         blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + 2 * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
-                    "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100},
+                    "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not WY_T_BLOCKED_INVERSE,
+                    "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE and not engine.is_sm100},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},

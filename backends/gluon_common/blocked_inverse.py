@@ -1,0 +1,171 @@
+"""The chunk inverse ``T = (I + A)^-1`` of a strictly lower fp32 [64, 64] tile in 16 x 16
+blocks, one warp per block row, on tf32 ``mma_v2`` (mma.sync) instead of ten 64 x 64
+products.
+
+A 4-warp program holds A as a wgmma accumulator, where warp ``r`` owns rows ``16 r .. 16 r
++ 15``: its blocks ``A[r, r - d]`` come out into a rank-3 ``[4, 16, 16]`` mma.sync layout
+(batch = warp) by a reshape and a select over the column blocks, with no data moving between
+threads; T goes back the same way. Per warp:
+
+* the diagonal block ``X_r = (I + D_r)^-1``, D_r = A[r, r], by the doubling of
+  :mod:`.wy` at block sizes 4 -> 8 -> 16: ``I - d + d^2 - d^3`` on the 4 x 4 diagonal
+  blocks ``d``, then ``x <- x - (x n) x`` with ``n`` the blocks just below x's diagonal
+  blocks, ``(x n)`` read off ``(x D)``. Six products; every intermediate is a block of T
+  or of A (the power product ``(I - D)(I + D^2)(I + D^4)(I + D^8)`` grows entries to
+  C(14, 7) for correlated keys and loses T to tf32 cancellation).
+* the blocks below the diagonal by diagonals, from ``(I + A) T = I``::
+
+      T[r, c] = -X_r sum_{m = c .. r - 1} A[r, m] T[m, c]        (c = r - 1, r - 2, r - 3)
+
+  each diagonal's blocks exchanged through a shared-memory table (slot = block row) and
+  read back by the warp below. Nine products.
+
+Fifteen 16 x 16 x 16 tf32 products per warp (60 mma.sync), three CTA barriers.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET
+
+BLOCKS = gl.constexpr(4)
+BLOCK = gl.constexpr(16)
+
+
+@gluon.constexpr_function
+def block_mma_layout():
+    """The rank-3 mma.sync accumulator layout: one warp per 16 x 16 block of the batch."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def table_layout():
+    return gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+
+
+@gluon.jit
+def _mm(x, y, acc):
+    """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, tf32 mma.sync."""
+    MMA: gl.constexpr = block_mma_layout()
+    lhs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    rhs: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
+    return mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, rhs), acc, input_precision="tf32")
+
+
+@gluon.jit
+def _block_ids(layout: gl.constexpr):
+    """Block row, row and column indices of a [4, 16, 16] tensor in ``layout``, each
+    broadcastable to it."""
+    b = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    i = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    j = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    return (gl.expand_dims(gl.expand_dims(b, 1), 2), gl.expand_dims(gl.expand_dims(i, 0), 2),
+            gl.expand_dims(gl.expand_dims(j, 0), 1))
+
+
+@gluon.jit
+def _column_ids(layout: gl.constexpr):
+    """Block row and block column indices of a [4, 16, 4, 16] tensor in ``layout``."""
+    r = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    c = gl.arange(0, BLOCKS, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+    return (gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 1), 2), 3),
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 1), 3))
+
+
+@gluon.jit
+def _diagonal(a4, d: gl.constexpr):
+    """Blocks ``A[r, r - d]`` of the [4, 16, 4, 16] view ``a4`` (zeros for r < d), as a
+    [4, 16, 16] batch in the mma.sync layout."""
+    L4: gl.constexpr = a4.type.layout
+    r, c = _column_ids(L4)
+    blk = gl.sum(gl.where(r - d == c, a4, 0.0), axis=2)
+    return gl.convert_layout(blk, block_mma_layout())
+
+
+@gluon.jit
+def _shifted(table, s: gl.constexpr, zero):
+    """The batch whose block r is ``table``'s slot r - s (zeros for r < s): each warp reads
+    the slots whole (a load replicated over the warps), then keeps its own."""
+    MMA: gl.constexpr = block_mma_layout()
+    b, _, _ = _block_ids(MMA)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    if HAS_PUBLIC_REINTERPRET:
+        rows = table.reinterpret(gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
+    else:
+        rows = table._reinterpret(gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
+    out = zero
+    for k in gl.static_range(BLOCKS - s):
+        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, MMA))
+        out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
+    return out
+
+
+@gluon.jit
+def _diagonal_block_inverse(D, zero):
+    """``(I + D)^-1`` of every block of the batch D (strictly lower [16, 16] blocks)."""
+    MMA: gl.constexpr = block_mma_layout()
+    _, i, j = _block_ids(MMA)
+    d = gl.where(i // 4 == j // 4, D, 0.0)
+    # On the 4 x 4 diagonal blocks (d D) = d^2 and (d^2 D) = d^3, and d^4 = 0.
+    p = gl.where(i // 4 == j // 4, _mm(d, D, zero), 0.0)
+    q = gl.where(i // 4 == j // 4, _mm(p, D, zero), 0.0)
+    x = gl.where(i == j, 1.0, 0.0) - d + p - q
+    # 4 -> 8 -> 16: x is block diagonal at size b; (x D) on the blocks just below its
+    # diagonal blocks inside each pair is x n exactly.
+    for level in gl.static_range(2, 4):
+        below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
+        y = gl.where(below, _mm(x, D, zero), 0.0)
+        x = x - _mm(y, x, zero)
+    return x
+
+
+@gluon.jit
+def blocked_unit_lower_inverse(a, xs, ys, ws):
+    """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
+    accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
+
+    ``xs``, ``ys``, ``ws``: fp32 shared memory ``[4, 16, 16]`` (:func:`table_layout`; 4 KB
+    each, free on entry and exit) for the diagonals of T the warps hand down.
+    """
+    gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
+    acc_layout: gl.constexpr = a.type.layout
+    a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
+    zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
+    D = _diagonal(a4, 0)
+    S1 = _diagonal(a4, 1)
+    S2 = _diagonal(a4, 2)
+    S3 = _diagonal(a4, 3)
+    X = _diagonal_block_inverse(D, zero)
+
+    xs.store(X)
+    gl.thread_barrier()
+    # T[r, r-1] = -X_r A[r, r-1] X_{r-1}
+    Y = -_mm(X, _mm(S1, _shifted(xs, 1, zero), zero), zero)
+    ys.store(Y)
+    gl.thread_barrier()
+    # T[r, r-2] = -X_r (A[r, r-2] X_{r-2} + A[r, r-1] T[r-1, r-2])
+    P = _mm(S2, _shifted(xs, 2, zero), zero)
+    P = _mm(S1, _shifted(ys, 1, zero), P)
+    W = -_mm(X, P, zero)
+    ws.store(W)
+    gl.thread_barrier()
+    # T[r, r-3] = -X_r (A[r, r-3] X_{r-3} + A[r, r-2] T[r-2, r-3] + A[r, r-1] T[r-1, r-3])
+    P = _mm(S3, _shifted(xs, 3, zero), zero)
+    P = _mm(S2, _shifted(ys, 2, zero), P)
+    P = _mm(S1, _shifted(ws, 1, zero), P)
+    Vb = -_mm(X, P, zero)
+    # The tables are read above by other warps: free only after every warp is past them.
+    gl.thread_barrier()
+
+    # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
+    L4: gl.constexpr = a4.type.layout
+    r, c = _column_ids(L4)
+    blk: gl.constexpr = gl.SliceLayout(2, L4)
+    t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
+    t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
+    t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
+    t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
+    return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), acc_layout)

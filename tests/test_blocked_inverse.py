@@ -1,0 +1,140 @@
+"""The blocked chunk inverse (backends/gluon_common/blocked_inverse.py).
+
+CPU: its algebra, step for step in float64 torch (the same masks and block products),
+against ``torch.linalg.inv`` on A tiles of random and strongly correlated keys, and the
+same algebra with every product's inputs rounded to tf32 against the power product the
+module rejects. GPU (sm_90 / sm_100): the kernel on one tile per program against float64,
+every element written (NaN-poisoned output).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def chunk_a(n: int, cosine: float, seed: int, device="cpu") -> torch.Tensor:
+    """A tiles as the kernels form them: strictly lower beta_i (k_i . k_j) 2^(g_i - g_j),
+    unit keys whose pairwise cosine is about ``cosine`` (0: random)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(n, 1, 128, generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(cosine ** 0.5 * torch.nn.functional.normalize(shared, dim=-1)
+                                      + (1 - cosine) ** 0.5 * torch.nn.functional.normalize(
+                                          torch.randn(n, 64, 128, generator=gen, dtype=torch.float64), dim=-1),
+                                      dim=-1)
+    beta = torch.rand(n, 64, 1, generator=gen, dtype=torch.float64)
+    g = torch.cumsum(-0.1 * torch.rand(n, 64, generator=gen, dtype=torch.float64), dim=1)
+    a = beta * (k @ k.transpose(1, 2)) * torch.exp2(g[:, :, None] - g[:, None, :])
+    return torch.tril(a, -1).to(device)
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32).to(x.dtype)
+
+
+def model(A: torch.Tensor, rnd=lambda x: x) -> torch.Tensor:
+    """The module's algorithm on one [64, 64] tile; ``rnd`` rounds every product's inputs."""
+    mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
+    blk = lambda M, r, c: M[16 * r:16 * r + 16, 16 * c:16 * c + 16]  # noqa: E731
+    i = torch.arange(16)[:, None]
+    j = torch.arange(16)[None, :]
+    X = []
+    for r in range(4):
+        D = blk(A, r, r)
+        four = (i // 4 == j // 4)
+        d = torch.where(four, D, 0.0)
+        p = torch.where(four, mm(d, D), 0.0)
+        q = torch.where(four, mm(p, D), 0.0)
+        x = torch.eye(16, dtype=A.dtype) - d + p - q
+        for level in (2, 3):
+            below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
+            y = torch.where(below, mm(x, D), 0.0)
+            x = x - mm(y, x)
+        X.append(x)
+    T = torch.zeros(64, 64, dtype=A.dtype)
+    for r in range(4):
+        T[16 * r:16 * r + 16, 16 * r:16 * r + 16] = X[r]
+    for dd in (1, 2, 3):
+        for r in range(dd, 4):
+            acc = sum(mm(blk(A, r, m), blk(T, m, r - dd)) for m in range(r - dd, r))
+            T[16 * r:16 * r + 16, 16 * (r - dd):16 * (r - dd) + 16] = -mm(X[r], acc)
+    return T
+
+
+def power_model(A: torch.Tensor, rnd) -> torch.Tensor:
+    """The rejected form: diagonal blocks by (I - D)(I + D^2)(I + D^4)(I + D^8)."""
+    out = model(A, rnd)
+    for r in range(4):
+        D = A[16 * r:16 * r + 16, 16 * r:16 * r + 16]
+        mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
+        D2 = mm(D, D)
+        D4 = mm(D2, D2)
+        D8 = mm(D4, D4)
+        x = torch.eye(16, dtype=A.dtype) - D
+        for p in (D2, D4, D8):
+            x = x + mm(x, p)
+        out[16 * r:16 * r + 16, 16 * r:16 * r + 16] = x
+    return out
+
+
+def _rel(x, ref):
+    return float((x - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("cosine", [0.0, 0.5, 0.9])
+def test_the_algebra_inverts_i_plus_a(cosine):
+    A = chunk_a(8, cosine, seed=3)
+    eye = torch.eye(64, dtype=torch.float64)
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        assert _rel(model(A[t]), ref) < 1e-12
+
+
+def test_tf32_products_keep_correlated_keys_accurate():
+    """At key cosine 0.9, tf32 inputs: the doubling stays near tf32's rounding; the power
+    product (what this module does not use) loses T to cancellation."""
+    A = chunk_a(6, 0.9, seed=4)
+    eye = torch.eye(64, dtype=torch.float64)
+    worst_doubling, worst_power = 0.0, 0.0
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        worst_doubling = max(worst_doubling, _rel(model(A[t], _tf32), ref))
+        worst_power = max(worst_power, _rel(power_model(A[t], _tf32), ref))
+    assert worst_doubling < 2e-3
+    assert worst_power > 3 * worst_doubling
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
+                    reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
+@pytest.mark.parametrize("cosine", [0.0, 0.9])
+def test_kernel_matches_float64(cosine):
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
+    from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
+
+    @gluon.jit
+    def tile_kernel(a_ptr, t_ptr):
+        ACC: gl.constexpr = wgmma_layout(64, 64, 4)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+        off = gl.program_id(0).to(gl.int64) * 4096 + gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
+        xs = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
+        ys = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
+        ws = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
+        gl.store(t_ptr + off, blocked_unit_lower_inverse(gl.load(a_ptr + off), xs, ys, ws))
+
+    A = chunk_a(512, cosine, seed=5)
+    ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
+    a = A.float().cuda()
+    t = torch.full_like(a, float("nan"))
+    tile_kernel[(A.shape[0],)](a, t, num_warps=4)
+    assert not bool(torch.isnan(t).any()), "elements left unwritten"
+    assert _rel(t.double().cpu(), ref) < (2e-4 if cosine == 0.0 else 2e-3)
