@@ -159,6 +159,29 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails, monkeypatch):
     assert (len(f16_reg_a), len(tf32)) == (40, 80)
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_t_kernel_inverts_in_blocks_on_tf32_mma_sync(tails):
+    """The T kernel's default sm_90a inverse: fifteen 16 x 16 x 16 tf32 products per warp
+    (60 mma.sync m16n8k8), no fp16 operands, no tf32 redo, the 64 x 64 wgmmas left to K K^T
+    alone, and at the 128-register cap no more spill bytes than the allowance."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    assert wy_t.WY_T_BLOCKED_INVERSE is True
+    spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
+    kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.specialization == spec)
+    assert (kernel.constexprs["BLOCKED_INVERSE"], kernel.constexprs["F16_INVERSE"]) == (True, False)
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
+    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    assert "f16.f16" not in report.ptx
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)
+    assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 128 // 16
+
+
 def test_forward_plans_wy_first():
     fp = plan(_problem(lengths=[5, 70]), SM90)
     assert fp.stages[0].kernel == "wy_fwd" and fp.stages[0] == wy.plan_wy(_problem(lengths=[5, 70]), SM90)

@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET
+from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier
 
 BLOCKS = gl.constexpr(4)
 BLOCK = gl.constexpr(16)
@@ -141,24 +141,24 @@ def blocked_unit_lower_inverse(a, xs, ys, ws):
     X = _diagonal_block_inverse(D, zero)
 
     xs.store(X)
-    gl.thread_barrier()
+    thread_barrier()
     # T[r, r-1] = -X_r A[r, r-1] X_{r-1}
     Y = -_mm(X, _mm(S1, _shifted(xs, 1, zero), zero), zero)
     ys.store(Y)
-    gl.thread_barrier()
+    thread_barrier()
     # T[r, r-2] = -X_r (A[r, r-2] X_{r-2} + A[r, r-1] T[r-1, r-2])
     P = _mm(S2, _shifted(xs, 2, zero), zero)
     P = _mm(S1, _shifted(ys, 1, zero), P)
     W = -_mm(X, P, zero)
     ws.store(W)
-    gl.thread_barrier()
+    thread_barrier()
     # T[r, r-3] = -X_r (A[r, r-3] X_{r-3} + A[r, r-2] T[r-2, r-3] + A[r, r-1] T[r-1, r-3])
     P = _mm(S3, _shifted(xs, 3, zero), zero)
     P = _mm(S2, _shifted(ys, 2, zero), P)
     P = _mm(S1, _shifted(ws, 1, zero), P)
     Vb = -_mm(X, P, zero)
     # The tables are read above by other warps: free only after every warp is past them.
-    gl.thread_barrier()
+    thread_barrier()
 
     # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
     L4: gl.constexpr = a4.type.layout
