@@ -49,16 +49,25 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
         return
 
     k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
-    a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
     x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
-    if ENGINE.IS_SM100:
-        lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
-    else:
-        lhs_smem = a_smem
-    # The scaled T tiles reuse the inverse's operand bytes (free once it is done).
     t_layout: gl.constexpr = t_desc.layout
-    tw_smem = _alias(a_smem, dtype, t_layout)
-    tu_smem = _alias(x_smem, dtype, t_layout)
+    if BLOCKED_INVERSE:
+        # Both scaled T tiles fit in x's bytes, free once the inverse's tables are: 32 KB a
+        # program, so the register cap alone bounds the programs per SM.
+        t_pair = _reinterpret(x_smem, dtype, [2 * BT, BT], t_layout)
+        tw_smem = t_pair.slice(0, BT)
+        tu_smem = t_pair.slice(BT, BT)
+        a_smem = x_smem
+        lhs_smem = x_smem
+    else:
+        a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        if ENGINE.IS_SM100:
+            lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+        else:
+            lhs_smem = a_smem
+        # The scaled T tiles reuse the inverse's operand bytes (free once it is done).
+        tw_smem = _alias(a_smem, dtype, t_layout)
+        tu_smem = _alias(x_smem, dtype, t_layout)
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=1)
@@ -94,14 +103,19 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
 
 
 @gluon.jit
+def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """A ``shape`` ``dtype`` view of the first bytes of ``smem``."""
+    if HAS_PUBLIC_REINTERPRET:
+        view = smem.reinterpret(dtype, shape, layout)
+    else:
+        view = smem._reinterpret(dtype, shape, layout)
+    return view
+
+
+@gluon.jit
 def _tables(x_smem):
     """The blocked inverse's three [4, 16, 16] fp32 tables in the first 12 KB of ``x_smem`` (viewed as [16, 16, 16])."""
-    layout: gl.constexpr = table_layout()
-    if HAS_PUBLIC_REINTERPRET:
-        view = x_smem.reinterpret(gl.float32, [16, 16, 16], layout)
-    else:
-        view = x_smem._reinterpret(gl.float32, [16, 16, 16], layout)
-    return view
+    return _reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
 
 
 @gluon.jit
@@ -131,11 +145,13 @@ WY_T_F16_INVERSE = True
 #: A tile lives in tensor memory, not in the wgmma layout the block extraction reads.
 WY_T_BLOCKED_INVERSE = True
 
-#: Register cap of the sm_90a launch: four programs per SM (49 KB of shared memory each).
-#: ptxas then keeps some bytes per thread in local memory (:data:`WY_T_SPILL_BYTES_SM90`),
-#: and the kernel is still faster than at 168 registers and three programs (H200, triton
-#: 3.6.0, 4 x 8192 HV 32: 0.319 against 0.351 ms; ragged16: 0.635 against 0.658; outputs
-#: bit-equal).
+#: Register cap of the sm_90a launch: four programs per SM. With the wgmma inverse (49 KB of
+#: shared memory) ptxas keeps some bytes per thread in local memory
+#: (:data:`WY_T_SPILL_BYTES_SM90`) and the kernel is still faster than at 168 registers and
+#: three programs (H200, triton 3.6.0, 4 x 8192 HV 32: 0.319 against 0.351 ms; ragged16:
+#: 0.635 against 0.658; outputs bit-equal). The blocked inverse (32 KB, 0-16 spill bytes)
+#: gains nothing from more programs: at 96 registers (five per SM) 0.290 against 0.287 ms
+#: at 4 x 8192, 0.509 against 0.516 on ragged16; at 80 (six) 0.321 and 0.564.
 WY_T_MAXNREG_SM90 = 128
 #: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90` (``AotKernel.spill_bytes_allowed``):
 #: 248-304 per specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
@@ -151,14 +167,15 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     H, HV, K = problem.H, problem.HV, problem.K
     BT = CHUNK_SIZE
     dtype = problem.dtype
+    blocked = WY_T_BLOCKED_INVERSE and not engine.is_sm100
     launch = LaunchPlan(
         kernel="wy_t_fwd",
         grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
         num_warps=NUM_WARPS,
-        blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + 2 * BT * BT * 4},
+        blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + (1 if blocked else 2) * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
-                    "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not WY_T_BLOCKED_INVERSE,
-                    "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE and not engine.is_sm100},
+                    "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
+                    "BLOCKED_INVERSE": blocked},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
