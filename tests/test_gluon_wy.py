@@ -47,13 +47,14 @@ def _problem(lengths=None, B=1, T=128, H=2, HV=4, K=128, V=128, dtype=torch.bflo
 def test_plan_wy_uniform_batch(capability):
     p = _problem(B=2, T=128, H=2, HV=4, K=128, V=64)
     launch = wy.plan_wy(p, capability)
+    blocked = wy.WY_DEFAULT_VARIANT == "blocked" and capability == SM90
     assert launch.kernel == "wy_fwd" and launch.num_warps == 4
     assert launch.grid == (2 * 2 * 4,)  # chunks x v-heads
     # No tails: every chunk is a whole tile, so the scatter row descriptors are None constexprs.
     assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "ENGINE": _engine(capability),
-                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem",
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem" and not blocked,
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16" and capability == SM90,
-                                 "w_rows_desc": None, "u_rows_desc": None}
+                                 "BLOCKED_INVERSE": blocked, "w_rows_desc": None, "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -69,8 +70,9 @@ def test_plan_wy_varlen_tails_l2_fp16():
     # Chunk slots: T // 64 + N = 323 // 64 + 6 (the 8 chunks and 3 idle slots) x HV.
     assert launch.grid == ((323 // 64 + 6) * 2,)
     assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "ENGINE": _engine(SM90),
-                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem",
-                                 "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16", "w_rows_desc": None,
+                                 "LHS_REGS": wy.WY_DEFAULT_VARIANT in ("regs", "f16"),
+                                 "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16",
+                                 "BLOCKED_INVERSE": wy.WY_DEFAULT_VARIANT == "blocked", "w_rows_desc": None,
                                  "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
@@ -112,7 +114,7 @@ def test_plan_wy_variants(capability):
 
 
 def test_plan_wy_rejects_an_unknown_variant():
-    with pytest.raises(ValueError, match=r"variant must be one of \('smem', 'regs', 'f16'\), got 'tmem'"):
+    with pytest.raises(ValueError, match=r"variant must be one of \('smem', 'regs', 'f16', 'blocked'\), got 'tmem'"):
         wy.plan_wy(_problem(), SM90, "tmem")
 
 
@@ -136,6 +138,29 @@ def test_regs_variant_compiles_to_register_operands(capability):
         assert len(reg_a) == 80
         assert report.ptx.count("shfl.sync.idx") <= 1
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K64-V64-dense-fp16-gfp32-betafp32"])
+def test_blocked_variant_inverts_on_mma_sync(spec):
+    """The w/u kernel's default sm_90a inverse: 60 tf32 mma.sync (fifteen 16 x 16 x 16
+    products per warp), the 64 x 64 wgmmas left to k k^T, w and u, no spills at the cap,
+    and one fp32 tile of shared memory beside k and v (the tables, then the T tiles)."""
+    assert wy.WY_DEFAULT_VARIANT == "blocked"
+    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec)
+    assert (kernel.constexprs["BLOCKED_INVERSE"], kernel.constexprs["LHS_REGS"]) == (True, False)
+    report = compile_kernel(kernel, SM90)
+    K, V = (128, 128) if spec.startswith("K128") else (64, 64)
+    budget = 64 * (K + V) * 2 + 64 * 64 * 4
+    assert report.spill_bytes == 0 and report.registers <= wy.WY_BLOCKED_MAXNREG_SM90
+    assert budget <= report.shared_bytes <= budget + 1024
+    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.", report.ptx)
+    # k k^T (n = 64, K / 16 steps), w = T k (n = K) and u = T v (n = V), 64 / 16 steps each.
+    assert sorted(map(int, wgmma)) == sorted([64] * (K // 16) + [K] * 4 + [V] * 4)
+    # On sm_100a the variant is "regs" (A lives in tensor memory there).
+    sm100 = next(k for k in wy.wy_kernels_for_aot(SM100) if k.specialization == spec)
+    assert (sm100.constexprs["BLOCKED_INVERSE"], sm100.constexprs["LHS_REGS"]) == (False, True)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])

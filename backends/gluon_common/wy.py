@@ -44,6 +44,13 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   in tf32, so no call loses range. On the H200 it made the T kernel 3% (4 x 8192) to 8%
   (ragged) faster and the w/u kernel 3-5%, at 3e-5 from the tf32 result: the programs are
   bound by instruction issue (masks, conversions, stores), not by the tensor cores.
+* "blocked" (sm_90a, the default; elsewhere as "regs"): no 64 x 64 products at all: A's
+  16 x 16 blocks are taken out of the k k^T accumulator and inverted one warp per block
+  row on tf32 mma.sync (:mod:`.blocked_inverse`: fifteen 16 x 16 x 16 products per warp,
+  tables in one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared
+  memory, no spills at 168 registers). On the H200 the w/u kernel 12-14% faster than
+  "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
+  (``benchmarks/wy_inverse_ab.py``).
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -68,6 +75,7 @@ from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
 from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -372,6 +380,45 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
 
 
 @gluon.jit
+def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """A ``shape`` ``dtype`` view of the first bytes of ``smem``."""
+    if HAS_PUBLIC_REINTERPRET:
+        view = smem.reinterpret(dtype, shape, layout)
+    else:
+        view = smem._reinterpret(dtype, shape, layout)
+    return view
+
+
+@gluon.jit
+def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
+                    USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+    """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
+    (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
+    tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
+    return."""
+    a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+                                        USE_L2NORM, ENGINE)
+    # The scales wait out the inverse in one register each.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    w_scale = gl.convert_layout(w_scale, flat)
+    u_scale = gl.convert_layout(u_scale, flat)
+    tables = _reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
+    t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
+    u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+    return t, w_scale, u_scale
+
+
+@gluon.jit
+def t_tile_pair(x_smem, dtype: gl.constexpr, layout: gl.constexpr):
+    """The two scaled T tiles (``dtype`` [64, 64] each, ``layout``) in the bytes of the fp32
+    [64, 64] tile ``x_smem``: where :func:`chunk_t_blocked` leaves them free."""
+    BT: gl.constexpr = x_smem.shape[0]
+    pair = _reinterpret(x_smem, dtype, [2 * BT, BT], layout)
+    return pair.slice(0, BT), pair.slice(BT, BT)
+
+
+@gluon.jit
 def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_valid,
                  HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
     """Accumulator -> ``smem`` (a free operand buffer of the same shape) -> global rows."""
@@ -386,7 +433,7 @@ def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
     g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-    LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr,
+    LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -399,7 +446,11 @@ def _wy_fwd_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [BT, K], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], dtype)
-    if LHS_REGS:
+    if BLOCKED_INVERSE:
+        # The inverse's tables, then both scaled T tiles, in one fp32 tile's bytes: 48 KB.
+        x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        tw_smem, tu_smem = t_tile_pair(x_smem, dtype, t_layout)
+    elif LHS_REGS:
         # The inverse's right operands: a (all of it) and x (per level). Left operands come
         # from registers; sm_100a stages them in lhs_smem (sm_90a never touches it). The
         # scaled T tiles reuse a's and x's bytes: 66 KB in all on sm_90a, as for "smem".
@@ -434,7 +485,10 @@ def _wy_fwd_kernel(
     tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
 
     mbarrier.wait(ready_bars.index(0), 0)
-    if LHS_REGS:
+    if BLOCKED_INVERSE:
+        t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
+                                              mma_bars.index(0), USE_L2NORM, ENGINE)
+    elif LHS_REGS:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), True,
                                       USE_L2NORM, ENGINE, F16_INVERSE)
@@ -471,18 +525,18 @@ def _wy_fwd_kernel(
 
 #: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8.
 WY_MAXNREG_SM90 = 168
+#: The same for the "blocked" variant (48 KB of shared memory).
+WY_BLOCKED_MAXNREG_SM90 = 168
 
 #: How the inverse feeds its products (the kernel's ``LHS_REGS``): "smem" stores both fp32
 #: operands of each of the ten products (:func:`_unit_lower_inverse`); "regs" reads the left
 #: one from registers on sm_90a and stores only a once and x once per level
 #: (:func:`_unit_lower_inverse_regs`: 5 tile stores instead of 20, no layout shuffles).
-WY_VARIANTS = ("smem", "regs", "f16")
-#: The variant plan_wy picks when none is asked for: "regs" (1.26-1.35x faster than "smem"
-#: on the H200 at the same error). "smem" stays selectable for comparisons; "f16" (3-5%
-#: faster here) is what the T kernel of the warp-specialized path runs, and stays off this
-#: kernel's default until the whole GPU tier has run with it (and its one l2 specialization,
-#: K = V = 128 with tails, spills 12 bytes).
-WY_DEFAULT_VARIANT = "regs"
+WY_VARIANTS = ("smem", "regs", "f16", "blocked")
+#: The variant plan_wy picks when none is asked for: "blocked" on sm_90a (12-14% faster than
+#: "regs" on the H200, which was 1.26-1.35x faster than "smem"; all at the same error),
+#: "regs" on sm_100a. The others stay selectable for comparisons.
+WY_DEFAULT_VARIANT = "blocked"
 
 
 def wy_descriptors(H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
@@ -539,14 +593,16 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
     variant = WY_DEFAULT_VARIANT if variant is None else variant
     if variant not in WY_VARIANTS:
         raise ValueError(f"plan_wy: variant must be one of {WY_VARIANTS}, got {variant!r}")
-    lhs_regs = variant in ("regs", "f16")
     engine = resolve_engine(info, engine)
     is_sm100 = engine.is_sm100
+    # The blocked inverse reads A in wgmma's accumulator layout: sm_90a only ("regs" on sm_100a).
+    blocked = variant == "blocked" and not is_sm100
+    lhs_regs = variant in ("regs", "f16") or (variant == "blocked" and is_sm100)
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs,
-         "F16_INVERSE": variant == "f16" and not is_sm100})
+         "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
@@ -558,7 +614,7 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         # u (V). Shared: k, v, two fp32 [64, 64] operands (plus the "regs" inverse's staged
         # left operand on sm_100a, where tcgen05 reads it from shared memory).
         blocks={"BT": BT, "K": K, "V": V,
-                "smem_bytes": BT * (K + V) * elem + (3 if lhs_regs and is_sm100 else 2) * BT * BT * 4,
+                "smem_bytes": BT * (K + V) * elem + (1 if blocked else 3 if lhs_regs and is_sm100 else 2) * BT * BT * 4,
                 "tmem_columns": (2 * BT + K + V) if is_sm100 else 0},
         constexprs=constexprs,
         descriptors=descriptors,
@@ -570,7 +626,7 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
         # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
         # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
-        maxnreg=255 if is_sm100 else WY_MAXNREG_SM90,
+        maxnreg=255 if is_sm100 else WY_BLOCKED_MAXNREG_SM90 if blocked else WY_MAXNREG_SM90,
     )
 
 

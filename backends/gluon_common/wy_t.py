@@ -28,13 +28,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load, tma_store
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.wy import _alias, _chunk_a_of_k, _f32_layout, chunk_program, chunk_t, wy_chunks
+from gdn_dispatch.backends.gluon_common.wy import (
+    _alias, _f32_layout, chunk_program, chunk_t, chunk_t_blocked, t_tile_pair, wy_chunks)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
@@ -54,11 +54,7 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     if BLOCKED_INVERSE:
         # Both scaled T tiles fit in x's bytes, free once the inverse's tables are: 32 KB a
         # program, so the register cap alone bounds the programs per SM.
-        t_pair = _reinterpret(x_smem, dtype, [2 * BT, BT], t_layout)
-        tw_smem = t_pair.slice(0, BT)
-        tu_smem = t_pair.slice(BT, BT)
-        a_smem = x_smem
-        lhs_smem = x_smem
+        tw_smem, tu_smem = t_tile_pair(x_smem, dtype, t_layout)
     else:
         a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
         if ENGINE.IS_SM100:
@@ -76,16 +72,8 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
     mbarrier.wait(bars.index(0), 0)
     if BLOCKED_INVERSE:
-        a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
-                                            bars.index(1), 0, USE_L2NORM, ENGINE)
-        # The scales wait out the inverse in one register each; its tables use x's bytes.
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        w_scale = gl.convert_layout(w_scale, flat)
-        u_scale = gl.convert_layout(u_scale, flat)
-        tables = _tables(x_smem)
-        t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
-        w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
-        u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
+        t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
+                                              bars.index(1), USE_L2NORM, ENGINE)
     else:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
@@ -100,22 +88,6 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(bars.index(i))
-
-
-@gluon.jit
-def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    """A ``shape`` ``dtype`` view of the first bytes of ``smem``."""
-    if HAS_PUBLIC_REINTERPRET:
-        view = smem.reinterpret(dtype, shape, layout)
-    else:
-        view = smem._reinterpret(dtype, shape, layout)
-    return view
-
-
-@gluon.jit
-def _tables(x_smem):
-    """The blocked inverse's three [4, 16, 16] fp32 tables in the first 12 KB of ``x_smem`` (viewed as [16, 16, 16])."""
-    return _reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
 
 
 @gluon.jit
