@@ -380,6 +380,22 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
 
 
 @gluon.jit
+def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGINE: gl.constexpr):
+    """The "regs" inverse's shared tiles beside its per-level right operand ``x_smem`` (fp32
+    [64, 64]): ``(a_smem, lhs_smem, tw_smem, tu_smem)``. ``a`` is its other right operand;
+    left operands come from registers, staged in ``lhs_smem`` on sm_100a (tcgen05 reads
+    shared memory only; sm_90a gets ``a_smem`` back and never touches it); the two scaled T
+    tiles (``dtype``, ``t_layout``) reuse a's and x's bytes, free once the inverse is done."""
+    BT: gl.constexpr = x_smem.shape[0]
+    a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+    if ENGINE.IS_SM100:
+        lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
+    else:
+        lhs_smem = a_smem
+    return a_smem, lhs_smem, _alias(a_smem, dtype, t_layout), _alias(x_smem, dtype, t_layout)
+
+
+@gluon.jit
 def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
     """A ``shape`` ``dtype`` view of the first bytes of ``smem``."""
     if HAS_PUBLIC_REINTERPRET:
@@ -451,17 +467,9 @@ def _wy_fwd_kernel(
         x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
         tw_smem, tu_smem = t_tile_pair(x_smem, dtype, t_layout)
     elif LHS_REGS:
-        # The inverse's right operands: a (all of it) and x (per level). Left operands come
-        # from registers; sm_100a stages them in lhs_smem (sm_90a never touches it). The
-        # scaled T tiles reuse a's and x's bytes: 66 KB in all on sm_90a, as for "smem".
-        a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
+        # 66 KB in all on sm_90a, as for "smem".
         x_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
-        if ENGINE.IS_SM100:
-            lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
-        else:
-            lhs_smem = a_smem
-        tw_smem = _alias(a_smem, dtype, t_layout)
-        tu_smem = _alias(x_smem, dtype, t_layout)
+        a_smem, lhs_smem, tw_smem, tu_smem = regs_inverse_smem(x_smem, dtype, t_layout, ENGINE)
     else:
         lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
         rhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))

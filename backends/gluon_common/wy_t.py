@@ -34,7 +34,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.wy import (
-    _alias, _f32_layout, chunk_program, chunk_t, chunk_t_blocked, t_tile_pair, wy_chunks)
+    _f32_layout, chunk_program, chunk_t, chunk_t_blocked, regs_inverse_smem, t_tile_pair, wy_chunks)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
@@ -56,14 +56,7 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
         # program, so the register cap alone bounds the programs per SM.
         tw_smem, tu_smem = t_tile_pair(x_smem, dtype, t_layout)
     else:
-        a_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(True))
-        if ENGINE.IS_SM100:
-            lhs_smem = gl.allocate_shared_memory(gl.float32, [BT, BT], _f32_layout(False))
-        else:
-            lhs_smem = a_smem
-        # The scaled T tiles reuse the inverse's operand bytes (free once it is done).
-        tw_smem = _alias(a_smem, dtype, t_layout)
-        tu_smem = _alias(x_smem, dtype, t_layout)
+        a_smem, lhs_smem, tw_smem, tu_smem = regs_inverse_smem(x_smem, dtype, t_layout, ENGINE)
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=1)

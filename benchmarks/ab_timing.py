@@ -1,0 +1,51 @@
+"""What the A/B scripts of this folder share: one public call timed two ways, each variant
+in its own process (a kernel's constexpr globals are fixed at its first compile), and the
+variants' outputs compared.
+
+* :func:`time_call`: the call's ``triton.testing.do_bench`` median and each kernel's GPU
+  time per call (torch.profiler over ``iters`` calls).
+* :func:`run_variant` (in the variant's process) prints one table row per shape and keeps
+  the outputs in ``/tmp``; :func:`compare_outputs` (in the parent) reads them back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def time_call(fn: Callable[[], object], iters: int = 20) -> tuple[float, dict[str, float]]:
+    """``(median ms, {kernel name: ms per call})`` of ``fn`` on the current CUDA device."""
+    import triton
+    from torch.profiler import ProfilerActivity, profile
+
+    ms = triton.testing.do_bench(fn, warmup=10, rep=200)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = {e.key.split("(")[0]: e.device_time_total / iters / 1e3 for e in prof.key_averages() if "kernel" in e.key}
+    return ms, per
+
+
+def run_variant(study: str, tag: str, calls: dict[str, dict]) -> None:
+    """Run, save and time each public call of ``calls`` (name -> ``chunk_gated_delta_rule``
+    keyword arguments) as variant ``tag`` of ``study``; print a table row per call."""
+    from gdn_dispatch import chunk_gated_delta_rule
+
+    for name, call in calls.items():
+        o, s = chunk_gated_delta_rule(**call)
+        torch.save((o.cpu(), s.cpu()), f"/tmp/{study}_{name}_{tag}.pt")
+        ms, per = time_call(lambda: chunk_gated_delta_rule(**call))
+        print(f"| {tag} | {name} | {ms:.4f} | " + ", ".join(f"{k[:22]} {v:.4f}" for k, v in per.items()) + " |",
+              flush=True)
+
+
+def compare_outputs(study: str, names, base: str, other: str) -> None:
+    """Print how far variant ``other``'s outputs are from ``base``'s (relative RMS)."""
+    from gdn_dispatch.testing import rel_rms_error
+
+    for name in names:
+        a, b = (torch.load(f"/tmp/{study}_{name}_{tag}.pt") for tag in (base, other))
+        print(f"{name}: o differs by {rel_rms_error(b[0].float(), a[0].float()):.2e}, "
+              f"state by {rel_rms_error(b[1], a[1]):.2e}")
