@@ -9,8 +9,9 @@ multiplies k and v by, and the gates' chunk-local cumsum.
 kernel then needs 16 KB per chunk and head from here instead of w and u (32 KB each at
 K = V = 128): the inverse is a chain of ten dependent products, which many small programs
 per SM run side by side here, while the fused kernel's one aux warpgroup per SM would
-take them one chunk at a time. On sm_90a the inverse runs on fp16 operands with a tf32
-redo where T leaves fp16's range (the "f16" inverse of :mod:`.wy`).
+take them one chunk at a time. On sm_90a the inverse runs in 16 x 16 blocks on tf32
+mma.sync (:mod:`.blocked_inverse`, :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16
+operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
 Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
 (:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
@@ -99,8 +100,9 @@ def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
     return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
 
 
-#: The inverse on fp16 operands on sm_90a (:func:`.wy._unit_lower_inverse_regs` with ``F16``; 3-8%
-#: faster than tf32 on the H200, equal to 3e-5).
+#: Without the blocked inverse, the 64 x 64 one on fp16 operands on sm_90a
+#: (:func:`.wy._unit_lower_inverse_regs` with ``F16``; 3-8% faster than tf32 on the H200,
+#: equal to 3e-5).
 WY_T_F16_INVERSE = True
 
 #: The inverse in 16 x 16 blocks on tf32 mma.sync (:mod:`.blocked_inverse`; sm_90a, 4 warps)
