@@ -21,9 +21,10 @@ device ``cu_seqlens`` needs no device-to-host copy at all.
 The per-sequence programs of the warp-specialized Gluon kernels and of triton_generic's
 state kernel (one per sequence, v-head and V-block) walk the sequences *longest first*:
 program position ``p`` takes the ``p``-th sequence by chunk count, most first, ties in
-batch order (:func:`walk_order`), found by a bisection over the chunk counts in the kernel. The scheduler starts programs in id order as SMs free up, so a long
-sequence late in a ragged batch would otherwise run on alone after the rest. Batches of one
-sequence or more than :data:`LONGEST_FIRST_SEQS` keep batch order.
+batch order (:func:`walk_order`), found by a bisection over the chunk counts in the
+kernel. The scheduler starts programs in id order as SMs free up, so a long sequence late
+in a ragged batch would otherwise run on alone after the rest. Batches of one sequence or
+more than :data:`LONGEST_FIRST_SEQS` keep batch order.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier
+from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier
 
 BLOCKS = gl.constexpr(4)
 BLOCK = gl.constexpr(16)
@@ -92,10 +92,7 @@ def _shifted(table, s: gl.constexpr, zero):
     MMA: gl.constexpr = block_mma_layout()
     b, _, _ = _block_ids(MMA)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    if HAS_PUBLIC_REINTERPRET:
-        rows = table.reinterpret(gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
-    else:
-        rows = table._reinterpret(gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
+    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
     out = zero
     for k in gl.static_range(BLOCKS - s):
         blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, MMA))

@@ -52,6 +52,16 @@ else:
 #: True where shared/tensor memory descriptors spell it .reinterpret (newest), else ._reinterpret.
 HAS_PUBLIC_REINTERPRET = gl.constexpr(not hasattr(gl.shared_memory_descriptor, "_reinterpret"))
 
+
+@gluon.jit
+def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """A ``shape`` ``dtype`` view (``layout``) of the first bytes of the shared buffer ``smem``."""
+    if HAS_PUBLIC_REINTERPRET:
+        view = smem.reinterpret(dtype, shape, layout)
+    else:
+        view = smem._reinterpret(dtype, shape, layout)
+    return view
+
 thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # A constexpr function may only reference modules, classes, builtins and other jit /

@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, thread_barrier
+from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier
 
 
 @gluon.constexpr_function
@@ -45,11 +45,7 @@ def _tile_offsets(R: gl.constexpr, C: gl.constexpr, stride, r0, c0, layout: gl.c
 def _staging(ring, rows: gl.constexpr, cols: gl.constexpr):
     """An fp32 [rows, cols] view of the w/k ring's bytes, for moving a state tile between
     layouts while the ring is idle (rows * cols * 4 <= the ring's bytes: BV <= 128)."""
-    if HAS_PUBLIC_REINTERPRET:
-        view = ring.reinterpret(gl.float32, [rows, cols], _staging_layout())
-    else:
-        view = ring._reinterpret(gl.float32, [rows, cols], _staging_layout())
-    return view
+    return reinterpret(ring, gl.float32, [rows, cols], _staging_layout())
 
 
 @gluon.jit

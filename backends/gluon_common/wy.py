@@ -76,7 +76,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
-from gdn_dispatch.backends.gluon_common.compat import HAS_PUBLIC_REINTERPRET, arg_names, tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
@@ -102,11 +102,8 @@ def _f32_layout(transposed):
 @gluon.jit
 def _alias(smem, dtype: gl.constexpr, layout: gl.constexpr):
     """A [rows, cols] ``dtype`` view of the first bytes of ``smem`` (same shape, narrower type)."""
-    if HAS_PUBLIC_REINTERPRET:
-        view = smem.reinterpret(dtype, smem.shape, layout)
-    else:
-        view = smem._reinterpret(dtype, smem.shape, layout)
-    return view
+    shape: gl.constexpr = smem.shape
+    return reinterpret(smem, dtype, shape, layout)
 
 
 @gluon.jit
@@ -396,16 +393,6 @@ def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGIN
 
 
 @gluon.jit
-def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    """A ``shape`` ``dtype`` view of the first bytes of ``smem``."""
-    if HAS_PUBLIC_REINTERPRET:
-        view = smem.reinterpret(dtype, shape, layout)
-    else:
-        view = smem._reinterpret(dtype, shape, layout)
-    return view
-
-
-@gluon.jit
 def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
@@ -418,7 +405,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)
     u_scale = gl.convert_layout(u_scale, flat)
-    tables = _reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
+    tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
     t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
@@ -430,7 +417,7 @@ def t_tile_pair(x_smem, dtype: gl.constexpr, layout: gl.constexpr):
     """The two scaled T tiles (``dtype`` [64, 64] each, ``layout``) in the bytes of the fp32
     [64, 64] tile ``x_smem``: where :func:`chunk_t_blocked` leaves them free."""
     BT: gl.constexpr = x_smem.shape[0]
-    pair = _reinterpret(x_smem, dtype, [2 * BT, BT], layout)
+    pair = reinterpret(x_smem, dtype, [2 * BT, BT], layout)
     return pair.slice(0, BT), pair.slice(BT, BT)
 
 
@@ -531,10 +518,9 @@ def _wy_fwd_kernel(
 # ----------------------------------------------------------------------------------------
 # Host side: plan (dry run), launch, AOT list
 
-#: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8.
+#: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8
+#: (every variant; "blocked" keeps nothing in local memory under it).
 WY_MAXNREG_SM90 = 168
-#: The same for the "blocked" variant (48 KB of shared memory).
-WY_BLOCKED_MAXNREG_SM90 = 168
 
 #: How the inverse feeds its products (the kernel's ``LHS_REGS``): "smem" stores both fp32
 #: operands of each of the ten products (:func:`_unit_lower_inverse`); "regs" reads the left
@@ -634,7 +620,7 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
         # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
         # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
-        maxnreg=255 if is_sm100 else WY_BLOCKED_MAXNREG_SM90 if blocked else WY_MAXNREG_SM90,
+        maxnreg=255 if is_sm100 else WY_MAXNREG_SM90,
     )
 
 
