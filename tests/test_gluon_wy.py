@@ -54,7 +54,8 @@ def test_plan_wy_uniform_batch(capability):
     assert launch.constexprs == {"HAS_TAILS": False, "USE_L2NORM": False, "ENGINE": _engine(capability),
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem" and not blocked,
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16" and capability == SM90,
-                                 "BLOCKED_INVERSE": blocked, "w_rows_desc": None, "u_rows_desc": None}
+                                 "BLOCKED_INVERSE": blocked, "SPLIT_WU": blocked and wy.WY_SPLIT_WU,
+                                 "w_rows_desc": None, "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -72,8 +73,9 @@ def test_plan_wy_varlen_tails_l2_fp16():
     assert launch.constexprs == {"HAS_TAILS": True, "USE_L2NORM": True, "ENGINE": _engine(SM90),
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT in ("regs", "f16"),
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16",
-                                 "BLOCKED_INVERSE": wy.WY_DEFAULT_VARIANT == "blocked", "w_rows_desc": None,
-                                 "u_rows_desc": None}
+                                 "BLOCKED_INVERSE": wy.WY_DEFAULT_VARIANT == "blocked",
+                                 "SPLIT_WU": wy.WY_DEFAULT_VARIANT == "blocked" and wy.WY_SPLIT_WU,
+                                 "w_rows_desc": None, "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
 
@@ -81,11 +83,76 @@ def test_plan_wy_varlen_tails_l2_fp16():
 @pytest.mark.parametrize("K, V", [(64, 64), (128, 128), (64, 128)])
 def test_three_programs_fit_an_sm90_multiprocessor(K, V):
     """The residency the sm_90 launch is tuned for: shared memory and registers of three
-    programs within one SM (the plan's budget, and the register cap it passes ptxas)."""
-    launch = wy.plan_wy(_problem(K=K, V=V), SM90)
-    assert 3 * (launch.blocks["smem_bytes"] + SMEM_RESERVED_PER_BLOCK) <= SM90_SMEM_PER_SM
-    assert launch.maxnreg == wy.WY_MAXNREG_SM90 and 3 * 128 * launch.maxnreg <= 65536
+    programs within one SM (the plan's budget, and the register cap it passes ptxas); four
+    with w and u formed in blocks (:data:`wy.WY_SPLIT_WU`)."""
+    for variant in wy.WY_VARIANTS:
+        launch = wy.plan_wy(_problem(K=K, V=V), SM90, variant)
+        programs = 4 if launch.constexprs["SPLIT_WU"] else 3
+        assert programs * (launch.blocks["smem_bytes"] + SMEM_RESERVED_PER_BLOCK) <= SM90_SMEM_PER_SM
+        assert launch.maxnreg == (wy.WY_SPLIT_MAXNREG_SM90 if programs == 4 else wy.WY_MAXNREG_SM90)
+        assert programs * 128 * launch.maxnreg <= 65536
     assert wy.plan_wy(_problem(K=K, V=V), SM100).maxnreg == 255
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_blocks_of_w_and_u_are_planned_for_the_blocked_inverse_only(split, monkeypatch):
+    monkeypatch.setattr(wy, "WY_SPLIT_WU", split)
+    for variant in wy.WY_VARIANTS:
+        for capability in (SM90, SM100):
+            launch = wy.plan_wy(_problem(lengths=[65, 3]), capability, variant)
+            planned = split and variant == "blocked" and capability == SM90
+            assert launch.constexprs["SPLIT_WU"] is planned
+            assert (launch.maxnreg == wy.WY_SPLIT_MAXNREG_SM90) is planned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K128-V64-dense-fp16-gfp32-betafp32"])
+def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
+    """With :data:`wy.WY_SPLIT_WU` the products w = T_w k and u = T_u v are [64, 64] wgmmas
+    only (K / 64 + V / 64 of them, 4 k-steps each, beside k k^T's K / 16), the blocked
+    inverse unchanged, at the 128-register cap within the spill allowance, in the same
+    shared memory."""
+    monkeypatch.setattr(wy, "WY_SPLIT_WU", True)
+    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec)
+    assert kernel.constexprs["SPLIT_WU"] is True and kernel.maxnreg == wy.WY_SPLIT_MAXNREG_SM90
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed == wy.WY_SPLIT_SPILL_BYTES_SM90
+    assert report.registers <= wy.WY_SPLIT_MAXNREG_SM90
+    K, V = 128, (128 if "V128" in spec else 64)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", report.ptx)
+    assert set(wgmma) == {"m64n64k16"} and len(wgmma) == K // 16 + 4 * (K // 64 + V // 64)
+    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    budget = 64 * (K + V) * 2 + 64 * 64 * 4
+    assert budget <= report.shared_bytes <= budget + 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != SM90,
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("split", [False, True])
+def test_w_and_u_against_the_reference_both_ways(split, monkeypatch):
+    """The pipeline's public call (few programs: no warp-specialized path) with w and u
+    formed whole or in blocks, ragged lengths with tails, K = 128 and V = 64 / 128, against
+    the float32 reference in NaN-poisoned memory."""
+    from gdn_dispatch import chunk_gated_delta_rule
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
+
+    monkeypatch.setattr(wy, "WY_SPLIT_WU", split)
+    clear_plan_cache()
+    try:
+        for V, seed in ((128, 0), (64, 1)):
+            call = random_call(lengths=[1, 63, 200, 64, 130], H=2, HV=4, K=128, V=V, dtype=torch.bfloat16,
+                               device="cuda", seed=seed)
+            call["output_final_state"] = True
+            ref = chunk_gated_delta_rule(**{k: v.cpu() if torch.is_tensor(v) else v for k, v in call.items()},
+                                         backend="reference")
+            poison_cuda_allocator()
+            o, ht = chunk_gated_delta_rule(**call, backend="gluon_sm90")
+            assert rel_rms_error(o.float().cpu(), ref[0].float()) < 5e-3
+            assert rel_rms_error(ht.float().cpu(), ref[1].float()) < 5e-3
+    finally:
+        clear_plan_cache()
 
 
 @pytest.mark.slow

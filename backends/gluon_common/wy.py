@@ -76,7 +76,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
-from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
@@ -443,12 +443,33 @@ def _wy_epilogue(acc, smem, desc, rows_desc, ptr, row_stride, row0, col0, n_vali
     store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid, HAS_TAILS, ENGINE)
 
 
+@gluon.jit
+def _split_product(t_smem, x_smem, bar, desc, rows_desc, ptr, row_stride, row0, col0, n_valid,
+                   HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
+    """``t x`` (``t_smem`` [64, 64], ``x_smem`` [64, N], N a multiple of 64) in [64, 64]
+    blocks of columns, one 32-register accumulator at a time (``bar``: the MMAs' fresh
+    mbarrier, its completions counted from 0): each block
+    overwrites the columns of ``x_smem`` it was formed from, then the whole tile goes to
+    global rows as :func:`_wy_epilogue` sends it."""
+    BT: gl.constexpr = t_smem.shape[0]
+    N: gl.constexpr = x_smem.shape[1]
+    for b in gl.static_range(N // BT):
+        block = x_smem.slice(b * BT, BT, dim=1)
+        acc = ENGINE.mma(t_smem, block, ENGINE.acc_alloc(BT, BT), False, bar)
+        acc = ENGINE.acc_read(ENGINE.mma_wait(acc, bar, b % 2))
+        # Every warp's MMA has read the block before any warp overwrites it.
+        thread_barrier()
+        block.store(acc.to(x_smem.dtype))
+    fence_async_shared()
+    store_chunk_tile(desc, rows_desc, ptr, row_stride, x_smem, row0, col0, n_valid, HAS_TAILS, ENGINE)
+
+
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
     g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-    LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr,
+    LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, SPLIT_WU: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -510,6 +531,18 @@ def _wy_fwd_kernel(
     tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     fence_async_shared()
+    if SPLIT_WU:
+        _split_product(tw_smem, k_smem, mma_bars.index(2), w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid,
+                       HAS_TAILS, ENGINE)
+        mbarrier.wait(ready_bars.index(1), 0)
+        _split_product(tu_smem, v_smem, mma_bars.index(3), u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid,
+                       HAS_TAILS, ENGINE)
+        tma.store_wait(0)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ready_bars.index(i))
+        for i in gl.static_range(4):
+            mbarrier.invalidate(mma_bars.index(i))
+        return
     w_acc = ENGINE.mma(tw_smem, k_smem, ENGINE.acc_alloc(BT, K), False, mma_bars.index(2))
     mbarrier.wait(ready_bars.index(1), 0)
     u_acc = ENGINE.mma(tu_smem, v_smem, ENGINE.acc_alloc(BT, V), False, mma_bars.index(3))
@@ -543,6 +576,16 @@ WY_VARIANTS = ("smem", "regs", "f16", "blocked")
 #: "regs" on the H200, which was 1.26-1.35x faster than "smem"; all at the same error),
 #: "regs" on sm_100a. The others stay selectable for comparisons.
 WY_DEFAULT_VARIANT = "blocked"
+
+#: "blocked" on sm_90a forms w and u in [64, 64] blocks of columns, one 32-register
+#: accumulator at a time, under :data:`WY_SPLIT_MAXNREG_SM90`: four programs per SM (48 KB
+#: of shared memory each) instead of three, each issuing its products one after another.
+WY_SPLIT_WU = False
+#: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
+WY_SPLIT_MAXNREG_SM90 = 128
+#: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``): 0-16 by
+#: specialization with triton 3.6.0.
+WY_SPLIT_SPILL_BYTES_SM90 = 32
 
 
 def wy_descriptors(H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
@@ -604,11 +647,12 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
     # The blocked inverse reads A in wgmma's accumulator layout: sm_90a only ("regs" on sm_100a).
     blocked = variant == "blocked" and not is_sm100
     lhs_regs = variant in ("regs", "f16") or (variant == "blocked" and is_sm100)
+    split = blocked and WY_SPLIT_WU
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs,
-         "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked})
+         "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked, "SPLIT_WU": split})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
@@ -632,7 +676,7 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         # 66 KB of shared memory let three programs share an SM: each program is a chain of
         # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
         # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
-        maxnreg=255 if is_sm100 else WY_MAXNREG_SM90,
+        maxnreg=255 if is_sm100 else WY_SPLIT_MAXNREG_SM90 if split else WY_MAXNREG_SM90,
     )
 
 
@@ -750,5 +794,6 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                             constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
                             maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
                                 "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens"]),
+                            spill_bytes_allowed=WY_SPLIT_SPILL_BYTES_SM90 if launch.constexprs["SPLIT_WU"] else 0,
                         ))
     return kernels
