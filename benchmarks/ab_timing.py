@@ -2,8 +2,8 @@
 in its own process (a kernel's constexpr globals are fixed at its first compile), and the
 variants' outputs compared.
 
-* :func:`time_call`: the call's ``triton.testing.do_bench`` median and each kernel's GPU
-  time per call (torch.profiler over ``iters`` calls).
+* :func:`time_call`: the call's ``triton.testing.do_bench`` median, each kernel's GPU
+  time per call (torch.profiler over ``iters`` calls) and the host's enqueue time per call.
 * :func:`run_variant` (in the variant's process) prints one table row per shape and keeps
   the outputs in ``/tmp``; :func:`compare_outputs` (in the parent) reads them back.
 """
@@ -14,8 +14,11 @@ from typing import Callable
 import torch
 
 
-def time_call(fn: Callable[[], object], iters: int = 20) -> tuple[float, dict[str, float]]:
-    """``(median ms, {kernel name: ms per call})`` of ``fn`` on the current CUDA device."""
+def time_call(fn: Callable[[], object], iters: int = 20) -> tuple[float, dict[str, float], float]:
+    """``(median ms, {kernel name: ms per call}, host enqueue µs per call)`` of ``fn`` on the
+    current CUDA device (enqueue: ``iters`` back-to-back calls, timed on the host)."""
+    import time
+
     import triton
     from torch.profiler import ProfilerActivity, profile
 
@@ -25,7 +28,12 @@ def time_call(fn: Callable[[], object], iters: int = 20) -> tuple[float, dict[st
             fn()
         torch.cuda.synchronize()
     per = {e.key.split("(")[0]: e.device_time_total / iters / 1e3 for e in prof.key_averages() if "kernel" in e.key}
-    return ms, per
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    enqueue = (time.perf_counter() - start) / iters * 1e6
+    torch.cuda.synchronize()
+    return ms, per, enqueue
 
 
 def run_variant(study: str, tag: str, calls: dict[str, dict]) -> None:
@@ -36,9 +44,9 @@ def run_variant(study: str, tag: str, calls: dict[str, dict]) -> None:
     for name, call in calls.items():
         o, s = chunk_gated_delta_rule(**call)
         torch.save((o.cpu(), s.cpu()), f"/tmp/{study}_{name}_{tag}.pt")
-        ms, per = time_call(lambda: chunk_gated_delta_rule(**call))
-        print(f"| {tag} | {name} | {ms:.4f} | " + ", ".join(f"{k[:22]} {v:.4f}" for k, v in per.items()) + " |",
-              flush=True)
+        ms, per, enqueue = time_call(lambda: chunk_gated_delta_rule(**call))
+        print(f"| {tag} | {name} | {ms:.4f} | {enqueue:.0f} | "
+              + ", ".join(f"{k[:22]} {v:.4f}" for k, v in per.items()) + " |", flush=True)
 
 
 def compare_outputs(study: str, names, base: str, other: str) -> None:

@@ -1,6 +1,5 @@
 """A/B of one kernel flag, off against on, each in its own process, alternating.
 
-    python benchmarks/flag_ab.py scores     # wy_t.WY_T_SCORES: the T kernel forms the scores
     python benchmarks/flag_ab.py split_wu   # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
@@ -16,9 +15,6 @@ from ab_timing import compare_outputs, run_variant
 
 #: study -> (module, flag, shapes: name -> (H, HV, lengths or (B, T), qk l2 norm)).
 STUDIES = {
-    "scores": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SCORES", {
-        "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
-        "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True)}),
     "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", {
         "H16-HV32-1x8192": (16, 32, [8192], False), "H16-HV32-1x32768": (16, 32, [32768], False),
         "H16-HV64-1x8192": (16, 64, [8192], False), "H2-HV4-1x32768": (2, 4, [32768], False),
@@ -48,7 +44,7 @@ if __name__ == "__main__":
         setattr(importlib.import_module(module), flag, sys.argv[2] == "on")
         run_variant(f"flag_ab_{study}", sys.argv[2], calls(shapes))
         sys.exit(0)
-    print(f"| {flag} | shape | call ms | kernels ms |")
+    print(f"| {flag} | shape | call ms | enqueue µs | kernels ms |")
     for tag in ("off", "on", "off", "on"):
         subprocess.run([sys.executable, __file__, study, tag], check=True, stderr=subprocess.DEVNULL)
     compare_outputs(f"flag_ab_{study}", list(shapes), "off", "on")

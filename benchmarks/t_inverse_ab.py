@@ -36,7 +36,7 @@ if __name__ == "__main__":
         wy_t.WY_T_BLOCKED_INVERSE = sys.argv[1] == "blocked"
         run_variant("t_inverse_ab", sys.argv[1], calls())
         sys.exit(0)
-    print("| inverse | shape | call ms | kernels ms |")
+    print("| inverse | shape | call ms | enqueue µs | kernels ms |")
     for variant in ("wgmma-f16", "blocked", "wgmma-f16", "blocked"):
         subprocess.run([sys.executable, __file__, variant], check=True, stderr=subprocess.DEVNULL)
     compare_outputs("t_inverse_ab", SHAPES, "wgmma-f16", "blocked")

@@ -36,7 +36,7 @@ if __name__ == "__main__":
         wy.WY_DEFAULT_VARIANT = sys.argv[1]
         run_variant("wy_inverse_ab", sys.argv[1], calls())
         sys.exit(0)
-    print("| inverse | shape | call ms | kernels ms |")
+    print("| inverse | shape | call ms | enqueue µs | kernels ms |")
     for variant in ("regs", "blocked", "regs", "blocked"):
         subprocess.run([sys.executable, __file__, variant], check=True, stderr=subprocess.DEVNULL)
     compare_outputs("wy_inverse_ab", [name for name, *_ in SHAPES], "regs", "blocked")

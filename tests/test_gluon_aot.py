@@ -223,31 +223,6 @@ def test_gluon_sm90_kernel_compiles(kernel):
         assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_sm90_fused_kernel_loads_the_scores(tails, monkeypatch):
-    """With the scores formed by the T kernel (:data:`wy_t.WY_T_SCORES`) the fused kernel's
-    aux partition issues no q k^T (40 wgmma instructions in all, not 48), the three-slot scores ring within the planned shared memory, the register
-    budgets as before and no more spill bytes than the allowance."""
-    from gdn_dispatch.backends.gluon_common import wy_t
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    monkeypatch.setattr(wy_t, "WY_T_SCORES", True)
-    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
-                  if k.constexprs["HAS_TAILS"] == tails)
-    assert kernel.constexprs["LOAD_SCORES"] is True
-    report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes <= kernel.spill_bytes_allowed
-    planned = fused.fused_smem_bytes(128, 128, 2, load_scores=True)
-    assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
-    assert {120, 192} <= budgets, budgets
-    # wgmma instructions (16 k per step): the state's P^T (K / 16 = 8), update (64 / 16 =
-    # 4), O^T (8) and v_new^T scores^T (4); the aux's two w and two u halves (4 each). The
-    # aux's q k^T, gone, was 8 more.
-    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 40
-
-
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -28,9 +28,8 @@ from gdn_dispatch.varlen import slot_starts  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
-from gdn_dispatch.backends.gluon_common import wy_t  # noqa: E402
-from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
-from gdn_dispatch.backends.gluon_common.wy_t import t_tile_rows  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.wy_t import WY_T_BLOCKED_INVERSE, WY_T_F16_INVERSE, t_tile_rows  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -39,16 +38,6 @@ def _engines():
     from gdn_dispatch.backends import gluon_sm90, gluon_sm100
 
     return gluon_sm90.ENGINE, gluon_sm100.ENGINE
-
-
-@pytest.fixture(params=[False, True], ids=["scores-in-aux", "scores-in-t"])
-def scores_in_t(request, monkeypatch):
-    """Both places the causal scores are formed: the fused kernel's aux partition, or the T
-    kernel (:data:`wy_t.WY_T_SCORES`), with the plans computed afresh."""
-    monkeypatch.setattr(wy_t, "WY_T_SCORES", request.param)
-    clear_plan_cache()
-    yield request.param
-    clear_plan_cache()
 
 
 def _device(sm_count=132, capability=SM90):
@@ -75,31 +64,27 @@ def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 130]), dict(batch=(2, 128)),
                                    dict(batch=(3, 100)), dict(lengths=[64, 128, 0])],
                          ids=["varlen-tails", "uniform", "uniform-tails", "varlen-whole-chunks"])
-def test_launches_of_the_path(shape, scores_in_t):
+def test_launches_of_the_path(shape):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    t_kernel, fused = fp.stages
+    wy_t, fused = fp.stages
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
-    assert (t_kernel.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
-    assert t_kernel.grid == (slots * 4,) and fused.grid == (p.N * 4,)
-    assert t_kernel.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
-                                   "F16_INVERSE": wy_t.WY_T_F16_INVERSE and not wy_t.WY_T_BLOCKED_INVERSE,
-                                   "BLOCKED_INVERSE": wy_t.WY_T_BLOCKED_INVERSE, "SCORES": scores_in_t}
+    assert (wy_t.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
+    assert wy_t.grid == (slots * 4,) and fused.grid == (p.N * 4,)
+    assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
+                               "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
+                               "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
-                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False, "LOAD_SCORES": scores_in_t}
+                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False}
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
         "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
-    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (3 with the scores).
-    tiles = 3 if scores_in_t else 2
-    assert t_tile_rows(rows, p.N, 4, tails, tiles) == t_kernel.grid[0] * tiles * CHUNK_SIZE
+    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
+    assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
-    assert t_kernel.blocks["smem_bytes"] == (48 if scores_in_t else 32) * 1024
-    # The T kernel's q descriptor is built whether or not the kernel reads q (one signature).
-    assert {d.arg for d in t_kernel.descriptors} == {"q_desc", "k_desc", "t_desc"}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -241,7 +226,7 @@ def _check(call: dict, tol: float = 5e-3):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(2, 300)),
                                    dict(batch=(4, 256))], ids=["varlen", "uniform-tails", "uniform"])
 @pytest.mark.parametrize("seed", range(2))
-def test_path_matches_the_reference(shape, layout, dtype, seed, scores_in_t):
+def test_path_matches_the_reference(shape, layout, dtype, seed):
     call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=seed,
                        state_layout=layout)
     _check({**call, "output_final_state": True})

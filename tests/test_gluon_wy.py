@@ -274,31 +274,6 @@ def test_t_kernel_inverts_in_blocks_on_tf32_mma_sync(tails):
     assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 128 // 16
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_t_kernel_forms_the_scores_after_the_inverse(tails, monkeypatch):
-    """With :data:`wy_t.WY_T_SCORES` the T kernel adds q k^T (eight more m64n64k16 wgmmas)
-    and its causal gate: the blocked inverse unchanged (60 mma.sync), no more spill bytes at
-    the 128-register cap than the allowance, and shared memory as planned (q's tile
-    beside k's; the scores stage in q's bytes)."""
-    from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_common import wy_t
-
-    monkeypatch.setattr(wy_t, "WY_T_SCORES", True)
-    spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
-    kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
-                  if k.specialization == spec)
-    assert kernel.constexprs["SCORES"] is True
-    report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)
-    assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 2 * 128 // 16
-    budget = wy_t.plan_wy_t(_problem(lengths=[65], K=128, V=128), SM90).blocks["smem_bytes"]
-    assert budget == 2 * 64 * 128 * 2 + 64 * 64 * 4
-    assert budget <= report.shared_bytes <= budget + 1024
-
-
 def test_forward_plans_wy_first():
     fp = plan(_problem(lengths=[5, 70]), SM90)
     assert fp.stages[0].kernel == "wy_fwd" and fp.stages[0] == wy.plan_wy(_problem(lengths=[5, 70]), SM90)

@@ -24,7 +24,7 @@ context parallelism, enough (sequence, v-head) programs to fill the SMs), the ca
 instead::
 
     q, k           = qk_l2norm_fwd(q, k)                  # qk l2 norm only: normalized copies
-    t_tiles, g_cum = wy_t_fwd(q, k, g, beta)              # the chunk inverses (and scores)
+    t_tiles, g_cum = wy_t_fwd(k, g, beta)                 # the chunk inverses only
     o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum, q, k)   # everything else
 
 The launching backend hands down the device the registry chose and its matrix engine
@@ -102,7 +102,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         q, k = problem.q, problem.k
         if problem.use_qk_l2norm:
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
-        t_tiles, g_cum = wy_t_fwd(q, k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
+        t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None

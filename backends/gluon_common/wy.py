@@ -325,19 +325,16 @@ def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
 
 
 @gluon.jit
-def chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE: gl.constexpr,
-                 USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+def _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE: gl.constexpr,
+                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """A and T's column scales (:func:`_chunk_a`) from the chunk's k tile: k k^T on the
-    engine (``kk_bar``'s ``KK_PHASE``-th completion, mod 2; every MMA issued before it is
-    complete too) and the gate cumsum, which it writes to ``g_cum`` (:func:`_chunk_gates`)
-    and returns as well: ``(a, w_scale, u_scale, g_i)``, ``g_i`` in the row slice of the
-    engine's [64, 64] accumulator layout."""
+    engine (``kk_bar``'s ``KK_PHASE``-th completion, mod 2) and the gate cumsum, which it
+    writes to ``g_cum`` (:func:`_chunk_gates`)."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-    return a, w_scale, u_scale, g_i
+    return _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
 
 
 @gluon.jit
@@ -356,8 +353,8 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
     of the inverse's products (fresh).
     """
     gl.static_assert(LHS_REGS or not F16_INVERSE, "the fp16 inverse is the register-operand one")
-    a, w_scale, u_scale, _ = chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
-                                          USE_L2NORM, ENGINE)
+    a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+                                        USE_L2NORM, ENGINE)
     if LHS_REGS:
         # The scales wait out the inverse in one register each, not 16.
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -369,8 +366,8 @@ def chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, op0, op
                 # Rare (entries of A or T near fp16's range): the same T in tf32, from A (and
                 # the gate cumsum, rewritten as it was) formed again rather than kept alive
                 # across the fp16 inverse in 34 more registers, which spilled.
-                a, _, _, _ = chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 1,
-                                          USE_L2NORM, ENGINE)
+                a, _, _ = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 1,
+                                        USE_L2NORM, ENGINE)
                 t = _unit_lower_inverse_regs(a, op0, op1, lhs_smem, inv_bar, ENGINE)
         w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
         u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
@@ -399,20 +396,11 @@ def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGIN
 def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
     """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
-    (:func:`blocked_t`; sm_90a, 4 warps), its three tables in the first 12 KB of the fp32
-    [64, 64] tile ``x_smem``, which is free again on return."""
-    a, w_scale, u_scale, _ = chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
-                                          USE_L2NORM, ENGINE)
-    return blocked_t(a, w_scale, u_scale, x_smem)
-
-
-@gluon.jit
-def blocked_t(a, w_scale, u_scale, x_smem):
-    """``T = (I + A)^-1`` of :func:`chunk_a_of_k`'s ``a`` (fp32 [64, 64] in the wgmma
-    accumulator layout) in 16 x 16 blocks on tf32 mma.sync
-    (:func:`.blocked_inverse.blocked_unit_lower_inverse`), and the column scales
-    ``w_scale``, ``u_scale`` moved to T's column slice: ``(t, w_scale, u_scale)``. The
-    inverse's three tables take the first 12 KB of the fp32 [64, 64] tile ``x_smem``."""
+    (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
+    tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
+    return."""
+    a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+                                        USE_L2NORM, ENGINE)
     # The scales wait out the inverse in one register each.
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)

@@ -1,10 +1,9 @@
 """The chunk inverses alone: per (chunk, v-head) the two scaled T tiles the fused kernel
-multiplies k and v by, the causal scores of its output, and the gates' chunk-local cumsum.
+multiplies k and v by, and the gates' chunk-local cumsum.
 
     A   = strictly-lower(beta_i r_i r_j (k_i . k_j) 2^(g_i - g_j))      [64, 64]
     T   = (I + A)^-1
     T_w = T diag(beta 2^g r)          T_u = T diag(beta)                  (q's dtype)
-    P   = lower(q_i . k_j 2^(g_i - g_j))   (diagonal included; with :data:`WY_T_SCORES`)
 
 (:mod:`.wy` forms the same T and goes on to ``w = T_w k``, ``u = T_u v``.) The fused
 kernel then needs 16 KB per chunk and head from here instead of w and u (32 KB each at
@@ -14,17 +13,10 @@ take them one chunk at a time. On sm_90a the inverse runs in 16 x 16 blocks on t
 mma.sync (:mod:`.blocked_inverse`, :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16
 operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
-Layout of ``t_tiles``: ``[slots * HV * tiles * 64, 64]`` rows (``tiles``:
-:func:`t_tiles_per_chunk`, 3 with the scores, else 2), the tiles of chunk slot ``c``
+Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
 (:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
-and v-head ``h`` at rows ``(c * HV + h) * tiles * 64``: T_w, T_u, then P. Idle slots are
-not written. Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there);
-P's rows past the end hold what the rows there give (the fused kernel stores none of
-them), its columns past the end multiply rows of ``v - w S`` that T zeroes.
-
-The scores move here from the fused kernel's aux partition, which paces its chain: a
-[64, 64] product and 4,096 gated selects per chunk, done here by many programs per SM
-side by side, cost the fused kernel one 8 KB TMA load.
+and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u. Idle slots are not
+written. Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there).
 """
 
 from __future__ import annotations
@@ -37,37 +29,22 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load, tma_store
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.masks import causal_gate
 from gdn_dispatch.backends.gluon_common.wy import (
-    _f32_layout, blocked_t, chunk_a_of_k, chunk_program, chunk_t, regs_inverse_smem, t_tile_pair, wy_chunks)
-
-
-@gluon.jit
-def _store_scores(qk, g_i, s_smem, t_desc, row):
-    """The causal scores ``P`` (module docstring) from the waited ``q k^T`` accumulator and
-    the rows' gate cumsum ``g_i`` (its row slice), staged in ``s_smem`` and stored to
-    ``t_tiles`` row ``row`` by TMA (waited by the kernel's last ``store_wait``)."""
-    g_j = gl.convert_layout(g_i, gl.SliceLayout(0, qk.type.layout))
-    # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
-    s_smem.store(causal_gate(qk, g_i, g_j).to(s_smem.dtype))
-    fence_async_shared()
-    tma_store(t_desc, [row, 0], s_smem)
+    _f32_layout, chunk_program, chunk_t, chunk_t_blocked, regs_inverse_smem, t_tile_pair, wy_chunks)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
-def _wy_t_fwd_kernel(q_desc, k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
+def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, SCORES: gl.constexpr):
+                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    TILES: gl.constexpr = 3 if SCORES else 2
-    gl.static_assert(BLOCKED_INVERSE or not SCORES, "the scores come with the blocked inverse")
     i_c, i_h, row0, n_valid = chunk_program(cu_seqlens, N, HV, BT, HAS_TAILS)
     if n_valid <= 0:
         return
@@ -77,34 +54,20 @@ def _wy_t_fwd_kernel(q_desc, k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, 
     t_layout: gl.constexpr = t_desc.layout
     if BLOCKED_INVERSE:
         # Both scaled T tiles fit in x's bytes, free once the inverse's tables are: 32 KB a
-        # program (48 with q), so the register cap alone bounds the programs per SM.
+        # program, so the register cap alone bounds the programs per SM.
         tw_smem, tu_smem = t_tile_pair(x_smem, dtype, t_layout)
     else:
         a_smem, lhs_smem, tw_smem, tu_smem = regs_inverse_smem(x_smem, dtype, t_layout, ENGINE)
-    if SCORES:
-        q_smem = gl.allocate_shared_memory(dtype, [BT, K], q_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=1)
 
-    base = (i_c * HV + i_h) * (TILES * BT)
-    if SCORES:
-        mbarrier.expect(bars.index(0), 2 * k_desc.block_type.nbytes)
-        tma_load(q_desc, [row0, (i_h // GROUP) * K], bars.index(0), q_smem)
-    else:
-        mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
+    mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
     mbarrier.wait(bars.index(0), 0)
     if BLOCKED_INVERSE:
-        a, w_scale, u_scale, g_i = chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
-                                                bars.index(1), 0, USE_L2NORM, ENGINE)
-        # The gate rows wait out the inverse in one register each.
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        g_i = gl.convert_layout(g_i, flat)
-        t, w_scale, u_scale = blocked_t(a, w_scale, u_scale, x_smem)
-        if SCORES:
-            # q k^T after the inverse, so that its 32 registers do not wait through it.
-            qk = ENGINE.mma(q_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, bars.index(2))
+        t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
+                                              bars.index(1), USE_L2NORM, ENGINE)
     else:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
@@ -113,13 +76,9 @@ def _wy_t_fwd_kernel(q_desc, k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, 
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     # The TMA stores read the tiles through the async proxy.
     fence_async_shared()
+    base = (i_c * HV + i_h) * (2 * BT)
     tma_store(t_desc, [base, 0], tw_smem)
     tma_store(t_desc, [base + BT, 0], tu_smem)
-    if SCORES:
-        qk = ENGINE.acc_read(ENGINE.mma_wait(qk, bars.index(2), 0))
-        # q's tile is done with: the scores stage in its first 8 KB.
-        s_smem = reinterpret(q_smem, dtype, [BT, BT], t_layout)
-        _store_scores(qk, gl.convert_layout(g_i, gl.SliceLayout(1, qk.type.layout)), s_smem, t_desc, base + 2 * BT)
     tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(bars.index(i))
@@ -136,16 +95,9 @@ def first_t_slot(bos, i_n, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
     return slot
 
 
-def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool, tiles: int) -> int:
-    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
-    ``tiles`` tiles per chunk slot and v-head (:func:`t_tiles_per_chunk`)."""
-    return wy_chunks(rows, num_seqs, tails) * HV * tiles * CHUNK_SIZE
-
-
-def t_tiles_per_chunk(is_sm100: bool) -> int:
-    """Tiles the T kernel writes per chunk slot and v-head for the fused kernel of the
-    engine: T_w, T_u, and on sm_90a with :data:`WY_T_SCORES` the causal scores."""
-    return 3 if WY_T_SCORES and WY_T_BLOCKED_INVERSE and not is_sm100 else 2
+def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
+    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
+    return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
 
 
 #: Without the blocked inverse, the 64 x 64 one on fp16 operands on sm_90a
@@ -159,11 +111,6 @@ WY_T_F16_INVERSE = True
 #: (outputs within 2.2e-4 of each other). The sm_100a build keeps the 64 x 64 inverse: its
 #: A tile lives in tensor memory, not in the wgmma layout the block extraction reads.
 WY_T_BLOCKED_INVERSE = True
-
-#: The T kernel forms the causal scores too (a third tile per chunk and v-head), which the
-#: sm_90a fused kernel loads instead of forming them in its aux partition. sm_90a only,
-#: with the blocked inverse (the sm_100a fused kernel forms its own).
-WY_T_SCORES = False
 
 #: Register cap of the sm_90a launch: four programs per SM. With the wgmma inverse (49 KB of
 #: shared memory) ptxas keeps some bytes per thread in local memory
@@ -188,45 +135,37 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     BT = CHUNK_SIZE
     dtype = problem.dtype
     blocked = WY_T_BLOCKED_INVERSE and not engine.is_sm100
-    scores = t_tiles_per_chunk(engine.is_sm100) == 3
-    elem = torch.finfo(dtype).bits // 8
     launch = LaunchPlan(
         kernel="wy_t_fwd",
         grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
         num_warps=NUM_WARPS,
-        blocks={"BT": BT, "K": K,
-                "smem_bytes": (2 if scores else 1) * BT * K * elem + (1 if blocked else 2) * BT * BT * 4},
+        blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + (1 if blocked else 2) * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
-                    "BLOCKED_INVERSE": blocked, "SCORES": scores},
-        # q's descriptor is built whether or not the kernel reads it (one signature).
-        descriptors=(tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
-                     tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+                    "BLOCKED_INVERSE": blocked},
+        descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=(f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
-               f"T_w, T_u{', scores' if scores else ''} only"),
+        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: T_w, T_u only",
         maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
     )
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def wy_t_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: ChunkTable,
+def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: ChunkTable,
              launch: LaunchPlan | BoundLaunch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scaled chunk inverses (and with ``launch.constexprs["SCORES"]`` the causal
-    scores) and the gates' chunk-local cumsum (one launch).
+    """The scaled chunk inverses and the gates' chunk-local cumsum (one launch).
 
     Parameters
     ----------
-    q, k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place
-        (q is read only for the scores).
+    k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place.
     g, beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows.
     chunks : ChunkTable of the call.
     launch : the call class's :func:`plan_wy_t` plan.
 
     Returns
     -------
-    t_tiles : Tensor ``[slots * HV * tiles * 64, 64]`` in k's dtype (module docstring).
+    t_tiles : Tensor ``[slots * HV * 128, 64]`` in k's dtype (module docstring).
     g_cum : float32 Tensor ``[B, T, HV]``: ``log2(e)`` times the chunk-local inclusive
         cumsum of g (rows of every sequence written).
     """
@@ -234,13 +173,11 @@ def wy_t_fwd(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tens
     launch = launch.shared
     HV = launch.scalars["HV"]
     tails = launch.constexprs["HAS_TAILS"]
-    tiles = 3 if launch.constexprs["SCORES"] else 2
-    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails, tiles), CHUNK_SIZE, dtype=k.dtype,
-                          device=k.device)
+    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails), CHUNK_SIZE, dtype=k.dtype, device=k.device)
     g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     if B * T == 0 or HV == 0:
         return t_tiles, g_cum
-    launch_planned(_wy_t_fwd_kernel, launch, {"q": q, "k": k, "t": t_tiles}, dict(
+    launch_planned(_wy_t_fwd_kernel, launch, {"k": k, "t": t_tiles}, dict(
         g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         HV=HV, GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
     ), rows=B * T, num_seqs=chunks.num_seqs)

@@ -65,7 +65,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
+from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -97,34 +97,23 @@ def _load_v(v_desc, v_smem, v_ready, row, col_v):
 
 
 @gluon.jit
-def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h, TILES: gl.constexpr):
-    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``; ``TILES`` tiles
-    per chunk slot and v-head in ``t_tiles``) into T slot ``s``."""
+def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
+    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``) into T slot ``s``."""
     BT: gl.constexpr = t_desc.block_type.shape[0]
-    base = (slot * HV + i_h) * (TILES * BT)
+    base = (slot * HV + i_h) * (2 * BT)
     mbarrier.expect(t_ready.index(s), 2 * t_desc.block_type.nbytes)
     tma_load(t_desc, [base, 0], t_ready.index(s), t_ring.index(2 * s))
     tma_load(t_desc, [base + BT, 0], t_ready.index(s), t_ring.index(2 * s + 1))
 
 
 @gluon.jit
-def _load_scores(t_desc, s_ring, s_ready, s, slot, HV, i_h):
-    """TMA load of chunk slot ``slot``'s causal scores (the T kernel's third tile) into
-    scores slot ``s``."""
-    BT: gl.constexpr = t_desc.block_type.shape[0]
-    mbarrier.expect(s_ready.index(s), t_desc.block_type.nbytes)
-    tma_load(t_desc, [(slot * HV + i_h) * (3 * BT) + 2 * BT, 0], s_ready.index(s), s_ring.index(s))
-
-
-@gluon.jit
 def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
-         kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, s_ready,
-         g_cum, HV, i_h, bos, eos, NT, slot0, col_v, LOAD_SCORES: gl.constexpr):
+         kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+         g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
-    TILES: gl.constexpr = 3 if LOAD_SCORES else 2
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
     rows: gl.constexpr = gl.SliceLayout(1, acc_bt)
@@ -137,30 +126,23 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         n_valid = eos - row
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         k_tile = kq_ring.index(2 * s)
-        if not LOAD_SCORES:
-            q_tile = kq_ring.index(2 * s + 1)
-            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                               use_acc=False, is_async=True)
+        q_tile = kq_ring.index(2 * s + 1)
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                           use_acc=False, is_async=True)
         g_row = b_g
         g_end = g_last
         if t + 1 < NT:
             # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
-            _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h, TILES)
+            _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
         # The next chunk's gate rows, loaded while this one is formed.
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        if LOAD_SCORES:
-            # So is scores slot (t + 1) % 3, chunk t - 2's: the next chunk's scores go there.
-            if t + 1 < NT:
-                _load_scores(t_desc, s_ring, s_ready, (t + 1) % 3, slot0 + t + 1, HV, i_h)
         # The gate vectors the state partition reads.
         store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
-        if not LOAD_SCORES:
-            qk = warpgroup_mma_wait(0, deps=(qk,))
-            # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
-            s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows),
-                                              gl.convert_layout(g_row, cols)).to(dtype))
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
+        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
         # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
         HALF: gl.constexpr = BT
         gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
@@ -196,8 +178,8 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
 
 @gluon.jit
 def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-           wu_empty, s_ready, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
-           ENGINE: gl.constexpr, LOAD_SCORES: gl.constexpr):
+           wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
+           ENGINE: gl.constexpr):
     """The serial chain (module docstring); returns the final S^T."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
@@ -236,12 +218,7 @@ def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem
         S, o = warpgroup_mma_wait(0, deps=(S, o))
         e_g = gate_ring.index(3 * s + 1).load(cols_c)
         o = o * gl.expand_dims(e_g, 0)
-        if LOAD_SCORES:
-            mbarrier.wait(s_ready.index(t % 3), (t // 3) & 1)
-            scores = s_ring.index(t % 3)
-        else:
-            scores = s_ring.index(s)
-        o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_o), scores.permute((1, 0)), o,
+        o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_o), s_ring.index(s).permute((1, 0)), o,
                           use_acc=True, is_async=True)
         S, o = warpgroup_mma_wait(0, deps=(S, o))
         # Every warp's MMAs reading the slots are complete (each waited its own).
@@ -266,7 +243,7 @@ def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, LOAD_SCORES: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -281,11 +258,7 @@ def _fused_fwd_kernel(
     t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
-    if LOAD_SCORES:
-        # Three slots: chunk t + 1's load waits only for the state to be done with t - 2.
-        s_ring = gl.allocate_shared_memory(dtype, [3, BT, BT], t_desc.layout)
-    else:
-        s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
+    s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
     # Three gate vectors per w/u slot (see _aux).
     gate_ring = gl.allocate_shared_memory(gl.float32, [6, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
@@ -295,9 +268,6 @@ def _fused_fwd_kernel(
     wu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     wu_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    s_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(3):
-        mbarrier.init(s_ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
@@ -319,19 +289,16 @@ def _fused_fwd_kernel(
     if NT > 0:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 0, bos, col_k)
         _load_v(v_desc, v_smem, v_ready, bos, col_v)
-        _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h, 3 if LOAD_SCORES else 2)
-        if LOAD_SCORES:
-            _load_scores(t_desc, s_ring, s_ready, 0, slot0, HV, i_h)
+        _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h)
     if NT > 1:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 1, bos + BT, col_k)
 
     S = gl.warp_specialize([
         (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-                  wu_empty, s_ready, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE,
-                  LOAD_SCORES)),
+                  wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
         (_aux, (v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
-                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, s_ready,
-                g_cum, HV, i_h, bos, eos, NT, slot0, col_v, LOAD_SCORES)),
+                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+                g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
     ], [AUX_WARPS], [AUX_REGS])[0]
 
     if STORE_HT or INPLACE:
@@ -373,8 +340,8 @@ def fused_reason(problem: GDNProblem) -> str | None:
         return f"head dims K = V = {HEAD_DIM} only, got K = {problem.K}, V = {problem.V}"
     if problem.use_qk_l2norm and not QK_L2NORM:
         return "the qk l2 norm (fused.QK_L2NORM is off)"
-    # The T tiles' rows are int32 TMA coordinates (2 or 3 HV tiles of 64 rows per chunk slot).
-    if t_tile_rows(problem.B * problem.T, problem.N, problem.HV, True, t_tiles_per_chunk(False)) >= 2 ** 31:
+    # The T tiles' rows are int32 TMA coordinates (2 HV tiles of 64 rows per chunk slot).
+    if t_tile_rows(problem.B * problem.T, problem.N, problem.HV, True) >= 2 ** 31:
         return f"{problem.B * problem.T} tokens x {problem.HV} v-heads: T tile rows past int32"
     return None
 
@@ -385,14 +352,11 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
-    load_scores = t_tiles_per_chunk(False) == 3
-    constexprs["LOAD_SCORES"] = load_scores
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
-        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8,
-                                                                         load_scores=load_scores)},
+        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8)},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -407,13 +371,11 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, load_scores: bool = False) -> int:
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v, T ring (2 x 2 tiles), w, u and
-    scores rings (2 slots; 3 scores slots where they are loaded), o, the gate vectors and
-    the barriers."""
-    scores = 3 if load_scores else 2
-    return (4 * BT * K + BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + scores * BT * BT + BT * V) * elem \
-        + 6 * BT * 4 + 14 * 8
+    scores rings (2 slots), o, the gate vectors and the barriers."""
+    return (4 * BT * K + BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
+        + 6 * BT * 4 + 11 * 8
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
