@@ -289,11 +289,15 @@ def test_sm100_fused_twin_compiles(kernel):
 
 
 def test_only_the_warp_specialized_path_may_spill():
-    """sm_90a: the fused kernel (register reallocation between partitions) and the T kernel
-    (capped for four programs per SM); nothing else, and nothing on sm_100a."""
+    """sm_90a: the fused kernel (register reallocation between partitions), the T kernel
+    and the w/u kernel (both capped for four programs per SM); nothing else, and nothing on
+    sm_100a."""
+    from gdn_dispatch.backends.gluon_common import wy
+
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
         allowed = {k.kernel for k in module.kernels_for_aot(cap) if k.spill_bytes_allowed}
-        assert allowed == ({"fused_fwd", "wy_t_fwd"} if cap == SM90 else set())
+        expected = {"fused_fwd", "wy_t_fwd"} | ({"wy_fwd"} if wy.WY_SPLIT_WU else set())
+        assert allowed == (expected if cap == SM90 else set())
 
 
 def test_kernel_lists_cover_both_layouts_and_tails():

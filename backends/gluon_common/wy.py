@@ -50,7 +50,9 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   tables in one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared
   memory, no spills at 168 registers). On the H200 the w/u kernel 12-14% faster than
   "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
-  (``benchmarks/wy_inverse_ab.py``).
+  (``benchmarks/wy_inverse_ab.py``). Then w and u are formed in [64, 64] blocks of
+  columns, one 32-register accumulator at a time (:data:`WY_SPLIT_WU`), at 128 registers:
+  four programs per SM, another 14-16% (0.443 -> 0.380 ms).
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -59,7 +61,8 @@ the end are not written (see :mod:`masks`).
 
 Budget (K = V = 128, 16-bit): shared memory k 16 + v 16 + two fp32 operands 32 KB (the
 scaled T tiles reuse the operands' bytes) = 64 KB, and 168 registers per thread on sm_90a:
-three programs per SM ("regs" needs 155-159 uncapped); TMEM 2 x 64 + K + V columns on
+three programs per SM ("regs" needs 155-159 uncapped; "blocked" with w and u in blocks
+takes 48 KB and 128 registers, four programs); TMEM 2 x 64 + K + V columns on
 sm_100a, where "regs" adds the staged left operand (16 KB).
 """
 
@@ -552,7 +555,8 @@ def _wy_fwd_kernel(
 # Host side: plan (dry run), launch, AOT list
 
 #: Register cap of the sm_90a launch: 65536 / (3 programs x 128 threads), rounded down to 8
-#: (every variant; "blocked" keeps nothing in local memory under it).
+#: (every variant but "blocked" with :data:`WY_SPLIT_WU`, capped at
+#: :data:`WY_SPLIT_MAXNREG_SM90`); none keeps anything in local memory at 168.
 WY_MAXNREG_SM90 = 168
 
 #: How the inverse feeds its products (the kernel's ``LHS_REGS``): "smem" stores both fp32
@@ -568,7 +572,11 @@ WY_DEFAULT_VARIANT = "blocked"
 #: "blocked" on sm_90a forms w and u in [64, 64] blocks of columns, one 32-register
 #: accumulator at a time, under :data:`WY_SPLIT_MAXNREG_SM90`: four programs per SM (48 KB
 #: of shared memory each) instead of three, each issuing its products one after another.
-WY_SPLIT_WU = False
+#: H200, triton 3.6.0, bf16 K = V = 128 (``python benchmarks/flag_ab.py split_wu``, outputs
+#: bit-equal): the kernel 0.114 -> 0.098 ms at H16-HV32 1 x 8192, 0.447 -> 0.380 at
+#: 1 x 32768, 0.225 -> 0.190 at H16-HV64 1 x 8192; context parallelism's first pass 55 ->
+#: 49 µs at H2-HV4 1 x 32768, 220 -> 183 at H8-HV16.
+WY_SPLIT_WU = True
 #: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
 WY_SPLIT_MAXNREG_SM90 = 128
 #: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``): 0-16 by
@@ -660,8 +668,8 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         notes=(f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads, T formed in-kernel "
                f"({variant} inverse), whole [64, {K}] / [64, {V}] tiles"),
         # sm_90a: 168 registers (ptxas takes 183-198 uncapped for "smem", 155-159 for "regs",
-        # and spills nothing at 168) and
-        # 66 KB of shared memory let three programs share an SM: each program is a chain of
+        # and spills nothing at 168) and 66 KB of shared memory let three programs share an
+        # SM (four for "blocked" with WY_SPLIT_WU, at 128): each program is a chain of
         # eleven dependent MMAs, so residency is what hides their latency. sm_100a: the
         # hardware's 255, stated (uncapped, ptxas spilled 8 bytes at K = 128, V = 64, l2).
         maxnreg=255 if is_sm100 else WY_SPLIT_MAXNREG_SM90 if split else WY_MAXNREG_SM90,
