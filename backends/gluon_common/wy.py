@@ -52,7 +52,7 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
   (``benchmarks/wy_inverse_ab.py``). Then w and u are formed in [64, 64] blocks of
   columns, one 32-register accumulator at a time (:data:`WY_SPLIT_WU`), at 128 registers:
-  four programs per SM, another 14-16% (0.443 -> 0.380 ms).
+  four programs per SM, another 14-15% (1 x 32768: 0.449 -> 0.384 ms).
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -573,9 +573,9 @@ WY_DEFAULT_VARIANT = "blocked"
 #: accumulator at a time, under :data:`WY_SPLIT_MAXNREG_SM90`: four programs per SM (48 KB
 #: of shared memory each) instead of three, each issuing its products one after another.
 #: H200, triton 3.6.0, bf16 K = V = 128 (``python benchmarks/flag_ab.py split_wu``, outputs
-#: bit-equal): the kernel 0.114 -> 0.098 ms at H16-HV32 1 x 8192, 0.447 -> 0.380 at
-#: 1 x 32768, 0.225 -> 0.190 at H16-HV64 1 x 8192; context parallelism's first pass 55 ->
-#: 49 µs at H2-HV4 1 x 32768, 220 -> 183 at H8-HV16.
+#: bit-equal; ``logs/h200_wy_split.log``): the kernel 0.115 -> 0.099 ms at H16-HV32
+#: 1 x 8192, 0.449 -> 0.384 at 1 x 32768, 0.226 -> 0.193 at H16-HV64 1 x 8192; context
+#: parallelism's first pass 55 -> 49 µs at H2-HV4 1 x 32768, 222 -> 184 at H8-HV16.
 WY_SPLIT_WU = True
 #: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
 WY_SPLIT_MAXNREG_SM90 = 128
