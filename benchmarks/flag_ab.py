@@ -1,6 +1,7 @@
 """A/B of one kernel flag, off against on, each in its own process, alternating.
 
     python benchmarks/flag_ab.py split_wu   # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
+    python benchmarks/flag_ab.py v_slots    # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -13,12 +14,16 @@ import torch
 
 from ab_timing import compare_outputs, run_variant
 
-#: study -> (module, flag, shapes: name -> (H, HV, lengths or (B, T), qk l2 norm)).
+#: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
+#: qk l2 norm)).
 STUDIES = {
-    "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", {
+    "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", (False, True), {
         "H16-HV32-1x8192": (16, 32, [8192], False), "H16-HV32-1x32768": (16, 32, [32768], False),
         "H16-HV64-1x8192": (16, 64, [8192], False), "H2-HV4-1x32768": (2, 4, [32768], False),
         "H8-HV16-1x32768": (8, 16, [32768], False)}),
+    "v_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", (1, 2), {
+        "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
+        "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False)}),
 }
 
 
@@ -39,9 +44,9 @@ def calls(shapes: dict) -> dict:
 
 if __name__ == "__main__":
     study = sys.argv[1]
-    module, flag, shapes = STUDIES[study]
+    module, flag, values, shapes = STUDIES[study]
     if len(sys.argv) > 2:
-        setattr(importlib.import_module(module), flag, sys.argv[2] == "on")
+        setattr(importlib.import_module(module), flag, values[sys.argv[2] == "on"])
         run_variant(f"flag_ab_{study}", sys.argv[2], calls(shapes))
         sys.exit(0)
     print(f"| {flag} | shape | call ms | enqueue µs | kernels ms |")

@@ -223,6 +223,29 @@ def test_gluon_sm90_kernel_compiles(kernel):
         assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
+    """The fused kernel with a two-slot v ring (:data:`fused.V_SLOTS`): 16 KB more shared
+    memory, as planned and within the 227 KB opt-in limit; the register budgets, the wgmma
+    count and the spill allowance as with one slot."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(fused, "V_SLOTS", 2)
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"] == tails)
+    assert kernel.constexprs["V_SLOTS"] == 2
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=2)
+    assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    assert {120, 192} <= budgets, budgets
+    # The state's P^T (8 k-steps), update (4), O^T (8), v_new^T scores^T (4); the aux's
+    # q k^T (8), two w and two u halves (4 each).
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -28,8 +28,9 @@ from gdn_dispatch.varlen import slot_starts  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
-from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
 from gdn_dispatch.backends.gluon_common.wy_t import WY_T_BLOCKED_INVERSE, WY_T_F16_INVERSE, t_tile_rows  # noqa: E402
+from gdn_dispatch.backends.gluon_sm90.fused import fused_smem_bytes  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
 
@@ -38,6 +39,17 @@ def _engines():
     from gdn_dispatch.backends import gluon_sm90, gluon_sm100
 
     return gluon_sm90.ENGINE, gluon_sm100.ENGINE
+
+
+@pytest.fixture(params=[1, 2], ids=["v-1-slot", "v-2-slots"])
+def v_slots(request, monkeypatch):
+    """Both v rings of the fused kernel (:data:`fused.V_SLOTS`), plans computed afresh."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(fused, "V_SLOTS", request.param)
+    clear_plan_cache()
+    yield request.param
+    clear_plan_cache()
 
 
 def _device(sm_count=132, capability=SM90):
@@ -64,7 +76,7 @@ def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 130]), dict(batch=(2, 128)),
                                    dict(batch=(3, 100)), dict(lengths=[64, 128, 0])],
                          ids=["varlen-tails", "uniform", "uniform-tails", "varlen-whole-chunks"])
-def test_launches_of_the_path(shape):
+def test_launches_of_the_path(shape, v_slots):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
@@ -77,7 +89,7 @@ def test_launches_of_the_path(shape):
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
-                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False}
+                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False, "V_SLOTS": v_slots}
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
@@ -85,6 +97,7 @@ def test_launches_of_the_path(shape):
     # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
     assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
+    assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + (v_slots - 1) * (64 * 128 * 2 + 8)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -226,7 +239,7 @@ def _check(call: dict, tol: float = 5e-3):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(2, 300)),
                                    dict(batch=(4, 256))], ids=["varlen", "uniform-tails", "uniform"])
 @pytest.mark.parametrize("seed", range(2))
-def test_path_matches_the_reference(shape, layout, dtype, seed):
+def test_path_matches_the_reference(shape, layout, dtype, seed, v_slots):
     call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=seed,
                        state_layout=layout)
     _check({**call, "output_final_state": True})

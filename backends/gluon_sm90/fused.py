@@ -12,7 +12,7 @@ partitions that share the program's shared memory through mbarrier rings:
 
 * **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
   ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
-  and three gate vectors, into a two-slot ring; it also loads v (one slot) and the T
+  and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS` slots) and the T
   tiles (two slots) itself.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
@@ -91,9 +91,10 @@ def _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row, col_k):
 
 
 @gluon.jit
-def _load_v(v_desc, v_smem, v_ready, row, col_v):
-    mbarrier.expect(v_ready, v_desc.block_type.nbytes)
-    tma_load(v_desc, [row, col_v], v_ready, v_smem)
+def _load_v(v_desc, v_ring, v_ready, s, row, col_v):
+    """TMA load of one chunk's v tile into v slot ``s``."""
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, col_v], v_ready.index(s), v_ring.index(s))
 
 
 @gluon.jit
@@ -107,12 +108,13 @@ def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
 
 
 @gluon.jit
-def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
+def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
          kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
          g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
-    BV: gl.constexpr = v_smem.shape[1]
+    BV: gl.constexpr = v_ring.shape[2]
+    V_SLOTS: gl.constexpr = v_ring.shape[0]
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
@@ -158,7 +160,9 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         w_ring.index(s).slice(0, HALF, dim=1).store(w0.to(dtype))
         w_ring.index(s).slice(HALF, HALF, dim=1).store(w1.to(dtype))
         # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
-        mbarrier.wait(v_ready, t & 1)
+        v_slot = t % V_SLOTS
+        mbarrier.wait(v_ready.index(v_slot), (t // V_SLOTS) & 1)
+        v_smem = v_ring.index(v_slot)
         u0 = warpgroup_mma(v_smem.slice(0, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
                            gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
         u1 = warpgroup_mma(v_smem.slice(HALF, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
@@ -168,10 +172,10 @@ def _aux(v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_r
         u_ring.index(s).slice(HALF, HALF, dim=0).store(u1.to(dtype))
         fence_async_shared()
         # Every warp's reads of k, q, v and writes of the slot precede the releases and
-        # the refill of v (v is only read here: its one slot needs no "empty" barrier).
+        # the refill of v (v is only read here: its slots need no "empty" barrier).
         thread_barrier()
-        if t + 1 < NT:
-            _load_v(v_desc, v_smem, v_ready, row + BT, col_v)
+        if t + V_SLOTS < NT:
+            _load_v(v_desc, v_ring, v_ready, v_slot, row + V_SLOTS * BT, col_v)
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
 
@@ -243,7 +247,7 @@ def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -254,7 +258,7 @@ def _fused_fwd_kernel(
     slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BT, V], v_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
@@ -267,14 +271,15 @@ def _fused_fwd_kernel(
     t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     wu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     wu_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
         mbarrier.init(t_ready.index(i), count=1)
         mbarrier.init(wu_ready.index(i), count=1)
         mbarrier.init(wu_empty.index(i), count=1)
-    mbarrier.init(v_ready, count=1)
+    for i in gl.static_range(V_SLOTS):
+        mbarrier.init(v_ready.index(i), count=1)
 
     # S^T [V, K]: the initial state staged through the k/q ring before any load is issued.
     acc_s: gl.constexpr = wgmma_layout(V, K, gl.num_warps())
@@ -288,15 +293,17 @@ def _fused_fwd_kernel(
     # Chunks 0 and 1 of k/q, chunk 0 of v and T: the partitions issue the rest.
     if NT > 0:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 0, bos, col_k)
-        _load_v(v_desc, v_smem, v_ready, bos, col_v)
+        _load_v(v_desc, v_ring, v_ready, 0, bos, col_v)
         _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h)
     if NT > 1:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 1, bos + BT, col_k)
+        if V_SLOTS > 1:
+            _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
 
     S = gl.warp_specialize([
         (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
                   wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
-        (_aux, (v_desc, t_desc, kq_ring, v_smem, t_ring, w_ring, u_ring, s_ring, gate_ring,
+        (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
                 kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
                 g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
     ], [AUX_WARPS], [AUX_REGS])[0]
@@ -327,6 +334,11 @@ HEAD_DIM = 128
 #: HV = 64) 0.581 against 0.520; 32 programs 0.496 against 0.326.
 MIN_SM_SHARE = 0.75
 
+#: Slots of the v ring. One: the aux partition loads chunk t + 1's v once it is done with
+#: chunk t's u, and waits for it after forming the next w. Two (16 KB more, 226 of the
+#: 227 KB): chunk t + 2's v is loaded then, a whole chunk ahead of its use.
+V_SLOTS = 1
+
 #: Calls with the qk l2 norm take the path (on normalized copies of q and k); off, they run
 #: the pipeline with its reciprocal norms. On the H200, 4 x 8192 HV 32: 0.874 ms against
 #: the pipeline's 1.055 (8 x 4096: 0.884 against 1.038).
@@ -352,11 +364,13 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
+    constexprs["V_SLOTS"] = V_SLOTS
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
-        blocks={"BT": BT, "K": K, "V": V, "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8)},
+        blocks={"BT": BT, "K": K, "V": V,
+                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS)},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -371,11 +385,11 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE) -> int:
-    """Shared memory of the kernel: k/q ring (2 slots), v, T ring (2 x 2 tiles), w, u and
-    scores rings (2 slots), o, the gate vectors and the barriers."""
-    return (4 * BT * K + BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
-        + 6 * BT * 4 + 11 * 8
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1) -> int:
+    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
+    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers."""
+    return (4 * BT * K + v_slots * BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
+        + 6 * BT * 4 + (10 + v_slots) * 8
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
