@@ -12,8 +12,8 @@ partitions that share the program's shared memory through mbarrier rings:
 
 * **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
   ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
-  and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS` slots) and the T
-  tiles (two slots) itself.
+  and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS`
+  slots, two chunks ahead) and the T tiles (two slots) itself.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
   of the chain takes a register operand on the left and nothing of the chain goes through
@@ -27,7 +27,7 @@ partitions that share the program's shared memory through mbarrier rings:
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
 
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
-and the v slot (phase ``t & 1``). "empty" barriers are waited with the opposite phase (a
+and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
 fresh barrier's previous phase counts as complete), so the first use of a slot does not
 wait. A partition of several warps joins its warps (a barrier within the partition)
 before its one elected arrive or TMA issue, so every warp's reads and writes precede it.
@@ -336,8 +336,12 @@ MIN_SM_SHARE = 0.75
 
 #: Slots of the v ring. One: the aux partition loads chunk t + 1's v once it is done with
 #: chunk t's u, and waits for it after forming the next w. Two (16 KB more, 226 of the
-#: 227 KB): chunk t + 2's v is loaded then, a whole chunk ahead of its use.
-V_SLOTS = 1
+#: 227 KB): chunk t + 2's v is loaded then, a whole chunk ahead of its use. H200, triton
+#: 3.6.0, bf16 (``python benchmarks/flag_ab.py v_slots``, ``logs/h200_fused_v_slots.log``,
+#: outputs bit-equal): the kernel 0.388 -> 0.359 ms at 4 x 8192 HV 32, 0.400 -> 0.376 at
+#: 8 x 4096, 0.736 -> 0.675 on ragged16, 0.766 -> 0.706 at 4 x 8192 HV 64; the calls
+#: 0.677 -> 0.649, 0.688 -> 0.665, 1.251 -> 1.193, 1.331 -> 1.273 ms.
+V_SLOTS = 2
 
 #: Calls with the qk l2 norm take the path (on normalized copies of q and k); off, they run
 #: the pipeline with its reciprocal norms. On the H200, 4 x 8192 HV 32: 0.874 ms against
