@@ -1,7 +1,10 @@
-"""A/B of one kernel flag, off against on, each in its own process, alternating.
+"""A/B of one kernel flag, off against on, each in its own process, alternating (a
+kernel's constexpr globals are fixed at its first compile).
 
-    python benchmarks/flag_ab.py split_wu   # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
-    python benchmarks/flag_ab.py v_slots    # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
+    python benchmarks/flag_ab.py t_inverse   # wy_t.WY_T_BLOCKED_INVERSE: T's inverse in 16 x 16 blocks
+    python benchmarks/flag_ab.py wy_inverse  # wy.WY_DEFAULT_VARIANT "regs" -> "blocked"
+    python benchmarks/flag_ab.py split_wu    # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
+    python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -14,13 +17,20 @@ import torch
 
 from ab_timing import compare_outputs, run_variant
 
+#: The w/u kernel's calls: the pipeline's (fewer programs than the warp-specialized path
+#: takes) and context parallelism's first pass.
+_WY_SHAPES = {
+    "H16-HV32-1x8192": (16, 32, [8192], False), "H16-HV32-1x32768": (16, 32, [32768], False),
+    "H16-HV64-1x8192": (16, 64, [8192], False), "H2-HV4-1x32768": (2, 4, [32768], False),
+    "H8-HV16-1x32768": (8, 16, [32768], False)}
+
 #: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
 #: qk l2 norm)).
 STUDIES = {
-    "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", (False, True), {
-        "H16-HV32-1x8192": (16, 32, [8192], False), "H16-HV32-1x32768": (16, 32, [32768], False),
-        "H16-HV64-1x8192": (16, 64, [8192], False), "H2-HV4-1x32768": (2, 4, [32768], False),
-        "H8-HV16-1x32768": (8, 16, [32768], False)}),
+    "t_inverse": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCKED_INVERSE", (False, True), {
+        "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-ragged16": (16, 32, "ragged16", False)}),
+    "wy_inverse": ("gdn_dispatch.backends.gluon_common.wy", "WY_DEFAULT_VARIANT", ("regs", "blocked"), _WY_SHAPES),
+    "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", (False, True), _WY_SHAPES),
     "v_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", (1, 2), {
         "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
         "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False)}),

@@ -50,7 +50,7 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   tables in one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared
   memory, no spills at 168 registers). On the H200 the w/u kernel 12-14% faster than
   "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
-  (``benchmarks/wy_inverse_ab.py``). Then w and u are formed in [64, 64] blocks of
+  (``benchmarks/flag_ab.py wy_inverse``). Then w and u are formed in [64, 64] blocks of
   columns, one 32-register accumulator at a time (:data:`WY_SPLIT_WU`), at 128 registers:
   four programs per SM, another 14-15% (1 x 32768: 0.449 -> 0.384 ms).
 
