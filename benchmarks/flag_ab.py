@@ -5,6 +5,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py wy_inverse  # wy.WY_DEFAULT_VARIANT "regs" -> "blocked"
     python benchmarks/flag_ab.py split_wu    # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
     python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
+    python benchmarks/flag_ab.py aux_split   # fused.AUX_SPLIT: w / u and the scores in two partitions
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -24,6 +25,12 @@ _WY_SHAPES = {
     "H16-HV64-1x8192": (16, 64, [8192], False), "H2-HV4-1x32768": (2, 4, [32768], False),
     "H8-HV16-1x32768": (8, 16, [32768], False)}
 
+#: The warp-specialized path's calls.
+_WS_SHAPES = {
+    "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
+    "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False),
+    "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True)}
+
 #: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
 #: qk l2 norm)).
 STUDIES = {
@@ -31,9 +38,8 @@ STUDIES = {
         "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-ragged16": (16, 32, "ragged16", False)}),
     "wy_inverse": ("gdn_dispatch.backends.gluon_common.wy", "WY_DEFAULT_VARIANT", ("regs", "blocked"), _WY_SHAPES),
     "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", (False, True), _WY_SHAPES),
-    "v_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", (1, 2), {
-        "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
-        "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False)}),
+    "v_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", (1, 2), _WS_SHAPES),
+    "aux_split": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_SPLIT", (False, True), _WS_SHAPES),
 }
 
 

@@ -246,6 +246,37 @@ def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_sm90_fused_kernel_with_the_aux_work_split(tails, monkeypatch):
+    """The fused kernel with its aux work in two partitions (:data:`fused.AUX_SPLIT`): three
+    partitions, the state's two warpgroups at 184 registers and each aux one at
+    :data:`fused.AUX_SPLIT_REGS`; w / u^T and the loads of v and T in the first aux
+    partition, q k^T in the second; the same 48 wgmma instructions; within the spill
+    allowance and the planned shared memory."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(fused, "AUX_SPLIT", True)
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"] == tails)
+    assert kernel.constexprs["AUX_SPLIT"] is True
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS)
+    assert planned <= report.shared_bytes <= planned + 1024
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    regs = int(fused.AUX_SPLIT_REGS)
+    assert {regs, (65536 - 256 * regs) // 256} <= budgets, budgets
+    dot = "ttng.warp_group_dot "  # not its _wait
+    ops = _partition_ops(report.ttgir, (dot, "ttng.async_tma_copy_global_to_local"))
+    assert set(ops) >= {"default", "partition0", "partition1"}, ops
+    # w (two halves) and u^T (two) in the first aux partition, q k^T in the second.
+    assert ops["partition0"][dot] == 4 and ops["partition1"][dot] == 1, ops
+    assert "ttng.async_tma_copy_global_to_local" in ops["partition0"]
+    assert "ttng.async_tma_copy_global_to_local" not in ops["partition1"]
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -41,14 +41,22 @@ def _engines():
     return gluon_sm90.ENGINE, gluon_sm100.ENGINE
 
 
-@pytest.fixture(params=[1, 2], ids=["v-1-slot", "v-2-slots"])
-def v_slots(request, monkeypatch):
-    """Both v rings of the fused kernel (:data:`fused.V_SLOTS`), plans computed afresh."""
+#: The fused kernel's build variants the tests run besides the default: (name, module
+#: constant, value).
+VARIANTS = [("default", None, None), ("v-1-slot", "V_SLOTS", 1), ("aux-split", "AUX_SPLIT", True)]
+
+
+@pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
+def kernel_variant(request, monkeypatch):
+    """The fused kernel as shipped, with one v slot (:data:`fused.V_SLOTS`), and with the
+    aux work in two partitions (:data:`fused.AUX_SPLIT`); plans computed afresh."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    monkeypatch.setattr(fused, "V_SLOTS", request.param)
+    name, constant, value = request.param
+    if constant is not None:
+        monkeypatch.setattr(fused, constant, value)
     clear_plan_cache()
-    yield request.param
+    yield name
     clear_plan_cache()
 
 
@@ -76,7 +84,9 @@ def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 130]), dict(batch=(2, 128)),
                                    dict(batch=(3, 100)), dict(lengths=[64, 128, 0])],
                          ids=["varlen-tails", "uniform", "uniform-tails", "varlen-whole-chunks"])
-def test_launches_of_the_path(shape, v_slots):
+def test_launches_of_the_path(shape, kernel_variant):
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
@@ -89,7 +99,10 @@ def test_launches_of_the_path(shape, v_slots):
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
-                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False, "V_SLOTS": v_slots}
+                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
+                                "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT}
+    assert (fused_module.V_SLOTS, fused_module.AUX_SPLIT) == {"v-1-slot": (1, False), "aux-split": (2, True)}.get(
+        kernel_variant, (2, False))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
@@ -97,7 +110,8 @@ def test_launches_of_the_path(shape, v_slots):
     # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
     assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
-    assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + (v_slots - 1) * (64 * 128 * 2 + 8)
+    assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -239,7 +253,7 @@ def _check(call: dict, tol: float = 5e-3):
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(2, 300)),
                                    dict(batch=(4, 256))], ids=["varlen", "uniform-tails", "uniform"])
 @pytest.mark.parametrize("seed", range(2))
-def test_path_matches_the_reference(shape, layout, dtype, seed, v_slots):
+def test_path_matches_the_reference(shape, layout, dtype, seed, kernel_variant):
     call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=seed,
                        state_layout=layout)
     _check({**call, "output_final_state": True})

@@ -77,6 +77,18 @@ AUX_WARPS = gl.constexpr(4)
 #: 0.400 ms, 136 / 184 0.419, 152 / 176 0.431.
 AUX_REGS = gl.constexpr(120)
 
+#: The aux work in two partitions of one warpgroup each (16 warps at launch): one forms w
+#: and u^T (one [64, 64] accumulator at a time) and loads v and T, the other forms the
+#: causal scores and the gate vectors; the state partition waits for both. Each asks for
+#: :data:`AUX_SPLIT_REGS`; the state's two warpgroups keep (65536 - 256 x 72) / 256 = 184.
+#: Compiled spill bytes (triton 3.6.0, bf16 varlen "kv"): 64 / 192 320, 72 / 184 256, 80 /
+#: 176 336. Not measured on a GPU yet: off.
+AUX_SPLIT = False
+AUX_SPLIT_REGS = gl.constexpr(72)
+#: Spill bytes of that build (``AotKernel.spill_bytes_allowed``): 204-332 by specialization
+#: with triton 3.6.0, 200-324 with 3.9.0.
+AUX_SPLIT_SPILL_BYTES = 384
+
 
 # ----------------------------------------------------------------------------------------
 # Partitions
@@ -108,9 +120,35 @@ def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
 
 
 @gluon.jit
+def _half_products(x0, x1, y0, y1, out0, out1, acc_layout: gl.constexpr, BOTH: gl.constexpr):
+    """``out0 = x0 y0`` and ``out1 = x1 y1`` ([64, 64] each, wgmma, stored in ``out``'s
+    dtype): both accumulators in flight at once with ``BOTH``, else one after the other in
+    one accumulator's 32 registers."""
+    M: gl.constexpr = out0.shape[0]
+    N: gl.constexpr = out0.shape[1]
+    if BOTH:
+        a0 = warpgroup_mma(x0, y0, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
+        a1 = warpgroup_mma(x1, y1, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
+        a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
+        out0.store(a0.to(out0.dtype))
+        out1.store(a1.to(out1.dtype))
+    else:
+        a0 = warpgroup_mma(x0, y0, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
+        a0 = warpgroup_mma_wait(0, deps=(a0,))
+        out0.store(a0.to(out0.dtype))
+        a1 = warpgroup_mma(x1, y1, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
+        a1 = warpgroup_mma_wait(0, deps=(a1,))
+        out1.store(a1.to(out1.dtype))
+
+
+@gluon.jit
 def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
          kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-         g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
+         g_cum, HV, i_h, bos, eos, NT, slot0, col_v, DO_WU: gl.constexpr, DO_SCORES: gl.constexpr):
+    """The aux work of every chunk (module docstring): w, u^T and the loads of v and T with
+    ``DO_WU``; the causal scores and the gate vectors with ``DO_SCORES``. One partition does
+    both (the default), or two partitions one each (:data:`AUX_SPLIT`), each then arriving
+    on the k/q "empty" and w/u "ready" barriers (two arrivals per phase)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_ring.shape[2]
@@ -119,63 +157,64 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
     rows: gl.constexpr = gl.SliceLayout(1, acc_bt)
+    # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
+    HALF: gl.constexpr = BT
+    gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
+    acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
     # The gate rows in every warp (two per lane): their conversions stay within a warp.
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
-    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
+    if DO_SCORES:
+        b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         k_tile = kq_ring.index(2 * s)
-        q_tile = kq_ring.index(2 * s + 1)
-        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                           use_acc=False, is_async=True)
-        g_row = b_g
-        g_end = g_last
-        if t + 1 < NT:
-            # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
-            _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
-        # The next chunk's gate rows, loaded while this one is formed.
-        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
+        if DO_SCORES:
+            q_tile = kq_ring.index(2 * s + 1)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                               use_acc=False, is_async=True)
+            g_row = b_g
+            g_end = g_last
+        if DO_WU:
+            if t + 1 < NT:
+                # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
+                _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
+        if DO_SCORES:
+            # The next chunk's gate rows, loaded while this one is formed.
+            b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        # The gate vectors the state partition reads.
-        store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
-        qk = warpgroup_mma_wait(0, deps=(qk,))
-        # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
-        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
-        # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
-        HALF: gl.constexpr = BT
-        gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
-        acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
-        mbarrier.wait(t_ready.index(s), (t // 2) & 1)
-        tw = t_ring.index(2 * s)
-        tu = t_ring.index(2 * s + 1)
-        w0 = warpgroup_mma(tw, k_tile.slice(0, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
-                           use_acc=False, is_async=True)
-        w1 = warpgroup_mma(tw, k_tile.slice(HALF, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
-                           use_acc=False, is_async=True)
-        w0, w1 = warpgroup_mma_wait(0, deps=(w0, w1))
-        w_ring.index(s).slice(0, HALF, dim=1).store(w0.to(dtype))
-        w_ring.index(s).slice(HALF, HALF, dim=1).store(w1.to(dtype))
-        # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
-        v_slot = t % V_SLOTS
-        mbarrier.wait(v_ready.index(v_slot), (t // V_SLOTS) & 1)
-        v_smem = v_ring.index(v_slot)
-        u0 = warpgroup_mma(v_smem.slice(0, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
-                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
-        u1 = warpgroup_mma(v_smem.slice(HALF, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
-                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
-        u0, u1 = warpgroup_mma_wait(0, deps=(u0, u1))
-        u_ring.index(s).slice(0, HALF, dim=0).store(u0.to(dtype))
-        u_ring.index(s).slice(HALF, HALF, dim=0).store(u1.to(dtype))
+        if DO_SCORES:
+            # The gate vectors the state partition reads.
+            store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
+            qk = warpgroup_mma_wait(0, deps=(qk,))
+            # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
+            s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows),
+                                              gl.convert_layout(g_row, cols)).to(dtype))
+        if DO_WU:
+            mbarrier.wait(t_ready.index(s), (t // 2) & 1)
+            tw = t_ring.index(2 * s)
+            tu = t_ring.index(2 * s + 1)
+            w_slot = w_ring.index(s)
+            _half_products(tw, tw, k_tile.slice(0, HALF, dim=1), k_tile.slice(HALF, HALF, dim=1),
+                           w_slot.slice(0, HALF, dim=1), w_slot.slice(HALF, HALF, dim=1), acc_h, DO_SCORES)
+            # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
+            v_slot = t % V_SLOTS
+            mbarrier.wait(v_ready.index(v_slot), (t // V_SLOTS) & 1)
+            v_smem = v_ring.index(v_slot)
+            u_slot = u_ring.index(s)
+            _half_products(v_smem.slice(0, HALF, dim=1).permute((1, 0)), v_smem.slice(HALF, HALF, dim=1).permute((1, 0)),
+                           tu.permute((1, 0)), tu.permute((1, 0)),
+                           u_slot.slice(0, HALF, dim=0), u_slot.slice(HALF, HALF, dim=0), acc_h, DO_SCORES)
         fence_async_shared()
         # Every warp's reads of k, q, v and writes of the slot precede the releases and
         # the refill of v (v is only read here: its slots need no "empty" barrier).
         thread_barrier()
-        if t + V_SLOTS < NT:
-            _load_v(v_desc, v_ring, v_ready, v_slot, row + V_SLOTS * BT, col_v)
+        if DO_WU:
+            if t + V_SLOTS < NT:
+                _load_v(v_desc, v_ring, v_ready, v_slot, row + V_SLOTS * BT, col_v)
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
 
@@ -248,6 +287,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
+    AUX_SPLIT: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -274,9 +314,10 @@ def _fused_fwd_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
-        mbarrier.init(kq_empty.index(i), count=1)
+        # Released by each aux partition (two with AUX_SPLIT).
+        mbarrier.init(kq_empty.index(i), count=2 if AUX_SPLIT else 1)
         mbarrier.init(t_ready.index(i), count=1)
-        mbarrier.init(wu_ready.index(i), count=1)
+        mbarrier.init(wu_ready.index(i), count=2 if AUX_SPLIT else 1)
         mbarrier.init(wu_empty.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
         mbarrier.init(v_ready.index(i), count=1)
@@ -300,13 +341,26 @@ def _fused_fwd_kernel(
         if V_SLOTS > 1:
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
 
-    S = gl.warp_specialize([
-        (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-                  wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
-        (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
-                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-                g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
-    ], [AUX_WARPS], [AUX_REGS])[0]
+    # (The partitions' argument lists are spelled out in each call: a Gluon tuple holds no
+    # function.)
+    if AUX_SPLIT:
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
+                      wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS,
+                      ENGINE)),
+            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
+                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, True, False)),
+            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
+                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, False, True)),
+        ], [AUX_WARPS, AUX_WARPS], [AUX_SPLIT_REGS, AUX_SPLIT_REGS])[0]
+    else:
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
+                      wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS,
+                      ENGINE)),
+            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
+                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, True, True)),
+        ], [AUX_WARPS], [AUX_REGS])[0]
 
     if STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
@@ -369,6 +423,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     constexprs["V_SLOTS"] = V_SLOTS
+    constexprs["AUX_SPLIT"] = AUX_SPLIT
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
@@ -446,4 +501,4 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
-                             spill_bytes_allowed=SPILL_BYTES)
+                             spill_bytes_allowed=AUX_SPLIT_SPILL_BYTES if AUX_SPLIT else SPILL_BYTES)
