@@ -528,21 +528,16 @@ def _wy_fwd_kernel(
         mbarrier.wait(ready_bars.index(1), 0)
         _split_product(tu_smem, v_smem, mma_bars.index(3), u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid,
                        HAS_TAILS, ENGINE)
-        tma.store_wait(0)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(ready_bars.index(i))
-        for i in gl.static_range(4):
-            mbarrier.invalidate(mma_bars.index(i))
-        return
-    w_acc = ENGINE.mma(tw_smem, k_smem, ENGINE.acc_alloc(BT, K), False, mma_bars.index(2))
-    mbarrier.wait(ready_bars.index(1), 0)
-    u_acc = ENGINE.mma(tu_smem, v_smem, ENGINE.acc_alloc(BT, V), False, mma_bars.index(3))
-    w_acc = ENGINE.mma_wait_until(w_acc, mma_bars.index(2), 0, 1)
-    # The w MMA is complete, so k_smem is free to stage w (u = T v may still run).
-    # Row strides as HV * constexpr: the masked sm_90a tail stores then vectorize.
-    _wy_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, ENGINE)
-    u_acc = ENGINE.mma_wait(u_acc, mma_bars.index(3), 0)
-    _wy_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, ENGINE)
+    else:
+        w_acc = ENGINE.mma(tw_smem, k_smem, ENGINE.acc_alloc(BT, K), False, mma_bars.index(2))
+        mbarrier.wait(ready_bars.index(1), 0)
+        u_acc = ENGINE.mma(tu_smem, v_smem, ENGINE.acc_alloc(BT, V), False, mma_bars.index(3))
+        w_acc = ENGINE.mma_wait_until(w_acc, mma_bars.index(2), 0, 1)
+        # The w MMA is complete, so k_smem is free to stage w (u = T v may still run).
+        # Row strides as HV * constexpr: the masked sm_90a tail stores then vectorize.
+        _wy_epilogue(w_acc, k_smem, w_desc, w_rows_desc, w_ptr, HV * K, row0, i_h * K, n_valid, HAS_TAILS, ENGINE)
+        u_acc = ENGINE.mma_wait(u_acc, mma_bars.index(3), 0)
+        _wy_epilogue(u_acc, v_smem, u_desc, u_rows_desc, u_ptr, HV * V, row0, i_h * V, n_valid, HAS_TAILS, ENGINE)
     # Shared memory must outlive the bulk stores that read it.
     tma.store_wait(0)
     for i in gl.static_range(2):
