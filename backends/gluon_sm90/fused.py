@@ -341,8 +341,8 @@ def _fused_fwd_kernel(
         if V_SLOTS > 1:
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
 
-    # (The partitions' argument lists are spelled out in each call: a Gluon tuple holds no
-    # function.)
+    # The partitions' argument lists are spelled out in each call: a tuple built in a Gluon
+    # kernel holds neither a function nor the ENGINE constexpr.
     if AUX_SPLIT:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
