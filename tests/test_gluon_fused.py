@@ -41,20 +41,24 @@ def _engines():
     return gluon_sm90.ENGINE, gluon_sm100.ENGINE
 
 
-#: The fused kernel's build variants the tests run besides the default: (name, module
-#: constant, value).
-VARIANTS = [("default", None, None), ("v-1-slot", "V_SLOTS", 1), ("aux-split", "AUX_SPLIT", True)]
+#: The path's build variants the tests run besides the default: (name, module, constant,
+#: value).
+VARIANTS = [("default", None, None, None),
+            ("v-1-slot", "gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1),
+            ("aux-split", "gdn_dispatch.backends.gluon_sm90.fused", "AUX_SPLIT", True),
+            ("early-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", True)]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
 def kernel_variant(request, monkeypatch):
-    """The fused kernel as shipped, with one v slot (:data:`fused.V_SLOTS`), and with the
-    aux work in two partitions (:data:`fused.AUX_SPLIT`); plans computed afresh."""
-    from gdn_dispatch.backends.gluon_sm90 import fused
+    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the aux work in
+    two partitions (:data:`fused.AUX_SPLIT`), and with the T kernel loading its gate and
+    beta rows early (:data:`wy.WY_EARLY_ROWS`); plans computed afresh."""
+    import importlib
 
-    name, constant, value = request.param
-    if constant is not None:
-        monkeypatch.setattr(fused, constant, value)
+    name, module, constant, value = request.param
+    if module is not None:
+        monkeypatch.setattr(importlib.import_module(module), constant, value)
     clear_plan_cache()
     yield name
     clear_plan_cache()
@@ -97,7 +101,8 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert wy_t.grid == (slots * 4,) and fused.grid == (p.N * 4,)
     assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
-                               "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE}
+                               "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
+                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and kernel_variant == "early-rows"}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT}

@@ -55,7 +55,7 @@ def test_plan_wy_uniform_batch(capability):
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem" and not blocked,
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16" and capability == SM90,
                                  "BLOCKED_INVERSE": blocked, "SPLIT_WU": blocked and wy.WY_SPLIT_WU,
-                                 "w_rows_desc": None, "u_rows_desc": None}
+                                 "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS, "w_rows_desc": None, "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -75,6 +75,7 @@ def test_plan_wy_varlen_tails_l2_fp16():
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16",
                                  "BLOCKED_INVERSE": wy.WY_DEFAULT_VARIANT == "blocked",
                                  "SPLIT_WU": wy.WY_DEFAULT_VARIANT == "blocked" and wy.WY_SPLIT_WU,
+                                 "EARLY_ROWS": wy.WY_DEFAULT_VARIANT == "blocked" and wy.WY_EARLY_ROWS,
                                  "w_rows_desc": None, "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
@@ -126,19 +127,44 @@ def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
     assert budget <= report.shared_bytes <= budget + 1024
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_early_rows_compile_without_spills(tails, monkeypatch):
+    """With :data:`wy.WY_EARLY_ROWS` the T kernel and the w/u kernel load the gate and beta
+    rows before waiting for k: the same 60 mma.sync and wgmma counts, no spill bytes, and
+    registers under each kernel's cap."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    monkeypatch.setattr(wy, "WY_EARLY_ROWS", True)
+    spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
+    t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                    if k.specialization == spec)
+    wy_kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec.replace("K128", "K128-V128"))
+    for kernel, wgmma in ((t_kernel, 8), (wy_kernel, 8 + 4 * 4)):
+        assert kernel.constexprs["EARLY_ROWS"] is True
+        report = compile_kernel(kernel, SM90)
+        assert report.spill_bytes == 0 and report.registers <= kernel.maxnreg
+        assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != SM90,
                     reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("split", [False, True])
-def test_w_and_u_against_the_reference_both_ways(split, monkeypatch):
+@pytest.mark.parametrize("split, early", [(False, False), (True, False), (True, True)],
+                         ids=["whole", "blocks", "blocks-early-rows"])
+def test_w_and_u_against_the_reference_both_ways(split, early, monkeypatch):
     """The pipeline's public call (few programs: no warp-specialized path) with w and u
-    formed whole or in blocks, ragged lengths with tails, K = 128 and V = 64 / 128, against
-    the float32 reference in NaN-poisoned memory."""
+    formed whole or in blocks, and with the gate and beta rows loaded early
+    (:data:`wy.WY_EARLY_ROWS`), ragged lengths with tails, K = 128 and V = 64 / 128,
+    against the float32 reference in NaN-poisoned memory."""
     from gdn_dispatch import chunk_gated_delta_rule
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error
 
     monkeypatch.setattr(wy, "WY_SPLIT_WU", split)
+    monkeypatch.setattr(wy, "WY_EARLY_ROWS", early)
     clear_plan_cache()
     try:
         for V, seed in ((128, 0), (64, 1)):

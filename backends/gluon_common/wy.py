@@ -268,14 +268,28 @@ def _add(a, b):
 
 
 @gluon.jit
-def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr):
-    """The chunk-local inclusive cumsum of the raw gates (token stride ``s_g``) in log2
-    units, fp32 [BT] in ``layout`` (rows past the end repeat the last sum), also written to
-    the contiguous ``g_cum`` for the recurrence kernel: this program owns these rows of this
-    v-head, so no cumsum launch."""
+def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr):
+    """The chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end, in the flat
+    layout :func:`_chunk_gates` scans in), loaded before the program waits for its k tile
+    (:data:`WY_EARLY_ROWS`): their latency then runs under the tile's instead of after
+    k k^T."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return (row_vector(g, row0, n_valid, i_h, s_g, BT, flat), row_vector(beta, row0, n_valid, i_h, s_beta, BT, flat))
+
+
+@gluon.jit
+def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr, g_raw=None):
+    """The chunk-local inclusive cumsum of the raw gates (token stride ``s_g``; or their
+    rows ``g_raw`` as :func:`chunk_rows_early` loaded them) in log2 units, fp32 [BT] in
+    ``layout`` (rows past the end repeat the last sum), also written to the contiguous
+    ``g_cum`` for the recurrence kernel: this program owns these rows of this v-head, so no
+    cumsum launch."""
     # The scan runs in a plain 1-D layout (Gluon scans no slice of an MMA layout).
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    x = row_vector(g, row0, n_valid, i_h, s_g, BT, flat)
+    if g_raw is None:
+        x = row_vector(g, row0, n_valid, i_h, s_g, BT, flat)
+    else:
+        x = g_raw
     c = gl.associative_scan(x, 0, _add) * LOG2E
     r = gl.arange(0, BT, layout=flat)
     gl.store(g_cum + (row0 + r).to(gl.int64) * HV + i_h, c, mask=r < n_valid)
@@ -283,18 +297,22 @@ def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout
 
 
 @gluon.jit
-def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr):
+def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr, b_raw=None):
     """A from the raw ``k k^T`` (fp32 [64, 64] registers) and the rows' gate cumsum ``g_i``
     (in the row slice of kk's layout), and the fp32 [64] column scales of T for w
-    (``beta 2^g r``) and for u (``beta``, token stride ``s_beta``), in the column slice of
-    kk's layout."""
+    (``beta 2^g r``) and for u (``beta``, token stride ``s_beta``; or its rows ``b_raw`` as
+    :func:`chunk_rows_early` loaded them), in the column slice of kk's layout."""
     BT: gl.constexpr = kk.shape[0]
     layout: gl.constexpr = kk.type.layout
     rows: gl.constexpr = gl.SliceLayout(1, layout)
     cols: gl.constexpr = gl.SliceLayout(0, layout)
     g_j = gl.convert_layout(g_i, cols)
-    b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
-    b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
+    if b_raw is None:
+        b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
+        b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
+    else:
+        b_i = gl.convert_layout(b_raw, rows)
+        b_j = gl.convert_layout(b_raw, cols)
     if USE_L2NORM:
         r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
         r_i = gl.convert_layout(r, rows)
@@ -329,15 +347,22 @@ def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
 
 @gluon.jit
 def _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE: gl.constexpr,
-                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
     """A and T's column scales (:func:`_chunk_a`) from the chunk's k tile: k k^T on the
     engine (``kk_bar``'s ``KK_PHASE``-th completion, mod 2) and the gate cumsum, which it
-    writes to ``g_cum`` (:func:`_chunk_gates`)."""
+    writes to ``g_cum`` (:func:`_chunk_gates`). ``rows_early``: the gate and beta rows of
+    :func:`chunk_rows_early`, or None to load them here."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
-    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-    return _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+    if rows_early is None:
+        g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
+        result = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
+    else:
+        g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout),
+                           rows_early[0])
+        result = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM, rows_early[1])
+    return result
 
 
 @gluon.jit
@@ -397,13 +422,13 @@ def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGIN
 
 @gluon.jit
 def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
-                    USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+                    USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
     """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
     (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
     tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
-    return."""
+    return. ``rows_early``: as :func:`_chunk_a_of_k` takes it."""
     a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
-                                        USE_L2NORM, ENGINE)
+                                        USE_L2NORM, ENGINE, rows_early)
     # The scales wait out the inverse in one register each.
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)
@@ -461,6 +486,7 @@ def _wy_fwd_kernel(
     g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
     LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, SPLIT_WU: gl.constexpr,
+    EARLY_ROWS: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -503,10 +529,15 @@ def _wy_fwd_kernel(
     mbarrier.expect(ready_bars.index(1), v_desc.block_type.nbytes)
     tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
 
+    if BLOCKED_INVERSE:
+        if EARLY_ROWS:
+            rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT)
+        else:
+            rows_early = None
     mbarrier.wait(ready_bars.index(0), 0)
     if BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
-                                              mma_bars.index(0), USE_L2NORM, ENGINE)
+                                              mma_bars.index(0), USE_L2NORM, ENGINE, rows_early)
     elif LHS_REGS:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, mma_bars.index(0), mma_bars.index(1), True,
@@ -572,6 +603,11 @@ WY_DEFAULT_VARIANT = "blocked"
 #: 1 x 8192, 0.449 -> 0.384 at 1 x 32768, 0.226 -> 0.193 at H16-HV64 1 x 8192; context
 #: parallelism's first pass 55 -> 49 µs at H2-HV4 1 x 32768, 222 -> 184 at H8-HV16.
 WY_SPLIT_WU = True
+#: "blocked" loads the chunk's gate and beta rows before waiting for its k tile
+#: (:func:`chunk_rows_early`; the T kernel of :mod:`.wy_t` too), so that their global-load
+#: latency overlaps the tile's instead of following k k^T. Not measured on a GPU yet: off.
+WY_EARLY_ROWS = False
+
 #: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
 WY_SPLIT_MAXNREG_SM90 = 128
 #: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``): 0-16 by
@@ -639,11 +675,13 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
     blocked = variant == "blocked" and not is_sm100
     lhs_regs = variant in ("regs", "f16") or (variant == "blocked" and is_sm100)
     split = blocked and WY_SPLIT_WU
+    early = blocked and WY_EARLY_ROWS
     BT = CHUNK_SIZE
     descriptors, constexprs = drop_unused_scatter(
         wy_descriptors(H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs,
-         "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked, "SPLIT_WU": split})
+         "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked, "SPLIT_WU": split,
+         "EARLY_ROWS": early})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",

@@ -34,14 +34,15 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common import wy
 from gdn_dispatch.backends.gluon_common.wy import (
-    _f32_layout, chunk_program, chunk_t, chunk_t_blocked, regs_inverse_smem, t_tile_pair, wy_chunks)
+    _f32_layout, chunk_program, chunk_rows_early, chunk_t, chunk_t_blocked, regs_inverse_smem, t_tile_pair, wy_chunks)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr):
+                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -64,10 +65,15 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
 
     mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
+    if BLOCKED_INVERSE:
+        if EARLY_ROWS:
+            rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT)
+        else:
+            rows_early = None
     mbarrier.wait(bars.index(0), 0)
     if BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
-                                              bars.index(1), USE_L2NORM, ENGINE)
+                                              bars.index(1), USE_L2NORM, ENGINE, rows_early)
     else:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
@@ -142,7 +148,7 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + (1 if blocked else 2) * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
-                    "BLOCKED_INVERSE": blocked},
+                    "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
