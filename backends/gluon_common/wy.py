@@ -268,13 +268,17 @@ def _add(a, b):
 
 
 @gluon.jit
-def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr):
-    """The chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end, in the flat
-    layout :func:`_chunk_gates` scans in), loaded before the program waits for its k tile
-    (:data:`WY_EARLY_ROWS`): their latency then runs under the tile's instead of after
-    k k^T."""
+def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr):
+    """With ``EARLY``, the chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end,
+    in the flat layout :func:`_chunk_gates` scans in), loaded before the program waits for
+    its k tile (:data:`WY_EARLY_ROWS`): their latency then runs under the tile's instead of
+    after k k^T. Else None: :func:`_chunk_a_of_k` loads them itself."""
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    return (row_vector(g, row0, n_valid, i_h, s_g, BT, flat), row_vector(beta, row0, n_valid, i_h, s_beta, BT, flat))
+    if EARLY:
+        rows = (row_vector(g, row0, n_valid, i_h, s_g, BT, flat), row_vector(beta, row0, n_valid, i_h, s_beta, BT, flat))
+    else:
+        rows = None
+    return rows
 
 
 @gluon.jit
@@ -347,22 +351,16 @@ def chunk_program(cu_seqlens, N, HV, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
 
 @gluon.jit
 def _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE: gl.constexpr,
-                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
+                  USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, g_raw=None, b_raw=None):
     """A and T's column scales (:func:`_chunk_a`) from the chunk's k tile: k k^T on the
     engine (``kk_bar``'s ``KK_PHASE``-th completion, mod 2) and the gate cumsum, which it
-    writes to ``g_cum`` (:func:`_chunk_gates`). ``rows_early``: the gate and beta rows of
-    :func:`chunk_rows_early`, or None to load them here."""
+    writes to ``g_cum`` (:func:`_chunk_gates`). ``g_raw``, ``b_raw``: the gate and beta
+    rows of :func:`chunk_rows_early`, or None to load them here."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
-    if rows_early is None:
-        g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout))
-        result = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM)
-    else:
-        g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout),
-                           rows_early[0])
-        result = _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM, rows_early[1])
-    return result
+    g_i = _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT, gl.SliceLayout(1, kk.type.layout), g_raw)
+    return _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM, b_raw)
 
 
 @gluon.jit
@@ -426,9 +424,15 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
     (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
     tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
-    return. ``rows_early``: as :func:`_chunk_a_of_k` takes it."""
+    return. ``rows_early``: what :func:`chunk_rows_early` returned."""
+    if rows_early is None:
+        g_raw = None
+        b_raw = None
+    else:
+        g_raw = rows_early[0]
+        b_raw = rows_early[1]
     a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
-                                        USE_L2NORM, ENGINE, rows_early)
+                                        USE_L2NORM, ENGINE, g_raw, b_raw)
     # The scales wait out the inverse in one register each.
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)
@@ -529,11 +533,7 @@ def _wy_fwd_kernel(
     mbarrier.expect(ready_bars.index(1), v_desc.block_type.nbytes)
     tma_load(v_desc, [row0, i_h * V], ready_bars.index(1), v_smem)
 
-    if BLOCKED_INVERSE:
-        if EARLY_ROWS:
-            rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT)
-        else:
-            rows_early = None
+    rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT, EARLY_ROWS)
     mbarrier.wait(ready_bars.index(0), 0)
     if BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,

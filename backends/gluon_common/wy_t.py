@@ -65,11 +65,7 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
 
     mbarrier.expect(bars.index(0), k_desc.block_type.nbytes)
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
-    if BLOCKED_INVERSE:
-        if EARLY_ROWS:
-            rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT)
-        else:
-            rows_early = None
+    rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT, EARLY_ROWS)
     mbarrier.wait(bars.index(0), 0)
     if BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,

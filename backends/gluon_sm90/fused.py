@@ -27,9 +27,9 @@ partitions that share the program's shared memory through mbarrier rings:
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
 
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
-and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
-fresh barrier's previous phase counts as complete), so the first use of a slot does not
-wait. A partition of several warps joins its warps (a barrier within the partition)
+and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited
+with the opposite phase (a fresh barrier's previous phase counts as complete), so the
+first use of a slot does not wait. A partition of several warps joins its warps (a barrier within the partition)
 before its one elected arrive or TMA issue, so every warp's reads and writes precede it.
 
 Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
@@ -198,6 +198,8 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
             tw = t_ring.index(2 * s)
             tu = t_ring.index(2 * s + 1)
             w_slot = w_ring.index(s)
+            # Both halves' accumulators at once in the one aux partition (120 registers);
+            # one at a time in the split's w / u partition (72): DO_SCORES tells them apart.
             _half_products(tw, tw, k_tile.slice(0, HALF, dim=1), k_tile.slice(HALF, HALF, dim=1),
                            w_slot.slice(0, HALF, dim=1), w_slot.slice(HALF, HALF, dim=1), acc_h, DO_SCORES)
             # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
