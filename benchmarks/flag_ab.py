@@ -7,6 +7,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
     python benchmarks/flag_ab.py aux_split   # fused.AUX_SPLIT: w / u and the scores in two partitions
     python benchmarks/flag_ab.py early_rows  # wy.WY_EARLY_ROWS: gate / beta rows loaded before k lands
+    python benchmarks/flag_ab.py single_t    # wy_t.WY_T_SINGLE_TILE: T_u alone, T_w formed by the fused kernel
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -45,6 +46,7 @@ STUDIES = {
     "early_rows": ("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", (False, True), {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
+    "single_t": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
 }
 
 

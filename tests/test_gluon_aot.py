@@ -277,6 +277,40 @@ def test_sm90_fused_kernel_with_the_aux_work_split(tails, monkeypatch):
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [False, True], ids=["one-aux", "aux-split"])
+def test_sm90_fused_and_t_kernels_with_t_u_alone(split, monkeypatch):
+    """With :data:`wy_t.WY_T_SINGLE_TILE` the T kernel stores one [64, 64] tile per program
+    (T_u) and the fused kernel loads one, with a T ring of two tiles (16 KB less shared
+    memory); T_w goes into the w products from registers (wgmma's register operand), in
+    the partition that forms w; within the spill allowances."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(wy_t, "WY_T_SINGLE_TILE", True)
+    monkeypatch.setattr(fused, "AUX_SPLIT", split)
+    t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                    if k.constexprs["HAS_TAILS"])
+    assert t_kernel.constexprs["SINGLE_T"] is True
+    report = compile_kernel(t_kernel, SM90)
+    assert report.spill_bytes <= t_kernel.spill_bytes_allowed
+    ops = _partition_ops(report.ttgir, ("ttng.async_tma_copy_local_to_global",))
+    assert ops["outside"]["ttng.async_tma_copy_local_to_global"] == 1, ops
+
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"])
+    assert kernel.constexprs["SINGLE_T"] is True
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, t_tiles=1)
+    assert planned == fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS) - 2 * 64 * 64 * 2
+    assert planned <= report.shared_bytes <= planned + 1024
+    ops = _partition_ops(report.ttgir, ("ttg.local_load",))
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
+    # T_w is read from shared memory into registers by the partition that forms w.
+    assert ops["partition0"]["ttg.local_load"] >= 1, ops
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -46,14 +46,16 @@ def _engines():
 VARIANTS = [("default", None, None, None),
             ("v-1-slot", "gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1),
             ("aux-split", "gdn_dispatch.backends.gluon_sm90.fused", "AUX_SPLIT", True),
-            ("early-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", True)]
+            ("early-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", True),
+            ("single-t", "gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", True)]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
 def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the aux work in
     two partitions (:data:`fused.AUX_SPLIT`), and with the T kernel loading its gate and
-    beta rows early (:data:`wy.WY_EARLY_ROWS`); plans computed afresh."""
+    beta rows early (:data:`wy.WY_EARLY_ROWS`), and with the T kernel writing T_u alone
+    (:data:`wy_t.WY_T_SINGLE_TILE`); plans computed afresh."""
     import importlib
 
     name, module, constant, value = request.param
@@ -102,21 +104,24 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
-                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and kernel_variant == "early-rows"}
+                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and kernel_variant == "early-rows",
+                               "SINGLE_T": kernel_variant == "single-t"}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
-                                "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT}
+                                "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT,
+                                "SINGLE_T": kernel_variant == "single-t"}
     assert (fused_module.V_SLOTS, fused_module.AUX_SPLIT) == {"v-1-slot": (1, False), "aux-split": (2, True)}.get(
         kernel_variant, (2, False))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
         "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
-    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
-    assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
+    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (64 with T_u alone).
+    tiles = 1 if kernel_variant == "single-t" else 2
+    assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
-        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8)
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * 2 * 64 * 64 * 2
 
 
 @pytest.mark.parametrize("seed", range(3))

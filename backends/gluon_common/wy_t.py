@@ -15,8 +15,10 @@ operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod
 
 Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
 (:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
-and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u. Idle slots are not
-written. Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there).
+and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u; with
+:data:`WY_T_SINGLE_TILE`, ``[slots * HV * 64, 64]``, T_u alone at rows ``(c * HV + h) *
+64``. Idle slots are not written. Rows of T past a sequence's end are 0 in both tiles
+(beta reads 0 there).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from gdn_dispatch.backends.gluon_common.wy import (
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr):
+                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr,
+                     SINGLE_T: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -74,13 +77,17 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
                                       ENGINE, F16_INVERSE)
-    tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
+    if not SINGLE_T:
+        tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
     tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
     # The TMA stores read the tiles through the async proxy.
     fence_async_shared()
-    base = (i_c * HV + i_h) * (2 * BT)
-    tma_store(t_desc, [base, 0], tw_smem)
-    tma_store(t_desc, [base + BT, 0], tu_smem)
+    if SINGLE_T:
+        tma_store(t_desc, [(i_c * HV + i_h) * BT, 0], tu_smem)
+    else:
+        base = (i_c * HV + i_h) * (2 * BT)
+        tma_store(t_desc, [base, 0], tw_smem)
+        tma_store(t_desc, [base + BT, 0], tu_smem)
     tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(bars.index(i))
@@ -97,9 +104,15 @@ def first_t_slot(bos, i_n, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
     return slot
 
 
-def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
-    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
-    return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
+def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool, tiles: int = 2) -> int:
+    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
+    ``tiles`` per chunk slot and v-head (1: T_u alone, :data:`WY_T_SINGLE_TILE`)."""
+    return wy_chunks(rows, num_seqs, tails) * HV * tiles * CHUNK_SIZE
+
+
+def t_tiles_per_chunk(engine) -> int:
+    """T tiles the T kernel writes per chunk slot and v-head for ``engine``'s fused kernel."""
+    return 1 if WY_T_SINGLE_TILE and not engine.is_sm100 else 2
 
 
 #: Without the blocked inverse, the 64 x 64 one on fp16 operands on sm_90a
@@ -126,6 +139,14 @@ WY_T_MAXNREG_SM90 = 128
 #: 248-304 per specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
 WY_T_SPILL_BYTES_SM90 = 384
 
+#: The T kernel writes T_u alone, and sm_90a's fused kernel forms ``T_w = T_u diag(2^g)``
+#: in registers before the w product: half the T tiles' bytes through global memory
+#: (16 -> 8 KB per chunk and v-head, written here and read there; at 4 x 8192 HV 32 that
+#: is 268 of the call's ~1.5 GB). T_w takes a second bf16 rounding, and drops k's row norm
+#: factor, which the warp-specialized path's normalized copies of k hold at 1 to bf16's
+#: rounding. Not measured on a GPU yet: off. (The sm_100a twin reads both tiles.)
+WY_T_SINGLE_TILE = False
+
 
 def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     """Launch plan of :func:`wy_t_fwd` for ``problem`` (a dry run: no GPU, no tensor read):
@@ -144,11 +165,13 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + (1 if blocked else 2) * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
-                    "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS},
+                    "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS,
+                    "SINGLE_T": t_tiles_per_chunk(engine) == 1},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: T_w, T_u only",
+        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
+              f"{'T_w, T_u' if t_tiles_per_chunk(engine) == 2 else 'T_u'} only",
         maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
     )
     return launch.bind(problem.B * problem.T, problem.N)
@@ -167,7 +190,8 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
 
     Returns
     -------
-    t_tiles : Tensor ``[slots * HV * 128, 64]`` in k's dtype (module docstring).
+    t_tiles : Tensor ``[slots * HV * 128, 64]`` (``[slots * HV * 64, 64]`` with
+        :data:`WY_T_SINGLE_TILE`) in k's dtype (module docstring).
     g_cum : float32 Tensor ``[B, T, HV]``: ``log2(e)`` times the chunk-local inclusive
         cumsum of g (rows of every sequence written).
     """
@@ -175,7 +199,9 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
     launch = launch.shared
     HV = launch.scalars["HV"]
     tails = launch.constexprs["HAS_TAILS"]
-    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails), CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    tiles = 1 if launch.constexprs["SINGLE_T"] else 2
+    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails, tiles), CHUNK_SIZE, dtype=k.dtype,
+                          device=k.device)
     g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     if B * T == 0 or HV == 0:
         return t_tiles, g_cum

@@ -65,7 +65,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows
+from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -111,12 +111,23 @@ def _load_v(v_desc, v_ring, v_ready, s, row, col_v):
 
 @gluon.jit
 def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
-    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``) into T slot ``s``."""
+    """TMA loads of chunk slot ``slot``'s T tiles (v-head ``i_h``) into T slot ``s``: T_w
+    and T_u, or T_u alone where the ring holds one tile a slot (:data:`.wy_t.WY_T_SINGLE_TILE`)."""
     BT: gl.constexpr = t_desc.block_type.shape[0]
-    base = (slot * HV + i_h) * (2 * BT)
-    mbarrier.expect(t_ready.index(s), 2 * t_desc.block_type.nbytes)
-    tma_load(t_desc, [base, 0], t_ready.index(s), t_ring.index(2 * s))
-    tma_load(t_desc, [base + BT, 0], t_ready.index(s), t_ring.index(2 * s + 1))
+    TILES: gl.constexpr = t_ring.shape[0] // 2
+    base = (slot * HV + i_h) * (TILES * BT)
+    mbarrier.expect(t_ready.index(s), TILES * t_desc.block_type.nbytes)
+    for i in gl.static_range(TILES):
+        tma_load(t_desc, [base + i * BT, 0], t_ready.index(s), t_ring.index(TILES * s + i))
+
+
+@gluon.jit
+def _t_w_of_t_u(tu, g_row, acc_layout: gl.constexpr):
+    """``T_w = T_u diag(2^g)`` (``tu`` [64, 64] in shared memory, ``g_row`` the chunk's
+    gate rows in any 1-D layout) as wgmma's register left operand for ``acc_layout``."""
+    t = tu.load(acc_layout).to(gl.float32)
+    c = gl.exp2(gl.convert_layout(g_row, gl.SliceLayout(0, acc_layout)))
+    return gl.convert_layout((t * gl.expand_dims(c, 0)).to(tu.dtype), lhs_reg_layout(acc_layout, 16))
 
 
 @gluon.jit
@@ -148,12 +159,16 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
     """The aux work of every chunk (module docstring): w, u^T and the loads of v and T with
     ``DO_WU``; the causal scores and the gate vectors with ``DO_SCORES``. One partition does
     both (the default), or two partitions one each (:data:`AUX_SPLIT`), each then arriving
-    on the k/q "empty" and w/u "ready" barriers (two arrivals per phase)."""
+    on the k/q "empty" and w/u "ready" barriers (two arrivals per phase). A T ring of one
+    tile a slot holds T_u alone: T_w is formed from it and the gate rows."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_ring.shape[2]
     V_SLOTS: gl.constexpr = v_ring.shape[0]
     dtype: gl.constexpr = kq_ring.dtype
+    SINGLE_T: gl.constexpr = t_ring.shape[0] == 2
+    # The gate rows: for the scores and gate vectors, and for T_w when T_u comes alone.
+    GATES: gl.constexpr = DO_SCORES or (DO_WU and SINGLE_T)
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
     rows: gl.constexpr = gl.SliceLayout(1, acc_bt)
@@ -163,7 +178,7 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
     acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
     # The gate rows in every warp (two per lane): their conversions stay within a warp.
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
-    if DO_SCORES:
+    if GATES:
         b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
@@ -171,17 +186,18 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
         n_valid = eos - row
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         k_tile = kq_ring.index(2 * s)
+        if GATES:
+            g_row = b_g
+            g_end = g_last
         if DO_SCORES:
             q_tile = kq_ring.index(2 * s + 1)
             qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                                use_acc=False, is_async=True)
-            g_row = b_g
-            g_end = g_last
         if DO_WU:
             if t + 1 < NT:
                 # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
                 _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
-        if DO_SCORES:
+        if GATES:
             # The next chunk's gate rows, loaded while this one is formed.
             b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
@@ -195,8 +211,12 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
                                               gl.convert_layout(g_row, cols)).to(dtype))
         if DO_WU:
             mbarrier.wait(t_ready.index(s), (t // 2) & 1)
-            tw = t_ring.index(2 * s)
-            tu = t_ring.index(2 * s + 1)
+            if SINGLE_T:
+                tu = t_ring.index(s)
+                tw = _t_w_of_t_u(tu, g_row, acc_h)
+            else:
+                tw = t_ring.index(2 * s)
+                tu = t_ring.index(2 * s + 1)
             w_slot = w_ring.index(s)
             # Both halves' accumulators at once in the one aux partition (120 registers);
             # one at a time in the split's w / u partition (72): DO_SCORES tells them apart.
@@ -289,7 +309,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    AUX_SPLIT: gl.constexpr,
+    AUX_SPLIT: gl.constexpr, SINGLE_T: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -301,7 +321,8 @@ def _fused_fwd_kernel(
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
-    t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
+    # Two slots of T_w and T_u, or of T_u alone.
+    t_ring = gl.allocate_shared_memory(dtype, [2 if SINGLE_T else 4, BT, BT], t_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
@@ -380,6 +401,10 @@ def _fused_fwd_kernel(
 #: reallocation (setmaxnreg), 40-250 bytes by specialization; the chunk loop's speed is
 #: measured on the H200 instead (benchmarks/RESULTS.md).
 SPILL_BYTES = 256
+#: With T_u alone (:data:`.wy_t.WY_T_SINGLE_TILE`) and one aux partition: 108-280 bytes by
+#: specialization with triton 3.6.0, 64-196 with 3.9.0 (T_w's 16 registers beside the two w
+#: accumulators).
+SINGLE_T_SPILL_BYTES = 320
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -426,12 +451,15 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     constexprs["V_SLOTS"] = V_SLOTS
     constexprs["AUX_SPLIT"] = AUX_SPLIT
+    t_tiles = t_tiles_per_chunk(engine)
+    constexprs["SINGLE_T"] = t_tiles == 1
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
-                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS)},
+                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
+                                               t_tiles=t_tiles)},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -446,10 +474,12 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1) -> int:
-    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
-    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers."""
-    return (4 * BT * K + v_slots * BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1, t_tiles: int = 2) -> int:
+    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2
+    slots of ``t_tiles`` tiles), w, u and scores rings (2 slots), o, the gate vectors and
+    the barriers."""
+    return (4 * BT * K + v_slots * BT * V + 2 * t_tiles * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT
+            + BT * V) * elem \
         + 6 * BT * 4 + (10 + v_slots) * 8
 
 
@@ -503,4 +533,5 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
-                             spill_bytes_allowed=AUX_SPLIT_SPILL_BYTES if AUX_SPLIT else SPILL_BYTES)
+                             spill_bytes_allowed=AUX_SPLIT_SPILL_BYTES if AUX_SPLIT else
+                             SINGLE_T_SPILL_BYTES if t_tiles_per_chunk(engine) == 1 else SPILL_BYTES)
