@@ -11,7 +11,10 @@ kernel's constexpr globals are fixed at its first compile).
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
+``--with OTHER[,OTHER...]`` turns other studies' flags on in both arms (a flag measured on
+top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py single_t --with aux_split``.
 """
+import argparse
 import importlib
 import subprocess
 import sys
@@ -65,14 +68,31 @@ def calls(shapes: dict) -> dict:
     return out
 
 
+def set_flag(study: str, arm: str) -> None:
+    module, flag, values, _ = STUDIES[study]
+    setattr(importlib.import_module(module), flag, values[arm == "on"])
+
+
 if __name__ == "__main__":
-    study = sys.argv[1]
-    module, flag, values, shapes = STUDIES[study]
-    if len(sys.argv) > 2:
-        setattr(importlib.import_module(module), flag, values[sys.argv[2] == "on"])
-        run_variant(f"flag_ab_{study}", sys.argv[2], calls(shapes))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", choices=sorted(STUDIES))
+    parser.add_argument("arm", nargs="?", choices=("off", "on"), help="run one arm in this process")
+    parser.add_argument("--with", dest="also", default="", help="studies whose flags are on in both arms")
+    args = parser.parse_args()
+    also = [name for name in args.also.split(",") if name]
+    for name in also:
+        if name not in STUDIES or name == args.study:
+            parser.error(f"--with: {name!r} is not another study")
+    _, flag, _, shapes = STUDIES[args.study]
+    tag = "_".join([args.study] + also)
+    if args.arm:
+        for name in also:
+            set_flag(name, "on")
+        set_flag(args.study, args.arm)
+        run_variant(f"flag_ab_{tag}", args.arm, calls(shapes))
         sys.exit(0)
-    print(f"| {flag} | shape | call ms | enqueue µs | kernels ms |")
-    for tag in ("off", "on", "off", "on"):
-        subprocess.run([sys.executable, __file__, study, tag], check=True, stderr=subprocess.DEVNULL)
-    compare_outputs(f"flag_ab_{study}", list(shapes), "off", "on")
+    print(f"| {flag}{' (with ' + ', '.join(also) + ' on)' if also else ''} | shape | call ms | enqueue µs | kernels ms |")
+    for arm in ("off", "on", "off", "on"):
+        subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else []),
+                       check=True, stderr=subprocess.DEVNULL)
+    compare_outputs(f"flag_ab_{tag}", list(shapes), "off", "on")
