@@ -281,9 +281,10 @@ def test_sm90_fused_kernel_with_the_aux_work_split(tails, monkeypatch):
 @pytest.mark.parametrize("split", [False, True], ids=["one-aux", "aux-split"])
 def test_sm90_fused_and_t_kernels_with_t_u_alone(split, monkeypatch):
     """With :data:`wy_t.WY_T_SINGLE_TILE` the T kernel stores one [64, 64] tile per program
-    (T_u) and the fused kernel loads one, with a T ring of two tiles (16 KB less shared
-    memory); T_w goes into the w products from registers (wgmma's register operand), in
-    the partition that forms w; within the spill allowances."""
+    (T_u), from the inverse's registers (:data:`wy_t.WY_T_DIRECT_STORE`: no TMA store), and
+    the fused kernel loads one, with a T ring of two tiles (16 KB less shared memory); T_w
+    goes into the w products from registers (wgmma's register operand), in the partition
+    that forms w; within the spill allowances."""
     from gdn_dispatch.backends.gluon_common import wy_t
     from gdn_dispatch.backends.gluon_sm90 import fused
 
@@ -291,7 +292,15 @@ def test_sm90_fused_and_t_kernels_with_t_u_alone(split, monkeypatch):
     monkeypatch.setattr(fused, "AUX_SPLIT", split)
     t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                     if k.constexprs["HAS_TAILS"])
-    assert t_kernel.constexprs["SINGLE_T"] is True
+    assert t_kernel.constexprs["SINGLE_T"] is True and t_kernel.constexprs["DIRECT_STORE"] is True
+    report = compile_kernel(t_kernel, SM90)
+    assert report.spill_bytes <= t_kernel.spill_bytes_allowed
+    assert "cp.async.bulk.tensor" in report.ptx  # k's load
+    assert "cp.async.bulk.tensor.2d.global.shared" not in report.ptx
+    assert re.search(r"st\.global(\.\w+)*\.b16", report.ptx) or re.search(r"st\.global(\.\w+)*\.b32", report.ptx)
+    monkeypatch.setattr(wy_t, "WY_T_DIRECT_STORE", False)
+    t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                    if k.constexprs["HAS_TAILS"])
     report = compile_kernel(t_kernel, SM90)
     assert report.spill_bytes <= t_kernel.spill_bytes_allowed
     ops = _partition_ops(report.ttgir, ("ttng.async_tma_copy_local_to_global",))

@@ -105,7 +105,8 @@ def test_launches_of_the_path(shape, kernel_variant):
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
                                "EARLY_ROWS": WY_T_BLOCKED_INVERSE and kernel_variant == "early-rows",
-                               "SINGLE_T": kernel_variant == "single-t"}
+                               "SINGLE_T": kernel_variant == "single-t",
+                               "DIRECT_STORE": kernel_variant == "single-t" and WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT,
