@@ -13,7 +13,9 @@ partitions that share the program's shared memory through mbarrier rings:
 * **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
   ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
   and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS`
-  slots, two chunks ahead) and the T tiles (two slots) itself.
+  slots, two chunks ahead) and the T tiles (two slots) itself. With
+  :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` it loads T_u alone and forms ``T_w = T_u
+  diag(2^g)`` in registers, as wgmma's left operand of w.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
   of the chain takes a register operand on the left and nothing of the chain goes through
