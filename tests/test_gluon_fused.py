@@ -46,15 +46,15 @@ def _engines():
 VARIANTS = [("default", None, None, None),
             ("v-1-slot", "gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1),
             ("aux-split", "gdn_dispatch.backends.gluon_sm90.fused", "AUX_SPLIT", True),
-            ("early-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", True),
+            ("late-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False),
             ("single-t", "gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", True)]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
 def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the aux work in
-    two partitions (:data:`fused.AUX_SPLIT`), and with the T kernel loading its gate and
-    beta rows early (:data:`wy.WY_EARLY_ROWS`), and with the T kernel writing T_u alone
+    two partitions (:data:`fused.AUX_SPLIT`), with the T kernel loading its gate and
+    beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), and with the T kernel writing T_u alone
     (:data:`wy_t.WY_T_SINGLE_TILE`); plans computed afresh."""
     import importlib
 
@@ -114,9 +114,9 @@ def test_launches_of_the_path(shape, kernel_variant):
                                 "V_SLOTS": fused_module.V_SLOTS, "AUX_SPLIT": fused_module.AUX_SPLIT,
                                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE}
     assert (fused_module.V_SLOTS, fused_module.AUX_SPLIT, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE) == {
-        "v-1-slot": (1, False, False, False), "aux-split": (2, True, False, False),
-        "early-rows": (2, False, True, False), "single-t": (2, False, False, True)}.get(
-        kernel_variant, (2, False, False, False))
+        "v-1-slot": (1, False, True, False), "aux-split": (2, True, True, False),
+        "late-rows": (2, False, False, False), "single-t": (2, False, True, True)}.get(
+        kernel_variant, (2, False, True, False))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),

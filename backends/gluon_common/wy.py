@@ -626,8 +626,13 @@ WY_DEFAULT_VARIANT = "blocked"
 WY_SPLIT_WU = True
 #: "blocked" loads the chunk's gate and beta rows before waiting for its k tile
 #: (:func:`chunk_rows_early`; the T kernel of :mod:`.wy_t` too), so that their global-load
-#: latency overlaps the tile's instead of following k k^T. Not measured on a GPU yet: off.
-WY_EARLY_ROWS = False
+#: latency overlaps the tile's instead of following k k^T. H200, triton 3.6.0, bf16 K = V =
+#: 128 (``python benchmarks/flag_ab.py early_rows``, ``logs/h200_early_rows.log``; outputs
+#: bit-equal at 4 x 8192): the T kernel 0.286 -> 0.266 ms at H16-HV32 4 x 8192, 0.525 ->
+#: 0.504 on ragged16; the w/u kernel 0.098 -> 0.089 at 1 x 8192, 0.379 -> 0.328 at 1 x
+#: 32768, 49 -> 43 µs at H2-HV4 1 x 32768; calls 0.651 -> 0.631, 1.199 -> 1.186, 0.298 ->
+#: 0.286, 1.127 -> 1.081 ms.
+WY_EARLY_ROWS = True
 
 #: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
 WY_SPLIT_MAXNREG_SM90 = 128
