@@ -5,14 +5,12 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py wy_inverse  # wy.WY_DEFAULT_VARIANT "regs" -> "blocked"
     python benchmarks/flag_ab.py split_wu    # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
     python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
-    python benchmarks/flag_ab.py aux_split   # fused.AUX_SPLIT: w / u and the scores in two partitions
     python benchmarks/flag_ab.py early_rows  # wy.WY_EARLY_ROWS: gate / beta rows loaded before k lands
-    python benchmarks/flag_ab.py single_t    # wy_t.WY_T_SINGLE_TILE: T_u alone, T_w formed by the fused kernel
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--with OTHER[,OTHER...]`` turns other studies' flags on in both arms (a flag measured on
-top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py single_t --with aux_split``.
+top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py v_slots --with t_inverse``.
 """
 import argparse
 import importlib
@@ -44,12 +42,10 @@ STUDIES = {
     "wy_inverse": ("gdn_dispatch.backends.gluon_common.wy", "WY_DEFAULT_VARIANT", ("regs", "blocked"), _WY_SHAPES),
     "split_wu": ("gdn_dispatch.backends.gluon_common.wy", "WY_SPLIT_WU", (False, True), _WY_SHAPES),
     "v_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", (1, 2), _WS_SHAPES),
-    "aux_split": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_SPLIT", (False, True), _WS_SHAPES),
     # Both kernels that form T: the warp-specialized path's T kernel and the pipeline's w/u kernel.
     "early_rows": ("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", (False, True), {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
-    "single_t": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
 }
 
 

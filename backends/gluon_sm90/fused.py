@@ -13,9 +13,7 @@ partitions that share the program's shared memory through mbarrier rings:
 * **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
   ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
   and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS`
-  slots, two chunks ahead) and the T tiles (two slots) itself. With
-  :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` it loads T_u alone and forms ``T_w = T_u
-  diag(2^g)`` in registers, as wgmma's left operand of w.
+  slots, two chunks ahead) and the T tiles (two slots) itself.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
   of the chain takes a register operand on the left and nothing of the chain goes through
@@ -29,9 +27,9 @@ partitions that share the program's shared memory through mbarrier rings:
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
 
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
-and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited
-with the opposite phase (a fresh barrier's previous phase counts as complete), so the
-first use of a slot does not wait. A partition of several warps joins its warps (a barrier within the partition)
+and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
+fresh barrier's previous phase counts as complete), so the first use of a slot does not
+wait. A partition of several warps joins its warps (a barrier within the partition)
 before its one elected arrive or TMA issue, so every warp's reads and writes precede it.
 
 Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
@@ -67,7 +65,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
+from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -78,18 +76,6 @@ AUX_WARPS = gl.constexpr(4)
 #: Measured on the H200 at 4 x 8192, HV 32 (fused kernel alone): aux 120 / state 192
 #: 0.400 ms, 136 / 184 0.419, 152 / 176 0.431.
 AUX_REGS = gl.constexpr(120)
-
-#: The aux work in two partitions of one warpgroup each (16 warps at launch): one forms w
-#: and u^T (one [64, 64] accumulator at a time) and loads v and T, the other forms the
-#: causal scores and the gate vectors; the state partition waits for both. Each asks for
-#: :data:`AUX_SPLIT_REGS`; the state's two warpgroups keep (65536 - 256 x 72) / 256 = 184.
-#: Compiled spill bytes (triton 3.6.0, bf16 varlen "kv"): 64 / 192 320, 72 / 184 256, 80 /
-#: 176 336. Not measured on a GPU yet: off.
-AUX_SPLIT = False
-AUX_SPLIT_REGS = gl.constexpr(72)
-#: Spill bytes of that build (``AotKernel.spill_bytes_allowed``): 204-332 by specialization
-#: with triton 3.6.0, 200-324 with 3.9.0.
-AUX_SPLIT_SPILL_BYTES = 384
 
 
 # ----------------------------------------------------------------------------------------
@@ -113,132 +99,83 @@ def _load_v(v_desc, v_ring, v_ready, s, row, col_v):
 
 @gluon.jit
 def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
-    """TMA loads of chunk slot ``slot``'s T tiles (v-head ``i_h``) into T slot ``s``: T_w
-    and T_u, or T_u alone where the ring holds one tile a slot (:data:`.wy_t.WY_T_SINGLE_TILE`)."""
+    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``) into T slot ``s``."""
     BT: gl.constexpr = t_desc.block_type.shape[0]
-    TILES: gl.constexpr = t_ring.shape[0] // 2
-    base = (slot * HV + i_h) * (TILES * BT)
-    mbarrier.expect(t_ready.index(s), TILES * t_desc.block_type.nbytes)
-    for i in gl.static_range(TILES):
-        tma_load(t_desc, [base + i * BT, 0], t_ready.index(s), t_ring.index(TILES * s + i))
-
-
-@gluon.jit
-def _t_w_of_t_u(tu, g_row, acc_layout: gl.constexpr):
-    """``T_w = T_u diag(2^g)`` (``tu`` [64, 64] in shared memory, ``g_row`` the chunk's
-    gate rows in any 1-D layout) as wgmma's register left operand for ``acc_layout``."""
-    t = tu.load(acc_layout).to(gl.float32)
-    c = gl.exp2(gl.convert_layout(g_row, gl.SliceLayout(0, acc_layout)))
-    return gl.convert_layout((t * gl.expand_dims(c, 0)).to(tu.dtype), lhs_reg_layout(acc_layout, 16))
-
-
-@gluon.jit
-def _half_products(x0, x1, y0, y1, out0, out1, acc_layout: gl.constexpr, BOTH: gl.constexpr):
-    """``out0 = x0 y0`` and ``out1 = x1 y1`` ([64, 64] each, wgmma, stored in ``out``'s
-    dtype): both accumulators in flight at once with ``BOTH``, else one after the other in
-    one accumulator's 32 registers."""
-    M: gl.constexpr = out0.shape[0]
-    N: gl.constexpr = out0.shape[1]
-    if BOTH:
-        a0 = warpgroup_mma(x0, y0, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
-        a1 = warpgroup_mma(x1, y1, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
-        a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
-        out0.store(a0.to(out0.dtype))
-        out1.store(a1.to(out1.dtype))
-    else:
-        a0 = warpgroup_mma(x0, y0, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
-        a0 = warpgroup_mma_wait(0, deps=(a0,))
-        out0.store(a0.to(out0.dtype))
-        a1 = warpgroup_mma(x1, y1, gl.zeros([M, N], gl.float32, acc_layout), use_acc=False, is_async=True)
-        a1 = warpgroup_mma_wait(0, deps=(a1,))
-        out1.store(a1.to(out1.dtype))
+    base = (slot * HV + i_h) * (2 * BT)
+    mbarrier.expect(t_ready.index(s), 2 * t_desc.block_type.nbytes)
+    tma_load(t_desc, [base, 0], t_ready.index(s), t_ring.index(2 * s))
+    tma_load(t_desc, [base + BT, 0], t_ready.index(s), t_ring.index(2 * s + 1))
 
 
 @gluon.jit
 def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
          kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-         g_cum, HV, i_h, bos, eos, NT, slot0, col_v, DO_WU: gl.constexpr, DO_SCORES: gl.constexpr):
-    """The aux work of every chunk (module docstring): w, u^T and the loads of v and T with
-    ``DO_WU``; the causal scores and the gate vectors with ``DO_SCORES``. One partition does
-    both (the default), or two partitions one each (:data:`AUX_SPLIT`), each then arriving
-    on the k/q "empty" and w/u "ready" barriers (two arrivals per phase). A T ring of one
-    tile a slot holds T_u alone: T_w is formed from it and the gate rows."""
+         g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_ring.shape[2]
     V_SLOTS: gl.constexpr = v_ring.shape[0]
     dtype: gl.constexpr = kq_ring.dtype
-    SINGLE_T: gl.constexpr = t_ring.shape[0] == 2
-    # The gate rows: for the scores and gate vectors, and for T_w when T_u comes alone.
-    GATES: gl.constexpr = DO_SCORES or (DO_WU and SINGLE_T)
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     cols: gl.constexpr = gl.SliceLayout(0, acc_bt)
     rows: gl.constexpr = gl.SliceLayout(1, acc_bt)
-    # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
-    HALF: gl.constexpr = BT
-    gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
-    acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
     # The gate rows in every warp (two per lane): their conversions stay within a warp.
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
-    if GATES:
-        b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         k_tile = kq_ring.index(2 * s)
-        if GATES:
-            g_row = b_g
-            g_end = g_last
-        if DO_SCORES:
-            q_tile = kq_ring.index(2 * s + 1)
-            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                               use_acc=False, is_async=True)
-        if DO_WU:
-            if t + 1 < NT:
-                # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
-                _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
-        if GATES:
-            # The next chunk's gate rows, loaded while this one is formed.
-            b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
+        q_tile = kq_ring.index(2 * s + 1)
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                           use_acc=False, is_async=True)
+        g_row = b_g
+        g_end = g_last
+        if t + 1 < NT:
+            # The next chunk's T tiles (slot 1 - s: its last reader, chunk t - 1's u, was waited).
+            _load_t(t_desc, t_ring, t_ready, 1 - s, slot0 + t + 1, HV, i_h)
+        # The next chunk's gate rows, loaded while this one is formed.
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s of the w/u ring is free once the state partition is done with chunk t - 2.
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        if DO_SCORES:
-            # The gate vectors the state partition reads.
-            store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
-            qk = warpgroup_mma_wait(0, deps=(qk,))
-            # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
-            s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows),
-                                              gl.convert_layout(g_row, cols)).to(dtype))
-        if DO_WU:
-            mbarrier.wait(t_ready.index(s), (t // 2) & 1)
-            if SINGLE_T:
-                tu = t_ring.index(s)
-                tw = _t_w_of_t_u(tu, g_row, acc_h)
-            else:
-                tw = t_ring.index(2 * s)
-                tu = t_ring.index(2 * s + 1)
-            w_slot = w_ring.index(s)
-            # Both halves' accumulators at once in the one aux partition (120 registers);
-            # one at a time in the split's w / u partition (72): DO_SCORES tells them apart.
-            _half_products(tw, tw, k_tile.slice(0, HALF, dim=1), k_tile.slice(HALF, HALF, dim=1),
-                           w_slot.slice(0, HALF, dim=1), w_slot.slice(HALF, HALF, dim=1), acc_h, DO_SCORES)
-            # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
-            v_slot = t % V_SLOTS
-            mbarrier.wait(v_ready.index(v_slot), (t // V_SLOTS) & 1)
-            v_smem = v_ring.index(v_slot)
-            u_slot = u_ring.index(s)
-            _half_products(v_smem.slice(0, HALF, dim=1).permute((1, 0)), v_smem.slice(HALF, HALF, dim=1).permute((1, 0)),
-                           tu.permute((1, 0)), tu.permute((1, 0)),
-                           u_slot.slice(0, HALF, dim=0), u_slot.slice(HALF, HALF, dim=0), acc_h, DO_SCORES)
+        # The gate vectors the state partition reads.
+        store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        # Unscaled, as the pipeline rounds them (o's scale is applied in fp32 at the end).
+        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
+        # w and u^T in halves of 64 columns / rows: a [64, 64] accumulator is 32 registers.
+        HALF: gl.constexpr = BT
+        gl.static_assert(K == 2 * HALF and BV == 2 * HALF, "w and u are formed in two halves (K = V = 128)")
+        acc_h: gl.constexpr = wgmma_layout(BT, HALF, gl.num_warps())
+        mbarrier.wait(t_ready.index(s), (t // 2) & 1)
+        tw = t_ring.index(2 * s)
+        tu = t_ring.index(2 * s + 1)
+        w0 = warpgroup_mma(tw, k_tile.slice(0, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
+                           use_acc=False, is_async=True)
+        w1 = warpgroup_mma(tw, k_tile.slice(HALF, HALF, dim=1), gl.zeros([BT, HALF], gl.float32, acc_h),
+                           use_acc=False, is_async=True)
+        w0, w1 = warpgroup_mma_wait(0, deps=(w0, w1))
+        w_ring.index(s).slice(0, HALF, dim=1).store(w0.to(dtype))
+        w_ring.index(s).slice(HALF, HALF, dim=1).store(w1.to(dtype))
+        # u^T = v^T T_u^T: the state reads it in its own accumulator orientation.
+        v_slot = t % V_SLOTS
+        mbarrier.wait(v_ready.index(v_slot), (t // V_SLOTS) & 1)
+        v_smem = v_ring.index(v_slot)
+        u0 = warpgroup_mma(v_smem.slice(0, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
+                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
+        u1 = warpgroup_mma(v_smem.slice(HALF, HALF, dim=1).permute((1, 0)), tu.permute((1, 0)),
+                           gl.zeros([HALF, BT], gl.float32, acc_h), use_acc=False, is_async=True)
+        u0, u1 = warpgroup_mma_wait(0, deps=(u0, u1))
+        u_ring.index(s).slice(0, HALF, dim=0).store(u0.to(dtype))
+        u_ring.index(s).slice(HALF, HALF, dim=0).store(u1.to(dtype))
         fence_async_shared()
         # Every warp's reads of k, q, v and writes of the slot precede the releases and
         # the refill of v (v is only read here: its slots need no "empty" barrier).
         thread_barrier()
-        if DO_WU:
-            if t + V_SLOTS < NT:
-                _load_v(v_desc, v_ring, v_ready, v_slot, row + V_SLOTS * BT, col_v)
+        if t + V_SLOTS < NT:
+            _load_v(v_desc, v_ring, v_ready, v_slot, row + V_SLOTS * BT, col_v)
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
 
@@ -311,7 +248,6 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    AUX_SPLIT: gl.constexpr, SINGLE_T: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -323,8 +259,7 @@ def _fused_fwd_kernel(
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
-    # Two slots of T_w and T_u, or of T_u alone.
-    t_ring = gl.allocate_shared_memory(dtype, [2 if SINGLE_T else 4, BT, BT], t_desc.layout)
+    t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
@@ -339,10 +274,9 @@ def _fused_fwd_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
-        # Released by each aux partition (two with AUX_SPLIT).
-        mbarrier.init(kq_empty.index(i), count=2 if AUX_SPLIT else 1)
+        mbarrier.init(kq_empty.index(i), count=1)
         mbarrier.init(t_ready.index(i), count=1)
-        mbarrier.init(wu_ready.index(i), count=2 if AUX_SPLIT else 1)
+        mbarrier.init(wu_ready.index(i), count=1)
         mbarrier.init(wu_empty.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
         mbarrier.init(v_ready.index(i), count=1)
@@ -366,26 +300,13 @@ def _fused_fwd_kernel(
         if V_SLOTS > 1:
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
 
-    # The partitions' argument lists are spelled out in each call: a tuple built in a Gluon
-    # kernel holds neither a function nor the ENGINE constexpr.
-    if AUX_SPLIT:
-        S = gl.warp_specialize([
-            (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
-                      wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS,
-                      ENGINE)),
-            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
-                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, True, False)),
-            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
-                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, False, True)),
-        ], [AUX_WARPS, AUX_WARPS], [AUX_SPLIT_REGS, AUX_SPLIT_REGS])[0]
-    else:
-        S = gl.warp_specialize([
-            (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
-                      wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS,
-                      ENGINE)),
-            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, kq_ready, kq_empty,
-                    v_ready, t_ready, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT, slot0, col_v, True, True)),
-        ], [AUX_WARPS], [AUX_REGS])[0]
+    S = gl.warp_specialize([
+        (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
+                  wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
+        (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
+                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+                g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
+    ], [AUX_WARPS], [AUX_REGS])[0]
 
     if STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
@@ -403,10 +324,6 @@ def _fused_fwd_kernel(
 #: reallocation (setmaxnreg), 40-250 bytes by specialization; the chunk loop's speed is
 #: measured on the H200 instead (benchmarks/RESULTS.md).
 SPILL_BYTES = 256
-#: With T_u alone (:data:`.wy_t.WY_T_SINGLE_TILE`) and one aux partition: 108-280 bytes by
-#: specialization with triton 3.6.0, 64-196 with 3.9.0 (T_w's 16 registers beside the two w
-#: accumulators).
-SINGLE_T_SPILL_BYTES = 320
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -452,16 +369,12 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     constexprs["V_SLOTS"] = V_SLOTS
-    constexprs["AUX_SPLIT"] = AUX_SPLIT
-    t_tiles = t_tiles_per_chunk(engine)
-    constexprs["SINGLE_T"] = t_tiles == 1
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
-                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
-                                               t_tiles=t_tiles)},
+                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS)},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -476,12 +389,10 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1, t_tiles: int = 2) -> int:
-    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2
-    slots of ``t_tiles`` tiles), w, u and scores rings (2 slots), o, the gate vectors and
-    the barriers."""
-    return (4 * BT * K + v_slots * BT * V + 2 * t_tiles * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT
-            + BT * V) * elem \
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1) -> int:
+    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
+    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers."""
+    return (4 * BT * K + v_slots * BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
         + 6 * BT * 4 + (10 + v_slots) * 8
 
 
@@ -535,5 +446,4 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
-                             spill_bytes_allowed=AUX_SPLIT_SPILL_BYTES if AUX_SPLIT else
-                             SINGLE_T_SPILL_BYTES if t_tiles_per_chunk(engine) == 1 else SPILL_BYTES)
+                             spill_bytes_allowed=SPILL_BYTES)
