@@ -6,6 +6,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py split_wu    # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
     python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
     python benchmarks/flag_ab.py early_rows  # wy.WY_EARLY_ROWS: gate / beta rows loaded before k lands
+    python benchmarks/flag_ab.py t_u_chain   # wy_t.WY_T_SINGLE_TILE: T_u alone, v_new = T_u (v - 2^g k S)
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -46,6 +47,7 @@ STUDIES = {
     "early_rows": ("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", (False, True), {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
+    "t_u_chain": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
 }
 
 

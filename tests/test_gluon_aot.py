@@ -246,6 +246,42 @@ def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 48
 
 
+@pytest.mark.slow
+def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(monkeypatch):
+    """With :data:`wy_t.WY_T_SINGLE_TILE` the T kernel stores one [64, 64] tile per program
+    (T_u) from the inverse's registers (:data:`wy_t.WY_T_DIRECT_STORE`: no TMA store), and
+    the fused kernel forms ``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` in its state
+    partition: 36 wgmma (the state's P^T 8, v_new^T 4, update 4, O^T 8 + 4; the aux's q k^T
+    8), the aux partition left with q k^T alone and no TMA load (the state partition refills
+    v and T), T ring, w and u rings gone from shared memory as planned; within the spill
+    allowances."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(wy_t, "WY_T_SINGLE_TILE", True)
+    t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                    if k.constexprs["HAS_TAILS"])
+    assert t_kernel.constexprs["SINGLE_T"] is True and t_kernel.constexprs["DIRECT_STORE"] is True
+    report = compile_kernel(t_kernel, SM90)
+    assert report.spill_bytes <= t_kernel.spill_bytes_allowed
+    assert "cp.async.bulk.tensor" in report.ptx  # k's load
+    assert "cp.async.bulk.tensor.2d.global.shared" not in report.ptx
+    assert re.search(r"st\.global(\.\w+)*\.b(16|32)", report.ptx)
+
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"])
+    assert kernel.constexprs["SINGLE_T"] is True
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True)
+    assert planned <= report.shared_bytes <= planned + 1024
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 36
+    dot, load = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local"
+    ops = _partition_ops(report.ttgir, (dot, load))
+    assert ops["partition0"][dot] == 1 and load not in ops["partition0"], ops
+    assert ops["default"][dot] == 5 and ops["default"][load] >= 4, ops
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

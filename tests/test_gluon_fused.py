@@ -45,14 +45,16 @@ def _engines():
 #: value).
 VARIANTS = [("default", None, None, None),
             ("v-1-slot", "gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1),
-            ("late-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]
+            ("late-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False),
+            ("t-u-chain", "gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", True)]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
 def kernel_variant(request, monkeypatch):
-    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), and with the T kernel
-    loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off); plans
-    computed afresh."""
+    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
+    loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), and with
+    T_u alone, v_new formed from it in the state partition (:data:`wy_t.WY_T_SINGLE_TILE`);
+    plans computed afresh."""
     import importlib
 
     name, module, constant, value = request.param
@@ -89,6 +91,7 @@ def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
                          ids=["varlen-tails", "uniform", "uniform-tails", "varlen-whole-chunks"])
 def test_launches_of_the_path(shape, kernel_variant):
     from gdn_dispatch.backends.gluon_common import wy as wy_module
+    from gdn_dispatch.backends.gluon_common import wy_t as wy_t_module
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     sm90, _ = _engines()
@@ -102,21 +105,26 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
                                "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
-                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and wy_module.WY_EARLY_ROWS}
+                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and wy_module.WY_EARLY_ROWS,
+                               "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
+                               "DIRECT_STORE": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
-                                "V_SLOTS": fused_module.V_SLOTS}
-    assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS) == {"v-1-slot": (1, True), "late-rows": (2, False)}.get(
-        kernel_variant, (2, True))
+                                "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE}
+    assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE) == {
+        "v-1-slot": (1, True, False), "late-rows": (2, False, False), "t-u-chain": (2, True, True)}.get(
+        kernel_variant, (2, True, False))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
         "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
-    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles.
-    assert t_tile_rows(rows, p.N, 4, tails) == wy_t.grid[0] * 2 * CHUNK_SIZE
+    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (64: T_u alone).
+    tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
+    assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
+    # T_u alone: two T tiles, two w and two u tiles fewer.
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
-        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8)
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -56,7 +56,7 @@ def _mm(x, y, acc):
 
 
 @gluon.jit
-def _block_ids(layout: gl.constexpr):
+def block_ids(layout: gl.constexpr):
     """Block row, row and column indices of a [4, 16, 16] tensor in ``layout``, each
     broadcastable to it."""
     b = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
@@ -90,7 +90,7 @@ def _shifted(table, s: gl.constexpr, zero):
     """The batch whose block r is ``table``'s slot r - s (zeros for r < s): each warp reads
     the slots whole (a load replicated over the warps), then keeps its own."""
     MMA: gl.constexpr = block_mma_layout()
-    b, _, _ = _block_ids(MMA)
+    b, _, _ = block_ids(MMA)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
     out = zero
@@ -104,7 +104,7 @@ def _shifted(table, s: gl.constexpr, zero):
 def _diagonal_block_inverse(D, zero):
     """``(I + D)^-1`` of every block of the batch D (strictly lower [16, 16] blocks)."""
     MMA: gl.constexpr = block_mma_layout()
-    _, i, j = _block_ids(MMA)
+    _, i, j = block_ids(MMA)
     d = gl.where(i // 4 == j // 4, D, 0.0)
     # On the 4 x 4 diagonal blocks (d D) = d^2 and (d^2 D) = d^3, and d^4 = 0.
     p = gl.where(i // 4 == j // 4, _mm(d, D, zero), 0.0)
@@ -127,8 +127,24 @@ def blocked_unit_lower_inverse(a, xs, ys, ws):
     ``xs``, ``ys``, ``ws``: fp32 shared memory ``[4, 16, 16]`` (:func:`table_layout`; 4 KB
     each, free on entry and exit) for the diagonals of T the warps hand down.
     """
+    X, Y, W, Vb = blocked_inverse_diagonals(a, xs, ys, ws)
+    # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
+    L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
+    r, c = _column_ids(L4)
+    blk: gl.constexpr = gl.SliceLayout(2, L4)
+    t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
+    t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
+    t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
+    t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
+    return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
+
+
+@gluon.jit
+def blocked_inverse_diagonals(a, xs, ys, ws):
+    """The four block diagonals of ``(I + a)^-1`` (``a`` and the tables as for
+    :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
+    whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
-    acc_layout: gl.constexpr = a.type.layout
     a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
     zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
     D = _diagonal(a4, 0)
@@ -156,13 +172,4 @@ def blocked_unit_lower_inverse(a, xs, ys, ws):
     Vb = -_mm(X, P, zero)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()
-
-    # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
-    L4: gl.constexpr = a4.type.layout
-    r, c = _column_ids(L4)
-    blk: gl.constexpr = gl.SliceLayout(2, L4)
-    t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
-    t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
-    t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
-    t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
-    return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), acc_layout)
+    return X, Y, W, Vb

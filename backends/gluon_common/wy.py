@@ -78,7 +78,8 @@ from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
+from gdn_dispatch.backends.gluon_common.blocked_inverse import (
+    blocked_inverse_diagonals, blocked_unit_lower_inverse, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -419,20 +420,28 @@ def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGIN
 
 
 @gluon.jit
-def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
-                    USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
-    """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
-    (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
-    tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
-    return. ``rows_early``: what :func:`chunk_rows_early` returned."""
+def _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early):
+    """:func:`_chunk_a_of_k` with the rows :func:`chunk_rows_early` loaded (or None)."""
     if rows_early is None:
         g_raw = None
         b_raw = None
     else:
         g_raw = rows_early[0]
         b_raw = rows_early[1]
-    a, w_scale, u_scale = _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
-                                        USE_L2NORM, ENGINE, g_raw, b_raw)
+    return _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+                         USE_L2NORM, ENGINE, g_raw, b_raw)
+
+
+@gluon.jit
+def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
+                    USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
+    """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
+    (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
+    tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
+    return. ``rows_early``: what :func:`chunk_rows_early` returned."""
+    a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                           USE_L2NORM, ENGINE, rows_early)
     # The scales wait out the inverse in one register each.
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)
@@ -442,6 +451,18 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
+
+
+@gluon.jit
+def chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
+                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
+    """:func:`chunk_t_blocked`'s T left in its four block diagonals
+    (:func:`.blocked_inverse.blocked_inverse_diagonals`), unscaled, for a caller that
+    stores the blocks where they go instead of assembling the [64, 64] tile."""
+    a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                           USE_L2NORM, ENGINE, rows_early)
+    tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
+    return blocked_inverse_diagonals(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
 
 
 @gluon.jit

@@ -15,8 +15,10 @@ operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod
 
 Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
 (:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
-and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u. Idle slots are not
-written. Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there).
+and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u; with
+:data:`WY_T_SINGLE_TILE`, ``[slots * HV * 64, 64]``, T_u alone at rows ``(c * HV + h) *
+64``. Idle slots are not written. Rows of T past a sequence's end are 0 in both tiles
+(beta reads 0 there).
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common import wy
+from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, block_ids, block_mma_layout
 from gdn_dispatch.backends.gluon_common.wy import (
-    _f32_layout, chunk_program, chunk_rows_early, chunk_t, chunk_t_blocked, regs_inverse_smem, t_tile_pair, wy_chunks)
+    _f32_layout, chunk_program, chunk_rows_early, chunk_t, chunk_t_blocked, chunk_t_diagonals, regs_inverse_smem,
+    t_tile_pair, wy_chunks)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
-def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
+def _wy_t_fwd_kernel(k_desc, t_desc, t_ptr, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
-                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr):
+                     F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr,
+                     SINGLE_T: gl.constexpr, DIRECT_STORE: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -67,23 +72,65 @@ def _wy_t_fwd_kernel(k_desc, t_desc, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s
     tma_load(k_desc, [row0, (i_h // GROUP) * K], bars.index(0), k_smem)
     rows_early = chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT, EARLY_ROWS)
     mbarrier.wait(bars.index(0), 0)
-    if BLOCKED_INVERSE:
+    if DIRECT_STORE:
+        X, Y, W, Vb = chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
+                                        bars.index(1), USE_L2NORM, ENGINE, rows_early)
+        tile_row = (i_c * HV + i_h).to(gl.int64) * BT
+        for d in gl.static_range(1, BLOCKS):
+            _store_zero_blocks(t_ptr, tile_row, -d)
+        _store_t_u_diagonal(t_ptr, tile_row, X, 0, beta, s_beta, row0, n_valid, i_h)
+        _store_t_u_diagonal(t_ptr, tile_row, Y, 1, beta, s_beta, row0, n_valid, i_h)
+        _store_t_u_diagonal(t_ptr, tile_row, W, 2, beta, s_beta, row0, n_valid, i_h)
+        _store_t_u_diagonal(t_ptr, tile_row, Vb, 3, beta, s_beta, row0, n_valid, i_h)
+    elif BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
                                               bars.index(1), USE_L2NORM, ENGINE, rows_early)
     else:
         t, w_scale, u_scale = chunk_t(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
                                       a_smem, x_smem, lhs_smem, bars.index(1), bars.index(2), True, USE_L2NORM,
                                       ENGINE, F16_INVERSE)
-    tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
-    tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
-    # The TMA stores read the tiles through the async proxy.
-    fence_async_shared()
-    base = (i_c * HV + i_h) * (2 * BT)
-    tma_store(t_desc, [base, 0], tw_smem)
-    tma_store(t_desc, [base + BT, 0], tu_smem)
-    tma.store_wait(0)
+    if not DIRECT_STORE:
+        if not SINGLE_T:
+            tw_smem.store((t * gl.expand_dims(w_scale, 0)).to(dtype))
+        tu_smem.store((t * gl.expand_dims(u_scale, 0)).to(dtype))
+        # The TMA stores read the tiles through the async proxy.
+        fence_async_shared()
+        if SINGLE_T:
+            tma_store(t_desc, [(i_c * HV + i_h) * BT, 0], tu_smem)
+        else:
+            base = (i_c * HV + i_h) * (2 * BT)
+            tma_store(t_desc, [base, 0], tw_smem)
+            tma_store(t_desc, [base + BT, 0], tu_smem)
+        tma.store_wait(0)
     for i in gl.static_range(3):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _store_t_u_diagonal(t_ptr, tile_row, blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
+    """Block diagonal ``d`` of T (a :func:`.blocked_inverse.blocked_inverse_diagonals`
+    batch: block r is T's block (r, r - d)) scaled by beta's columns into the T_u tile at
+    row ``tile_row`` of ``t_ptr``, straight from the mma.sync registers: no select builds
+    the [64, 64] tile and no shared memory stages it."""
+    b, i, j = block_ids(block_mma_layout())
+    col = BLOCK * (b - d) + j
+    ok = b >= d
+    beta_col = gl.load(beta + (row0 + col).to(gl.int64) * s_beta + i_h, mask=ok & (col < n_valid), other=0.0)
+    rows = tile_row + BLOCK * b + i
+    gl.store(t_ptr + rows * (BLOCKS * BLOCK) + col, (blk * beta_col.to(gl.float32)).to(t_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@gluon.jit
+def _store_zero_blocks(t_ptr, tile_row, d: gl.constexpr):
+    """Zeros into the T_u tile's blocks (r, r - d) above the diagonal (``d < 0``; r - d <= 3):
+    the fused kernel reads the whole tile."""
+    b, i, j = block_ids(block_mma_layout())
+    col = BLOCK * (b - d) + j
+    rows = tile_row + BLOCK * b + i
+    zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
+    gl.store(t_ptr + rows * (BLOCKS * BLOCK) + col, zero.to(t_ptr.dtype.element_ty),
+             mask=b - d < BLOCKS)
 
 
 @gluon.jit
@@ -97,9 +144,15 @@ def first_t_slot(bos, i_n, BT: gl.constexpr, HAS_TAILS: gl.constexpr):
     return slot
 
 
-def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool) -> int:
-    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
-    return wy_chunks(rows, num_seqs, tails) * HV * 2 * CHUNK_SIZE
+def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool, tiles: int = 2) -> int:
+    """Rows of ``t_tiles`` for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
+    ``tiles`` per chunk slot and v-head (1: T_u alone, :data:`WY_T_SINGLE_TILE`)."""
+    return wy_chunks(rows, num_seqs, tails) * HV * tiles * CHUNK_SIZE
+
+
+def t_tiles_per_chunk(engine) -> int:
+    """T tiles the T kernel writes per chunk slot and v-head for ``engine``'s fused kernel."""
+    return 1 if WY_T_SINGLE_TILE and not engine.is_sm100 else 2
 
 
 #: Without the blocked inverse, the 64 x 64 one on fp16 operands on sm_90a
@@ -126,6 +179,20 @@ WY_T_MAXNREG_SM90 = 128
 #: 248-304 per specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
 WY_T_SPILL_BYTES_SM90 = 384
 
+#: The T kernel writes T_u alone, and sm_90a's fused kernel takes its state partition's
+#: v_new as ``T_u (v - diag(2^g) k S)`` (``u - w S`` regrouped), so that neither T_w nor
+#: w and u are formed: half the T tiles' bytes through global memory (16 -> 8 KB per chunk
+#: and v-head), and the aux partition keeps only the scores and gate vectors
+#: (:mod:`..gluon_sm90.fused`). Not measured on a GPU yet: off. (The sm_100a twin reads
+#: both tiles.) Measured before, and removed: T_w formed from T_u in the aux partition
+#: (the T kernel 0.287 -> 0.267 ms, the fused kernel 0.360 -> 0.414 at H16-HV32 4 x 8192).
+WY_T_SINGLE_TILE = False
+#: With T_u alone and the blocked inverse, the T kernel stores T_u's 16 x 16 blocks from
+#: the inverse's mma.sync registers with plain global stores (beta's column scale loaded
+#: per block), instead of selecting them into the [64, 64] tile and sending that through
+#: shared memory and a TMA store.
+WY_T_DIRECT_STORE = True
+
 
 def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     """Launch plan of :func:`wy_t_fwd` for ``problem`` (a dry run: no GPU, no tensor read):
@@ -144,11 +211,14 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "smem_bytes": BT * K * torch.finfo(dtype).bits // 8 + (1 if blocked else 2) * BT * BT * 4},
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
-                    "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS},
+                    "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS,
+                    "SINGLE_T": t_tiles_per_chunk(engine) == 1,
+                    "DIRECT_STORE": t_tiles_per_chunk(engine) == 1 and blocked and WY_T_DIRECT_STORE},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: T_w, T_u only",
+        notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
+              f"{'T_w, T_u' if t_tiles_per_chunk(engine) == 2 else 'T_u'} only",
         maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
     )
     return launch.bind(problem.B * problem.T, problem.N)
@@ -167,7 +237,8 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
 
     Returns
     -------
-    t_tiles : Tensor ``[slots * HV * 128, 64]`` in k's dtype (module docstring).
+    t_tiles : Tensor ``[slots * HV * 128, 64]`` (``[slots * HV * 64, 64]`` with
+        :data:`WY_T_SINGLE_TILE`) in k's dtype (module docstring).
     g_cum : float32 Tensor ``[B, T, HV]``: ``log2(e)`` times the chunk-local inclusive
         cumsum of g (rows of every sequence written).
     """
@@ -175,12 +246,14 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
     launch = launch.shared
     HV = launch.scalars["HV"]
     tails = launch.constexprs["HAS_TAILS"]
-    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails), CHUNK_SIZE, dtype=k.dtype, device=k.device)
+    tiles = 1 if launch.constexprs["SINGLE_T"] else 2
+    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails, tiles), CHUNK_SIZE, dtype=k.dtype,
+                          device=k.device)
     g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
     if B * T == 0 or HV == 0:
         return t_tiles, g_cum
     launch_planned(_wy_t_fwd_kernel, launch, {"k": k, "t": t_tiles}, dict(
-        g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
+        t_ptr=t_tiles, g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
         HV=HV, GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
     ), rows=B * T, num_seqs=chunks.num_seqs)
     return t_tiles, g_cum
@@ -202,7 +275,7 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -
         for tails in (False, True):
             launch = plan_wy_t(aot_problem(128, 128, dtype, tails, False), device, engine=engine)
             sig = {d.arg: d.signature for d in launch.descriptors}
-            sig.update(g="*" + sig_dtype(g_dtype), g_cum="*fp32", beta="*" + sig_dtype(beta_dtype),
+            sig.update(t_ptr="*" + sig_dtype(dtype), g="*" + sig_dtype(g_dtype), g_cum="*fp32", beta="*" + sig_dtype(beta_dtype),
                        cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
             sig.update({name: "constexpr" for name in launch.constexprs})
             tag = (f"K128-{'varlen' if tails else 'dense'}-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}"
@@ -212,5 +285,5 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -
                 signature={name: sig[name] for name in arg_names(_wy_t_fwd_kernel)},
                 constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
                 maxnreg=launch.maxnreg, spill_bytes_allowed=0 if engine.is_sm100 else WY_T_SPILL_BYTES_SM90,
-                attrs=pointer_attrs(_wy_t_fwd_kernel, ["g", "g_cum", "beta", "cu_seqlens"])))
+                attrs=pointer_attrs(_wy_t_fwd_kernel, ["t_ptr", "g", "g_cum", "beta", "cu_seqlens"])))
     return kernels

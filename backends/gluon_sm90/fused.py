@@ -26,6 +26,14 @@ partitions that share the program's shared memory through mbarrier rings:
 
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
 
+With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` (off: not measured on a GPU yet) the T
+kernel writes T_u alone and the state partition forms v_new itself, ``u - w S`` regrouped
+as ``T_u (v - diag(2^g) k S)``: one more [V, 64] x [64, 64] product on the chain
+(``P^T = S^T k^T``, then ``v_new^T = (v^T - P^T diag(2^g)) T_u^T``), while the aux partition
+forms only the scores and gate vectors and the state refills the v and T slots it alone
+reads (:func:`_state` with ``CHAIN``, :func:`_aux_scores`); no w or u ring (80 KB less shared
+memory).
+
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
 and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
 fresh barrier's previous phase counts as complete), so the first use of a slot does not
@@ -65,7 +73,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows
+from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
 #: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
@@ -99,12 +107,14 @@ def _load_v(v_desc, v_ring, v_ready, s, row, col_v):
 
 @gluon.jit
 def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
-    """TMA loads of chunk slot ``slot``'s T_w and T_u tiles (v-head ``i_h``) into T slot ``s``."""
+    """TMA loads of chunk slot ``slot``'s T tiles (v-head ``i_h``) into T slot ``s``: T_w
+    and T_u, or T_u alone where the ring holds one tile a slot (:data:`.wy_t.WY_T_SINGLE_TILE`)."""
     BT: gl.constexpr = t_desc.block_type.shape[0]
-    base = (slot * HV + i_h) * (2 * BT)
-    mbarrier.expect(t_ready.index(s), 2 * t_desc.block_type.nbytes)
-    tma_load(t_desc, [base, 0], t_ready.index(s), t_ring.index(2 * s))
-    tma_load(t_desc, [base + BT, 0], t_ready.index(s), t_ring.index(2 * s + 1))
+    TILES: gl.constexpr = t_ring.shape[0] // 2
+    base = (slot * HV + i_h) * (TILES * BT)
+    mbarrier.expect(t_ready.index(s), TILES * t_desc.block_type.nbytes)
+    for i in gl.static_range(TILES):
+        tma_load(t_desc, [base + i * BT, 0], t_ready.index(s), t_ring.index(TILES * s + i))
 
 
 @gluon.jit
@@ -181,20 +191,18 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 
 
 @gluon.jit
-def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-           wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HAS_TAILS: gl.constexpr,
-           ENGINE: gl.constexpr):
-    """The serial chain (module docstring); returns the final S^T."""
+def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
+           kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT,
+           col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr):
+    """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
+    alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
+    and ``u_ring`` are then unused."""
     BT: gl.constexpr = kq_ring.shape[1]
-    K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
     nw: gl.constexpr = gl.num_warps()
-    acc_s: gl.constexpr = wgmma_layout(BV, K, nw)      # S^T [V, K]
     acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T, u^T [V, 64]
     lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
-    lhs_u: gl.constexpr = lhs_reg_layout(acc_s, 16)    # v_new^T scaled, of the state update
-    lhs_o: gl.constexpr = lhs_reg_layout(acc_c, 16)    # v_new^T, of O^T += v_new^T scores^T
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     for t in range(NT):
@@ -204,42 +212,133 @@ def _state(S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem
         k_tile = kq_ring.index(2 * s)
         q_tile = kq_ring.index(2 * s + 1)
         sb = gl.convert_layout(S.to(dtype), lhs_s)
-        mbarrier.wait(wu_ready.index(s), phase)
-        # The chain: P^T alone, then the state update; O^T after, off the chain.
-        p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                          use_acc=False, is_async=True)
+        if CHAIN:
+            # P^T = S^T k^T: the state's own product; the gate vectors after it.
+            mbarrier.wait(kq_ready.index(s), phase)
+            p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                              use_acc=False, is_async=True)
+            mbarrier.wait(wu_ready.index(s), phase)
+        else:
+            mbarrier.wait(wu_ready.index(s), phase)
+            # The chain: P^T alone, then the state update; O^T after, off the chain.
+            p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                              use_acc=False, is_async=True)
         decay = gl.max(gate_ring.index(3 * s + 2).slice(0, 1).load(one), axis=0)
         b_d = gate_ring.index(3 * s).load(cols_c)
-        u = u_ring.index(s).load(acc_c).to(gl.float32)
-        p = warpgroup_mma_wait(0, deps=(p,))
-        vn = u - p
-        vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_u)
-        mbarrier.wait(kq_ready.index(s), phase)
-        S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
-        o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                          use_acc=False, is_async=True)
-        # wgmma groups retire in issue order: O^T is done when the state update is.
-        S, o = warpgroup_mma_wait(0, deps=(S, o))
-        e_g = gate_ring.index(3 * s + 1).load(cols_c)
-        o = o * gl.expand_dims(e_g, 0)
-        o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_o), s_ring.index(s).permute((1, 0)), o,
-                          use_acc=True, is_async=True)
-        S, o = warpgroup_mma_wait(0, deps=(S, o))
+        if CHAIN:
+            vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
+                               gate_ring.index(3 * s + 1), phase, acc_c)
+        else:
+            u = u_ring.index(s).load(acc_c).to(gl.float32)
+            p = warpgroup_mma_wait(0, deps=(p,))
+            vn = u - p
+        S, o = _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready,
+                                  phase, not CHAIN)
+        if CHAIN:
+            # v was read by plain shared loads: ordered before its TMA refill below.
+            fence_async_shared()
         # Every warp's MMAs reading the slots are complete (each waited its own).
         thread_barrier()
         mbarrier.arrive(wu_empty.index(s), count=1)
         if t + 2 < NT:
+            if CHAIN:
+                # The state alone reads v and T: their slot s takes chunk t + 2 now.
+                _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
+                _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
             # The state is the last reader of k/q slot s: refill it with chunk t + 2 once
             # the aux partition is done with chunk t.
             mbarrier.wait(kq_empty.index(s), phase)
             _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
-        # The previous chunk's store must have read o_smem.
-        tma.store_wait(0)
-        o_smem.permute((1, 0)).store((o * scale).to(dtype))
-        fence_async_shared()
-        store_chunk_tile(o_desc, o_desc, o_ptr, row_stride, o_smem, row, col_v, eos - row, HAS_TAILS, ENGINE)
+        _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
     tma.store_wait(0)
     return (S,)
+
+
+@gluon.jit
+def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr):
+    """``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` ([V, 64], fp32 in ``acc_c``, P^T's layout)
+    from the chain's ``P^T = S^T k^T`` (in flight), the chunk's v and T_u slots (waited here,
+    at ``phase``) and its row decays ``2^g``: ``u - w S`` regrouped, as T_u (v - 2^g k S)."""
+    BT: gl.constexpr = v_slot.shape[0]
+    BV: gl.constexpr = v_slot.shape[1]
+    e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
+    mbarrier.wait(v_bar, phase)
+    vt = v_slot.permute((1, 0)).load(acc_c).to(gl.float32)
+    p = warpgroup_mma_wait(0, deps=(p,))
+    z = gl.convert_layout((vt - p * gl.expand_dims(e_g, 0)).to(v_slot.dtype), lhs_reg_layout(acc_c, 16))
+    mbarrier.wait(t_bar, phase)
+    vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
+                       is_async=True)
+    return warpgroup_mma_wait(0, deps=(vn,))
+
+
+@gluon.jit
+def _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready, phase,
+                       WAIT_KQ: gl.constexpr):
+    """The chain's state update ``S^T = 2^g_last S^T + (v_new^T 2^(g_last - g)) k`` and the
+    chunk's ``O^T = 2^g (S_old^T q^T) + v_new^T scores^T`` (``sb``: S_old^T as the left
+    operand; ``b_d``, ``decay``: the gate vectors read; with ``WAIT_KQ`` the k/q slot is
+    waited for first). Returns the new S^T and O^T."""
+    BT: gl.constexpr = k_tile.shape[0]
+    BV: gl.constexpr = S.shape[0]
+    dtype: gl.constexpr = k_tile.dtype
+    acc_c: gl.constexpr = vn.type.layout
+    vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
+    if WAIT_KQ:
+        mbarrier.wait(kq_ready.index(s), phase)
+    S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+    o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                      use_acc=False, is_async=True)
+    # wgmma groups retire in issue order: O^T is done when the state update is.
+    S, o = warpgroup_mma_wait(0, deps=(S, o))
+    e_g = gate_ring.index(3 * s + 1).load(gl.SliceLayout(0, acc_c))
+    o = o * gl.expand_dims(e_g, 0)
+    o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16)), s_ring.index(s).permute((1, 0)), o,
+                      use_acc=True, is_async=True)
+    S, o = warpgroup_mma_wait(0, deps=(S, o))
+    return S, o
+
+
+@gluon.jit
+def _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS: gl.constexpr,
+             ENGINE: gl.constexpr):
+    """``o = scale (O^T)^T`` of the chunk at ``row`` through ``o_smem`` (TMA store, or the
+    tail's rows alone)."""
+    # The previous chunk's store must have read o_smem.
+    tma.store_wait(0)
+    o_smem.permute((1, 0)).store((o * scale).to(o_smem.dtype))
+    fence_async_shared()
+    store_chunk_tile(o_desc, o_desc, o_ptr, row_stride, o_smem, row, col_v, eos - row, HAS_TAILS, ENGINE)
+
+
+@gluon.jit
+def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT):
+    """The aux work of every chunk when the state partition forms v_new from T_u itself
+    (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    dtype: gl.constexpr = kq_ring.dtype
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
+    for t in range(NT):
+        s = t % 2
+        row = bos + t * BT
+        mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
+        qk = warpgroup_mma(kq_ring.index(2 * s + 1), kq_ring.index(2 * s).permute((1, 0)),
+                           gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False, is_async=True)
+        g_row = b_g
+        g_end = g_last
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
+        # Slot s of the scores and gate rings is free once the state is done with chunk t - 2.
+        mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
+        store_gate_vectors(gate_ring, s, g_row, g_end, eos - row)
+        qk = warpgroup_mma_wait(0, deps=(qk,))
+        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
+                                          gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(dtype))
+        fence_async_shared()
+        thread_barrier()
+        mbarrier.arrive(kq_empty.index(s), count=1)
+        mbarrier.arrive(wu_ready.index(s), count=1)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
@@ -248,6 +347,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
+    SINGLE_T: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -259,9 +359,13 @@ def _fused_fwd_kernel(
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
-    t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
-    w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
-    u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
+    if SINGLE_T:
+        # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
+        t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
+    else:
+        t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
+        w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
+        u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
     # Three gate vectors per w/u slot (see _aux).
     gate_ring = gl.allocate_shared_memory(gl.float32, [6, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -299,14 +403,27 @@ def _fused_fwd_kernel(
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 1, bos + BT, col_k)
         if V_SLOTS > 1:
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
+        if SINGLE_T:
+            _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    S = gl.warp_specialize([
-        (_state, (S, k_desc, q_desc, kq_ring, w_ring, u_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty, wu_ready,
-                  wu_empty, o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HAS_TAILS, ENGINE)),
-        (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
-                kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
-                g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
-    ], [AUX_WARPS], [AUX_REGS])[0]
+    if SINGLE_T:
+        # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring,
+                      o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
+                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True)),
+            (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
+                           eos, NT)),
+        ], [AUX_WARPS], [AUX_REGS])[0]
+    else:
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
+                      o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
+                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, False)),
+            (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
+                    kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
+                    g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
+        ], [AUX_WARPS], [AUX_REGS])[0]
 
     if STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
@@ -369,12 +486,15 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     constexprs["V_SLOTS"] = V_SLOTS
+    t_tiles = t_tiles_per_chunk(engine)
+    constexprs["SINGLE_T"] = t_tiles == 1
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
-                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS)},
+                "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
+                                               single_t=t_tiles == 1)},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -389,9 +509,14 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     return launch.bind(problem.B * problem.T, problem.N)
 
 
-def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1) -> int:
+def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
+                     single_t: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
-    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers."""
+    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
+    ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u."""
+    if single_t:
+        return (4 * BT * K + v_slots * BT * V + 2 * BT * BT + 2 * BT * BT + BT * V) * elem + 6 * BT * 4 \
+            + (10 + v_slots) * 8
     return (4 * BT * K + v_slots * BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
         + 6 * BT * 4 + (10 + v_slots) * 8
 
