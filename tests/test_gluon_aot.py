@@ -249,9 +249,9 @@ def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
 @pytest.mark.slow
 def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(monkeypatch):
     """With :data:`wy_t.WY_T_SINGLE_TILE` the T kernel stores one [64, 64] tile per program
-    (T_u) from the inverse's registers (:data:`wy_t.WY_T_DIRECT_STORE`: no TMA store), and
-    the fused kernel forms ``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` in its state
-    partition: 36 wgmma (the state's P^T 8, v_new^T 4, update 4, O^T 8 + 4; the aux's q k^T
+    (T_u) from the inverse's registers (its ``DIRECT_STORE`` with the blocked inverse: no
+    TMA store), and the fused kernel forms ``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` in its
+    state partition: 36 wgmma (the state's P^T 8, v_new^T 4, update 4, O^T 8 + 4; the aux's q k^T
     8), the aux partition left with q k^T alone and no TMA load (the state partition refills
     v and T), T ring, w and u rings gone from shared memory as planned; within the spill
     allowances."""

@@ -186,12 +186,11 @@ WY_T_SPILL_BYTES_SM90 = 384
 #: (:mod:`..gluon_sm90.fused`). Not measured on a GPU yet: off. (The sm_100a twin reads
 #: both tiles.) Measured before, and removed: T_w formed from T_u in the aux partition
 #: (the T kernel 0.287 -> 0.267 ms, the fused kernel 0.360 -> 0.414 at H16-HV32 4 x 8192).
+#: With the blocked inverse the T kernel then stores T_u's 16 x 16 blocks from the
+#: inverse's mma.sync registers with plain global stores (beta's column scale loaded per
+#: block), instead of selecting them into the [64, 64] tile and sending that through
+#: shared memory and a TMA store (the kernel's ``DIRECT_STORE``).
 WY_T_SINGLE_TILE = False
-#: With T_u alone and the blocked inverse, the T kernel stores T_u's 16 x 16 blocks from
-#: the inverse's mma.sync registers with plain global stores (beta's column scale loaded
-#: per block), instead of selecting them into the [64, 64] tile and sending that through
-#: shared memory and a TMA store.
-WY_T_DIRECT_STORE = True
 
 
 def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
@@ -204,6 +203,7 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     BT = CHUNK_SIZE
     dtype = problem.dtype
     blocked = WY_T_BLOCKED_INVERSE and not engine.is_sm100
+    single = t_tiles_per_chunk(engine) == 1
     launch = LaunchPlan(
         kernel="wy_t_fwd",
         grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
@@ -212,13 +212,12 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
                     "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS,
-                    "SINGLE_T": t_tiles_per_chunk(engine) == 1,
-                    "DIRECT_STORE": t_tiles_per_chunk(engine) == 1 and blocked and WY_T_DIRECT_STORE},
+                    "SINGLE_T": single, "DIRECT_STORE": single and blocked},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
                      tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
-              f"{'T_w, T_u' if t_tiles_per_chunk(engine) == 2 else 'T_u'} only",
+              f"{'T_u' if single else 'T_w, T_u'} only",
         maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
     )
     return launch.bind(problem.B * problem.T, problem.N)
@@ -275,8 +274,9 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -
         for tails in (False, True):
             launch = plan_wy_t(aot_problem(128, 128, dtype, tails, False), device, engine=engine)
             sig = {d.arg: d.signature for d in launch.descriptors}
-            sig.update(t_ptr="*" + sig_dtype(dtype), g="*" + sig_dtype(g_dtype), g_cum="*fp32", beta="*" + sig_dtype(beta_dtype),
-                       cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
+            sig.update(t_ptr="*" + sig_dtype(dtype), g="*" + sig_dtype(g_dtype), g_cum="*fp32",
+                       beta="*" + sig_dtype(beta_dtype), cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32",
+                       GROUP="i32", s_g="i32", s_beta="i32")
             sig.update({name: "constexpr" for name in launch.constexprs})
             tag = (f"K128-{'varlen' if tails else 'dense'}-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}"
                    f"-beta{sig_dtype(beta_dtype)}{'-cu64' if cu_dtype == torch.int64 else ''}")

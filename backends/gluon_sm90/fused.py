@@ -514,11 +514,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u."""
-    if single_t:
-        return (4 * BT * K + v_slots * BT * V + 2 * BT * BT + 2 * BT * BT + BT * V) * elem + 6 * BT * 4 \
-            + (10 + v_slots) * 8
-    return (4 * BT * K + v_slots * BT * V + 4 * BT * BT + 2 * BT * K + 2 * V * BT + 2 * BT * BT + BT * V) * elem \
-        + 6 * BT * 4 + (10 + v_slots) * 8
+    t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
+    return (4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem + 6 * BT * 4 + (10 + v_slots) * 8
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
