@@ -27,7 +27,7 @@ from gdn_dispatch.aot import AotKernel, compile_kernel  # noqa: E402
 from gdn_dispatch.device import SMEM_OPTIN, assumed_device  # noqa: E402
 
 from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
-from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
@@ -223,15 +223,29 @@ def test_gluon_sm90_kernel_compiles(kernel):
         assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
 
 
+@pytest.fixture
+def build_flags(monkeypatch):
+    """Sets module flags of a build (``(module, name, value)`` each) with the plan cache
+    cleared around them: a plan cached under other flags would carry their constexprs."""
+    def apply(*settings):
+        for module, name, value in settings:
+            monkeypatch.setattr(module, name, value)
+        clear_plan_cache()
+    yield apply
+    clear_plan_cache()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
-    """The fused kernel with a two-slot v ring (:data:`fused.V_SLOTS`): 16 KB more shared
-    memory, as planned and within the 227 KB opt-in limit; the register budgets, the wgmma
-    count and the spill allowance as with one slot."""
+def test_sm90_fused_kernel_with_two_v_slots(tails, build_flags):
+    """The fused kernel with a two-slot v ring (:data:`fused.V_SLOTS`) and both T tiles
+    (:data:`wy_t.WY_T_SINGLE_TILE` off: w and u formed in the aux partition): 16 KB more
+    shared memory than one slot, as planned and within the 227 KB opt-in limit; the register
+    budgets, the wgmma count and the spill allowance as with one slot."""
+    from gdn_dispatch.backends.gluon_common import wy_t
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    monkeypatch.setattr(fused, "V_SLOTS", 2)
+    build_flags((fused, "V_SLOTS", 2), (wy_t, "WY_T_SINGLE_TILE", False))
     kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.constexprs["HAS_TAILS"] == tails)
     assert kernel.constexprs["V_SLOTS"] == 2
@@ -247,7 +261,7 @@ def test_sm90_fused_kernel_with_two_v_slots(tails, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(monkeypatch):
+def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(build_flags):
     """With :data:`wy_t.WY_T_SINGLE_TILE` the T kernel stores one [64, 64] tile per program
     (T_u) from the inverse's registers (its ``DIRECT_STORE`` with the blocked inverse: no
     TMA store), and the fused kernel forms ``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` in its
@@ -258,7 +272,7 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(monkeypatch):
     from gdn_dispatch.backends.gluon_common import wy_t
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    monkeypatch.setattr(wy_t, "WY_T_SINGLE_TILE", True)
+    build_flags((wy_t, "WY_T_SINGLE_TILE", True), (wy_t, "WY_T_BLOCK_TMA", False))
     t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                     if k.constexprs["HAS_TAILS"])
     assert t_kernel.constexprs["SINGLE_T"] is True and t_kernel.constexprs["DIRECT_STORE"] is True
@@ -280,6 +294,24 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(monkeypatch):
     ops = _partition_ops(report.ttgir, (dot, load))
     assert ops["partition0"][dot] == 1 and load not in ops["partition0"], ops
     assert ops["default"][dot] == 5 and ops["default"][load] >= 4, ops
+
+
+@pytest.mark.slow
+def test_sm90_t_u_in_sixteen_tma_boxes(build_flags):
+    """With :data:`wy_t.WY_T_BLOCK_TMA` the T kernel stages T_u's blocks in shared memory and
+    sends them with sixteen 2-D TMA stores, and no plain global store writes T (the one
+    left is g_cum's); the inverse's table swizzle keeps the build within its register cap
+    and spill allowance."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    build_flags((wy_t, "WY_T_SINGLE_TILE", True), (wy_t, "WY_T_BLOCK_TMA", True))
+    for t_kernel in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[:2]:
+        assert t_kernel.constexprs["BLOCK_TMA"] is True
+        report = compile_kernel(t_kernel, SM90)
+        assert report.spill_bytes <= t_kernel.spill_bytes_allowed
+        assert report.registers <= wy_t.WY_T_MAXNREG_SM90
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", report.ptx)) == 16
+        assert not re.search(r"st\.global(\.\w+)*\.b16", report.ptx)
 
 
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:

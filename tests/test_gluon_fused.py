@@ -41,24 +41,27 @@ def _engines():
     return gluon_sm90.ENGINE, gluon_sm100.ENGINE
 
 
-#: The path's build variants the tests run besides the default: (name, module, constant,
-#: value).
-VARIANTS = [("default", None, None, None),
-            ("v-1-slot", "gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1),
-            ("late-rows", "gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False),
-            ("t-u-chain", "gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", True)]
+#: The path's build variants the tests run besides the default: (name, [(module, constant,
+#: value), ...]).
+_WY_T = "gdn_dispatch.backends.gluon_common.wy_t"
+VARIANTS = [("default", []),
+            ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
+            ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
+            ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)])]
 
 
-@pytest.fixture(params=VARIANTS, ids=[name for name, *_ in VARIANTS])
+@pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
 def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
-    loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), and with
-    T_u alone, v_new formed from it in the state partition (:data:`wy_t.WY_T_SINGLE_TILE`);
-    plans computed afresh."""
+    loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
+    and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
+    off), and with T_u's blocks stored from the inverse's registers instead of sent as 16 x
+    16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off); plans computed afresh."""
     import importlib
 
-    name, module, constant, value = request.param
-    if module is not None:
+    name, settings = request.param
+    for module, constant, value in settings:
         monkeypatch.setattr(importlib.import_module(module), constant, value)
     clear_plan_cache()
     yield name
@@ -107,13 +110,21 @@ def test_launches_of_the_path(shape, kernel_variant):
                                "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
                                "EARLY_ROWS": WY_T_BLOCKED_INVERSE and wy_module.WY_EARLY_ROWS,
                                "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                               "DIRECT_STORE": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE}
+                               "DIRECT_STORE": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE,
+                               "BLOCK_TMA": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE
+                               and wy_t_module.WY_T_BLOCK_TMA}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE}
-    assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE) == {
-        "v-1-slot": (1, True, False), "late-rows": (2, False, False), "t-u-chain": (2, True, True)}.get(
-        kernel_variant, (2, True, False))
+    assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
+            wy_t_module.WY_T_BLOCK_TMA) == {
+        "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),
+        "t-pair": (2, True, False, True), "t-u-direct": (2, True, True, False)}.get(
+        kernel_variant, (2, True, True, True))
+    # The T kernel's descriptor: a [16, 16] box of T_u, or a [64, 64] tile (unused by the
+    # direct stores).
+    assert {d.arg: d.block_shape for d in wy_t.descriptors}["t_desc"] == (
+        (64, 64) if kernel_variant in ("t-pair", "t-u-direct") else (16, 16))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
         "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),

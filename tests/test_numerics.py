@@ -121,10 +121,19 @@ def test_correlated_keys_are_correlated():
     assert float(call["beta"].min()) >= 0.5 and float(call["g"].min()) >= -0.01
 
 
-def _t_tiles_reference(p, g_cum):
+def _nan_empty(empty):
+    """``torch.empty`` that fills floating tensors with NaN (poisoned outputs)."""
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    return poisoned
+
+
+def _t_tiles_reference(p, g_cum, tiles=2):
     """float64 T_u = T diag(beta) of every chunk and v-head, gathered as wy_t_fwd lays its
-    tiles out (with tails, sequence n's chunks start at slot cu[n] // 64 + n), and the
-    kernel rows that hold them: (rows of t_tiles, [rows, 64] reference)."""
+    tiles out (with tails, sequence n's chunks start at slot cu[n] // 64 + n; ``tiles`` per
+    slot and v-head, T_u the last), and the kernel rows that hold them: (rows of t_tiles,
+    [rows, 64] reference)."""
     from gdn_dispatch.backends.gluon_common.launch_plan import has_tails
 
     T = _exact_inverse(p, g_cum)  # [B*T, HV, 64]: row t of its chunk
@@ -137,7 +146,7 @@ def _t_tiles_reference(p, g_cum):
             r = min(64, eos - c0)
             slot = c0 // 64 + n if tails else c0 // 64
             for h in range(p.HV):
-                base = (slot * p.HV + h) * 128 + 64
+                base = ((slot * p.HV + h) * tiles + tiles - 1) * 64
                 tile = torch.zeros(64, 64, dtype=torch.float64, device=T.device)
                 tile[:r, :r] = T[c0:c0 + r, h, :r] * beta[c0:c0 + r, h][None, :]
                 rows.append(torch.arange(base, base + 64, device=T.device))
@@ -145,16 +154,25 @@ def _t_tiles_reference(p, g_cum):
     return torch.cat(rows), torch.cat(ref)
 
 
+#: How the T kernel stores T: (WY_T_SINGLE_TILE, WY_T_BLOCK_TMA).
+T_STORES = {"pair": (False, False), "t-u-direct": (True, False), "t-u-block-tma": (True, True)}
+
+
 @pytest.mark.parametrize("device", _device_params(gluon=True))
+@pytest.mark.parametrize("store", list(T_STORES))
 @pytest.mark.parametrize("case", ["cosine-0.9", "cosine-0.99", "beyond-fp16-range"])
-def test_gluon_t_tiles_against_float64(device, case, monkeypatch):
-    """The T kernel of the warp-specialized path (on sm_90a its inverse runs on fp16
-    operands): T_u against float64, with correlated keys, and with keys so long that A's
-    entries (about 1e5) and T's leave fp16's range, where the kernel must redo the inverse
-    in tf32 (an fp16 result would hold inf / NaN there)."""
+def test_gluon_t_tiles_against_float64(device, case, store, monkeypatch):
+    """The T kernel of the warp-specialized path: T_u against float64, with correlated keys,
+    and with keys so long that A's entries (about 1e5) and T's leave fp16's range (where an
+    fp16 inverse must be redone in tf32: an fp16 result would hold inf / NaN there); T_w and
+    T_u as a pair, T_u alone from the inverse's registers, and T_u alone in 16 x 16 TMA
+    boxes. The tiles start as NaN: every element of T_u, zeros included, must be written."""
+    from gdn_dispatch.backends.gluon_common import wy_t
     from gdn_dispatch.backends.gluon_common.wy_t import plan_wy_t, wy_t_fwd
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(wy_t, "WY_T_SINGLE_TILE", T_STORES[store][0])
+    monkeypatch.setattr(wy_t, "WY_T_BLOCK_TMA", T_STORES[store][1])
     if case == "beyond-fp16-range":
         call = random_call(lengths=[3, 2, 130, 3], H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, device=device,
                            seed=5, key_cosine=0.9)
@@ -165,8 +183,10 @@ def test_gluon_t_tiles_against_float64(device, case, monkeypatch):
         call = random_call(lengths=[130, 64, 1], H=1, HV=2, K=128, V=128, dtype=torch.bfloat16, device=device,
                            seed=3, key_cosine=float(case.split("-")[1]))
     p = make_problem(**call)
-    t_tiles, g_cum = wy_t_fwd(p.k, p.g, p.beta, p.chunks, plan_wy_t(p, torch.cuda.get_device_capability()))
-    rows, ref = _t_tiles_reference(p, g_cum)
+    with monkeypatch.context() as poison:
+        poison.setattr(torch, "empty", _nan_empty(torch.empty))
+        t_tiles, g_cum = wy_t_fwd(p.k, p.g, p.beta, p.chunks, plan_wy_t(p, torch.cuda.get_device_capability()))
+    rows, ref = _t_tiles_reference(p, g_cum, 1 if T_STORES[store][0] else 2)
     got = t_tiles[rows].double()
     assert torch.isfinite(got).all()
     # T_u is rounded to bf16 (2^-9 relative); the inverse's own error is about 1e-3.

@@ -43,7 +43,16 @@ def block_mma_layout():
 
 @gluon.constexpr_function
 def table_layout():
-    return gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    """Rows g and g + 2 of an mma.sync fragment 8 banks apart (a 32-byte swizzle every two
+    rows of a 16 x 16 block): the accumulator's 8-byte stores and the rhs operand's 4-byte
+    loads are free of bank conflicts (unswizzled, both took twice their ideal wavefronts:
+    a third of the T kernel's shared-memory traffic)."""
+    return gl.SwizzledSharedLayout(8, 2, 2, [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rhs_layout():
+    return gl.DotOperandLayout(operand_index=1, parent=block_mma_layout(), k_width=1)
 
 
 @gluon.jit
@@ -51,8 +60,7 @@ def _mm(x, y, acc):
     """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, tf32 mma.sync."""
     MMA: gl.constexpr = block_mma_layout()
     lhs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    rhs: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
-    return mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, rhs), acc, input_precision="tf32")
+    return mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, _rhs_layout()), acc, input_precision="tf32")
 
 
 @gluon.jit
@@ -86,16 +94,19 @@ def _diagonal(a4, d: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(table, s: gl.constexpr, zero):
-    """The batch whose block r is ``table``'s slot r - s (zeros for r < s): each warp reads
-    the slots whole (a load replicated over the warps), then keeps its own."""
-    MMA: gl.constexpr = block_mma_layout()
-    b, _, _ = block_ids(MMA)
-    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], rows_layout)
-    out = zero
+def _shifted(table, s: gl.constexpr):
+    """The batch whose block r is ``table``'s slot r - s (zeros for r < s), as the rhs
+    operand of :func:`_mm`: each warp reads the slots in the operand's layout (a load
+    replicated over the warps), then keeps its own, so that no layout conversion follows.
+    (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple
+    of its size.)"""
+    RHS: gl.constexpr = _rhs_layout()
+    b, _, _ = block_ids(RHS)
+    # The same bytes as [64, 16] rows: the swizzle's phase is the row's within its block.
+    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], gl.SwizzledSharedLayout(8, 2, 2, [1, 0]))
+    out = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, RHS)
     for k in gl.static_range(BLOCKS - s):
-        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, MMA))
+        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS))
         out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
     return out
 
@@ -156,19 +167,19 @@ def blocked_inverse_diagonals(a, xs, ys, ws):
     xs.store(X)
     thread_barrier()
     # T[r, r-1] = -X_r A[r, r-1] X_{r-1}
-    Y = -_mm(X, _mm(S1, _shifted(xs, 1, zero), zero), zero)
+    Y = -_mm(X, _mm(S1, _shifted(xs, 1), zero), zero)
     ys.store(Y)
     thread_barrier()
     # T[r, r-2] = -X_r (A[r, r-2] X_{r-2} + A[r, r-1] T[r-1, r-2])
-    P = _mm(S2, _shifted(xs, 2, zero), zero)
-    P = _mm(S1, _shifted(ys, 1, zero), P)
+    P = _mm(S2, _shifted(xs, 2), zero)
+    P = _mm(S1, _shifted(ys, 1), P)
     W = -_mm(X, P, zero)
     ws.store(W)
     thread_barrier()
     # T[r, r-3] = -X_r (A[r, r-3] X_{r-3} + A[r, r-2] T[r-2, r-3] + A[r, r-1] T[r-1, r-3])
-    P = _mm(S3, _shifted(xs, 3, zero), zero)
-    P = _mm(S2, _shifted(ys, 2, zero), P)
-    P = _mm(S1, _shifted(ws, 1, zero), P)
+    P = _mm(S3, _shifted(xs, 3), zero)
+    P = _mm(S2, _shifted(ys, 2), P)
+    P = _mm(S1, _shifted(ws, 1), P)
     Vb = -_mm(X, P, zero)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()

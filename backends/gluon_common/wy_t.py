@@ -1,24 +1,24 @@
-"""The chunk inverses alone: per (chunk, v-head) the two scaled T tiles the fused kernel
-multiplies k and v by, and the gates' chunk-local cumsum.
+"""The chunk inverses alone: per (chunk, v-head) the scaled T tile(s) the fused kernel
+multiplies by, and the gates' chunk-local cumsum.
 
     A   = strictly-lower(beta_i r_i r_j (k_i . k_j) 2^(g_i - g_j))      [64, 64]
     T   = (I + A)^-1
     T_w = T diag(beta 2^g r)          T_u = T diag(beta)                  (q's dtype)
 
 (:mod:`.wy` forms the same T and goes on to ``w = T_w k``, ``u = T_u v``.) The fused
-kernel then needs 16 KB per chunk and head from here instead of w and u (32 KB each at
-K = V = 128): the inverse is a chain of ten dependent products, which many small programs
+kernel then needs 8 KB per chunk and head from here (T_u alone; 16 KB with T_w) instead
+of w and u (32 KB each at K = V = 128): the inverse is a chain of ten dependent products, which many small programs
 per SM run side by side here, while the fused kernel's one aux warpgroup per SM would
 take them one chunk at a time. On sm_90a the inverse runs in 16 x 16 blocks on tf32
 mma.sync (:mod:`.blocked_inverse`, :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16
 operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
-Layout of ``t_tiles``: ``[slots * HV * 128, 64]`` rows, the tiles of chunk slot ``c``
-(:func:`.wy.wy_chunks`: with tails a sequence's chunks start at slot ``cu[n] // 64 + n``)
-and v-head ``h`` at rows ``(c * HV + h) * 128``: T_w, then T_u; with
-:data:`WY_T_SINGLE_TILE`, ``[slots * HV * 64, 64]``, T_u alone at rows ``(c * HV + h) *
-64``. Idle slots are not written. Rows of T past a sequence's end are 0 in both tiles
-(beta reads 0 there).
+Layout of ``t_tiles``: with :data:`WY_T_SINGLE_TILE` (the default on sm_90a)
+``[slots * HV * 64, 64]`` rows, T_u of chunk slot ``c`` (:func:`.wy.wy_chunks`: with tails
+a sequence's chunks start at slot ``cu[n] // 64 + n``) and v-head ``h`` at rows ``(c * HV
++ h) * 64`` (sent as sixteen 16 x 16 TMA boxes, :data:`WY_T_BLOCK_TMA`); else ``[slots *
+HV * 128, 64]``, T_w then T_u at rows ``(c * HV + h) * 128``. Idle slots are not written.
+Rows of T past a sequence's end are 0 in both tiles (beta reads 0 there).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load, tma_store
+from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, tma_load, tma_store
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
@@ -47,7 +47,7 @@ from gdn_dispatch.backends.gluon_common.wy import (
 def _wy_t_fwd_kernel(k_desc, t_desc, t_ptr, g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
                      HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
                      F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, EARLY_ROWS: gl.constexpr,
-                     SINGLE_T: gl.constexpr, DIRECT_STORE: gl.constexpr):
+                     SINGLE_T: gl.constexpr, DIRECT_STORE: gl.constexpr, BLOCK_TMA: gl.constexpr):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -75,13 +75,32 @@ def _wy_t_fwd_kernel(k_desc, t_desc, t_ptr, g, g_cum, beta, cu_seqlens, N, HV, G
     if DIRECT_STORE:
         X, Y, W, Vb = chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
                                         bars.index(1), USE_L2NORM, ENGINE, rows_early)
-        tile_row = (i_c * HV + i_h).to(gl.int64) * BT
-        for d in gl.static_range(1, BLOCKS):
-            _store_zero_blocks(t_ptr, tile_row, -d)
-        _store_t_u_diagonal(t_ptr, tile_row, X, 0, beta, s_beta, row0, n_valid, i_h)
-        _store_t_u_diagonal(t_ptr, tile_row, Y, 1, beta, s_beta, row0, n_valid, i_h)
-        _store_t_u_diagonal(t_ptr, tile_row, W, 2, beta, s_beta, row0, n_valid, i_h)
-        _store_t_u_diagonal(t_ptr, tile_row, Vb, 3, beta, s_beta, row0, n_valid, i_h)
+        if BLOCK_TMA:
+            # Diagonal d's batch in slots 4 d .. 4 d + 3 (x_smem's bytes, free after the
+            # inverse), each slot one 16 x 16 TMA box: block r goes to T's block (r, (r - d)
+            # mod 4), so the batch's zero blocks (r < d) land on the six above the diagonal.
+            slots = reinterpret(x_smem, dtype, [BLOCKS * BLOCKS, BLOCK, BLOCK], _block_slots_layout())
+            _stage_t_u_diagonal(slots.slice(0, BLOCKS), X, 0, beta, s_beta, row0, n_valid, i_h)
+            _stage_t_u_diagonal(slots.slice(BLOCKS, BLOCKS), Y, 1, beta, s_beta, row0, n_valid, i_h)
+            _stage_t_u_diagonal(slots.slice(2 * BLOCKS, BLOCKS), W, 2, beta, s_beta, row0, n_valid, i_h)
+            _stage_t_u_diagonal(slots.slice(3 * BLOCKS, BLOCKS), Vb, 3, beta, s_beta, row0, n_valid, i_h)
+            # The TMA stores read the slots through the async proxy.
+            fence_async_shared()
+            boxes = reinterpret(x_smem, dtype, [BLOCKS * BLOCKS * BLOCK, BLOCK], t_layout)
+            tile_row32 = (i_c * HV + i_h) * BT
+            for d in gl.static_range(BLOCKS):
+                for r in gl.static_range(BLOCKS):
+                    tma_store(t_desc, [tile_row32 + BLOCK * r, BLOCK * ((r - d + BLOCKS) % BLOCKS)],
+                              boxes.slice(BLOCK * (BLOCKS * d + r), BLOCK))
+            tma.store_wait(0)
+        else:
+            tile_row = (i_c * HV + i_h).to(gl.int64) * BT
+            for d in gl.static_range(1, BLOCKS):
+                _store_zero_blocks(t_ptr, tile_row, -d)
+            _store_t_u_diagonal(t_ptr, tile_row, X, 0, beta, s_beta, row0, n_valid, i_h)
+            _store_t_u_diagonal(t_ptr, tile_row, Y, 1, beta, s_beta, row0, n_valid, i_h)
+            _store_t_u_diagonal(t_ptr, tile_row, W, 2, beta, s_beta, row0, n_valid, i_h)
+            _store_t_u_diagonal(t_ptr, tile_row, Vb, 3, beta, s_beta, row0, n_valid, i_h)
     elif BLOCKED_INVERSE:
         t, w_scale, u_scale = chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem,
                                               bars.index(1), USE_L2NORM, ENGINE, rows_early)
@@ -119,6 +138,25 @@ def _store_t_u_diagonal(t_ptr, tile_row, blk, d: gl.constexpr, beta, s_beta, row
     rows = tile_row + BLOCK * b + i
     gl.store(t_ptr + rows * (BLOCKS * BLOCK) + col, (blk * beta_col.to(gl.float32)).to(t_ptr.dtype.element_ty),
              mask=ok)
+
+
+@gluon.constexpr_function
+def _block_slots_layout():
+    """The staged T_u blocks as ``[16, 16, 16]`` slots, each laid out as a [16, 16] TMA box
+    of 16-bit elements with the 32-byte swizzle its descriptor takes (16-byte vectors, the
+    phase turning every 4 rows)."""
+    return gl.SwizzledSharedLayout(8, 4, 2, [2, 1, 0])
+
+
+@gluon.jit
+def _stage_t_u_diagonal(slots, blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
+    """Block diagonal ``d`` of T (:func:`_store_t_u_diagonal`'s batch) scaled by beta's
+    columns into the four shared slots ``slots``, block r in slot r, for the TMA box of T_u's
+    block (r, (r - d) mod 4): zero where r < d."""
+    b, i, j = block_ids(block_mma_layout())
+    col = BLOCK * ((b - d + BLOCKS) % BLOCKS) + j
+    beta_col = gl.load(beta + (row0 + col).to(gl.int64) * s_beta + i_h, mask=(b >= d) & (col < n_valid), other=0.0)
+    slots.store((blk * beta_col.to(gl.float32)).to(slots.dtype))
 
 
 @gluon.jit
@@ -183,14 +221,30 @@ WY_T_SPILL_BYTES_SM90 = 384
 #: v_new as ``T_u (v - diag(2^g) k S)`` (``u - w S`` regrouped), so that neither T_w nor
 #: w and u are formed: half the T tiles' bytes through global memory (16 -> 8 KB per chunk
 #: and v-head), and the aux partition keeps only the scores and gate vectors
-#: (:mod:`..gluon_sm90.fused`). Not measured on a GPU yet: off. (The sm_100a twin reads
-#: both tiles.) Measured before, and removed: T_w formed from T_u in the aux partition
+#: (:mod:`..gluon_sm90.fused`). (The sm_100a twin reads both tiles.) H200, triton 3.6.0,
+#: ``python benchmarks/flag_ab.py t_u_chain`` (two rounds, bf16, K = V = 128): calls 0.646 /
+#: 0.639 -> 0.639 / 0.639 ms at H16-HV32 4 x 8192, 0.658 / 0.656 -> 0.647 / 0.647 at 8 x 4096,
+#: 1.200 / 1.193 -> 1.184 / 1.180 on ragged16, 1.267 / 1.270 -> 1.250 / 1.252 at HV 64; the
+#: kernels' times alike (the fused kernel paced by its state partition, the T kernel by its
+#: L1), o within 8e-4 of the pair's. Against the float32 reference with correlated keys
+#: (cosine 0.9 / 0.99) o's error 1.36e-2 / 1.80e-2 -> 1.22e-2 / 1.80e-2, the state's
+#: 1.30e-2 / 1.93e-2 -> 1.09e-2 / 1.62e-2 (fla 0.6.0: o 1.26e-2 / 1.59e-2). Measured before, and removed: T_w formed from T_u in the aux partition
 #: (the T kernel 0.287 -> 0.267 ms, the fused kernel 0.360 -> 0.414 at H16-HV32 4 x 8192).
 #: With the blocked inverse the T kernel then stores T_u's 16 x 16 blocks from the
 #: inverse's mma.sync registers with plain global stores (beta's column scale loaded per
 #: block), instead of selecting them into the [64, 64] tile and sending that through
 #: shared memory and a TMA store (the kernel's ``DIRECT_STORE``).
-WY_T_SINGLE_TILE = False
+WY_T_SINGLE_TILE = True
+
+#: With :data:`WY_T_SINGLE_TILE`, T_u's sixteen 16 x 16 blocks staged in shared memory and
+#: sent by sixteen TMA stores (a [16, 16] box each; the inverse's zero blocks fill the six
+#: above the diagonal) instead of plain global stores from the mma.sync registers, whose
+#: 4-byte writes fill half of each 32-byte sector: the T kernel is bound by its L1's
+#: wavefronts. H200, triton 3.6.0, ``python benchmarks/flag_ab.py t_block_tma`` (two
+#: rounds): the T kernel 0.225 -> 0.215 ms at H16-HV32 4 x 8192, 0.426 -> 0.413 on
+#: ragged16, 0.448 -> 0.425 at HV 64; calls 0.591 / 0.593 -> 0.579 / 0.578 ms, 1.109 /
+#: 1.108 -> 1.095 / 1.095, 1.173 / 1.174 -> 1.153 / 1.146; outputs bit-equal.
+WY_T_BLOCK_TMA = True
 
 
 def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
@@ -204,6 +258,7 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
     dtype = problem.dtype
     blocked = WY_T_BLOCKED_INVERSE and not engine.is_sm100
     single = t_tiles_per_chunk(engine) == 1
+    block_tma = single and blocked and WY_T_BLOCK_TMA
     launch = LaunchPlan(
         kernel="wy_t_fwd",
         grid_rule=GridRule(row_block=BT, per_seq=1 if tails else 0, times=HV),
@@ -212,9 +267,9 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         constexprs={"HAS_TAILS": tails, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine,
                     "F16_INVERSE": WY_T_F16_INVERSE and not engine.is_sm100 and not blocked,
                     "BLOCKED_INVERSE": blocked, "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS,
-                    "SINGLE_T": single, "DIRECT_STORE": single and blocked},
+                    "SINGLE_T": single, "DIRECT_STORE": single and blocked, "BLOCK_TMA": block_tma},
         descriptors=(tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
-                     tile_desc("t_desc", "t", dtype, BT, (BT, BT))),
+                     tile_desc("t_desc", "t", dtype, BT, (16, 16) if block_tma else (BT, BT))),
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
               f"{'T_u' if single else 'T_w, T_u'} only",

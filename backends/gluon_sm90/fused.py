@@ -1,38 +1,36 @@
 """The recurrence and the output in one warp-specialized launch on Hopper (sm_90a), fed
-by the chunk inverses of :mod:`..gluon_common.wy_t`: w, u, the causal scores and the gate
-vectors are formed on chip, one chunk ahead of the serial chain, and never leave the SM.
+by the chunk inverses of :mod:`..gluon_common.wy_t`: v_new, the causal scores and the
+gate vectors are formed on chip and never leave the SM.
 
 Two launches per call::
 
-    t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_w, T_u per (chunk, v-head)
+    t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
 partitions that share the program's shared memory through mbarrier rings:
 
-* **aux** (one warpgroup), one chunk ahead of the state: ``w = T_w k`` [64, K],
-  ``u^T = (T_u v)^T`` [V, 64], the causal scores ``q k^T 2^(g_i - g_j)`` [64, 64]
-  and three gate vectors, into a two-slot ring; it also loads v (:data:`V_SLOTS`
-  slots, two chunks ahead) and the T tiles (two slots) itself.
+* **aux** (one warpgroup), one chunk ahead of the state: the causal scores ``q k^T
+  2^(g_i - g_j)`` [64, 64] and three gate vectors, into a two-slot ring.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
   of the chain takes a register operand on the left and nothing of the chain goes through
-  shared memory::
+  shared memory. ``u - w S`` regrouped as ``T_u (v - diag(2^g) k S)``, so that neither w
+  nor u (nor T_w) is ever formed::
 
-      P^T = S^T w^T                                         (bf16 S^T from registers)
-      v_new^T = u^T - P^T
+      P^T = S^T k^T                                         (bf16 S^T from registers)
+      v_new^T = (v^T - P^T diag(2^g)) T_u^T
       S^T = 2^g_last S^T + (v_new^T 2^(g_last - g)) k       (rows past the end: 0)
       O^T = 2^g (S_old^T q^T) + v_new^T scores^T ;  o = scale (O^T)^T  (TMA store)
 
-  It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t.
+  It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t, and
+  the v (:data:`V_SLOTS`) and T (two) slots it alone reads (:func:`_state` with ``CHAIN``).
 
-With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` (off: not measured on a GPU yet) the T
-kernel writes T_u alone and the state partition forms v_new itself, ``u - w S`` regrouped
-as ``T_u (v - diag(2^g) k S)``: one more [V, 64] x [64, 64] product on the chain
-(``P^T = S^T k^T``, then ``v_new^T = (v^T - P^T diag(2^g)) T_u^T``), while the aux partition
-forms only the scores and gate vectors and the state refills the v and T slots it alone
-reads (:func:`_state` with ``CHAIN``, :func:`_aux_scores`); no w or u ring (80 KB less shared
-memory).
+With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` off (T_w and T_u both written) the aux
+partition forms ``w = T_w k`` [64, K] and ``u^T = (T_u v)^T`` [V, 64] too, into a w/u
+ring, loading v and the T tiles itself, and the state takes ``P^T = S^T w^T``,
+``v_new^T = u^T - P^T`` (:func:`_aux`): one product fewer on the chain, 80 KB more
+shared memory.
 
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
 and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
