@@ -7,6 +7,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
     python benchmarks/flag_ab.py early_rows  # wy.WY_EARLY_ROWS: gate / beta rows loaded before k lands
     python benchmarks/flag_ab.py t_u_chain   # wy_t.WY_T_SINGLE_TILE: T_u alone, v_new = T_u (v - 2^g k S)
+    python benchmarks/flag_ab.py t_regs      # wy_t.WY_T_MAXNREG_SM90 128 -> 96: five T programs per SM
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
@@ -49,6 +50,10 @@ STUDIES = {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
     "t_u_chain": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
+    # The T kernel's register cap: four programs per SM at 128, five at 96 (measured equal
+    # before the inverse's table was swizzled).
+    "t_regs": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_MAXNREG_SM90", (128, 96), {
+        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")}),
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
