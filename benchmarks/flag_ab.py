@@ -9,6 +9,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py t_u_chain   # wy_t.WY_T_SINGLE_TILE: T_u alone, v_new = T_u (v - 2^g k S)
     python benchmarks/flag_ab.py t_regs      # wy_t.WY_T_MAXNREG_SM90 128 -> 96: five T programs per SM
     python benchmarks/flag_ab.py aux_regs    # fused.AUX_REGS 120 -> 96: the state's warpgroups 192 -> 200
+    python benchmarks/flag_ab.py state_overlap  # fused.STATE_OVERLAP: o finished behind the next P^T
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
@@ -60,6 +61,8 @@ STUDIES = {
     # two warpgroups 192 -> 200 (spill bytes 12-20 -> 12-16 with triton 3.6.0).
     "aux_regs": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_REGS", (gl.constexpr(120), gl.constexpr(96)),
                  {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
+    # The fused kernel's state partition finishing each output behind the next chunk's P^T.
+    "state_overlap": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_OVERLAP", (False, True), _WS_SHAPES),
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),

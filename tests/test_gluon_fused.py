@@ -48,7 +48,8 @@ VARIANTS = [("default", []),
             ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)])]
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
+            ("state-overlap", [("gdn_dispatch.backends.gluon_sm90.fused", "STATE_OVERLAP", True)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -56,8 +57,10 @@ def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
-    off), and with T_u's blocks stored from the inverse's registers instead of sent as 16 x
-    16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off); plans computed afresh."""
+    off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
+    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), and with each chunk's output finished
+    behind the next chunk's first product (:data:`fused.STATE_OVERLAP`); plans computed
+    afresh."""
     import importlib
 
     name, settings = request.param
@@ -115,7 +118,9 @@ def test_launches_of_the_path(shape, kernel_variant):
                                and wy_t_module.WY_T_BLOCK_TMA}
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
-                                "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE}
+                                "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
+                                "OVERLAP": fused_module.STATE_OVERLAP and wy_t_module.WY_T_SINGLE_TILE}
+    assert fused_module.STATE_OVERLAP == (kernel_variant == "state-overlap")
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
         "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),
@@ -133,9 +138,12 @@ def test_launches_of_the_path(shape, kernel_variant):
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
-    # T_u alone: two T tiles, two w and two u tiles fewer.
+    # T_u alone: two T tiles, two w and two u tiles fewer; the overlapped state: a third
+    # scores and gate slot with its two barriers, and the [128, 64] v_new^T tile.
+    overlap = fused.constexprs["OVERLAP"]
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
-        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
+        overlap * (64 * 64 * 2 + 3 * 64 * 4 + 2 * 8 + 128 * 64 * 2)
 
 
 @pytest.mark.parametrize("seed", range(3))

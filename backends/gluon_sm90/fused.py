@@ -253,6 +253,86 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
+def _state_overlapped(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring, o_smem, vn_smem,
+                      kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale,
+                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
+    """:func:`_state`'s chain with T_u alone (:data:`STATE_OVERLAP`), chunk t's output
+    finished behind chunk t + 1's first product: ``O^T += v_new^T scores^T`` stays in
+    flight past the end of chunk t, and its wait and the o store come after chunk t + 1's
+    P^T is issued, so that they run while P^T holds the tensor cores. That product reads
+    v_new^T from ``vn_smem`` ([V, 64]), not from registers, which the next chunk's P^T
+    needs. Chunk t's scores and gate slots (read by it) are released one chunk later
+    (rings of three, :func:`_aux_scores`); the k/q, v and T slots as in :func:`_state`."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    BV: gl.constexpr = o_smem.shape[1]
+    RING_S: gl.constexpr = s_ring.shape[0]
+    dtype: gl.constexpr = kq_ring.dtype
+    nw: gl.constexpr = gl.num_warps()
+    acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T [V, 64]
+    lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
+    cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
+    # The loop carries O^T in flight: it enters as a product of zeros (never stored) so
+    # that its type is an async accumulator from the start; its operands are this
+    # partition's own zeros.
+    vn_smem.store(gl.zeros([BV, BT], dtype, acc_c))
+    fence_async_shared()
+    thread_barrier()
+    o = warpgroup_mma(gl.zeros([BV, BT], dtype, lhs_s), vn_smem.slice(0, BT), gl.zeros([BV, BT], gl.float32, acc_c),
+                      use_acc=False, is_async=True)
+    for t in range(NT):
+        s = t % 2
+        phase = (t // 2) & 1
+        r = t % RING_S
+        row = bos + t * BT
+        k_tile = kq_ring.index(2 * s)
+        q_tile = kq_ring.index(2 * s + 1)
+        sb = gl.convert_layout(S.to(dtype), lhs_s)
+        mbarrier.wait(kq_ready.index(s), phase)
+        p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                          use_acc=False, is_async=True)
+        if t > 0:
+            # Chunk t - 1's last output product retires before P^T (issue order).
+            o_done = warpgroup_mma_wait(1, deps=(o,))
+            _store_o(o_done, o_smem, scale, o_desc, o_ptr, row_stride, row - BT, col_v, eos, HAS_TAILS, ENGINE)
+            # Every warp's product read chunk t - 1's scores: their slot is free.
+            thread_barrier()
+            mbarrier.arrive(wu_empty.index((t + RING_S - 1) % RING_S), count=1)
+        mbarrier.wait(wu_ready.index(r), (t // RING_S) & 1)
+        decay = gl.max(gate_ring.index(3 * r + 2).slice(0, 1).load(one), axis=0)
+        b_d = gate_ring.index(3 * r).load(cols_c)
+        vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
+                           gate_ring.index(3 * r + 1), phase, acc_c)
+        vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
+        S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+        o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                          use_acc=False, is_async=True)
+        # Chunk t - 1's product read vn_smem: retired above, before P^T's wait.
+        vn_smem.store(vn.to(dtype))
+        fence_async_shared()
+        S, o = warpgroup_mma_wait(0, deps=(S, o))
+        o = o * gl.expand_dims(gate_ring.index(3 * r + 1).load(cols_c), 0)
+        # Every warp's v_new^T rows are in vn_smem before the product reads them.
+        thread_barrier()
+        o = warpgroup_mma(vn_smem, s_ring.index(r).permute((1, 0)), o, use_acc=True, is_async=True)
+        # v was read by plain shared loads: ordered before its TMA refill below.
+        fence_async_shared()
+        # Every warp's MMAs reading the k/q, v and T slots are complete (each waited its own).
+        thread_barrier()
+        if t + 2 < NT:
+            _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
+            _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
+            mbarrier.wait(kq_empty.index(s), phase)
+            _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
+    o_done = warpgroup_mma_wait(0, deps=(o,))
+    if NT > 0:
+        _store_o(o_done, o_smem, scale, o_desc, o_ptr, row_stride, bos + (NT - 1) * BT, col_v, eos, HAS_TAILS,
+                 ENGINE)
+    tma.store_wait(0)
+    return (S,)
+
+
+@gluon.jit
 def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr):
     """``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` ([V, 64], fp32 in ``acc_c``, P^T's layout)
     from the chain's ``P^T = S^T k^T`` (in flight), the chunk's v and T_u slots (waited here,
@@ -312,14 +392,17 @@ def _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_T
 @gluon.jit
 def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT):
     """The aux work of every chunk when the state partition forms v_new from T_u itself
-    (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only."""
+    (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only, into
+    rings of ``s_ring.shape[0]`` slots (two; three for :func:`_state_overlapped`)."""
     BT: gl.constexpr = kq_ring.shape[1]
+    RING_S: gl.constexpr = s_ring.shape[0]
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
+        r = t % RING_S
         row = bos + t * BT
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         qk = warpgroup_mma(kq_ring.index(2 * s + 1), kq_ring.index(2 * s).permute((1, 0)),
@@ -327,16 +410,17 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         g_row = b_g
         g_end = g_last
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
-        # Slot s of the scores and gate rings is free once the state is done with chunk t - 2.
-        mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
-        store_gate_vectors(gate_ring, s, g_row, g_end, eos - row)
+        # Slot r of the scores and gate rings is free once the state is done with chunk
+        # t - RING_S.
+        mbarrier.wait(wu_empty.index(r), ((t // RING_S) & 1) ^ 1)
+        store_gate_vectors(gate_ring, r, g_row, g_end, eos - row)
         qk = warpgroup_mma_wait(0, deps=(qk,))
-        s_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
+        s_ring.index(r).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
                                           gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(dtype))
         fence_async_shared()
         thread_barrier()
         mbarrier.arrive(kq_empty.index(s), count=1)
-        mbarrier.arrive(wu_ready.index(s), count=1)
+        mbarrier.arrive(wu_ready.index(r), count=1)
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
@@ -345,7 +429,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr,
+    SINGLE_T: gl.constexpr, OVERLAP: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -364,20 +448,26 @@ def _fused_fwd_kernel(
         t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
         w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
         u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
-    s_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
-    # Three gate vectors per w/u slot (see _aux).
-    gate_ring = gl.allocate_shared_memory(gl.float32, [6, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # The scores and gate rings: chunk t's slots are released one chunk later when the
+    # state finishes each output inside the next chunk (OVERLAP).
+    RING_S: gl.constexpr = 3 if OVERLAP else 2
+    s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
+    # Three gate vectors per slot (see _aux).
+    gate_ring = gl.allocate_shared_memory(gl.float32, [3 * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
     kq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    wu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    wu_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    wu_ready = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
+    wu_empty = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
         mbarrier.init(t_ready.index(i), count=1)
+        mbarrier.init(wu_ready.index(i), count=1)
+        mbarrier.init(wu_empty.index(i), count=1)
+    for i in gl.static_range(2, RING_S):
         mbarrier.init(wu_ready.index(i), count=1)
         mbarrier.init(wu_empty.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
@@ -404,7 +494,16 @@ def _fused_fwd_kernel(
         if SINGLE_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    if SINGLE_T:
+    if OVERLAP:
+        vn_smem = gl.allocate_shared_memory(dtype, [V, BT], E.smem_layout([V, BT], dtype))
+        S = gl.warp_specialize([
+            (_state_overlapped, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
+                                 o_smem, vn_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr,
+                                 HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE)),
+            (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
+                           eos, NT)),
+        ], [AUX_WARPS], [AUX_REGS])[0]
+    elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring,
@@ -463,6 +562,14 @@ V_SLOTS = 2
 #: the pipeline's 1.055 (8 x 4096: 0.884 against 1.038).
 QK_L2NORM = True
 
+#: With T_u alone, the state partition leaves each chunk's last output product (``O^T +=
+#: v_new^T scores^T``) in flight and waits for it, and stores o, after issuing the next
+#: chunk's P^T (:func:`_state_overlapped`), so that the o store's conversions and shared
+#: stores run beside a product instead of between two; the scores and gate rings take
+#: three slots (8 KB more). Ncu put the kernel's tensor pipe at 50% busy (the chain's
+#: steps waiting on each other). Not measured on a GPU yet: off.
+STATE_OVERLAP = False
+
 
 def fused_reason(problem: GDNProblem) -> str | None:
     """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
@@ -486,13 +593,14 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     constexprs["V_SLOTS"] = V_SLOTS
     t_tiles = t_tiles_per_chunk(engine)
     constexprs["SINGLE_T"] = t_tiles == 1
+    constexprs["OVERLAP"] = STATE_OVERLAP and t_tiles == 1
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
-                                               single_t=t_tiles == 1)},
+                                               single_t=t_tiles == 1, overlap=constexprs["OVERLAP"])},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -508,12 +616,16 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
-                     single_t: bool = False) -> int:
+                     single_t: bool = False, overlap: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
-    ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u."""
+    ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
+    with ``overlap`` (:data:`STATE_OVERLAP`) scores and gate rings of 3 slots and a [V, 64]
+    v_new^T tile."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    return (4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem + 6 * BT * 4 + (10 + v_slots) * 8
+    ring_s = 3 if overlap else 2
+    return ((4 * BT * K + v_slots * BT * V + t_and_wu + ring_s * BT * BT + BT * V + (V * BT if overlap else 0)) * elem
+            + 3 * ring_s * BT * 4 + (6 + 2 * ring_s + v_slots) * 8)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
