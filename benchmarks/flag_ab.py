@@ -10,6 +10,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py t_regs      # wy_t.WY_T_MAXNREG_SM90 128 -> 96: five T programs per SM
     python benchmarks/flag_ab.py aux_regs    # fused.AUX_REGS 120 -> 96: the state's warpgroups 192 -> 200
     python benchmarks/flag_ab.py state_overlap  # fused.STATE_OVERLAP: o finished behind the next P^T
+    python benchmarks/flag_ab.py qk_norm_on_chip  # fused.QK_NORM_ON_CHIP: no normalized copies of q, k
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
@@ -63,6 +64,10 @@ STUDIES = {
                  {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
     # The fused kernel's state partition finishing each output behind the next chunk's P^T.
     "state_overlap": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_OVERLAP", (False, True), _WS_SHAPES),
+    # The qk l2 norm folded into the path's two kernels instead of normalized copies.
+    "qk_norm_on_chip": ("gdn_dispatch.backends.gluon_sm90.fused", "QK_NORM_ON_CHIP", (False, True), {
+        "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True), "H16-HV32-ragged16-l2": (16, 32, "ragged16", True),
+        "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),

@@ -337,6 +337,29 @@ def test_sm90_state_partition_overlapping_each_output(build_flags):
         assert ops["partition0"][dot] == 1 and ops["default"][dot] == 6, ops
 
 
+@pytest.mark.slow
+def test_sm90_qk_norm_on_chip(build_flags):
+    """With :data:`fused.QK_NORM_ON_CHIP` the backend's AOT list holds the T kernel on raw k
+    (USE_L2NORM) and the fused kernel with QK_NORM for every core case; they compile within
+    their spill allowances, the fused kernel's shared memory as planned (four gate vectors
+    a slot), and its reciprocal norms are reduced in the kernel (rsqrt)."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    build_flags((fused, "QK_NORM_ON_CHIP", True))
+    l2 = [k for k in gluon_sm90.kernels_for_aot(SM90) if k.specialization.endswith("-l2")]
+    t_kernels = [k for k in l2 if k.kernel == "wy_t_fwd"]
+    fused_kernels = [k for k in l2 if k.kernel == "fused_fwd"]
+    assert len(fused_kernels) == 8 and len(t_kernels) == 14
+    assert all(k.constexprs["USE_L2NORM"] for k in t_kernels) and all(k.constexprs["QK_NORM"] for k in fused_kernels)
+    for kernel in t_kernels[:2] + fused_kernels[:2]:
+        report = compile_kernel(kernel, SM90)
+        assert report.spill_bytes <= kernel.spill_bytes_allowed
+        assert "rsqrt.approx" in report.ptx
+        if kernel.kernel == "fused_fwd":
+            planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=True)
+            assert planned <= report.shared_bytes <= planned + 1024
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -119,7 +119,8 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                                "OVERLAP": fused_module.STATE_OVERLAP and wy_t_module.WY_T_SINGLE_TILE}
+                                "OVERLAP": fused_module.STATE_OVERLAP and wy_t_module.WY_T_SINGLE_TILE,
+                                "QK_NORM": False}
     assert fused_module.STATE_OVERLAP == (kernel_variant == "state-overlap")
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
@@ -210,11 +211,27 @@ def _set_l2_switch(monkeypatch, on: bool):
 
 @pytest.fixture
 def l2_on_path(monkeypatch):
-    """The qk l2 norm on the path (fused.QK_L2NORM), whatever the default."""
+    """The qk l2 norm on the path (fused.QK_L2NORM) on normalized copies of q and k
+    (fused.QK_NORM_ON_CHIP off), whatever the defaults."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
 
+    monkeypatch.setattr(fused, "QK_NORM_ON_CHIP", False)
     _set_l2_switch(monkeypatch, True)
     yield
+    clear_plan_cache()
+
+
+@pytest.fixture(params=["norm-copies", "norm-on-chip"])
+def l2_path_variant(request, monkeypatch):
+    """The qk l2 norm on the path, on normalized copies of q and k or folded into the
+    path's two kernels (fused.QK_NORM_ON_CHIP)."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.setattr(fused, "QK_NORM_ON_CHIP", request.param == "norm-on-chip")
+    _set_l2_switch(monkeypatch, True)
+    yield request.param
     clear_plan_cache()
 
 
@@ -237,6 +254,32 @@ def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path):
     # The pipeline's norms stay reciprocal norms, folded into its kernels.
     pipe = plan(p, device=_device(132), engine=sm90, fused=False)
     assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
+
+
+def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch):
+    """With fused.QK_NORM_ON_CHIP the path runs the T and fused kernels alone on raw q and
+    k: the T kernel reduces k's norms (USE_L2NORM), the fused kernel's aux partition q's
+    and k's (QK_NORM: four gate vectors a slot, 64 x 4 bytes more per scores slot)."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    sm90, _ = _engines()
+    monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP", True)
+    _set_l2_switch(monkeypatch, True)
+    try:
+        p = random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, l2=True, ht=True)
+        launches = plan(p, device=_device(132), engine=sm90)
+        assert [s.kernel for s in launches.stages] == ["wy_t_fwd", "fused_fwd"]
+        wy_t, fused = launches.stages
+        assert wy_t.constexprs["USE_L2NORM"] is True and fused.constexprs["QK_NORM"] is True
+        plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, ht=True),
+                     device=_device(132), engine=sm90).stage("fused_fwd")
+        assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4
+        # The pipeline keeps its reciprocal norms.
+        pipe = plan(p, device=_device(132), engine=sm90, fused=False)
+        assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
+    finally:
+        from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+        clear_plan_cache()
 
 
 def test_context_parallel_calls_stay_on_the_pipeline():
@@ -297,9 +340,9 @@ def test_path_matches_the_reference(shape, layout, dtype, seed, kernel_variant):
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("shape", [dict(lengths=[1, 63, 0, 64, 65, 700, 130, 1]), dict(batch=(4, 256))],
                          ids=["varlen", "uniform"])
-def test_path_with_the_qk_l2_norm(shape, layout, dtype, l2_on_path):
-    """Raw q and k (rows of norm ~11): the path normalizes copies of them; strided views
-    of one projection too."""
+def test_path_with_the_qk_l2_norm(shape, layout, dtype, l2_path_variant):
+    """Raw q and k (rows of norm ~11): the path normalizes copies of them, or folds their
+    norms into its two kernels; strided views of one projection too."""
     call = random_call(**shape, H=32, HV=64, K=128, V=128, dtype=dtype, device="cuda", seed=7, state_layout=layout,
                        normalize_qk=False)
     call = {**call, "use_qk_l2norm_in_kernel": True, "output_final_state": True}

@@ -94,13 +94,14 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     # the path's own needs decide what is copied.
     cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
-    # On the path the qk l2 norm reads q and k by pointer, at any token stride, and the
-    # TMA reads its normalized copies: only v must be TMA-readable.
-    problem = tma_readable(problem, ("v",) if launches.fused and problem.use_qk_l2norm else ("q", "k", "v"))
+    # On the path the qk l2 norm kernel reads q and k by pointer, at any token stride, and
+    # the TMA reads its normalized copies: only v must be TMA-readable.
+    norm_copies = launches.fused and launches.launches[0].kernel == "qk_l2norm_fwd"
+    problem = tma_readable(problem, ("v",) if norm_copies else ("q", "k", "v"))
     chunks = problem.chunks
     if launches.fused:
         q, k = problem.q, problem.k
-        if problem.use_qk_l2norm:
+        if norm_copies:
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
         t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)

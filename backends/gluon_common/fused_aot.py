@@ -15,7 +15,7 @@ from gdn_dispatch.backends.gluon_common.state_output import _aot_problem
 #: A case: bf16 q/k/v with varlen tails, "kv", a float32 initial and final state, int32
 #: offsets. Cases override some of it.
 BASE_CASE = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, pool=False, inplace=False,
-                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32, l2=False)
 
 
 def core_cases() -> list[dict]:
@@ -36,6 +36,8 @@ def case_tag(case: dict) -> str:
         parts.append(f"state-{sig_dtype(case['state_dtype'])}")
     if case["cu_dtype"] == torch.int64:
         parts.append("cu64")
+    if case.get("l2"):
+        parts.append("l2")
     return "-".join(parts)
 
 
@@ -46,7 +48,7 @@ def fused_aot_kernels(cases: list[dict], capability: tuple[int, int], backend: s
     device = as_device(capability)
     kernels = []
     for case in cases:
-        problem = _aot_problem(128, 128, l2=False, **case)
+        problem = _aot_problem(128, 128, **case)
         launch = plan_fused(problem, device, engine=engine)
         sig = {d.arg: d.signature for d in launch.descriptors}
         sig.update(o_ptr="*" + sig_dtype(case["dtype"]), g_cum="*fp32", h0="*" + sig_dtype(case["state_dtype"]),

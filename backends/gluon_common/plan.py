@@ -231,7 +231,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     Returns
     -------
     ForwardPlan with the forward's Gluon launches, in order, for this call's ``B * T`` and
-    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd.
+    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd
+    (the norm kernel absent where the path's kernels reduce the norms themselves).
     """
     if device is None:
         if capability is not None:
@@ -273,11 +274,14 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     fused_path = getattr(engine, "fused", None)
     if fused_path is not None and fused_path.fused_reason(problem) is None:
         # With the qk l2 norm the path runs on normalized copies of q and k (qk_l2norm_fwd
-        # first): its two kernels see a call without the norm.
-        plain = dataclasses.replace(problem, use_qk_l2norm=False) if problem.use_qk_l2norm else problem
+        # first), its two kernels seeing a call without the norm, unless its kernels fold
+        # the norm in themselves (the engine's norm_on_chip).
+        on_chip = getattr(fused_path, "norm_on_chip", None)
+        on_chip = on_chip is not None and on_chip(problem, engine)
+        plain = dataclasses.replace(problem, use_qk_l2norm=False) if problem.use_qk_l2norm and not on_chip else problem
         fused = (plan_wy_t(plain, device, engine=engine).shared,
                  fused_path.plan_fused(plain, device, engine=engine).shared)
-        if problem.use_qk_l2norm:
+        if problem.use_qk_l2norm and not on_chip:
             fused = (plan_qk_l2norm(problem, device, engine=engine).shared, *fused)
         fused_min_programs = math.ceil(fused_path.MIN_SM_SHARE * device.sm_count)
     return ClassPlan(capability=tuple(device.capability), is_sm100=engine.is_sm100,

@@ -46,7 +46,8 @@ What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs
 calls): context-parallel segments, K or V other than 128, and the qk l2 norm when
 :data:`QK_L2NORM` is turned off. With the norm it reads normalized copies of q and k
 (:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
-does. On sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`,
+does; with :data:`QK_NORM_ON_CHIP` it reads raw q and k and reduces their row norms in the
+aux partition instead (``QK_NORM``). On sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`,
 keeps ``S^T`` in tensor memory (compiled and checked only, not routed).
 """
 
@@ -66,7 +67,7 @@ from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
-from gdn_dispatch.backends.gluon_common.masks import causal_gate, store_chunk_tile
+from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, causal_gate, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
@@ -86,6 +87,22 @@ AUX_REGS = gl.constexpr(120)
 
 # ----------------------------------------------------------------------------------------
 # Partitions
+
+
+@gluon.constexpr_function
+def _gates_per_slot(gate_ring_rows, ring_slots):
+    """Gate vectors per scores slot: three (the update's ``2^(g_last - g)``, the row decay
+    ``2^g``, the chunk decay), four with the qk l2 norm on chip (:data:`QK_NORM_ON_CHIP`:
+    the update's and Z's vectors carry k's reciprocal row norms, the fourth is the output's
+    ``2^g`` times q's)."""
+    return gate_ring_rows // ring_slots
+
+
+@gluon.constexpr_function
+def _output_gate(gates):
+    """The output's row-decay vector within a gate slot (:func:`_gates_per_slot`)."""
+    return 3 if gates == 4 else 1
+
 
 
 @gluon.jit
@@ -203,6 +220,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     for t in range(NT):
         s = t % 2
         phase = (t // 2) & 1
@@ -221,11 +239,11 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             # The chain: P^T alone, then the state update; O^T after, off the chain.
             p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
-        decay = gl.max(gate_ring.index(3 * s + 2).slice(0, 1).load(one), axis=0)
-        b_d = gate_ring.index(3 * s).load(cols_c)
+        decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
+        b_d = gate_ring.index(NG * s).load(cols_c)
         if CHAIN:
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                               gate_ring.index(3 * s + 1), phase, acc_c)
+                               gate_ring.index(NG * s + 1), phase, acc_c)
         else:
             u = u_ring.index(s).load(acc_c).to(gl.float32)
             p = warpgroup_mma_wait(0, deps=(p,))
@@ -266,6 +284,7 @@ def _state_overlapped(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     RING_S: gl.constexpr = s_ring.shape[0]
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
     dtype: gl.constexpr = kq_ring.dtype
     nw: gl.constexpr = gl.num_warps()
     acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T [V, 64]
@@ -299,10 +318,10 @@ def _state_overlapped(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring
             thread_barrier()
             mbarrier.arrive(wu_empty.index((t + RING_S - 1) % RING_S), count=1)
         mbarrier.wait(wu_ready.index(r), (t // RING_S) & 1)
-        decay = gl.max(gate_ring.index(3 * r + 2).slice(0, 1).load(one), axis=0)
-        b_d = gate_ring.index(3 * r).load(cols_c)
+        decay = gl.max(gate_ring.index(NG * r + 2).slice(0, 1).load(one), axis=0)
+        b_d = gate_ring.index(NG * r).load(cols_c)
         vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                           gate_ring.index(3 * r + 1), phase, acc_c)
+                           gate_ring.index(NG * r + 1), phase, acc_c)
         vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
         S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
         o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
@@ -311,7 +330,7 @@ def _state_overlapped(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring
         vn_smem.store(vn.to(dtype))
         fence_async_shared()
         S, o = warpgroup_mma_wait(0, deps=(S, o))
-        o = o * gl.expand_dims(gate_ring.index(3 * r + 1).load(cols_c), 0)
+        o = o * gl.expand_dims(gate_ring.index(NG * r + _output_gate(NG)).load(cols_c), 0)
         # Every warp's v_new^T rows are in vn_smem before the product reads them.
         thread_barrier()
         o = warpgroup_mma(vn_smem, s_ring.index(r).permute((1, 0)), o, use_acc=True, is_async=True)
@@ -369,7 +388,8 @@ def _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring,
                       use_acc=False, is_async=True)
     # wgmma groups retire in issue order: O^T is done when the state update is.
     S, o = warpgroup_mma_wait(0, deps=(S, o))
-    e_g = gate_ring.index(3 * s + 1).load(gl.SliceLayout(0, acc_c))
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
+    e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
     o = o * gl.expand_dims(e_g, 0)
     o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16)), s_ring.index(s).permute((1, 0)), o,
                       use_acc=True, is_async=True)
@@ -393,12 +413,18 @@ def _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_T
 def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT):
     """The aux work of every chunk when the state partition forms v_new from T_u itself
     (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only, into
-    rings of ``s_ring.shape[0]`` slots (two; three for :func:`_state_overlapped`)."""
+    rings of ``s_ring.shape[0]`` slots (two; three for :func:`_state_overlapped`). With
+    four gate vectors a slot (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from
+    their tiles too: the scores take both, the gate vectors k's and q's
+    (:func:`_store_normed_gate_vectors`)."""
     BT: gl.constexpr = kq_ring.shape[1]
+    K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
@@ -410,11 +436,21 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         g_row = b_g
         g_end = g_last
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
+        if NG == 4:
+            # While q k^T runs: the rows' reciprocal l2 norms, in column halves (registers).
+            rq = _row_rnorm_halves(kq_ring.index(2 * s + 1), half)
+            rk = _row_rnorm_halves(kq_ring.index(2 * s), half)
         # Slot r of the scores and gate rings is free once the state is done with chunk
         # t - RING_S.
         mbarrier.wait(wu_empty.index(r), ((t // RING_S) & 1) ^ 1)
-        store_gate_vectors(gate_ring, r, g_row, g_end, eos - row)
+        if NG == 4:
+            _store_normed_gate_vectors(gate_ring, r, g_row, g_end, eos - row, rk, rq)
+        else:
+            store_gate_vectors(gate_ring, r, g_row, g_end, eos - row)
         qk = warpgroup_mma_wait(0, deps=(qk,))
+        if NG == 4:
+            qk = qk * gl.expand_dims(gl.convert_layout(rq, gl.SliceLayout(1, acc_bt)), 1) \
+                * gl.expand_dims(gl.convert_layout(rk, gl.SliceLayout(0, acc_bt)), 0)
         s_ring.index(r).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
                                           gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(dtype))
         fence_async_shared()
@@ -423,13 +459,42 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         mbarrier.arrive(wu_ready.index(r), count=1)
 
 
+@gluon.jit
+def _row_rnorm_halves(tile, half: gl.constexpr):
+    """``1 / sqrt(sum_k x[i, k]^2 + 1e-6)`` of the rows of a 16-bit [BT, K] shared tile,
+    summed over its two column halves (half the registers of :func:`.masks.row_rnorm`),
+    fp32 ``[BT]`` in ``SliceLayout(1, half)``."""
+    K2: gl.constexpr = tile.shape[1] // 2
+    a = tile.slice(0, K2, dim=1).load(half).to(gl.float32)
+    ss = gl.sum(a * a, axis=1)
+    b = tile.slice(K2, K2, dim=1).load(half).to(gl.float32)
+    return gl.rsqrt(ss + gl.sum(b * b, axis=1) + L2NORM_EPS)
+
+
+@gluon.jit
+def _store_normed_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk, rq):
+    """:func:`..gluon_common.recurrence.store_gate_vectors` with the qk l2 norm on chip,
+    four vectors into slot ``s``: the update's ``2^(g_last - g) r_k`` (0 from row
+    ``n_valid`` on), Z's ``2^g r_k``, the chunk decay ``2^g_last`` in every element, and the
+    output's ``2^g r_q`` (``r_k``, ``r_q``: the rows' reciprocal norms)."""
+    BT: gl.constexpr = g_row.shape[0]
+    layout: gl.constexpr = g_row.type.layout
+    r = gl.arange(0, BT, layout=layout)
+    rk = gl.convert_layout(rk, layout)
+    e_g = gl.exp2(g_row)
+    gate_ring.index(4 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row) * rk, 0.0))
+    gate_ring.index(4 * s + 1).store(e_g * rk)
+    gate_ring.index(4 * s + 2).store(gl.full([BT], 0.0, gl.float32, layout) + gl.exp2(g_end))
+    gate_ring.index(4 * s + 3).store(e_g * gl.convert_layout(rq, layout))
+
+
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
 def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr, OVERLAP: gl.constexpr,
+    SINGLE_T: gl.constexpr, OVERLAP: gl.constexpr, QK_NORM: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -452,8 +517,9 @@ def _fused_fwd_kernel(
     # state finishes each output inside the next chunk (OVERLAP).
     RING_S: gl.constexpr = 3 if OVERLAP else 2
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
-    # Three gate vectors per slot (see _aux).
-    gate_ring = gl.allocate_shared_memory(gl.float32, [3 * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
+    NG: gl.constexpr = 4 if QK_NORM else 3
+    gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
     kq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -570,6 +636,20 @@ QK_L2NORM = True
 #: steps waiting on each other). Not measured on a GPU yet: off.
 STATE_OVERLAP = False
 
+#: With T_u alone, calls with the qk l2 norm run on raw q and k: the T kernel reduces k's
+#: row norms itself (its ``USE_L2NORM``) and the fused kernel's aux partition q's and k's
+#: (:func:`_aux_scores`), folding them into the scores and into the gate vectors the state
+#: partition already scales by (``QK_NORM``), instead of a norm kernel writing normalized
+#: copies of q and k first (0.129 ms of a 0.774 ms H16-HV32 4 x 8192 call on the H200, at
+#: the copy rate). Not measured on a GPU yet: off.
+QK_NORM_ON_CHIP = False
+
+
+def norm_on_chip(problem: GDNProblem, engine) -> bool:
+    """Whether the path folds ``problem``'s qk l2 norm into its two kernels
+    (:data:`QK_NORM_ON_CHIP`) instead of normalizing copies of q and k first."""
+    return QK_NORM_ON_CHIP and problem.use_qk_l2norm and t_tiles_per_chunk(engine) == 1
+
 
 def fused_reason(problem: GDNProblem) -> str | None:
     """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
@@ -594,13 +674,17 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     t_tiles = t_tiles_per_chunk(engine)
     constexprs["SINGLE_T"] = t_tiles == 1
     constexprs["OVERLAP"] = STATE_OVERLAP and t_tiles == 1
+    # A problem with the norm reaches this plan only when the norm is on chip (else the
+    # plan sees the normalized copies: a problem without it).
+    constexprs["QK_NORM"] = bool(problem.use_qk_l2norm) and t_tiles == 1
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
-                                               single_t=t_tiles == 1, overlap=constexprs["OVERLAP"])},
+                                               single_t=t_tiles == 1, overlap=constexprs["OVERLAP"],
+                                               qk_norm=constexprs["QK_NORM"])},
         constexprs=constexprs,
         descriptors=(
             tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -616,16 +700,16 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
-                     single_t: bool = False, overlap: bool = False) -> int:
+                     single_t: bool = False, overlap: bool = False, qk_norm: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
     with ``overlap`` (:data:`STATE_OVERLAP`) scores and gate rings of 3 slots and a [V, 64]
-    v_new^T tile."""
+    v_new^T tile; with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     ring_s = 3 if overlap else 2
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + ring_s * BT * BT + BT * V + (V * BT if overlap else 0)) * elem
-            + 3 * ring_s * BT * 4 + (6 + 2 * ring_s + v_slots) * 8)
+            + (4 if qk_norm else 3) * ring_s * BT * 4 + (6 + 2 * ring_s + v_slots) * 8)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
@@ -677,5 +761,8 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "pool": True, "ht": False, "state_dtype": torch.bfloat16},
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
+    if QK_NORM_ON_CHIP and t_tiles_per_chunk(engine) == 1:
+        # Calls with the qk l2 norm run this kernel on raw q and k (QK_NORM).
+        cases += [{**case, "l2": True} for case in core_cases()]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
                              spill_bytes_allowed=SPILL_BYTES)
