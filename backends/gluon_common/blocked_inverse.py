@@ -42,12 +42,13 @@ def block_mma_layout():
 
 
 @gluon.constexpr_function
-def table_layout():
+def table_layout(rank=3):
     """Rows g and g + 2 of an mma.sync fragment 8 banks apart (a 32-byte swizzle every two
     rows of a 16 x 16 block): the accumulator's 8-byte stores and the rhs operand's 4-byte
     loads are free of bank conflicts (unswizzled, both took twice their ideal wavefronts:
-    a third of the T kernel's shared-memory traffic)."""
-    return gl.SwizzledSharedLayout(8, 2, 2, [2, 1, 0])
+    a third of the T kernel's shared-memory traffic). ``rank`` 2: the same bytes as [64,
+    16] rows, where the swizzle's phase is the row's within its block."""
+    return gl.SwizzledSharedLayout(8, 2, 2, list(range(rank - 1, -1, -1)))
 
 
 @gluon.constexpr_function
@@ -102,8 +103,7 @@ def _shifted(table, s: gl.constexpr):
     of its size.)"""
     RHS: gl.constexpr = _rhs_layout()
     b, _, _ = block_ids(RHS)
-    # The same bytes as [64, 16] rows: the swizzle's phase is the row's within its block.
-    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], gl.SwizzledSharedLayout(8, 2, 2, [1, 0]))
+    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))
     out = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, RHS)
     for k in gl.static_range(BLOCKS - s):
         blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS))

@@ -129,11 +129,22 @@ def causal_gate(s, g_row, g_col):
 
 
 @gluon.jit
-def row_rnorm(x_smem, layout: gl.constexpr):
+def row_rnorm(x_smem, layout: gl.constexpr, PARTS: gl.constexpr = 1):
     """``1 / sqrt(sum_k x[i, k]^2 + 1e-6)`` of every row of a 16-bit shared tile, fp32
-    ``[rows]`` in ``SliceLayout(1, layout)`` (the fused qk l2 norm)."""
-    x = x_smem.load(layout).to(gl.float32)
-    return gl.rsqrt(gl.sum(x * x, axis=1) + L2NORM_EPS)
+    ``[rows]`` in ``SliceLayout(1, layout)`` (the fused qk l2 norm). With ``PARTS`` > 1
+    the columns are summed in that many slices (``layout`` then for one slice), holding a
+    slice's registers at a time."""
+    if PARTS == 1:
+        x = x_smem.load(layout).to(gl.float32)
+        ss = gl.sum(x * x, axis=1)
+    else:
+        W: gl.constexpr = x_smem.shape[1] // PARTS
+        x = x_smem.slice(0, W, dim=1).load(layout).to(gl.float32)
+        ss = gl.sum(x * x, axis=1)
+        for i in gl.static_range(1, PARTS):
+            x = x_smem.slice(i * W, W, dim=1).load(layout).to(gl.float32)
+            ss += gl.sum(x * x, axis=1)
+    return gl.rsqrt(ss + L2NORM_EPS)
 
 
 @gluon.jit

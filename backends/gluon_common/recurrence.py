@@ -104,17 +104,32 @@ def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constex
 
 
 @gluon.jit
-def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid):
+def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None):
     """A warp-specialized kernel's three gate vectors of one chunk into gate-ring slot
     ``s`` (rows ``3 s .. 3 s + 2`` of the fp32 ``[6, BT]`` ring), from the chunk's
     :func:`gate_rows` (``g_row`` in any 1-D layout, ``g_end`` its ``g_last``): the state
     update's ``2^(g_last - g)`` (0 past the sequence's end, row ``n_valid`` on), the row
-    decay ``2^g`` of the output, and the chunk decay ``2^g_last`` in every element."""
+    decay ``2^g`` of the output, and the chunk decay ``2^g_last`` in every element.
+
+    With the rows' reciprocal l2 norms of k and q (``rk``, ``rq``: the qk l2 norm folded
+    into the kernel), four vectors into rows ``4 s .. 4 s + 3``: the update's and the row
+    decay times ``rk``, the chunk decay, and the output's row decay ``2^g rq``."""
     BT: gl.constexpr = g_row.shape[0]
-    r = gl.arange(0, BT, layout=g_row.type.layout)
-    gate_ring.index(3 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0))
-    gate_ring.index(3 * s + 1).store(gl.exp2(g_row))
-    gate_ring.index(3 * s + 2).store(gl.full([BT], 0.0, gl.float32, g_row.type.layout) + gl.exp2(g_end))
+    layout: gl.constexpr = g_row.type.layout
+    r = gl.arange(0, BT, layout=layout)
+    update = gl.where(r < n_valid, gl.exp2(g_end - g_row), 0.0)
+    decay = gl.exp2(g_row)
+    chunk = gl.full([BT], 0.0, gl.float32, layout) + gl.exp2(g_end)
+    if rk is None:
+        gate_ring.index(3 * s).store(update)
+        gate_ring.index(3 * s + 1).store(decay)
+        gate_ring.index(3 * s + 2).store(chunk)
+    else:
+        rk = gl.convert_layout(rk, layout)
+        gate_ring.index(4 * s).store(update * rk)
+        gate_ring.index(4 * s + 1).store(decay * rk)
+        gate_ring.index(4 * s + 2).store(chunk)
+        gate_ring.index(4 * s + 3).store(decay * gl.convert_layout(rq, layout))
 
 
 @gluon.jit

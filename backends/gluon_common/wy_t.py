@@ -7,11 +7,12 @@ multiplies by, and the gates' chunk-local cumsum.
 
 (:mod:`.wy` forms the same T and goes on to ``w = T_w k``, ``u = T_u v``.) The fused
 kernel then needs 8 KB per chunk and head from here (T_u alone; 16 KB with T_w) instead
-of w and u (32 KB each at K = V = 128): the inverse is a chain of ten dependent products, which many small programs
-per SM run side by side here, while the fused kernel's one aux warpgroup per SM would
-take them one chunk at a time. On sm_90a the inverse runs in 16 x 16 blocks on tf32
-mma.sync (:mod:`.blocked_inverse`, :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16
-operands with a tf32 redo where T leaves fp16's range (the "f16" inverse of :mod:`.wy`).
+of w and u (32 KB each at K = V = 128): the inverse is a chain of ten dependent
+products, which many small programs per SM run side by side here, while the fused
+kernel's one aux warpgroup per SM would take them one chunk at a time. On sm_90a the
+inverse runs in 16 x 16 blocks on tf32 mma.sync (:mod:`.blocked_inverse`,
+:data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16 operands with a tf32 redo where T
+leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
 Layout of ``t_tiles``: with :data:`WY_T_SINGLE_TILE` (the default on sm_90a)
 ``[slots * HV * 64, 64]`` rows, T_u of chunk slot ``c`` (:func:`.wy.wy_chunks`: with tails
@@ -126,18 +127,26 @@ def _wy_t_fwd_kernel(k_desc, t_desc, t_ptr, g, g_cum, beta, cu_seqlens, N, HV, G
 
 
 @gluon.jit
-def _store_t_u_diagonal(t_ptr, tile_row, blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
+def _t_u_diagonal(blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
     """Block diagonal ``d`` of T (a :func:`.blocked_inverse.blocked_inverse_diagonals`
-    batch: block r is T's block (r, r - d)) scaled by beta's columns into the T_u tile at
-    row ``tile_row`` of ``t_ptr``, straight from the mma.sync registers: no select builds
-    the [64, 64] tile and no shared memory stages it."""
+    batch: block r is T's block (r, r - d), zero where r < d) scaled by beta's columns, as
+    T_u's blocks (r, (r - d) mod 4): fp32 in the mma.sync layout, with each element's block
+    row ``b``, row ``i`` within it and T_u column ``col`` (the zero blocks' columns those of
+    the blocks above the diagonal)."""
     b, i, j = block_ids(block_mma_layout())
-    col = BLOCK * (b - d) + j
-    ok = b >= d
-    beta_col = gl.load(beta + (row0 + col).to(gl.int64) * s_beta + i_h, mask=ok & (col < n_valid), other=0.0)
+    col = BLOCK * ((b - d + BLOCKS) % BLOCKS) + j
+    beta_col = gl.load(beta + (row0 + col).to(gl.int64) * s_beta + i_h, mask=(b >= d) & (col < n_valid), other=0.0)
+    return blk * beta_col.to(gl.float32), b, i, col
+
+
+@gluon.jit
+def _store_t_u_diagonal(t_ptr, tile_row, blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
+    """:func:`_t_u_diagonal`'s blocks r >= d into the T_u tile at row ``tile_row`` of
+    ``t_ptr``, straight from the mma.sync registers: no select builds the [64, 64] tile and
+    no shared memory stages it."""
+    t_u, b, i, col = _t_u_diagonal(blk, d, beta, s_beta, row0, n_valid, i_h)
     rows = tile_row + BLOCK * b + i
-    gl.store(t_ptr + rows * (BLOCKS * BLOCK) + col, (blk * beta_col.to(gl.float32)).to(t_ptr.dtype.element_ty),
-             mask=ok)
+    gl.store(t_ptr + rows * (BLOCKS * BLOCK) + col, t_u.to(t_ptr.dtype.element_ty), mask=b >= d)
 
 
 @gluon.constexpr_function
@@ -150,13 +159,10 @@ def _block_slots_layout():
 
 @gluon.jit
 def _stage_t_u_diagonal(slots, blk, d: gl.constexpr, beta, s_beta, row0, n_valid, i_h):
-    """Block diagonal ``d`` of T (:func:`_store_t_u_diagonal`'s batch) scaled by beta's
-    columns into the four shared slots ``slots``, block r in slot r, for the TMA box of T_u's
-    block (r, (r - d) mod 4): zero where r < d."""
-    b, i, j = block_ids(block_mma_layout())
-    col = BLOCK * ((b - d + BLOCKS) % BLOCKS) + j
-    beta_col = gl.load(beta + (row0 + col).to(gl.int64) * s_beta + i_h, mask=(b >= d) & (col < n_valid), other=0.0)
-    slots.store((blk * beta_col.to(gl.float32)).to(slots.dtype))
+    """:func:`_t_u_diagonal`'s four blocks into the shared slots ``slots``, block r in slot
+    r, for the TMA box of T_u's block (r, (r - d) mod 4)."""
+    t_u, _, _, _ = _t_u_diagonal(blk, d, beta, s_beta, row0, n_valid, i_h)
+    slots.store(t_u.to(slots.dtype))
 
 
 @gluon.jit
@@ -228,8 +234,9 @@ WY_T_SPILL_BYTES_SM90 = 384
 #: kernels' times alike (the fused kernel paced by its state partition, the T kernel by its
 #: L1), o within 8e-4 of the pair's. Against the float32 reference with correlated keys
 #: (cosine 0.9 / 0.99) o's error 1.36e-2 / 1.80e-2 -> 1.22e-2 / 1.80e-2, the state's
-#: 1.30e-2 / 1.93e-2 -> 1.09e-2 / 1.62e-2 (fla 0.6.0: o 1.26e-2 / 1.59e-2). Measured before, and removed: T_w formed from T_u in the aux partition
-#: (the T kernel 0.287 -> 0.267 ms, the fused kernel 0.360 -> 0.414 at H16-HV32 4 x 8192).
+#: 1.30e-2 / 1.93e-2 -> 1.09e-2 / 1.62e-2 (fla 0.6.0: o 1.26e-2 / 1.59e-2). Measured
+#: before, and removed: T_w formed from T_u in the aux partition (the T kernel 0.287 ->
+#: 0.267 ms, the fused kernel 0.360 -> 0.414 at H16-HV32 4 x 8192).
 #: With the blocked inverse the T kernel then stores T_u's 16 x 16 blocks from the
 #: inverse's mma.sync registers with plain global stores (beta's column scale loaded per
 #: block), instead of selecting them into the [64, 64] tile and sending that through

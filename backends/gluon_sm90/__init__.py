@@ -26,7 +26,7 @@ from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
 from gdn_dispatch.backends.gluon_common.forward import unsupported_reason  # noqa: F401  (the backend surface)
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_norm_kernels_for_aot
-from gdn_dispatch.backends.gluon_common.wy_t import t_tiles_per_chunk, wy_t_kernels_for_aot
+from gdn_dispatch.backends.gluon_common.wy_t import wy_t_kernels_for_aot
 from gdn_dispatch.backends.gluon_sm90 import fused as _fused_path
 from gdn_dispatch.backends.gluon_sm90.engine import WGMMA
 
@@ -72,6 +72,5 @@ def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel
     shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
     capability = tuple(capability or CAPABILITIES[0])
     return (shared + qk_norm_kernels_for_aot(capability, BACKEND, ("qk_l2norm_fwd",))
-            + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE,
-                                   l2_on_chip=_fused_path.QK_NORM_ON_CHIP and t_tiles_per_chunk(ENGINE) == 1)
+            + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE, l2_on_chip=_fused_path.qk_norm_on_chip(ENGINE))
             + _fused_path.fused_kernels_for_aot(capability, BACKEND, engine=ENGINE))

@@ -47,8 +47,9 @@ calls): context-parallel segments, K or V other than 128, and the qk l2 norm whe
 :data:`QK_L2NORM` is turned off. With the norm it reads normalized copies of q and k
 (:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
 does; with :data:`QK_NORM_ON_CHIP` it reads raw q and k and reduces their row norms in the
-aux partition instead (``QK_NORM``). On sm_100a tcgen05 takes no register operand: the twin, :mod:`..gluon_sm100.fused`,
-keeps ``S^T`` in tensor memory (compiled and checked only, not routed).
+aux partition instead (``QK_NORM``). On sm_100a tcgen05 takes no register operand: the
+twin, :mod:`..gluon_sm100.fused`, keeps ``S^T`` in tensor memory (compiled and checked
+only, not routed).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
-from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, causal_gate, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
@@ -102,7 +103,6 @@ def _gates_per_slot(gate_ring_rows, ring_slots):
 def _output_gate(gates):
     """The output's row-decay vector within a gate slot (:func:`_gates_per_slot`)."""
     return 3 if gates == 4 else 1
-
 
 
 @gluon.jit
@@ -416,7 +416,7 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
     rings of ``s_ring.shape[0]`` slots (two; three for :func:`_state_overlapped`). With
     four gate vectors a slot (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from
     their tiles too: the scores take both, the gate vectors k's and q's
-    (:func:`_store_normed_gate_vectors`)."""
+    (:func:`..gluon_common.recurrence.store_gate_vectors`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -438,13 +438,13 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         if NG == 4:
             # While q k^T runs: the rows' reciprocal l2 norms, in column halves (registers).
-            rq = _row_rnorm_halves(kq_ring.index(2 * s + 1), half)
-            rk = _row_rnorm_halves(kq_ring.index(2 * s), half)
+            rq = row_rnorm(kq_ring.index(2 * s + 1), half, 2)
+            rk = row_rnorm(kq_ring.index(2 * s), half, 2)
         # Slot r of the scores and gate rings is free once the state is done with chunk
         # t - RING_S.
         mbarrier.wait(wu_empty.index(r), ((t // RING_S) & 1) ^ 1)
         if NG == 4:
-            _store_normed_gate_vectors(gate_ring, r, g_row, g_end, eos - row, rk, rq)
+            store_gate_vectors(gate_ring, r, g_row, g_end, eos - row, rk, rq)
         else:
             store_gate_vectors(gate_ring, r, g_row, g_end, eos - row)
         qk = warpgroup_mma_wait(0, deps=(qk,))
@@ -457,35 +457,6 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         thread_barrier()
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(r), count=1)
-
-
-@gluon.jit
-def _row_rnorm_halves(tile, half: gl.constexpr):
-    """``1 / sqrt(sum_k x[i, k]^2 + 1e-6)`` of the rows of a 16-bit [BT, K] shared tile,
-    summed over its two column halves (half the registers of :func:`.masks.row_rnorm`),
-    fp32 ``[BT]`` in ``SliceLayout(1, half)``."""
-    K2: gl.constexpr = tile.shape[1] // 2
-    a = tile.slice(0, K2, dim=1).load(half).to(gl.float32)
-    ss = gl.sum(a * a, axis=1)
-    b = tile.slice(K2, K2, dim=1).load(half).to(gl.float32)
-    return gl.rsqrt(ss + gl.sum(b * b, axis=1) + L2NORM_EPS)
-
-
-@gluon.jit
-def _store_normed_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk, rq):
-    """:func:`..gluon_common.recurrence.store_gate_vectors` with the qk l2 norm on chip,
-    four vectors into slot ``s``: the update's ``2^(g_last - g) r_k`` (0 from row
-    ``n_valid`` on), Z's ``2^g r_k``, the chunk decay ``2^g_last`` in every element, and the
-    output's ``2^g r_q`` (``r_k``, ``r_q``: the rows' reciprocal norms)."""
-    BT: gl.constexpr = g_row.shape[0]
-    layout: gl.constexpr = g_row.type.layout
-    r = gl.arange(0, BT, layout=layout)
-    rk = gl.convert_layout(rk, layout)
-    e_g = gl.exp2(g_row)
-    gate_ring.index(4 * s).store(gl.where(r < n_valid, gl.exp2(g_end - g_row) * rk, 0.0))
-    gate_ring.index(4 * s + 1).store(e_g * rk)
-    gate_ring.index(4 * s + 2).store(gl.full([BT], 0.0, gl.float32, layout) + gl.exp2(g_end))
-    gate_ring.index(4 * s + 3).store(e_g * gl.convert_layout(rq, layout))
 
 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
@@ -564,8 +535,8 @@ def _fused_fwd_kernel(
         vn_smem = gl.allocate_shared_memory(dtype, [V, BT], E.smem_layout([V, BT], dtype))
         S = gl.warp_specialize([
             (_state_overlapped, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
-                                 o_smem, vn_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr,
-                                 HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE)),
+                                 o_smem, vn_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc,
+                                 o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE)),
             (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
                            eos, NT)),
         ], [AUX_WARPS], [AUX_REGS])[0]
@@ -645,10 +616,16 @@ STATE_OVERLAP = False
 QK_NORM_ON_CHIP = False
 
 
+def qk_norm_on_chip(engine) -> bool:
+    """Whether the path's kernels on ``engine`` fold the qk l2 norm in themselves
+    (:data:`QK_NORM_ON_CHIP`, with T_u alone) instead of reading normalized copies."""
+    return QK_NORM_ON_CHIP and t_tiles_per_chunk(engine) == 1
+
+
 def norm_on_chip(problem: GDNProblem, engine) -> bool:
     """Whether the path folds ``problem``'s qk l2 norm into its two kernels
-    (:data:`QK_NORM_ON_CHIP`) instead of normalizing copies of q and k first."""
-    return QK_NORM_ON_CHIP and problem.use_qk_l2norm and t_tiles_per_chunk(engine) == 1
+    (:func:`qk_norm_on_chip`) instead of normalizing copies of q and k first."""
+    return problem.use_qk_l2norm and qk_norm_on_chip(engine)
 
 
 def fused_reason(problem: GDNProblem) -> str | None:
@@ -761,7 +738,7 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "pool": True, "ht": False, "state_dtype": torch.bfloat16},
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
-    if QK_NORM_ON_CHIP and t_tiles_per_chunk(engine) == 1:
+    if qk_norm_on_chip(engine):
         # Calls with the qk l2 norm run this kernel on raw q and k (QK_NORM).
         cases += [{**case, "l2": True} for case in core_cases()]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
