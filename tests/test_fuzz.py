@@ -16,7 +16,8 @@ calls (drawn from a stream of its own, so the other draws stay as they were).
 Kernels specialize on the head shape and the feature flags, so a case draws those from a
 pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
 calls then cost a few dozen compiles (GPU tier: ``pytest -m gpu tests/test_fuzz.py``,
-300 cases per GPU backend over two seeds). The CPU tier runs triton_generic under
+300 cases per GPU backend over two seeds; on sm_90 the path's cases again with each of its
+off-by-default builds, :data:`PATH_VARIANTS`). The CPU tier runs triton_generic under
 ``TRITON_INTERPRET=1`` at small sizes, and the reference's chunked form against its
 per-token recurrence.
 """
@@ -237,6 +238,30 @@ def _check(case: FuzzCase, device: str) -> None:
     assert not bad, f"{bad} above {tols} for {case.describe()}"
 
 
+def on_sm90_path(c: FuzzCase) -> bool:
+    """Whether gluon_sm90 runs case ``c`` on its warp-specialized path on a 132-SM
+    H100/H200, as its planner decides (the case's shapes on the meta device: planning reads
+    no values)."""
+    from gdn_dispatch.backends.gluon_common.forward import plan_call
+    from gdn_dispatch.device import assumed_device
+
+    s = c.spec
+    B, T = (1, sum(c.lengths)) if c.lengths is not None else c.batch
+    N = len(c.lengths) if c.lengths is not None else B
+
+    def meta(*shape, dtype=DTYPES[s.dtype]):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    state = (N, s.HV, s.K, s.V) if s.layout == "kv" else (N, s.HV, s.V, s.K)
+    p = make_problem(meta(B, T, s.H, s.K), meta(B, T, s.H, s.K), meta(B, T, s.HV, s.V),
+                     meta(B, T, s.HV, dtype=torch.float32), meta(B, T, s.HV, dtype=torch.float32),
+                     initial_state=meta(*state, dtype=torch.float32) if s.h0 else None,
+                     output_final_state=s.final, state_layout=s.layout, use_qk_l2norm_in_kernel=s.l2,
+                     cu_seqlens=[0, *itertools.accumulate(c.lengths)] if c.lengths is not None else None,
+                     context_parallel=c.context_parallel)
+    return plan_call(p, assumed_device("sm_90")).launches.fused
+
+
 # --- GPU tier -----------------------------------------------------------------------------
 
 HAS_GPU = torch.cuda.is_available()
@@ -268,6 +293,42 @@ def test_fuzz_gpu(case, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     _check(case, "cuda")
+
+
+#: The warp-specialized path's builds that are off by default (gluon_sm90.fused flags), run
+#: on the seeds' path cases: (name, flag, which cases it changes).
+PATH_VARIANTS = (("state-overlap", "STATE_OVERLAP", lambda c: True),
+                 ("norm-on-chip", "QK_NORM_ON_CHIP", lambda c: c.spec.l2))
+
+
+def _path_variant_params():
+    if not HAS_GPU or torch.cuda.get_device_capability() != (9, 0):
+        yield pytest.param(None, None, id="gluon_sm90-path-variants")
+        return
+    for name, flag, changes in PATH_VARIANTS:
+        for seed in SEEDS:
+            for i, case in enumerate(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)):
+                if on_sm90_path(case) and changes(case):
+                    yield pytest.param(case, flag, id=f"gluon_sm90-{name}-s{seed}-{i:03d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case, flag", list(_path_variant_params()))
+def test_fuzz_gpu_path_variants(case, flag, monkeypatch):
+    """The path's off-by-default builds on the fuzz's path cases (tails, pools, both
+    layouts, grouped heads, the qk l2 norm), against the reference as the default build."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    monkeypatch.setattr(fused, flag, True)
+    clear_plan_cache()
+    try:
+        _check(case, "cuda")
+    finally:
+        clear_plan_cache()
 
 
 # --- CPU tier -----------------------------------------------------------------------------
@@ -323,28 +384,7 @@ def test_draws_cover_the_classes():
     # Calls gluon_sm90 runs on its warp-specialized path on a 132-SM H100/H200, as its
     # planner decides (K = V = 128, no forced segments, (sequence, v-head) pairs >= 3/4 of
     # the SMs); with tails, a pool, both layouts and the qk l2 norm on and off among them.
-    from gdn_dispatch.backends.gluon_common.forward import plan_call
-    from gdn_dispatch.device import assumed_device
-
-    def on_path(c):
-        # The case's shapes on the meta device (planning reads no values).
-        s = c.spec
-        B, T = (1, sum(c.lengths)) if c.lengths is not None else c.batch
-        N = len(c.lengths) if c.lengths is not None else B
-
-        def meta(*shape, dtype=DTYPES[s.dtype]):
-            return torch.empty(shape, dtype=dtype, device="meta")
-
-        state = (N, s.HV, s.K, s.V) if s.layout == "kv" else (N, s.HV, s.V, s.K)
-        p = make_problem(meta(B, T, s.H, s.K), meta(B, T, s.H, s.K), meta(B, T, s.HV, s.V),
-                         meta(B, T, s.HV, dtype=torch.float32), meta(B, T, s.HV, dtype=torch.float32),
-                         initial_state=meta(*state, dtype=torch.float32) if s.h0 else None,
-                         output_final_state=s.final, state_layout=s.layout, use_qk_l2norm_in_kernel=s.l2,
-                         cu_seqlens=[0, *itertools.accumulate(c.lengths)] if c.lengths is not None else None,
-                         context_parallel=c.context_parallel)
-        return plan_call(p, assumed_device("sm_90")).launches.fused
-
-    wide = [c for c in gluon_cases if on_path(c)]
+    wide = [c for c in gluon_cases if on_sm90_path(c)]
     assert len(wide) >= 20
     assert any(c.spec.pool for c in wide) and {c.spec.layout for c in wide} == {"kv", "vk"}
     assert {c.spec.l2 for c in wide} == {False, True}
