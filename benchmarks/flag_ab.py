@@ -9,8 +9,8 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py t_u_chain   # wy_t.WY_T_SINGLE_TILE: T_u alone, v_new = T_u (v - 2^g k S)
     python benchmarks/flag_ab.py t_regs      # wy_t.WY_T_MAXNREG_SM90 128 -> 96: five T programs per SM
     python benchmarks/flag_ab.py aux_regs    # fused.AUX_REGS 120 -> 96: the state's warpgroups 192 -> 200
-    python benchmarks/flag_ab.py state_overlap  # fused.STATE_OVERLAP: o finished behind the next P^T
     python benchmarks/flag_ab.py qk_norm_on_chip  # fused.QK_NORM_ON_CHIP: no normalized copies of q, k
+    python benchmarks/flag_ab.py qk_norm_group  # fused.QK_NORM_ON_CHIP_MAX_GROUP 2 -> 4
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
@@ -62,11 +62,12 @@ STUDIES = {
     # two warpgroups 192 -> 200 (spill bytes 12-20 -> 12-16 with triton 3.6.0).
     "aux_regs": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_REGS", (gl.constexpr(120), gl.constexpr(96)),
                  {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
-    # The fused kernel's state partition finishing each output behind the next chunk's P^T.
-    "state_overlap": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_OVERLAP", (False, True), _WS_SHAPES),
-    # The qk l2 norm folded into the path's two kernels instead of normalized copies.
+    # The qk l2 norm folded into the path's two kernels instead of normalized copies (groups
+    # of up to fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads).
     "qk_norm_on_chip": ("gdn_dispatch.backends.gluon_sm90.fused", "QK_NORM_ON_CHIP", (False, True), {
-        "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True), "H16-HV32-ragged16-l2": (16, 32, "ragged16", True),
+        "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True), "H16-HV32-ragged16-l2": (16, 32, "ragged16", True)}),
+    # The group up to which the norm is folded in: 2 -> 4 (H16-HV64 too).
+    "qk_norm_group": ("gdn_dispatch.backends.gluon_sm90.fused", "QK_NORM_ON_CHIP_MAX_GROUP", (2, 4), {
         "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
@@ -114,6 +115,8 @@ if __name__ == "__main__":
         sys.exit(0)
     print(f"| {flag}{' (with ' + ', '.join(also) + ' on)' if also else ''} | shape | call ms | enqueue µs | kernels ms |")
     for arm in ("off", "on", "off", "on"):
-        subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else []),
-                       check=True, stderr=subprocess.DEVNULL)
+        run = subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else []),
+                             stderr=subprocess.PIPE, text=True)
+        if run.returncode:
+            sys.exit(f"the {arm} arm failed:\n" + "\n".join(run.stderr.splitlines()[-25:]))
     compare_outputs(f"flag_ab_{tag}", list(shapes), "off", "on")

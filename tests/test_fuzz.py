@@ -295,27 +295,29 @@ def test_fuzz_gpu(case, monkeypatch):
     _check(case, "cuda")
 
 
-#: The warp-specialized path's builds that are off by default (gluon_sm90.fused flags), run
-#: on the seeds' path cases: (name, flag, which cases it changes).
-PATH_VARIANTS = (("state-overlap", "STATE_OVERLAP", lambda c: True),
-                 ("norm-on-chip", "QK_NORM_ON_CHIP", lambda c: c.spec.l2))
+#: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
+#: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
+#: norm on normalized copies of q and k where the default folds it in (groups of up to
+#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads), folded in where the default takes copies.
+PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and c.spec.HV <= 2 * c.spec.H),
+                 ("norm-on-chip", "QK_NORM_ON_CHIP_MAX_GROUP", 64, lambda c: c.spec.l2 and c.spec.HV > 2 * c.spec.H))
 
 
 def _path_variant_params():
     if not HAS_GPU or torch.cuda.get_device_capability() != (9, 0):
-        yield pytest.param(None, None, id="gluon_sm90-path-variants")
+        yield pytest.param(None, None, None, id="gluon_sm90-path-variants")
         return
-    for name, flag, changes in PATH_VARIANTS:
+    for name, flag, value, changes in PATH_VARIANTS:
         for seed in SEEDS:
             for i, case in enumerate(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)):
                 if on_sm90_path(case) and changes(case):
-                    yield pytest.param(case, flag, id=f"gluon_sm90-{name}-s{seed}-{i:03d}")
+                    yield pytest.param(case, flag, value, id=f"gluon_sm90-{name}-s{seed}-{i:03d}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case, flag", list(_path_variant_params()))
-def test_fuzz_gpu_path_variants(case, flag, monkeypatch):
+@pytest.mark.parametrize("case, flag, value", list(_path_variant_params()))
+def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
     """The path's off-by-default builds on the fuzz's path cases (tails, pools, both
     layouts, grouped heads, the qk l2 norm), against the reference as the default build."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
@@ -323,7 +325,7 @@ def test_fuzz_gpu_path_variants(case, flag, monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
-    monkeypatch.setattr(fused, flag, True)
+    monkeypatch.setattr(fused, flag, value)
     clear_plan_cache()
     try:
         _check(case, "cuda")

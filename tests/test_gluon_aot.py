@@ -315,29 +315,6 @@ def test_sm90_t_u_in_sixteen_tma_boxes(build_flags):
 
 
 @pytest.mark.slow
-def test_sm90_state_partition_overlapping_each_output(build_flags):
-    """With :data:`fused.STATE_OVERLAP` the state partition of the fused kernel (T_u alone)
-    is :func:`fused._state_overlapped`: 40 wgmma (the default build's 36 and one product
-    of zeros that starts the loop's in-flight output), shared memory as planned (a third
-    scores and gate slot, the v_new^T tile), within the spill allowance; the aux partition
-    still holds its one product (q k^T)."""
-    from gdn_dispatch.backends.gluon_common import wy_t
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    build_flags((fused, "STATE_OVERLAP", True), (wy_t, "WY_T_SINGLE_TILE", True))
-    for kernel in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[:2]:
-        assert kernel.constexprs["OVERLAP"] is True
-        report = compile_kernel(kernel, SM90)
-        assert report.spill_bytes <= kernel.spill_bytes_allowed
-        planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, overlap=True)
-        assert planned <= report.shared_bytes <= planned + 1024 <= SMEM_OPTIN[SM90]
-        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 40
-        dot = "ttng.warp_group_dot "
-        ops = _partition_ops(report.ttgir, (dot,))
-        assert ops["partition0"][dot] == 1 and ops["default"][dot] == 6, ops
-
-
-@pytest.mark.slow
 def test_sm90_qk_norm_on_chip(build_flags):
     """With :data:`fused.QK_NORM_ON_CHIP` the backend's AOT list holds the T kernel on raw k
     (USE_L2NORM) and the fused kernel with QK_NORM for every core case; they compile within

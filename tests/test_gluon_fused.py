@@ -48,8 +48,7 @@ VARIANTS = [("default", []),
             ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
-            ("state-overlap", [("gdn_dispatch.backends.gluon_sm90.fused", "STATE_OVERLAP", True)])]
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -57,10 +56,8 @@ def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
-    off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
-    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), and with each chunk's output finished
-    behind the next chunk's first product (:data:`fused.STATE_OVERLAP`); plans computed
-    afresh."""
+    off), and with T_u's blocks stored from the inverse's registers instead of sent as
+    16 x 16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off); plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -119,9 +116,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                                "OVERLAP": fused_module.STATE_OVERLAP and wy_t_module.WY_T_SINGLE_TILE,
                                 "QK_NORM": False}
-    assert fused_module.STATE_OVERLAP == (kernel_variant == "state-overlap")
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
         "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),
@@ -139,12 +134,9 @@ def test_launches_of_the_path(shape, kernel_variant):
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
     assert fused.blocks["smem_bytes"] <= 227 * 1024
-    # T_u alone: two T tiles, two w and two u tiles fewer; the overlapped state: a third
-    # scores and gate slot with its two barriers, and the [128, 64] v_new^T tile.
-    overlap = fused.constexprs["OVERLAP"]
+    # T_u alone: two T tiles, two w and two u tiles fewer.
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
-        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
-        overlap * (64 * 64 * 2 + 3 * 64 * 4 + 2 * 8 + 128 * 64 * 2)
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -258,25 +250,34 @@ def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path):
 
 def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch):
     """With fused.QK_NORM_ON_CHIP the path runs the T and fused kernels alone on raw q and
-    k: the T kernel reduces k's norms (USE_L2NORM), the fused kernel's aux partition q's
-    and k's (QK_NORM: four gate vectors a slot, 64 x 4 bytes more per scores slot)."""
+    k for groups of up to fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads: the T kernel reduces k's
+    norms (USE_L2NORM), the fused kernel's aux partition q's and k's (QK_NORM: four gate
+    vectors a slot, 64 x 4 bytes more per scores slot). Larger groups, whose v-heads would
+    each reduce the same norms again, run on normalized copies."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     sm90, _ = _engines()
     monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP", True)
+    monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP_MAX_GROUP", 2)
     _set_l2_switch(monkeypatch, True)
     try:
-        p = random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, l2=True, ht=True)
-        launches = plan(p, device=_device(132), engine=sm90)
-        assert [s.kernel for s in launches.stages] == ["wy_t_fwd", "fused_fwd"]
-        wy_t, fused = launches.stages
-        assert wy_t.constexprs["USE_L2NORM"] is True and fused.constexprs["QK_NORM"] is True
-        plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, ht=True),
-                     device=_device(132), engine=sm90).stage("fused_fwd")
-        assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4
-        # The pipeline keeps its reciprocal norms.
-        pipe = plan(p, device=_device(132), engine=sm90, fused=False)
-        assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
+        for H, on_chip in ((32, True), (16, True), (8, False)):
+            p = random_problem(lengths=[70, 300, 1] * 3, H=H, HV=32, K=128, V=128, l2=True, ht=True)
+            launches = plan(p, device=_device(132), engine=sm90)
+            if not on_chip:
+                assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"], H
+                assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
+                assert launches.stage("fused_fwd").constexprs["QK_NORM"] is False
+                continue
+            assert [s.kernel for s in launches.stages] == ["wy_t_fwd", "fused_fwd"], H
+            wy_t, fused = launches.stages
+            assert wy_t.constexprs["USE_L2NORM"] is True and fused.constexprs["QK_NORM"] is True
+            plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=H, HV=32, K=128, V=128, ht=True),
+                         device=_device(132), engine=sm90).stage("fused_fwd")
+            assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4
+            # The pipeline keeps its reciprocal norms.
+            pipe = plan(p, device=_device(132), engine=sm90, fused=False)
+            assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
     finally:
         from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
         clear_plan_cache()
@@ -426,7 +427,9 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "
                                       "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
     (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
-     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+     "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    (dict(batch=(4, 256), HV=64), dict(use_qk_l2norm_in_kernel=True),
+     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs)"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
@@ -447,12 +450,15 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     assert text.splitlines()[-1] == "selected: gluon_sm90"
 
 
-@pytest.mark.parametrize("switch, copied", [(True, 0), (False, 1)], ids=["path", "pipeline"])
-def test_the_norm_reads_q_and_k_where_tma_cannot(switch, copied, monkeypatch):
-    """q and k at a 2-byte offset (no TMA read in place): on the path the qk l2 norm reads
-    them by pointer and the TMA reads its normalized copies, so they are not copied first;
-    the pipeline reads q and k through the TMA and copies each once (contract.INPUT_COPIES).
-    The host path runs with its launches stubbed (tests/test_gluon_host_path.py)."""
+@pytest.mark.parametrize("switch, H, copied", [(True, 8, 0), (True, 16, 1), (False, 16, 1)],
+                         ids=["path-norm-copies", "path-norm-on-chip", "pipeline"])
+def test_the_norm_reads_q_and_k_where_tma_cannot(switch, H, copied, monkeypatch):
+    """q and k at a 2-byte offset (no TMA read in place): on the path with normalized
+    copies (groups of 4 v-heads) the qk l2 norm reads them by pointer and the TMA reads its
+    copies, so they are not copied first; with the norm on chip (groups of 2) the path's
+    kernels, and the pipeline, read q and k through the TMA and copy each once
+    (contract.INPUT_COPIES). The host path runs with its launches stubbed
+    (tests/test_gluon_host_path.py)."""
     from test_gluon_host_path import stubbed_launches  # tests/ is on sys.path (pytest's rootdir-less import)
 
     from gdn_dispatch.contract import INPUT_COPIES
@@ -462,7 +468,7 @@ def test_the_norm_reads_q_and_k_where_tma_cannot(switch, copied, monkeypatch):
 
     _set_l2_switch(monkeypatch, switch)
     sm90, _ = _engines()
-    call = random_call(batch=(4, 64), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=2, normalize_qk=False)
+    call = random_call(batch=(4, 64), H=H, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=2, normalize_qk=False)
     for name in ("q", "k"):
         odd = torch.empty(call[name].numel() + 1, dtype=torch.bfloat16)[1:].view_as(call[name])
         call[name] = odd.copy_(call[name])
@@ -482,15 +488,15 @@ def test_the_norm_reads_q_and_k_where_tma_cannot(switch, copied, monkeypatch):
 
 
 @pytest.mark.parametrize("batch, switch, expected", [
-    ((4, 256), True, "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    ((4, 256), True, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
     ((4, 256), False, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the "
                       "warp-specialized path: the qk l2 norm (fused.QK_L2NORM is off))"),
     ((2, 256), True, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 64 on 4 warps; not the "
                      "warp-specialized path: 64 (sequence, v-head) programs, it needs 99)"),
 ])
 def test_explain_names_the_l2_launches_on_the_path(batch, switch, expected, monkeypatch):
-    """With the switch on, l2 calls that fill the SMs take the path on normalized copies;
-    with it off, or too few programs, the pipeline with its reciprocal norms."""
+    """With the switch on, l2 calls that fill the SMs take the path (H16-HV32: the norm on
+    chip); with it off, or too few programs, the pipeline with its reciprocal norms."""
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 

@@ -271,87 +271,6 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
-def _state_overlapped(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring, o_smem, vn_smem,
-                      kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale,
-                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
-    """:func:`_state`'s chain with T_u alone (:data:`STATE_OVERLAP`), chunk t's output
-    finished behind chunk t + 1's first product: ``O^T += v_new^T scores^T`` stays in
-    flight past the end of chunk t, and its wait and the o store come after chunk t + 1's
-    P^T is issued, so that they run while P^T holds the tensor cores. That product reads
-    v_new^T from ``vn_smem`` ([V, 64]), not from registers, which the next chunk's P^T
-    needs. Chunk t's scores and gate slots (read by it) are released one chunk later
-    (rings of three, :func:`_aux_scores`); the k/q, v and T slots as in :func:`_state`."""
-    BT: gl.constexpr = kq_ring.shape[1]
-    BV: gl.constexpr = o_smem.shape[1]
-    RING_S: gl.constexpr = s_ring.shape[0]
-    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
-    dtype: gl.constexpr = kq_ring.dtype
-    nw: gl.constexpr = gl.num_warps()
-    acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T [V, 64]
-    lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
-    cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
-    # The loop carries O^T in flight: it enters as a product of zeros (never stored) so
-    # that its type is an async accumulator from the start; its operands are this
-    # partition's own zeros.
-    vn_smem.store(gl.zeros([BV, BT], dtype, acc_c))
-    fence_async_shared()
-    thread_barrier()
-    o = warpgroup_mma(gl.zeros([BV, BT], dtype, lhs_s), vn_smem.slice(0, BT), gl.zeros([BV, BT], gl.float32, acc_c),
-                      use_acc=False, is_async=True)
-    for t in range(NT):
-        s = t % 2
-        phase = (t // 2) & 1
-        r = t % RING_S
-        row = bos + t * BT
-        k_tile = kq_ring.index(2 * s)
-        q_tile = kq_ring.index(2 * s + 1)
-        sb = gl.convert_layout(S.to(dtype), lhs_s)
-        mbarrier.wait(kq_ready.index(s), phase)
-        p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                          use_acc=False, is_async=True)
-        if t > 0:
-            # Chunk t - 1's last output product retires before P^T (issue order).
-            o_done = warpgroup_mma_wait(1, deps=(o,))
-            _store_o(o_done, o_smem, scale, o_desc, o_ptr, row_stride, row - BT, col_v, eos, HAS_TAILS, ENGINE)
-            # Every warp's product read chunk t - 1's scores: their slot is free.
-            thread_barrier()
-            mbarrier.arrive(wu_empty.index((t + RING_S - 1) % RING_S), count=1)
-        mbarrier.wait(wu_ready.index(r), (t // RING_S) & 1)
-        decay = gl.max(gate_ring.index(NG * r + 2).slice(0, 1).load(one), axis=0)
-        b_d = gate_ring.index(NG * r).load(cols_c)
-        vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                           gate_ring.index(NG * r + 1), phase, acc_c)
-        vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
-        S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
-        o = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                          use_acc=False, is_async=True)
-        # Chunk t - 1's product read vn_smem: retired above, before P^T's wait.
-        vn_smem.store(vn.to(dtype))
-        fence_async_shared()
-        S, o = warpgroup_mma_wait(0, deps=(S, o))
-        o = o * gl.expand_dims(gate_ring.index(NG * r + _output_gate(NG)).load(cols_c), 0)
-        # Every warp's v_new^T rows are in vn_smem before the product reads them.
-        thread_barrier()
-        o = warpgroup_mma(vn_smem, s_ring.index(r).permute((1, 0)), o, use_acc=True, is_async=True)
-        # v was read by plain shared loads: ordered before its TMA refill below.
-        fence_async_shared()
-        # Every warp's MMAs reading the k/q, v and T slots are complete (each waited its own).
-        thread_barrier()
-        if t + 2 < NT:
-            _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
-            _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
-            mbarrier.wait(kq_empty.index(s), phase)
-            _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
-    o_done = warpgroup_mma_wait(0, deps=(o,))
-    if NT > 0:
-        _store_o(o_done, o_smem, scale, o_desc, o_ptr, row_stride, bos + (NT - 1) * BT, col_v, eos, HAS_TAILS,
-                 ENGINE)
-    tma.store_wait(0)
-    return (S,)
-
-
-@gluon.jit
 def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr):
     """``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` ([V, 64], fp32 in ``acc_c``, P^T's layout)
     from the chain's ``P^T = S^T k^T`` (in flight), the chunk's v and T_u slots (waited here,
@@ -413,7 +332,7 @@ def _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_T
 def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT):
     """The aux work of every chunk when the state partition forms v_new from T_u itself
     (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only, into
-    rings of ``s_ring.shape[0]`` slots (two; three for :func:`_state_overlapped`). With
+    rings of ``s_ring.shape[0]`` slots. With
     four gate vectors a slot (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from
     their tiles too: the scores take both, the gate vectors k's and q's
     (:func:`..gluon_common.recurrence.store_gate_vectors`)."""
@@ -465,7 +384,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr, OVERLAP: gl.constexpr, QK_NORM: gl.constexpr,
+    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -484,9 +403,7 @@ def _fused_fwd_kernel(
         t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
         w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
         u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
-    # The scores and gate rings: chunk t's slots are released one chunk later when the
-    # state finishes each output inside the next chunk (OVERLAP).
-    RING_S: gl.constexpr = 3 if OVERLAP else 2
+    RING_S: gl.constexpr = 2
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
     # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
     NG: gl.constexpr = 4 if QK_NORM else 3
@@ -502,9 +419,6 @@ def _fused_fwd_kernel(
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
         mbarrier.init(t_ready.index(i), count=1)
-        mbarrier.init(wu_ready.index(i), count=1)
-        mbarrier.init(wu_empty.index(i), count=1)
-    for i in gl.static_range(2, RING_S):
         mbarrier.init(wu_ready.index(i), count=1)
         mbarrier.init(wu_empty.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
@@ -531,16 +445,7 @@ def _fused_fwd_kernel(
         if SINGLE_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    if OVERLAP:
-        vn_smem = gl.allocate_shared_memory(dtype, [V, BT], E.smem_layout([V, BT], dtype))
-        S = gl.warp_specialize([
-            (_state_overlapped, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
-                                 o_smem, vn_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc,
-                                 o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE)),
-            (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
-                           eos, NT)),
-        ], [AUX_WARPS], [AUX_REGS])[0]
-    elif SINGLE_T:
+    if SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring,
@@ -599,33 +504,34 @@ V_SLOTS = 2
 #: the pipeline's 1.055 (8 x 4096: 0.884 against 1.038).
 QK_L2NORM = True
 
-#: With T_u alone, the state partition leaves each chunk's last output product (``O^T +=
-#: v_new^T scores^T``) in flight and waits for it, and stores o, after issuing the next
-#: chunk's P^T (:func:`_state_overlapped`), so that the o store's conversions and shared
-#: stores run beside a product instead of between two; the scores and gate rings take
-#: three slots (8 KB more). Ncu put the kernel's tensor pipe at 50% busy (the chain's
-#: steps waiting on each other). Not measured on a GPU yet: off.
-STATE_OVERLAP = False
-
 #: With T_u alone, calls with the qk l2 norm run on raw q and k: the T kernel reduces k's
 #: row norms itself (its ``USE_L2NORM``) and the fused kernel's aux partition q's and k's
 #: (:func:`_aux_scores`), folding them into the scores and into the gate vectors the state
 #: partition already scales by (``QK_NORM``), instead of a norm kernel writing normalized
-#: copies of q and k first (0.129 ms of a 0.774 ms H16-HV32 4 x 8192 call on the H200, at
-#: the copy rate). Not measured on a GPU yet: off.
-QK_NORM_ON_CHIP = False
+#: copies of q and k first. Every v-head of a group reduces its q/k head's norms again, so
+#: it pays for groups of up to :data:`QK_NORM_ON_CHIP_MAX_GROUP` v-heads. H200, triton
+#: 3.6.0, ``python benchmarks/flag_ab.py qk_norm_on_chip`` (two rounds, bf16, K = V = 128):
+#: calls 0.715 -> 0.664 ms at H16-HV32 4 x 8192, 1.327 -> 1.200 on ragged16 (the norm
+#: kernel's 0.129 / 0.225 ms gone, the T kernel +0.024 / +0.046, the fused kernel +0.058 /
+#: +0.056), but 1.274 -> 1.297 at HV 64 (T +0.048, fused +0.106); o within 3.7e-3 of the
+#: copies' (q and k no longer rounded to bf16 after the norm).
+QK_NORM_ON_CHIP = True
+#: The largest group (v-heads per q/k head, ``HV // H``) whose calls fold the norm in.
+QK_NORM_ON_CHIP_MAX_GROUP = 2
 
 
 def qk_norm_on_chip(engine) -> bool:
-    """Whether the path's kernels on ``engine`` fold the qk l2 norm in themselves
+    """Whether the path's kernels on ``engine`` can fold the qk l2 norm in themselves
     (:data:`QK_NORM_ON_CHIP`, with T_u alone) instead of reading normalized copies."""
     return QK_NORM_ON_CHIP and t_tiles_per_chunk(engine) == 1
 
 
 def norm_on_chip(problem: GDNProblem, engine) -> bool:
     """Whether the path folds ``problem``'s qk l2 norm into its two kernels
-    (:func:`qk_norm_on_chip`) instead of normalizing copies of q and k first."""
-    return problem.use_qk_l2norm and qk_norm_on_chip(engine)
+    (:func:`qk_norm_on_chip`, groups of at most :data:`QK_NORM_ON_CHIP_MAX_GROUP` v-heads)
+    instead of normalizing copies of q and k first."""
+    return (problem.use_qk_l2norm and qk_norm_on_chip(engine)
+            and problem.HV // problem.H <= QK_NORM_ON_CHIP_MAX_GROUP)
 
 
 def fused_reason(problem: GDNProblem) -> str | None:
@@ -650,7 +556,6 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     constexprs["V_SLOTS"] = V_SLOTS
     t_tiles = t_tiles_per_chunk(engine)
     constexprs["SINGLE_T"] = t_tiles == 1
-    constexprs["OVERLAP"] = STATE_OVERLAP and t_tiles == 1
     # A problem with the norm reaches this plan only when the norm is on chip (else the
     # plan sees the normalized copies: a problem without it).
     constexprs["QK_NORM"] = bool(problem.use_qk_l2norm) and t_tiles == 1
@@ -660,7 +565,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         num_warps=STATE_WARPS,
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
-                                               single_t=t_tiles == 1, overlap=constexprs["OVERLAP"],
+                                               single_t=t_tiles == 1,
                                                qk_norm=constexprs["QK_NORM"])},
         constexprs=constexprs,
         descriptors=(
@@ -677,16 +582,14 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
-                     single_t: bool = False, overlap: bool = False, qk_norm: bool = False) -> int:
+                     single_t: bool = False, qk_norm: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
-    with ``overlap`` (:data:`STATE_OVERLAP`) scores and gate rings of 3 slots and a [V, 64]
-    v_new^T tile; with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot."""
+    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    ring_s = 3 if overlap else 2
-    return ((4 * BT * K + v_slots * BT * V + t_and_wu + ring_s * BT * BT + BT * V + (V * BT if overlap else 0)) * elem
-            + (4 if qk_norm else 3) * ring_s * BT * 4 + (6 + 2 * ring_s + v_slots) * 8)
+    return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
+            + (4 if qk_norm else 3) * 2 * BT * 4 + (10 + v_slots) * 8)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
