@@ -54,8 +54,7 @@ STUDIES = {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
     "t_u_chain": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
-    # The T kernel's register cap: four programs per SM at 128, five at 96 (measured equal
-    # before the inverse's table was swizzled).
+    # The T kernel's register cap: four programs per SM at 128, five at 96.
     "t_regs": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_MAXNREG_SM90", (128, 96), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")}),
     # The fused kernel's aux warpgroup, light with T_u alone: 120 -> 96 registers, the state's

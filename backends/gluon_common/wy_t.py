@@ -211,17 +211,35 @@ WY_T_F16_INVERSE = True
 #: A tile lives in tensor memory, not in the wgmma layout the block extraction reads.
 WY_T_BLOCKED_INVERSE = True
 
-#: Register cap of the sm_90a launch: four programs per SM. With the wgmma inverse (49 KB of
-#: shared memory) ptxas keeps some bytes per thread in local memory
-#: (:data:`WY_T_SPILL_BYTES_SM90`) and the kernel is still faster than at 168 registers and
-#: three programs (H200, triton 3.6.0, 4 x 8192 HV 32: 0.319 against 0.351 ms; ragged16:
-#: 0.635 against 0.658; outputs bit-equal). The blocked inverse (32 KB, 0-16 spill bytes)
-#: gains nothing from more programs: at 96 registers (five per SM) 0.290 against 0.287 ms
-#: at 4 x 8192, 0.509 against 0.516 on ragged16; at 80 (six) 0.321 and 0.564.
-WY_T_MAXNREG_SM90 = 128
+#: Register cap of the sm_90a launch with the blocked inverse and T_u alone (the defaults):
+#: five programs per SM. H200, triton 3.6.0, ``python benchmarks/flag_ab.py t_regs`` (two
+#: rounds, bf16, K = V = 128): the T kernel 0.213 / 0.214 -> 0.204 / 0.205 ms at H16-HV32
+#: 4 x 8192 against 128 registers and four programs, 0.415 / 0.414 -> 0.406 / 0.403 on
+#: ragged16; outputs bit-equal. (Before the inverse's table was swizzled the two caps
+#: measured equal; at 80 registers, six programs, 0.321 against 0.290 ms.)
+WY_T_MAXNREG_SM90 = 96
 #: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90` (``AotKernel.spill_bytes_allowed``):
-#: 248-304 per specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
-WY_T_SPILL_BYTES_SM90 = 384
+#: 0-16 per specialization with triton 3.6.0 and with 3.9.0.
+WY_T_SPILL_BYTES_SM90 = 64
+#: The cap of the other sm_90a builds (the wgmma inverse, or T_w and T_u both): four
+#: programs per SM. With the wgmma inverse (49 KB of shared memory) ptxas keeps some bytes
+#: per thread in local memory (:data:`WY_T_PAIR_SPILL_BYTES_SM90`) and the kernel is still
+#: faster than at 168 registers and three programs (H200, triton 3.6.0, 4 x 8192 HV 32:
+#: 0.319 against 0.351 ms; ragged16: 0.635 against 0.658; outputs bit-equal).
+WY_T_PAIR_MAXNREG_SM90 = 128
+#: Spill bytes those builds keep at :data:`WY_T_PAIR_MAXNREG_SM90`: 248-304 per
+#: specialization with triton 3.6.0, 232-352 with 3.9.0 (not timed on a GPU).
+WY_T_PAIR_SPILL_BYTES_SM90 = 384
+
+
+def t_kernel_caps(engine, blocked: bool, single: bool) -> tuple[int, int]:
+    """(register cap, spill bytes allowed) of the T kernel's build on ``engine`` with the
+    blocked inverse or not and T_u alone or not."""
+    if engine.is_sm100:
+        return 255, 0
+    if blocked and single:
+        return WY_T_MAXNREG_SM90, WY_T_SPILL_BYTES_SM90
+    return WY_T_PAIR_MAXNREG_SM90, WY_T_PAIR_SPILL_BYTES_SM90
 
 #: The T kernel writes T_u alone, and sm_90a's fused kernel takes its state partition's
 #: v_new as ``T_u (v - diag(2^g) k S)`` (``u - w S`` regrouped), so that neither T_w nor
@@ -280,7 +298,7 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
         scalars={"HV": HV, "GROUP": HV // H},
         notes=f"{'B*T // 64 + N chunk slots' if tails else 'B*T / 64 chunks'} x {HV} v-heads: "
               f"{'T_u' if single else 'T_w, T_u'} only",
-        maxnreg=255 if engine.is_sm100 else WY_T_MAXNREG_SM90,
+        maxnreg=t_kernel_caps(engine, blocked, single)[0],
     )
     return launch.bind(problem.B * problem.T, problem.N)
 
@@ -350,6 +368,8 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l
                 backend=backend, kernel="wy_t_fwd", specialization=tag, fn=_wy_t_fwd_kernel,
                 signature={name: sig[name] for name in arg_names(_wy_t_fwd_kernel)},
                 constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
-                maxnreg=launch.maxnreg, spill_bytes_allowed=0 if engine.is_sm100 else WY_T_SPILL_BYTES_SM90,
+                maxnreg=launch.maxnreg,
+                spill_bytes_allowed=t_kernel_caps(engine, launch.constexprs["BLOCKED_INVERSE"],
+                                                  launch.constexprs["SINGLE_T"])[1],
                 attrs=pointer_attrs(_wy_t_fwd_kernel, ["t_ptr", "g", "g_cum", "beta", "cu_seqlens"])))
     return kernels
