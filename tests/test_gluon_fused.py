@@ -427,9 +427,11 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "
                                       "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
     (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
-     "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+     "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk l2 norm reduced "
+     "in its kernels)"),
     (dict(batch=(4, 256), HV=64), dict(use_qk_l2norm_in_kernel=True),
-     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs)"),
+     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs; the qk "
+     "l2 norm on normalized copies (4 v-heads per q/k head))"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_table, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
@@ -488,7 +490,8 @@ def test_the_norm_reads_q_and_k_where_tma_cannot(switch, H, copied, monkeypatch)
 
 
 @pytest.mark.parametrize("batch, switch, expected", [
-    ((4, 256), True, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    ((4, 256), True, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
+                     "l2 norm reduced in its kernels)"),
     ((4, 256), False, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the "
                       "warp-specialized path: the qk l2 norm (fused.QK_L2NORM is off))"),
     ((2, 256), True, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 64 on 4 warps; not the "

@@ -277,8 +277,13 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
     call = plan_call(problem, device, engine=engine)
     text = ", ".join(call.kernels)
     if call.launches.fused:
+        norm = ""
+        if problem.use_qk_l2norm:
+            copies = call.launches.launches[0].kernel == "qk_l2norm_fwd"
+            norm = (f"; the qk l2 norm on normalized copies ({problem.HV // problem.H} v-heads per q/k head)"
+                    if copies else "; the qk l2 norm reduced in its kernels")
         return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
-               f"{device.sm_count} SMs)"
+               f"{device.sm_count} SMs{norm})"
     so = call.state_output
     config = f"state kernel V-blocks of {so.blocks['BV']} on {so.num_warps} warps"
     fused_path = getattr(engine, "fused", None)
