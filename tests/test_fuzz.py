@@ -298,9 +298,11 @@ def test_fuzz_gpu(case, monkeypatch):
 #: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
 #: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
-#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads), folded in where the default takes copies.
+#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads), folded in where the default takes copies; each
+#: chunk's output stored behind the next chunk's first product (fused.O_STORE_BEHIND).
 PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and c.spec.HV <= 2 * c.spec.H),
-                 ("norm-on-chip", "QK_NORM_ON_CHIP_MAX_GROUP", 64, lambda c: c.spec.l2 and c.spec.HV > 2 * c.spec.H))
+                 ("norm-on-chip", "QK_NORM_ON_CHIP_MAX_GROUP", 64, lambda c: c.spec.l2 and c.spec.HV > 2 * c.spec.H),
+                 ("store-behind", "O_STORE_BEHIND", True, lambda c: True))
 
 
 def _path_variant_params():
