@@ -36,18 +36,27 @@ H, HV, HEAD_DIM = 16, 32, 128
 STREAM_BATCHES, STREAM_SEQS, STREAM_TOKENS = 60, (1, 16), (1, 4000)
 
 
+#: The tensor-parallel shard of the host table's context-parallel cases: Qwen3.5's heads
+#: at TP = 8, where a long prompt's call is cut into segments ("auto").
+TP8_HEADS = (2, 4)
+
+
 @dataclass(frozen=True)
 class HostCase:
-    """One call of the host table: ``lengths`` packed (varlen) or one row (uniform)."""
+    """One call of the host table: ``lengths`` packed (varlen) or one row (uniform), with
+    ``heads`` (H, HV)."""
 
     name: str
     lengths: tuple[int, ...]
     varlen: bool
     host_copy: bool = True
+    heads: tuple[int, int] = (H, HV)
 
 
 def host_cases() -> list[HostCase]:
-    """Uniform and varlen calls at 64 and 8192 tokens, varlen with and without the host copy."""
+    """Uniform and varlen calls at 64 and 8192 tokens, varlen with and without the host
+    copy; and a 32768-token prompt on the TP = 8 shard, which the planner cuts into
+    segments (context parallelism: five launches or more per call)."""
     cases = []
     for tokens in (64, 8192):
         cases.append(HostCase(f"uniform-1x{tokens}", (tokens,), varlen=False))
@@ -55,6 +64,9 @@ def host_cases() -> list[HostCase]:
         cases.append(HostCase(f"varlen-1x{tokens}-no-cpu", (tokens,), varlen=True, host_copy=False))
     cases.append(HostCase("varlen-4x2048", (2048,) * 4, varlen=True))
     cases.append(HostCase("varlen-4x2048-no-cpu", (2048,) * 4, varlen=True, host_copy=False))
+    shard = "H{}-HV{}".format(*TP8_HEADS)
+    cases.append(HostCase(f"{shard}-varlen-1x32768", (32768,), varlen=True, heads=TP8_HEADS))
+    cases.append(HostCase(f"{shard}-varlen-1x32768-no-cpu", (32768,), varlen=True, host_copy=False, heads=TP8_HEADS))
     return cases
 
 
@@ -64,12 +76,15 @@ def ragged_stream(seed: int, batches: int = STREAM_BATCHES) -> list[tuple[int, .
     return [tuple(rng.randint(*STREAM_TOKENS) for _ in range(rng.randint(*STREAM_SEQS))) for _ in range(batches)]
 
 
-def make_call(lengths: tuple[int, ...], varlen: bool, host_copy: bool, device, seed: int) -> dict:
-    """Keyword arguments of one call (ours): q, k l2-normalized, logsigmoid gates, h0."""
+def make_call(lengths: tuple[int, ...], varlen: bool, host_copy: bool, device, seed: int,
+              heads: tuple[int, int] = (H, HV)) -> dict:
+    """Keyword arguments of one call (ours): q, k l2-normalized, logsigmoid gates, h0;
+    ``heads`` (H, HV)."""
     from gdn_dispatch.testing import random_call
 
     kw = dict(lengths=list(lengths)) if varlen else dict(batch=(1, sum(lengths)))
-    call = random_call(**kw, H=H, HV=HV, K=HEAD_DIM, V=HEAD_DIM, dtype=torch.bfloat16, device=device, seed=seed)
+    call = random_call(**kw, H=heads[0], HV=heads[1], K=HEAD_DIM, V=HEAD_DIM, dtype=torch.bfloat16, device=device,
+                       seed=seed)
     if not host_copy:
         call.pop("cu_seqlens_cpu", None)
     return call
@@ -191,7 +206,7 @@ def format_stream(medians: dict[str, float | str]) -> list[str]:
 
 def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int) -> list[HostRow]:
     """Every caller on one case (GPU): enqueue, graph replay, and our host steps."""
-    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed)
+    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
     rows = []
     for name, caller in callers.items():
         row = HostRow(name, case.name)
@@ -234,8 +249,8 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
                                                                                 backend=name))()
     if fla_fn is not None:
         callers[FLA] = lambda **c: fla_fn(**c, output_final_state=True)
-    print(f"host cost per call (H={H}, HV={HV}, K=V={HEAD_DIM}, bf16, h0 + final state); enqueue = "
-          f"{calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
+    print(f"host cost per call (H={H}, HV={HV} unless the case names its heads, K=V={HEAD_DIM}, bf16, h0 + final "
+          f"state); enqueue = {calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
     rows = []
     with torch.inference_mode():
         for case in host_cases():

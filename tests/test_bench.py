@@ -544,7 +544,24 @@ def test_host_cases_cover_both_sizes_and_both_varlen_forms():
         assert not cases[f"uniform-1x{tokens}"].varlen
         assert cases[f"varlen-1x{tokens}"].varlen and cases[f"varlen-1x{tokens}"].host_copy
         assert not cases[f"varlen-1x{tokens}-no-cpu"].host_copy
-    assert all(sum(c.lengths) in (64, 8192) for c in cases.values())
+    full = [c for c in cases.values() if c.heads == (16, 32)]
+    assert all(sum(c.lengths) in (64, 8192) for c in full)
+    # The TP = 8 shard's long prompt, in both varlen forms.
+    shard = [c for c in cases.values() if c.heads != (16, 32)]
+    assert {(c.heads, c.lengths, c.host_copy) for c in shard} == {((2, 4), (32768,), True), ((2, 4), (32768,), False)}
+
+
+def test_the_host_tables_shard_case_is_cut_into_segments():
+    """On the H200 (132 SMs) "auto" cuts the TP = 8 shard's 32768-token prompt into
+    segments: the host table measures a context-parallel call."""
+    from gdn_dispatch.bench_host import TP8_HEADS, host_cases, make_call
+    from gdn_dispatch.context_parallel import plan_for_problem
+    from gdn_dispatch.contract import make_problem
+
+    case = next(c for c in host_cases() if c.heads == TP8_HEADS and c.host_copy)
+    call = make_call(case.lengths, case.varlen, case.host_copy, "cpu", seed=1, heads=case.heads)
+    assert call["q"].shape[2] == 2 and call["v"].shape[2] == 4
+    assert plan_for_problem(make_problem(**call, output_final_state=True), 132).enabled
 
 
 def test_ragged_stream_is_seeded_and_in_bounds():
