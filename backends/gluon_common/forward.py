@@ -96,7 +96,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     # On the path the qk l2 norm kernel reads q and k by pointer, at any token stride, and
     # the TMA reads its normalized copies: only v must be TMA-readable.
-    norm_copies = launches.fused and launches.launches[0].kernel == "qk_l2norm_fwd"
+    norm_copies = launches.norm_copies
     problem = tma_readable(problem, ("v",) if norm_copies else ("q", "k", "v"))
     chunks = problem.chunks
     if launches.fused:
@@ -279,9 +279,8 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
     if call.launches.fused:
         norm = ""
         if problem.use_qk_l2norm:
-            copies = call.launches.launches[0].kernel == "qk_l2norm_fwd"
             norm = (f"; the qk l2 norm on normalized copies ({problem.HV // problem.H} v-heads per q/k head)"
-                    if copies else "; the qk l2 norm reduced in its kernels")
+                    if call.launches.norm_copies else "; the qk l2 norm reduced in its kernels")
         return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
                f"{device.sm_count} SMs{norm})"
     so = call.state_output

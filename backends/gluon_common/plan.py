@@ -76,6 +76,12 @@ class ForwardPlan:
         return self.launches[-1].kernel == "fused_fwd"
 
     @property
+    def norm_copies(self) -> bool:
+        """Whether the path runs on normalized copies of q and k (qk_l2norm_fwd first)
+        rather than folding the qk l2 norm into its kernels (or running without it)."""
+        return self.fused and self.launches[0].kernel == "qk_l2norm_fwd"
+
+    @property
     def stages(self) -> tuple[BoundLaunch, ...]:
         return tuple(self._bind(launch) for launch in self.launches)
 

@@ -348,9 +348,9 @@ def _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_T
 def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos, eos, NT):
     """The aux work of every chunk when the state partition forms v_new from T_u itself
     (:data:`.wy_t.WY_T_SINGLE_TILE`): the causal scores and the gate vectors only, into
-    rings of ``s_ring.shape[0]`` slots. With
-    four gate vectors a slot (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from
-    their tiles too: the scores take both, the gate vectors k's and q's
+    rings of ``s_ring.shape[0]`` slots. With four gate vectors a slot
+    (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from their tiles too: the
+    scores take both, the gate vectors k's and q's
     (:func:`..gluon_common.recurrence.store_gate_vectors`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
