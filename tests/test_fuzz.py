@@ -138,8 +138,9 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
     if not cpu:
         # Many value heads at K = V: a batch of them fills a GPU's SMs, which is where
         # gluon_sm90 takes its warp-specialized path (one sequence x 128 v-heads already),
-        # with the qk l2 norm (normalized copies) and without.
-        pool[2] = FuzzSpec(hi, hi, 32, 128, row.dtypes[0], row.state_layouts[-1], True, True, True)
+        # with the qk l2 norm (folded into the path's kernels at two v-heads per q/k head)
+        # and without.
+        pool[2] = FuzzSpec(hi, hi, 64, 128, row.dtypes[0], row.state_layouts[-1], True, True, True)
         pool[3] = FuzzSpec(hi, hi, 64, 128, row.dtypes[-1], "kv", False, False, True,
                            pool="state_pool" in row.features)
     max_tokens = 200 if cpu else 6000
@@ -298,11 +299,17 @@ def test_fuzz_gpu(case, monkeypatch):
 #: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
 #: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
-#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads), folded in where the default takes copies; each
-#: chunk's output stored behind the next chunk's first product (fused.O_STORE_BEHIND).
-PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and c.spec.HV <= 2 * c.spec.H),
-                 ("norm-on-chip", "QK_NORM_ON_CHIP_MAX_GROUP", 64, lambda c: c.spec.l2 and c.spec.HV > 2 * c.spec.H),
+#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); each chunk's output stored behind the next
+#: chunk's first product (fused.O_STORE_BEHIND).
+PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
                  ("store-behind", "O_STORE_BEHIND", True, lambda c: True))
+
+
+def _norm_on_chip_group(case) -> bool:
+    """Whether the case's group (v-heads per q/k head) is one the default folds the norm in for."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    return case.spec.HV // case.spec.H <= fused.QK_NORM_ON_CHIP_MAX_GROUP
 
 
 def _path_variant_params():
