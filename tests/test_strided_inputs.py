@@ -122,14 +122,16 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2"])
 @pytest.mark.parametrize("lengths", [[200], [1, 130, 64, 65]], ids=["32-programs", "128-programs"])
-def test_gluon_copies_contiguous_inputs_at_a_misaligned_base(l2, lengths, monkeypatch):
+@pytest.mark.parametrize("HV", [32, 64], ids=["group-2", "group-4"])
+def test_gluon_copies_contiguous_inputs_at_a_misaligned_base(l2, lengths, HV, monkeypatch):
     """Contiguous q, k, v whose base is 2 bytes off the 16-byte grid (slices of a flat
     buffer): TMA cannot read them in place, and contiguous() would return them unmoved, so
-    each one TMA reads is copied to a new allocation; on the warp-specialized path with the
-    qk l2 norm, q and k are read by the norm kernel instead and only v is copied. Equal bit
-    for bit to the call on aligned inputs."""
+    each one TMA reads is copied to a new allocation; where the warp-specialized path runs on
+    normalized copies of q and k (groups of more than two v-heads), the norm kernel reads them
+    by pointer instead and only v is copied; where the norm runs in the path's kernels, q and
+    k are copied like v. Equal bit for bit to the call on aligned inputs."""
     backend = _setup("gluon", "cuda", monkeypatch)
-    call = random_call(lengths=lengths, H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=21,
+    call = random_call(lengths=lengths, H=16, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=21,
                        normalize_qk=not l2)
     odd = {n: _misaligned(call[n]) for n in ("q", "k", "v")}
     before = dict(INPUT_COPIES)
@@ -142,9 +144,9 @@ def test_gluon_copies_contiguous_inputs_at_a_misaligned_base(l2, lengths, monkey
     from gdn_dispatch.device import default_probe
 
     problem = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2)
-    on_path = plan_call(problem, default_probe().for_torch_device(problem.device)).launches.fused
-    qk = 0 if (l2 and on_path) else 1
-    assert copied == {"q": qk, "k": qk, "v": 1}, (backend, on_path)
+    launches = plan_call(problem, default_probe().for_torch_device(problem.device)).launches
+    qk = 0 if (l2 and launches.norm_copies) else 1
+    assert copied == {"q": qk, "k": qk, "v": 1}, (backend, launches.fused, launches.norm_copies)
     o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2,
                                            backend=backend)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
