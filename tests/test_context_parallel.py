@@ -584,7 +584,7 @@ def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
 
 
 @pytest.mark.parametrize("lengths, L", [([300, 0, 1, 64, 128, 129, 700], 128), ([0, 0], 64), ([5], 64),
-                                        ([1000, 3, 2000], 256)])
+                                        ([1000, 3, 2000], 256), ([4100], 1024)])
 def test_segment_offsets_host_equal_the_table_kernel(lengths, L, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     call = random_call(lengths=lengths, H=1, HV=1, K=16, V=16, dtype=torch.float32)

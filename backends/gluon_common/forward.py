@@ -214,7 +214,9 @@ def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | Non
     """
     if chunks.cu_seqlens_host is None:
         return None
-    if chunks.uniform:
+    if chunks.uniform or chunks.num_seqs == 1:
+        # One packed prompt (a long prompt's call on a tensor-parallel shard) is a uniform
+        # batch of one row.
         return _uniform_segment_offsets(chunks.num_seqs, int(chunks.cu_seqlens_host[1]) if chunks.num_seqs else 0,
                                         seg_len)
     return torch.tensor(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len), dtype=torch.int64)
