@@ -139,8 +139,9 @@ def draw_cases(backend: str, seed: int, count: int, *, cpu: bool = False) -> lis
         # Many value heads at K = V: a batch of them fills a GPU's SMs, which is where
         # gluon_sm90 takes its warp-specialized path (one sequence x 128 v-heads already),
         # with the qk l2 norm (folded into the path's kernels at two v-heads per q/k head)
-        # and without.
-        pool[2] = FuzzSpec(hi, hi, 64, 128, row.dtypes[0], row.state_layouts[-1], True, True, True)
+        # and without; the l2 spec reads its states from a pool on odd seeds.
+        pool[2] = FuzzSpec(hi, hi, 64, 128, row.dtypes[0], row.state_layouts[-1], True, True, True,
+                           pool="state_pool" in row.features and seed % 2 == 1)
         pool[3] = FuzzSpec(hi, hi, 64, 128, row.dtypes[-1], "kv", False, False, True,
                            pool="state_pool" in row.features)
     max_tokens = 200 if cpu else 6000
@@ -394,11 +395,13 @@ def test_draws_cover_the_classes():
         {(s.K, s.V) for s in gluon} >= {(64, 128), (128, 64)}
     # Calls gluon_sm90 runs on its warp-specialized path on a 132-SM H100/H200, as its
     # planner decides (K = V = 128, no forced segments, (sequence, v-head) pairs >= 3/4 of
-    # the SMs); with tails, a pool, both layouts and the qk l2 norm on and off among them.
+    # the SMs); with tails, a pool, both layouts and the qk l2 norm on and off among them,
+    # and the norm on chip with a pool.
     wide = [c for c in gluon_cases if on_sm90_path(c)]
     assert len(wide) >= 20
     assert any(c.spec.pool for c in wide) and {c.spec.layout for c in wide} == {"kv", "vk"}
     assert {c.spec.l2 for c in wide} == {False, True}
+    assert any(c.spec.l2 and c.spec.pool and c.spec.HV == 2 * c.spec.H for c in wide)  # the norm on chip, pooled
     assert any(c.lengths and {1, 63, 65} & set(c.lengths) for c in wide)
 
 
