@@ -27,7 +27,6 @@ next segment's while it multiplies this one.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import _cast, _tf32_round, interpreting, jit, next_pow2
@@ -144,7 +143,7 @@ def segment_map_fwd(
         return m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
     dot_prec, _ = dot_precisions(k.dtype)
-    grid = (NSEG * HV * (triton.cdiv(V, cfg.BV) + triton.cdiv(K, cfg.BV)),)
+    grid = (NSEG * HV * (-(-V // cfg.BV) - (-K // cfg.BV)),)  # host ceil-divs (triton.cdiv is a slow constexpr function)
     launch(_segment_map_fwd_kernel, grid, cfg,
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, seg_cu=seg_cu,
         m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k), H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV,

@@ -32,7 +32,6 @@ held in registers.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import _dot, _tf32_round, interpreting, jit, next_pow2
@@ -267,7 +266,7 @@ def segment_scan_fwd(
     if cfg is None:
         capability, sm_count = device_facts(n_in.device)
         cfg = segment_scan_config(K, V, capability, N * HV, sm_count)
-    grid = (N * HV * triton.cdiv(V, cfg.BV),)
+    grid = (N * HV * -(-V // cfg.BV),)  # host ceil-div (triton.cdiv is a slow constexpr function)
     launch(_segment_scan_fwd_kernel, grid, cfg,
         m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens,
         h0=initial_state if initial_state is not None else n_in,
