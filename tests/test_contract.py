@@ -367,3 +367,23 @@ def test_validated_problems_are_whole_frozen_dataclasses(seed):
                 with pytest.raises(dataclasses.FrozenInstanceError):
                     setattr(obj, names[0], None)
             assert dataclasses.replace(p, backend="reference").backend == "reference"
+
+
+def test_replace_fields_equals_dataclasses_replace():
+    """The segmented path's cheap replace builds what dataclasses.replace builds, leaves the
+    original as it was, and refuses a name that is not a field."""
+    import dataclasses
+
+    from gdn_dispatch.contract import GDNProblem, replace_fields
+
+    p = make_problem(**random_call(lengths=[5, 0, 70], H=2, HV=4, K=16, V=8, dtype=torch.float32, seed=4))
+    changes = dict(output_final_state=False, state_layout=StateLayout.VK, context_parallel="off", initial_state=None)
+    fast, slow = replace_fields(p, **changes), dataclasses.replace(p, **changes)
+    names = [f.name for f in dataclasses.fields(GDNProblem)]
+    assert type(fast) is GDNProblem and sorted(vars(fast)) == sorted(names)
+    assert all(getattr(fast, name) is getattr(slow, name) for name in names)
+    assert p.context_parallel == "auto" and p.state_layout is StateLayout.KV
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.backend = "reference"
+    with pytest.raises(TypeError, match="chunk_size"):
+        replace_fields(p, chunk_size=32)

@@ -47,14 +47,13 @@ written back, in place through ``state_indices``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
-from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy
+from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
@@ -124,7 +123,7 @@ def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) 
     contract's own copies."""
     moved = {name: _counted_copy(name, getattr(problem, name))
              for name in names if tma_rows_reason(name, getattr(problem, name)) is not None}
-    return dataclasses.replace(problem, **moved) if moved else problem
+    return replace_fields(problem, **moved) if moved else problem
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:
@@ -200,9 +199,9 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
     """
     chunks = problem.chunks
     table = segment_table(chunks, problem.B * problem.T, cp, seg_cu, segment_offsets_host(chunks, cp.seg_len))
-    return dataclasses.replace(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
-                               output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
-                               inplace_final_state=False, context_parallel="off")
+    return replace_fields(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
+                          output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
+                          inplace_final_state=False, context_parallel="off")
 
 
 def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
