@@ -26,6 +26,8 @@ next segment's while it multiplies this one.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
@@ -93,6 +95,7 @@ def _segment_map_fwd_kernel(
     tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
 
 
+@functools.lru_cache(maxsize=64)  # one per head shape: the segmented call's host path reads it per call
 def segment_map_config(K: int, V: int) -> LaunchConfig:
     """Pass 1, one program per (segment, v-head, BC columns of V + K): the whole K extent
     in registers as in the state kernel, BC up to 64 with BK * BC <= 8192 (64 fp32

@@ -31,6 +31,8 @@ held in registers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
@@ -183,6 +185,7 @@ def _segment_scan_fwd_kernel(
 WHOLE_M_CAPABILITIES = ((9, 0),)
 
 
+@functools.lru_cache(maxsize=1024)  # pairs follows the number of sequences
 def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = None, pairs: int | None = None,
                         sm_count: int | None = None) -> LaunchConfig:
     """The scan, one program per (sequence, v-head, BV slice of V), 8 warps (the fp32
