@@ -56,7 +56,7 @@ class HostCase:
 def host_cases() -> list[HostCase]:
     """Uniform and varlen calls at 64 and 8192 tokens, varlen with and without the host
     copy; and a 32768-token prompt on the TP = 8 shard, which the planner cuts into
-    segments (context parallelism: five launches or more per call)."""
+    segments (context parallelism: four launches or more per call)."""
     cases = []
     for tokens in (64, 8192):
         cases.append(HostCase(f"uniform-1x{tokens}", (tokens,), varlen=False))

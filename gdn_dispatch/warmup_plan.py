@@ -245,8 +245,8 @@ def _state_flags(problem: GDNProblem) -> tuple:
 
 
 def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool) -> set:
-    """The plain-Triton kernels of a segmented call (table, pass-1 maps, scan): the table's
-    and pass 1's configs are fixed by the dims and the device, the scan's V-block by its
+    """The plain-Triton kernels of a segmented call (pass-1 maps with the segment table,
+    scan): pass 1's config is fixed by the dims and the device, the scan's V-block by its
     (sequence, v-head) pairs against the SM count; the call's state flags go to the scan;
     pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
     from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_config
@@ -254,7 +254,6 @@ def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k
     capability = tuple(device.capability) if device.capability else None
     scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count)
     return {
-        ("segment_table_fwd",),
         ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm),
         ("segment_scan_fwd", _state_flags(problem), scan),
     }
@@ -286,7 +285,7 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
 
     With context parallelism (``cp.enabled``) the call's state flags go to the scan, and
     the state kernel runs over the segments from float32 start states ("kv", no final
-    state, no pool), next to the segment table and the segment maps.
+    state, no pool), next to the segment maps (which write the segment table).
     """
     from gdn_dispatch.backends.triton_generic import configs
 

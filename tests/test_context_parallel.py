@@ -266,17 +266,32 @@ def _segment_starts(cu: list[int], L: int) -> list[int]:
     return out + [cu[-1]]
 
 
+def _segment_table(cu: list[int], L: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The segment offsets pass 1 writes for the offsets ``cu`` (its maps, of random
+    16-wide rows, not read)."""
+    T, N = cu[-1], len(cu) - 1
+    gen = torch.Generator().manual_seed(T + N + L)
+    k = torch.randn(1, T, 1, 16, generator=gen).to(device)
+    w, u = torch.randn(1, T, 1, 16, generator=gen).to(device), torch.randn(1, T, 1, 16, generator=gen).to(device)
+    g_cum = torch.randn(1, T, 1, generator=gen).to(device)
+    seg_cu, *_ = tg_map.segment_map_fwd(k, w, u, g_cum, torch.tensor(cu, dtype=dtype, device=device), L)
+    return seg_cu
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("lengths, L", [
     ([300, 0, 1, 64, 128, 129, 700], 128), ([5], 64), ([0, 0, 0], 64), ([64] * 9, 64), ([1000, 3, 2000], 256),
     (list(range(0, 400, 7)), 192),
 ])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_segment_table_kernel(lengths, L, dtype, device):
+def test_segment_map_writes_the_segment_table(lengths, L, dtype, device):
+    """Pass 1's programs find their slot by bisection over cu_seqlens and write the slot
+    offsets for the launches after it: every entry (outputs poisoned first), in
+    cu_seqlens's dtype, equal to the definition."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    seg_cu = tg_scan.segment_table_fwd(torch.tensor(cu, dtype=dtype, device=device), cu[-1], L)
+    seg_cu = _segment_table(cu, L, dtype, device)
     assert seg_cu.dtype == dtype and seg_cu.tolist() == _segment_starts(cu, L)
     assert len(_segment_starts(cu, L)) == cu[-1] // L + len(lengths) + 1
 
@@ -299,8 +314,8 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
     g_cum = chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
     k_rnorm = torch.empty_like(g_cum) if l2 else None
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2, k_rnorm=k_rnorm)
-    seg_cu = tg_scan.segment_table_fwd(problem.chunks.cu_seqlens, sum(lengths), L)
-    M_hi, M_lo, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    seg_cu, M_hi, M_lo, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, L,
+                                                   use_qk_l2norm=l2, k_rnorm=k_rnorm)
     # M comes split for the scan: a TF32-exact fp32 part and a bf16 rest below its last bit.
     assert M_hi.dtype == torch.float32 and M_lo.dtype == torch.bfloat16
     assert bool((M_hi.view(torch.int32) & 0x1FFF == 0).all())
@@ -340,8 +355,8 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout,
     for n in lengths:
         cu.append(cu[-1] + n)
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
-    seg_cu = tg_scan.segment_table_fwd(cu_seqlens, cu[-1], L)
-    NSEG = seg_cu.shape[0] - 1
+    starts = _segment_starts(cu, L)
+    NSEG = len(starts) - 1
     gen = torch.Generator().manual_seed(11)
     # Maps near a decayed identity, as a segment's are, so states stay O(1) over 9 segments.
     M = (0.9 * torch.eye(K) + 0.3 * torch.randn(NSEG, HV, K, K, generator=gen) / K ** 0.5).to(device)
@@ -356,7 +371,6 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout,
     seg_h0, final = tg_scan.segment_scan_fwd(*tg_scan.split_maps(M), N, cu_seqlens, L, initial_state=h0_arg,
                                              output_final_state=True,
                                              state_vk=layout == "vk", config=cfg)
-    starts = seg_cu.tolist()
     slot = 0
     for n in range(len(lengths)):
         slots = cu[n + 1] // L - cu[n] // L + 1
@@ -515,7 +529,7 @@ def test_gluon_plan_call_runs_segments(arch, shape, request_, seg_len):
     cp = planned.context_parallel
     nseg = problem.B * problem.T // seg_len[arch] + problem.N
     assert (cp.enabled, cp.seg_len, cp.num_segments) == (True, seg_len[arch], nseg)
-    assert planned.kernels == ("wy_fwd", "segment_table", "segment_map", "segment_scan", "state_output_fwd")
+    assert planned.kernels == ("wy_fwd", "segment_map", "segment_scan", "state_output_fwd")
     fused = planned.state_output
     assert fused.grid[0] == nseg * problem.HV * fused.blocks["NV"]
     flags = fused.constexprs
@@ -579,7 +593,7 @@ def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
     assert ">= 0.25 x 132 SMs" in planned.context_parallel.reason
     l2 = GLUON_FORWARD.plan_call(make_problem(**call, use_qk_l2norm_in_kernel=True, context_parallel=2),
                                  assumed_device("sm_90"))
-    assert l2.kernels == ("wy_fwd", "qk_rnorm_fwd", "segment_table", "segment_map", "segment_scan",
+    assert l2.kernels == ("wy_fwd", "qk_rnorm_fwd", "segment_map", "segment_scan",
                           "state_output_fwd")
 
 
@@ -590,7 +604,7 @@ def test_segment_offsets_host_equal_the_table_kernel(lengths, L, monkeypatch):
     call = random_call(lengths=lengths, H=1, HV=1, K=16, V=16, dtype=torch.float32)
     chunks = make_problem(**call).chunks
     host = GLUON_FORWARD.segment_offsets_host(chunks, L)
-    assert host.tolist() == tg_scan.segment_table_fwd(chunks.cu_seqlens, sum(lengths), L).tolist()
+    assert host.tolist() == _segment_table(chunks.cu_seqlens_host.tolist(), L, chunks.cu_seqlens.dtype, "cpu").tolist()
     assert host.tolist() == _segment_starts(chunks.cu_seqlens_host.tolist(), L)
     uniform = make_problem(**random_call(batch=(3, 700), H=1, HV=1, K=16, V=16, dtype=torch.float32)).chunks
     assert GLUON_FORWARD.segment_offsets_host(uniform, L).tolist() == _segment_starts([0, 700, 1400, 2100], L)
@@ -812,7 +826,7 @@ def compiled(monkeypatch):
 
 #: The segment kernels the Gluon rows launch (triton_generic's; the older parts compile
 #: them in the arch matrix, where triton_generic is chosen or listed).
-SEGMENT_KERNELS = ("segment_table_fwd", "segment_map_fwd", "segment_scan_fwd")
+SEGMENT_KERNELS = ("segment_map_fwd", "segment_scan_fwd")
 
 
 def _segment_aot_cases():

@@ -406,8 +406,7 @@ def test_aot_kernels_compile_without_spills(target):
 
     kernels = tg.kernels_for_aot(target)
     assert {k.kernel for k in kernels} == {"chunk_cumsum_fwd", "kkt_solve_fwd", "wu_fwd", "state_fwd",
-                                           "output_fwd", "segment_table_fwd", "segment_map_fwd",
-                                           "segment_scan_fwd"}
+                                           "output_fwd", "segment_map_fwd", "segment_scan_fwd"}
     for kernel in kernels:
         report = compile_kernel(kernel, target)
         assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"

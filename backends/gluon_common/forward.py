@@ -8,12 +8,11 @@ With context parallelism planned for the call (:func:`gdn_dispatch.context_paral
 on the registry's SM count: few sequences x heads, long sequences), the fused kernel runs
 over segments of the sequences instead, each from its exact start state::
 
-    seg_cu       = segment_table_fwd(cu_seqlens, L)               # segment offsets, on the device
-    M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, seg_cu)       # pass 1: each segment's map
-    seg_h0, S    = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)  # fp32 scan; final state / pool rows
-    o, _         = state_output_fwd(q, k, w, u, g_cum, segments, seg_h0)   # pass 2
+    seg_cu, M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, cu_seqlens, L)  # pass 1: offsets, maps
+    seg_h0, S = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)  # fp32 scan; final state / pool rows
+    o, _      = state_output_fwd(q, k, w, u, g_cum, segments, seg_h0)   # pass 2
 
-The three segment launches are triton_generic's plain-Triton kernels, read at their public
+The two segment launches are triton_generic's plain-Triton kernels, read at their public
 host functions. w, u and g_cum are per chunk and segments start on chunk boundaries of their
 sequence, so one wy launch serves both passes (pass 1 reads them as triton_generic's own:
 the same ``[B, T, HV, *]`` rows, g_cum chunk-local in log2 units).
@@ -64,7 +63,6 @@ from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
-from gdn_dispatch.backends.triton_generic.segment_scan import segment_table_fwd
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -165,10 +163,9 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         None unless ``problem.output_final_state``; with ``inplace_final_state`` the scan
         writes the pool rows.
     """
-    seg_cu = segment_table_fwd(problem.chunks.cu_seqlens, problem.B * problem.T, cp.seg_len)
     # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
     # takes per-v-head ones.
-    seg_h0, final_state = segment_start_states(problem, cp, seg_cu, g_cum, w, u)
+    seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
     launch = plan(segments, device=device, engine=engine, fused=False,
                   busy_seqs=segments.chunks.nonempty_seqs()).stage("state_output_fwd")
@@ -194,7 +191,7 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
     problem : the validated call.
     cp : its context-parallel plan (``cp.enabled``).
     seg_cu : int Tensor ``[NSEG + 1]``, cu_seqlens's dtype: the segment offsets
-        (``segment_table_fwd``; a ``meta`` tensor in a dry run).
+        (pass 1 writes them; a ``meta`` tensor in a dry run).
     seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``: the segment start states.
     """
     chunks = problem.chunks
@@ -205,7 +202,7 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
 
 
 def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
-    """The segment offsets ``segment_table_fwd`` writes on the device, computed on the host
+    """The segment offsets pass 1 writes on the device, computed on the host
     from the call's host copy of ``cu_seqlens`` (int64 ``[NSEG + 1]``), or None without one.
 
     The fused kernel's tail flag reads it: segments end inside a chunk exactly where the
@@ -256,13 +253,14 @@ class CallPlan:
     @property
     def kernels(self) -> tuple[str, ...]:
         """The launches, in order: Gluon stages by their plan's kernel name, the
-        plain-Triton segment kernels as ``segment_table``, ``segment_map``, ``segment_scan``."""
+        plain-Triton segment kernels as ``segment_map`` (which writes the segment table too),
+        ``segment_scan``."""
         if self.launches.fused:
             return tuple(s.kernel for s in self.launches.stages)
         front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
         if self.segments is None:
             return front + ("state_output_fwd",)
-        return front + ("segment_table", "segment_map", "segment_scan", "state_output_fwd")
+        return front + ("segment_map", "segment_scan", "state_output_fwd")
 
     @property
     def state_output(self):

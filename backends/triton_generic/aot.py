@@ -16,9 +16,7 @@ from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, segment_map_config
-from gdn_dispatch.backends.triton_generic.segment_scan import (
-    SEGMENT_TABLE_BLOCK, SEGMENT_TABLE_CONFIG, _segment_scan_fwd_kernel, _segment_table_kernel, scan_block_kc,
-    segment_scan_config)
+from gdn_dispatch.backends.triton_generic.segment_scan import _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
 from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel
 
@@ -88,14 +86,14 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
 
 
 def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability) -> list[AotKernel]:
-    """The segmented path's own kernels that depend on the head dims (pass 2 is the state
-    and output kernels above; the segment table is :func:`_segment_table_aot_kernel`):
-    pass 1's maps, and the scan in the "vk" layout with a pool."""
+    """The segmented path's own kernels (pass 2 is the state and output kernels above):
+    pass 1's maps (which write the segment table too), and the scan in the "vk" layout
+    with a pool."""
     out = []
     cfg = segment_map_config(K, V)
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
-                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "seg_cu": "*i32",
-                        "m_hi": "*fp32", "m_lo": "*bf16", "n_out": "*fp32"},
+                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32",
+                        "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32", "m_hi": "*fp32", "m_lo": "*bf16", "n_out": "*fp32"},
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
                         "INTERPRET": False}, cfg))
@@ -124,12 +122,4 @@ def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel
     """
     kernels = _stage_kernels("bf16", 16, 32, 128, 128, True, capability)
     kernels += _stage_kernels("fp16", 2, 4, 100, 60, False, capability)
-    kernels.append(_segment_table_aot_kernel())
     return kernels
-
-
-def _segment_table_aot_kernel() -> AotKernel:
-    """The segment table kernel, once: it has no head-dim or dtype specialization."""
-    return _kernel("segment_table_fwd", f"BS{SEGMENT_TABLE_BLOCK}", _segment_table_kernel,
-                   {"cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32"},
-                   {"BS": SEGMENT_TABLE_BLOCK}, SEGMENT_TABLE_CONFIG)

@@ -1,7 +1,6 @@
 """Context parallelism for this backend: the call's long sequences cut into segments.
 
-    seg_cu       = segment_table_fwd(cu_seqlens, L)            # segment offsets, on the device
-    M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, seg_cu)    # pass 1: each segment's map
+    seg_cu, M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, cu_seqlens, L)   # pass 1: offsets, maps
     seg_h0, S    = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)   # serial over segments
     h, v_new     = state_fwd(k, w, u, g_cum, segments, seg_h0) # pass 2: the normal stages 4 + 5,
     o            = output_fwd(q, k, v_new, h, g_cum, segments) #   segments as the sequences
@@ -22,48 +21,47 @@ from gdn_dispatch.varlen import ChunkTable, num_slots
 
 from gdn_dispatch.backends.triton_generic.output import output_fwd
 from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
-from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd, segment_table_fwd
+from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
 
 
-def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan, seg_cu: torch.Tensor | None = None,
+def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan, seg_cu: torch.Tensor,
                   seg_cu_host: torch.Tensor | None = None) -> ChunkTable:
     """The segments of ``plan`` as a chunk table whose "sequences" are the segment slots
     (empty segments are zero-length sequences).
 
-    ``seg_cu``: the segment offsets when already built (``segment_table_fwd``; a ``meta``
-    tensor in a dry run), else built here. ``seg_cu_host``: their host copy, when the
-    caller computed one (kernels that specialize on tails read it).
+    ``seg_cu``: the segment offsets (pass 1 writes them: :func:`.segment_map.segment_map_fwd`;
+    a ``meta`` tensor in a dry run). ``seg_cu_host``: their host copy, when the caller
+    computed one (kernels that specialize on tails read it).
     """
-    if seg_cu is None:
-        seg_cu = segment_table_fwd(chunks.cu_seqlens, total_tokens, plan.seg_len)
     return ChunkTable(num_seqs=plan.num_segments, chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
                       num_slots=num_slots(total_tokens, plan.num_segments, chunks.chunk_size),
                       cu_seqlens_host=seg_cu_host, uniform=False)
 
 
-def segment_start_states(problem: GDNProblem, plan: CPPlan, seg_cu: torch.Tensor, g_cum: torch.Tensor,
-                         w: torch.Tensor, u: torch.Tensor, k_rnorm: torch.Tensor | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pass 1 and the scan: every segment's start state, and the call's final state.
+def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                         k_rnorm: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pass 1 and the scan: the segment offsets, every segment's start state, and the
+    call's final state.
 
     Parameters
     ----------
     problem : the validated call; plan : its context-parallel plan (``plan.enabled``).
-    seg_cu : int Tensor ``[NSEG + 1]``, the segment offsets (``segment_table_fwd``).
     g_cum, w, u : stages 1-3 of the call (see :func:`segmented_fwd`).
     k_rnorm : float32 ``[B, T, HV]`` with the qk l2 norm, or None (pass 1 then reduces k's
         rows itself).
 
     Returns
     -------
+    seg_cu : int Tensor ``[NSEG + 1]``, cu_seqlens's dtype: the segment offsets.
     seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``, "kv": the start state of every segment.
     final_state : as :func:`segmented_fwd` returns it; with ``inplace_final_state`` the
         pool rows are written too.
     """
-    m_hi, m_lo, n_in = segment_map_fwd(problem.k, w, u, g_cum, seg_cu, use_qk_l2norm=problem.use_qk_l2norm,
-                                       k_rnorm=k_rnorm)
-    return segment_scan_fwd(
+    seg_cu, m_hi, m_lo, n_in = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
+                                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm)
+    seg_h0, final_state = segment_scan_fwd(
         m_hi, m_lo, n_in, problem.chunks.cu_seqlens, plan.seg_len,
         initial_state=problem.initial_state,
         output_final_state=problem.output_final_state,
@@ -71,6 +69,7 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, seg_cu: torch.Tensor
         state_indices=problem.state_indices,
         inplace_final_state=problem.inplace_final_state,
     )
+    return seg_cu, seg_h0, final_state
 
 
 def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
@@ -93,8 +92,8 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
         rows are written too.
     """
     l2 = problem.use_qk_l2norm
-    segments = segment_table(problem.chunks, problem.B * problem.T, plan)
-    seg_h0, final_state = segment_start_states(problem, plan, segments.cu_seqlens, g_cum, w, u, k_rnorm)
+    seg_cu, seg_h0, final_state = segment_start_states(problem, plan, g_cum, w, u, k_rnorm)
+    segments = segment_table(problem.chunks, problem.B * problem.T, plan, seg_cu)
     h, v_new, _ = state_fwd(problem.k, w, u, g_cum, segments, initial_state=seg_h0, use_qk_l2norm=l2,
                             k_rnorm=k_rnorm, sm_count=sm_count)
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,

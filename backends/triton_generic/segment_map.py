@@ -11,10 +11,18 @@ One program owns one (segment slot, v-head, BC-wide block of the ``V + K`` colum
 block in the first ``V`` columns walks ``N`` from zeros, one in the last ``K`` columns
 walks ``M`` from the identity, both with the state kernel's own chunk walk
 (:func:`.state._walk_chunks`, its stores off). Nothing per chunk is stored (no ``h``, no
-``v_new``): the segment's chunks are walked again in pass 2 from the exact start state. The
-segments are
-given as offsets ``seg_cu`` (:mod:`.segment_scan`); an empty segment's program stores the
-identity and zeros, so the scan may apply every slot's map.
+``v_new``): the segment's chunks are walked again in pass 2 from the exact start state. An
+empty segment's program stores the identity and zeros, so the scan may apply every slot's
+map.
+
+Segment slots (:mod:`gdn_dispatch.context_parallel`): with segments of ``L`` tokens,
+sequence ``n`` owns the slots ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``; its segment
+``j`` starts at token ``cu[n] + j * L`` (clamped to the sequence's end, so the slots past
+its tail are empty segments). Each program finds its slot's sequence in ``cu_seqlens`` (a
+bisection, :func:`_segment_bounds`), so pass 1 needs no table before it, and its programs
+of column block 0 and v-head 0 write the slot starts as offsets ``seg_cu`` ``[NSEG + 1]``
+for the launches after it (the scan reads the call's offsets; pass 2 runs the segments as
+its sequences): from ``cu_seqlens`` alone, on the device, with no host copy and no sync.
 
 M is stored split for the scan's products: ``M_hi`` (fp32 values rounded to TF32) and
 ``M_lo = M - M_hi`` in bf16, 6 bytes per entry, together M to about 2^-19 of each entry.
@@ -39,13 +47,39 @@ from gdn_dispatch.backends.triton_generic.strides import token_stride
 
 
 @jit
+def _segment_bounds(cu_seqlens, N, L, slot):
+    """``(bos, eos)`` of segment slot ``slot``: its sequence is the largest ``n`` with
+    ``cu[n] // L + n <= slot``, found by bisection over ``[0, N)`` (``ceil(log2(N))``
+    halvings counted at run time, keeping ``cu[lo] // L + lo <= slot``); the segment starts
+    ``slot - (cu[n] // L + n)`` lengths ``L`` into it and ends ``L`` later, both clamped to
+    the sequence's end."""
+    lo = slot * 0
+    hi = lo + N
+    span = N * 0 + 1
+    while span < N:
+        mid = (lo + hi) // 2
+        below = tl.load(cu_seqlens + mid).to(tl.int64) // L + mid <= slot
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+        span *= 2
+    seq_bos = tl.load(cu_seqlens + lo).to(tl.int64)
+    seq_eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    start = seq_bos + (slot - (seq_bos // L + lo)) * L
+    return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
+
+
+@jit(do_not_specialize=("N", "NSEG", "L"))
 def _segment_map_fwd_kernel(
     k,
     w,
     u,
     g_cum,
     k_rnorm,
+    cu_seqlens,
     seg_cu,
+    N,
+    NSEG,
+    L,
     m_hi,
     m_lo,
     n_out,
@@ -70,8 +104,13 @@ def _segment_map_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     i_cb, i_sh = pid % NCB, pid // NCB
     i_h = i_sh % HV
-    bos = tl.load(seg_cu + i_sh // HV).to(tl.int64)
-    eos = tl.load(seg_cu + i_sh // HV + 1).to(tl.int64)
+    slot = i_sh // HV
+    bos, eos = _segment_bounds(cu_seqlens, N, L, slot)
+    # The table for the launches after this one (the last slot's end is the token axis's):
+    # predicated stores, since a branch here kept values live into the walk (spills on sm_80).
+    writer = (i_cb == 0) & (i_h == 0)
+    tl.store(seg_cu + slot, bos.to(seg_cu.dtype.element_ty), mask=writer)
+    tl.store(seg_cu + NSEG, eos.to(seg_cu.dtype.element_ty), mask=writer & (slot == NSEG - 1))
     is_m = i_cb >= NVB
     o_k = tl.arange(0, BK)
     o_c = tl.where(is_m, i_cb - NVB, i_cb) * BC + tl.arange(0, BC)
@@ -110,47 +149,56 @@ def segment_map_fwd(
     w: torch.Tensor,
     u: torch.Tensor,
     g_cum: torch.Tensor,
-    seg_cu: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seg_len: int,
     *,
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The affine map ``S -> M S + N`` of every segment and value head, M split in two.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
+    head, M split in two.
 
     Parameters
     ----------
     k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
     w, u : Tensors ``[B, T, HV, K]``, ``[B, T, HV, V]``, k's dtype (from ``wu_fwd``).
     g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
-    seg_cu : int Tensor ``[NSEG + 1]``: segment offsets on the packed token axis, every
-        segment a whole number of chunks of its sequence (the last one its tail) or empty.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
+    seg_len : int, ``L``, a multiple of the 64-token chunk.
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` from ``wu_fwd``, or None to reduce k's rows here.
     config : LaunchConfig override (BV is the column block BC).
 
     Returns
     -------
+    seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = B * T // L + N``:
+        ``seg_cu[s]`` is the first token of segment slot ``s``, ``seg_cu[NSEG] = B * T``
+        (every segment a whole number of chunks of its sequence, the last one its tail, or
+        empty).
     M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32; the identity for an
         empty segment.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi`` rounded to bf16.
     N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
     """
-    H, K = k.shape[-2], k.shape[-1]
+    B, T, H, K = k.shape
     HV, V = u.shape[-2], u.shape[-1]
-    NSEG = seg_cu.shape[0] - 1
+    N = cu_seqlens.shape[0] - 1
+    NSEG = B * T // seg_len + N
+    seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
     m_hi = torch.empty(NSEG, HV, K, K, dtype=torch.float32, device=k.device)
     m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
     n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
-    if NSEG * HV == 0:
-        return m_hi, m_lo, n_out
+    if NSEG == 0:  # no sequence and no token: the table is [0]
+        return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
     dot_prec, _ = dot_precisions(k.dtype)
     grid = (NSEG * HV * (-(-V // cfg.BV) - (-K // cfg.BV)),)  # host ceil-divs (triton.cdiv is a slow constexpr function)
     launch(_segment_map_fwd_kernel, grid, cfg,
-        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, seg_cu=seg_cu,
-        m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k), H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV,
-        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=cu_seqlens,
+        seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k),
+        H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm,
+        LOAD_RNORM=use_qk_l2norm and k_rnorm is not None, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
+        INTERPRET=interpreting(),
     )
-    return m_hi, m_lo, n_out
+    return seg_cu, m_hi, m_lo, n_out

@@ -1,11 +1,9 @@
-"""Context parallelism: the segment table, and the scan that stitches segments together.
+"""Context parallelism: the scan that stitches segments together.
 
 Segment slots (:mod:`gdn_dispatch.context_parallel`): with segments of ``L`` tokens,
-sequence ``n`` owns the slots ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``; its segment
-``j`` starts at token ``cu[n] + j * L`` (clamped to the sequence's end, so the slots past
-its tail are empty segments). :func:`segment_table_fwd` writes those starts as offsets
-``seg_cu`` ``[NSEG + 1]``, on the device, from ``cu_seqlens`` alone: no host copy, no sync.
-With them the segments are "sequences" the unchanged pipeline runs over.
+sequence ``n`` owns the slots ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``, in order
+(:mod:`.segment_map` writes their offsets ``seg_cu`` during pass 1; with them the segments
+are "sequences" the unchanged pipeline runs over in pass 2).
 
 :func:`segment_scan_fwd` is the serial part: per (sequence, v-head, V block) a program
 walks its sequence's slots in order with the state in registers, fp32::
@@ -39,57 +37,6 @@ import triton.language as tl
 from gdn_dispatch.backends.triton_generic._jit import _dot, _tf32_round, interpreting, jit, next_pow2
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
-
-
-@jit(do_not_specialize=("N", "NSEG", "L"))
-def _segment_table_kernel(cu_seqlens, seg_cu, N, NSEG, L, BS: tl.constexpr):
-    # Slot c's sequence is the largest n with cu[n] // L + n <= c: a bisection over [0, N)
-    # with the invariant s_lo <= c, ceil(log2(N)) halvings counted at run time (N, NSEG and
-    # L are runtime integers, so one compiled kernel serves every call).
-    o_s = tl.program_id(0) * BS + tl.arange(0, BS)
-    lo = tl.zeros([BS], dtype=tl.int64)
-    hi = lo + N
-    span = N * 0 + 1
-    while span < N:
-        mid = (lo + hi) // 2
-        s_mid = tl.load(cu_seqlens + mid).to(tl.int64) // L + mid
-        below = s_mid <= o_s
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-        span *= 2
-    bos = tl.load(cu_seqlens + lo).to(tl.int64)
-    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    start = tl.minimum(bos + (o_s - (bos // L + lo)) * L, eos)
-    # Entry NSEG (past the last slot) comes out as eos of the last sequence: T_total.
-    tl.store(seg_cu + o_s, start.to(seg_cu.dtype.element_ty), mask=o_s <= NSEG)
-
-
-#: Segment slots per program of the table kernel, and its launch (the same for every call:
-#: the kernel is a bisection per slot, independent of the head dims).
-SEGMENT_TABLE_BLOCK = 128
-SEGMENT_TABLE_CONFIG = LaunchConfig(num_warps=4)
-
-
-def segment_table_fwd(cu_seqlens: torch.Tensor, total_tokens: int, seg_len: int) -> torch.Tensor:
-    """Segment offsets of a call cut into segments of ``seg_len`` tokens.
-
-    Parameters
-    ----------
-    cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
-    total_tokens : int, ``T_total = B * T``.
-    seg_len : int, ``L``, a multiple of the 64-token chunk.
-
-    Returns
-    -------
-    seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = T_total // L + N``:
-        ``seg_cu[s]`` is the first token of segment slot ``s``; ``seg_cu[NSEG] = T_total``.
-    """
-    N = cu_seqlens.shape[0] - 1
-    NSEG = total_tokens // seg_len + N
-    seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    launch(_segment_table_kernel, (-(-(NSEG + 1) // SEGMENT_TABLE_BLOCK),), SEGMENT_TABLE_CONFIG,
-           cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, BS=SEGMENT_TABLE_BLOCK)
-    return seg_cu
 
 
 @jit
