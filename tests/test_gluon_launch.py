@@ -502,3 +502,19 @@ def test_a_c_launch_that_does_not_match_the_plan_is_not_used(setup, direct, monk
         _launch(fn, launch, tensors, args())
     assert c_calls == [] and len(fn.compiled.calls) == 1
     assert sum(isinstance(a, L.TmaArg) for a in fn.compiled.calls[0]) == len(launch.descriptors)
+
+
+def test_launch_hooks_set_reads_both_hooks_in_either_form():
+    """Triton 3.6 keeps launch hooks in HookChains (``calls``, empty by default); older
+    releases hold one callable or None. Either hook, enter or exit, counts."""
+    from types import SimpleNamespace
+
+    from gdn_dispatch.backends.gluon_common.compat import launch_hooks_set
+
+    def knobs(enter, leave):
+        return SimpleNamespace(launch_enter_hook=enter, launch_exit_hook=leave)
+
+    empty, full = SimpleNamespace(calls=[]), SimpleNamespace(calls=[print])
+    assert not launch_hooks_set(knobs(None, None)) and not launch_hooks_set(knobs(empty, empty))
+    assert launch_hooks_set(knobs(full, empty)) and launch_hooks_set(knobs(empty, full))
+    assert launch_hooks_set(knobs(print, None)) and launch_hooks_set(knobs(None, print))

@@ -128,8 +128,12 @@ def direct_launch_verified(version: str) -> bool:
 def launch_hooks_set(runtime_knobs) -> bool:
     """Whether a launch hook is registered on ``triton.knobs.runtime`` (3.6 keeps them in
     HookChains, empty by default; older releases hold a callable or None)."""
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook))
+    # Two plain tests, no generator: this runs before every launch.
+    enter = runtime_knobs.launch_enter_hook
+    if enter is not None and getattr(enter, "calls", True):
+        return True
+    leave = runtime_knobs.launch_exit_hook
+    return leave is not None and bool(getattr(leave, "calls", True))
 
 
 def current_stream_query():
