@@ -12,7 +12,6 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py qk_norm_on_chip  # fused.QK_NORM_ON_CHIP: no normalized copies of q, k
     python benchmarks/flag_ab.py qk_norm_group  # fused.QK_NORM_ON_CHIP_MAX_GROUP 2 -> 4
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
-    python benchmarks/flag_ab.py o_store_behind  # fused.O_STORE_BEHIND: o stored behind the next P^T
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -69,8 +68,6 @@ STUDIES = {
     # The group up to which the norm is folded in: 2 -> 4 (H16-HV64 too).
     "qk_norm_group": ("gdn_dispatch.backends.gluon_sm90.fused", "QK_NORM_ON_CHIP_MAX_GROUP", (2, 4), {
         "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
-    # The state partition storing each chunk's output after the next chunk's P^T is issued.
-    "o_store_behind": ("gdn_dispatch.backends.gluon_sm90.fused", "O_STORE_BEHIND", (False, True), _WS_SHAPES),
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),

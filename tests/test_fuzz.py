@@ -300,10 +300,8 @@ def test_fuzz_gpu(case, monkeypatch):
 #: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
 #: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
-#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); each chunk's output stored behind the next
-#: chunk's first product (fused.O_STORE_BEHIND).
-PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
-                 ("store-behind", "O_STORE_BEHIND", True, lambda c: True))
+#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads).
+PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and _norm_on_chip_group(c)),)
 
 
 def _norm_on_chip_group(case) -> bool:

@@ -270,6 +270,7 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(build_flags):
     v and T), T ring, w and u rings gone from shared memory as planned; within the spill
     allowances."""
     from gdn_dispatch.backends.gluon_common import wy_t
+    from gdn_dispatch.backends.gluon_sm90 import fused
 
     build_flags((wy_t, "WY_T_SINGLE_TILE", True), (wy_t, "WY_T_BLOCK_TMA", False))
     t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
@@ -281,8 +282,14 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(build_flags):
     assert "cp.async.bulk.tensor.2d.global.shared" not in report.ptx
     assert re.search(r"st\.global(\.\w+)*\.b(16|32)", report.ptx)
 
-    kernel, report = _compiled_t_u_fused_kernel(tails=True)
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"])
     assert kernel.constexprs["SINGLE_T"] is True
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True)
+    assert planned <= report.shared_bytes <= planned + 1024
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 36
     dot, load = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local"
     ops = _partition_ops(report.ttgir, (dot, load))
     assert ops["partition0"][dot] == 1 and load not in ops["partition0"], ops
@@ -330,66 +337,18 @@ def test_sm90_qk_norm_on_chip(build_flags):
             assert planned <= report.shared_bytes <= planned + 1024
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("behind", [False, True], ids=["default", "store-behind"])
-def test_sm90_output_stored_behind_the_next_product(behind, build_flags):
-    """With :data:`fused.O_STORE_BEHIND` the state partition's first op after a chunk's
-    first product (P^T) is the previous chunk's o store, the other four products after it
-    (by default all five products of a chunk come before its store); the same 36 wgmma,
-    shared memory as planned, within the spill allowance."""
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    build_flags((fused, "O_STORE_BEHIND", behind))
-    kernel, report = _compiled_t_u_fused_kernel(tails=False)
-    assert kernel.constexprs["STORE_BEHIND"] is behind
-    order = _default_region_order(report.ttgir, {"ttng.warp_group_dot ": "D", "tma_copy_local_to_global": "S",
-                                                 "scf.for ": "["})
-    assert order.startswith("[DSDDDD" if behind else "[DDDDDS"), order
-
-
-def _compiled_t_u_fused_kernel(tails: bool):
-    """The fused kernel's first AOT specialization with or without tails (T_u alone), its
-    compile report checked: within the spill allowance, shared memory as planned, 36
-    wgmma. Returns (kernel, report)."""
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
-                  if k.constexprs["HAS_TAILS"] == tails)
-    report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes <= kernel.spill_bytes_allowed
-    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True)
-    assert planned <= report.shared_bytes <= planned + 1024
-    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 36
-    return kernel, report
-
-
-def _region_lines(ttgir: str):
-    """Each stripped line of ``ttgir`` with the region of the kernel's one
-    ``ttg.warp_specialize`` it is in ("default", "partition0", ...; "outside" before it)."""
-    region = "outside"
+def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """How often each op of ``names`` occurs in each region of the kernel's one
+    ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""
+    counts, region = {}, "outside"
     for line in ttgir.splitlines():
         stripped = line.strip()
         if stripped.startswith("default {"):
             region = "default"
         elif re.match(r"partition\d+\(", stripped):
             region = stripped.split("(")[0]
-        yield region, stripped
-
-
-def _default_region_order(ttgir: str, marks: dict[str, str]) -> str:
-    """The ops of ``marks`` (op text -> letter) in the order they occur in the default
-    region of the kernel's ``ttg.warp_specialize``."""
-    return "".join(letter for region, line in _region_lines(ttgir) if region == "default"
-                   for op, letter in marks.items() if op in line)
-
-
-def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
-    """How often each op of ``names`` occurs in each region of the kernel's one
-    ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""
-    counts = {}
-    for region, line in _region_lines(ttgir):
         for name in names:
-            if name in line:
+            if name in stripped:
                 counts.setdefault(region, {}).setdefault(name, 0)
                 counts[region][name] += 1
     return counts

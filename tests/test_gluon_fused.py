@@ -48,8 +48,7 @@ VARIANTS = [("default", []),
             ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
-            ("store-behind", [("gdn_dispatch.backends.gluon_sm90.fused", "O_STORE_BEHIND", True)])]
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -57,10 +56,8 @@ def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
-    off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
-    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), and with each chunk's output stored
-    behind the next chunk's first product (:data:`fused.O_STORE_BEHIND`); plans computed
-    afresh."""
+    off), and with T_u's blocks stored from the inverse's registers instead of sent as
+    16 x 16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off); plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -119,9 +116,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
                                 "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
                                 "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                                "QK_NORM": False,
-                                "STORE_BEHIND": fused_module.O_STORE_BEHIND and wy_t_module.WY_T_SINGLE_TILE}
-    assert fused_module.O_STORE_BEHIND == (kernel_variant == "store-behind")
+                                "QK_NORM": False}
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
         "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),

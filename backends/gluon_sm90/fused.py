@@ -208,13 +208,10 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 @gluon.jit
 def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT,
-           col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
-           STORE_BEHIND: gl.constexpr):
+           col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
-    and ``u_ring`` are then unused. With ``STORE_BEHIND`` (and ``CHAIN``) chunk t's output
-    is stored after chunk t + 1's P^T is issued, so that its scaling, conversion and shared
-    stores run while that product holds the tensor cores (:data:`O_STORE_BEHIND`)."""
+    and ``u_ring`` are then unused."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -224,8 +221,6 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
-    # The previous chunk's O^T, finished, waiting for its store (STORE_BEHIND).
-    o_prev = gl.zeros([BV, BT], gl.float32, acc_c)
     for t in range(NT):
         s = t % 2
         phase = (t // 2) & 1
@@ -238,10 +233,6 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             mbarrier.wait(kq_ready.index(s), phase)
             p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
-            if STORE_BEHIND:
-                if t > 0:
-                    _store_o(o_prev, o_smem, scale, o_desc, o_ptr, row_stride, row - BT, col_v, eos, HAS_TAILS,
-                             ENGINE)
             mbarrier.wait(wu_ready.index(s), phase)
         else:
             mbarrier.wait(wu_ready.index(s), phase)
@@ -274,14 +265,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             # the aux partition is done with chunk t.
             mbarrier.wait(kq_empty.index(s), phase)
             _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
-        if STORE_BEHIND:
-            o_prev = o
-        else:
-            _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
-    if STORE_BEHIND:
-        if NT > 0:
-            _store_o(o_prev, o_smem, scale, o_desc, o_ptr, row_stride, bos + (NT - 1) * BT, col_v, eos, HAS_TAILS,
-                     ENGINE)
+        _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
     tma.store_wait(0)
     return (S,)
 
@@ -400,7 +384,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, STORE_BEHIND: gl.constexpr,
+    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -466,7 +450,7 @@ def _fused_fwd_kernel(
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring,
                       o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
-                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True, STORE_BEHIND)),
+                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True)),
             (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
                            eos, NT)),
         ], [AUX_WARPS], [AUX_REGS])[0]
@@ -474,7 +458,7 @@ def _fused_fwd_kernel(
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
                       o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
-                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, False, False)),
+                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, False)),
             (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
                     kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
                     g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
@@ -536,16 +520,6 @@ QK_NORM_ON_CHIP = True
 QK_NORM_ON_CHIP_MAX_GROUP = 2
 
 
-#: With T_u alone, the state partition stores each chunk's output after issuing the next
-#: chunk's P^T (``STORE_BEHIND``): the o tile's scaling, bf16 conversion and shared stores
-#: run beside that product instead of between the chunk's last product and the next
-#: chunk's first, and no product is left in flight across chunks (what made an earlier
-#: overlap, which also kept the output's last product in flight through a shared v_new^T
-#: tile and three-slot rings, slower). One more [V, 64] fp32 tile is live across the
-#: chunk boundary. Not measured on a GPU yet: off.
-O_STORE_BEHIND = False
-
-
 def qk_norm_on_chip(engine) -> bool:
     """Whether the path's kernels on ``engine`` can fold the qk l2 norm in themselves
     (:data:`QK_NORM_ON_CHIP`, with T_u alone) instead of reading normalized copies."""
@@ -582,7 +556,6 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     constexprs["V_SLOTS"] = V_SLOTS
     t_tiles = t_tiles_per_chunk(engine)
     constexprs["SINGLE_T"] = t_tiles == 1
-    constexprs["STORE_BEHIND"] = O_STORE_BEHIND and t_tiles == 1
     # A problem with the norm reaches this plan only when the norm is on chip (else the
     # plan sees the normalized copies: a problem without it).
     constexprs["QK_NORM"] = bool(problem.use_qk_l2norm) and t_tiles == 1
