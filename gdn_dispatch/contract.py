@@ -204,10 +204,7 @@ def replace_fields(problem: GDNProblem, **changes) -> GDNProblem:
     unknown = changes.keys() - _PROBLEM_FIELDS
     if unknown:
         raise TypeError(f"replace_fields: {sorted(unknown)} are not GDNProblem fields")
-    new = object.__new__(GDNProblem)
-    new.__dict__.update(problem.__dict__)
-    new.__dict__.update(changes)
-    return new
+    return _new_problem(**{**problem.__dict__, **changes})
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -193,7 +193,8 @@ def segment_map_fwd(
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
     dot_prec, _ = dot_precisions(k.dtype)
-    grid = (NSEG * HV * (-(-V // cfg.BV) - (-K // cfg.BV)),)  # host ceil-divs (triton.cdiv is a slow constexpr function)
+    # Host ceil-divisions: triton.cdiv is a constexpr function, slow on a call's host path.
+    grid = (NSEG * HV * (-(-V // cfg.BV) - (-K // cfg.BV)),)
     launch(_segment_map_fwd_kernel, grid, cfg,
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=cu_seqlens,
         seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k),
