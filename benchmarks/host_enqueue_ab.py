@@ -1,0 +1,63 @@
+"""Host enqueue per public call, for comparing two checkouts on one GPU host.
+
+One process times one checkout (whichever ``gdn_dispatch`` the import finds: put the
+checkout's root, with its ``registry.toml``, first on ``PYTHONPATH``): per case, 9 rounds
+of 20 back-to-back calls of gluon_sm90 (initial and final state, bf16, K = V = 128), the
+median and the best round's µs per call. The GPU hosts lent here run the same Python up to
+1.6x apart within a lease, so run the two arms in alternating processes, several pairs,
+and compare the rounds of like speed::
+
+    for i in 1 2 3; do
+      PYTHONPATH=/path/to/a python benchmarks/host_enqueue_ab.py a
+      PYTHONPATH=/path/to/b python benchmarks/host_enqueue_ab.py b
+    done
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+import gdn_dispatch
+from gdn_dispatch import chunk_gated_delta_rule
+from gdn_dispatch.testing import random_call
+
+#: (name, random_call shape, heads (H, HV), drop the host copy of cu_seqlens)
+CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False),
+         ("varlen-1x64", dict(lengths=[64]), (16, 32), False),
+         ("varlen-1x64-no-cpu", dict(lengths=[64]), (16, 32), True),
+         ("varlen-4x2048", dict(lengths=[2048] * 4), (16, 32), False),
+         ("uniform-1x8192", dict(batch=(1, 8192)), (16, 32), False),
+         ("H2-HV4-varlen-1x32768", dict(lengths=[32768]), (2, 4), False),
+         ("H2-HV4-varlen-1x32768-no-cpu", dict(lengths=[32768]), (2, 4), True)]
+
+
+def main() -> None:
+    arm = sys.argv[1] if len(sys.argv) > 1 else "arm"
+    print(f"{arm}: gdn_dispatch from {gdn_dispatch.__file__}", flush=True)
+    for name, shape, (H, HV), no_host_copy in CASES:
+        call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
+        if no_host_copy:
+            call.pop("cu_seqlens_cpu", None)
+
+        def f():
+            return chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
+
+        for _ in range(3):
+            f()
+        rounds = []
+        for _ in range(9):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                f()
+            rounds.append((time.perf_counter() - start) / 20 * 1e6)
+        torch.cuda.synchronize()
+        print(f"{arm:6s} {name:30s} enqueue µs per call: median {statistics.median(rounds):7.1f}  "
+              f"best {min(rounds):7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
