@@ -12,6 +12,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py qk_norm_on_chip  # fused.QK_NORM_ON_CHIP: no normalized copies of q, k
     python benchmarks/flag_ab.py qk_norm_group  # fused.QK_NORM_ON_CHIP_MAX_GROUP 2 -> 4
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
+    python benchmarks/flag_ab.py bf16_maps    # segment_map.BF16_MAPS: the scan on bf16 parts of M
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -71,6 +72,11 @@ STUDIES = {
     # With T_u alone (wy_t.WY_T_SINGLE_TILE, the default); only the T kernel changes.
     "t_block_tma": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCK_TMA", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
+    # Context parallelism's maps stored as two bf16 parts: pass 1 and the scan change (the
+    # segmented calls of the tensor-parallel shards).
+    "bf16_maps": ("gdn_dispatch.backends.triton_generic.segment_map", "BF16_MAPS", (False, True), {
+        "H2-HV4-1x32768": (2, 4, [32768], False), "H4-HV8-1x32768": (4, 8, [32768], False),
+        "H8-HV16-1x32768": (8, 16, [32768], False)}),
 }
 
 

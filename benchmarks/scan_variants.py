@@ -5,11 +5,11 @@ Usage (a CUDA machine, repository root): ``python benchmarks/scan_variants.py``;
 
 Each form is a ``segment_scan_fwd`` launch config: the whole M per step or M's column
 blocks, the BV slice, warps and pipeline stages (M split as pass 1 stores it:
-``segment_scan.split_maps``). Inputs: one sequence of ``NSEG`` segments of 64 tokens (plus
-the empty slot past its end), K = V = 128, random contracting maps ``M`` (entries
-``0.9 randn / sqrt(K)``) and random ``N``. The error is the relative RMS error of every
-segment start state against a float64 scan; the time is the GPU time per call (a CUDA
-graph of 10 calls, median of 15 replays).
+``segment_scan.split_maps``; the "bf16 split" forms as with ``segment_map.BF16_MAPS``).
+Inputs: one sequence of ``NSEG`` segments of 64 tokens (plus the empty slot past its end),
+K = V = 128, random contracting maps ``M`` (entries ``0.9 randn / sqrt(K)``) and random
+``N``. The error is the relative RMS error of every segment start state against a float64
+scan; the time is the GPU time per call (a CUDA graph of 10 calls, median of 15 replays).
 Prints a markdown table last.
 """
 import sys
@@ -23,6 +23,8 @@ from gdn_dispatch.testing import rel_rms_error
 CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
 K = V = 128
+#: (name, config, M split in two bf16 parts as with ``segment_map.BF16_MAPS`` instead of
+#: TF32-exact fp32 + bf16)
 FORMS = [
     ("whole M, BV 16, 8 warps, 2 stages (sm_90 default)", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=16, BKC=128)),
     ("whole M, BV 16, 4 warps, 2 stages", LaunchConfig(num_warps=4, num_stages=2, BK=128, BV=16, BKC=128)),
@@ -30,6 +32,9 @@ FORMS = [
     ("whole M, BV 16, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=16, BKC=128)),
     ("whole M, BV 32, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32, BKC=128)),
     ("column blocks, BV 32, 8 warps (elsewhere)", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32)),
+    ("bf16 split: whole M, BV 16, 8 warps, 3 stages", LaunchConfig(num_warps=8, num_stages=3, BK=128, BV=16, BKC=128)),
+    ("bf16 split: whole M, BV 8, 8 warps, 3 stages", LaunchConfig(num_warps=8, num_stages=3, BK=128, BV=8, BKC=128)),
+    ("bf16 split: whole M, BV 8, 8 warps, 2 stages", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=8, BKC=128)),
 ]
 SHAPES = [(2, 3)] if CPU else [(4, 16), (4, 32), (16, 8)]  # (HV, NSEG)
 
@@ -59,9 +64,9 @@ def main() -> None:
     for HV, NSEG in SHAPES:
         m64, n64, cu = maps(HV, NSEG)
         want = scan64(m64, n64)
-        m_hi, m_lo = segment_scan.split_maps(m64.float())
         n = n64.float()
         for name, cfg in FORMS:
+            m_hi, m_lo = segment_scan.split_maps(m64.float(), bf16=name.startswith("bf16 split"))
             try:
                 seg_h0, _ = segment_scan.segment_scan_fwd(m_hi, m_lo, n, cu, 64, config=cfg)
                 err = rel_rms_error(seg_h0.double(), want)

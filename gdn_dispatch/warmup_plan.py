@@ -249,12 +249,14 @@ def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k
     scan): pass 1's config is fixed by the dims and the device, the scan's V-block by its
     (sequence, v-head) pairs against the SM count; the call's state flags go to the scan;
     pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
+    from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
     from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_config
 
     capability = tuple(device.capability) if device.capability else None
-    scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count)
+    bf16_maps = maps_dtype(problem.q.dtype) == torch.bfloat16
+    scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count, bf16_maps)
     return {
-        ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm),
+        ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm, bf16_maps),
         ("segment_scan_fwd", _state_flags(problem), scan),
     }
 

@@ -297,15 +297,22 @@ def test_segment_map_writes_the_segment_table(lengths, L, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("dtype, K, V, l2", [
-    pytest.param(torch.float32, 16, 24, False, id="fp32-K16-V24"),
-    pytest.param(torch.float32, 40, 16, True, id="fp32-K40-V16-l2"),
-    pytest.param(torch.bfloat16, 32, 32, False, id="bf16-K32-V32"),
+@pytest.mark.parametrize("dtype, K, V, l2, bf16_maps", [
+    pytest.param(torch.float32, 16, 24, False, False, id="fp32-K16-V24"),
+    pytest.param(torch.float32, 40, 16, True, False, id="fp32-K40-V16-l2"),
+    pytest.param(torch.bfloat16, 32, 32, False, False, id="bf16-K32-V32"),
+    pytest.param(torch.bfloat16, 32, 32, False, True, id="bf16-K32-V32-bf16-maps"),
+    pytest.param(torch.float32, 16, 24, False, True, id="fp32-K16-V24-bf16-maps-off-for-fp32"),
 ])
-def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
+def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, bf16_maps, device, monkeypatch):
+    """Pass 1's maps against the reference's, in the split it stores: TF32-exact fp32 and
+    a bf16 rest; with :data:`.segment_map.BF16_MAPS` a bf16 leading part for 16-bit calls
+    (float32 calls keep the finer split)."""
     from gdn_dispatch.backends.triton_generic._jit import LOG2E
     from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
     from gdn_dispatch.backends.triton_generic.wu import wu_fwd
+
+    monkeypatch.setattr(tg_map, "BF16_MAPS", bf16_maps)
 
     lengths, L = [200, 0, 64, 129], 128
     call = _mild(random_call(lengths=lengths, H=1, HV=2, K=K, V=V, dtype=dtype, device=device, seed=4,
@@ -316,11 +323,17 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2, k_rnorm=k_rnorm)
     seg_cu, M_hi, M_lo, N = tg_map.segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, L,
                                                    use_qk_l2norm=l2, k_rnorm=k_rnorm)
-    # M comes split for the scan: a TF32-exact fp32 part and a bf16 rest below its last bit.
-    assert M_hi.dtype == torch.float32 and M_lo.dtype == torch.bfloat16
-    assert bool((M_hi.view(torch.int32) & 0x1FFF == 0).all())
-    assert bool((M_lo.float().abs() <= M_hi.abs() * 2 ** -10 + 1e-30).all())
-    M = M_hi + M_lo.float()
+    assert M_lo.dtype == torch.bfloat16
+    if bf16_maps and dtype != torch.float32:
+        # A bf16 leading part and a bf16 rest within half its last place (2^-8 of it).
+        assert M_hi.dtype == torch.bfloat16
+        assert bool((M_lo.float().abs() <= M_hi.float().abs() * 2 ** -8 + 1e-30).all())
+    else:
+        # A TF32-exact fp32 part and a bf16 rest below its last bit.
+        assert M_hi.dtype == torch.float32
+        assert bool((M_hi.view(torch.int32) & 0x1FFF == 0).all())
+        assert bool((M_lo.float().abs() <= M_hi.abs() * 2 ** -10 + 1e-30).all())
+    M = M_hi.float() + M_lo.float()
     starts = seg_cu.tolist()
     k_all = call["k"][0].float()
     if l2:
@@ -338,15 +351,25 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, device):
             assert bool((N[s] == 0).all())
 
 
+#: The scan's error bound per split of the maps (relative RMS of every start and final
+#: state against a float32 scan with unsplit maps, 9 segments): the TF32 + bf16 split
+#: represents M to about 2^-19 of each entry, the bf16 + bf16 split (and the state's own
+#: bf16 + bf16 split in its products) to about 2^-17, whose rounding over a few steps stays
+#: within 3e-5; M's leading part alone (2^-9) would be off by ~1e-3.
+SCAN_TOL = {"tf32-split": 1e-5, "bf16-split": 3e-5}
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-@pytest.mark.parametrize("whole_m, stages", [(True, 1), (True, 2), (False, 1)],
-                         ids=["whole-M", "whole-M-2-stages", "column-blocks"])
+@pytest.mark.parametrize("whole_m, stages", [(True, 1), (True, 2), (True, 3), (False, 1)],
+                         ids=["whole-M", "whole-M-2-stages", "whole-M-3-stages", "column-blocks"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout, device):
+@pytest.mark.parametrize("split", ["tf32-split", "bf16-split"])
+def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout, split, device):
     """Both forms of the scan's step (the whole M with S in registers, the next map streamed
-    in by the pipeliner with 2 stages as on sm_90; M in column blocks with S read back)
+    in by the pipeliner with 2 or 3 stages as on sm_90; M in column blocks with S read back)
     against :func:`reference.scan_segments`, on random maps over ragged sequences (a
-    0-length one, several segments per sequence)."""
+    0-length one, several segments per sequence), with M split as pass 1 stores it (TF32 +
+    bf16, or bf16 + bf16 with :data:`.segment_map.BF16_MAPS`)."""
     from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 
     K, V = (32, 24) if device.type == "cpu" else (128, 128)
@@ -365,10 +388,12 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout,
     h0_arg = h0.transpose(-1, -2).contiguous() if layout == "vk" else h0
     base = tg_scan.segment_scan_config(K, V)
     BKC = base.BK if whole_m else 16
-    BV = 16 if stages == 2 else base.BV
+    BV = 16 if stages > 1 else base.BV
     cfg = LaunchConfig(num_warps=base.num_warps, num_stages=stages, BK=base.BK, BV=BV, BKC=BKC)
     assert tg_scan.scan_block_kc(cfg) == BKC
-    seg_h0, final = tg_scan.segment_scan_fwd(*tg_scan.split_maps(M), N, cu_seqlens, L, initial_state=h0_arg,
+    parts = tg_scan.split_maps(M, bf16=split == "bf16-split")
+    assert parts[0].dtype == (torch.bfloat16 if split == "bf16-split" else torch.float32)
+    seg_h0, final = tg_scan.segment_scan_fwd(*parts, N, cu_seqlens, L, initial_state=h0_arg,
                                              output_final_state=True,
                                              state_vk=layout == "vk", config=cfg)
     slot = 0
@@ -377,9 +402,9 @@ def test_segment_scan_kernel_matches_the_reference_scan(whole_m, stages, layout,
         maps = [(M[s], N[s]) for s in range(slot, slot + slots)]
         ref_starts, ref_final = reference.scan_segments(h0[n], maps)
         for j, ref in enumerate(ref_starts):
-            assert rel_rms_error(seg_h0[slot + j], ref) <= 1e-5, (n, j, starts[slot + j])
+            assert rel_rms_error(seg_h0[slot + j], ref) <= SCAN_TOL[split], (n, j, starts[slot + j])
         got = final[n].transpose(-1, -2) if layout == "vk" else final[n]
-        assert rel_rms_error(got, ref_final) <= 1e-5, n
+        assert rel_rms_error(got, ref_final) <= SCAN_TOL[split], n
         slot += slots
     assert slot == NSEG
 
@@ -398,6 +423,40 @@ def test_scan_takes_narrow_v_blocks_where_they_fill_one_wave():
     for capability in ((8, 0), (10, 0), None):
         cfg = tg_scan.segment_scan_config(128, 128, capability, 1, 132)
         assert (cfg.BV, tg_scan.scan_block_kc(cfg), cfg.num_stages) == (32, 32, 1)
+        # bf16 maps change nothing off sm_90 (the column-block step streams no whole M).
+        assert tg_scan.segment_scan_config(128, 128, capability, 1, 132, True) == cfg
+    # With bf16 maps (68 KB a whole-M stage at K = V = 128) three stages.
+    assert tg_scan.segment_scan_config(128, 128, (9, 0), 1, 132, True) == LaunchConfig(**{**whole, "num_stages": 3},
+                                                                                        BV=8)
+
+
+@pytest.mark.slow
+def test_bf16_maps_kernels_compile_for_sm90_within_limits(monkeypatch):
+    """With :data:`.segment_map.BF16_MAPS` the bf16 build's pass 1 stores M_hi in bf16 and
+    the scan streams three 68 KB stages of the whole M (K = V = 128) on bf16 products: both
+    compile for sm_90a without spills and within its shared memory, the scan's products on
+    bf16 tensor-core instructions alone."""
+    import re
+
+    from gdn_dispatch.aot import compile_kernel
+    from gdn_dispatch.device import SMEM_OPTIN
+    from gdn_dispatch.backends.triton_generic import aot as tg_aot
+
+    monkeypatch.setattr(tg_map, "BF16_MAPS", True)
+    kernels = [k for k in tg_aot.kernels_for_aot((9, 0))
+               if k.kernel in SEGMENT_KERNELS and "bf16" in k.specialization]
+    scans = [k for k in kernels if k.kernel == "segment_scan_fwd"]
+    assert len(kernels) == 1 + len(scans) and scans
+    for kernel in kernels:
+        assert kernel.signature["m_hi"] == "*bf16"
+        report = compile_kernel(kernel, (9, 0))
+        assert report.spill_bytes <= kernel.spill_bytes_allowed, (kernel.specialization, report.spill_bytes)
+        assert report.shared_bytes <= SMEM_OPTIN[(9, 0)], (kernel.specialization, report.shared_bytes)
+        if kernel.kernel == "segment_scan_fwd":
+            assert kernel.num_stages == 3
+            # wgmma at 16 value columns, mma.sync at 8: bf16 operands only, no TF32 product.
+            assert re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.bf16\.bf16", report.ptx), kernel.specialization
+            assert not re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.tf32", report.ptx), kernel.specialization
 
 
 def _cp_case(case_id, dtype, cpu, gpu, layout="kv", h0=True, l2=False, pool=None, marks=()):
@@ -459,6 +518,35 @@ def test_triton_generic_segmented_matches_the_reference(dtype, cpu, gpu, layout,
         live = idx >= 0
         expected_pool[idx[live].long()] = ht_ref[live].to(pool)
         assert rel_rms_error(call["initial_state"], expected_pool) <= max(TOL[dtype], TOL[pool])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype, cpu, gpu, layout, h0, l2, pool",
+                         [case for case in CP_CASES if case.values[0] != torch.float32])
+def test_bf16_maps_agree_with_the_finer_split(dtype, cpu, gpu, layout, h0, l2, pool, device, monkeypatch):
+    """A 16-bit segmented call with M stored as two bf16 parts (:data:`.segment_map.BF16_MAPS`)
+    against the same call with the TF32 + bf16 split: the states the scan hands on differ
+    by the splits' rounding (about 2^-17 of each map entry), far below the 16-bit data's
+    own; both within the tolerance of the reference."""
+    shape = cpu if device.type == "cpu" else gpu
+    call, n = _cp_call(dtype, shape, layout, h0, l2, device)
+    flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+    if pool is not None:
+        dims = tuple(call["initial_state"].shape[2:])
+        rows, idx, _ = padded_pool(len(shape["lengths"]), call["v"].shape[2], dims, pool, seed=9, device=device)
+        flags.update(state_indices=idx)
+        call = {**call, "initial_state": rows}
+    o_ref, ht_ref = reference.forward(make_problem(**call, **flags, context_parallel="off"))
+    out = {}
+    for bf16_maps in (False, True):
+        monkeypatch.setattr(tg_map, "BF16_MAPS", bf16_maps)
+        problem = make_problem(**call, **flags, context_parallel=n, backend="triton_generic")
+        assert plan_for_problem(problem, 1).enabled
+        out[bf16_maps] = TG_FORWARD.forward(problem)
+    (o_fine, ht_fine), (o, ht) = out[False], out[True]
+    assert rel_rms_error(o, o_ref) <= TOL[dtype] and rel_rms_error(ht, ht_ref) <= TOL[dtype]
+    # The maps did change (the bf16 split is not the finer one), by the scan's own bound.
+    assert 0 < rel_rms_error(ht, ht_fine) <= SCAN_TOL["bf16-split"] and rel_rms_error(o, o_fine) <= 1e-3
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)

@@ -281,11 +281,13 @@ def _gpu_backends() -> list[str]:
     return names
 
 
-def _gpu_params():
+def _gpu_params(pick=enumerate, tag: str = ""):
+    """The GPU draw of every GPU backend, as ``(index, case)`` pairs ``pick`` keeps of each
+    seed's cases (all by default), with ``tag`` in their ids."""
     for backend in _gpu_backends():
         for seed in SEEDS:
-            for i, case in enumerate(draw_cases(backend, seed, GPU_CASES_PER_SEED)):
-                yield pytest.param(case, id=f"{backend}-s{seed}-{i:03d}")
+            for i, case in pick(draw_cases(backend, seed, GPU_CASES_PER_SEED)):
+                yield pytest.param(case, id=f"{backend}{tag}-s{seed}-{i:03d}")
 
 
 @pytest.mark.gpu
@@ -341,6 +343,27 @@ def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
         clear_plan_cache()
 
 
+def _bf16_maps_cases(cases):
+    """The draw's calls that :data:`..segment_map.BF16_MAPS` changes: forced segments on
+    16-bit data."""
+    return [(i, c) for i, c in enumerate(cases)
+            if isinstance(c.context_parallel, int) and c.spec.dtype != "float32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params(_bf16_maps_cases, "-bf16-maps")))
+def test_fuzz_gpu_bf16_maps(case, monkeypatch):
+    """Context parallelism's off-by-default build (the maps in two bf16 parts) on the
+    draw's forced-segment 16-bit calls, against the reference as the default build."""
+    from gdn_dispatch.backends.triton_generic import segment_map
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    monkeypatch.setattr(segment_map, "BF16_MAPS", True)
+    _check(case, "cuda")
+
+
 # --- CPU tier -----------------------------------------------------------------------------
 
 CPU_CASES_PER_SEED = 8
@@ -352,6 +375,20 @@ CPU_CASES_PER_SEED = 8
 def test_fuzz_triton_generic_interpreted(case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _check(case, "cpu")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"triton_generic-bf16-maps-s{seed}-{i:02d}")
+                                  for seed in SEEDS
+                                  for i, c in _bf16_maps_cases(draw_cases("triton_generic", seed, CPU_CASES_PER_SEED,
+                                                                          cpu=True))])
+def test_fuzz_triton_generic_interpreted_bf16_maps(case, monkeypatch):
+    """The CPU tier's forced-segment 16-bit calls again with the maps in two bf16 parts."""
+    from gdn_dispatch.backends.triton_generic import segment_map
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    monkeypatch.setattr(segment_map, "BF16_MAPS", True)
     _check(case, "cpu")
 
 
@@ -386,6 +423,10 @@ def test_draws_cover_the_classes():
     forced = [c for c in cases if isinstance(c.context_parallel, int)]
     assert forced and any(c.lengths and max(c.lengths) > 64 * c.context_parallel for c in forced)
     assert any(s.pool for s in {c.spec for c in forced})
+    # Forced segments on 16-bit data (the bf16-maps build's cases), on the CPU tier too.
+    assert len(_bf16_maps_cases(cases)) >= 20
+    assert _bf16_maps_cases([c for seed in SEEDS for c in draw_cases("triton_generic", seed, CPU_CASES_PER_SEED,
+                                                                     cpu=True)])
     assert draw_cases("triton_generic", 0, 10) == draw_cases("triton_generic", 0, 10)
     gluon_cases = [c for seed in SEEDS for c in draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)]
     gluon = {c.spec for c in gluon_cases}

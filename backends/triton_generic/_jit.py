@@ -193,14 +193,21 @@ def _tf32_round(x):
 
 
 @jit
+def _bf16_round(x):
+    """fp32 ``x`` rounded to nearest even at bf16's 7 mantissa bits, as an fp32 value: its
+    conversion to bf16 (a store, or ``.to``) is then exact on the GPU and under the
+    interpreter alike."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@jit
 def _cast(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """``x.to(dtype)``, rounding to nearest even (the GPU's conversion) also under the
     interpreter, whose fp32 -> bf16 conversion truncates: a biased error that would make
     the CPU tests judge worse numerics than the GPU has."""
     if INTERP_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        x = _bf16_round(x.to(tl.float32))
     return x.to(dtype)
 
 

@@ -8,6 +8,8 @@ compile and run but spill registers, so they are not in this list.
 
 from __future__ import annotations
 
+import torch
+
 from gdn_dispatch.aot import AotKernel
 
 from gdn_dispatch.backends.triton_generic.configs import (cumsum_config, fuse_solve_into_wu, intra_config, output_config,
@@ -15,7 +17,7 @@ from gdn_dispatch.backends.triton_generic.configs import (cumsum_config, fuse_so
 from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
-from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, segment_map_config
+from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, maps_dtype, segment_map_config
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
@@ -91,22 +93,25 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability
     pass 1's maps (which write the segment table too), and the scan in the "vk" layout
     with a pool."""
     out = []
+    bf16_maps = maps_dtype({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]) \
+        == torch.bfloat16
+    m_hi = "*bf16" if bf16_maps else "*fp32"
     cfg = segment_map_config(K, V)
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
                        {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32",
                         "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32",
-                        "m_hi": "*fp32", "m_lo": "*bf16", "n_out": "*fp32"},
+                        "m_hi": m_hi, "m_lo": "*bf16", "n_out": "*fp32"},
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
                         "INTERPRET": False}, cfg))
     pool = dtype == "bf16"
     # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
     # the part takes them).
-    configs = {segment_scan_config(K, V, capability, pairs, 132) for pairs in (10 ** 6, 1)}
+    configs = {segment_scan_config(K, V, capability, pairs, 132, bf16_maps) for pairs in (10 ** 6, 1)}
     for cfg in sorted(configs, key=lambda c: -c.BV):
         out.append(_kernel("segment_scan_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
                            _segment_scan_fwd_kernel,
-                           {"m_hi": "*fp32", "m_lo": "*bf16", "n_in": "*fp32", "cu_seqlens": "*i32",
+                           {"m_hi": m_hi, "m_lo": "*bf16", "n_in": "*fp32", "cu_seqlens": "*i32",
                             "h0": "*bf16" if pool else "*fp32",
                             "ht": "*fp32", "seg_h0": "*fp32", "state_indices": "*i32", "P": "i32", "L": "i32"},
                            {"HV": HV, "K": K, "V": V, "BK": cfg.BK, "BKC": scan_block_kc(cfg), "BV": cfg.BV,

@@ -26,6 +26,8 @@ its sequences): from ``cu_seqlens`` alone, on the device, with no host copy and 
 
 M is stored split for the scan's products: ``M_hi`` (fp32 values rounded to TF32) and
 ``M_lo = M - M_hi`` in bf16, 6 bytes per entry, together M to about 2^-19 of each entry.
+With :data:`BF16_MAPS` a call on 16-bit data stores ``M_hi`` in bf16 too (4 bytes an
+entry, M to about 2^-17; the scan then multiplies on bf16 parts alone).
 The scan multiplies both parts on the tensor cores straight from shared memory (three
 products per step with S's own split), where a fp32 M would be split in registers at
 every step; the bf16 part keeps the two of them small enough for the scan to stream the
@@ -39,7 +41,8 @@ import functools
 import torch
 import triton.language as tl
 
-from gdn_dispatch.backends.triton_generic._jit import _cast, _tf32_round, interpreting, jit, next_pow2
+from gdn_dispatch.backends.triton_generic._jit import (
+    _bf16_round, _cast, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.state import _walk_chunks
@@ -128,10 +131,31 @@ def _segment_map_fwd_kernel(
     m_k = (o_k < K)[:, None]
     at_m = i_sh * (K * K) + o_k[:, None] * K + o_c[None, :]
     m_m = m_k & (o_c < m_cols)[None, :]
-    b_hi = _tf32_round(b_s)
+    if m_hi.dtype.element_ty == tl.bfloat16:
+        b_hi = _bf16_round(b_s)  # exact in M_hi's bf16
+    else:
+        b_hi = _tf32_round(b_s)
     tl.store(m_hi + at_m, b_hi, mask=m_m)
     tl.store(m_lo + at_m, _cast(b_s - b_hi, tl.bfloat16, INTERPRET), mask=m_m)
     tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
+
+
+#: Calls on bf16/fp16 data store M's leading part in bf16 instead of TF32-rounded fp32
+#: (:func:`maps_dtype`): the scan streams 64 KB of M per step and segment at K = 128
+#: instead of 96 KB and multiplies on bf16 operands (three products per step as before,
+#: half the k-steps of TF32's), with M and the state each split into two bf16 parts: about
+#: 2^-17 of each entry against 2^-19, far below the 2^-9 to which pass 1 and pass 2 round
+#: the state in their own products. float32 calls keep the finer split (their segmented
+#: results agree with the unsegmented ones to 1e-6). Off until measured on a GPU
+#: (``python benchmarks/flag_ab.py bf16_maps``); on, a 16-bit call's segmented states
+#: agree with the unsegmented ones to about 1e-5 rather than float32 rounding, which the
+#: public docstring of ``context_parallel`` would then have to say.
+BF16_MAPS = False
+
+
+def maps_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``M_hi`` that pass 1 writes for a call on ``dtype`` data."""
+    return torch.bfloat16 if BF16_MAPS and dtype != torch.float32 else torch.float32
 
 
 @functools.lru_cache(maxsize=64)  # one per head shape: the segmented call's host path reads it per call
@@ -176,8 +200,8 @@ def segment_map_fwd(
         ``seg_cu[s]`` is the first token of segment slot ``s``, ``seg_cu[NSEG] = B * T``
         (every segment a whole number of chunks of its sequence, the last one its tail, or
         empty).
-    M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32; the identity for an
-        empty segment.
+    M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32 (bfloat16, M rounded to
+        bf16, where :func:`maps_dtype` says so); the identity for an empty segment.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi`` rounded to bf16.
     N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
     """
@@ -186,7 +210,7 @@ def segment_map_fwd(
     N = cu_seqlens.shape[0] - 1
     NSEG = B * T // seg_len + N
     seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
-    m_hi = torch.empty(NSEG, HV, K, K, dtype=torch.float32, device=k.device)
+    m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
     m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
     n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
     if NSEG == 0:  # no sequence and no token: the table is [0]

@@ -18,6 +18,11 @@ products with no conversion of M::
 
     M S ~ M_lo bf16(S) + M_hi (S - tf32(S)) + M_hi tf32(S)       (about 2^-19 relative)
 
+With M_hi in bf16 (:data:`.segment_map.BF16_MAPS`, calls on 16-bit data) S is split into
+two bf16 parts too, and the three products are bf16 ones::
+
+    M S ~ M_lo S_hi + M_hi S_lo + M_hi S_hi,  S_hi = bf16(S), S_lo = bf16(S - S_hi)   (about 2^-17)
+
 On sm_90 up to K = 128 a step is those products over the whole M with ``S`` held in
 registers, the software pipeliner streaming ``M[s + 1]`` and ``N[s + 1]`` (they do not
 depend on ``S``) into shared memory while step ``s`` multiplies; as everywhere for K <= 32
@@ -34,18 +39,29 @@ import functools
 import torch
 import triton.language as tl
 
-from gdn_dispatch.backends.triton_generic._jit import _dot, _tf32_round, interpreting, jit, next_pow2
+from gdn_dispatch.backends.triton_generic._jit import (
+    _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
 
 
 @jit
 def _split_product(m_hi, m_lo, b_s, acc, INTERPRET: tl.constexpr):
-    """``acc + M b_s`` from M's two parts: the small terms first."""
-    s_hi = _tf32_round(b_s)
-    acc = _dot(m_lo, b_s.to(tl.bfloat16), acc, "tf32", INTERPRET)
-    acc = _dot(m_hi, b_s - s_hi, acc, "tf32", False)
-    return _dot(m_hi, s_hi, acc, "tf32", False)
+    """``acc + M b_s`` from M's two parts (M_hi TF32-exact fp32 or bf16), the small terms
+    first."""
+    if m_hi.dtype == tl.bfloat16:
+        s_hi = _bf16_round(b_s)
+        s_lo = _cast(b_s - s_hi, tl.bfloat16, INTERPRET)
+        b_hi = s_hi.to(tl.bfloat16)  # exact
+        acc = _dot(m_lo, b_hi, acc, "tf32", INTERPRET)
+        acc = _dot(m_hi, s_lo, acc, "tf32", INTERPRET)
+        acc = _dot(m_hi, b_hi, acc, "tf32", INTERPRET)
+    else:
+        s_hi = _tf32_round(b_s)
+        acc = _dot(m_lo, b_s.to(tl.bfloat16), acc, "tf32", INTERPRET)
+        acc = _dot(m_hi, b_s - s_hi, acc, "tf32", False)
+        acc = _dot(m_hi, s_hi, acc, "tf32", False)
+    return acc
 
 
 @jit
@@ -134,7 +150,7 @@ WHOLE_M_CAPABILITIES = ((9, 0),)
 
 @functools.lru_cache(maxsize=1024)  # pairs follows the number of sequences
 def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = None, pairs: int | None = None,
-                        sm_count: int | None = None) -> LaunchConfig:
+                        sm_count: int | None = None, bf16_maps: bool = False) -> LaunchConfig:
     """The scan, one program per (sequence, v-head, BV slice of V), 8 warps (the fp32
     products of 4 warps spill on mma.sync parts, sm_80). On sm_90 up to K = 128 the whole
     M per step (BKC = BK) with BV = 16, two pipeline stages: M's parts and N of the next
@@ -149,12 +165,14 @@ def segment_scan_config(K: int, V: int, capability: tuple[int, int] | None = Non
     mma.sync parts, and shared memory is smaller), and for larger K, M streams in [BK, 32]
     column blocks with BV = 32 (for K <= 32 that one block is the whole M, and the kernel
     takes the whole-M step). ``capability`` None (the interpreter, or any part) is treated
-    as not sm_90."""
+    as not sm_90. With ``bf16_maps`` (M_hi in bf16, :data:`.segment_map.BF16_MAPS`) a whole-M
+    stage is 68 KB at K = V = 128, so three fit: the next two slots stream in while one
+    multiplies."""
     BK = state_block_k(K)
     if BK <= 128 and capability is not None and tuple(capability) in WHOLE_M_CAPABILITIES:
         narrow = pairs is not None and sm_count is not None and pairs * -(-V // 8) <= sm_count
         BV = 8 if narrow else max(MIN_TILE, min(16, next_pow2(V)))
-        return LaunchConfig(num_warps=8, num_stages=2, BK=BK, BV=BV, BKC=BK)
+        return LaunchConfig(num_warps=8, num_stages=3 if bf16_maps else 2, BK=BK, BV=BV, BKC=BK)
     return LaunchConfig(num_warps=8, num_stages=1, BK=BK, BV=max(MIN_TILE, min(32, next_pow2(V))))
 
 
@@ -182,7 +200,8 @@ def segment_scan_fwd(
 
     Parameters
     ----------
-    m_hi : float32 Tensor ``[NSEG, HV, K, K]`` (TF32-exact), m_lo : bfloat16 Tensor
+    m_hi : float32 Tensor ``[NSEG, HV, K, K]`` (TF32-exact) or bfloat16 Tensor (the bf16
+        split, :data:`.segment_map.BF16_MAPS`), m_lo : bfloat16 Tensor
         ``[NSEG, HV, K, K]``, n_in : float32 Tensor ``[NSEG, HV, K, V]``: the segments' maps
         ``S -> (m_hi + m_lo) S + n_in`` (:func:`.segment_map.segment_map_fwd`;
         :func:`split_maps` splits a float32 M).
@@ -215,7 +234,7 @@ def segment_scan_fwd(
     cfg = config
     if cfg is None:
         capability, sm_count = device_facts(n_in.device)
-        cfg = segment_scan_config(K, V, capability, N * HV, sm_count)
+        cfg = segment_scan_config(K, V, capability, N * HV, sm_count, m_hi.dtype == torch.bfloat16)
     grid = (N * HV * -(-V // cfg.BV),)  # host ceil-div (triton.cdiv is a slow constexpr function)
     launch(_segment_scan_fwd_kernel, grid, cfg,
         m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens,
@@ -231,9 +250,13 @@ def segment_scan_fwd(
     return seg_h0, final_state
 
 
-def split_maps(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 ``M`` as pass 1 stores it: (TF32-rounded fp32, the rest in bf16); the
-    rounding of :func:`._jit._tf32_round` in torch (tests, benchmarks)."""
+def split_maps(m: torch.Tensor, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 ``M`` as pass 1 stores it: (TF32-rounded fp32, the rest in bf16), the
+    rounding of :func:`._jit._tf32_round` in torch; with ``bf16`` (bf16, the rest in bf16)
+    (tests, benchmarks)."""
+    if bf16:
+        hi = m.to(torch.bfloat16)
+        return hi, (m - hi.float()).to(torch.bfloat16)
     bits = m.contiguous().view(torch.int32)
     hi = ((bits + 0x1000) & -0x2000).view(torch.float32)
     return hi, (m - hi).to(torch.bfloat16)
