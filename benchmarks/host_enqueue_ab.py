@@ -3,9 +3,10 @@
 One process times one checkout (whichever ``gdn_dispatch`` the import finds: put the
 checkout's root, with its ``registry.toml``, first on ``PYTHONPATH``): per case, 9 rounds
 of 20 back-to-back calls of gluon_sm90 (initial and final state, bf16, K = V = 128), the
-median and the best round's µs per call. The GPU hosts lent here run the same Python up to
-1.6x apart within a lease, so run the two arms in alternating processes, several pairs,
-and compare the rounds of like speed::
+median and the best round's µs per call, after the host reference line of ``bench --host``
+(the same fixed host work timed in this process). The GPU hosts lent here run the same
+Python up to 1.6x apart within a lease, so run the two arms in alternating processes,
+several pairs, and compare the rounds of like speed::
 
     for i in 1 2 3; do
       PYTHONPATH=/path/to/a python benchmarks/host_enqueue_ab.py a
@@ -37,6 +38,11 @@ CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False),
 def main() -> None:
     arm = sys.argv[1] if len(sys.argv) > 1 else "arm"
     print(f"{arm}: gdn_dispatch from {gdn_dispatch.__file__}", flush=True)
+    try:  # the host's speed in this process (checkouts without it just skip the line)
+        from gdn_dispatch.bench_host import format_reference, host_reference_us
+        print(f"{arm}: {format_reference(host_reference_us('cuda'))}", flush=True)
+    except ImportError:
+        pass
     for name, shape, (H, HV), no_host_copy in CASES:
         call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
         if no_host_copy:

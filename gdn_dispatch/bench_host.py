@@ -10,6 +10,9 @@ K = V = 128, initial and final state):
   and registry), forward (plan, allocations and launches), each timed alone;
 
 for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 8192 tokens.
+First, a *host reference* line: two fixed pieces of host work timed in the same process
+(:func:`host_reference_us`), since the same host runs the same Python well apart from one
+process to the next: tables are comparable through it.
 Then the *ragged stream*: :data:`STREAM_BATCHES` seeded random batches of 1..16 sequences of
 1..4000 tokens, each one call followed by a synchronize, timed wall-clock; the median per
 backend. A call is host-bound where its enqueue time exceeds its GPU time.
@@ -111,6 +114,37 @@ def per_call_us(fn: Callable[[], object], calls: int, *, clock=time.perf_counter
     elapsed = clock() - start
     sync()
     return elapsed / calls * 1e6
+
+
+#: Entries of the dict the Python reference reads (:func:`_python_reference`).
+_REFERENCE_KEYS = tuple(f"k{i}" for i in range(16))
+_REFERENCE_DICT = {key: i for i, key in enumerate(_REFERENCE_KEYS)}
+
+
+def _python_reference() -> int:
+    """A fixed piece of Python: 16 dict lookups, 16 attribute reads, 16 additions (the kind
+    of work a call's host path does)."""
+    total = 0
+    for key in _REFERENCE_KEYS:
+        total += _REFERENCE_DICT[key] + key.__len__()
+    return total
+
+
+def host_reference_us(device, *, calls: int = 2000, rounds: int = 5, clock=time.perf_counter) -> dict[str, float]:
+    """Host microseconds, now, of ``torch.empty`` of a [1, 64, 32, 128] bf16 tensor on
+    ``device`` (an output of the host table's small calls) and of :func:`_python_reference`:
+    the best of ``rounds`` rounds of ``calls`` calls each."""
+    def empty():
+        return torch.empty(1, 64, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
+
+    return {name: min(per_call_us(fn, calls, clock=clock) for _ in range(rounds))
+            for name, fn in (("torch.empty", empty), ("python", _python_reference))}
+
+
+def format_reference(reference: dict[str, float]) -> str:
+    """The host reference line of the table."""
+    return (f"host reference (this process): torch.empty [1, 64, {HV}, {HEAD_DIM}] bf16 "
+            f"{reference['torch.empty']:.2f} us, Python reference {reference['python']:.2f} us")
 
 
 def synchronized_us(fn: Callable[[], object], *, clock=time.perf_counter,
@@ -251,6 +285,7 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
         callers[FLA] = lambda **c: fla_fn(**c, output_final_state=True)
     print(f"host cost per call (H={H}, HV={HV} unless the case names its heads, K=V={HEAD_DIM}, bf16, h0 + final "
           f"state); enqueue = {calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
+    print(format_reference(host_reference_us(device)), file=out, flush=True)
     rows = []
     with torch.inference_mode():
         for case in host_cases():

@@ -612,6 +612,21 @@ def test_synchronized_us_includes_the_wait():
     assert clock.events == ["sync", "call", "sync"]
 
 
+def test_host_reference_times_both_pieces_and_prints_them():
+    from gdn_dispatch.bench_host import _python_reference, format_reference, host_reference_us
+
+    assert _python_reference() == sum(range(16)) + 16 * 2 + 6 * 1  # k0..k9: 2 characters, k10..k15: 3
+    ticks = iter(range(10 ** 6))
+    # A clock 2 µs further at each reading: a round (two readings around its calls) reads
+    # 2 µs for its 4 calls.
+    ref = host_reference_us("cpu", calls=4, rounds=2, clock=lambda: next(ticks) * 2e-6)
+    assert set(ref) == {"torch.empty", "python"} and all(v == pytest.approx(2.0 / 4) for v in ref.values())
+    real = host_reference_us("cpu", calls=50, rounds=2)
+    assert all(0 < v < 1e4 for v in real.values())
+    line = format_reference({"torch.empty": 5.4, "python": 1.25})
+    assert "torch.empty [1, 64, 32, 128] bf16 5.40 us" in line and "Python reference 1.25 us" in line
+
+
 def test_fla_call_takes_int64_offsets_without_a_host_copy():
     from gdn_dispatch.bench_host import fla_call, make_call
 
