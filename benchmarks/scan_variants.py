@@ -29,6 +29,7 @@ FORMS = [
     ("whole M, BV 16, 8 warps, 2 stages (sm_90 default)", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=16, BKC=128)),
     ("whole M, BV 16, 4 warps, 2 stages", LaunchConfig(num_warps=4, num_stages=2, BK=128, BV=16, BKC=128)),
     ("whole M, BV 8, 8 warps, 2 stages", LaunchConfig(num_warps=8, num_stages=2, BK=128, BV=8, BKC=128)),
+    ("whole M, BV 8, 8 warps, 3 stages", LaunchConfig(num_warps=8, num_stages=3, BK=128, BV=8, BKC=128)),
     ("whole M, BV 16, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=16, BKC=128)),
     ("whole M, BV 32, 8 warps, 1 stage", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32, BKC=128)),
     ("column blocks, BV 32, 8 warps (elsewhere)", LaunchConfig(num_warps=8, num_stages=1, BK=128, BV=32)),
