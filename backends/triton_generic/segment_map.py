@@ -12,8 +12,8 @@ block in the first ``V`` columns walks ``N`` from zeros, one in the last ``K`` c
 walks ``M`` from the identity, both with the state kernel's own chunk walk
 (:func:`.state._walk_chunks`, its stores off). Nothing per chunk is stored (no ``h``, no
 ``v_new``): the segment's chunks are walked again in pass 2 from the exact start state. An
-empty segment's program stores the identity and zeros: the scan skips such slots' products
-(they leave the state as it is) and pass 2 runs them as empty sequences.
+empty segment's program stores the identity and zeros: the scan's whole-M step skips such
+slots' products (they leave the state as it is) and pass 2 runs them as empty sequences.
 
 Segment slots (:mod:`gdn_dispatch.context_parallel`): with segments of ``L`` tokens,
 sequence ``n`` owns the slots ``[cu[n] // L + n, cu[n + 1] // L + n + 1)``; its segment

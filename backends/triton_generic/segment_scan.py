@@ -112,10 +112,10 @@ def _segment_scan_fwd_kernel(
 
     i_s = bos // L + i_n
     s_end = eos // L + i_n + 1
-    # The slots from s_busy on hold no token (the slot count rounds up): their maps are the
-    # identity, so the state passes them unchanged and is only stored as their start.
-    s_busy = i_s + (eos - bos + L - 1) // L
     if BKC == BK:
+        # The slots from s_busy on hold no token (the slot count rounds up): their maps are
+        # the identity, so the state passes them unchanged and is only stored as their start.
+        s_busy = i_s + (eos - bos + L - 1) // L
         m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
         if INTERPRET:
             # triton 3.6's interpreter cannot range() over a loaded bound (see state.py).
@@ -127,8 +127,14 @@ def _segment_scan_fwd_kernel(
             for i_t in range(i_s, s_busy):
                 b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_t * HV + i_h) * K, o_k, o_v, m_kv, m_kk, K, V,
                                     INTERPRET)
+        i_e = s_busy
+        while i_e < s_end:
+            tl.store(seg_h0 + (i_e * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+            i_e += 1
     else:
-        while i_s < s_busy:
+        # Every slot's map applied, the empty ones' identity too (skipping them here made
+        # ptxas spill on sm_100 with triton 3.9).
+        while i_s < s_end:
             o_sh = (i_s * HV + i_h) * K
             tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
             tl.debug_barrier()  # the rows just stored are read below by other threads
@@ -143,10 +149,6 @@ def _segment_scan_fwd_kernel(
                 b_acc = _split_product(b_hi, b_lo, b_sk, b_acc, INTERPRET)
             b_s = b_acc
             i_s += 1
-    i_e = s_busy
-    while i_e < s_end:
-        tl.store(seg_h0 + (i_e * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
-        i_e += 1
 
     _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
