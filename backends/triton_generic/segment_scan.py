@@ -65,12 +65,19 @@ def _split_product(m_hi, m_lo, b_s, acc, INTERPRET: tl.constexpr):
 
 
 @jit
+def _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V: tl.constexpr):
+    """``seg_h0``'s rows of slot ``o_sh`` (its row offset ``(slot * HV + h) * K``): the
+    state ``b_s`` the slot starts from, in the program's V columns ``o_v``."""
+    tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+
+
+@jit
 def _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, o_sh, o_k, o_v, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Slot ``o_sh`` (its row offset ``(slot * HV + h) * K``): store its start state,
     return the next. M's parts and N feed the products straight from their loads, which
     the pipeliner moves ahead into shared memory."""
-    tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+    _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V)
     b_hi = tl.load(m_hi + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
     b_lo = tl.load(m_lo + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
     b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
@@ -129,14 +136,14 @@ def _segment_scan_fwd_kernel(
                                     INTERPRET)
         i_e = s_busy
         while i_e < s_end:
-            tl.store(seg_h0 + (i_e * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+            _store_start(seg_h0, b_s, (i_e * HV + i_h) * K, o_k, o_v, m_kv, V)
             i_e += 1
     else:
         # Every slot's map applied, the empty ones' identity too (skipping them here made
         # ptxas spill on sm_100 with triton 3.9).
         while i_s < s_end:
             o_sh = (i_s * HV + i_h) * K
-            tl.store(seg_h0 + o_sh * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+            _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V)
             tl.debug_barrier()  # the rows just stored are read below by other threads
             b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             for i_kc in tl.static_range(0, K, BKC):
