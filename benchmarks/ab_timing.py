@@ -3,7 +3,8 @@ in its own process (a kernel's constexpr globals are fixed at its first compile)
 variants' outputs compared.
 
 * :func:`time_call`: the call's ``triton.testing.do_bench`` median, each kernel's GPU
-  time per call (torch.profiler over ``iters`` calls) and the host's enqueue time per call.
+  time per call (:func:`kernel_ms`: torch.profiler over ``iters`` calls) and the host's
+  enqueue time per call.
 * :func:`run_variant` (in the variant's process) prints one table row per shape and keeps
   the outputs in ``/tmp``; :func:`compare_outputs` (in the parent) reads them back.
 """
@@ -20,20 +21,27 @@ def time_call(fn: Callable[[], object], iters: int = 20) -> tuple[float, dict[st
     import time
 
     import triton
-    from torch.profiler import ProfilerActivity, profile
 
     ms = triton.testing.do_bench(fn, warmup=10, rep=200)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per = {e.key.split("(")[0]: e.device_time_total / iters / 1e3 for e in prof.key_averages() if "kernel" in e.key}
+    per = kernel_ms(fn, iters)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
     enqueue = (time.perf_counter() - start) / iters * 1e6
     torch.cuda.synchronize()
     return ms, per, enqueue
+
+
+def kernel_ms(fn: Callable[[], object], iters: int = 20) -> dict[str, float]:
+    """``{kernel name: GPU ms per call}`` of ``fn``'s kernels (torch.profiler over ``iters``
+    calls on the current CUDA device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key.split("(")[0]: e.device_time_total / iters / 1e3 for e in prof.key_averages() if "kernel" in e.key}
 
 
 def run_variant(study: str, tag: str, calls: dict[str, dict]) -> None:

@@ -17,8 +17,8 @@ K = V = 128, ``testing.random_call(seed=1)``.
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from ab_timing import kernel_ms
 from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.testing import random_call
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
@@ -31,17 +31,12 @@ SEGMENT_SHAPES = [("H4-HV8 16x2048", 4, 8, 16, 2048), ("H2-HV8 16x2048", 2, 8, 1
                   ("H8-HV16 8x4096", 8, 16, 8, 4096), ("H2-HV4 64x512", 2, 4, 64, 512)]
 
 
-def kernel_times(fn, iters: int = 20) -> dict[str, float]:
-    """µs per call of each CUDA kernel ``fn`` launches (those launched every call)."""
+def kernel_times(fn) -> dict[str, float]:
+    """µs per call of each kernel ``fn`` launches, after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key.split("(")[0].strip("_"): e.device_time_total / iters for e in prof.key_averages()
-            if e.device_type.name == "CUDA" and e.count >= iters}
+    return {name.strip("_"): ms * 1e3 for name, ms in kernel_ms(fn).items()}
 
 
 def row(name: str, times: dict[str, float]) -> str:

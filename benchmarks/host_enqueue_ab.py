@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
 import gdn_dispatch
 from gdn_dispatch import chunk_gated_delta_rule
+from gdn_dispatch.bench_host import per_call_us
 from gdn_dispatch.testing import random_call
 
 #: (name, random_call shape, heads (H, HV), drop the host copy of cu_seqlens)
@@ -51,16 +51,7 @@ def main() -> None:
         def f():
             return chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
 
-        for _ in range(3):
-            f()
-        rounds = []
-        for _ in range(9):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(20):
-                f()
-            rounds.append((time.perf_counter() - start) / 20 * 1e6)
-        torch.cuda.synchronize()
+        rounds = [per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3 if i == 0 else 0) for i in range(9)]
         print(f"{arm:6s} {name:30s} enqueue µs per call: median {statistics.median(rounds):7.1f}  "
               f"best {min(rounds):7.1f}", flush=True)
 
