@@ -146,10 +146,11 @@ def _segment_map_fwd_kernel(
 #: half the k-steps of TF32's), with M and the state each split into two bf16 parts: about
 #: 2^-17 of each entry against 2^-19, far below the 2^-9 to which pass 1 and pass 2 round
 #: the state in their own products. float32 calls keep the finer split (their segmented
-#: results agree with the unsegmented ones to 1e-6). Off until measured on a GPU
-#: (``python benchmarks/flag_ab.py bf16_maps``); on, a 16-bit call's segmented states
-#: agree with the unsegmented ones to about 1e-5 rather than float32 rounding, which the
-#: public docstring of ``context_parallel`` would then have to say.
+#: results agree with the unsegmented ones to 1e-6). Off: on the H200 it saves 10-14 µs of
+#: scan per tensor-parallel segmented call (``python benchmarks/flag_ab.py bf16_maps``,
+#: benchmarks/RESULTS.md) and a 16-bit call's segmented states would agree with the
+#: unsegmented ones to about 1e-5 rather than float32 rounding (the public docstring of
+#: ``context_parallel`` would then have to say so).
 BF16_MAPS = False
 
 
