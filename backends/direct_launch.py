@@ -119,7 +119,7 @@ def launch_kept(kernel, grid: tuple, options: tuple, kwargs: dict, jit_launch: C
     fast = site.fast
     if fast is not None:
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        if fast(device, options, kwargs, g0, g1, g2, runtime.stream(device)):
+        if fast(device, kwargs, None, g0, g1, g2, runtime.stream(device), options):
             return
     key = [device, options]
     values = []
@@ -190,6 +190,23 @@ def guard_lines(i: int, value, specialized: bool, ns: dict) -> tuple[list[str], 
     return [f"    if {test}:", "        return False"], v
 
 
+def native_guard(launcher, native, key: str, value, specialized: bool, slot: int) -> bool:
+    """Add to the native ``launcher`` (a :class:`gdn_dispatch.native` GuardedLauncher) the
+    guard :func:`guard_lines` writes for ``value``, its argument ``key`` going to ``slot``
+    of the C launch's list; False for a kind neither guards."""
+    if isinstance(value, torch.Tensor):
+        launcher.add_tensor(key, slot, value.dtype, value.data_ptr() % 16 == 0)
+    elif value.__class__ is int:
+        launcher.add_int(key, slot, specialized, value == 1, value % 16 == 0, _INT32_MIN <= value < _INT32_END)
+    elif isinstance(value, bool) or value is None:
+        launcher.add_object(key, slot, native.KIND_IDENTITY, value)
+    elif value.__class__ in (float, str):
+        launcher.add_object(key, slot, native.KIND_TYPE, value.__class__)
+    else:
+        return False
+    return True
+
+
 def compile_launcher(body: list[str], ns: dict):
     """The function ``launch`` that the source lines ``body`` define, over the names of
     ``ns`` (and :data:`GUARD_NAMES`)."""
@@ -210,9 +227,14 @@ def fast_launcher(site: _CallSite, raw, device, options: tuple, kwargs: dict):
     False, having launched nothing, at the first difference (or another device or launch
     options), and :func:`launch_kept` then looks the key up as usual. One generated
     function instead of a loop, a key tuple and a dict lookup per launch: the
-    plain-Triton forward launches five kernels a call."""
+    plain-Triton forward launches five kernels a call. Where the native host layer is
+    built (:mod:`gdn_dispatch.native`) the launcher is its C++ GuardedLauncher with the
+    same checks, called the same way."""
+    native = load_native()
+    if native is not None:
+        return _native_fast_launcher(native, site, raw, device, options, kwargs)
     ns = {"c_launch": raw.c_launch, "PREFIX": tuple(raw.prefix), "DEVICE": device, "OPTIONS": options}
-    body = ["def launch(device, options, kwargs, g0, g1, g2, stream):",
+    body = ["def launch(device, kwargs, _tensors, g0, g1, g2, stream, options):",
             "    if device != DEVICE or options != OPTIONS:",
             "        return False"]
     exprs = []
@@ -232,6 +254,27 @@ def fast_launcher(site: _CallSite, raw, device, options: tuple, kwargs: dict):
     ordered = ", ".join(exprs[i] for i in site.order)
     body += [f"    c_launch(g0, g1, g2, stream, *PREFIX, {ordered})", "    return True"]
     return compile_launcher(body, ns)
+
+
+def _native_fast_launcher(native, site: _CallSite, raw, device, options: tuple, kwargs: dict):
+    """:func:`fast_launcher`'s checks and launch as a native GuardedLauncher, or None."""
+    slot_of = {arg: slot for slot, arg in enumerate(site.order)}
+    launcher = native.GuardedLauncher(raw.c_launch, tuple(raw.prefix), [None] * len(site.order), device, options,
+                                      None, len(kwargs))
+    for i, (name, constexpr, value) in enumerate(zip(kwargs, site.constexpr, kwargs.values())):
+        if constexpr:
+            launcher.add_object(name, slot_of[i], native.KIND_EQUAL, value)
+        elif not native_guard(launcher, native, name, value, True, slot_of[i]):
+            return None
+    return launcher
+
+
+def load_native():
+    """The native host layer's module where it is built and on, else None (imported here
+    on a kernel's first direct launch: CPU-only processes never reach it)."""
+    from gdn_dispatch import native
+
+    return native.load()
 
 
 def _init_runtime() -> _Runtime:

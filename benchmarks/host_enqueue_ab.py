@@ -12,6 +12,10 @@ several pairs, and compare the rounds of like speed::
       PYTHONPATH=/path/to/a python benchmarks/host_enqueue_ab.py a
       PYTHONPATH=/path/to/b python benchmarks/host_enqueue_ab.py b
     done
+
+The arms can be settings of one checkout as well, e.g. the native host layer off and
+required (``GDN_DISPATCH_NATIVE=0`` / ``=1``, after ``python -m gdn_dispatch warmup`` or
+``gdn_dispatch.native.build()`` built it).
 """
 from __future__ import annotations
 

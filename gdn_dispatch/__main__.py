@@ -23,7 +23,7 @@ def _version(pkg: str) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     """Versions, devices, and every backend's verdict per device."""
     from gdn_dispatch import __version__
-    from gdn_dispatch import gate
+    from gdn_dispatch import gate, native
     from gdn_dispatch.device import default_probe
     from gdn_dispatch.registry import ENV_VAR, QWEN35_CALL, GDNDispatchError, explain
 
@@ -32,6 +32,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"{pkg:<14} {_version(pkg)}")
     print(f"{ENV_VAR:<14} {os.environ.get(ENV_VAR, '(not set)')}")
     print(f"{gate.ENV_VAR:<14} {os.environ.get(gate.ENV_VAR, '(not set)')} (self-test verdicts in {gate.cache_dir()})")
+    print(f"native host layer: {native.status()}")
     call = QWEN35_CALL
     print(f"call explained: {call.dtype}, K={call.K}, V={call.V}, varlen, grouped value heads, "
           f"state layout {call.state_layout!r}, initial and final state")

@@ -11,12 +11,15 @@ handing one real call as ``example``.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from gdn_dispatch.contract import StateLayout
+from gdn_dispatch.envvars import getenv
 from gdn_dispatch.device import default_probe
 from gdn_dispatch.progress import Progress
 from gdn_dispatch.warmup_plan import (
@@ -37,13 +40,16 @@ class WarmupReport:
     compiles: int
     seconds: float
     unadmitted: int = 0
+    #: The native host layer after the warmup (:func:`gdn_dispatch.native.status`), or "".
+    native: str = ""
 
     def format(self) -> str:
         names = ", ".join(self.backends) or "no backend"
         skipped = f"; {self.unadmitted} call classes no backend admits" if self.unadmitted else ""
+        native = f"; native host layer {self.native}" if self.native else ""
         return (f"warmup: {names} on {self.device}: {self.calls} calls covering {self.keys} kernel "
                 f"specializations, {self.compiles} compiled (or loaded from Triton's cache), "
-                f"{self.seconds:.1f} s{skipped}")
+                f"{self.seconds:.1f} s{skipped}{native}")
 
 
 class CompileCounter:
@@ -156,9 +162,26 @@ def warmup(
 
         chosen, _ = call_keys(spec, WarmupCall((64, 1), None, True, True), info, backend)
         return WarmupReport((chosen,) if chosen else (), str(device), 0, 0, 0, time.perf_counter() - started)
+    native = build_native(progress)  # before the calls: their launchers are made at their first launch
     with torch.inference_mode():
         plan = plan_warmup(spec, info, backend, tensor_device=device)
-    return run_plan(plan, device, example=example, backend=backend, progress=progress, started=started)
+    report = run_plan(plan, device, example=example, backend=backend, progress=progress, started=started)
+    return dataclasses.replace(report, native=native)
+
+
+def build_native(progress: bool = True) -> str:
+    """Build (once per machine) and load the native host layer unless it is turned off
+    (:mod:`gdn_dispatch.native`); its status line. A machine that cannot build it (no C++
+    compiler or ninja) keeps the Python launchers: the line says why."""
+    from gdn_dispatch import native
+
+    if getenv(native.NATIVE_ENV) == "0":
+        return native.status()
+    try:
+        native.build(log=(lambda message: print(message, file=sys.stderr)) if progress else (lambda message: None))
+    except RuntimeError as exc:
+        return f"not built ({exc}); the Python launchers serve"
+    return native.status()
 
 
 def run_plan(plan: WarmupPlan, device: torch.device, *, example: dict | None = None, backend: str | None = None,

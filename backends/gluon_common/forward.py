@@ -102,16 +102,40 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
         t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)
-    w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
-    rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     if cp.enabled:
+        w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
+        rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
         return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm)
+    w, u, g_cum, o, *final = pipeline_buffers(problem, launches)
+    w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"),
+                         out=(w, u, g_cum))
+    rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
-        state_indices=problem.state_indices,
+        state_indices=problem.state_indices, out=(o, final[0] if final else None),
     )
     return o, final_state
+
+
+def pipeline_buffers(problem: GDNProblem, launches: ForwardPlan) -> tuple[torch.Tensor, ...]:
+    """w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (q's dtype), g_cum float32 ``[B, T, HV]``,
+    o ``[B, T, HV, V]`` (q's dtype) and, with ``output_final_state``, the float32 final
+    state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), allocated in one call by the
+    call class's allocator (:func:`gdn_dispatch.native.allocator`; head counts and dims,
+    dtype, layout and the final-state flag are all in the class key)."""
+    alloc = launches.cls.allocators.get("pipeline")
+    if alloc is None:
+        from gdn_dispatch import native
+
+        HV, K, V = problem.HV, problem.K, problem.V
+        specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
+                 ((-1, -2, HV, V), None)]
+        if problem.output_final_state:
+            vk = problem.state_layout is StateLayout.VK
+            specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), torch.float32))
+        alloc = launches.cls.allocators["pipeline"] = native.allocator(specs)
+    return alloc(problem.q, problem.B, problem.T, problem.N)
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:

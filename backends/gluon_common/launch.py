@@ -49,7 +49,7 @@ import torch
 
 from gdn_dispatch.envvars import getenv
 
-from gdn_dispatch.backends.direct_launch import compile_launcher, guard_lines
+from gdn_dispatch.backends.direct_launch import compile_launcher, guard_lines, load_native, native_guard
 from gdn_dispatch.backends.gluon_common import compat
 from gdn_dispatch.backends.gluon_common.launch_plan import LaunchPlan
 
@@ -327,10 +327,15 @@ def fast_launcher(kept: _Kept, device, args: dict, unspecialized: frozenset):
     and the C launch. It returns False, having launched nothing, at the first argument
     whose class differs (or another device, or another argument count), and the caller
     then binds as usual: the generic path, with a loop and a dict per launch, costs about
-    a fifth more of a call's host time (``tests/test_gluon_host_path.py``'s stub)."""
+    a fifth more of a call's host time (``tests/test_gluon_host_path.py``'s stub). Where
+    the native host layer is built (:mod:`gdn_dispatch.native`) the launcher is its C++
+    GuardedLauncher with the same checks, called the same way."""
     raw = kept.raw
     if raw is None:
         return None
+    native = load_native()
+    if native is not None:
+        return _native_fast_launcher(native, kept, device, args, unspecialized)
     names = tuple(args)
     ns = {"c_launch": raw.c_launch, "PREFIX": tuple(raw.prefix), "T": kept.template, "DEVICE": device,
           "encode_kept": _encode_kept}
@@ -366,6 +371,19 @@ def fast_launcher(kept: _Kept, device, args: dict, unspecialized: frozenset):
     launch_args = ", ".join(slot_expr.get(k, f"T[{k}]") for k in range(len(kept.template)))
     body += [f"    c_launch(g0, g1, g2, stream, *PREFIX, {launch_args})", "    return True"]
     return compile_launcher(body, ns)
+
+
+def _native_fast_launcher(native, kept: _Kept, device, args: dict, unspecialized: frozenset):
+    """:func:`fast_launcher`'s checks and launch as a native GuardedLauncher, or None."""
+    raw = kept.raw
+    launcher = native.GuardedLauncher(raw.c_launch, tuple(raw.prefix), list(kept.template), device, None,
+                                      _encode_kept, len(args))
+    for i, (name, value) in enumerate(args.items()):
+        if not native_guard(launcher, native, name, value, name not in unspecialized, kept.arg_pos[i]):
+            return None
+    for pos, d, cols, maps, encode in kept.descs:
+        launcher.add_descriptor(d.tensor, pos, cols, d.dtype, d.shape[0] is None, d.view_of, maps, encode)
+    return launcher
 
 
 def _jit_launch(fn, launch: LaunchPlan, tensors: dict, args: dict, grid: tuple):

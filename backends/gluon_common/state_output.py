@@ -611,6 +611,7 @@ def state_output_fwd(
     output_final_state: bool = False,
     rnorm: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
     per chunk ``v_new = u - w h``, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j))
@@ -641,6 +642,8 @@ def state_output_fwd(
     state_indices : with ``USE_POOL``, int32/int64 ``[N]``: sequence ``n`` starts from pool
         row ``state_indices[n]`` (zeros for an index outside ``[0, P)``); with ``INPLACE``
         its final state is written back there in the pool's dtype (nothing outside).
+    out : (o, final_state) allocated by the caller (contiguous, as returned below; the
+        final state None unless ``output_final_state``), or None to allocate them here.
 
     Returns
     -------
@@ -656,7 +659,7 @@ def state_output_fwd(
     if use_pool and (state_indices is None or initial_state is None):
         raise ValueError("state_output_fwd: a USE_POOL plan needs initial_state (the pool) and state_indices")
     o, final_state, h0 = state_buffers(q, (B, T, HV, V), N, K, launch.constexprs["STATE_VK"], output_final_state,
-                                       initial_state, use_pool)
+                                       initial_state, use_pool, out)
     if B * T == 0 or N * HV == 0:
         return o, fill_final_state_of_empty_call(final_state, h0, use_pool, state_indices)
     if launch.constexprs["USE_L2NORM"]:
@@ -680,16 +683,20 @@ def state_output_fwd(
 
 
 def state_buffers(q: torch.Tensor, o_shape: tuple, N: int, K: int, vk: bool, output_final_state: bool,
-                  initial_state: torch.Tensor | None, use_pool: bool):
+                  initial_state: torch.Tensor | None, use_pool: bool, out: tuple | None = None):
     """What a recurrence kernel writes and reads: o ``o_shape`` in q's dtype, the float32
     final state (``[N, HV, V, K]`` with ``vk``, else ``[N, HV, K, V]``) or None, and the
     initial state as the kernels read it (float32 and bfloat16 in place, other dtypes
-    converted to float32 once; a pool always in place)."""
+    converted to float32 once; a pool always in place). ``out``: (o, final state) the
+    caller allocated, used as they are."""
     B, T, HV, V = o_shape
-    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-    final_state = None
-    if output_final_state:
-        final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
+    if out is not None:
+        o, final_state = out
+    else:
+        o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+        final_state = None
+        if output_final_state:
+            final_state = torch.empty((N, HV, V, K) if vk else (N, HV, K, V), dtype=torch.float32, device=q.device)
     h0 = initial_state
     if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
         h0 = h0.to(torch.float32)

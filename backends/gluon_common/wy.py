@@ -745,6 +745,7 @@ def wy_fwd(
     *,
     use_qk_l2norm: bool = False,
     device_info: DeviceInfo | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk, ``w = T (beta 2^g_cum k)``, ``u = T (beta v)`` with
     ``T = (I + A)^-1`` formed in the kernel, and the gates' chunk-local cumsum (one launch).
@@ -764,6 +765,8 @@ def wy_fwd(
         :func:`plan_wy`: what the orchestrator passes); the grid and descriptor rows follow
         from the tensors given here. None plans from the tensors with ``use_qk_l2norm`` and
         ``device_info`` (then required), which are ignored when ``launch`` is given.
+    out : (w, u, g_cum) allocated by the caller (contiguous, the shapes and dtypes below),
+        or None to allocate them here.
 
     Returns
     -------
@@ -775,9 +778,12 @@ def wy_fwd(
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    if out is None:
+        w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+        u = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+        g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    else:
+        w, u, g_cum = out
     if B * T == 0 or HV == 0:
         return w, u, g_cum
     if launch is None:

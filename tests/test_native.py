@@ -1,0 +1,182 @@
+"""The native host layer (:mod:`gdn_dispatch.native`): its switch, its Python allocator,
+and, built (slow tier: a C++ compile), the same launches and tensors as the Python path.
+
+The built tests compile the module into a temporary cache directory once per session
+(``GDN_SELFTEST_CACHE``), then compare it with the Python launchers and allocator: over the
+Gluon host path's ragged stream (launches stubbed, as ``tests/test_gluon_host_path.py``)
+every recorded launch is the same; a GuardedLauncher built for one argument list refuses,
+launching nothing, every argument of another value class; and the host-path and
+kept-launch tests pass with ``GDN_DISPATCH_NATIVE=1`` (the native layer required).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdn_dispatch import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _random_specs(rng: random.Random, count: int):
+    dtypes = [None, torch.float32, torch.bfloat16, torch.int32]
+    specs = []
+    for _ in range(count):
+        dims = tuple(rng.choice([-1, -2, -3, rng.randint(0, 5)]) for _ in range(rng.randint(1, 4)))
+        specs.append((dims, rng.choice(dtypes)))
+    return specs
+
+
+def _check_allocated(out, specs, like, sizes):
+    assert len(out) == len(specs)
+    for t, (dims, dtype) in zip(out, specs):
+        assert tuple(t.shape) == tuple(d if d >= 0 else sizes[-d - 1] for d in dims)
+        assert t.dtype == (dtype or like.dtype) and t.device == like.device and t.is_contiguous()
+
+
+def test_python_allocator_allocates_each_spec():
+    rng = random.Random(3)
+    like = torch.randn(2, 3, dtype=torch.float16)
+    for _ in range(20):
+        specs = _random_specs(rng, rng.randint(1, 5))
+        sizes = tuple(rng.randint(0, 7) for _ in range(3))
+        _check_allocated(native._python_allocator(specs)(like, *sizes), specs, like, sizes)
+
+
+def test_switch_and_status(monkeypatch, tmp_path):
+    monkeypatch.setenv("GDN_SELFTEST_CACHE", str(tmp_path))
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.load() is None and native.status().startswith("off")
+    monkeypatch.delenv(native.NATIVE_ENV)
+    assert native.load() is None and native.status().startswith("not built")
+    # Not built and the Python path serves: the allocator is the Python one.
+    assert not hasattr(native.allocator([((1,), None)]), "add_tensor")
+    monkeypatch.setenv(native.NATIVE_ENV, "1")
+    with pytest.raises(RuntimeError, match="GDN_DISPATCH_NATIVE=1 but the native host layer is not built"):
+        native.load()
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """The native module, compiled into a session's cache directory; the directory is the
+    process's GDN_SELFTEST_CACHE while the session's tests run."""
+    cache = tmp_path_factory.mktemp("native-cache")
+    saved = os.environ.get("GDN_SELFTEST_CACHE")
+    os.environ["GDN_SELFTEST_CACHE"] = str(cache)
+    try:
+        yield native.build(log=lambda message: None), cache
+    finally:
+        if saved is None:
+            os.environ.pop("GDN_SELFTEST_CACHE", None)
+        else:
+            os.environ["GDN_SELFTEST_CACHE"] = saved
+
+
+@pytest.mark.slow
+def test_native_allocator_allocates_each_spec(built):
+    module, _ = built
+    rng = random.Random(5)
+    like = torch.randn(4, dtype=torch.bfloat16)
+    for _ in range(20):
+        specs = _random_specs(rng, rng.randint(1, 5))
+        sizes = tuple(rng.randint(0, 7) for _ in range(3))
+        alloc = native.allocator(specs)
+        assert isinstance(alloc, module.Allocator)
+        _check_allocated(alloc(like, *sizes), specs, like, sizes)
+
+
+def _addresses_numbered(runs: list) -> list:
+    """The recorded launches with every address (an int above 2^32: the two runs allocate
+    their own buffers, which the host's allocator places differently) replaced, within each
+    launch, by the order of its first appearance there."""
+    def numbered(run):
+        seen: dict[int, str] = {}
+
+        def number(value):
+            if isinstance(value, tuple):
+                return tuple(number(v) for v in value)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 2 ** 32:
+                return seen.setdefault(value, f"address{len(seen)}")
+            return value
+
+        return number(run)
+
+    return [numbered(run) for run in runs]
+
+
+@pytest.mark.slow
+def test_native_launchers_launch_what_the_python_ones_launch(built, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import test_gluon_host_path as host_path
+    finally:
+        sys.path.pop(0)
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.device import assumed_device
+    from gdn_dispatch.backends.gluon_common import forward as F
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    records, kinds = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(native.NATIVE_ENV, mode)
+        clear_plan_cache()
+        device = assumed_device("sm_90")
+        engine = host_path._engine((9, 0))
+        problems = [make_problem(**call) for call in host_path.ragged_calls(40, seed=11, max_len=300)]
+        with host_path.stubbed_launches() as launches:
+            outs = [F.forward(problem, device, engine=engine) for problem in problems]
+            launchers = {type(launch.compiled.get("fast")).__name__
+                         for launch in {id(b[1]): b[1] for b in launches.binds}.values()}
+        records[mode] = _addresses_numbered(launches.runs)
+        kinds[mode] = launchers - {"NoneType"}
+        assert all(o.shape[0] == p.B and (f is None or f.shape[0] == p.N) for (o, f), p in zip(outs, problems))
+    assert kinds["0"] == {"function"} and kinds["1"] == {"GuardedLauncher"}
+    assert len(records["1"]) == len(records["0"]) > 40
+    assert records["1"] == records["0"]
+
+
+@pytest.mark.slow
+def test_a_guarded_launcher_refuses_another_value_class(built):
+    module, _ = built
+    sent = []
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    launcher = module.GuardedLauncher(lambda *args: sent.append(args), ("P",), [None] * 6, 0, (4, 2), None, 6)
+    launcher.add_tensor("x", 0, torch.bfloat16, t.data_ptr() % 16 == 0)
+    launcher.add_int("n", 1, True, False, True, True)      # a multiple of 16, not 1, int32
+    launcher.add_int("m", 2, False, False, False, True)    # unspecialized: its int32 range only
+    launcher.add_object("flag", 3, module.KIND_IDENTITY, None)
+    launcher.add_object("scale", 4, module.KIND_TYPE, float)
+    launcher.add_object("BLOCK", 5, module.KIND_EQUAL, 64)
+    good = dict(x=t, n=32, m=7, flag=None, scale=0.5, BLOCK=64)
+    assert launcher(0, good, None, 1, 2, 3, 99, (4, 2))
+    assert sent == [(1, 2, 3, 99, "P", t.data_ptr(), 32, 7, None, 0.5, 64)]
+    bad = [dict(good, x=t.float()), dict(good, x=t[1:]), dict(good, x=1), dict(good, n=33), dict(good, n=1),
+           dict(good, n=2 ** 40), dict(good, n=True), dict(good, m=2 ** 33), dict(good, flag=t), dict(good, scale=1),
+           dict(good, BLOCK=32), {k: v for k, v in good.items() if k != "m"}, dict(good, extra=1)]
+    for args in bad:
+        assert not launcher(0, args, None, 1, 2, 3, 99, (4, 2)), args
+    assert not launcher(1, good, None, 1, 2, 3, 99, (4, 2))  # another device
+    assert not launcher(0, good, None, 1, 2, 3, 99, (8, 2))  # other launch options
+    assert len(sent) == 1
+    # Unspecialized: other values of the same int32 class launch.
+    assert launcher(0, dict(good, m=1), None, 1, 1, 1, 99, (4, 2)) and sent[-1][7] == 1
+
+
+@pytest.mark.slow
+def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(built):
+    _, cache = built
+    env = {**os.environ, "GDN_SELFTEST_CACHE": str(cache), native.NATIVE_ENV: "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not gpu",
+         "tests/test_gluon_host_path.py", "tests/test_gluon_launch.py", "tests/test_triton_generic.py",
+         "-k", "kept or fast or host_path or planned or ragged or stub"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
