@@ -542,12 +542,14 @@ def test_bf16_maps_agree_with_the_finer_split(dtype, cpu, gpu, layout, h0, l2, p
         flags.update(state_indices=idx)
         call = {**call, "initial_state": rows}
     o_ref, ht_ref = reference.forward(make_problem(**call, **flags, context_parallel="off"))
-    scanned = []  # (M_hi's dtype, whether any map carries a state) per call, as the scan got them
+    scanned = []  # (M_hi's dtype, whether a map carries a state) per call, as the scan got them
 
     def recording_scan(m_hi, m_lo, *args, **kwargs):
         m = (m_hi.float() + m_lo.float()).flatten(0, 1)  # [slots x v-heads, K, K]
         identity = (m == torch.eye(m.shape[-1], device=m.device)).flatten(1).all(1)  # empty slots
-        scanned.append((m_hi.dtype, bool(((m.flatten(1).abs().amax(1) > 0) & ~identity).any())))
+        # Carried: some segment hands on at least 0.1% of its start state (the CPU shapes'
+        # least is 0.2%); below that a map's rounding need not reach the float32 states.
+        scanned.append((m_hi.dtype, bool(((m.flatten(1).abs().amax(1) > 1e-3) & ~identity).any())))
         return tg_scan.segment_scan_fwd(m_hi, m_lo, *args, **kwargs)
 
     monkeypatch.setattr(importlib.import_module("gdn_dispatch.backends.triton_generic.context_parallel"),
@@ -562,8 +564,8 @@ def test_bf16_maps_agree_with_the_finer_split(dtype, cpu, gpu, layout, h0, l2, p
     assert [dtype for dtype, _ in scanned] == [torch.float32, torch.bfloat16]
     assert rel_rms_error(o, o_ref) <= TOL[dtype] and rel_rms_error(ht, ht_ref) <= TOL[dtype]
     # Within the scan's own bound of the finer split; and where a map carries a state
-    # across a segment (on the CPU shapes always; the GPU shapes' 2048-token segments decay
-    # M to exact zeros) the states differ, i.e. the bf16 split did run.
+    # across a segment (on the CPU shapes always; the GPU shapes' 1024- to 2048-token
+    # segments decay M below 1e-30) the states differ, i.e. the bf16 split did run.
     assert rel_rms_error(ht, ht_fine) <= SCAN_TOL["bf16-split"] and rel_rms_error(o, o_fine) <= 1e-3
     carried = scanned[1][1]
     assert carried or device.type != "cpu"
@@ -746,13 +748,18 @@ class _GluonStandIns:
     def __init__(self):
         self.calls = []
 
-    def wy_fwd(self, k, v, g, beta, chunks, launch):
+    def wy_fwd(self, k, v, g, beta, chunks, launch, out=None):
         self.calls.append("wy_fwd")
         l2 = launch.constexprs["USE_L2NORM"]
         g_cum = chunk_cumsum_fwd(g, chunks, scale=LOG2E)
-        w, u = wy_fwd_outputs = wu_fwd(k, v, g_cum, beta, chunks, use_qk_l2norm=l2)
-        self.wy = (*wy_fwd_outputs, g_cum)
-        return w, u, g_cum
+        results = (*wu_fwd(k, v, g_cum, beta, chunks, use_qk_l2norm=l2), g_cum)
+        if out is not None:  # the orchestrator's buffers, written as the kernel writes them
+            for buffer, result in zip(out, results):
+                assert buffer.shape == result.shape and buffer.dtype == result.dtype
+                buffer.copy_(result)
+            results = tuple(out)
+        self.wy = results
+        return results
 
     def qk_rnorm_fwd(self, q, k, launch):
         self.calls.append("qk_rnorm_fwd")
@@ -760,7 +767,7 @@ class _GluonStandIns:
         return self.rnorm
 
     def state_output_fwd(self, q, k, w, u, g_cum, chunks, launch, *, scale, initial_state=None,
-                         output_final_state=False, rnorm=None, state_indices=None):
+                         output_final_state=False, rnorm=None, state_indices=None, out=None):
         self.calls.append("state_output_fwd")
         flags = launch.constexprs
         self.segmented = chunks.num_seqs
@@ -773,7 +780,11 @@ class _GluonStandIns:
             assert rnorm is self.rnorm
         l2 = flags["USE_L2NORM"]
         h, v_new, _ = tg_state.state_fwd(k, w, u, g_cum, chunks, initial_state=initial_state, use_qk_l2norm=l2)
-        return tg_output.output_fwd(q, k, v_new, h, g_cum, chunks, scale=scale, use_qk_l2norm=l2), None
+        o = tg_output.output_fwd(q, k, v_new, h, g_cum, chunks, scale=scale, use_qk_l2norm=l2)
+        if out is not None:
+            assert out[1] is None and out[0].shape == o.shape and out[0].dtype == o.dtype
+            o = out[0].copy_(o)
+        return o, None
 
 
 @pytest.mark.parametrize("device", DEVICES[:1], indirect=True)

@@ -29,7 +29,7 @@ def _random_specs(rng: random.Random, count: int):
     dtypes = [None, torch.float32, torch.bfloat16, torch.int32]
     specs = []
     for _ in range(count):
-        dims = tuple(rng.choice([-1, -2, -3, rng.randint(0, 5)]) for _ in range(rng.randint(1, 4)))
+        dims = tuple(rng.choice([-1, -2, -3, -4, -5, -6, rng.randint(0, 5)]) for _ in range(rng.randint(1, 4)))
         specs.append((dims, rng.choice(dtypes)))
     return specs
 
@@ -46,7 +46,7 @@ def test_python_allocator_allocates_each_spec():
     like = torch.randn(2, 3, dtype=torch.float16)
     for _ in range(20):
         specs = _random_specs(rng, rng.randint(1, 5))
-        sizes = tuple(rng.randint(0, 7) for _ in range(3))
+        sizes = tuple(rng.randint(0, 7) for _ in range(6))
         _check_allocated(native._python_allocator(specs)(like, *sizes), specs, like, sizes)
 
 
@@ -86,7 +86,7 @@ def test_native_allocator_allocates_each_spec(built):
     like = torch.randn(4, dtype=torch.bfloat16)
     for _ in range(20):
         specs = _random_specs(rng, rng.randint(1, 5))
-        sizes = tuple(rng.randint(0, 7) for _ in range(3))
+        sizes = tuple(rng.randint(0, 7) for _ in range(6))
         alloc = native.allocator(specs)
         assert isinstance(alloc, module.Allocator)
         _check_allocated(alloc(like, *sizes), specs, like, sizes)
@@ -180,3 +180,49 @@ def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(built):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout
+
+
+@pytest.mark.parametrize("cp_n", ["off", 4])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_call_buffers_are_what_the_launches_write(cp_n, layout):
+    """The Gluon forward's one-call allocation (:func:`.forward.call_buffers`) against the
+    shapes and dtypes its launching functions document, for the pipeline and for a
+    segmented call (with the Python allocator here; the slow tier's native one in
+    ``test_call_buffers_native``)."""
+    _check_call_buffers(cp_n, layout)
+
+
+@pytest.mark.slow
+def test_call_buffers_native(built):
+    module, _ = built
+    for cp_n, layout in (("off", "kv"), (4, "vk")):
+        assert isinstance(_check_call_buffers(cp_n, layout), module.Allocator)
+
+
+def _check_call_buffers(cp_n, layout):
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.context_parallel import plan_for_problem
+    from gdn_dispatch.device import assumed_device
+    from gdn_dispatch.testing import random_call
+    from gdn_dispatch.backends.gluon_common import forward as F
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan
+
+    clear_plan_cache()
+    device = assumed_device("sm_90")
+    call = random_call(lengths=[300, 0, 170], H=2, HV=4, K=64, V=128, dtype=torch.bfloat16, seed=2,
+                       state_layout=layout)
+    problem = make_problem(**call, output_final_state=True, context_parallel=cp_n)
+    cp = plan_for_problem(problem, device.sm_count)
+    assert cp.enabled == (cp_n != "off")
+    launches = plan(problem, device=device, fused=False)
+    out = F.call_buffers(problem, launches, cp)
+    B, T, N, HV, K, V, S = 1, 470, 3, 4, 64, 128, cp.num_segments
+    bf16, f32 = torch.bfloat16, torch.float32
+    expected = [((B, T, HV, K), bf16), ((B, T, HV, V), bf16), ((B, T, HV), f32), ((B, T, HV, V), bf16)]
+    if cp.enabled:
+        expected += [((S + 1,), call["cu_seqlens"].dtype), ((S, HV, K, K), f32), ((S, HV, K, K), bf16),
+                     ((S, HV, K, V), f32), ((S, HV, K, V), f32)]
+    expected.append(((N, HV, V, K) if layout == "vk" else (N, HV, K, V), f32))
+    assert [(tuple(t.shape), t.dtype) for t in out] == expected
+    assert all(t.is_contiguous() for t in out)
+    return launches.cls.allocators[("segmented", call["cu_seqlens"].dtype, f32) if cp.enabled else ("pipeline",)]

@@ -63,6 +63,7 @@ from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
+from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,40 +103,57 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
         t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)
-    if cp.enabled:
-        w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"))
-        rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
-        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm)
-    w, u, g_cum, o, *final = pipeline_buffers(problem, launches)
+    buffers = call_buffers(problem, launches, cp)
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"),
-                         out=(w, u, g_cum))
+                         out=buffers[:3])
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
+    if cp.enabled:
+        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:])
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
-        state_indices=problem.state_indices, out=(o, final[0] if final else None),
+        state_indices=problem.state_indices, out=(buffers[3], buffers[4] if len(buffers) > 4 else None),
     )
     return o, final_state
 
 
-def pipeline_buffers(problem: GDNProblem, launches: ForwardPlan) -> tuple[torch.Tensor, ...]:
-    """w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (q's dtype), g_cum float32 ``[B, T, HV]``,
-    o ``[B, T, HV, V]`` (q's dtype) and, with ``output_final_state``, the float32 final
-    state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), allocated in one call by the
-    call class's allocator (:func:`gdn_dispatch.native.allocator`; head counts and dims,
-    dtype, layout and the final-state flag are all in the class key)."""
-    alloc = launches.cls.allocators.get("pipeline")
+def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan) -> tuple[torch.Tensor, ...]:
+    """Every tensor the pipeline's launches write, allocated in one call by the call
+    class's allocator (:func:`gdn_dispatch.native.allocator`, made at the class's first
+    call of each form: head counts and dims, dtype, layout and the final-state flag are in
+    the class key, the offsets' and maps' dtypes in the allocator's).
+
+    Returns
+    -------
+    w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (q's dtype), g_cum float32 ``[B, T, HV]``,
+    o ``[B, T, HV, V]`` (q's dtype); with context parallelism then pass 1's seg_cu
+    ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
+    (:func:`~gdn_dispatch.backends.triton_generic.segment_map.maps_dtype`), M_lo (bf16) and
+    N ``[NSEG, HV, K, V]`` (float32), and the scan's seg_h0 ``[NSEG, HV, K, V]`` (float32);
+    last, with ``output_final_state``, the float32 final state (``[N, HV, K, V]``, or
+    ``[N, HV, V, K]`` for "vk").
+    """
+    HV, K, V = problem.HV, problem.K, problem.V
+    if cp.enabled:
+        form = ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype))
+    else:
+        form = ("pipeline",)
+    alloc = launches.cls.allocators.get(form)
     if alloc is None:
         from gdn_dispatch import native
 
-        HV, K, V = problem.HV, problem.K, problem.V
+        # Sizes: -1 B, -2 T, -3 N, -4 NSEG, -5 NSEG + 1.
         specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
                  ((-1, -2, HV, V), None)]
+        if cp.enabled:
+            specs += [((-5,), form[1]), ((-4, HV, K, K), form[2]), ((-4, HV, K, K), torch.bfloat16),
+                      ((-4, HV, K, V), torch.float32), ((-4, HV, K, V), torch.float32)]
         if problem.output_final_state:
             vk = problem.state_layout is StateLayout.VK
             specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), torch.float32))
-        alloc = launches.cls.allocators["pipeline"] = native.allocator(specs)
-    return alloc(problem.q, problem.B, problem.T, problem.N)
+        alloc = launches.cls.allocators[form] = native.allocator(specs)
+    nseg = cp.num_segments
+    return alloc(problem.q, problem.B, problem.T, problem.N, nseg, nseg + 1)
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:
@@ -166,7 +184,8 @@ def unsupported_reason(problem: GDNProblem) -> str | None:
 
 
 def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w: torch.Tensor, u: torch.Tensor,
-                  g_cum: torch.Tensor, rnorm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  g_cum: torch.Tensor, rnorm: torch.Tensor | None,
+                  out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` over the segments of ``cp`` (``cp.enabled``).
 
     Parameters
@@ -179,6 +198,8 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         Tensor ``[B, T, HV]``, chunk-local in log2 units: the call's :func:`.wy.wy_fwd`.
     rnorm : float32 Tensor ``[B * T, H, 2]`` (the call's :func:`.qk_norm.qk_rnorm_fwd`) with
         the qk l2 norm, else None.
+    out : (o, seg_cu, M_hi, M_lo, N, seg_h0[, final state]) as :func:`call_buffers`
+        allocates them, or None to allocate them in the launching functions.
 
     Returns
     -------
@@ -189,12 +210,19 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     """
     # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
     # takes per-v-head ones.
-    seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u)
+    if out is None:
+        seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u)
+        o_out = None
+    else:
+        o, *rest = out
+        seg_cu, seg_h0, final_state = segment_start_states(
+            problem, cp, g_cum, w, u, out=(*rest[:5], rest[5] if len(rest) > 5 else None))
+        o_out = (o, None)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
     launch = plan(segments, device=device, engine=engine, fused=False,
                   busy_seqs=segments.chunks.nonempty_seqs()).stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
-                            initial_state=seg_h0, rnorm=rnorm)
+                            initial_state=seg_h0, rnorm=rnorm, out=o_out)
     return o, final_state
 
 

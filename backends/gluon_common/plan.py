@@ -140,7 +140,7 @@ class ClassPlan:
     fused_min_programs: int = 0
     #: ForwardPlans by (B * T, N, fused allowed), filled on use (bounded by COUNTS_KEPT).
     by_counts: dict = field(default_factory=dict, repr=False)
-    #: The class's output allocators by path (the forward's ``pipeline_buffers``), made on use.
+    #: The class's output allocators by form (the forward's ``call_buffers``), made on use.
     allocators: dict = field(default_factory=dict, repr=False)
 
     @property

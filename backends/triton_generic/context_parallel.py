@@ -40,7 +40,7 @@ def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan, seg_cu: t
 
 
 def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                         k_rnorm: torch.Tensor | None = None,
+                         k_rnorm: torch.Tensor | None = None, out: tuple | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pass 1 and the scan: the segment offsets, every segment's start state, and the
     call's final state.
@@ -51,6 +51,8 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
     g_cum, w, u : stages 1-3 of the call (see :func:`segmented_fwd`).
     k_rnorm : float32 ``[B, T, HV]`` with the qk l2 norm, or None (pass 1 then reduces k's
         rows itself).
+    out : (seg_cu, M_hi, M_lo, N, seg_h0, final_state) allocated by the caller (pass 1's
+        and the scan's ``out``), or None to allocate them in those functions.
 
     Returns
     -------
@@ -60,7 +62,8 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
         pool rows are written too.
     """
     seg_cu, m_hi, m_lo, n_in = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
-                                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm)
+                                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm,
+                                               out=None if out is None else out[:4])
     seg_h0, final_state = segment_scan_fwd(
         m_hi, m_lo, n_in, problem.chunks.cu_seqlens, plan.seg_len,
         initial_state=problem.initial_state,
@@ -68,6 +71,7 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
         state_vk=problem.state_layout is StateLayout.VK,
         state_indices=problem.state_indices,
         inplace_final_state=problem.inplace_final_state,
+        out=None if out is None else out[4:],
     )
     return seg_cu, seg_h0, final_state
 

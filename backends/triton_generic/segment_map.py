@@ -180,6 +180,7 @@ def segment_map_fwd(
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
     head, M split in two.
@@ -194,6 +195,8 @@ def segment_map_fwd(
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` from ``wu_fwd``, or None to reduce k's rows here.
     config : LaunchConfig override (BV is the column block BC).
+    out : (seg_cu, M_hi, M_lo, N) allocated by the caller (contiguous, as returned below),
+        or None to allocate them here.
 
     Returns
     -------
@@ -210,10 +213,13 @@ def segment_map_fwd(
     HV, V = u.shape[-2], u.shape[-1]
     N = cu_seqlens.shape[0] - 1
     NSEG = B * T // seg_len + N
-    seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
-    m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
-    m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
-    n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
+    if out is None:
+        seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
+        m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
+        m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
+        n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
+    else:
+        seg_cu, m_hi, m_lo, n_out = out
     if NSEG == 0:  # no sequence and no token: the table is [0]
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)

@@ -211,6 +211,7 @@ def segment_scan_fwd(
     state_indices: torch.Tensor | None = None,
     inplace_final_state: bool = False,
     config: LaunchConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every segment's start state, and every sequence's final state.
 
@@ -231,6 +232,8 @@ def segment_scan_fwd(
     state_indices : int Tensor ``[N]`` or None: pool rows (outside ``[0, P)``: zeros in,
         nothing written back).
     inplace_final_state : with ``state_indices``, write each final state into its pool row.
+    out : (seg_h0, final_state) allocated by the caller (contiguous, as returned below; the
+        final state None unless ``output_final_state``), or None to allocate them here.
 
     Returns
     -------
@@ -240,11 +243,14 @@ def segment_scan_fwd(
     """
     NSEG, HV, K, V = n_in.shape
     N = cu_seqlens.shape[0] - 1
-    seg_h0 = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=n_in.device)
-    final_state = None
-    if output_final_state:
-        shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
-        final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
+    if out is not None:
+        seg_h0, final_state = out
+    else:
+        seg_h0 = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=n_in.device)
+        final_state = None
+        if output_final_state:
+            shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
+            final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
     cfg = config

@@ -145,10 +145,12 @@ def build(log=print):
 
 
 def allocator(specs: list[tuple[tuple[int, ...], torch.dtype | None]]):
-    """``alloc(like, a, b, c) -> tuple of tensors``: one ``torch.empty`` per spec on
-    ``like``'s device, in one call. A spec is ``(dims, dtype)``: each dim a size, or -1, -2,
-    -3 for the call's ``a``, ``b``, ``c``; dtype None for ``like``'s. The native module's
-    Allocator where it is loaded (C++'s ``at::empty``), else the same in Python."""
+    """``alloc(like, a, b=0, c=0, d=0, e=0, f=0) -> tuple of tensors``: one ``torch.empty``
+    per spec on ``like``'s device, in one call. A spec is ``(dims, dtype)``: each dim a
+    size, or -1 ... -6 for the call's ``a`` ... ``f``; dtype None for ``like``'s. The native
+    module's Allocator where it is loaded (C++'s ``at::empty``), else the same in Python."""
+    if any(d < -6 for dims, _ in specs for d in dims):
+        raise ValueError("allocator: a dim below -6 (six call sizes at most)")
     module = load()
     if module is not None:
         return module.Allocator(list(specs))
@@ -161,10 +163,10 @@ def _python_allocator(specs):
     names = {"empty": torch.empty}
     items = []
     for i, (dims, dtype) in enumerate(specs):
-        shape = ", ".join(str(d) if d >= 0 else "abc"[-d - 1] for d in dims)
+        shape = ", ".join(str(d) if d >= 0 else "abcdef"[-d - 1] for d in dims)
         names[f"D{i}"] = dtype
         items.append(f"empty({shape}, dtype={'like_dtype' if dtype is None else f'D{i}'}, device=device)")
-    source = ("def alloc(like, a, b, c):\n    device, like_dtype = like.device, like.dtype\n"
+    source = ("def alloc(like, a, b=0, c=0, d=0, e=0, f=0):\n    device, like_dtype = like.device, like.dtype\n"
               f"    return ({', '.join(items)},)\n")
     exec(compile(source, "<gdn_dispatch allocator>", "exec"), names)
     return names["alloc"]

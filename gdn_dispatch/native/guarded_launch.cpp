@@ -214,26 +214,31 @@ class GuardedLauncher {
 };
 
 // The outputs of one launch sequence, allocated in one call: each tensor's dims are
-// constants or one of the call's three sizes (a dim of -1, -2, -3 reads size 0, 1, 2), its
+// constants or one of the call's six sizes (a dim of -1 ... -6 reads size 0 ... 5), its
 // dtype a fixed one or the like tensor's. at::empty from C++ skips torch's Python argument
 // parser: on the H200's host five allocations took 24.8 us from Python, 10.7 from here.
 class Allocator {
  public:
+  static constexpr int kSizes = 6;
+
   explicit Allocator(py::list specs) {
     for (auto item : specs) {
       auto spec = item.cast<py::tuple>();
       Spec s;
-      for (auto d : spec[0].cast<py::tuple>()) s.dims.push_back(d.cast<int64_t>());
+      for (auto d : spec[0].cast<py::tuple>()) {
+        s.dims.push_back(d.cast<int64_t>());
+        if (s.dims.back() < -kSizes) throw std::invalid_argument("Allocator: a dim below -6");
+      }
       s.same_dtype = spec[1].is_none();
       if (!s.same_dtype) s.dtype = scalar_type_of(spec[1]);
       specs_.push_back(std::move(s));
     }
   }
 
-  py::tuple call(py::handle like, int64_t a, int64_t b, int64_t c) {
+  py::tuple call(py::handle like, int64_t a, int64_t b, int64_t c, int64_t d, int64_t e, int64_t f) {
     if (!THPVariable_Check(like.ptr())) throw std::invalid_argument("Allocator: like must be a Tensor");
     const at::Tensor& t = THPVariable_Unpack(like.ptr());
-    const int64_t sizes[3] = {a, b, c};
+    const int64_t sizes[kSizes] = {a, b, c, d, e, f};
     py::tuple out(specs_.size());
     std::vector<int64_t> dims;
     for (size_t i = 0; i < specs_.size(); ++i) {
@@ -274,5 +279,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("g0"), py::arg("g1"), py::arg("g2"), py::arg("stream"), py::arg("options") = py::none());
   py::class_<Allocator>(m, "Allocator")
       .def(py::init<py::list>(), py::arg("specs"))
-      .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b"), py::arg("c"));
+      .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b") = 0, py::arg("c") = 0,
+           py::arg("d") = 0, py::arg("e") = 0, py::arg("f") = 0);
 }
