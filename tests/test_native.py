@@ -226,3 +226,25 @@ def _check_call_buffers(cp_n, layout):
     assert [(tuple(t.shape), t.dtype) for t in out] == expected
     assert all(t.is_contiguous() for t in out)
     return launches.cls.allocators[("segmented", call["cu_seqlens"].dtype, f32) if cp.enabled else ("pipeline",)]
+
+
+def test_warmup_builds_unless_off_and_reports_why_not(monkeypatch, tmp_path):
+    from gdn_dispatch.warmup import WarmupReport, build_native
+
+    monkeypatch.setenv("GDN_SELFTEST_CACHE", str(tmp_path))
+    built = []
+    monkeypatch.setattr(native, "build", lambda log: built.append(log) or None)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert build_native(progress=False).startswith("off") and not built
+    monkeypatch.delenv(native.NATIVE_ENV)
+    build_native(progress=False)
+    assert len(built) == 1
+
+    def no_compiler(log):
+        raise RuntimeError("the native host layer did not build: no C++ compiler")
+
+    monkeypatch.setattr(native, "build", no_compiler)
+    line = build_native(progress=False)
+    assert line.startswith("not built (the native host layer did not build: no C++ compiler)")
+    report = WarmupReport(("gluon_sm90",), "cuda:0", 3, 4, 5, 1.0, native=line)
+    assert report.format().endswith(f"; native host layer {line}")
