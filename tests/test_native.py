@@ -182,7 +182,7 @@ def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(built):
     assert " passed" in result.stdout
 
 
-@pytest.mark.parametrize("cp_n", ["off", 4])
+@pytest.mark.parametrize("cp_n", ["off", 4, "fused"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_call_buffers_are_what_the_launches_write(cp_n, layout):
     """The Gluon forward's one-call allocation (:func:`.forward.call_buffers`) against the
@@ -195,7 +195,7 @@ def test_call_buffers_are_what_the_launches_write(cp_n, layout):
 @pytest.mark.slow
 def test_call_buffers_native(built):
     module, _ = built
-    for cp_n, layout in (("off", "kv"), (4, "vk")):
+    for cp_n, layout in (("off", "kv"), (4, "vk"), ("fused", "kv")):
         assert isinstance(_check_call_buffers(cp_n, layout), module.Allocator)
 
 
@@ -207,25 +207,36 @@ def _check_call_buffers(cp_n, layout):
     from gdn_dispatch.backends.gluon_common import forward as F
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan
 
+    from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows
+
     clear_plan_cache()
     device = assumed_device("sm_90")
-    call = random_call(lengths=[300, 0, 170], H=2, HV=4, K=64, V=128, dtype=torch.bfloat16, seed=2,
-                       state_layout=layout)
-    problem = make_problem(**call, output_final_state=True, context_parallel=cp_n)
+    fused = cp_n == "fused"
+    # The warp-specialized path: K = V = 128 and enough (sequence, v-head) programs.
+    lengths, H, HV, K = ([300, 0, 170] * 12, 4, 8, 128) if fused else ([300, 0, 170], 2, 4, 64)
+    call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=128, dtype=torch.bfloat16, seed=2, state_layout=layout)
+    problem = make_problem(**call, output_final_state=True, context_parallel="off" if fused else cp_n)
     cp = plan_for_problem(problem, device.sm_count)
-    assert cp.enabled == (cp_n != "off")
-    launches = plan(problem, device=device, fused=False)
-    out = F.call_buffers(problem, launches, cp)
-    B, T, N, HV, K, V, S = 1, 470, 3, 4, 64, 128, cp.num_segments
+    assert cp.enabled == (cp_n not in ("off", "fused"))
+    launches = plan(problem, device=device, fused=fused)
+    assert launches.fused == fused
+    t_rows = planned_t_tile_rows(launches.stage("wy_t_fwd").shared, problem.B * problem.T, problem.N) if fused else 0
+    out = F.call_buffers(problem, launches, cp, t_rows)
+    B, T, N, V, S = 1, sum(lengths), len(lengths), 128, cp.num_segments
     bf16, f32 = torch.bfloat16, torch.float32
-    expected = [((B, T, HV, K), bf16), ((B, T, HV, V), bf16), ((B, T, HV), f32), ((B, T, HV, V), bf16)]
+    if fused:
+        assert t_rows > 0
+        expected = [((B, T, HV, V), bf16), ((B, T, HV), f32), ((t_rows, 64), bf16)]
+    else:
+        expected = [((B, T, HV, K), bf16), ((B, T, HV, V), bf16), ((B, T, HV), f32), ((B, T, HV, V), bf16)]
     if cp.enabled:
         expected += [((S + 1,), call["cu_seqlens"].dtype), ((S, HV, K, K), f32), ((S, HV, K, K), bf16),
                      ((S, HV, K, V), f32), ((S, HV, K, V), f32)]
     expected.append(((N, HV, V, K) if layout == "vk" else (N, HV, K, V), f32))
     assert [(tuple(t.shape), t.dtype) for t in out] == expected
     assert all(t.is_contiguous() for t in out)
-    return launches.cls.allocators[("segmented", call["cu_seqlens"].dtype, f32) if cp.enabled else ("pipeline",)]
+    form = ("fused",) if fused else ("segmented", call["cu_seqlens"].dtype, f32) if cp.enabled else ("pipeline",)
+    return launches.cls.allocators[form]
 
 
 def test_warmup_builds_unless_off_and_reports_why_not(monkeypatch, tmp_path):

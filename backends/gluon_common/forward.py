@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
-from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
@@ -61,7 +61,7 @@ from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
-from gdn_dispatch.backends.gluon_common.wy_t import wy_t_fwd
+from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
 from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 
@@ -101,8 +101,12 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         q, k = problem.q, problem.k
         if norm_copies:
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
-        t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, launches.stage("wy_t_fwd"))
-        return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k)
+        wy_t = launches.stage("wy_t_fwd")
+        o, g_cum, t_tiles, *final = call_buffers(problem, launches, cp,
+                                                 planned_t_tile_rows(wy_t.shared, problem.B * problem.T, problem.N))
+        t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, wy_t, out=(t_tiles, g_cum))
+        return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k,
+                                      out=(o, final[0] if final else None))
     buffers = call_buffers(problem, launches, cp)
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"),
                          out=buffers[:3])
@@ -117,14 +121,18 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     return o, final_state
 
 
-def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan) -> tuple[torch.Tensor, ...]:
-    """Every tensor the pipeline's launches write, allocated in one call by the call
-    class's allocator (:func:`gdn_dispatch.native.allocator`, made at the class's first
-    call of each form: head counts and dims, dtype, layout and the final-state flag are in
-    the class key, the offsets' and maps' dtypes in the allocator's).
+def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
+                 t_rows: int = 0) -> tuple[torch.Tensor, ...]:
+    """Every tensor the call's launches write, allocated in one call by the call class's
+    allocator (:func:`gdn_dispatch.native.allocator`, made at the class's first call of
+    each form: head counts and dims, dtype, layout and the final-state flag are in the class
+    key, the offsets' and maps' dtypes in the allocator's).
 
     Returns
     -------
+    On the warp-specialized path (``launches.fused``): o ``[B, T, HV, V]`` (q's dtype),
+    g_cum float32 ``[B, T, HV]``, t_tiles ``[t_rows, 64]`` (q's dtype; ``t_rows`` from
+    :func:`.wy_t.planned_t_tile_rows`), then the final state as below. Else:
     w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (q's dtype), g_cum float32 ``[B, T, HV]``,
     o ``[B, T, HV, V]`` (q's dtype); with context parallelism then pass 1's seg_cu
     ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
@@ -134,7 +142,9 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan) -> tupl
     ``[N, HV, V, K]`` for "vk").
     """
     HV, K, V = problem.HV, problem.K, problem.V
-    if cp.enabled:
+    if launches.fused:
+        form = ("fused",)
+    elif cp.enabled:
         form = ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype))
     else:
         form = ("pipeline",)
@@ -142,9 +152,12 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan) -> tupl
     if alloc is None:
         from gdn_dispatch import native
 
-        # Sizes: -1 B, -2 T, -3 N, -4 NSEG, -5 NSEG + 1.
-        specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
-                 ((-1, -2, HV, V), None)]
+        # Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1.
+        if launches.fused:
+            specs = [((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32), ((-4, CHUNK_SIZE), None)]
+        else:
+            specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
+                     ((-1, -2, HV, V), None)]
         if cp.enabled:
             specs += [((-5,), form[1]), ((-4, HV, K, K), form[2]), ((-4, HV, K, K), torch.bfloat16),
                       ((-4, HV, K, V), torch.float32), ((-4, HV, K, V), torch.float32)]
@@ -153,7 +166,7 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan) -> tupl
             specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), torch.float32))
         alloc = launches.cls.allocators[form] = native.allocator(specs)
     nseg = cp.num_segments
-    return alloc(problem.q, problem.B, problem.T, problem.N, nseg, nseg + 1)
+    return alloc(problem.q, problem.B, problem.T, problem.N, t_rows or nseg, nseg + 1)
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:

@@ -194,6 +194,13 @@ def t_tile_rows(rows: int, num_seqs: int, HV: int, tails: bool, tiles: int = 2) 
     return wy_chunks(rows, num_seqs, tails) * HV * tiles * CHUNK_SIZE
 
 
+def planned_t_tile_rows(launch: LaunchPlan, rows: int, num_seqs: int) -> int:
+    """Rows of ``t_tiles`` that :func:`wy_t_fwd` writes under ``launch`` (its shared plan)
+    for a call of ``rows = B * T`` tokens in ``num_seqs`` sequences."""
+    return t_tile_rows(rows, num_seqs, launch.scalars["HV"], launch.constexprs["HAS_TAILS"],
+                       1 if launch.constexprs["SINGLE_T"] else 2)
+
+
 def t_tiles_per_chunk(engine) -> int:
     """T tiles the T kernel writes per chunk slot and v-head for ``engine``'s fused kernel."""
     return 1 if WY_T_SINGLE_TILE and not engine.is_sm100 else 2
@@ -304,7 +311,8 @@ def plan_wy_t(problem: GDNProblem, device, *, engine=None) -> BoundLaunch:
 
 
 def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: ChunkTable,
-             launch: LaunchPlan | BoundLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+             launch: LaunchPlan | BoundLaunch, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scaled chunk inverses and the gates' chunk-local cumsum (one launch).
 
     Parameters
@@ -313,6 +321,8 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
     g, beta : Tensor ``[B, T, HV]``, any float dtype (read as fp32), in token rows.
     chunks : ChunkTable of the call.
     launch : the call class's :func:`plan_wy_t` plan.
+    out : (t_tiles, g_cum) allocated by the caller (contiguous; t_tiles of
+        :func:`planned_t_tile_rows` rows), or None to allocate them here.
 
     Returns
     -------
@@ -324,11 +334,12 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
     B, T, H, K = k.shape
     launch = launch.shared
     HV = launch.scalars["HV"]
-    tails = launch.constexprs["HAS_TAILS"]
-    tiles = 1 if launch.constexprs["SINGLE_T"] else 2
-    t_tiles = torch.empty(t_tile_rows(B * T, chunks.num_seqs, HV, tails, tiles), CHUNK_SIZE, dtype=k.dtype,
-                          device=k.device)
-    g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    if out is None:
+        t_tiles = torch.empty(planned_t_tile_rows(launch, B * T, chunks.num_seqs), CHUNK_SIZE, dtype=k.dtype,
+                              device=k.device)
+        g_cum = torch.empty(B, T, HV, dtype=torch.float32, device=k.device)
+    else:
+        t_tiles, g_cum = out
     if B * T == 0 or HV == 0:
         return t_tiles, g_cum
     launch_planned(_wy_t_fwd_kernel, launch, {"k": k, "t": t_tiles}, dict(

@@ -593,7 +593,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
-              *, q: torch.Tensor | None = None, k: torch.Tensor | None = None
+              *, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
+              out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
     the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
@@ -602,7 +603,8 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
 
     Returns o ``[B, T, HV, V]`` in q's dtype and the float32 final state (``[N, HV, K, V]``
     "kv" or ``[N, HV, V, K]`` "vk") or None unless ``problem.output_final_state``; with a
-    pool and ``inplace_final_state`` the pool rows are written back too.
+    pool and ``inplace_final_state`` the pool rows are written back too. ``out``: (o,
+    final state) allocated by the caller, or None to allocate them here.
     """
     launch = launch.shared
     q = problem.q if q is None else q
@@ -614,7 +616,7 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     vk = launch.constexprs["STATE_VK"]
     use_pool = launch.constexprs["USE_POOL"]
     o, final_state, h0 = state_buffers(q, (B, T, HV, V), N, K, vk, problem.output_final_state,
-                                       problem.initial_state, use_pool)
+                                       problem.initial_state, use_pool, out)
     if B * T == 0 or N * HV == 0:
         return o, fill_final_state_of_empty_call(final_state, h0, use_pool, problem.state_indices)
     cu = problem.chunks.cu_seqlens
