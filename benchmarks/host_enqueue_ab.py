@@ -39,6 +39,15 @@ CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False),
          ("H2-HV4-varlen-1x32768-no-cpu", dict(lengths=[32768]), (2, 4), True)]
 
 
+def case_calls():
+    """``(name, f)`` per case: ``f`` makes the case's public call once."""
+    for name, shape, (H, HV), no_host_copy in CASES:
+        call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
+        if no_host_copy:
+            call.pop("cu_seqlens_cpu", None)
+        yield name, (lambda call=call: chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90"))
+
+
 def main() -> None:
     arm = sys.argv[1] if len(sys.argv) > 1 else "arm"
     print(f"{arm}: gdn_dispatch from {gdn_dispatch.__file__}", flush=True)
@@ -47,14 +56,7 @@ def main() -> None:
         print(f"{arm}: {format_reference(host_reference_us('cuda'))}", flush=True)
     except ImportError:
         pass
-    for name, shape, (H, HV), no_host_copy in CASES:
-        call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
-        if no_host_copy:
-            call.pop("cu_seqlens_cpu", None)
-
-        def f():
-            return chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
-
+    for name, f in case_calls():
         rounds = [per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3 if i == 0 else 0) for i in range(9)]
         print(f"{arm:6s} {name:30s} enqueue µs per call: median {statistics.median(rounds):7.1f}  "
               f"best {min(rounds):7.1f}", flush=True)

@@ -6,7 +6,7 @@ lent here run the same Python up to 1.6x apart from one process to the next, so 
 alternate inside one process: per round and case, each arm (``GDN_DISPATCH_NATIVE=0``,
 then ``=1``) starts from emptied plan caches (its launchers and allocators made afresh), warms
 up with 3 calls and times 20 back-to-back calls (µs per call); 7 rounds. Prints, per case
-(:data:`host_enqueue_ab.CASES`, gluon_sm90, initial and final state), each arm's median
+(:func:`host_enqueue_ab.case_calls`, gluon_sm90, initial and final state), each arm's median
 and the median of the per-round differences, after the host reference line.
 """
 from __future__ import annotations
@@ -16,13 +16,12 @@ import statistics
 
 import torch
 
-from gdn_dispatch import chunk_gated_delta_rule, native
+from gdn_dispatch import native
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 from gdn_dispatch.bench_host import format_reference, host_reference_us, per_call_us
-from gdn_dispatch.testing import random_call
 
-from host_enqueue_ab import CASES
+from host_enqueue_ab import case_calls
 
 ROUNDS = 7
 
@@ -40,14 +39,7 @@ def main() -> None:
     print(format_reference(host_reference_us("cuda")), flush=True)
     print("| case | off µs | on µs | on - off, median of rounds |")
     print("| --- | ---: | ---: | ---: |")
-    for name, shape, (H, HV), no_host_copy in CASES:
-        call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
-        if no_host_copy:
-            call.pop("cu_seqlens_cpu", None)
-
-        def f():
-            return chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
-
+    for name, f in case_calls():
         times = {"0": [], "1": []}
         for _ in range(ROUNDS):
             for arm in ("0", "1"):

@@ -27,6 +27,8 @@ import triton.language as tl
 from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.bench_host import format_reference, host_reference_us, make_call
 
+from host_launch_costs import host_us
+
 CPP = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -80,20 +82,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def _probe_kernel(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, n0, n1):
     if tl.program_id(0) == n0 + n1:  # never: the launch alone is timed
         tl.store(p0, tl.load(p1))
-
-
-def host_us(fn, calls: int = 300, windows: int = 7) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def main() -> None:
