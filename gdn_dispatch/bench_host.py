@@ -286,6 +286,9 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
     print(f"host cost per call (H={H}, HV={HV} unless the case names its heads, K=V={HEAD_DIM}, bf16, h0 + final "
           f"state); enqueue = {calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
     print(format_reference(host_reference_us(device)), file=out, flush=True)
+    from gdn_dispatch import native
+
+    print(f"native host layer: {native.status()}", file=out, flush=True)
     rows = []
     with torch.inference_mode():
         for case in host_cases():
