@@ -259,3 +259,28 @@ def test_warmup_builds_unless_off_and_reports_why_not(monkeypatch, tmp_path):
     assert line.startswith("not built (the native host layer did not build: no C++ compiler)")
     report = WarmupReport(("gluon_sm90",), "cuda:0", 3, 4, 5, 1.0, native=line)
     assert report.format().endswith(f"; native host layer {line}")
+
+
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("unsegmented, final, layout", [(True, True, "kv"), (True, True, "vk"), (True, False, "kv"),
+                                                        (False, True, "kv")])
+def test_triton_generic_call_buffers(l2, unsegmented, final, layout):
+    """triton_generic's one-call allocation against the shapes its stages document."""
+    import importlib
+
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
+
+    tg_forward = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")
+    call = random_call(lengths=[100, 0, 30], H=2, HV=4, K=32, V=48, dtype=torch.float16, seed=4, state_layout=layout)
+    problem = make_problem(**call, output_final_state=final, use_qk_l2norm_in_kernel=l2)
+    out = tg_forward.call_buffers(problem, unsegmented)
+    B, T, N, HV, K, V, NS = 1, 130, 3, 4, 32, 48, problem.chunks.num_slots
+    f16, f32 = torch.float16, torch.float32
+    expected = [((B, T, HV), f32)] + ([((B, T, HV), f32)] if l2 else [])
+    expected += [((B, T, HV, K), f16), ((B, T, HV, V), f16)]
+    if unsegmented:
+        expected += [((NS, HV, K, V), f16), ((B, T, HV, V), f16), ((B, T, HV, V), f16)]
+        if final:
+            expected.append(((N, HV, V, K) if layout == "vk" else (N, HV, K, V), f32))
+    assert [(tuple(t.shape), t.dtype) for t in out] == expected

@@ -52,18 +52,21 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
 
 def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor | None]:
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
-    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E)
+    sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
+    plan = plan_for_problem(problem, sm_count)
+    # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
+    # with the qk l2 norm), w, u and, unsegmented, h, v_new, o and the final state.
+    g_cum, *buffers = call_buffers(problem, not plan.enabled)
+    k_rnorm = buffers.pop(0) if l2 else None
+    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E, out=g_cum)
     A_inv = None
     if not fuse_solve_into_wu(device_facts(problem.device)[0]):
         A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
-    # 1/||k|| per token, formed once by the w/u kernel and read by the later stages.
-    k_rnorm = torch.empty_like(g_cum) if l2 else None
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2,
-                  k_rnorm=k_rnorm)
-    sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
-    plan = plan_for_problem(problem, sm_count)
+                  k_rnorm=k_rnorm, out=(buffers[0], buffers[1]))
     if plan.enabled:
         return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count)
+    h, v_new, o, *final = buffers[2:]
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,
@@ -74,10 +77,43 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
         state_indices=problem.state_indices,
         inplace_final_state=problem.inplace_final_state,
         sm_count=sm_count,
+        out=(h, v_new, final[0] if final else None),
     )
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
-                   k_rnorm=k_rnorm)
+                   k_rnorm=k_rnorm, out=o)
     return o, final_state
+
+
+#: One allocator per (HV, K, V, dtype, l2 norm, state layout, final state, unsegmented).
+_ALLOCATORS: dict[tuple, object] = {}
+
+
+def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, ...]:
+    """What the stages write, allocated in one call (:func:`gdn_dispatch.native.allocator`):
+    g_cum float32 ``[B, T, HV]``; with the qk l2 norm, k_rnorm float32 ``[B, T, HV]``;
+    w ``[B, T, HV, K]`` and u ``[B, T, HV, V]`` in k's dtype; and ``unsegmented`` (stages 4
+    and 5 over the sequences) h ``[NS, HV, K, V]`` (k's dtype, NS chunk slots), v_new
+    ``[B, T, HV, V]`` (k's dtype), o ``[B, T, HV, V]`` (q's dtype) and, with
+    ``output_final_state``, the float32 final state (``[N, HV, K, V]``, "vk":
+    ``[N, HV, V, K]``)."""
+    HV, K, V, l2 = problem.HV, problem.K, problem.V, problem.use_qk_l2norm
+    final = problem.output_final_state and unsegmented
+    vk = problem.state_layout is StateLayout.VK
+    key = (HV, K, V, problem.q.dtype, l2, vk, final, unsegmented)
+    alloc = _ALLOCATORS.get(key)
+    if alloc is None:
+        from gdn_dispatch import native
+
+        f32 = torch.float32
+        # Sizes: -1 B, -2 T, -3 N, -4 chunk slots.
+        specs = [((-1, -2, HV), f32)] + ([((-1, -2, HV), f32)] if l2 else [])
+        specs += [((-1, -2, HV, K), None), ((-1, -2, HV, V), None)]
+        if unsegmented:
+            specs += [((-4, HV, K, V), None), ((-1, -2, HV, V), None), ((-1, -2, HV, V), None)]
+            if final:
+                specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), f32))
+        alloc = _ALLOCATORS[key] = native.allocator(specs)
+    return alloc(problem.q, problem.B, problem.T, problem.N, problem.chunks.num_slots)
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:

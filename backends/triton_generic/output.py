@@ -114,8 +114,10 @@ def output_fwd(
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The output of every token.
+    """The output of every token (into ``out``, contiguous ``[B, T, HV, V]`` in q's dtype,
+    where the caller allocated it).
 
     Parameters
     ----------
@@ -135,7 +137,7 @@ def output_fwd(
     """
     H, K = q.shape[-2], q.shape[-1]
     HV, V, BT = v_new.shape[-2], v_new.shape[-1], chunks.chunk_size
-    o = torch.empty(v_new.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty(v_new.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] * q.shape[1] == 0 or HV == 0:
         return o
     capability, _ = device_facts(q.device)

@@ -287,6 +287,7 @@ def state_fwd(
     inplace_final_state: bool = False,
     sm_count: int | None = None,
     config: LaunchConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the recurrence over every sequence's chunks.
 
@@ -324,12 +325,15 @@ def state_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = u.shape[-2], u.shape[-1], chunks.chunk_size
     N = chunks.num_seqs
-    h = torch.empty(chunks.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
-    v_new = torch.empty_like(u)
-    final_state = None
-    if output_final_state:
-        shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
-        final_state = torch.empty(shape, dtype=torch.float32, device=k.device)
+    if out is not None:  # (h, v_new, final state) the caller allocated, as returned below
+        h, v_new, final_state = out
+    else:
+        h = torch.empty(chunks.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
+        v_new = torch.empty_like(u)
+        final_state = None
+        if output_final_state:
+            shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
+            final_state = torch.empty(shape, dtype=torch.float32, device=k.device)
     if N * HV == 0:
         return h, v_new, final_state
     capability, device_sms = device_facts(k.device)

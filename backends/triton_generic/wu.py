@@ -123,6 +123,7 @@ def wu_fwd(
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk: ``w = T (beta 2^g_cum k)``, ``u = T (beta v)``.
 
@@ -139,6 +140,7 @@ def wu_fwd(
     k_rnorm : float32 Tensor ``[B, T, HV]`` or None; with ``use_qk_l2norm``, receives
         ``1 / ||k||`` of every token (per v-head) for :func:`state_fwd` / :func:`output_fwd`.
     config : LaunchConfig override (BK, BV, num_warps, num_stages); default from the table.
+    out : (w, u) allocated by the caller (contiguous, as returned below), or None.
 
     Returns
     -------
@@ -147,8 +149,11 @@ def wu_fwd(
     """
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = v.shape[-2], v.shape[-1], chunks.chunk_size
-    w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
-    u = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if out is None:
+        w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
+        u = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        w, u = out
     if v.shape[0] * v.shape[1] == 0 or HV == 0:
         return w, u
     capability, _ = device_facts(k.device)
