@@ -1,7 +1,7 @@
 """The native host layer (:mod:`gdn_dispatch.native`): its switch, its Python allocator,
 and, built (slow tier: a C++ compile), the same launches and tensors as the Python path.
 
-The built tests compile the module into a temporary cache directory once per session
+The built tests compile the module into a temporary cache directory once per test run
 (``GDN_SELFTEST_CACHE``), then compare it with the Python launchers and allocator: over the
 Gluon host path's ragged stream (launches stubbed, as ``tests/test_gluon_host_path.py``)
 every recorded launch is the same; a GuardedLauncher built for one argument list refuses,
@@ -65,8 +65,8 @@ def test_switch_and_status(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    """The native module, compiled into a session's cache directory; the directory is the
-    process's GDN_SELFTEST_CACHE while the session's tests run."""
+    """The native module, compiled into a temporary cache directory; the directory is the
+    process's GDN_SELFTEST_CACHE while the run's tests run."""
     cache = tmp_path_factory.mktemp("native-cache")
     saved = os.environ.get("GDN_SELFTEST_CACHE")
     os.environ["GDN_SELFTEST_CACHE"] = str(cache)

@@ -30,6 +30,7 @@ def test_wheel_ships_registry_and_backends_inside_the_package(tmp_path):
         names = set(zf.namelist())
         zf.extractall(tmp_path / "site")
     assert "gdn_dispatch/registry.toml" in names
+    assert "gdn_dispatch/native/host_layer.cpp" in names  # the native host layer is built from it
     assert "gdn_dispatch/backends/__init__.py" in names and "gdn_dispatch/backends/triton_generic/__init__.py" in names
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"gdn_dispatch"}, f"the wheel installs other top-level packages: {top_level}"

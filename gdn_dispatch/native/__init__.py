@@ -1,6 +1,6 @@
 """The native host layer: a small torch C++ extension the launch paths use where it is built.
 
-What it holds today: :class:`GuardedLauncher` (``guarded_launch.cpp``), the straight-line
+What it holds (``host_layer.cpp``): ``GuardedLauncher``, the straight-line
 launcher of a kept kernel that the generated Python launchers
 (:func:`gdn_dispatch.backends.gluon_common.launch.fast_launcher`,
 :func:`gdn_dispatch.backends.direct_launch.fast_launcher`) otherwise are: the same
@@ -18,8 +18,9 @@ turns it off, ``=1`` requires it (a launch raises where it is not built); read w
 launcher or allocator is made (a kernel's first direct launch, a call class's first
 call). ``python -m gdn_dispatch info`` says which it is.
 
-Also :func:`allocator`: a call class's output tensors allocated in one call (``at::empty``
-in C++: on the H200's host five allocations took 24.8 µs from Python, 10.7 from C++).
+And ``Allocator`` (:func:`allocator`): the tensors a call's launches write, allocated in one
+call (``at::empty`` in C++: on the H200's host five allocations took 24.8 µs from Python,
+10.7 from C++).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import torch
 from gdn_dispatch.envvars import getenv
 from gdn_dispatch.gate import cache_dir
 
-#: "0" turns the native host layer off.
+#: "0" turns the native host layer off, "1" requires it.
 NATIVE_ENV = "GDN_DISPATCH_NATIVE"
-SOURCE = Path(__file__).with_name("guarded_launch.cpp")
+SOURCE = Path(__file__).with_name("host_layer.cpp")
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, object] = {}  # build directory -> the loaded module, or the reason it is not

@@ -1,4 +1,6 @@
-// A kept kernel's straight-line launcher in C++: what the generated Python launchers of
+// gdn_dispatch's native host layer (gdn_dispatch/native/__init__.py builds and loads it).
+//
+// GuardedLauncher: a kept kernel's straight-line launcher in C++, what the generated Python launchers of
 // gdn_dispatch.backends.gluon_common.launch.fast_launcher and
 // gdn_dispatch.backends.direct_launch.fast_launcher do, with the tensor reads done on
 // at::Tensor instead of through torch's Python attributes.
