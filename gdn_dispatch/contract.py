@@ -180,9 +180,12 @@ class GDNProblem:
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
         """``[N, HV, K, V]`` for "kv", ``[N, HV, V, K]`` for "vk"."""
-        if self.state_layout is StateLayout.KV:
-            return (self.N, self.HV, self.K, self.V)
-        return (self.N, self.HV, self.V, self.K)
+        return state_dims(self.N, self.HV, self.K, self.V, self.state_layout is StateLayout.VK)
+
+
+def state_dims(n: int, HV: int, K: int, V: int, vk: bool) -> tuple[int, int, int, int]:
+    """The dims of ``n`` states: ``(n, HV, K, V)``, or ``(n, HV, V, K)`` with ``vk``."""
+    return (n, HV, V, K) if vk else (n, HV, K, V)
 
 
 _PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(GDNProblem))

@@ -183,13 +183,13 @@ def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(built):
 
 
 @pytest.mark.parametrize("cp_n", ["off", 4, "fused"])
-@pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_call_buffers_are_what_the_launches_write(cp_n, layout):
+@pytest.mark.parametrize("layout, final", [("kv", True), ("vk", True), ("kv", False)])
+def test_call_buffers_are_what_the_launches_write(cp_n, layout, final):
     """The Gluon forward's one-call allocation (:func:`.forward.call_buffers`) against the
     shapes and dtypes its launching functions document, for the pipeline and for a
     segmented call (with the Python allocator here; the slow tier's native one in
     ``test_call_buffers_native``)."""
-    _check_call_buffers(cp_n, layout)
+    _check_call_buffers(cp_n, layout, final)
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ def test_call_buffers_native(built):
         assert isinstance(_check_call_buffers(cp_n, layout), module.Allocator)
 
 
-def _check_call_buffers(cp_n, layout):
+def _check_call_buffers(cp_n, layout, final=True):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.context_parallel import plan_for_problem
     from gdn_dispatch.device import assumed_device
@@ -215,7 +215,7 @@ def _check_call_buffers(cp_n, layout):
     # The warp-specialized path: K = V = 128 and enough (sequence, v-head) programs.
     lengths, H, HV, K = ([300, 0, 170] * 12, 4, 8, 128) if fused else ([300, 0, 170], 2, 4, 64)
     call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=128, dtype=torch.bfloat16, seed=2, state_layout=layout)
-    problem = make_problem(**call, output_final_state=True, context_parallel="off" if fused else cp_n)
+    problem = make_problem(**call, output_final_state=final, context_parallel="off" if fused else cp_n)
     cp = plan_for_problem(problem, device.sm_count)
     assert cp.enabled == (cp_n not in ("off", "fused"))
     launches = plan(problem, device=device, fused=fused)
@@ -232,9 +232,9 @@ def _check_call_buffers(cp_n, layout):
     if cp.enabled:
         expected += [((S + 1,), call["cu_seqlens"].dtype), ((S, HV, K, K), f32), ((S, HV, K, K), bf16),
                      ((S, HV, K, V), f32), ((S, HV, K, V), f32)]
-    expected.append(((N, HV, V, K) if layout == "vk" else (N, HV, K, V), f32))
-    assert [(tuple(t.shape), t.dtype) for t in out] == expected
-    assert all(t.is_contiguous() for t in out)
+    expected.append((((N, HV, V, K) if layout == "vk" else (N, HV, K, V)), f32) if final else None)
+    assert [t if t is None else (tuple(t.shape), t.dtype) for t in out] == expected
+    assert all(t is None or t.is_contiguous() for t in out)
     form = ("fused",) if fused else ("segmented", call["cu_seqlens"].dtype, f32) if cp.enabled else ("pipeline",)
     return launches.cls.allocators[form]
 
@@ -277,10 +277,8 @@ def test_triton_generic_call_buffers(l2, unsegmented, final, layout):
     out = tg_forward.call_buffers(problem, unsegmented)
     B, T, N, HV, K, V, NS = 1, 130, 3, 4, 32, 48, problem.chunks.num_slots
     f16, f32 = torch.float16, torch.float32
-    expected = [((B, T, HV), f32)] + ([((B, T, HV), f32)] if l2 else [])
-    expected += [((B, T, HV, K), f16), ((B, T, HV, V), f16)]
+    expected = [((B, T, HV), f32), ((B, T, HV), f32) if l2 else None, ((B, T, HV, K), f16), ((B, T, HV, V), f16)]
     if unsegmented:
-        expected += [((NS, HV, K, V), f16), ((B, T, HV, V), f16), ((B, T, HV, V), f16)]
-        if final:
-            expected.append(((N, HV, V, K) if layout == "vk" else (N, HV, K, V), f32))
-    assert [(tuple(t.shape), t.dtype) for t in out] == expected
+        expected += [((NS, HV, K, V), f16), ((B, T, HV, V), f16), ((B, T, HV, V), f16),
+                     (((N, HV, V, K) if layout == "vk" else (N, HV, K, V)), f32) if final else None]
+    assert [t if t is None else (tuple(t.shape), t.dtype) for t in out] == expected

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields, state_dims
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
@@ -102,11 +102,11 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         if norm_copies:
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
         wy_t = launches.stage("wy_t_fwd")
-        o, g_cum, t_tiles, *final = call_buffers(problem, launches, cp,
-                                                 planned_t_tile_rows(wy_t.shared, problem.B * problem.T, problem.N))
+        o, g_cum, t_tiles, final_state = call_buffers(
+            problem, launches, cp, planned_t_tile_rows(wy_t.shared, problem.B * problem.T, problem.N))
         t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, wy_t, out=(t_tiles, g_cum))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k,
-                                      out=(o, final[0] if final else None))
+                                      out=(o, final_state))
     buffers = call_buffers(problem, launches, cp)
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"),
                          out=buffers[:3])
@@ -116,7 +116,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
-        state_indices=problem.state_indices, out=(buffers[3], buffers[4] if len(buffers) > 4 else None),
+        state_indices=problem.state_indices, out=buffers[3:],
     )
     return o, final_state
 
@@ -138,8 +138,8 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
     ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
     (:func:`~gdn_dispatch.backends.triton_generic.segment_map.maps_dtype`), M_lo (bf16) and
     N ``[NSEG, HV, K, V]`` (float32), and the scan's seg_h0 ``[NSEG, HV, K, V]`` (float32);
-    last, with ``output_final_state``, the float32 final state (``[N, HV, K, V]``, or
-    ``[N, HV, V, K]`` for "vk").
+    last the float32 final state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), None
+    unless ``output_final_state``.
     """
     HV, K, V = problem.HV, problem.K, problem.V
     if launches.fused:
@@ -162,11 +162,11 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
             specs += [((-5,), form[1]), ((-4, HV, K, K), form[2]), ((-4, HV, K, K), torch.bfloat16),
                       ((-4, HV, K, V), torch.float32), ((-4, HV, K, V), torch.float32)]
         if problem.output_final_state:
-            vk = problem.state_layout is StateLayout.VK
-            specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), torch.float32))
+            specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), torch.float32))
         alloc = launches.cls.allocators[form] = native.allocator(specs)
     nseg = cp.num_segments
-    return alloc(problem.q, problem.B, problem.T, problem.N, t_rows or nseg, nseg + 1)
+    out = alloc(problem.q, problem.B, problem.T, problem.N, t_rows or nseg, nseg + 1)
+    return out if problem.output_final_state else (*out, None)
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:
@@ -211,7 +211,7 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         Tensor ``[B, T, HV]``, chunk-local in log2 units: the call's :func:`.wy.wy_fwd`.
     rnorm : float32 Tensor ``[B * T, H, 2]`` (the call's :func:`.qk_norm.qk_rnorm_fwd`) with
         the qk l2 norm, else None.
-    out : (o, seg_cu, M_hi, M_lo, N, seg_h0[, final state]) as :func:`call_buffers`
+    out : (o, seg_cu, M_hi, M_lo, N, seg_h0, final state or None) as :func:`call_buffers`
         allocates them, or None to allocate them in the launching functions.
 
     Returns
@@ -223,14 +223,8 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     """
     # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
     # takes per-v-head ones.
-    if out is None:
-        seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u)
-        o_out = None
-    else:
-        o, *rest = out
-        seg_cu, seg_h0, final_state = segment_start_states(
-            problem, cp, g_cum, w, u, out=(*rest[:5], rest[5] if len(rest) > 5 else None))
-        o_out = (o, None)
+    o_out, starts = (None, None) if out is None else ((out[0], None), out[1:])
+    seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts)
     segments = segment_problem(problem, cp, seg_cu, seg_h0)
     launch = plan(segments, device=device, engine=engine, fused=False,
                   busy_seqs=segments.chunks.nonempty_seqs()).stage("state_output_fwd")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch.context_parallel import plan_for_problem
-from gdn_dispatch.contract import GDNProblem, StateLayout
+from gdn_dispatch.contract import GDNProblem, StateLayout, state_dims
 
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
@@ -56,17 +56,16 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     plan = plan_for_problem(problem, sm_count)
     # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
     # with the qk l2 norm), w, u and, unsegmented, h, v_new, o and the final state.
-    g_cum, *buffers = call_buffers(problem, not plan.enabled)
-    k_rnorm = buffers.pop(0) if l2 else None
+    g_cum, k_rnorm, w, u, *stages = call_buffers(problem, not plan.enabled)
     g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E, out=g_cum)
     A_inv = None
     if not fuse_solve_into_wu(device_facts(problem.device)[0]):
         A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2,
-                  k_rnorm=k_rnorm, out=(buffers[0], buffers[1]))
+                  k_rnorm=k_rnorm, out=(w, u))
     if plan.enabled:
         return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count)
-    h, v_new, o, *final = buffers[2:]
+    h, v_new, o, final_state = stages
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
         initial_state=problem.initial_state,
@@ -77,7 +76,7 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
         state_indices=problem.state_indices,
         inplace_final_state=problem.inplace_final_state,
         sm_count=sm_count,
-        out=(h, v_new, final[0] if final else None),
+        out=(h, v_new, final_state),
     )
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm, out=o)
@@ -90,12 +89,12 @@ _ALLOCATORS: dict[tuple, object] = {}
 
 def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, ...]:
     """What the stages write, allocated in one call (:func:`gdn_dispatch.native.allocator`):
-    g_cum float32 ``[B, T, HV]``; with the qk l2 norm, k_rnorm float32 ``[B, T, HV]``;
-    w ``[B, T, HV, K]`` and u ``[B, T, HV, V]`` in k's dtype; and ``unsegmented`` (stages 4
-    and 5 over the sequences) h ``[NS, HV, K, V]`` (k's dtype, NS chunk slots), v_new
-    ``[B, T, HV, V]`` (k's dtype), o ``[B, T, HV, V]`` (q's dtype) and, with
-    ``output_final_state``, the float32 final state (``[N, HV, K, V]``, "vk":
-    ``[N, HV, V, K]``)."""
+    g_cum float32 ``[B, T, HV]``; k_rnorm float32 ``[B, T, HV]`` (None without the qk l2
+    norm); w ``[B, T, HV, K]`` and u ``[B, T, HV, V]`` in k's dtype; and ``unsegmented``
+    (stages 4 and 5 over the sequences) h ``[NS, HV, K, V]`` (k's dtype, NS chunk slots),
+    v_new ``[B, T, HV, V]`` (k's dtype), o ``[B, T, HV, V]`` (q's dtype) and the float32
+    final state (``[N, HV, K, V]``, "vk": ``[N, HV, V, K]``; None unless
+    ``output_final_state``)."""
     HV, K, V, l2 = problem.HV, problem.K, problem.V, problem.use_qk_l2norm
     final = problem.output_final_state and unsegmented
     vk = problem.state_layout is StateLayout.VK
@@ -111,9 +110,12 @@ def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, 
         if unsegmented:
             specs += [((-4, HV, K, V), None), ((-1, -2, HV, V), None), ((-1, -2, HV, V), None)]
             if final:
-                specs.append(((-3, HV, V, K) if vk else (-3, HV, K, V), f32))
+                specs.append((state_dims(-3, HV, K, V, vk), f32))
         alloc = _ALLOCATORS[key] = native.allocator(specs)
-    return alloc(problem.q, problem.B, problem.T, problem.N, problem.chunks.num_slots)
+    out = alloc(problem.q, problem.B, problem.T, problem.N, problem.chunks.num_slots)
+    if not l2:
+        out = (out[0], None, *out[1:])
+    return out if final or not unsegmented else (*out, None)
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:

@@ -39,6 +39,8 @@ import functools
 import torch
 import triton.language as tl
 
+from gdn_dispatch.contract import state_dims
+
 from gdn_dispatch.backends.triton_generic._jit import (
     _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
@@ -249,8 +251,7 @@ def segment_scan_fwd(
         seg_h0 = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=n_in.device)
         final_state = None
         if output_final_state:
-            shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
-            final_state = torch.empty(shape, dtype=torch.float32, device=n_in.device)
+            final_state = torch.empty(state_dims(N, HV, K, V, state_vk), dtype=torch.float32, device=n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
     cfg = config

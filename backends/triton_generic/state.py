@@ -23,7 +23,7 @@ import torch
 import triton.language as tl
 
 from gdn_dispatch import varlen
-from gdn_dispatch.contract import CHUNK_SIZE
+from gdn_dispatch.contract import CHUNK_SIZE, state_dims
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
@@ -332,8 +332,7 @@ def state_fwd(
         v_new = torch.empty_like(u)
         final_state = None
         if output_final_state:
-            shape = (N, HV, V, K) if state_vk else (N, HV, K, V)
-            final_state = torch.empty(shape, dtype=torch.float32, device=k.device)
+            final_state = torch.empty(state_dims(N, HV, K, V, state_vk), dtype=torch.float32, device=k.device)
     if N * HV == 0:
         return h, v_new, final_state
     capability, device_sms = device_facts(k.device)
