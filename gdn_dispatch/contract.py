@@ -28,6 +28,7 @@ import torch
 
 from gdn_dispatch.context_parallel import context_parallel_reason
 from gdn_dispatch.envvars import getenv
+from gdn_dispatch.native import admission as native_admission
 from gdn_dispatch.registry import backend_names
 from gdn_dispatch.varlen import ChunkTable, build_chunk_table
 
@@ -443,6 +444,17 @@ def make_problem(
             "and v as [B, T, HV, V] (e.g. q.transpose(1, 2).contiguous())"
         )
     layout = _resolve_layout(state_layout, state_v_first)
+    admit = native_admission() if state_indices is None else None
+    facts = None if admit is None else admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                             layout is StateLayout.VK)
+    if facts is not None:
+        # The native layer found every tensor rule of the common call kept (contiguous
+        # inputs, no pool): the scalars are left to check.
+        B, T, _, K, HV, V, _, longest, aligned = facts
+        return _finish_problem(
+            q, k, v, g, beta, B, T, K, HV, V, cu_seqlens, cu_seqlens_cpu, cu_seqlens_cpu, longest, aligned,
+            initial_state, None, True, layout, scale, output_final_state, use_qk_l2norm_in_kernel, backend,
+            inplace_final_state, context_parallel)
     q = _require_tensor("q", q, 4, "[B, T, H, K]")
     k = _require_tensor("k", k, 4, "[B, T, H, K]")
     v = _require_tensor("v", v, 4, "[B, T, HV, V]")
@@ -522,6 +534,20 @@ def make_problem(
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")
 
+    return _finish_problem(
+        q, k, v, g, beta, B, T, K, HV, V, cu_seqlens, cu_seqlens_cpu, cu_host, longest, aligned, initial_state,
+        state_indices, False, layout, scale, output_final_state, use_qk_l2norm_in_kernel, backend,
+        inplace_final_state, context_parallel)
+
+
+def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, cu_seqlens, cu_seqlens_cpu, cu_host,
+                    longest, aligned, initial_state, state_indices, state_admitted: bool, layout: StateLayout,
+                    scale, output_final_state, use_qk_l2norm_in_kernel, backend, inplace_final_state,
+                    context_parallel) -> GDNProblem:
+    """The rest of :func:`make_problem` once q, k, v, g, beta and the offsets are checked:
+    the debug checks, the chunk table, the state (unless ``state_admitted``: the native
+    admission checked it), the scalars."""
+    device = q.device
     if debug_checks_enabled():
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
                       cu_seqlens, cu_seqlens_cpu, T)
@@ -533,7 +559,7 @@ def make_problem(
         state_indices = _check_pool(initial_state, state_indices, N, HV, K, V, layout, device)
     elif inplace_final_state:
         raise GDNInputError("inplace_final_state: needs state_indices (the pool rows to write back)")
-    elif initial_state is not None:
+    elif initial_state is not None and not state_admitted:
         initial_state = _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V] or [N, HV, V, K]")
         _require_dtype("initial_state", initial_state, FLOAT_DTYPES)
         expected = (N, HV, K, V) if layout is StateLayout.KV else (N, HV, V, K)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def pytest_configure(config):
     # Each pytest-xdist worker is a process with torch's default of one intra-op thread per
@@ -17,3 +19,22 @@ def pytest_configure(config):
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // int(workers)))
+
+
+@pytest.fixture(scope="session")
+def native_built(tmp_path_factory):
+    """The native host layer (:mod:`gdn_dispatch.native`) compiled into a temporary cache
+    directory, with that directory: it is the process's GDN_SELFTEST_CACHE while the run's
+    tests run. Only slow-tier tests ask for it (a C++ compile)."""
+    cache = tmp_path_factory.mktemp("native-cache")
+    saved = os.environ.get("GDN_SELFTEST_CACHE")
+    os.environ["GDN_SELFTEST_CACHE"] = str(cache)
+    try:
+        from gdn_dispatch import native
+
+        yield native.build(log=lambda message: None), cache
+    finally:
+        if saved is None:
+            os.environ.pop("GDN_SELFTEST_CACHE", None)
+        else:
+            os.environ["GDN_SELFTEST_CACHE"] = saved

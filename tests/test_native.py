@@ -54,6 +54,7 @@ def test_switch_and_status(monkeypatch, tmp_path):
     monkeypatch.setenv("GDN_SELFTEST_CACHE", str(tmp_path))
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert native.load() is None and native.status().startswith("off")
+    assert native.admission() is None  # the contract then checks every call in Python
     monkeypatch.delenv(native.NATIVE_ENV)
     assert native.load() is None and native.status().startswith("not built")
     # Not built and the Python path serves: the allocator is the Python one.
@@ -63,25 +64,9 @@ def test_switch_and_status(monkeypatch, tmp_path):
         native.load()
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    """The native module, compiled into a temporary cache directory; the directory is the
-    process's GDN_SELFTEST_CACHE while the run's tests run."""
-    cache = tmp_path_factory.mktemp("native-cache")
-    saved = os.environ.get("GDN_SELFTEST_CACHE")
-    os.environ["GDN_SELFTEST_CACHE"] = str(cache)
-    try:
-        yield native.build(log=lambda message: None), cache
-    finally:
-        if saved is None:
-            os.environ.pop("GDN_SELFTEST_CACHE", None)
-        else:
-            os.environ["GDN_SELFTEST_CACHE"] = saved
-
-
 @pytest.mark.slow
-def test_native_allocator_allocates_each_spec(built):
-    module, _ = built
+def test_native_allocator_allocates_each_spec(native_built):
+    module, _ = native_built
     rng = random.Random(5)
     like = torch.randn(4, dtype=torch.bfloat16)
     for _ in range(20):
@@ -112,7 +97,7 @@ def _addresses_numbered(runs: list) -> list:
 
 
 @pytest.mark.slow
-def test_native_launchers_launch_what_the_python_ones_launch(built, monkeypatch):
+def test_native_launchers_launch_what_the_python_ones_launch(native_built, monkeypatch):
     sys.path.insert(0, str(ROOT / "tests"))
     try:
         import test_gluon_host_path as host_path
@@ -143,8 +128,8 @@ def test_native_launchers_launch_what_the_python_ones_launch(built, monkeypatch)
 
 
 @pytest.mark.slow
-def test_a_guarded_launcher_refuses_another_value_class(built):
-    module, _ = built
+def test_a_guarded_launcher_refuses_another_value_class(native_built):
+    module, _ = native_built
     sent = []
     t = torch.zeros(64, dtype=torch.bfloat16)
     launcher = module.GuardedLauncher(lambda *args: sent.append(args), ("P",), [None] * 6, 0, (4, 2), None, 6)
@@ -170,8 +155,8 @@ def test_a_guarded_launcher_refuses_another_value_class(built):
 
 
 @pytest.mark.slow
-def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(built):
-    _, cache = built
+def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(native_built):
+    _, cache = native_built
     env = {**os.environ, "GDN_SELFTEST_CACHE": str(cache), native.NATIVE_ENV: "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "not gpu",
@@ -193,8 +178,8 @@ def test_call_buffers_are_what_the_launches_write(cp_n, layout, final):
 
 
 @pytest.mark.slow
-def test_call_buffers_native(built):
-    module, _ = built
+def test_call_buffers_native(native_built):
+    module, _ = native_built
     for cp_n, layout in (("off", "kv"), (4, "vk"), ("fused", "kv")):
         assert isinstance(_check_call_buffers(cp_n, layout), module.Allocator)
 

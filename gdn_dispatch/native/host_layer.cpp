@@ -262,10 +262,111 @@ class Allocator {
   std::vector<Spec> specs_;
 };
 
+// The contract's checks (gdn_dispatch.contract.make_problem) for the common call, on
+// at::Tensor: contiguous q, k, v, g, beta on one device; cu_seqlens None or a device
+// index tensor, its host copy None or a contiguous CPU index tensor; initial_state None or
+// a contiguous float tensor of the call's state shape; no state pool. Returns what the
+// contract computes of such a call, (B, T, H, K, HV, V, N, longest, aligned) (longest and
+// aligned None without a host copy), or None for every call it does not accept as valid
+// (another form, or a broken rule): the Python contract then decides and raises with its
+// message. It never raises for a bad input itself.
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kChunkSize = 64;
+
+bool is_tensor(py::handle h) { return THPVariable_Check(h.ptr()); }
+
+bool qkv_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+}
+
+bool float_dtype(at::ScalarType t) { return qkv_dtype(t) || t == at::kDouble; }
+
+bool index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+template <typename T>
+bool read_offsets(const at::Tensor& cpu, int64_t T_total, int64_t* longest, bool* aligned) {
+  const T* values = cpu.data_ptr<T>();
+  const int64_t n = cpu.numel();
+  if (n < 2 || values[0] != 0 || static_cast<int64_t>(values[n - 1]) != T_total) return false;
+  int64_t previous = 0, best = 0, misaligned = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t value = static_cast<int64_t>(values[i]);
+    const int64_t length = value - previous;
+    if (length < 0) return false;
+    if (length > best) best = length;
+    misaligned |= value % kChunkSize;
+    previous = value;
+  }
+  *longest = best;
+  *aligned = misaligned == 0;
+  return true;
+}
+
+py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h, py::handle beta_h,
+                 py::handle state_h, py::handle cu_h, py::handle cu_cpu_h, bool vk) {
+  const py::object refuse = py::none();
+  for (py::handle h : {q_h, k_h, v_h, g_h, beta_h})
+    if (!is_tensor(h)) return refuse;
+  const at::Tensor& q = THPVariable_Unpack(q_h.ptr());
+  const at::Tensor& k = THPVariable_Unpack(k_h.ptr());
+  const at::Tensor& v = THPVariable_Unpack(v_h.ptr());
+  const at::Tensor& g = THPVariable_Unpack(g_h.ptr());
+  const at::Tensor& beta = THPVariable_Unpack(beta_h.ptr());
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || g.dim() != 3 || beta.dim() != 3) return refuse;
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
+  const int64_t HV = v.size(2), V = v.size(3);
+  if (k.sizes() != q.sizes() || v.size(0) != B || v.size(1) != T) return refuse;
+  for (const at::Tensor* t : {&g, &beta})
+    if (t->size(0) != B || t->size(1) != T || t->size(2) != HV) return refuse;
+  if (H == 0 || HV % H != 0 || K < 1 || K > kMaxHeadDim || V < 1 || V > kMaxHeadDim) return refuse;
+  const at::ScalarType dtype = q.scalar_type();
+  if (!qkv_dtype(dtype) || k.scalar_type() != dtype || v.scalar_type() != dtype) return refuse;
+  if (!float_dtype(g.scalar_type()) || !float_dtype(beta.scalar_type())) return refuse;
+  const at::Device device = q.device();
+  for (const at::Tensor* t : {&k, &v, &g, &beta})
+    if (t->device() != device) return refuse;
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
+    if (!t->is_contiguous()) return refuse;
+
+  int64_t N = B;
+  py::object longest = py::none(), aligned = py::none();
+  if (!cu_h.is_none()) {
+    if (!is_tensor(cu_h) || B != 1) return refuse;
+    const at::Tensor& cu = THPVariable_Unpack(cu_h.ptr());
+    if (cu.dim() != 1 || !index_dtype(cu.scalar_type()) || cu.device() != device || cu.size(0) < 2) return refuse;
+    N = cu.size(0) - 1;
+    if (!cu_cpu_h.is_none()) {
+      if (!is_tensor(cu_cpu_h)) return refuse;
+      const at::Tensor& cpu = THPVariable_Unpack(cu_cpu_h.ptr());
+      if (cpu.dim() != 1 || !index_dtype(cpu.scalar_type()) || !cpu.device().is_cpu() || !cpu.is_contiguous() ||
+          cpu.numel() != cu.numel())
+        return refuse;
+      int64_t best = 0;
+      bool whole = false;
+      const bool ok = cpu.scalar_type() == at::kInt ? read_offsets<int32_t>(cpu, T, &best, &whole)
+                                                    : read_offsets<int64_t>(cpu, T, &best, &whole);
+      if (!ok) return refuse;
+      longest = py::int_(best);
+      aligned = py::bool_(whole);
+    }
+  } else if (!cu_cpu_h.is_none()) {
+    return refuse;
+  }
+
+  if (!state_h.is_none()) {
+    if (!is_tensor(state_h)) return refuse;
+    const at::Tensor& s = THPVariable_Unpack(state_h.ptr());
+    if (s.dim() != 4 || !float_dtype(s.scalar_type()) || s.device() != device || !s.is_contiguous()) return refuse;
+    const int64_t inner0 = vk ? V : K, inner1 = vk ? K : V;
+    if (s.size(0) != N || s.size(1) != HV || s.size(2) != inner0 || s.size(3) != inner1) return refuse;
+  }
+  return py::make_tuple(B, T, H, K, HV, V, N, longest, aligned);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gdn_dispatch's native host layer: guarded launchers of kept Triton/Gluon kernels";
+  m.doc() = "gdn_dispatch's native host layer: guarded launchers, one-call allocators, the contract's admission";
   m.attr("KIND_IDENTITY") = static_cast<int>(Kind::Identity);
   m.attr("KIND_TYPE") = static_cast<int>(Kind::Type);
   m.attr("KIND_EQUAL") = static_cast<int>(Kind::Equal);
@@ -279,6 +380,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_descriptor", &GuardedLauncher::add_descriptor)
       .def("__call__", &GuardedLauncher::call, py::arg("device"), py::arg("args"), py::arg("tensors"),
            py::arg("g0"), py::arg("g1"), py::arg("g2"), py::arg("stream"), py::arg("options") = py::none());
+  m.def("admit", &admit, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"));
   py::class_<Allocator>(m, "Allocator")
       .def(py::init<py::list>(), py::arg("specs"))
       .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b") = 0, py::arg("c") = 0,
