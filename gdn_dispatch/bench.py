@@ -103,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "beside GPU time (CUDA-graph replay) for uniform and varlen calls, and the median of "
                              "a ragged stream of synchronized calls, per backend and fla")
     parser.add_argument("--host-calls", type=_positive_int, default=50, metavar="N",
-                        help="back-to-back calls per --host measurement (default 50)")
+                        help="back-to-back calls per --host measurement round (default 50)")
+    parser.add_argument("--host-rounds", type=_positive_int, default=5, metavar="R",
+                        help="rounds per --host measurement, the median reported (default 5)")
     parser.add_argument("--startup", action="store_true",
                         help="instead: start-up figures (imports, first calls and warmup from a cold and a warm "
                              "Triton cache, compiles after warmup), each from a fresh process")
@@ -232,7 +234,8 @@ def _run_host(args, names, want_fla, probe, out) -> int:
         print(f"bench --host: nothing to time on {info.label} ({info.arch})", file=sys.stderr)
         return EXIT_FAILED
     print(f"gdn-dispatch bench --host on {info.name} ({info.arch})", file=out)
-    return run_host(runnable, fla_fn, device, seed=args.seed, calls=args.host_calls, out=out)
+    return run_host(runnable, fla_fn, device, seed=args.seed, calls=args.host_calls, out=out,
+                    rounds=args.host_rounds)
 
 
 def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:

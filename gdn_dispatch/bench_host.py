@@ -116,6 +116,15 @@ def per_call_us(fn: Callable[[], object], calls: int, *, clock=time.perf_counter
     return elapsed / calls * 1e6
 
 
+def rounds_us(fn: Callable[[], object], calls: int, rounds: int, *, clock=time.perf_counter,
+              sync: Callable[[], None] = lambda: None) -> float:
+    """The median over ``rounds`` rounds of :func:`per_call_us` (``calls`` calls each;
+    only the first round warms up): a round now and then lands on a busy host, which one
+    round alone would report."""
+    return statistics.median(per_call_us(fn, calls, clock=clock, sync=sync, warmup=3 if i == 0 else 0)
+                             for i in range(rounds))
+
+
 #: Entries of the dict the Python reference reads (:func:`_python_reference`).
 _REFERENCE_KEYS = tuple(f"k{i}" for i in range(16))
 _REFERENCE_DICT = {key: i for i, key in enumerate(_REFERENCE_KEYS)}
@@ -238,19 +247,21 @@ def format_stream(medians: dict[str, float | str]) -> list[str]:
     return lines
 
 
-def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int) -> list[HostRow]:
-    """Every caller on one case (GPU): enqueue, graph replay, and our host steps."""
+def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int,
+                 rounds: int = 1) -> list[HostRow]:
+    """Every caller on one case (GPU): enqueue and our host steps (each the median of
+    ``rounds`` rounds of ``calls`` calls), graph replay."""
     call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
     rows = []
     for name, caller in callers.items():
         row = HostRow(name, case.name)
         fn = (lambda c=fla_call(call): caller(**c)) if name == FLA else (lambda: caller(**call))
         try:
-            row.enqueue_us = per_call_us(fn, calls, sync=torch.cuda.synchronize)
+            row.enqueue_us = rounds_us(fn, calls, rounds, sync=torch.cuda.synchronize)
             row.gpu_us = graph_replay_us(fn)
             if name != FLA:
                 for step, step_fn in host_steps(call, name).items():
-                    row.steps_us[step] = per_call_us(step_fn, calls, sync=torch.cuda.synchronize)
+                    row.steps_us[step] = rounds_us(step_fn, calls, rounds, sync=torch.cuda.synchronize)
         except Exception as exc:  # report and go on: a table with a hole beats no table
             row.note = f"{type(exc).__name__}: {exc}"[:120]
         rows.append(row)
@@ -273,7 +284,8 @@ def measure_stream(callers: dict[str, Callable], device, seed: int) -> dict[str,
     return medians
 
 
-def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, calls: int, out) -> int:
+def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, calls: int, out,
+             rounds: int = 1) -> int:
     """The host table and the ragged stream on ``device``; returns 0, or 1 if one of ours failed."""
     from gdn_dispatch.api import chunk_gated_delta_rule
 
@@ -284,7 +296,8 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
     if fla_fn is not None:
         callers[FLA] = lambda **c: fla_fn(**c, output_final_state=True)
     print(f"host cost per call (H={H}, HV={HV} unless the case names its heads, K=V={HEAD_DIM}, bf16, h0 + final "
-          f"state); enqueue = {calls} back-to-back calls, GPU = CUDA-graph replay", file=out)
+          f"state); enqueue = {calls} back-to-back calls (median of {rounds} rounds), GPU = CUDA-graph replay",
+          file=out)
     print(format_reference(host_reference_us(device)), file=out, flush=True)
     from gdn_dispatch import native
 
@@ -292,7 +305,7 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
     rows = []
     with torch.inference_mode():
         for case in host_cases():
-            case_rows = measure_case(case, callers, device, seed, calls)
+            case_rows = measure_case(case, callers, device, seed, calls, rounds)
             lines = format_rows(case_rows)
             print("\n".join(lines if not rows else lines[1:]), file=out, flush=True)  # header once
             rows += case_rows

@@ -599,6 +599,22 @@ def test_per_call_us_syncs_only_around_the_loop():
     assert clock.events == ["call"] * 2 + ["sync"] + ["call"] * 4 + ["sync"]
 
 
+def test_rounds_us_reports_the_median_round():
+    """One round on a busy host (a call 10x slower) does not move the figure; the first
+    round alone warms up."""
+    from gdn_dispatch.bench_host import rounds_us
+
+    clock = StandInClock(step=20e-6)
+    steps = iter([20e-6] * 3 + [20e-6] * 4 + [200e-6] * 4 + [30e-6] * 4)
+
+    def work():
+        clock.step = next(steps)
+        clock.work()
+
+    assert rounds_us(work, 4, 3, clock=clock, sync=clock.sync) == pytest.approx(30.0)
+    assert clock.events == (["call"] * 3 + ["sync"] + ["call"] * 4 + ["sync"]) + (["sync"] + ["call"] * 4 + ["sync"]) * 2
+
+
 def test_synchronized_us_includes_the_wait():
     from gdn_dispatch.bench_host import synchronized_us
 
@@ -662,8 +678,8 @@ def test_host_table_and_stream_format():
 
 
 def test_host_flag_needs_a_gpu(capsys):
-    args = parse("--host", "--host-calls", "7")
-    assert args.host and args.host_calls == 7
+    args = parse("--host", "--host-calls", "7", "--host-rounds", "3")
+    assert args.host and args.host_calls == 7 and args.host_rounds == 3
     assert bench.run(args, probe=FakeProbe(count=0)) == 2
     assert capsys.readouterr().err.startswith("bench needs a CUDA device")
 
