@@ -80,6 +80,8 @@ class ChunkTable:
     aligned : bool or None, whether every offset is a multiple of ``C`` (no sequence ends
         inside a chunk), as the builder read it, else None. Read it through
         :meth:`chunk_aligned`.
+    nonempty : int or None, how many sequences hold tokens, as the builder counted them,
+        else None. Read it through :meth:`nonempty_seqs`.
     """
 
     num_seqs: int
@@ -90,6 +92,7 @@ class ChunkTable:
     uniform: bool
     longest: int | None = None
     aligned: bool | None = None
+    nonempty: int | None = None
 
     def longest_length(self) -> int | None:
         """The longest sequence's length, or None when the host has no copy of the offsets."""
@@ -107,8 +110,8 @@ class ChunkTable:
 
     def nonempty_seqs(self) -> int | None:
         """How many sequences hold tokens, or None when the host has no copy of the offsets."""
-        if self.cu_seqlens_host is None:
-            return None
+        if self.nonempty is not None or self.cu_seqlens_host is None:
+            return self.nonempty
         offsets = self.cu_seqlens_host.tolist()
         return sum(b > a for a, b in zip(offsets, offsets[1:]))
 
@@ -174,9 +177,20 @@ def build_chunk_table(
     N = cu_seqlens.shape[0] - 1
     if cu_seqlens_host is None:
         longest = aligned = None
-    # ChunkTable(...) without the frozen dataclass's per-field object.__setattr__ (~2 µs per call).
+    return new_table(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
+                     cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, uniform=False, longest=longest,
+                     aligned=aligned, nonempty=None)
+
+
+_TABLE_FIELDS = ("num_seqs", "num_slots", "chunk_size", "cu_seqlens", "cu_seqlens_host", "uniform", "longest",
+                 "aligned", "nonempty")
+
+
+def new_table(**fields) -> ChunkTable:
+    """``ChunkTable(**fields)`` with every field given, without the frozen dataclass's
+    per-field ``object.__setattr__`` (~2 µs of a call's host path); the object is the same."""
+    if len(fields) != len(_TABLE_FIELDS):
+        raise TypeError(f"new_table: expected the fields {_TABLE_FIELDS}, got {sorted(fields)}")
     table = object.__new__(ChunkTable)
-    table.__dict__.update(num_seqs=N, num_slots=num_slots(B * T, N, chunk_size), chunk_size=chunk_size,
-                          cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, uniform=False, longest=longest,
-                          aligned=aligned)
+    table.__dict__.update(fields)
     return table

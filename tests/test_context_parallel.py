@@ -672,8 +672,17 @@ def test_segment_tables_count_the_slots_with_tokens(lengths, L, busy):
     cp = CPPlan(enabled=True, seg_len=L, num_segments=len(offsets) - 1, reason="forced")
     table = segment_table(chunks, int(chunks.cu_seqlens_host[-1]), cp, offsets, offsets)
     assert table.nonempty_seqs() == busy
+    # What the forward reads of the offsets in one pass is what the table reads of them.
+    host = GLUON_FORWARD.segment_host_offsets(chunks, L)
+    assert torch.equal(host.offsets, offsets)
+    assert (host.longest, host.aligned, host.nonempty) == (table.longest_length(), table.chunk_aligned(), busy)
+    read = segment_table(chunks, int(chunks.cu_seqlens_host[-1]), cp, offsets, offsets, longest=host.longest,
+                         aligned=host.aligned, nonempty=host.nonempty)
+    assert (read.longest, read.aligned, read.nonempty_seqs()) == (host.longest, host.aligned, busy)
     offsets = offsets.tolist()
     assert sum(b > a for a, b in zip(offsets, offsets[1:])) == busy
+    assert host.longest == max(b - a for a, b in zip(offsets, offsets[1:]))
+    assert host.aligned == (not any(x % 64 for x in offsets))
 
 
 def test_slots_with_tokens_need_host_offsets():

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -253,11 +254,26 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
         (pass 1 writes them; a ``meta`` tensor in a dry run).
     seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``: the segment start states.
     """
-    chunks = problem.chunks
-    table = segment_table(chunks, problem.B * problem.T, cp, seg_cu, segment_offsets_host(chunks, cp.seg_len))
+    host = segment_host_offsets(problem.chunks, cp.seg_len)
+    if host is None:
+        table = segment_table(problem.chunks, problem.B * problem.T, cp, seg_cu)
+    else:
+        table = segment_table(problem.chunks, problem.B * problem.T, cp, seg_cu, host.offsets, longest=host.longest,
+                              aligned=host.aligned, nonempty=host.nonempty)
     return replace_fields(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
                           output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
                           inplace_final_state=False, context_parallel="off")
+
+
+class SegmentOffsets(NamedTuple):
+    """The segment offsets on the host (int64 ``[NSEG + 1]``) and what the planners read of
+    them: the longest segment, whether every offset is a multiple of the chunk, how many
+    segment slots hold tokens."""
+
+    offsets: torch.Tensor
+    longest: int
+    aligned: bool
+    nonempty: int
 
 
 def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
@@ -267,6 +283,13 @@ def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | Non
     The fused kernel's tail flag reads it: segments end inside a chunk exactly where the
     call's sequences do, which only host offsets show (without them the flag is on).
     """
+    host = segment_host_offsets(chunks, seg_len)
+    return None if host is None else host.offsets
+
+
+def segment_host_offsets(chunks: ChunkTable, seg_len: int) -> SegmentOffsets | None:
+    """:func:`segment_offsets_host` with what the planners read of the offsets, from the
+    same pass (a segmented call's host path reads them once)."""
     if chunks.cu_seqlens_host is None:
         return None
     if chunks.uniform or chunks.num_seqs == 1:
@@ -274,7 +297,13 @@ def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | Non
         # batch of one row.
         return _uniform_segment_offsets(chunks.num_seqs, int(chunks.cu_seqlens_host[1]) if chunks.num_seqs else 0,
                                         seg_len)
-    return torch.tensor(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len), dtype=torch.int64)
+    return _offsets_read(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len))
+
+
+def _offsets_read(offsets: list[int]) -> SegmentOffsets:
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    return SegmentOffsets(torch.tensor(offsets, dtype=torch.int64), max(lengths, default=0),
+                          not any(x % CHUNK_SIZE for x in offsets), sum(n > 0 for n in lengths))
 
 
 def _segment_offsets(cu: list[int], seg_len: int) -> list[int]:
@@ -288,9 +317,9 @@ def _segment_offsets(cu: list[int], seg_len: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _uniform_segment_offsets(B: int, T: int, seg_len: int) -> torch.Tensor:
-    """Uniform batches recur with few shapes: their offsets are built once per shape."""
-    return torch.tensor(_segment_offsets([n * T for n in range(B + 1)], seg_len), dtype=torch.int64)
+def _uniform_segment_offsets(B: int, T: int, seg_len: int) -> SegmentOffsets:
+    """Uniform batches recur with few shapes: their offsets are read once per shape."""
+    return _offsets_read(_segment_offsets([n * T for n in range(B + 1)], seg_len))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 
 from gdn_dispatch.context_parallel import CPPlan
 from gdn_dispatch.contract import GDNProblem, StateLayout
-from gdn_dispatch.varlen import ChunkTable, num_slots
+from gdn_dispatch.varlen import ChunkTable, new_table, num_slots
 
 from gdn_dispatch.backends.triton_generic.output import output_fwd
 from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
@@ -26,17 +26,20 @@ from gdn_dispatch.backends.triton_generic.state import state_fwd
 
 
 def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan, seg_cu: torch.Tensor,
-                  seg_cu_host: torch.Tensor | None = None) -> ChunkTable:
+                  seg_cu_host: torch.Tensor | None = None, *, longest: int | None = None,
+                  aligned: bool | None = None, nonempty: int | None = None) -> ChunkTable:
     """The segments of ``plan`` as a chunk table whose "sequences" are the segment slots
     (empty segments are zero-length sequences).
 
     ``seg_cu``: the segment offsets (pass 1 writes them: :func:`.segment_map.segment_map_fwd`;
     a ``meta`` tensor in a dry run). ``seg_cu_host``: their host copy, when the caller
-    computed one (kernels that specialize on tails read it).
+    computed one (kernels that specialize on tails read it); ``longest``, ``aligned``,
+    ``nonempty``: what the caller read of that copy (:class:`~gdn_dispatch.varlen.ChunkTable`),
+    or None for the table to read it when asked.
     """
-    return ChunkTable(num_seqs=plan.num_segments, chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
-                      num_slots=num_slots(total_tokens, plan.num_segments, chunks.chunk_size),
-                      cu_seqlens_host=seg_cu_host, uniform=False)
+    return new_table(num_seqs=plan.num_segments, chunk_size=chunks.chunk_size, cu_seqlens=seg_cu,
+                     num_slots=num_slots(total_tokens, plan.num_segments, chunks.chunk_size),
+                     cu_seqlens_host=seg_cu_host, uniform=False, longest=longest, aligned=aligned, nonempty=nonempty)
 
 
 def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
