@@ -295,7 +295,8 @@ def segment_host_offsets(chunks: ChunkTable, seg_len: int) -> SegmentOffsets | N
     if chunks.uniform or chunks.num_seqs == 1:
         # One packed prompt (a long prompt's call on a tensor-parallel shard) is a uniform
         # batch of one row.
-        return _uniform_segment_offsets(chunks.num_seqs, int(chunks.cu_seqlens_host[1]) if chunks.num_seqs else 0,
+        # Its one length is the longest, which the contract read from the host copy.
+        return _uniform_segment_offsets(chunks.num_seqs, chunks.longest_length() if chunks.num_seqs else 0,
                                         seg_len)
     return _offsets_read(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len))
 
