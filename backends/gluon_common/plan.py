@@ -49,10 +49,13 @@ class ForwardPlan:
     ``num_seqs`` (``stages``: :class:`~.launch_plan.BoundLaunch` views, as a dry run shows them).
     """
 
-    __slots__ = ("cls", "launches", "rows", "num_seqs")
+    __slots__ = ("cls", "launches", "rows", "num_seqs", "_stages")
 
     def __init__(self, cls: ClassPlan, launches: tuple[LaunchPlan, ...], rows: int, num_seqs: int):
         self.cls, self.launches, self.rows, self.num_seqs = cls, launches, rows, num_seqs
+        # Each stage bound once: a class plan keeps its ForwardPlans per counts, so a call
+        # whose counts recur finds its stages here.
+        self._stages: dict[str, BoundLaunch] = {}
 
     @property
     def capability(self) -> tuple[int, int]:
@@ -91,7 +94,10 @@ class ForwardPlan:
         return launch.bind(rows, self.num_seqs)
 
     def stage(self, kernel: str) -> BoundLaunch:
-        return self._bind(next(s for s in self.launches if s.kernel == kernel))
+        bound = self._stages.get(kernel)
+        if bound is None:
+            bound = self._stages[kernel] = self._bind(next(s for s in self.launches if s.kernel == kernel))
+        return bound
 
     def __eq__(self, other):
         if not isinstance(other, ForwardPlan):
