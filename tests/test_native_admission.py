@@ -80,6 +80,10 @@ def _with(name, make):
 _DROP = object()
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass: the native layer leaves subclasses to the Python contract."""
+
+
 def _state_of(call, dims=None, dtype=None, device=None):
     q, v = call["q"], call["v"]
     N = call["cu_seqlens"].numel() - 1 if "cu_seqlens" in call else q.shape[0]
@@ -120,6 +124,7 @@ MUTATIONS = [
                                          "k": torch.randn(*c["q"].shape[:3], 257).to(c["q"].dtype),
                                          "initial_state": None}),
     ("q not a tensor", True, _with("q", lambda rng, c: c["q"].tolist())),
+    ("k a subclass", True, _with("k", lambda rng, c: c["k"].as_subclass(_Marked))),
     ("cu start", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(c, lambda x: [1] + x[1:]))),
     ("cu decreasing", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(
         c, lambda x: x[:1] + [x[-1] + 1] + x[1:] if len(x) > 1 else x))),

@@ -290,7 +290,9 @@ class Allocator {
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kChunkSize = 64;
 
-bool is_tensor(py::handle h) { return THPVariable_Check(h.ptr()); }
+// A torch.Tensor or nn.Parameter, no other subclass: a subclass (fake, functional, wrapper)
+// may answer sizes or data from Python, which the contract's Python checks read as it means.
+bool is_tensor(py::handle h) { return THPVariable_CheckExact(h.ptr()); }
 
 bool qkv_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
