@@ -437,6 +437,11 @@ def make_problem(
     partition rules when a host copy (``cu_seqlens_cpu`` or a list) is given. Without one,
     no backend needs its values on the host (kernels map chunk slots from the device copy,
     :mod:`gdn_dispatch.varlen`).
+
+    Where the native host layer is loaded (:func:`gdn_dispatch.native.admission`), the
+    tensor checks of the common call (contiguous inputs, no state pool) run there first, in
+    one C++ call; a call it does not accept is checked here, so every error is this
+    module's message either way.
     """
     if head_first is not None and head_first:
         raise GDNInputError(
