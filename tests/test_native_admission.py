@@ -241,3 +241,37 @@ def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):
     assert admitted > 100 and refused > 50
     # Every tensor rule's mutation was seen refused at least once over the stream.
     assert {name for name, rule, _ in MUTATIONS if rule} <= kinds_refused
+
+
+def test_tma_rows_ok_agrees_with_the_python_check(native_built):
+    """``tma_rows_ok`` passes exactly the contiguous tensors ``tma_rows_reason`` passes (a
+    16-byte-aligned base, token rows a multiple of 16 bytes), and nothing else: a strided
+    view or a subclass is left to the Python check."""
+    from gdn_dispatch.backends.gluon_common.launch_plan import tma_rows_reason
+
+    module, _ = native_built
+    rng = random.Random(5)
+    passed = failed = 0
+    for _ in range(400):
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+        shape = (rng.randint(1, 2), rng.randint(1, 9), rng.randint(1, 3), rng.choice([1, 3, 4, 8, 16, 24]))
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        offset = rng.choice([0, 0, 1, 2, 4, 8])
+        t = torch.randn(numel + offset).to(dtype)[offset:].view(shape)
+        kind = rng.random()
+        if kind < 0.2:
+            t = t.transpose(2, 3)
+        elif kind < 0.3:
+            t = t.as_subclass(_Marked)
+        ok = module.tma_rows_ok((t,))
+        python_ok = tma_rows_reason("x", t) is None
+        if t.is_contiguous() and type(t) is torch.Tensor:
+            assert ok == python_ok, (dtype, shape, offset)
+        else:
+            assert not ok
+        passed += ok
+        failed += not ok
+        # A tuple passes only when each of its tensors does.
+        other = torch.randn(2, 3, 4, 8).to(torch.bfloat16)
+        assert module.tma_rows_ok((other, t)) == ok and module.tma_rows_ok((t, other)) == ok
+    assert passed > 50 and failed > 50

@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from gdn_dispatch import native
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields, state_dims
 from gdn_dispatch.device import DeviceInfo
@@ -151,8 +152,6 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
         form = ("pipeline",)
     alloc = launches.cls.allocators.get(form)
     if alloc is None:
-        from gdn_dispatch import native
-
         # Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1.
         if launches.fused:
             specs = [((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32), ((-4, CHUNK_SIZE), None)]
@@ -175,6 +174,9 @@ def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) 
     one that it cannot read in place (:func:`~.launch_plan.tma_rows_reason`) replaced by
     one contiguous copy, counted in ``contract.INPUT_COPIES`` and logged like the
     contract's own copies."""
+    module = native.for_calls()
+    if module is not None and module.tma_rows_ok(tuple(getattr(problem, name) for name in names)):
+        return problem  # contiguous and aligned: the common call, checked in one C++ call
     moved = {name: _counted_copy(name, getattr(problem, name))
              for name in names if tma_rows_reason(name, getattr(problem, name)) is not None}
     return replace_fields(problem, **moved) if moved else problem

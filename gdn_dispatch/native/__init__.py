@@ -20,9 +20,10 @@ call). ``python -m gdn_dispatch info`` says which it is.
 
 And ``Allocator`` (:func:`allocator`): the tensors a call's launches write, allocated in one
 call (``at::empty`` in C++: on the H200's host five allocations took 24.8 µs from Python,
-10.7 from C++); and ``admit`` (:func:`admission`): the contract's tensor checks of the
+10.7 from C++); ``admit`` (:func:`admission`): the contract's tensor checks of the
 common call (contiguous inputs, no state pool), which returns the call's sizes or None
-(then the Python contract checks it, and raises where a rule is broken).
+(then the Python contract checks it, and raises where a rule is broken); and
+``tma_rows_ok``: whether contiguous inputs are what the TMA unit reads in place.
 """
 
 from __future__ import annotations
@@ -141,33 +142,40 @@ def build(log=print):
                                extra_cflags=["-O2"], verbose=False)
         except Exception as exc:
             raise RuntimeError(f"the native host layer did not build: {exc}") from exc
-    global _ADMIT
+    global _ON_CALLS
     with _LOCK:
         _LOADED.pop(str(build_dir()), None)
-        _ADMIT = _UNSET
+        _ON_CALLS = _UNSET
     module = load()
     if module is None:
         raise RuntimeError(f"the native host layer built but is not in use: {status()}")
     return module
 
 
-_ADMIT = _UNSET  # the loaded module's admit, or None where it is not built; build() resets it
+_ON_CALLS = _UNSET  # the module the call path uses, or None where it is not built; build() resets it
+
+
+def for_calls():
+    """The native module for a call's host path (the contract's admission, the TMA check
+    of the inputs), or None where the layer is off or not built. Read at every call:
+    ``GDN_DISPATCH_NATIVE=0`` takes effect at the next call; whether the module is there is
+    looked up once per process (a call cannot afford the cache directory's path
+    arithmetic), and again after :func:`build`. Never raises: without the layer the Python
+    path does the same work."""
+    global _ON_CALLS
+    if getenv(NATIVE_ENV) == "0":
+        return None
+    if _ON_CALLS is _UNSET:
+        _ON_CALLS = _load_once()
+    return _ON_CALLS
 
 
 def admission():
     """The native layer's ``admit`` (the contract's checks of the common call, on
-    ``at::Tensor``; :func:`gdn_dispatch.contract.make_problem` asks it first), or None where
-    the layer is off or not built. Read at every call: ``GDN_DISPATCH_NATIVE=0`` takes
-    effect at the next call; whether the module is there is looked up once per process (a
-    contract check cannot afford the cache directory's path arithmetic), and again after
-    :func:`build`. Never raises: without the layer the Python contract checks everything."""
-    global _ADMIT
-    if getenv(NATIVE_ENV) == "0":
-        return None
-    if _ADMIT is _UNSET:
-        module = _load_once()
-        _ADMIT = None if module is None else module.admit
-    return _ADMIT
+    ``at::Tensor``; :func:`gdn_dispatch.contract.make_problem` asks it first), or None
+    (:func:`for_calls`)."""
+    module = for_calls()
+    return None if module is None else module.admit
 
 
 def allocator(specs: list[tuple[tuple[int, ...], torch.dtype | None]]):

@@ -382,10 +382,27 @@ py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h,
   return py::make_tuple(B, T, H, K, HV, V, N, longest, aligned);
 }
 
+// gdn_dispatch.backends.gluon_common.launch_plan.tma_rows_reason's test for contiguous
+// tensors [B, T, ...]: a 16-byte-aligned base and token rows a multiple of 16 bytes. True
+// when every tensor passes; False for any other (then the Python check decides: it also
+// reads token rows in place, and says why not).
+bool tma_rows_ok(py::tuple tensors) {
+  for (py::handle h : tensors) {
+    if (!is_tensor(h)) return false;
+    const at::Tensor& t = THPVariable_Unpack(h.ptr());
+    if (t.dim() < 2 || !t.is_contiguous()) return false;
+    if (reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+    int64_t row = 1;
+    for (int64_t d = 2; d < t.dim(); ++d) row *= t.size(d);
+    if (row * static_cast<int64_t>(t.element_size()) % 16 != 0) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gdn_dispatch's native host layer: guarded launchers, one-call allocators, the contract's admission";
+  m.doc() = "gdn_dispatch's native host layer: guarded launchers, one-call allocators, the call's checks";
   m.attr("KIND_IDENTITY") = static_cast<int>(Kind::Identity);
   m.attr("KIND_TYPE") = static_cast<int>(Kind::Type);
   m.attr("KIND_EQUAL") = static_cast<int>(Kind::Equal);
@@ -401,6 +418,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("g0"), py::arg("g1"), py::arg("g2"), py::arg("stream"), py::arg("options") = py::none());
   m.def("admit", &admit, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
         py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"));
+  m.def("tma_rows_ok", &tma_rows_ok, py::arg("tensors"));
   py::class_<Allocator>(m, "Allocator")
       .def(py::init<py::list>(), py::arg("specs"))
       .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b") = 0, py::arg("c") = 0,
