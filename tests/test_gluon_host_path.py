@@ -6,7 +6,8 @@ and leaves the rest of the host path as it runs on the GPU: the plan lookup, the
 allocations, the descriptor and argument assembly of :func:`.launch.launch_planned`.
 Over a stream of ragged calls the tests check that a call class is planned once (its
 first call) and bound once per kernel, while every call gets its own grid and descriptor
-rows. ``python tests/test_gluon_host_path.py`` prints the host time per call.
+rows. ``python tests/test_gluon_host_path.py`` prints the host time per call, of the
+forward and of the whole public call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from gdn_dispatch import native  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
@@ -224,6 +226,41 @@ def main() -> None:
               f"uniform median {statistics.median(uniform) * 1e6:.1f}, all max {max(times) * 1e6:.1f}")
         small = [make_problem(**call) for call in ragged_calls(60, seed=7, max_len=64, max_seqs=4)]
         print(f"  calls of 1..4 x 1..64 tokens: median {statistics.median(host_times(small, device, engine)) * 1e6:.1f}")
+    print(f"the public call on sm_90 (validate, select, forward; launches stubbed, native layer "
+          f"{native.status()}): " + ", ".join(f"{name} {us:.1f} us" for name, us in public_call_times().items()))
+
+
+def public_call_times(repeats: int = 2000) -> dict[str, float]:
+    """Host microseconds of the whole public call (``chunk_gated_delta_rule(...,
+    backend="gluon_sm90")``: the contract, the registry's choice and the forward) per case,
+    median of ``repeats`` calls, on CPU tensors taken for an sm_90 device's, launches
+    stubbed; Qwen3.5's H = 16, HV = 32, K = V = 128, bf16, initial and final state."""
+    from gdn_dispatch import api, op
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.testing import random_call
+
+    device = assumed_device("sm_90")
+
+    class Probe:
+        def for_torch_device(self, _):
+            return device
+
+    cases = {"uniform 1 x 64": dict(batch=(1, 64)), "varlen 1 x 64": dict(lengths=[64]),
+             "varlen 4 x 2048": dict(lengths=[2048] * 4)}
+    times = {}
+    with stubbed_launches(), mock.patch.object(op, "default_probe", Probe), \
+            mock.patch.object(gluon_sm90, "unsupported_reason", lambda problem: None):
+        for name, shape in cases.items():
+            call = random_call(**shape, H=16, HV=32, K=128, V=128, device="cpu", seed=0)
+            for _ in range(20):
+                api.chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                api.chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
+                samples.append(time.perf_counter() - start)
+            times[name] = statistics.median(samples) * 1e6
+    return times
 
 
 if __name__ == "__main__":
