@@ -612,7 +612,8 @@ def test_rounds_us_reports_the_median_round():
         clock.work()
 
     assert rounds_us(work, 4, 3, clock=clock, sync=clock.sync) == pytest.approx(30.0)
-    assert clock.events == (["call"] * 3 + ["sync"] + ["call"] * 4 + ["sync"]) + (["sync"] + ["call"] * 4 + ["sync"]) * 2
+    first = ["call"] * 3 + ["sync"] + ["call"] * 4 + ["sync"]
+    assert clock.events == first + (["sync"] + ["call"] * 4 + ["sync"]) * 2
 
 
 def test_synchronized_us_includes_the_wait():
