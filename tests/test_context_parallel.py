@@ -668,7 +668,7 @@ def test_segment_tables_count_the_slots_with_tokens(lengths, L, busy):
 
     shape = dict(batch=(2, 4096)) if lengths is None else dict(lengths=lengths)
     chunks = make_problem(**random_call(**shape, H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks
-    offsets = GLUON_FORWARD.segment_offsets_host(chunks, L)
+    offsets = GLUON_FORWARD.segment_host_offsets(chunks, L).offsets
     cp = CPPlan(enabled=True, seg_len=L, num_segments=len(offsets) - 1, reason="forced")
     table = segment_table(chunks, int(chunks.cu_seqlens_host[-1]), cp, offsets, offsets)
     assert table.nonempty_seqs() == busy
@@ -689,7 +689,7 @@ def test_slots_with_tokens_need_host_offsets():
     call = random_call(lengths=[4096, 100], H=1, HV=1, K=8, V=8, dtype=torch.float32)
     call.pop("cu_seqlens_cpu")
     chunks = make_problem(**call).chunks
-    assert chunks.nonempty_seqs() is None and GLUON_FORWARD.segment_offsets_host(chunks, 2048) is None
+    assert chunks.nonempty_seqs() is None and GLUON_FORWARD.segment_host_offsets(chunks, 2048) is None
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host-offsets", "device-offsets-only"])
@@ -720,17 +720,17 @@ def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
 
 @pytest.mark.parametrize("lengths, L", [([300, 0, 1, 64, 128, 129, 700], 128), ([0, 0], 64), ([5], 64),
                                         ([1000, 3, 2000], 256), ([4100], 1024)])
-def test_segment_offsets_host_equal_the_table_kernel(lengths, L, monkeypatch):
+def test_segment_host_offsets_equal_the_table_kernel(lengths, L, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     call = random_call(lengths=lengths, H=1, HV=1, K=16, V=16, dtype=torch.float32)
     chunks = make_problem(**call).chunks
-    host = GLUON_FORWARD.segment_offsets_host(chunks, L)
+    host = GLUON_FORWARD.segment_host_offsets(chunks, L).offsets
     assert host.tolist() == _segment_table(chunks.cu_seqlens_host.tolist(), L, chunks.cu_seqlens.dtype, "cpu").tolist()
     assert host.tolist() == _segment_starts(chunks.cu_seqlens_host.tolist(), L)
     uniform = make_problem(**random_call(batch=(3, 700), H=1, HV=1, K=16, V=16, dtype=torch.float32)).chunks
-    assert GLUON_FORWARD.segment_offsets_host(uniform, L).tolist() == _segment_starts([0, 700, 1400, 2100], L)
+    assert GLUON_FORWARD.segment_host_offsets(uniform, L).offsets.tolist() == _segment_starts([0, 700, 1400, 2100], L)
     no_host = make_problem(**{**call, "cu_seqlens_cpu": None}).chunks
-    assert GLUON_FORWARD.segment_offsets_host(no_host, L) is None
+    assert GLUON_FORWARD.segment_host_offsets(no_host, L) is None
 
 
 def test_gluon_rows_run_segments_and_auto_engages(monkeypatch):

@@ -278,20 +278,14 @@ class SegmentOffsets(NamedTuple):
     nonempty: int
 
 
-def segment_offsets_host(chunks: ChunkTable, seg_len: int) -> torch.Tensor | None:
-    """The segment offsets pass 1 writes on the device, computed on the host
-    from the call's host copy of ``cu_seqlens`` (int64 ``[NSEG + 1]``), or None without one.
+def segment_host_offsets(chunks: ChunkTable, seg_len: int) -> SegmentOffsets | None:
+    """The segment offsets pass 1 writes on the device, computed on the host from the
+    call's host copy of ``cu_seqlens``, with what the planners read of them from the same
+    pass (a segmented call's host path reads them once); None without a host copy.
 
-    The fused kernel's tail flag reads it: segments end inside a chunk exactly where the
+    The fused kernel's tail flag reads them: segments end inside a chunk exactly where the
     call's sequences do, which only host offsets show (without them the flag is on).
     """
-    host = segment_host_offsets(chunks, seg_len)
-    return None if host is None else host.offsets
-
-
-def segment_host_offsets(chunks: ChunkTable, seg_len: int) -> SegmentOffsets | None:
-    """:func:`segment_offsets_host` with what the planners read of the offsets, from the
-    same pass (a segmented call's host path reads them once)."""
     if chunks.cu_seqlens_host is None:
         return None
     if chunks.uniform or chunks.num_seqs == 1:
