@@ -189,6 +189,13 @@ def state_dims(n: int, HV: int, K: int, V: int, vk: bool) -> tuple[int, int, int
     return (n, HV, V, K) if vk else (n, HV, K, V)
 
 
+def empty_final_state(wanted: bool, n: int, HV: int, K: int, V: int, vk: bool,
+                      device: torch.device) -> torch.Tensor | None:
+    """The float32 final states of ``n`` sequences (:func:`state_dims`), uninitialized, or
+    None unless ``wanted`` (``output_final_state``)."""
+    return torch.empty(state_dims(n, HV, K, V, vk), dtype=torch.float32, device=device) if wanted else None
+
+
 _PROBLEM_FIELDS = frozenset(f.name for f in dataclasses.fields(GDNProblem))
 
 
@@ -567,7 +574,7 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
     elif initial_state is not None and not state_admitted:
         initial_state = _require_tensor("initial_state", initial_state, 4, "[N, HV, K, V] or [N, HV, V, K]")
         _require_dtype("initial_state", initial_state, FLOAT_DTYPES)
-        expected = (N, HV, K, V) if layout is StateLayout.KV else (N, HV, V, K)
+        expected = state_dims(N, HV, K, V, layout is StateLayout.VK)
         if initial_state.shape != expected:
             dims = "[N, HV, K, V]" if layout is StateLayout.KV else "[N, HV, V, K]"
             raise GDNInputError(

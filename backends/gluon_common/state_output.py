@@ -106,7 +106,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from gdn_dispatch.aot import AotKernel
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, state_dims
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, empty_final_state
 from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, shared_memory_per_block
 from gdn_dispatch.varlen import ChunkTable
 
@@ -694,9 +694,7 @@ def state_buffers(q: torch.Tensor, o_shape: tuple, N: int, K: int, vk: bool, out
         o, final_state = out
     else:
         o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
-        final_state = None
-        if output_final_state:
-            final_state = torch.empty(state_dims(N, HV, K, V, vk), dtype=torch.float32, device=q.device)
+        final_state = empty_final_state(output_final_state, N, HV, K, V, vk, q.device)
     h0 = initial_state
     if h0 is not None and not use_pool and h0.dtype not in (torch.float32, torch.bfloat16):
         h0 = h0.to(torch.float32)

@@ -39,7 +39,7 @@ import functools
 import torch
 import triton.language as tl
 
-from gdn_dispatch.contract import state_dims
+from gdn_dispatch.contract import empty_final_state
 
 from gdn_dispatch.backends.triton_generic._jit import (
     _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
@@ -249,9 +249,7 @@ def segment_scan_fwd(
         seg_h0, final_state = out
     else:
         seg_h0 = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=n_in.device)
-        final_state = None
-        if output_final_state:
-            final_state = torch.empty(state_dims(N, HV, K, V, state_vk), dtype=torch.float32, device=n_in.device)
+        final_state = empty_final_state(output_final_state, N, HV, K, V, state_vk, n_in.device)
     if N * HV == 0:
         return seg_h0, final_state
     cfg = config

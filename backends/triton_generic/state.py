@@ -23,7 +23,7 @@ import torch
 import triton.language as tl
 
 from gdn_dispatch import varlen
-from gdn_dispatch.contract import CHUNK_SIZE, state_dims
+from gdn_dispatch.contract import CHUNK_SIZE, empty_final_state
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
@@ -330,9 +330,7 @@ def state_fwd(
     else:
         h = torch.empty(chunks.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
         v_new = torch.empty_like(u)
-        final_state = None
-        if output_final_state:
-            final_state = torch.empty(state_dims(N, HV, K, V, state_vk), dtype=torch.float32, device=k.device)
+        final_state = empty_final_state(output_final_state, N, HV, K, V, state_vk, k.device)
     if N * HV == 0:
         return h, v_new, final_state
     capability, device_sms = device_facts(k.device)
