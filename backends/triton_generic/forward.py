@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from gdn_dispatch import native
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout, state_dims
 
@@ -101,8 +102,6 @@ def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, 
     key = (HV, K, V, problem.q.dtype, l2, vk, final, unsegmented)
     alloc = _ALLOCATORS.get(key)
     if alloc is None:
-        from gdn_dispatch import native
-
         f32 = torch.float32
         # Sizes: -1 B, -2 T, -3 N, -4 chunk slots.
         specs = [((-1, -2, HV), f32)] + ([((-1, -2, HV), f32)] if l2 else [])
