@@ -54,10 +54,12 @@ import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields, state_dims
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
+from gdn_dispatch.backends.gluon_common.buffers import call_buffers
+from gdn_dispatch.backends.gluon_common.call_program import run_call
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
@@ -65,7 +67,6 @@ from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
-from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,6 +95,11 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     # the path's own needs decide what is copied.
     cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
+    if not cp.enabled:
+        # The common forms in one native call, where the layer is built (None: not taken).
+        done = run_call(problem, launches, engine)
+        if done is not None:
+            return done
     # On the path the qk l2 norm kernel reads q and k by pointer, at any token stride, and
     # the TMA reads its normalized copies: only v must be TMA-readable.
     norm_copies = launches.norm_copies
@@ -121,52 +127,6 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         state_indices=problem.state_indices, out=buffers[3:],
     )
     return o, final_state
-
-
-def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
-                 t_rows: int = 0) -> tuple[torch.Tensor, ...]:
-    """Every tensor the call's launches write, allocated in one call by the call class's
-    allocator (:func:`gdn_dispatch.native.allocator`, made at the class's first call of
-    each form: head counts and dims, dtype, layout and the final-state flag are in the class
-    key, the offsets' and maps' dtypes in the allocator's).
-
-    Returns
-    -------
-    On the warp-specialized path (``launches.fused``): o ``[B, T, HV, V]`` (q's dtype),
-    g_cum float32 ``[B, T, HV]``, t_tiles ``[t_rows, 64]`` (q's dtype; ``t_rows`` from
-    :func:`.wy_t.planned_t_tile_rows`), then the final state as below. Else:
-    w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` (q's dtype), g_cum float32 ``[B, T, HV]``,
-    o ``[B, T, HV, V]`` (q's dtype); with context parallelism then pass 1's seg_cu
-    ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
-    (:func:`~gdn_dispatch.backends.triton_generic.segment_map.maps_dtype`), M_lo (bf16) and
-    N ``[NSEG, HV, K, V]`` (float32), and the scan's seg_h0 ``[NSEG, HV, K, V]`` (float32);
-    last the float32 final state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), None
-    unless ``output_final_state``.
-    """
-    HV, K, V = problem.HV, problem.K, problem.V
-    if launches.fused:
-        form = ("fused",)
-    elif cp.enabled:
-        form = ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype))
-    else:
-        form = ("pipeline",)
-    alloc = launches.cls.allocators.get(form)
-    if alloc is None:
-        # Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1.
-        if launches.fused:
-            specs = [((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32), ((-4, CHUNK_SIZE), None)]
-        else:
-            specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
-                     ((-1, -2, HV, V), None)]
-        if cp.enabled:
-            specs += [((-5,), form[1]), ((-4, HV, K, K), form[2]), ((-4, HV, K, K), torch.bfloat16),
-                      ((-4, HV, K, V), torch.float32), ((-4, HV, K, V), torch.float32)]
-        if problem.output_final_state:
-            specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), torch.float32))
-        alloc = launches.cls.allocators[form] = native.allocator(specs)
-    nseg = cp.num_segments
-    out = alloc(problem.q, problem.B, problem.T, problem.N, t_rows or nseg, nseg + 1)
-    return out if problem.output_final_state else (*out, None)
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:

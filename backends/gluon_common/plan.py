@@ -148,6 +148,9 @@ class ClassPlan:
     by_counts: dict = field(default_factory=dict, repr=False)
     #: The class's output allocators by form (the forward's ``call_buffers``), made on use.
     allocators: dict = field(default_factory=dict, repr=False)
+    #: The class's native call programs by launch sequence and initial-state presence
+    #: (:mod:`.call_program`), made on use.
+    programs: dict = field(default_factory=dict, repr=False)
 
     @property
     def flags(self) -> tuple:

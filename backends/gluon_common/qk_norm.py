@@ -182,9 +182,15 @@ def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: L
     rows = B * T * H
     if rows == 0:
         return
-    kernel, out_name = _norm_kernel(name)
-    launch_planned(kernel, launch, {}, {"q": q, "k": k, out_name: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k},
-                   rows=rows, num_seqs=0)
+    kernel, _ = _norm_kernel(name)
+    tensors, args = norm_launch_args(launch, q, k, out, rows, H, s_q, s_k)
+    launch_planned(kernel, launch, tensors, args, rows=rows, num_seqs=0)
+
+
+def norm_launch_args(launch: LaunchPlan, q, k, out, rows, H, s_q, s_k) -> tuple[dict, dict]:
+    """The descriptor tensors (none) and runtime arguments of one launch of ``launch``'s
+    norm kernel over ``rows`` (token, head) rows (:mod:`.call_program` binds the same lists)."""
+    return {}, {"q": q, "k": k, _norm_kernel(launch.kernel)[1]: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k}
 
 
 def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str, names: tuple[str, ...] = ("qk_rnorm_fwd",)

@@ -670,16 +670,24 @@ def state_output_fwd(
                              f"{tuple(rnorm.shape)} contiguous={rnorm.is_contiguous()}")
     else:
         rnorm = g_cum  # not read
-    tensors = {"q": q, "k": k, "w": w, "u": u, "o": o}
-    launch_planned(_state_output_fwd_kernel, launch, tensors, dict(
-        o_ptr=o, g_cum=g_cum, rnorm=rnorm,
-        h0=h0 if h0 is not None else g_cum, ht=final_state if final_state is not None else g_cum,
-        state_indices=state_indices if use_pool else chunks.cu_seqlens,
-        cu_seqlens=chunks.cu_seqlens, scale=float(scale),
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=h0.shape[0] if use_pool else 0,
-        V=launch.scalars["V"],
-    ), rows=B * T, num_seqs=N)
+    tensors, args = state_output_launch_args(
+        launch, q, k, w, u, o, g_cum, rnorm, h0 if h0 is not None else g_cum,
+        final_state if final_state is not None else g_cum, state_indices if use_pool else chunks.cu_seqlens,
+        chunks.cu_seqlens, float(scale), h0.shape[0] if use_pool else 0)
+    launch_planned(_state_output_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
     return o, final_state
+
+
+def state_output_launch_args(launch: LaunchPlan, q, k, w, u, o, g_cum, rnorm, h0, ht, state_indices, cu_seqlens,
+                             scale, pool_size) -> tuple[dict, dict]:
+    """The descriptor tensors and runtime arguments of one ``_state_output_fwd_kernel``
+    launch, the unused pointers (``rnorm``, ``h0``, ``ht``, ``state_indices``) already
+    replaced by a stand-in (what :func:`state_output_fwd` launches with;
+    :mod:`.call_program` binds the same lists)."""
+    return {"q": q, "k": k, "w": w, "u": u, "o": o}, dict(
+        o_ptr=o, g_cum=g_cum, rnorm=rnorm, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens,
+        scale=scale, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size,
+        V=launch.scalars["V"])
 
 
 def state_buffers(q: torch.Tensor, o_shape: tuple, N: int, K: int, vk: bool, output_final_state: bool,

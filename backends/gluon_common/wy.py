@@ -791,12 +791,20 @@ def wy_fwd(
             raise ValueError("wy_fwd: pass launch (a plan_wy plan) or device_info to plan one")
         launch = wy_plan(H, HV, K, V, k.dtype, chunks_have_tails(chunks, T), use_qk_l2norm, device_info)
     launch = launch.shared
-    tensors = {"k": k, "v": v, "w": w, "u": u}
-    launch_planned(_wy_fwd_kernel, launch, tensors, dict(
-        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
-    ), rows=B * T, num_seqs=chunks.num_seqs)
+    tensors, args = wy_launch_args(launch, k, v, w, u, g, g_cum, beta, chunks.cu_seqlens, chunks.num_seqs,
+                                   token_stride(g), token_stride(beta))
+    launch_planned(_wy_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=chunks.num_seqs)
     return w, u, g_cum
+
+
+def wy_launch_args(launch: LaunchPlan, k, v, w, u, g, g_cum, beta, cu_seqlens, num_seqs, s_g, s_beta
+                   ) -> tuple[dict, dict]:
+    """The descriptor tensors and runtime arguments of one ``_wy_fwd_kernel`` launch (what
+    :func:`wy_fwd` launches with; a call program binds the same lists to its call's values,
+    :mod:`.call_program`)."""
+    return {"k": k, "v": v, "w": w, "u": u}, dict(
+        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=cu_seqlens, N=num_seqs,
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=s_g, s_beta=s_beta)
 
 
 def wy_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, beta_dtype: torch.dtype | None = None,

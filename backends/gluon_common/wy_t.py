@@ -342,11 +342,19 @@ def wy_t_fwd(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: Chunk
         t_tiles, g_cum = out
     if B * T == 0 or HV == 0:
         return t_tiles, g_cum
-    launch_planned(_wy_t_fwd_kernel, launch, {"k": k, "t": t_tiles}, dict(
-        t_ptr=t_tiles, g=g, g_cum=g_cum, beta=beta, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
-        HV=HV, GROUP=launch.scalars["GROUP"], s_g=token_stride(g), s_beta=token_stride(beta),
-    ), rows=B * T, num_seqs=chunks.num_seqs)
+    tensors, args = wy_t_launch_args(launch, k, t_tiles, g, g_cum, beta, chunks.cu_seqlens, chunks.num_seqs,
+                                     token_stride(g), token_stride(beta))
+    launch_planned(_wy_t_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=chunks.num_seqs)
     return t_tiles, g_cum
+
+
+def wy_t_launch_args(launch: LaunchPlan, k, t_tiles, g, g_cum, beta, cu_seqlens, num_seqs, s_g, s_beta
+                     ) -> tuple[dict, dict]:
+    """The descriptor tensors and runtime arguments of one ``_wy_t_fwd_kernel`` launch (what
+    :func:`wy_t_fwd` launches with; :mod:`.call_program` binds the same lists)."""
+    return {"k": k, "t": t_tiles}, dict(
+        t_ptr=t_tiles, g=g, g_cum=g_cum, beta=beta, cu_seqlens=cu_seqlens, N=num_seqs,
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=s_g, s_beta=s_beta)
 
 
 def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l2_on_chip: bool = False) -> list:

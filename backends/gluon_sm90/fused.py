@@ -620,13 +620,22 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     if B * T == 0 or N * HV == 0:
         return o, fill_final_state_of_empty_call(final_state, h0, use_pool, problem.state_indices)
     cu = problem.chunks.cu_seqlens
-    launch_planned(_fused_fwd_kernel, launch, {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
-        o_ptr=o, g_cum=g_cum, h0=h0 if h0 is not None else g_cum,
-        ht=final_state if final_state is not None else g_cum,
-        state_indices=problem.state_indices if use_pool else cu, cu_seqlens=cu, scale=float(problem.scale),
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=h0.shape[0] if use_pool else 0,
-    ), rows=B * T, num_seqs=N)
+    tensors, args = fused_launch_args(
+        launch, q, k, v, t_tiles, o, g_cum, h0 if h0 is not None else g_cum,
+        final_state if final_state is not None else g_cum, problem.state_indices if use_pool else cu, cu,
+        float(problem.scale), h0.shape[0] if use_pool else 0)
+    launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
     return o, final_state
+
+
+def fused_launch_args(launch: LaunchPlan, q, k, v, t_tiles, o, g_cum, h0, ht, state_indices, cu_seqlens, scale,
+                      pool_size) -> tuple[dict, dict]:
+    """The descriptor tensors and runtime arguments of one ``_fused_fwd_kernel`` launch, the
+    unused pointers replaced by a stand-in (what :func:`fused_fwd` launches with;
+    :mod:`..gluon_common.call_program` binds the same lists)."""
+    return {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
+        o_ptr=o, g_cum=g_cum, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens, scale=scale,
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size)
 
 
 def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -> list[AotKernel]:

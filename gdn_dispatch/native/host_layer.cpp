@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/Dtype.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -104,6 +105,17 @@ class GuardedLauncher {
   // (device, args, tensors, g0, g1, g2, stream[, options]) -> bool
   bool call(py::handle device, py::handle args, py::handle tensors, py::handle g0, py::handle g1, py::handle g2,
             py::handle stream, py::handle options) {
+    py::tuple out;
+    if (!prepare(device, args, tensors, g0, g1, g2, stream, options, &out)) return false;
+    fire(out);
+    return true;
+  }
+
+  // The checks and the argument list of call() without the launch: false (nothing
+  // filled) at the first difference, else the C launch's arguments in *out. A call
+  // program checks every launch of a call this way before it launches any.
+  bool prepare(py::handle device, py::handle args, py::handle tensors, py::handle g0, py::handle g1, py::handle g2,
+               py::handle stream, py::handle options, py::tuple* launch_args) {
     if (!same(device, device_)) return false;
     if (!options_.is_none() && !same(options, options_)) return false;
     PyObject* arg_dict = args.ptr();
@@ -209,10 +221,14 @@ class GuardedLauncher {
     for (py::handle h : {g0, g1, g2, stream}) out[i++] = py::reinterpret_borrow<py::object>(h);
     for (size_t j = 0; j < n_prefix; ++j) out[i++] = prefix_[j];
     for (auto& value : filled) out[i++] = std::move(value);
-    PyObject* result = PyObject_Call(c_launch_.ptr(), out.ptr(), nullptr);
+    *launch_args = std::move(out);
+    return true;
+  }
+
+  void fire(const py::tuple& launch_args) {
+    PyObject* result = PyObject_Call(c_launch_.ptr(), launch_args.ptr(), nullptr);
     if (result == nullptr) throw py::error_already_set();
     Py_DECREF(result);
-    return true;
   }
 
  private:
@@ -386,18 +402,166 @@ py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h,
 // tensors [B, T, ...]: a 16-byte-aligned base and token rows a multiple of 16 bytes. True
 // when every tensor passes; False for any other (then the Python check decides: it also
 // reads token rows in place, and says why not).
+bool tma_rows_tensor(py::handle h) {
+  if (!is_tensor(h)) return false;
+  const at::Tensor& t = THPVariable_Unpack(h.ptr());
+  if (t.dim() < 2 || !t.is_contiguous()) return false;
+  if (reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  int64_t row = 1;
+  for (int64_t d = 2; d < t.dim(); ++d) row *= t.size(d);
+  return row * static_cast<int64_t>(t.element_size()) % 16 == 0;
+}
+
 bool tma_rows_ok(py::tuple tensors) {
-  for (py::handle h : tensors) {
-    if (!is_tensor(h)) return false;
-    const at::Tensor& t = THPVariable_Unpack(h.ptr());
-    if (t.dim() < 2 || !t.is_contiguous()) return false;
-    if (reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-    int64_t row = 1;
-    for (int64_t d = 2; d < t.dim(); ++d) row *= t.size(d);
-    if (row * static_cast<int64_t>(t.element_size()) % 16 != 0) return false;
-  }
+  for (py::handle h : tensors)
+    if (!tma_rows_tensor(h)) return false;
   return true;
 }
+
+
+// A call program: one call's allocations and launches, planned once per launch sequence
+// (gdn_dispatch.backends.gluon_common.call_program builds it from the stage wrappers' own
+// argument lists), run in one C++ call. Each launch argument is bound to where its value
+// comes from in the call: one of its inputs, one of the buffers it allocates, one of its
+// counts, a constant, its scale, or one entry of a buffer's first dim. Every launch goes through the GuardedLauncher of the
+// kernel its plan launched last (the LaunchPlan's "fast" entry), whose checks all pass
+// before the first launch: a call that any of them refuses launches nothing and returns
+// None (the Python path then runs it, binding as usual).
+enum class Source : int { Input = 0, Buffer = 1, Count = 2, Constant = 3, Scale = 4, Item = 5 };
+
+struct Bound {
+  py::object key;
+  Source source;
+  int index;
+  py::object value;  // Constant: the value; Item: which entry of the buffer's first dim
+};
+
+struct Step {
+  py::object compiled;  // the stage LaunchPlan's compiled dict
+  std::vector<Bound> args, tensors;
+  int64_t row_block, per_seq, times, minimum, more0, more1;
+  bool ceil;
+  int rows_count, seqs_count;  // indices into the call's counts; -1: 0
+};
+
+std::vector<Bound> bounds_of(py::list items) {
+  std::vector<Bound> out;
+  for (auto item : items) {
+    auto t = item.cast<py::tuple>();
+    int source = t[1].cast<int>();
+    if (source < 0 || source > static_cast<int>(Source::Item)) throw std::invalid_argument("CallProgram: bad source");
+    out.push_back(Bound{py::reinterpret_borrow<py::object>(t[0]), static_cast<Source>(source), t[2].cast<int>(),
+                        py::reinterpret_borrow<py::object>(t[3])});
+  }
+  return out;
+}
+
+class CallProgram {
+ public:
+  CallProgram(py::list specs, std::vector<int> tma_inputs, std::vector<int> row_inputs, int state_input)
+      : alloc_(std::move(specs)), tma_inputs_(std::move(tma_inputs)), row_inputs_(std::move(row_inputs)),
+        state_input_(state_input), fast_key_(py::str("fast")) {}
+
+  // grid: (row_block, ceil, per_seq, times, minimum, more0, more1), GridRule's terms.
+  void add_step(py::object compiled, py::list args, py::list tensors, py::tuple grid, int rows_count,
+                int seqs_count) {
+    if (!PyDict_Check(compiled.ptr())) throw std::invalid_argument("CallProgram: compiled must be a dict");
+    Step s;
+    s.compiled = std::move(compiled);
+    s.args = bounds_of(args);
+    s.tensors = bounds_of(tensors);
+    s.row_block = grid[0].cast<int64_t>();
+    s.ceil = grid[1].cast<bool>();
+    s.per_seq = grid[2].cast<int64_t>();
+    s.times = grid[3].cast<int64_t>();
+    s.minimum = grid[4].cast<int64_t>();
+    s.more0 = grid[5].cast<int64_t>();
+    s.more1 = grid[6].cast<int64_t>();
+    s.rows_count = rows_count;
+    s.seqs_count = seqs_count;
+    steps_.push_back(std::move(s));
+  }
+
+  // inputs: the call's tensors (and None) as the bindings index them; sizes: the
+  // allocator's six; counts: the ints the launches read (and size their grids from).
+  py::object run(py::tuple inputs, std::vector<int64_t> sizes, std::vector<int64_t> counts, py::object scale,
+                 py::handle device, py::handle stream) {
+    const py::object refuse = py::none();
+    if (sizes.size() != Allocator::kSizes) throw std::invalid_argument("CallProgram.run: six sizes");
+    for (int i : tma_inputs_)
+      if (!tma_rows_tensor(inputs[i])) return refuse;
+    for (int i : row_inputs_) {
+      if (!is_tensor(inputs[i])) return refuse;
+      if (!THPVariable_Unpack(inputs[i].ptr()).is_contiguous()) return refuse;
+    }
+    if (state_input_ >= 0 && !inputs[state_input_].is_none()) {
+      if (!is_tensor(inputs[state_input_])) return refuse;
+      const at::Tensor& s = THPVariable_Unpack(inputs[state_input_].ptr());
+      // Read in place by the kernels: float32 or bfloat16, contiguous (others are converted first).
+      if (!s.is_contiguous() || (s.scalar_type() != at::kFloat && s.scalar_type() != at::kBFloat16)) return refuse;
+    }
+    py::tuple buffers = alloc_.call(inputs[0], sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
+    std::vector<py::object> count_objs;
+    for (int64_t c : counts) count_objs.push_back(py::int_(c));
+    std::vector<GuardedLauncher*> launchers;
+    std::vector<py::tuple> prepared;
+    for (const Step& s : steps_) {
+      PyObject* fast = PyDict_GetItemWithError(s.compiled.ptr(), fast_key_.ptr());
+      if (fast == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return refuse;
+      }
+      py::handle fast_h(fast);
+      if (!py::isinstance<GuardedLauncher>(fast_h)) return refuse;
+      GuardedLauncher* launcher = fast_h.cast<GuardedLauncher*>();
+      py::dict args = bind(s.args, inputs, buffers, count_objs, scale);
+      py::dict tensors = bind(s.tensors, inputs, buffers, count_objs, scale);
+      const int64_t rows = s.rows_count < 0 ? 0 : counts[s.rows_count];
+      const int64_t seqs = s.seqs_count < 0 ? 0 : counts[s.seqs_count];
+      int64_t units = 0;
+      if (s.row_block) units = s.ceil ? (rows + s.row_block - 1) / s.row_block : rows / s.row_block;
+      const int64_t g0 = std::max(s.minimum, units + seqs * s.per_seq) * s.times;
+      py::tuple launch_args;
+      if (!launcher->prepare(device, args, tensors, py::int_(g0), py::int_(s.more0), py::int_(s.more1), stream,
+                             py::none(), &launch_args))
+        return refuse;
+      launchers.push_back(launcher);
+      prepared.push_back(std::move(launch_args));
+    }
+    for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
+    return std::move(buffers);
+  }
+
+ private:
+  static py::dict bind(const std::vector<Bound>& bounds, const py::tuple& inputs, const py::tuple& buffers,
+                       const std::vector<py::object>& counts, const py::object& scale) {
+    py::dict out;
+    for (const Bound& b : bounds) {
+      py::handle value;
+      py::object item;
+      switch (b.source) {
+        case Source::Item:
+          item = py::reinterpret_steal<py::object>(
+              THPVariable_Wrap(THPVariable_Unpack(buffers[b.index].ptr()).select(0, b.value.cast<int64_t>())));
+          value = item;
+          break;
+        case Source::Input: value = inputs[b.index]; break;
+        case Source::Buffer: value = buffers[b.index]; break;
+        case Source::Count: value = counts.at(b.index); break;
+        case Source::Constant: value = b.value; break;
+        case Source::Scale: value = scale; break;
+      }
+      if (PyDict_SetItem(out.ptr(), b.key.ptr(), value.ptr()) != 0) throw py::error_already_set();
+    }
+    return out;
+  }
+
+  Allocator alloc_;
+  std::vector<int> tma_inputs_, row_inputs_;
+  int state_input_;
+  py::str fast_key_;
+  std::vector<Step> steps_;
+};
 
 }  // namespace
 
@@ -423,4 +587,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::list>(), py::arg("specs"))
       .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b") = 0, py::arg("c") = 0,
            py::arg("d") = 0, py::arg("e") = 0, py::arg("f") = 0);
+  m.attr("SOURCE_INPUT") = static_cast<int>(Source::Input);
+  m.attr("SOURCE_BUFFER") = static_cast<int>(Source::Buffer);
+  m.attr("SOURCE_COUNT") = static_cast<int>(Source::Count);
+  m.attr("SOURCE_CONSTANT") = static_cast<int>(Source::Constant);
+  m.attr("SOURCE_SCALE") = static_cast<int>(Source::Scale);
+  m.attr("SOURCE_ITEM") = static_cast<int>(Source::Item);
+  py::class_<CallProgram>(m, "CallProgram")
+      .def(py::init<py::list, std::vector<int>, std::vector<int>, int>(), py::arg("specs"), py::arg("tma_inputs"),
+           py::arg("row_inputs"), py::arg("state_input"))
+      .def("add_step", &CallProgram::add_step, py::arg("compiled"), py::arg("args"), py::arg("tensors"),
+           py::arg("grid"), py::arg("rows_count"), py::arg("seqs_count"))
+      .def("__call__", &CallProgram::run, py::arg("inputs"), py::arg("sizes"), py::arg("counts"), py::arg("scale"),
+           py::arg("device"), py::arg("stream"));
 }

@@ -1,0 +1,168 @@
+"""The Gluon forward's call programs (:mod:`.call_program`) against its Python path.
+
+A call program binds the stage wrappers' own argument lists to a call's values in C++;
+these tests run each call of a fuzz through both paths, launches stubbed as in
+``test_gluon_host_path.py``, and require the same launches: kernel, grid, every argument
+of the C launch (pointers compared by which tensor they point at: each path's buffers are
+its own), and the outputs returned pointing where the launches wrote. Forms the program
+takes (no pool, contiguous inputs, a float32 or bfloat16 initial state) must be taken
+once the Python path has bound the call's kernels; every other form must be left to the
+Python path, with nothing launched by the program. Needs the native layer built.
+"""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.contract import make_problem  # noqa: E402
+from gdn_dispatch.device import assumed_device  # noqa: E402
+
+from gdn_dispatch.backends.gluon_common import call_program  # noqa: E402
+from gdn_dispatch.backends.gluon_common import forward as F  # noqa: E402
+from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
+
+from test_gluon_host_path import _engine, stubbed_launches  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ADDRESS = 2 ** 32  # CPU heap addresses lie above; no count or size of these calls does
+
+
+def _random_form(rng: random.Random) -> tuple[dict, bool]:
+    """A random call (CPU tensors, fresh values) and whether a program may take it."""
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    H, group = rng.choice([(1, 1), (2, 2), (4, 2), (16, 2), (8, 4)])
+    HV = H * group
+    K, V = rng.choice([(128, 128), (128, 128), (64, 128), (128, 64), (64, 64)])
+    lengths = [rng.choice([1, 17, 63, 64, 65, 130, 200]) for _ in range(rng.randint(1, 6))]
+    varlen = rng.random() < 0.6
+    if not varlen:
+        lengths = [lengths[0]] * len(lengths)
+    T = sum(lengths) if varlen else lengths[0]
+    B = 1 if varlen else len(lengths)
+    gen = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    q = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    k = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
+    g = -torch.rand(B, T, HV, generator=gen).to(rng.choice([torch.float32, dtype]))
+    beta = torch.rand(B, T, HV, generator=gen).to(rng.choice([torch.float32, dtype]))
+    call = dict(q=q, k=k, v=v, g=g, beta=beta, output_final_state=rng.random() < 0.7,
+                use_qk_l2norm_in_kernel=rng.random() < 0.5, state_layout=rng.choice(["kv", "vk"]),
+                scale=rng.choice([None, 0.3]))
+    N = len(lengths)
+    if varlen:
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        cu_dtype = rng.choice([torch.int32, torch.int64])
+        call["cu_seqlens"] = torch.tensor(offsets, dtype=cu_dtype)
+        if rng.random() < 0.7:
+            call["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_dtype)
+    takes = True
+    state_shape = (N, HV, K, V) if call["state_layout"] == "kv" else (N, HV, V, K)
+    h0 = rng.choice([None, torch.float32, torch.bfloat16, torch.float16])
+    if h0 is not None:
+        call["initial_state"] = torch.randn(state_shape, generator=gen).to(h0)
+        takes = h0 is not torch.float16  # converted to float32 by the Python path
+    form = rng.random()
+    if form < 0.1:  # q a view of a fused projection's rows, read in place by the Python path
+        call["q"] = torch.randn(B, T, 2 * H * K, generator=gen).to(dtype)[..., :H * K].unflatten(-1, (H, K))
+        takes = False
+    elif form < 0.2:  # a state pool, read in place through state_indices
+        pool = torch.randn(N + 3, *state_shape[1:], generator=gen)
+        call.update(initial_state=pool, state_indices=torch.randperm(N + 3, generator=gen)[:N].to(torch.int32))
+        takes = False
+    return call, takes
+
+
+def _labels(records, outputs, inputs):
+    """The launches with each address as the name of its input or the order it first
+    appeared in (outputs last)."""
+    names = {t.data_ptr(): name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.numel()}
+    seen: dict[int, str] = {}
+
+    def label(x):
+        if isinstance(x, tuple):
+            return tuple(label(y) for y in x)
+        if isinstance(x, int) and not isinstance(x, bool) and x >= ADDRESS:
+            if x in names:
+                return names[x]
+            return seen.setdefault(x, f"buffer{len(seen)}")
+        return x
+
+    launches = [(fn.__name__, label(head), label(args)) for fn, head, args in records]
+    return launches, [None if t is None else (label(t.data_ptr()), tuple(t.shape), t.dtype) for t in outputs]
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_call_programs_launch_what_the_python_path_launches(native_built, capability):
+    clear_plan_cache()
+    device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
+    rng = random.Random(1234 + capability[0])
+    taken = {"yes": 0, "no": 0}
+    real_run_call = call_program.run_call
+
+    def spy(problem, launches, eng):
+        out = real_run_call(problem, launches, eng)
+        taken["yes" if out is not None else "no"] += 1
+        return out
+
+    paths = {"fused": 0, "pipeline": 0}
+    with stubbed_launches() as stub:
+        for i in range(120):
+            call, takes = _random_form(rng)
+            problem = make_problem(**call)
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
+            with mock.patch.object(F, "run_call", lambda *a: None):
+                F.forward(problem, device, engine=engine)  # binds this form's kernels
+                stub.runs.clear()
+                expected = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            stub.runs.clear()
+            taken.update(yes=0, no=0)
+            with mock.patch.object(F, "run_call", spy):
+                got = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            assert got == expected, f"call {i}: {call.keys()}"
+            assert problem.q.is_contiguous() == call["q"].is_contiguous()  # the view is read in place
+            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            if takes:
+                fused = F.plan(problem, device=device, engine=engine).fused
+                paths["fused" if fused else "pipeline"] += 1
+    # The fuzz covered what it is for: both paths where the engine has both.
+    assert paths["pipeline"] >= 20
+    assert paths["fused"] >= (5 if capability == (9, 0) else 0)
+
+
+def test_a_refused_check_launches_nothing(native_built):
+    """A program whose second launch's guard fails launches neither (all checks first)."""
+    clear_plan_cache()
+    device, engine = assumed_device("sm_90"), _engine((9, 0))
+    call, _ = _random_form(random.Random(5))
+    call.pop("state_indices", None)
+    # No qk l2 norm: the norm kernels' plans outlive clear_plan_cache (their own cache), and
+    # a kernel kept under another test's stub records its launches there.
+    call["q"], call["initial_state"], call["use_qk_l2norm_in_kernel"] = call["q"].contiguous(), None, False
+    problem = make_problem(**call)
+    with stubbed_launches() as stub:
+        F.forward(problem, device, engine=engine)
+        F.forward(problem, device, engine=engine)
+        launches = F.plan(problem, device=device, engine=engine)
+        last = launches.launches[-1]
+        fast = last.compiled["fast"]
+
+        class Refusing:  # not a GuardedLauncher: the program must refuse before any launch
+            def __call__(self, *args):
+                return fast(*args)
+
+        stub.runs.clear()
+        with mock.patch.dict(last.compiled, {"fast": Refusing()}):
+            assert call_program.run_call(problem, launches, engine) is None
+        assert stub.runs == []
+        assert call_program.run_call(problem, launches, engine) is not None
+        assert len(stub.runs) == len(launches.launches)
