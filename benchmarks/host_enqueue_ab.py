@@ -29,23 +29,26 @@ from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.bench_host import per_call_us
 from gdn_dispatch.testing import random_call
 
-#: (name, random_call shape, heads (H, HV), drop the host copy of cu_seqlens)
-CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False),
-         ("varlen-1x64", dict(lengths=[64]), (16, 32), False),
-         ("varlen-1x64-no-cpu", dict(lengths=[64]), (16, 32), True),
-         ("varlen-4x2048", dict(lengths=[2048] * 4), (16, 32), False),
-         ("uniform-1x8192", dict(batch=(1, 8192)), (16, 32), False),
-         ("H2-HV4-varlen-1x32768", dict(lengths=[32768]), (2, 4), False),
-         ("H2-HV4-varlen-1x32768-no-cpu", dict(lengths=[32768]), (2, 4), True)]
+#: (name, random_call shape, heads (H, HV), drop the host copy of cu_seqlens, qk l2 norm)
+CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False, False),
+         ("varlen-1x64", dict(lengths=[64]), (16, 32), False, False),
+         ("varlen-1x64-no-cpu", dict(lengths=[64]), (16, 32), True, False),
+         ("varlen-1x64-l2", dict(lengths=[64]), (16, 32), False, True),
+         ("varlen-4x2048", dict(lengths=[2048] * 4), (16, 32), False, False),
+         ("varlen-4x2048-l2", dict(lengths=[2048] * 4), (16, 32), False, True),
+         ("uniform-1x8192", dict(batch=(1, 8192)), (16, 32), False, False),
+         ("H2-HV4-varlen-1x32768", dict(lengths=[32768]), (2, 4), False, False),
+         ("H2-HV4-varlen-1x32768-no-cpu", dict(lengths=[32768]), (2, 4), True, False)]
 
 
 def case_calls():
     """``(name, f)`` per case: ``f`` makes the case's public call once."""
-    for name, shape, (H, HV), no_host_copy in CASES:
+    for name, shape, (H, HV), no_host_copy, l2 in CASES:
         call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
         if no_host_copy:
             call.pop("cu_seqlens_cpu", None)
-        yield name, (lambda call=call: chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90"))
+        yield name, (lambda call=call, l2=l2: chunk_gated_delta_rule(**call, output_final_state=True,
+                                                                      use_qk_l2norm_in_kernel=l2, backend="gluon_sm90"))
 
 
 def main() -> None:

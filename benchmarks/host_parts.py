@@ -6,9 +6,10 @@ Usage (a CUDA machine, repository root): ``python benchmarks/host_parts.py``. Pe
 call), each piece is called alone in 7 rounds of 100 back-to-back calls (the stream drained
 between rounds) and the median round printed: the public call, the contract
 (``make_problem``), the probe and the registry's choice, the forward, and inside the
-forward the context-parallel plan, the launch plan, the inputs' TMA check, the one-call
-allocation and the two stage wrappers (each with its launch); then three torch calls for
-scale. The segmented case prints its public call, contract, choice, forward and allocation,
+forward the context-parallel plan, the launch plan, the call program (:mod:`.call_program`:
+allocations and launches in one native call), and the Python path's pieces: the inputs' TMA
+check, the one-call allocation and the two stage wrappers (each with its launch); then
+three torch calls for scale. The segmented case prints its public call, contract, choice, forward and allocation,
 then a cProfile of 300 forwards.
 """
 import cProfile
@@ -21,6 +22,7 @@ import torch
 from gdn_dispatch import chunk_gated_delta_rule, native
 from gdn_dispatch.backends import gluon_sm90 as sm90
 from gdn_dispatch.backends.gluon_common import forward as F
+from gdn_dispatch.backends.gluon_common.call_program import run_call
 from gdn_dispatch.backends.gluon_common.plan import plan
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
@@ -66,6 +68,7 @@ def pieces(call: dict, problem, selection) -> dict:
     rows.update({
         "plan_for_problem": lambda: plan_for_problem(problem, device.sm_count),
         "plan": lambda: plan(problem, device=device, engine=sm90.ENGINE, fused=not cp.enabled),
+        "call program": lambda: run_call(problem, launches, sm90.ENGINE),
         "tma_readable": lambda: F.tma_readable(problem),
         "wy_fwd": lambda: wy_fwd(problem.k, problem.v, problem.g, problem.beta, problem.chunks, wy,
                                  out=(w, u, g_cum)),

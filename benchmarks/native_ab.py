@@ -1,23 +1,27 @@
-"""Host enqueue per public call with the native host layer off and on, in one process.
+"""Host enqueue per public call with the native host layer off, on without call programs,
+and on, in one process.
 
 Usage (a CUDA machine, repository root): ``python benchmarks/native_ab.py``. Builds the
 native layer first where it is not built (:func:`gdn_dispatch.native.build`). The GPU hosts
 lent here run the same Python up to 1.6x apart from one process to the next, so the arms
-alternate inside one process: per round and case, each arm (``GDN_DISPATCH_NATIVE=0``,
-then ``=1``) starts from emptied plan caches (its launchers and allocators made afresh), warms
-up with 3 calls and times 20 back-to-back calls (µs per call); 7 rounds. Prints, per case
-(:func:`host_enqueue_ab.case_calls`, gluon_sm90, initial and final state), each arm's median
-and the median of the per-round differences, after the host reference line.
+alternate inside one process: per round and case, each arm (``GDN_DISPATCH_NATIVE=0``;
+``=1`` with the Gluon forward's call programs left out (:mod:`.call_program`); ``=1``)
+starts from emptied plan caches (its launchers, allocators and programs made afresh),
+warms up with 3 calls and times 20 back-to-back calls (µs per call); 7 rounds. Prints, per
+case (:func:`host_enqueue_ab.case_calls`, gluon_sm90, initial and final state), each arm's
+median and the medians of the per-round differences, after the host reference line.
 """
 from __future__ import annotations
 
 import os
 import statistics
+from unittest import mock
 
 import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.backends import direct_launch
+from gdn_dispatch.backends.gluon_common import forward as gluon_forward
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 from gdn_dispatch.bench_host import format_reference, host_reference_us, per_call_us
 
@@ -26,28 +30,41 @@ from host_enqueue_ab import case_calls
 ROUNDS = 7
 
 
+#: The arms: (GDN_DISPATCH_NATIVE, call programs on).
+ARMS = {"off": ("0", False), "no programs": ("1", False), "on": ("1", True)}
+
+
 def fresh(arm: str) -> None:
-    """Switch the layer and drop every launcher and allocator made so far."""
-    os.environ[native.NATIVE_ENV] = arm
+    """Switch the layer and drop every launcher, allocator and program made so far."""
+    os.environ[native.NATIVE_ENV] = ARMS[arm][0]
     clear_plan_cache()
     direct_launch._CALL_SITES.clear()
+
+
+def timed(arm: str, f) -> float:
+    fresh(arm)
+    if ARMS[arm][1]:
+        return per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3)
+    with mock.patch.object(gluon_forward, "run_call", lambda *args: None):
+        return per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3)
 
 
 def main() -> None:
     native.build()
     print(f"native host layer: {native.status()}")
     print(format_reference(host_reference_us("cuda")), flush=True)
-    print("| case | off µs | on µs | on - off, median of rounds |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| case | off µs | on, no programs µs | on µs | on - off | on - no programs |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, f in case_calls():
-        times = {"0": [], "1": []}
+        times = {arm: [] for arm in ARMS}
         for _ in range(ROUNDS):
-            for arm in ("0", "1"):
-                fresh(arm)
-                times[arm].append(per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3))
-        diff = statistics.median(b - a for a, b in zip(times["0"], times["1"]))
-        print(f"| {name} | {statistics.median(times['0']):.1f} | {statistics.median(times['1']):.1f} | "
-              f"{diff:+.1f} |", flush=True)
+            for arm in ARMS:
+                times[arm].append(timed(arm, f))
+        med = {arm: statistics.median(t) for arm, t in times.items()}
+        diff = {base: statistics.median(b - a for a, b in zip(times[base], times["on"]))
+                for base in ("off", "no programs")}
+        print(f"| {name} | {med['off']:.1f} | {med['no programs']:.1f} | {med['on']:.1f} | {diff['off']:+.1f} | "
+              f"{diff['no programs']:+.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""The Gluon forward's call programs (:mod:`.call_program`) against its Python path.
+"""The call programs (:mod:`gdn_dispatch.backends.call_program`) of the Gluon forward and of
+triton_generic's against their Python paths.
 
 A call program binds the stage wrappers' own argument lists to a call's values in C++;
-these tests run each call of a fuzz through both paths, launches stubbed as in
-``test_gluon_host_path.py``, and require the same launches: kernel, grid, every argument
+these tests run each call of a fuzz through both paths, launches stubbed (as in
+``test_gluon_host_path.py``; triton_generic's binder and launch site runtime likewise),
+and require the same launches: kernel, grid, every argument
 of the C launch (pointers compared by which tensor they point at: each path's buffers are
 its own), and the outputs returned pointing where the launches wrote. Forms the program
 takes (no pool, contiguous inputs, a float32 or bfloat16 initial state) must be taken
@@ -12,6 +14,8 @@ Python path, with nothing launched by the program. Needs the native layer built.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import random
 from unittest import mock
 
@@ -23,23 +27,30 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
+from gdn_dispatch.backends import direct_launch  # noqa: E402
 from gdn_dispatch.backends.gluon_common import call_program  # noqa: E402
+from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import forward as F  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
+from gdn_dispatch.backends.triton_generic import call_program as tg_program  # noqa: E402
+from gdn_dispatch.backends.triton_generic import configs as tg_configs  # noqa: E402
+TG = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")  # the module (the package exports
+# a function of that name)
 
-from test_gluon_host_path import _engine, stubbed_launches  # noqa: E402
+from test_gluon_host_path import _Compiled, _engine, _raw_launch, stubbed_launches  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 ADDRESS = 2 ** 32  # CPU heap addresses lie above; no count or size of these calls does
 
 
-def _random_form(rng: random.Random) -> tuple[dict, bool]:
+def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128), (128, 64), (64, 64)),
+                 dtypes=(torch.bfloat16, torch.float16)) -> tuple[dict, bool]:
     """A random call (CPU tensors, fresh values) and whether a program may take it."""
-    dtype = rng.choice([torch.bfloat16, torch.float16])
+    dtype = rng.choice(dtypes)
     H, group = rng.choice([(1, 1), (2, 2), (4, 2), (16, 2), (8, 4)])
     HV = H * group
-    K, V = rng.choice([(128, 128), (128, 128), (64, 128), (128, 64), (64, 64)])
+    K, V = rng.choice(head_dims)
     lengths = [rng.choice([1, 17, 63, 64, 65, 130, 200]) for _ in range(rng.randint(1, 6))]
     varlen = rng.random() < 0.6
     if not varlen:
@@ -166,3 +177,63 @@ def test_a_refused_check_launches_nothing(native_built):
         assert stub.runs == []
         assert call_program.run_call(problem, launches, engine) is not None
         assert len(stub.runs) == len(launches.launches)
+
+
+@contextlib.contextmanager
+def stubbed_triton_launches():
+    """triton_generic's launches on CPU tensors without the interpreter: Triton's binder
+    returns a stand-in kernel whose C launch records (kernel, grid + prefix, arguments)."""
+    runs: list = []
+
+    class Runtime:
+        compat = compat
+
+        def direct(self):
+            return True
+
+        def stream(self, device):
+            return 1234
+
+    def jit_launch(kernel, grid, cfg, kwargs):
+        return _Compiled(kernel.fn, runs, 0)
+
+    with mock.patch.object(tg_configs, "_jit_launch", jit_launch), mock.patch.object(compat, "raw_launch", _raw_launch), \
+            mock.patch.object(direct_launch, "_RUNTIME", Runtime()), mock.patch.object(direct_launch, "_CALL_SITES", {}), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0):
+        tg_program.clear_programs()
+        yield runs
+    tg_program.clear_programs()
+
+
+def test_triton_generic_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rng = random.Random(77)
+    taken = {"yes": 0}
+    real_run_call = tg_program.run_call
+
+    def spy(problem, sm_count):
+        out = real_run_call(problem, sm_count)
+        taken["yes"] += out is not None
+        return out
+
+    count = 0
+    with stubbed_triton_launches() as runs:
+        for i in range(120):
+            call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64)),
+                                       dtypes=(torch.bfloat16, torch.float16, torch.float32))
+            problem = make_problem(**call)
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
+            with mock.patch.object(TG, "run_call", lambda *a: None):
+                TG.forward(problem)  # binds this form's kernels
+                runs.clear()
+                expected = _labels(runs, TG.forward(problem), inputs)
+            runs.clear()
+            taken["yes"] = 0
+            with mock.patch.object(TG, "run_call", spy):
+                got = _labels(runs, TG.forward(problem), inputs)
+            assert len(got[0]) == 4, f"call {i}: {[name for name, *_ in got[0]]}"
+            assert got == expected, f"call {i}: {call.keys()}"
+            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            count += takes
+    assert count >= 60

@@ -73,7 +73,14 @@ def chunk_cumsum_fwd(
         return g_cum
     cfg = cumsum_config(HV)
     grid = (chunks.num_slots, -(-HV // cfg.BH))  # host ceil-div (triton.cdiv is a slow constexpr function)
-    launch(_chunk_cumsum_fwd_kernel, grid, cfg,
-           g=g, g_cum=g_cum, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs, scale=float(scale),
-           s_g=token_stride("g", g), HV=HV, BT=chunks.chunk_size, BH=cfg.BH)
+    launch(_chunk_cumsum_fwd_kernel, grid, cfg, **cumsum_launch_args(
+        cfg, g, g_cum, chunks.cu_seqlens, chunks.num_seqs, float(scale), token_stride("g", g), HV, chunks.chunk_size))
     return g_cum
+
+
+def cumsum_launch_args(cfg, g, g_cum, cu_seqlens, num_seqs, scale, s_g, HV, BT) -> dict:
+    """Every argument of one ``_chunk_cumsum_fwd_kernel`` launch by name (what
+    :func:`chunk_cumsum_fwd` launches with; a call program binds the same list,
+    :mod:`.call_program`)."""
+    return dict(g=g, g_cum=g_cum, cu_seqlens=cu_seqlens, N=num_seqs, scale=scale, s_g=s_g, HV=HV, BT=BT,
+                BH=cfg.BH)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from gdn_dispatch import native
 from gdn_dispatch.context_parallel import plan_for_problem
-from gdn_dispatch.contract import GDNProblem, StateLayout, state_dims
+from gdn_dispatch.contract import GDNProblem, StateLayout
 
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
+from gdn_dispatch.backends.triton_generic.buffers import call_buffers
+from gdn_dispatch.backends.triton_generic.call_program import run_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
 from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
@@ -55,6 +56,11 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
     plan = plan_for_problem(problem, sm_count)
+    if not plan.enabled:
+        # The common forms in one native call, where the layer is built (None: not taken).
+        done = run_call(problem, sm_count)
+        if done is not None:
+            return done
     # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
     # with the qk l2 norm), w, u and, unsegmented, h, v_new, o and the final state.
     g_cum, k_rnorm, w, u, *stages = call_buffers(problem, not plan.enabled)
@@ -82,39 +88,6 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm, out=o)
     return o, final_state
-
-
-#: One allocator per (HV, K, V, dtype, l2 norm, state layout, final state, unsegmented).
-_ALLOCATORS: dict[tuple, object] = {}
-
-
-def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, ...]:
-    """What the stages write, allocated in one call (:func:`gdn_dispatch.native.allocator`):
-    g_cum float32 ``[B, T, HV]``; k_rnorm float32 ``[B, T, HV]`` (None without the qk l2
-    norm); w ``[B, T, HV, K]`` and u ``[B, T, HV, V]`` in k's dtype; and ``unsegmented``
-    (stages 4 and 5 over the sequences) h ``[NS, HV, K, V]`` (k's dtype, NS chunk slots),
-    v_new ``[B, T, HV, V]`` (k's dtype), o ``[B, T, HV, V]`` (q's dtype) and the float32
-    final state (``[N, HV, K, V]``, "vk": ``[N, HV, V, K]``; None unless
-    ``output_final_state``)."""
-    HV, K, V, l2 = problem.HV, problem.K, problem.V, problem.use_qk_l2norm
-    final = problem.output_final_state and unsegmented
-    vk = problem.state_layout is StateLayout.VK
-    key = (HV, K, V, problem.q.dtype, l2, vk, final, unsegmented)
-    alloc = _ALLOCATORS.get(key)
-    if alloc is None:
-        f32 = torch.float32
-        # Sizes: -1 B, -2 T, -3 N, -4 chunk slots.
-        specs = [((-1, -2, HV), f32)] + ([((-1, -2, HV), f32)] if l2 else [])
-        specs += [((-1, -2, HV, K), None), ((-1, -2, HV, V), None)]
-        if unsegmented:
-            specs += [((-4, HV, K, V), None), ((-1, -2, HV, V), None), ((-1, -2, HV, V), None)]
-            if final:
-                specs.append((state_dims(-3, HV, K, V, vk), f32))
-        alloc = _ALLOCATORS[key] = native.allocator(specs)
-    out = alloc(problem.q, problem.B, problem.T, problem.N, problem.chunks.num_slots)
-    if not l2:
-        out = (out[0], None, *out[1:])
-    return out if final or not unsegmented else (*out, None)
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:

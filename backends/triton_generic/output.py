@@ -142,14 +142,21 @@ def output_fwd(
         return o
     capability, _ = device_facts(q.device)
     cfg = config or output_config(K, V, q.element_size(), capability)
-    dot_prec, _ = dot_precisions(q.dtype)
     grid = (chunks.num_slots * HV, -(-V // cfg.BV))
-    launch(_output_fwd_kernel, grid, cfg,
-        q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, o=o,
-        cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
-        scale=float(scale), s_q=token_stride("q", q), s_k=token_stride("k", k),
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
-        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(q.dtype),
-    )
+    launch(_output_fwd_kernel, grid, cfg, **output_launch_args(
+        cfg, q.dtype, q, k, v_new, h, g_cum, k_rnorm if k_rnorm is not None else g_cum, o, chunks.cu_seqlens,
+        chunks.num_seqs, float(scale), token_stride("q", q), token_stride("k", k), H, HV, K, V, BT,
+        use_qk_l2norm=use_qk_l2norm, load_rnorm=use_qk_l2norm and k_rnorm is not None))
     return o
+
+
+def output_launch_args(cfg, dtype, q, k, v_new, h, g_cum, k_rnorm, o, cu_seqlens, num_seqs, scale, s_q, s_k,
+                       H, HV, K, V, BT, *, use_qk_l2norm, load_rnorm) -> dict:
+    """Every argument of one ``_output_fwd_kernel`` launch by name, ``k_rnorm`` already
+    replaced by a stand-in where unused (what :func:`output_fwd` launches with;
+    :mod:`.call_program` binds the same list)."""
+    dot_prec, _ = dot_precisions(dtype)
+    return dict(
+        q=q, k=k, v_new=v_new, h=h, g_cum=g_cum, k_rnorm=k_rnorm, o=o, cu_seqlens=cu_seqlens, N=num_seqs,
+        scale=scale, s_q=s_q, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
+        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(dtype))

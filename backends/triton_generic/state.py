@@ -336,19 +336,28 @@ def state_fwd(
     capability, device_sms = device_facts(k.device)
     cfg = config or state_config(K, V, N * HV, k.element_size(), capability,
                                  device_sms if sm_count is None else sm_count)
-    dot_prec, _ = dot_precisions(k.dtype)
     grid = (N * HV * -(-V // cfg.BV),)
-    launch(_state_fwd_kernel, grid, cfg,
-        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, h=h, v_new=v_new,
-        h0=initial_state if initial_state is not None else g_cum,
-        ht=final_state if final_state is not None else g_cum,
-        cu_seqlens=chunks.cu_seqlens,
-        state_indices=state_indices if state_indices is not None else chunks.cu_seqlens,
-        s_k=token_stride("k", k), P=initial_state.shape[0] if state_indices is not None else 0,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=state_block_k(K), BV=cfg.BV,
-        USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
-        INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None, STATE_VK=state_vk,
-        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype), INTERPRET=interpreting(),
-    )
+    launch(_state_fwd_kernel, grid, cfg, **state_launch_args(
+        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, h, v_new,
+        initial_state if initial_state is not None else g_cum, final_state if final_state is not None else g_cum,
+        chunks.cu_seqlens, state_indices if state_indices is not None else chunks.cu_seqlens, token_stride("k", k),
+        initial_state.shape[0] if state_indices is not None else 0, H, HV, K, V, BT,
+        use_h0=initial_state is not None, use_pool=state_indices is not None,
+        inplace=state_indices is not None and inplace_final_state, store_ht=final_state is not None,
+        state_vk=state_vk, use_qk_l2norm=use_qk_l2norm, load_rnorm=use_qk_l2norm and k_rnorm is not None))
     return h, v_new, final_state
+
+
+def state_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, h, v_new, h0, ht, cu_seqlens, state_indices, s_k, P,
+                      H, HV, K, V, BT, *, use_h0, use_pool, inplace, store_ht, state_vk, use_qk_l2norm, load_rnorm
+                      ) -> dict:
+    """Every argument of one ``_state_fwd_kernel`` launch by name, the unused pointers
+    already replaced by a stand-in (what :func:`state_fwd` launches with;
+    :mod:`.call_program` binds the same list)."""
+    dot_prec, _ = dot_precisions(dtype)
+    return dict(
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, h=h, v_new=v_new, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
+        state_indices=state_indices, s_k=s_k, P=P, H=H, HV=HV, K=K, V=V, BT=BT, BK=state_block_k(K),
+        BV=cfg.BV, USE_H0=use_h0, USE_POOL=use_pool, INPLACE=inplace, STORE_HT=store_ht, STATE_VK=state_vk,
+        USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(dtype),
+        INTERPRET=interpreting())

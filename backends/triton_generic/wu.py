@@ -158,14 +158,22 @@ def wu_fwd(
         return w, u
     capability, _ = device_facts(k.device)
     cfg = config or intra_config(K, V, k.element_size(), capability)
-    dot_prec, solve_prec = dot_precisions(k.dtype)
-    launch(_wu_fwd_kernel, (chunks.num_slots * HV,), cfg,
-        k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv if A_inv is not None else g_cum, w=w, u=u,
-        k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
-        s_k=token_stride("k", k), s_v=token_stride("v", v), s_b=token_stride("beta", beta),
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV, FUSED_SOLVE=A_inv is None,
-        USE_L2NORM=use_qk_l2norm, STORE_RNORM=use_qk_l2norm and k_rnorm is not None,
-        DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
-        INTERP_BF16=interp_bf16_dots(k.dtype),
-    )
+    launch(_wu_fwd_kernel, (chunks.num_slots * HV,), cfg, **wu_launch_args(
+        cfg, k.dtype, k, v, g_cum, beta, A_inv if A_inv is not None else g_cum, w, u,
+        k_rnorm if k_rnorm is not None else g_cum, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
+        token_stride("v", v), token_stride("beta", beta), H, HV, K, V, BT, fused_solve=A_inv is None,
+        use_qk_l2norm=use_qk_l2norm, store_rnorm=use_qk_l2norm and k_rnorm is not None))
     return w, u
+
+
+def wu_launch_args(cfg, dtype, k, v, g_cum, beta, A_inv, w, u, k_rnorm, cu_seqlens, num_seqs, s_k, s_v, s_b,
+                   H, HV, K, V, BT, *, fused_solve, use_qk_l2norm, store_rnorm) -> dict:
+    """Every argument of one ``_wu_fwd_kernel`` launch by name, the unused pointers
+    (``A_inv``, ``k_rnorm``) already replaced by a stand-in (what :func:`wu_fwd` launches
+    with; :mod:`.call_program` binds the same list)."""
+    dot_prec, solve_prec = dot_precisions(dtype)
+    return dict(
+        k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv, w=w, u=u, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, N=num_seqs,
+        s_k=s_k, s_v=s_v, s_b=s_b, H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
+        FUSED_SOLVE=fused_solve, USE_L2NORM=use_qk_l2norm, STORE_RNORM=store_rnorm, DOT_PREC=dot_prec,
+        SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(dtype))

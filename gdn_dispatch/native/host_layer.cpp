@@ -437,7 +437,8 @@ struct Bound {
 };
 
 struct Step {
-  py::object compiled;  // the stage LaunchPlan's compiled dict
+  py::object compiled;  // a dict whose "fast" entry is the launch site's GuardedLauncher
+  py::object options;   // the launch options its launcher was made for (None: none)
   std::vector<Bound> args, tensors;
   int64_t row_block, per_seq, times, minimum, more0, more1;
   bool ceil;
@@ -462,12 +463,14 @@ class CallProgram {
       : alloc_(std::move(specs)), tma_inputs_(std::move(tma_inputs)), row_inputs_(std::move(row_inputs)),
         state_input_(state_input), fast_key_(py::str("fast")) {}
 
-  // grid: (row_block, ceil, per_seq, times, minimum, more0, more1), GridRule's terms.
+  // grid: (row_block, ceil, per_seq, times, minimum, more0, more1): grid[0] = max(minimum,
+  // counts[rows_count] / row_block (ceil: rounded up) + counts[seqs_count] * per_seq) * times.
   void add_step(py::object compiled, py::list args, py::list tensors, py::tuple grid, int rows_count,
-                int seqs_count) {
+                int seqs_count, py::object options) {
     if (!PyDict_Check(compiled.ptr())) throw std::invalid_argument("CallProgram: compiled must be a dict");
     Step s;
     s.compiled = std::move(compiled);
+    s.options = std::move(options);
     s.args = bounds_of(args);
     s.tensors = bounds_of(tensors);
     s.row_block = grid[0].cast<int64_t>();
@@ -523,7 +526,7 @@ class CallProgram {
       const int64_t g0 = std::max(s.minimum, units + seqs * s.per_seq) * s.times;
       py::tuple launch_args;
       if (!launcher->prepare(device, args, tensors, py::int_(g0), py::int_(s.more0), py::int_(s.more1), stream,
-                             py::none(), &launch_args))
+                             s.options, &launch_args))
         return refuse;
       launchers.push_back(launcher);
       prepared.push_back(std::move(launch_args));
@@ -597,7 +600,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::list, std::vector<int>, std::vector<int>, int>(), py::arg("specs"), py::arg("tma_inputs"),
            py::arg("row_inputs"), py::arg("state_input"))
       .def("add_step", &CallProgram::add_step, py::arg("compiled"), py::arg("args"), py::arg("tensors"),
-           py::arg("grid"), py::arg("rows_count"), py::arg("seqs_count"))
+           py::arg("grid"), py::arg("rows_count"), py::arg("seqs_count"), py::arg("options") = py::none())
       .def("__call__", &CallProgram::run, py::arg("inputs"), py::arg("sizes"), py::arg("counts"), py::arg("scale"),
            py::arg("device"), py::arg("stream"));
 }

@@ -1,0 +1,85 @@
+"""What the backends' call programs share: the call's values a launch argument is bound to.
+
+A call program (the native layer's ``CallProgram``, :mod:`gdn_dispatch.native`) runs the
+allocations and launches of a common call in one C++ call: each launch's argument list is
+the stage's own (the function its Python wrapper launches with), called once with
+:class:`Ref` placeholders where a call's values go, and bound to them at every call.
+:mod:`.gluon_common.call_program` and :mod:`.triton_generic.call_program` build them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from gdn_dispatch.contract import GDNProblem
+
+#: The call's inputs as a program indexes them (:func:`call_inputs`).
+INPUTS = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")
+Q, K, V, G, BETA, CU, H0 = range(len(INPUTS))
+#: The call's counts as a program indexes them (:func:`call_counts`): N, the token rows
+#: ``B * T``, the (token, head) rows ``B * T * H``, the chunk slots.
+COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS = range(4)
+
+
+class Ref(NamedTuple):
+    """Where a launch argument's value comes from in a call: ``source`` "input" (index
+    into :data:`INPUTS`), "buffer" (index into the program's buffers), "count" (index into
+    the counts), "scale" (the call's scale), or "item" (entry ``item`` of buffer ``index``'s
+    first dim)."""
+
+    source: str
+    index: int = 0
+    item: int = -1
+
+
+def input_ref(index: int) -> Ref:
+    return Ref("input", index)
+
+
+def buffer_ref(index: int) -> Ref:
+    return Ref("buffer", index)
+
+
+def count_ref(index: int) -> Ref:
+    return Ref("count", index)
+
+
+SCALE = Ref("scale")
+
+
+def call_inputs(problem: GDNProblem) -> tuple:
+    """The call's inputs in :data:`INPUTS` order (the chunk table's offsets, which the
+    kernels read)."""
+    return (problem.q, problem.k, problem.v, problem.g, problem.beta, problem.chunks.cu_seqlens,
+            problem.initial_state)
+
+
+def call_counts(problem: GDNProblem) -> tuple[int, int, int, int]:
+    rows = problem.B * problem.T
+    return problem.chunks.num_seqs, rows, rows * problem.H, problem.chunks.num_slots
+
+
+def add_step(program, module, compiled: dict, args: dict, tensors: dict, grid: tuple, rows_count: int,
+             seqs_count: int, options=None) -> None:
+    """Add one launch to the native ``program``: the launch site's dict whose "fast" entry is
+    its GuardedLauncher (``compiled``), its runtime arguments and descriptor tensors by name
+    (values :class:`Ref` or constants), its grid rule ``(row_block, ceil, per_seq, times,
+    minimum, *more)`` over counts ``rows_count`` and ``seqs_count`` (-1: none), and the
+    launch options its launcher was made with."""
+    more = (*grid[5:], 1, 1)[:2]
+    program.add_step(compiled, bindings(module, args), bindings(module, tensors), (*grid[:5], *more), rows_count,
+                     seqs_count, options)
+
+
+def bindings(module, values: dict) -> list[tuple]:
+    """``values`` (argument name -> :class:`Ref` or constant) as the native program's
+    bindings ``(name, source kind, index, item or constant)``."""
+    kinds = {"input": module.SOURCE_INPUT, "buffer": module.SOURCE_BUFFER, "count": module.SOURCE_COUNT,
+             "scale": module.SOURCE_SCALE, "item": module.SOURCE_ITEM}
+    out = []
+    for name, value in values.items():
+        if isinstance(value, Ref):
+            out.append((name, kinds[value.source], value.index, value.item))
+        else:
+            out.append((name, module.SOURCE_CONSTANT, 0, value))
+    return out

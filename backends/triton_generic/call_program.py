@@ -1,0 +1,141 @@
+"""triton_generic's call programs: a common call's allocations and four launches in one
+native call (:mod:`gdn_dispatch.backends.call_program` says how a program is made).
+
+Taken for the call forms servers send: unsegmented, no state pool, contiguous inputs, an
+initial state (if any) in float32 or bfloat16, on a GPU whose w/u kernel forms T itself
+(:func:`.configs.fuse_solve_into_wu`: sm_80 to sm_90), with kept kernels launched directly
+(:mod:`gdn_dispatch.backends.direct_launch`). The four launches::
+
+    g_cum        = chunk_cumsum(g)                       grid (slots, HV blocks)
+    w, u[, r_k]  = wu(k, v, g_cum, beta)                 grid (slots * HV)
+    h, v_new, S  = state(k, w, u, g_cum, S0)             grid (N * HV * V blocks)
+    o            = output(q, k, v_new, h, g_cum)         grid (slots * HV, V blocks)
+
+each with the stage's own argument list (``cumsum_launch_args``, ``wu_launch_args``,
+``state_launch_args``, ``output_launch_args``) and launch options, through its call site's
+GuardedLauncher; every check passes before the first launch, else the program launches
+nothing and the Python path runs the call. A program is kept per call form and the state
+kernel's configuration (which follows ``N * HV``); ``tests/test_call_program.py`` holds
+both paths to the same launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_dispatch import native
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+
+from gdn_dispatch.backends import direct_launch
+from gdn_dispatch.backends.call_program import (
+    BETA, COUNT_N, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, K, Q, SCALE, V, add_step, buffer_ref, call_counts,
+    call_inputs, count_ref, input_ref)
+from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
+from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
+from gdn_dispatch.backends.triton_generic.configs import (
+    cumsum_config, device_facts, fuse_solve_into_wu, intra_config, output_config, state_config)
+from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel, cumsum_launch_args
+from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel, output_launch_args
+from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel, state_launch_args
+from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel, wu_launch_args
+
+#: Programs by call form and state configuration; emptied when full.
+_PROGRAMS: dict[tuple, tuple] = {}
+PROGRAMS_KEPT = 256
+
+
+def clear_programs() -> None:
+    """Forget every program (tests and benchmarks that start from fresh launch sites)."""
+    _PROGRAMS.clear()
+
+
+def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Run ``problem`` (validated, not segmented; ``sm_count`` as the forward sizes the state
+    kernel for) through its call program: (o, final state or None), or None (nothing
+    launched) where the program does not take the call."""
+    module = native.for_calls()
+    # (CPU tensors run under the interpreter, which launches through Triton's JIT.)
+    if module is None or problem.state_indices is not None or interpreting() or problem.chunks.chunk_size != CHUNK_SIZE:
+        return None
+    runtime = direct_launch._RUNTIME or direct_launch._init_runtime()
+    if not runtime.direct():
+        return None
+    capability, _ = device_facts(problem.device)
+    if not fuse_solve_into_wu(capability):
+        return None
+    counts = call_counts(problem)
+    N, HV = counts[COUNT_N], problem.HV
+    if counts[COUNT_ROWS] == 0 or N * HV == 0:
+        return None  # the stages' own early answers
+    elem = problem.q.element_size()
+    state_cfg = state_config(problem.K, problem.V, N * HV, elem, capability, sm_count)
+    key = (problem.device.index, capability, problem.q.dtype, problem.H, problem.K, HV, problem.V,
+           problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None,
+           state_cfg)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        if len(_PROGRAMS) >= PROGRAMS_KEPT:
+            _PROGRAMS.clear()
+        program = _PROGRAMS[key] = build(problem, capability, state_cfg, module)
+    call, (o, final_state) = program
+    device = torch.cuda.current_device()
+    buffers = call(call_inputs(problem), (problem.B, problem.T, N, counts[COUNT_SLOTS], 0, 0), counts,
+                   float(problem.scale), device, runtime.stream(device))
+    if buffers is None:
+        return None
+    return buffers[o], None if final_state is None else buffers[final_state]
+
+
+def _site(kernel, args: dict) -> dict:
+    """The attribute dict of ``kernel``'s launch site for this argument list (made here
+    if no launch made it yet): its "fast" entry is the GuardedLauncher of the kernel the
+    site launched last."""
+    names = tuple(args)
+    site = direct_launch._CALL_SITES.get((kernel, names))
+    if site is None:
+        site = direct_launch._CALL_SITES[(kernel, names)] = direct_launch._CallSite(kernel, names)
+    return vars(site)
+
+
+def build(problem: GDNProblem, capability, state_cfg, module):
+    """The call program for calls of ``problem``'s form with the state kernel in
+    ``state_cfg``: (the native CallProgram, (index of o, index of the final state or
+    None) in its buffers)."""
+    H, Kd, HV, Vd, l2 = problem.H, problem.K, problem.HV, problem.V, problem.use_qk_l2norm
+    dtype, elem = problem.q.dtype, problem.q.element_size()
+    specs = buffer_specs(problem, True)
+    names = ["g_cum"] + (["k_rnorm"] if l2 else []) + ["w", "u", "h", "v_new", "o"]
+    names += ["final_state"] if problem.output_final_state else []
+    buf = {name: buffer_ref(i) for i, name in enumerate(names)}
+    g_cum = buf["g_cum"]
+    k_rnorm = buf.get("k_rnorm", g_cum)
+    q, k, v, g, beta, cu = (input_ref(i) for i in (Q, K, V, G, BETA, CU))
+    h0 = input_ref(H0) if problem.initial_state is not None else g_cum
+    n = count_ref(COUNT_N)
+    # Token strides of contiguous inputs (the program takes no other): the packed heads.
+    s_qk, s_v, s_gb = H * Kd, HV * Vd, HV
+    program = module.CallProgram(specs, [], [Q, K, V, G, BETA], H0)
+
+    def step(kernel, cfg, args, grid, rows_count, seqs_count):
+        add_step(program, module, _site(kernel, args), args, {}, grid, rows_count, seqs_count,
+                 (cfg.num_warps, cfg.num_stages))
+
+    cfg = cumsum_config(HV)
+    step(_chunk_cumsum_fwd_kernel, cfg, cumsum_launch_args(cfg, g, g_cum, cu, n, float(LOG2E), s_gb, HV, CHUNK_SIZE),
+         (1, False, 0, 1, 0, -(-HV // cfg.BH)), COUNT_SLOTS, -1)
+    cfg = intra_config(Kd, Vd, elem, capability)
+    step(_wu_fwd_kernel, cfg, wu_launch_args(
+        cfg, dtype, k, v, g_cum, beta, g_cum, buf["w"], buf["u"], k_rnorm, cu, n, s_qk, s_v, s_gb, H, HV, Kd, Vd,
+        CHUNK_SIZE, fused_solve=True, use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+    final = buf.get("final_state")
+    step(_state_fwd_kernel, state_cfg, state_launch_args(
+        state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,
+        g_cum if final is None else final, cu, cu, s_qk, 0, H, HV, Kd, Vd, CHUNK_SIZE,
+        use_h0=problem.initial_state is not None, use_pool=False, inplace=False, store_ht=final is not None,
+        state_vk=problem.state_layout is StateLayout.VK, use_qk_l2norm=l2, load_rnorm=l2),
+        (0, False, 1, HV * -(-Vd // state_cfg.BV), 0), -1, COUNT_N)
+    cfg = output_config(Kd, Vd, elem, capability)
+    step(_output_fwd_kernel, cfg, output_launch_args(
+        cfg, dtype, q, k, buf["v_new"], buf["h"], g_cum, k_rnorm, buf["o"], cu, n, SCALE, s_qk, s_qk, H, HV, Kd,
+        Vd, CHUNK_SIZE, use_qk_l2norm=l2, load_rnorm=l2), (1, False, 0, HV, 0, -(-Vd // cfg.BV)), COUNT_SLOTS, -1)
+    return program, (names.index("o"), None if final is None else names.index("final_state"))
