@@ -156,9 +156,7 @@ def test_a_refused_check_launches_nothing(native_built):
     device, engine = assumed_device("sm_90"), _engine((9, 0))
     call, _ = _random_form(random.Random(5))
     call.pop("state_indices", None)
-    # No qk l2 norm: the norm kernels' plans outlive clear_plan_cache (their own cache), and
-    # a kernel kept under another test's stub records its launches there.
-    call["q"], call["initial_state"], call["use_qk_l2norm_in_kernel"] = call["q"].contiguous(), None, False
+    call["q"], call["initial_state"] = call["q"].contiguous(), None
     problem = make_problem(**call)
     with stubbed_launches() as stub:
         F.forward(problem, device, engine=engine)

@@ -31,7 +31,7 @@ from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_bl
 
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
-from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_l2norm, plan_qk_rnorm
+from gdn_dispatch.backends.gluon_common.qk_norm import clear_norm_plans, plan_qk_l2norm, plan_qk_rnorm
 from gdn_dispatch.backends.gluon_common.state_output import (
     plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -217,10 +217,12 @@ PLAN_COUNTS: Counter = Counter()
 
 
 def clear_plan_cache() -> None:
-    """Forget every memoized plan and reset :data:`PLAN_COUNTS` (tests, or after editing a
-    planner in a live session)."""
+    """Forget every memoized plan (the class plans, and the norm kernels' plans, which the
+    forward shares with callers outside it) and reset :data:`PLAN_COUNTS` (tests, benchmarks
+    that start afresh, or after editing a planner in a live session)."""
     _PLANS.clear()
     PLAN_COUNTS.clear()
+    clear_norm_plans()
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,

@@ -127,6 +127,13 @@ def plan_qk_rnorm_rows(rows: int, K: int) -> BoundLaunch:
     return qk_rnorm_plan(K).bind(rows, 0)
 
 
+def clear_norm_plans() -> None:
+    """Forget the memoized norm plans and the kernels kept on them
+    (:func:`.plan.clear_plan_cache` calls this)."""
+    _norm_plan.cache_clear()
+    plan_qk_rnorm_rows.cache_clear()
+
+
 def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLaunch) -> torch.Tensor:
     """The reciprocal l2 norms of q's and k's rows (one launch).
 

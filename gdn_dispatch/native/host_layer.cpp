@@ -503,11 +503,10 @@ class CallProgram {
       // Read in place by the kernels: float32 or bfloat16, contiguous (others are converted first).
       if (!s.is_contiguous() || (s.scalar_type() != at::kFloat && s.scalar_type() != at::kBFloat16)) return refuse;
     }
-    py::tuple buffers = alloc_.call(inputs[0], sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
-    std::vector<py::object> count_objs;
-    for (int64_t c : counts) count_objs.push_back(py::int_(c));
+    // Every launch site's launcher first: a site without one (a plan's first call, or a
+    // launcher made while the layer was off) refuses the call before anything is allocated.
     std::vector<GuardedLauncher*> launchers;
-    std::vector<py::tuple> prepared;
+    std::vector<py::object> held;  // the launchers, alive while this call uses them
     for (const Step& s : steps_) {
       PyObject* fast = PyDict_GetItemWithError(s.compiled.ptr(), fast_key_.ptr());
       if (fast == nullptr) {
@@ -516,7 +515,16 @@ class CallProgram {
       }
       py::handle fast_h(fast);
       if (!py::isinstance<GuardedLauncher>(fast_h)) return refuse;
-      GuardedLauncher* launcher = fast_h.cast<GuardedLauncher*>();
+      held.push_back(py::reinterpret_borrow<py::object>(fast_h));
+      launchers.push_back(fast_h.cast<GuardedLauncher*>());
+    }
+    py::tuple buffers = alloc_.call(inputs[0], sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
+    std::vector<py::object> count_objs;
+    for (int64_t c : counts) count_objs.push_back(py::int_(c));
+    std::vector<py::tuple> prepared;
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      const Step& s = steps_[i];
+      GuardedLauncher* launcher = launchers[i];
       py::dict args = bind(s.args, inputs, buffers, count_objs, scale);
       py::dict tensors = bind(s.tensors, inputs, buffers, count_objs, scale);
       const int64_t rows = s.rows_count < 0 ? 0 : counts[s.rows_count];
@@ -528,7 +536,6 @@ class CallProgram {
       if (!launcher->prepare(device, args, tensors, py::int_(g0), py::int_(s.more0), py::int_(s.more1), stream,
                              s.options, &launch_args))
         return refuse;
-      launchers.push_back(launcher);
       prepared.push_back(std::move(launch_args));
     }
     for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
