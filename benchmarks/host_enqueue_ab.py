@@ -41,14 +41,14 @@ CASES = [("uniform-1x64", dict(batch=(1, 64)), (16, 32), False, False),
          ("H2-HV4-varlen-1x32768-no-cpu", dict(lengths=[32768]), (2, 4), True, False)]
 
 
-def case_calls():
-    """``(name, f)`` per case: ``f`` makes the case's public call once."""
+def case_calls(backend: str = "gluon_sm90"):
+    """``(name, f)`` per case: ``f`` makes the case's public call once on ``backend``."""
     for name, shape, (H, HV), no_host_copy, l2 in CASES:
         call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=1)
         if no_host_copy:
             call.pop("cu_seqlens_cpu", None)
         yield name, (lambda call=call, l2=l2: chunk_gated_delta_rule(**call, output_final_state=True,
-                                                                      use_qk_l2norm_in_kernel=l2, backend="gluon_sm90"))
+                                                                      use_qk_l2norm_in_kernel=l2, backend=backend))
 
 
 def main() -> None:

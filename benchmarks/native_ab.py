@@ -1,28 +1,32 @@
 """Host enqueue per public call with the native host layer off, on without call programs,
 and on, in one process.
 
-Usage (a CUDA machine, repository root): ``python benchmarks/native_ab.py``. Builds the
+Usage (a CUDA machine, repository root): ``python benchmarks/native_ab.py [BACKEND]``
+(gluon_sm90 by default, or triton_generic). Builds the
 native layer first where it is not built (:func:`gdn_dispatch.native.build`). The GPU hosts
 lent here run the same Python up to 1.6x apart from one process to the next, so the arms
 alternate inside one process: per round and case, each arm (``GDN_DISPATCH_NATIVE=0``;
-``=1`` with the Gluon forward's call programs left out (:mod:`.call_program`); ``=1``)
+``=1`` with the backend's call programs left out (:mod:`gdn_dispatch.backends.call_program`);
+``=1``)
 starts from emptied plan caches (its launchers, allocators and programs made afresh),
 warms up with 3 calls and times 20 back-to-back calls (µs per call); 7 rounds. Prints, per
-case (:func:`host_enqueue_ab.case_calls`, gluon_sm90, initial and final state), each arm's
+case (:func:`host_enqueue_ab.case_calls`, initial and final state), each arm's
 median and the medians of the per-round differences, after the host reference line.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
+import sys
 from unittest import mock
 
 import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.backends import direct_launch
-from gdn_dispatch.backends.gluon_common import forward as gluon_forward
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+from gdn_dispatch.backends.triton_generic.call_program import clear_programs
 from gdn_dispatch.bench_host import format_reference, host_reference_us, per_call_us
 
 from host_enqueue_ab import case_calls
@@ -34,32 +38,40 @@ ROUNDS = 7
 ARMS = {"off": ("0", False), "no programs": ("1", False), "on": ("1", True)}
 
 
+#: The forward module whose run_call the "no programs" arm replaces, per backend.
+FORWARDS = {"gluon_sm90": "gdn_dispatch.backends.gluon_common.forward",
+            "triton_generic": "gdn_dispatch.backends.triton_generic.forward"}
+
+
 def fresh(arm: str) -> None:
     """Switch the layer and drop every launcher, allocator and program made so far."""
     os.environ[native.NATIVE_ENV] = ARMS[arm][0]
     clear_plan_cache()
+    clear_programs()
     direct_launch._CALL_SITES.clear()
 
 
-def timed(arm: str, f) -> float:
+def timed(arm: str, f, forward_module) -> float:
     fresh(arm)
     if ARMS[arm][1]:
         return per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3)
-    with mock.patch.object(gluon_forward, "run_call", lambda *args: None):
+    with mock.patch.object(forward_module, "run_call", lambda *args: None):
         return per_call_us(f, 20, sync=torch.cuda.synchronize, warmup=3)
 
 
 def main() -> None:
+    backend = sys.argv[1] if len(sys.argv) > 1 else "gluon_sm90"
+    forward_module = importlib.import_module(FORWARDS[backend])
     native.build()
-    print(f"native host layer: {native.status()}")
+    print(f"{backend}; native host layer: {native.status()}")
     print(format_reference(host_reference_us("cuda")), flush=True)
     print("| case | off µs | on, no programs µs | on µs | on - off | on - no programs |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, f in case_calls():
+    for name, f in case_calls(backend):
         times = {arm: [] for arm in ARMS}
         for _ in range(ROUNDS):
             for arm in ARMS:
-                times[arm].append(timed(arm, f))
+                times[arm].append(timed(arm, f, forward_module))
         med = {arm: statistics.median(t) for arm, t in times.items()}
         diff = {base: statistics.median(b - a for a, b in zip(times[base], times["on"]))
                 for base in ("off", "no programs")}
