@@ -26,19 +26,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _random_specs(rng: random.Random, count: int):
+    """Specs of random dims and dtypes, some in one of two allocator groups."""
     dtypes = [None, torch.float32, torch.bfloat16, torch.int32]
     specs = []
     for _ in range(count):
         dims = tuple(rng.choice([-1, -2, -3, -4, -5, -6, rng.randint(0, 5)]) for _ in range(rng.randint(1, 4)))
-        specs.append((dims, rng.choice(dtypes)))
+        group = rng.choice([None, None, 0, 0, 1])
+        specs.append((dims, rng.choice(dtypes)) if group is None else (dims, rng.choice(dtypes), group))
     return specs
 
 
-def _check_allocated(out, specs, like, sizes):
+def _check_allocated(out, specs, like, sizes, carved=False):
+    """Each tensor of the spec's shape and dtype, contiguous on like's device; every one
+    writable without touching another; with ``carved`` (the native allocator) the specs of
+    one group share one allocation, each at a 256-byte boundary, and every other spec has
+    its own."""
     assert len(out) == len(specs)
-    for t, (dims, dtype) in zip(out, specs):
+    for t, (dims, dtype, *_) in zip(out, specs):
         assert tuple(t.shape) == tuple(d if d >= 0 else sizes[-d - 1] for d in dims)
         assert t.dtype == (dtype or like.dtype) and t.device == like.device and t.is_contiguous()
+    for i, t in enumerate(out):
+        t.fill_(i + 1)
+    for i, t in enumerate(out):
+        assert bool((t == i + 1).all()), f"tensor {i} was overwritten by another"
+    if not carved:
+        return
+    groups = [spec[2] if len(spec) > 2 else None for spec in specs]
+    storages = [t.untyped_storage().data_ptr() for t in out]
+    for i, (t, group) in enumerate(zip(out, groups)):
+        shared = {j for j, other in enumerate(groups) if storages[j] == storages[i] and out[j].numel() and t.numel()}
+        if not t.numel():
+            continue
+        if group is None:
+            assert shared == {i}
+        else:
+            assert shared == {j for j, other in enumerate(groups) if other == group and out[j].numel()}
+            assert (t.data_ptr() - storages[i]) % 256 == 0
 
 
 def test_python_allocator_allocates_each_spec():
@@ -69,12 +92,12 @@ def test_native_allocator_allocates_each_spec(native_built):
     module, _ = native_built
     rng = random.Random(5)
     like = torch.randn(4, dtype=torch.bfloat16)
-    for _ in range(20):
+    for _ in range(60):
         specs = _random_specs(rng, rng.randint(1, 5))
         sizes = tuple(rng.randint(0, 7) for _ in range(6))
         alloc = native.allocator(specs)
         assert isinstance(alloc, module.Allocator)
-        _check_allocated(alloc(like, *sizes), specs, like, sizes)
+        _check_allocated(alloc(like, *sizes), specs, like, sizes, carved=True)
 
 
 def _addresses_numbered(runs: list) -> list:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native
+from gdn_dispatch.native import INTERMEDIATES
 from gdn_dispatch.context_parallel import CPPlan
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, state_dims
 
@@ -51,16 +52,19 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
 def buffer_specs(problem: GDNProblem, form: tuple) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
     """The :func:`gdn_dispatch.native.allocator` specs of :func:`call_buffers` for the
     call's ``form``: ("fused",), ("pipeline",) or ("segmented", offsets' dtype, maps'
-    dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1."""
+    dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1. The
+    intermediates (everything but o and the final state) are :data:`INTERMEDIATES`: one
+    allocation where the native layer carves them."""
     HV, K, V = problem.HV, problem.K, problem.V
+    f32, mid = torch.float32, INTERMEDIATES
     if form[0] == "fused":
-        specs = [((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32), ((-4, CHUNK_SIZE), None)]
+        specs = [((-1, -2, HV, V), None), ((-1, -2, HV), f32, mid), ((-4, CHUNK_SIZE), None, mid)]
     else:
-        specs = [((-1, -2, HV, K), None), ((-1, -2, HV, V), None), ((-1, -2, HV), torch.float32),
+        specs = [((-1, -2, HV, K), None, mid), ((-1, -2, HV, V), None, mid), ((-1, -2, HV), f32, mid),
                  ((-1, -2, HV, V), None)]
     if form[0] == "segmented":
-        specs += [((-5,), form[1]), ((-4, HV, K, K), form[2]), ((-4, HV, K, K), torch.bfloat16),
-                  ((-4, HV, K, V), torch.float32), ((-4, HV, K, V), torch.float32)]
+        specs += [((-5,), form[1], mid), ((-4, HV, K, K), form[2], mid), ((-4, HV, K, K), torch.bfloat16, mid),
+                  ((-4, HV, K, V), f32, mid), ((-4, HV, K, V), f32, mid)]
     if problem.output_final_state:
         specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), torch.float32))
     return specs

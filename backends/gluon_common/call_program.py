@@ -33,6 +33,7 @@ import torch
 from gdn_dispatch import native
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.envvars import getenv
+from gdn_dispatch.native import INTERMEDIATES
 
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_ROWS, CU, G, H0, K, Q, SCALE, V, Ref, add_step, buffer_ref, call_counts,
@@ -87,7 +88,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     if launches.fused:
         o, g_cum, t_tiles = buffer_ref(0), buffer_ref(1), buffer_ref(2)
         if launches.norm_copies:
-            specs.append(((2, -1, -2, H, problem.K), None))  # qk_l2norm_fwd's [2, B, T, H, K]
+            specs.append(((2, -1, -2, H, problem.K), None, INTERMEDIATES))  # qk_l2norm_fwd's [2, B, T, H, K]
             norm = launches.stage("qk_l2norm_fwd").shared
             steps.append((norm, norm_launch_args(norm, q, k, buffer_ref(len(specs) - 1), head_rows, H, HK, HK)))
             q, k = Ref("item", len(specs) - 1, 0), Ref("item", len(specs) - 1, 1)
@@ -105,7 +106,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         steps.append((wy, wy_launch_args(wy, k, v, w, u, g, g_cum, beta, cu, n, HV, HV)))
         rnorm = g_cum  # not read without the qk l2 norm
         if problem.use_qk_l2norm:
-            specs.append(((-6, H, 2), torch.float32))  # qk_rnorm_fwd's [B * T, H, 2]
+            specs.append(((-6, H, 2), torch.float32, INTERMEDIATES))  # qk_rnorm_fwd's [B * T, H, 2]
             rnorm = buffer_ref(len(specs) - 1)
             norm = launches.stage("qk_rnorm_fwd").shared
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native
+from gdn_dispatch.native import INTERMEDIATES
 from gdn_dispatch.contract import GDNProblem, StateLayout, state_dims
 
 
@@ -38,13 +39,15 @@ def call_buffers(problem: GDNProblem, unsegmented: bool) -> tuple[torch.Tensor, 
 def buffer_specs(problem: GDNProblem, unsegmented: bool) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
     """The :func:`gdn_dispatch.native.allocator` specs of :func:`call_buffers`, in its
     order (k_rnorm only with the qk l2 norm, the final state only when asked and
-    unsegmented). Sizes: -1 B, -2 T, -3 N, -4 chunk slots."""
+    unsegmented). Sizes: -1 B, -2 T, -3 N, -4 chunk slots. Everything but o and the final
+    state is an intermediate (:data:`INTERMEDIATES`: one allocation where the native layer
+    carves them)."""
     HV, K, V, l2 = problem.HV, problem.K, problem.V, problem.use_qk_l2norm
-    f32 = torch.float32
-    specs = [((-1, -2, HV), f32)] + ([((-1, -2, HV), f32)] if l2 else [])
-    specs += [((-1, -2, HV, K), None), ((-1, -2, HV, V), None)]
+    f32, mid = torch.float32, INTERMEDIATES
+    specs = [((-1, -2, HV), f32, mid)] + ([((-1, -2, HV), f32, mid)] if l2 else [])
+    specs += [((-1, -2, HV, K), None, mid), ((-1, -2, HV, V), None, mid)]
     if unsegmented:
-        specs += [((-4, HV, K, V), None), ((-1, -2, HV, V), None), ((-1, -2, HV, V), None)]
+        specs += [((-4, HV, K, V), None, mid), ((-1, -2, HV, V), None, mid), ((-1, -2, HV, V), None)]
         if problem.output_final_state:
             specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), f32))
     return specs

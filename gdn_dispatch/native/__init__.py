@@ -178,13 +178,23 @@ def admission():
     return None if module is None else module.admit
 
 
-def allocator(specs: list[tuple[tuple[int, ...], torch.dtype | None]]):
-    """``alloc(like, a, b=0, c=0, d=0, e=0, f=0) -> tuple of tensors``: one ``torch.empty``
-    per spec on ``like``'s device, in one call. A spec is ``(dims, dtype)``: each dim a
-    size, or -1 ... -6 for the call's ``a`` ... ``f``; dtype None for ``like``'s. The native
-    module's Allocator where it is loaded (C++'s ``at::empty``), else the same in Python."""
-    if any(d < -6 for dims, _ in specs for d in dims):
+#: The allocator group the backends put a call's intermediates in (every buffer but o and
+#: the final state: they live exactly as long as the call).
+INTERMEDIATES = 0
+
+
+def allocator(specs: list[tuple]):
+    """``alloc(like, a, b=0, c=0, d=0, e=0, f=0) -> tuple of tensors``: one contiguous
+    tensor per spec on ``like``'s device, in one call. A spec is ``(dims, dtype)`` or
+    ``(dims, dtype, group)``: each dim a size, or -1 ... -6 for the call's ``a`` ... ``f``;
+    dtype None for ``like``'s; specs of one group (0 to 7) are carved from one allocation
+    where the native module is loaded (views at 256-byte boundaries: for intermediates that
+    live exactly as long as the call). The native module's Allocator where it is loaded
+    (C++'s ``at::empty``), else one ``torch.empty`` per spec in Python."""
+    if any(d < -6 for spec in specs for d in spec[0]):
         raise ValueError("allocator: a dim below -6 (six call sizes at most)")
+    if any(len(spec) > 2 and spec[2] is not None and not 0 <= spec[2] <= 7 for spec in specs):
+        raise ValueError("allocator: groups 0 to 7")
     module = load()
     if module is not None:
         return module.Allocator(list(specs))
@@ -193,10 +203,11 @@ def allocator(specs: list[tuple[tuple[int, ...], torch.dtype | None]]):
 
 def _python_allocator(specs):
     # One straight-line function of torch.empty calls (a loop over the specs costs about
-    # a fifth more per call).
+    # a fifth more per call); groups are not carved here (views cost Python what the
+    # allocations they save cost).
     names = {"empty": torch.empty}
     items = []
-    for i, (dims, dtype) in enumerate(specs):
+    for i, (dims, dtype, *_) in enumerate(specs):
         shape = ", ".join(str(d) if d >= 0 else "abcdef"[-d - 1] for d in dims)
         names[f"D{i}"] = dtype
         items.append(f"empty({shape}, dtype={'like_dtype' if dtype is None else f'D{i}'}, device=device)")

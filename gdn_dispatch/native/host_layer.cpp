@@ -252,9 +252,14 @@ class GuardedLauncher {
 // constants or one of the call's six sizes (a dim of -1 ... -6 reads size 0 ... 5), its
 // dtype a fixed one or the like tensor's. at::empty from C++ skips torch's Python argument
 // parser: on the H200's host five allocations took 24.8 us from Python, 10.7 from here.
+// Specs of one group (a third spec entry >= 0) are carved from one allocation, each at a
+// 256-byte boundary (a contiguous view of its own dtype): a call's intermediates, which
+// all live exactly as long as the call, take one allocation and one free instead of one
+// each.
 class Allocator {
  public:
   static constexpr int kSizes = 6;
+  static constexpr int64_t kAlign = 256;
 
   explicit Allocator(py::list specs) {
     for (auto item : specs) {
@@ -266,6 +271,11 @@ class Allocator {
       }
       s.same_dtype = spec[1].is_none();
       if (!s.same_dtype) s.dtype = scalar_type_of(spec[1]);
+      if (spec.size() > 2 && !spec[2].is_none()) {
+        s.group = spec[2].cast<int>();
+        if (s.group < 0 || s.group > 7) throw std::invalid_argument("Allocator: groups 0 to 7");
+        groups_ = std::max(groups_, s.group + 1);
+      }
       specs_.push_back(std::move(s));
     }
   }
@@ -274,14 +284,48 @@ class Allocator {
     if (!THPVariable_Check(like.ptr())) throw std::invalid_argument("Allocator: like must be a Tensor");
     const at::Tensor& t = THPVariable_Unpack(like.ptr());
     const int64_t sizes[kSizes] = {a, b, c, d, e, f};
-    py::tuple out(specs_.size());
-    std::vector<int64_t> dims;
-    for (size_t i = 0; i < specs_.size(); ++i) {
+    const size_t n = specs_.size();
+    std::vector<std::vector<int64_t>> dims(n);
+    std::vector<at::ScalarType> dtypes(n);
+    std::vector<int64_t> offsets(n, 0);
+    int64_t totals[8] = {0};
+    for (size_t i = 0; i < n; ++i) {
       const Spec& s = specs_[i];
-      dims.clear();
-      for (int64_t d : s.dims) dims.push_back(d >= 0 ? d : sizes[-d - 1]);
-      auto options = t.options().dtype(s.same_dtype ? t.scalar_type() : s.dtype);
-      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(at::empty(dims, options)));
+      int64_t numel = 1;
+      for (int64_t dim : s.dims) {
+        dims[i].push_back(dim >= 0 ? dim : sizes[-dim - 1]);
+        numel *= dims[i].back();
+      }
+      dtypes[i] = s.same_dtype ? t.scalar_type() : s.dtype;
+      if (s.group >= 0) {
+        offsets[i] = totals[s.group];
+        const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtypes[i]));
+        totals[s.group] += (bytes + kAlign - 1) / kAlign * kAlign;
+      }
+    }
+    std::vector<at::Tensor> bases;
+    for (int g = 0; g < groups_; ++g) bases.push_back(at::empty({totals[g]}, t.options().dtype(at::kByte)));
+    py::tuple out(n);
+    std::vector<int64_t> strides;
+    for (size_t i = 0; i < n; ++i) {
+      const Spec& s = specs_[i];
+      auto options = t.options().dtype(dtypes[i]);
+      at::Tensor made;
+      if (s.group < 0) {
+        made = at::empty(dims[i], options);
+      } else {
+        const int64_t item = static_cast<int64_t>(c10::elementSize(dtypes[i]));
+        strides.assign(dims[i].size(), 1);
+        for (int64_t k = static_cast<int64_t>(dims[i].size()) - 2; k >= 0; --k)
+          strides[k] = strides[k + 1] * std::max<int64_t>(dims[i][k + 1], 1);
+        // A tensor over the group's storage, made as at::empty makes its own (no dispatcher
+        // round trip, which costs more than the allocation on a host's CPU tensors).
+        const at::Tensor& base = bases[s.group];
+        made = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                        c10::scalarTypeToTypeMeta(dtypes[i]));
+        made.unsafeGetTensorImpl()->set_sizes_and_strides(dims[i], strides, offsets[i] / item);
+      }
+      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(made)));
     }
     return out;
   }
@@ -291,8 +335,10 @@ class Allocator {
     std::vector<int64_t> dims;
     bool same_dtype = true;
     at::ScalarType dtype = at::ScalarType::Undefined;
+    int group = -1;
   };
   std::vector<Spec> specs_;
+  int groups_ = 0;
 };
 
 // The contract's checks (gdn_dispatch.contract.make_problem) for the common call, on
