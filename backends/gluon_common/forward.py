@@ -34,7 +34,10 @@ norms (8 bytes per token and head) and folds them into row and column scales in 
 (no normalized copy of q or k is written). The warp-specialized path reads normalized
 copies instead: there the norms would add to the aux partition, which paces that kernel.
 Nothing here reads a device value back to the host. Every launch goes through
-:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch).
+:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch), or, for an
+unsegmented call of the common forms once its kernels are kept, the call's program runs
+its allocations and launches in one native call with the same arguments
+(:mod:`.call_program`).
 
 Inputs are read where they lie: q, k, v in token rows through TMA descriptors with their
 own row stride (views of a fused projection), g and beta through pointers with a token

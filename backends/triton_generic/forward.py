@@ -8,7 +8,9 @@
 
 Tensors ``[B, T, ...]`` lie as the packed ``[B * T, ...]`` token axis whose chunk slots
 (:mod:`gdn_dispatch.varlen`) the per-chunk kernels launch over; a uniform batch and a varlen
-batch take the same path. Nothing here reads a device value back to the host.
+batch take the same path. Nothing here reads a device value back to the host. An
+unsegmented call of the common forms, once its kernels are kept, runs its allocations and
+launches as one native call program with the same arguments (:mod:`.call_program`).
 """
 
 from __future__ import annotations

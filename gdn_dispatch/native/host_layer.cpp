@@ -303,8 +303,11 @@ class Allocator {
         totals[s.group] += (bytes + kAlign - 1) / kAlign * kAlign;
       }
     }
-    std::vector<at::Tensor> bases;
-    for (int g = 0; g < groups_; ++g) bases.push_back(at::empty({totals[g]}, t.options().dtype(at::kByte)));
+    std::vector<at::Tensor> bases(groups_);
+    for (size_t i = 0; i < n; ++i) {
+      const int g = specs_[i].group;
+      if (g >= 0 && !bases[g].defined()) bases[g] = at::empty({totals[g]}, t.options().dtype(at::kByte));
+    }
     py::tuple out(n);
     std::vector<int64_t> strides;
     for (size_t i = 0; i < n; ++i) {
