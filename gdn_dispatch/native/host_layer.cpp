@@ -116,20 +116,36 @@ class GuardedLauncher {
   // program checks every launch of a call this way before it launches any.
   bool prepare(py::handle device, py::handle args, py::handle tensors, py::handle g0, py::handle g1, py::handle g2,
                py::handle stream, py::handle options, py::tuple* launch_args) {
-    if (!same(device, device_)) return false;
-    if (!options_.is_none() && !same(options, options_)) return false;
     PyObject* arg_dict = args.ptr();
     if (!PyDict_Check(arg_dict) || PyDict_GET_SIZE(arg_dict) != count_) return false;
+    PyObject* tensor_dict = tensors.ptr();
+    if (!descs_.empty() && !PyDict_Check(tensor_dict)) return false;
+    auto lookup = [](PyObject* dict, const py::object& key) -> PyObject* {
+      PyObject* v = PyDict_GetItemWithError(dict, key.ptr());  // borrowed
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      return v;
+    };
+    return prepare_with([&](size_t, const Arg& a) { return lookup(arg_dict, a.key); },
+                        [&](size_t, const Desc& d) { return lookup(tensor_dict, d.key); }, device, g0, g1, g2,
+                        stream, options, launch_args);
+  }
+
+  // prepare() with the argument values read by position: arg_at(i, arg) and desc_at(j,
+  // desc) give the i-th argument's and j-th descriptor's object (borrowed; nullptr: the
+  // call lacks it, and nothing is launched).
+  template <typename ArgAt, typename DescAt>
+  bool prepare_with(ArgAt arg_at, DescAt desc_at, py::handle device, py::handle g0, py::handle g1, py::handle g2,
+                    py::handle stream, py::handle options, py::tuple* launch_args) {
+    if (!same(device, device_)) return false;
+    if (!options_.is_none() && !same(options, options_)) return false;
     const size_t n_prefix = PyTuple_GET_SIZE(prefix_.ptr());
     const size_t n_args = template_.size();
     py::tuple out(4 + n_prefix + n_args);
     std::vector<py::object> filled(template_);
-    for (const Arg& a : args_) {
-      PyObject* v = PyDict_GetItemWithError(arg_dict, a.key.ptr());  // borrowed
-      if (v == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return false;
-      }
+    for (size_t i = 0; i < args_.size(); ++i) {
+      const Arg& a = args_[i];
+      PyObject* v = arg_at(i, a);
+      if (v == nullptr) return false;
       py::object value;
       switch (a.kind) {
         case Kind::Tensor: {
@@ -170,14 +186,10 @@ class GuardedLauncher {
       }
       if (a.slot >= 0) filled[a.slot] = std::move(value);
     }
-    PyObject* tensor_dict = tensors.ptr();
-    for (Desc& d : descs_) {
-      if (!PyDict_Check(tensor_dict)) return false;
-      PyObject* v = PyDict_GetItemWithError(tensor_dict, d.key.ptr());
-      if (v == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return false;
-      }
+    for (size_t j = 0; j < descs_.size(); ++j) {
+      Desc& d = descs_[j];
+      PyObject* v = desc_at(j, d);
+      if (v == nullptr) return false;
       if (!THPVariable_Check(v)) return false;
       const at::Tensor& t = THPVariable_Unpack(v);
       int64_t rows, stride;
@@ -224,6 +236,20 @@ class GuardedLauncher {
     *launch_args = std::move(out);
     return true;
   }
+
+  // The argument and descriptor names, in the order prepare_with() reads them, and how
+  // many arguments a call passes.
+  std::vector<py::object> arg_keys() const {
+    std::vector<py::object> keys;
+    for (const Arg& a : args_) keys.push_back(a.key);
+    return keys;
+  }
+  std::vector<py::object> desc_keys() const {
+    std::vector<py::object> keys;
+    for (const Desc& d : descs_) keys.push_back(d.key);
+    return keys;
+  }
+  int count() const { return count_; }
 
   void fire(const py::tuple& launch_args) {
     PyObject* result = PyObject_Call(c_launch_.ptr(), launch_args.ptr(), nullptr);
@@ -342,6 +368,9 @@ class Allocator {
   };
   std::vector<Spec> specs_;
   int groups_ = 0;
+
+ public:
+  int size() const { return static_cast<int>(specs_.size()); }
 };
 
 // The contract's checks (gdn_dispatch.contract.make_problem) for the common call, on
@@ -492,6 +521,10 @@ struct Step {
   int64_t row_block, per_seq, times, minimum, more0, more1;
   bool ceil;
   int rows_count, seqs_count;  // indices into the call's counts; -1: 0
+  // For the launcher last seen (held alive here): the binding of each of its arguments and
+  // descriptors, in its order.
+  py::object layout_owner;
+  std::vector<int> arg_index, desc_index;
 };
 
 std::vector<Bound> bounds_of(py::list items) {
@@ -522,6 +555,20 @@ class CallProgram {
     s.options = std::move(options);
     s.args = bounds_of(args);
     s.tensors = bounds_of(tensors);
+    for (const std::vector<Bound>* bounds : {&s.args, &s.tensors}) {
+      for (const Bound& b : *bounds) {
+        if (b.source == Source::Buffer || b.source == Source::Item) {
+          if (b.index < 0 || b.index >= alloc_.size()) throw std::invalid_argument("CallProgram: no such buffer");
+        } else if (b.source == Source::Input) {
+          if (b.index < 0) throw std::invalid_argument("CallProgram: no such input");
+          inputs_needed_ = std::max(inputs_needed_, b.index + 1);
+        } else if (b.source == Source::Count) {
+          if (b.index < 0) throw std::invalid_argument("CallProgram: no such count");
+          counts_needed_ = std::max(counts_needed_, b.index + 1);
+        }
+      }
+    }
+    counts_needed_ = std::max({counts_needed_, rows_count + 1, seqs_count + 1});
     s.row_block = grid[0].cast<int64_t>();
     s.ceil = grid[1].cast<bool>();
     s.per_seq = grid[2].cast<int64_t>();
@@ -540,6 +587,14 @@ class CallProgram {
                  py::handle device, py::handle stream) {
     const py::object refuse = py::none();
     if (sizes.size() != Allocator::kSizes) throw std::invalid_argument("CallProgram.run: six sizes");
+    if (static_cast<int>(inputs.size()) < inputs_needed_ || static_cast<int>(counts.size()) < counts_needed_)
+      throw std::invalid_argument("CallProgram.run: fewer inputs or counts than the launches read");
+    for (int i : tma_inputs_)
+      if (i >= static_cast<int>(inputs.size())) throw std::invalid_argument("CallProgram.run: no such input");
+    for (int i : row_inputs_)
+      if (i >= static_cast<int>(inputs.size())) throw std::invalid_argument("CallProgram.run: no such input");
+    if (state_input_ >= static_cast<int>(inputs.size()))
+      throw std::invalid_argument("CallProgram.run: no such input");
     for (int i : tma_inputs_)
       if (!tma_rows_tensor(inputs[i])) return refuse;
     for (int i : row_inputs_) {
@@ -571,19 +626,24 @@ class CallProgram {
     std::vector<py::object> count_objs;
     for (int64_t c : counts) count_objs.push_back(py::int_(c));
     std::vector<py::tuple> prepared;
+    std::vector<PyObject*> arg_values, desc_values;
+    std::vector<py::object> made;  // objects this call makes for its arguments (buffer entries)
     for (size_t i = 0; i < steps_.size(); ++i) {
-      const Step& s = steps_[i];
+      Step& s = steps_[i];
       GuardedLauncher* launcher = launchers[i];
-      py::dict args = bind(s.args, inputs, buffers, count_objs, scale);
-      py::dict tensors = bind(s.tensors, inputs, buffers, count_objs, scale);
+      if (!(s.layout_owner && s.layout_owner.ptr() == held[i].ptr()) && !lay_out(s, *launcher, held[i])) return refuse;
+      resolve(s.args, inputs, buffers, count_objs, scale, &arg_values, &made);
+      resolve(s.tensors, inputs, buffers, count_objs, scale, &desc_values, &made);
       const int64_t rows = s.rows_count < 0 ? 0 : counts[s.rows_count];
       const int64_t seqs = s.seqs_count < 0 ? 0 : counts[s.seqs_count];
       int64_t units = 0;
       if (s.row_block) units = s.ceil ? (rows + s.row_block - 1) / s.row_block : rows / s.row_block;
       const int64_t g0 = std::max(s.minimum, units + seqs * s.per_seq) * s.times;
       py::tuple launch_args;
-      if (!launcher->prepare(device, args, tensors, py::int_(g0), py::int_(s.more0), py::int_(s.more1), stream,
-                             s.options, &launch_args))
+      if (!launcher->prepare_with([&](size_t k, const auto&) { return arg_values[s.arg_index[k]]; },
+                                  [&](size_t k, const auto&) { return desc_values[s.desc_index[k]]; }, device,
+                                  py::int_(g0), py::int_(s.more0), py::int_(s.more1), stream, s.options,
+                                  &launch_args))
         return refuse;
       prepared.push_back(std::move(launch_args));
     }
@@ -592,30 +652,58 @@ class CallProgram {
   }
 
  private:
-  static py::dict bind(const std::vector<Bound>& bounds, const py::tuple& inputs, const py::tuple& buffers,
-                       const std::vector<py::object>& counts, const py::object& scale) {
-    py::dict out;
+  // Which of the step's bindings feeds each argument and descriptor of ``launcher``, in
+  // the order it reads them (kept with the launcher object, which stays alive while it is
+  // kept here); false where its names are not the step's (then the call is refused).
+  static bool lay_out(Step& s, const GuardedLauncher& launcher, const py::object& owner) {
+    auto index_of = [](const std::vector<Bound>& bounds, const std::vector<py::object>& keys,
+                       std::vector<int>* out) {
+      out->clear();
+      for (const py::object& key : keys) {
+        int found = -1;
+        for (size_t b = 0; b < bounds.size() && found < 0; ++b) {
+          int eq = PyObject_RichCompareBool(bounds[b].key.ptr(), key.ptr(), Py_EQ);
+          if (eq < 0) throw py::error_already_set();
+          if (eq) found = static_cast<int>(b);
+        }
+        if (found < 0) return false;
+        out->push_back(found);
+      }
+      return true;
+    };
+    if (launcher.count() != static_cast<int>(s.args.size())) return false;
+    if (!index_of(s.args, launcher.arg_keys(), &s.arg_index) || !index_of(s.tensors, launcher.desc_keys(),
+                                                                          &s.desc_index)) {
+      s.layout_owner = py::object();
+      return false;
+    }
+    s.layout_owner = owner;
+    return true;
+  }
+
+  // Each binding's object for this call (borrowed, or kept in *made).
+  static void resolve(const std::vector<Bound>& bounds, const py::tuple& inputs, const py::tuple& buffers,
+                      const std::vector<py::object>& counts, const py::object& scale, std::vector<PyObject*>* out,
+                      std::vector<py::object>* made) {
+    out->clear();
     for (const Bound& b : bounds) {
-      py::handle value;
-      py::object item;
       switch (b.source) {
         case Source::Item:
-          item = py::reinterpret_steal<py::object>(
-              THPVariable_Wrap(THPVariable_Unpack(buffers[b.index].ptr()).select(0, b.value.cast<int64_t>())));
-          value = item;
+          made->push_back(py::reinterpret_steal<py::object>(
+              THPVariable_Wrap(THPVariable_Unpack(buffers[b.index].ptr()).select(0, b.value.cast<int64_t>()))));
+          out->push_back(made->back().ptr());
           break;
-        case Source::Input: value = inputs[b.index]; break;
-        case Source::Buffer: value = buffers[b.index]; break;
-        case Source::Count: value = counts.at(b.index); break;
-        case Source::Constant: value = b.value; break;
-        case Source::Scale: value = scale; break;
+        case Source::Input: out->push_back(PyTuple_GET_ITEM(inputs.ptr(), b.index)); break;
+        case Source::Buffer: out->push_back(PyTuple_GET_ITEM(buffers.ptr(), b.index)); break;
+        case Source::Count: out->push_back(counts.at(b.index).ptr()); break;
+        case Source::Constant: out->push_back(b.value.ptr()); break;
+        case Source::Scale: out->push_back(scale.ptr()); break;
       }
-      if (PyDict_SetItem(out.ptr(), b.key.ptr(), value.ptr()) != 0) throw py::error_already_set();
     }
-    return out;
   }
 
   Allocator alloc_;
+  int inputs_needed_ = 0, counts_needed_ = 0;
   std::vector<int> tma_inputs_, row_inputs_;
   int state_input_;
   py::str fast_key_;
