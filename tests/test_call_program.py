@@ -51,7 +51,8 @@ def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128
     H, group = rng.choice([(1, 1), (2, 2), (4, 2), (16, 2), (8, 4)])
     HV = H * group
     K, V = rng.choice(head_dims)
-    lengths = [rng.choice([1, 17, 63, 64, 65, 130, 200]) for _ in range(rng.randint(1, 6))]
+    lengths = [rng.choice([0, 1, 17, 63, 64, 65, 130, 200]) for _ in range(rng.randint(1, 6))]
+    lengths[0] = max(lengths[0], 1)  # a call with tokens (an empty one launches nothing)
     varlen = rng.random() < 0.6
     if not varlen:
         lengths = [lengths[0]] * len(lengths)
@@ -84,7 +85,10 @@ def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128
     form = rng.random()
     if form < 0.1:  # q a view of a fused projection's rows, read in place by the Python path
         call["q"] = torch.randn(B, T, 2 * H * K, generator=gen).to(dtype)[..., :H * K].unflatten(-1, (H, K))
-        takes = False
+        takes = takes and call["q"].is_contiguous()  # one token: a contiguous view
+    elif form < 0.15:  # g a view of a wider gate projection, read in place (token stride 2 HV)
+        call["g"] = -torch.rand(B, T, 2 * HV, generator=gen)[..., :HV]
+        takes = takes and call["g"].is_contiguous()
     elif form < 0.2:  # a state pool, read in place through state_indices
         pool = torch.randn(N + 3, *state_shape[1:], generator=gen)
         call.update(initial_state=pool, state_indices=torch.randperm(N + 3, generator=gen)[:N].to(torch.int32))
@@ -124,7 +128,7 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
         taken["yes" if out is not None else "no"] += 1
         return out
 
-    paths = {"fused": 0, "pipeline": 0}
+    paths = {"fused": 0, "pipeline": 0, "refused": 0}
     with stubbed_launches() as stub:
         for i in range(120):
             call, takes = _random_form(rng)
@@ -140,13 +144,17 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
             with mock.patch.object(F, "run_call", spy):
                 got = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
             assert got == expected, f"call {i}: {call.keys()}"
-            assert problem.q.is_contiguous() == call["q"].is_contiguous()  # the view is read in place
+            # the views are read in place
+            assert problem.q.is_contiguous() == call["q"].is_contiguous()
+            assert problem.g.is_contiguous() == call["g"].is_contiguous()
             assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             if takes:
                 fused = F.plan(problem, device=device, engine=engine).fused
                 paths["fused" if fused else "pipeline"] += 1
-    # The fuzz covered what it is for: both paths where the engine has both.
-    assert paths["pipeline"] >= 20
+            else:
+                paths["refused"] += 1
+    # The fuzz covered what it is for: both paths where the engine has both, and refusals.
+    assert paths["pipeline"] >= 20 and paths["refused"] >= 10
     assert paths["fused"] >= (5 if capability == (9, 0) else 0)
 
 
@@ -234,4 +242,4 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
             assert got == expected, f"call {i}: {call.keys()}"
             assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             count += takes
-    assert count >= 60
+    assert 60 <= count <= 110  # taken and refused forms both drawn
