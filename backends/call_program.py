@@ -9,6 +9,7 @@ the stage's own (the function its Python wrapper launches with), called once wit
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from gdn_dispatch.contract import GDNProblem
@@ -19,6 +20,19 @@ Q, K, V, G, BETA, CU, H0 = range(len(INPUTS))
 #: The call's counts as a program indexes them (:func:`call_counts`): N, the token rows
 #: ``B * T``, the (token, head) rows ``B * T * H``, the chunk slots.
 COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS = range(4)
+
+
+#: How the programs answered the calls that consulted one: "taken" (the program launched
+#: the call), "refused" (a launcher missing or another specialization: the Python path
+#: ran it). Calls of other forms never consult a program and are not counted. ``bench
+#: --host`` reads it.
+PROGRAM_CALLS: Counter = Counter()
+
+
+def counted(buffers):
+    """``buffers`` (a program's answer) after counting it in :data:`PROGRAM_CALLS`."""
+    PROGRAM_CALLS["refused" if buffers is None else "taken"] += 1
+    return buffers
 
 
 class Ref(NamedTuple):

@@ -7,7 +7,10 @@ K = V = 128, initial and final state):
   synchronization inside the loop (the time a serving loop spends issuing the call);
 * *GPU time*: microseconds per replay of the call captured in a CUDA graph (no host work);
 * for our backends, the *host breakdown*: validate (``make_problem``), select (device probe
-  and registry), forward (plan, allocations and launches), each timed alone;
+  and registry), forward (plan, allocations and launches), each timed alone; and how many
+  of the enqueued calls their call program ran (``program taken/calls``: the native host
+  layer's one-call path, :mod:`gdn_dispatch.backends.call_program`; absent where no call
+  consulted one);
 
 for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 8192 tokens.
 First, a *host reference* line: two fixed pieces of host work timed in the same process
@@ -31,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from gdn_dispatch.backends.call_program import PROGRAM_CALLS
 from gdn_dispatch.bench_report import FLA
 
 #: Head counts and dims of the host cases (Qwen3.5's linear-attention layer).
@@ -219,6 +223,8 @@ class HostRow:
     gpu_us: float | None = None
     steps_us: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    #: (calls its call program ran, calls enqueued), or None where no call consulted one.
+    program: tuple[int, int] | None = None
 
 
 def format_rows(rows: list[HostRow]) -> list[str]:
@@ -229,6 +235,8 @@ def format_rows(rows: list[HostRow]) -> list[str]:
         enqueue = f"{r.enqueue_us:10.1f}" if r.enqueue_us is not None else f"{'-':>10}"
         gpu = f"{r.gpu_us:8.1f}" if r.gpu_us is not None else f"{'-':>8}"
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps_us.items())
+        if r.program is not None:
+            steps += f"{', ' if steps else ''}program {r.program[0]}/{r.program[1]}"
         lines.append(f"{r.case:<24} {r.backend:<15} {enqueue} {gpu} {ratio}  {steps}{'  ' + r.note if r.note else ''}")
     return lines
 
@@ -256,8 +264,18 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
     for name, caller in callers.items():
         row = HostRow(name, case.name)
         fn = (lambda c=fla_call(call): caller(**c)) if name == FLA else (lambda: caller(**call))
+        enqueued = [0]
+
+        def counting(fn=fn):
+            enqueued[0] += 1
+            return fn()
+
         try:
-            row.enqueue_us = rounds_us(fn, calls, rounds, sync=torch.cuda.synchronize)
+            consulted = sum(PROGRAM_CALLS.values())
+            taken = PROGRAM_CALLS["taken"]
+            row.enqueue_us = rounds_us(counting, calls, rounds, sync=torch.cuda.synchronize)
+            if name != FLA and sum(PROGRAM_CALLS.values()) > consulted:
+                row.program = (PROGRAM_CALLS["taken"] - taken, enqueued[0])
             row.gpu_us = graph_replay_us(fn)
             if name != FLA:
                 for step, step_fn in host_steps(call, name).items():

@@ -28,6 +28,7 @@ from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
 from gdn_dispatch.backends import direct_launch  # noqa: E402
+from gdn_dispatch.backends.call_program import PROGRAM_CALLS  # noqa: E402
 from gdn_dispatch.backends.gluon_common import call_program  # noqa: E402
 from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import forward as F  # noqa: E402
@@ -178,11 +179,15 @@ def test_a_refused_check_launches_nothing(native_built):
                 return fast(*args)
 
         stub.runs.clear()
+        before = dict(PROGRAM_CALLS)
         with mock.patch.dict(last.compiled, {"fast": Refusing()}):
             assert call_program.run_call(problem, launches, engine) is None
         assert stub.runs == []
         assert call_program.run_call(problem, launches, engine) is not None
         assert len(stub.runs) == len(launches.launches)
+        # bench --host reads these: one refusal, one call taken
+        assert PROGRAM_CALLS["refused"] == before.get("refused", 0) + 1
+        assert PROGRAM_CALLS["taken"] == before.get("taken", 0) + 1
 
 
 @contextlib.contextmanager

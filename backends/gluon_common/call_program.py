@@ -37,7 +37,7 @@ from gdn_dispatch.native import INTERMEDIATES
 
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_ROWS, CU, G, H0, K, Q, SCALE, V, Ref, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, input_ref)
+    call_inputs, count_ref, counted, input_ref)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan
@@ -70,7 +70,7 @@ def run_call(problem: GDNProblem, launches: ForwardPlan, engine) -> tuple[torch.
     device = runtime.current_device()
     buffers = call(call_inputs(problem), (problem.B, problem.T, N, t_rows, 0, rows), counts, float(problem.scale),
                    device, runtime.stream(device))
-    if buffers is None:
+    if counted(buffers) is None:
         return None
     return buffers[o], None if final_state is None else buffers[final_state]
 

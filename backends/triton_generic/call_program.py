@@ -29,7 +29,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_N, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, K, Q, SCALE, V, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, input_ref)
+    call_inputs, count_ref, counted, input_ref)
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
@@ -81,7 +81,7 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
     device = torch.cuda.current_device()
     buffers = call(call_inputs(problem), (problem.B, problem.T, N, counts[COUNT_SLOTS], 0, 0), counts,
                    float(problem.scale), device, runtime.stream(device))
-    if buffers is None:
+    if counted(buffers) is None:
         return None
     return buffers[o], None if final_state is None else buffers[final_state]
 
