@@ -69,8 +69,10 @@ def call_inputs(problem: GDNProblem) -> tuple:
 
 
 def call_counts(problem: GDNProblem) -> tuple[int, int, int, int]:
-    rows = problem.B * problem.T
-    return problem.chunks.num_seqs, rows, rows * problem.H, problem.chunks.num_slots
+    """The call's counts in :data:`COUNT_N` ... :data:`COUNT_SLOTS` order."""
+    B, T, H = problem.q.shape[:3]
+    chunks = problem.chunks
+    return chunks.num_seqs, B * T, B * T * H, chunks.num_slots
 
 
 def add_step(program, module, compiled: dict, args: dict, tensors: dict, grid: tuple, rows_count: int,
