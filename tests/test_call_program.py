@@ -216,9 +216,14 @@ def stubbed_triton_launches():
     tg_program.clear_programs()
 
 
-def test_triton_generic_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch):
+@pytest.mark.parametrize("fused_solve", [True, False])
+def test_triton_generic_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch, fused_solve):
+    """Both w/u forms: T formed in the w/u kernel (sm_80..sm_90), or by kkt_solve first
+    (sm_100, sm_120; here by the CPU stand-in's capability answer)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rng = random.Random(77)
+    monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
+    monkeypatch.setattr(tg_program, "fuse_solve_into_wu", lambda capability: fused_solve)
+    rng = random.Random(77 + fused_solve)
     taken = {"yes": 0}
     real_run_call = tg_program.run_call
 
@@ -243,7 +248,7 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
             taken["yes"] = 0
             with mock.patch.object(TG, "run_call", spy):
                 got = _labels(runs, TG.forward(problem), inputs)
-            assert len(got[0]) == 4, f"call {i}: {[name for name, *_ in got[0]]}"
+            assert len(got[0]) == (4 if fused_solve else 5), f"call {i}: {[name for name, *_ in got[0]]}"
             assert got == expected, f"call {i}: {call.keys()}"
             assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             count += takes

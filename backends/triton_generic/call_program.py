@@ -1,20 +1,23 @@
-"""triton_generic's call programs: a common call's allocations and four launches in one
-native call (:mod:`gdn_dispatch.backends.call_program` says how a program is made).
+"""triton_generic's call programs: a common call's allocations and its four or five
+launches in one native call (:mod:`gdn_dispatch.backends.call_program` says how a program
+is made).
 
 Taken for the call forms servers send: unsegmented, no state pool, contiguous inputs, an
-initial state (if any) in float32 or bfloat16, on a GPU whose w/u kernel forms T itself
-(:func:`.configs.fuse_solve_into_wu`: sm_80 to sm_90), with kept kernels launched directly
-(:mod:`gdn_dispatch.backends.direct_launch`). The four launches::
+initial state (if any) in float32 or bfloat16, with kept kernels launched directly
+(:mod:`gdn_dispatch.backends.direct_launch`). The launches::
 
     g_cum        = chunk_cumsum(g)                       grid (slots, HV blocks)
-    w, u[, r_k]  = wu(k, v, g_cum, beta)                 grid (slots * HV)
+    T            = kkt_solve(k, g_cum, beta)             grid (slots * HV)   (sm_100, sm_120 only)
+    w, u[, r_k]  = wu(k, v, g_cum, beta[, T])            grid (slots * HV)
     h, v_new, S  = state(k, w, u, g_cum, S0)             grid (N * HV * V blocks)
     o            = output(q, k, v_new, h, g_cum)         grid (slots * HV, V blocks)
 
-each with the stage's own argument list (``cumsum_launch_args``, ``wu_launch_args``,
-``state_launch_args``, ``output_launch_args``) and launch options, through its call site's
-GuardedLauncher; every check passes before the first launch, else the program launches
-nothing and the Python path runs the call. A program is kept per call form and the state
+(the w/u kernel forms T itself where :func:`.configs.fuse_solve_into_wu` says so: sm_80 to
+sm_90), each with the stage's own argument list (``cumsum_launch_args``,
+``kkt_solve_launch_args``, ``wu_launch_args``, ``state_launch_args``,
+``output_launch_args``) and launch options, through its call site's GuardedLauncher; every
+check passes before the first launch, else the program launches nothing and the Python
+path runs the call. A program is kept per call form, device capability and the state
 kernel's configuration (which follows ``N * HV``); ``tests/test_call_program.py`` holds
 both paths to the same launches.
 """
@@ -25,6 +28,7 @@ import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.native import INTERMEDIATES
 
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
@@ -35,6 +39,7 @@ from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
     cumsum_config, device_facts, fuse_solve_into_wu, intra_config, output_config, state_config)
 from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel, cumsum_launch_args
+from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel, kkt_solve_launch_args
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel, output_launch_args
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel, state_launch_args
 from gdn_dispatch.backends.triton_generic.wu import _wu_fwd_kernel, wu_launch_args
@@ -61,8 +66,6 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
     if not runtime.direct():
         return None
     capability, _ = device_facts(problem.device)
-    if not fuse_solve_into_wu(capability):
-        return None
     counts = call_counts(problem)
     N, HV = counts[COUNT_N], problem.HV
     if counts[COUNT_ROWS] == 0 or N * HV == 0:
@@ -72,7 +75,7 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
     key = (problem.device.index, capability, problem.q.dtype, problem.H, problem.K, HV, problem.V,
            problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None,
            state_cfg)
-    program = _PROGRAMS.get(key)
+    program = _PROGRAMS.get(key)  # the key's capability decides the w/u form (fuse_solve_into_wu)
     if program is None:
         if len(_PROGRAMS) >= PROGRAMS_KEPT:
             _PROGRAMS.clear()
@@ -103,9 +106,13 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     None) in its buffers)."""
     H, Kd, HV, Vd, l2 = problem.H, problem.K, problem.HV, problem.V, problem.use_qk_l2norm
     dtype, elem = problem.q.dtype, problem.q.element_size()
+    fused_solve = fuse_solve_into_wu(capability)
     specs = buffer_specs(problem, True)
     names = ["g_cum"] + (["k_rnorm"] if l2 else []) + ["w", "u", "h", "v_new", "o"]
     names += ["final_state"] if problem.output_final_state else []
+    if not fused_solve:  # kkt_solve_fwd's T, [B, T, HV, 64] in k's dtype
+        specs.append(((-1, -2, HV, CHUNK_SIZE), None, INTERMEDIATES))
+        names.append("A_inv")
     buf = {name: buffer_ref(i) for i, name in enumerate(names)}
     g_cum = buf["g_cum"]
     k_rnorm = buf.get("k_rnorm", g_cum)
@@ -123,10 +130,16 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     cfg = cumsum_config(HV)
     step(_chunk_cumsum_fwd_kernel, cfg, cumsum_launch_args(cfg, g, g_cum, cu, n, float(LOG2E), s_gb, HV, CHUNK_SIZE),
          (1, False, 0, 1, 0, -(-HV // cfg.BH)), COUNT_SLOTS, -1)
+    if not fused_solve:
+        cfg = intra_config(Kd, Kd, elem, capability)
+        step(_kkt_solve_fwd_kernel, cfg, kkt_solve_launch_args(
+            cfg, dtype, k, g_cum, beta, buf["A_inv"], cu, n, s_qk, s_gb, H, HV, Kd, CHUNK_SIZE, use_qk_l2norm=l2),
+            (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     cfg = intra_config(Kd, Vd, elem, capability)
     step(_wu_fwd_kernel, cfg, wu_launch_args(
-        cfg, dtype, k, v, g_cum, beta, g_cum, buf["w"], buf["u"], k_rnorm, cu, n, s_qk, s_v, s_gb, H, HV, Kd, Vd,
-        CHUNK_SIZE, fused_solve=True, use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+        cfg, dtype, k, v, g_cum, beta, g_cum if fused_solve else buf["A_inv"], buf["w"], buf["u"], k_rnorm, cu, n,
+        s_qk, s_v, s_gb, H, HV, Kd, Vd, CHUNK_SIZE, fused_solve=fused_solve, use_qk_l2norm=l2, store_rnorm=l2),
+        (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     final = buf.get("final_state")
     step(_state_fwd_kernel, state_cfg, state_launch_args(
         state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,

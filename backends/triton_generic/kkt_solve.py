@@ -211,12 +211,17 @@ def kkt_solve_fwd(
         return A_inv
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)
-    dot_prec, solve_prec = dot_precisions(k.dtype)
-    launch(_kkt_solve_fwd_kernel, (chunks.num_slots * HV,), cfg,
-        k=k, g_cum=g_cum, beta=beta, A_inv=A_inv,
-        cu_seqlens=chunks.cu_seqlens, N=chunks.num_seqs,
-        s_k=token_stride("k", k), s_b=token_stride("beta", beta),
-        H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm,
-        DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
-    )
+    launch(_kkt_solve_fwd_kernel, (chunks.num_slots * HV,), cfg, **kkt_solve_launch_args(
+        cfg, k.dtype, k, g_cum, beta, A_inv, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
+        token_stride("beta", beta), H, HV, K, BT, use_qk_l2norm=use_qk_l2norm))
     return A_inv
+
+
+def kkt_solve_launch_args(cfg, dtype, k, g_cum, beta, A_inv, cu_seqlens, num_seqs, s_k, s_b, H, HV, K, BT, *,
+                          use_qk_l2norm) -> dict:
+    """Every argument of one ``_kkt_solve_fwd_kernel`` launch by name (what
+    :func:`kkt_solve_fwd` launches with; :mod:`.call_program` binds the same list)."""
+    dot_prec, solve_prec = dot_precisions(dtype)
+    return dict(k=k, g_cum=g_cum, beta=beta, A_inv=A_inv, cu_seqlens=cu_seqlens, N=num_seqs, s_k=s_k, s_b=s_b, H=H,
+                HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
+                INTERP_BF16=interp_bf16_dots(dtype))
