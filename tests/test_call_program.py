@@ -208,8 +208,10 @@ def stubbed_triton_launches():
     def jit_launch(kernel, grid, cfg, kwargs):
         return _Compiled(kernel.fn, runs, 0)
 
-    with mock.patch.object(tg_configs, "_jit_launch", jit_launch), mock.patch.object(compat, "raw_launch", _raw_launch), \
-            mock.patch.object(direct_launch, "_RUNTIME", Runtime()), mock.patch.object(direct_launch, "_CALL_SITES", {}), \
+    with mock.patch.object(tg_configs, "_jit_launch", jit_launch), \
+            mock.patch.object(compat, "raw_launch", _raw_launch), \
+            mock.patch.object(direct_launch, "_RUNTIME", Runtime()), \
+            mock.patch.object(direct_launch, "_CALL_SITES", {}), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0):
         tg_program.clear_programs()
         yield runs

@@ -497,14 +497,15 @@ bool tma_rows_ok(py::tuple tensors) {
 }
 
 
-// A call program: one call's allocations and launches, planned once per launch sequence
-// (gdn_dispatch.backends.gluon_common.call_program builds it from the stage wrappers' own
-// argument lists), run in one C++ call. Each launch argument is bound to where its value
-// comes from in the call: one of its inputs, one of the buffers it allocates, one of its
-// counts, a constant, its scale, or one entry of a buffer's first dim. Every launch goes through the GuardedLauncher of the
-// kernel its plan launched last (the LaunchPlan's "fast" entry), whose checks all pass
-// before the first launch: a call that any of them refuses launches nothing and returns
-// None (the Python path then runs it, binding as usual).
+// A call program: one call's allocations and launches, planned once per call form
+// (gdn_dispatch.backends.call_program and the backends' call_program modules build it from
+// the stage wrappers' own argument lists), run in one C++ call. Each launch argument is
+// bound to where its value comes from in the call: one of its inputs, one of the buffers it
+// allocates, one of its counts, a constant, its scale, or one entry of a buffer's first
+// dim. Every launch goes through the GuardedLauncher its launch site used last (the "fast"
+// entry of the site's dict), whose checks all pass before the first launch: a call that any
+// of them refuses launches nothing and returns None (the Python path then runs it, binding
+// as usual).
 enum class Source : int { Input = 0, Buffer = 1, Count = 2, Constant = 3, Scale = 4, Item = 5 };
 
 struct Bound {
