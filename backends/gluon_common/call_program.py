@@ -32,7 +32,6 @@ import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.contract import GDNProblem
-from gdn_dispatch.envvars import getenv
 from gdn_dispatch.native import INTERMEDIATES
 
 from gdn_dispatch.backends.call_program import (
@@ -55,7 +54,7 @@ def run_call(problem: GDNProblem, launches: ForwardPlan, engine) -> tuple[torch.
     if module is None or problem.state_indices is not None:
         return None
     runtime = L._runtime()
-    if not runtime.direct or getenv(L.JIT_LAUNCH_ENV) == "1" or runtime.hooks_set():
+    if not runtime.launches_directly():
         return None
     counts = call_counts(problem)
     N, rows = counts[COUNT_N], counts[COUNT_ROWS]
@@ -83,10 +82,15 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     final = len(specs) - 1 if problem.output_final_state else None
     q, k, v, g, beta, cu = (input_ref(i) for i in (Q, K, V, G, BETA, CU))
     n, head_rows = count_ref(COUNT_N), count_ref(COUNT_HEAD_ROWS)
+    # Buffers (buffer_specs): fused o, g_cum, T tiles; pipeline w, u, g_cum, o; then the
+    # final state. An unused state pointer reads g_cum as the wrappers' stand-in.
+    g_cum = buffer_ref(1 if launches.fused else 2)
+    h0 = input_ref(H0) if problem.initial_state is not None else g_cum
+    ht = g_cum if final is None else buffer_ref(final)
     # q's and k's token stride is H * K, g's and beta's HV: the program takes contiguous inputs only.
     steps = []
     if launches.fused:
-        o, g_cum, t_tiles = buffer_ref(0), buffer_ref(1), buffer_ref(2)
+        o, t_tiles = buffer_ref(0), buffer_ref(2)
         if launches.norm_copies:
             specs.append(((2, -1, -2, H, problem.K), None, INTERMEDIATES))  # qk_l2norm_fwd's [2, B, T, H, K]
             norm = launches.stage("qk_l2norm_fwd").shared
@@ -95,13 +99,11 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         wy_t = launches.stage("wy_t_fwd").shared
         steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
         fused = launches.stage("fused_fwd").shared
-        h0 = input_ref(H0) if problem.initial_state is not None else g_cum
-        ht = g_cum if final is None else buffer_ref(final)
         steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, cu, cu, SCALE,
                                                             0)))
         outputs = (0, final)
     else:
-        w, u, g_cum, o = (buffer_ref(i) for i in range(4))
+        w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)
         wy = launches.stage("wy_fwd").shared
         steps.append((wy, wy_launch_args(wy, k, v, w, u, g, g_cum, beta, cu, n, HV, HV)))
         rnorm = g_cum  # not read without the qk l2 norm
@@ -111,8 +113,6 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             norm = launches.stage("qk_rnorm_fwd").shared
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))
         so = launches.stage("state_output_fwd").shared
-        h0 = input_ref(H0) if problem.initial_state is not None else g_cum
-        ht = g_cum if final is None else buffer_ref(final)
         steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, cu, cu, SCALE, 0)))
         outputs = (3, final)
     program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0)

@@ -140,6 +140,11 @@ class _Runtime:
         """Whether a launch hook is registered (profilers such as proton)."""
         return compat.launch_hooks_set(self.knobs)
 
+    def launches_directly(self) -> bool:
+        """Whether launches skip Triton's binder now: a Triton release verified for direct
+        launches, ``GDN_DISPATCH_JIT_LAUNCH`` not 1, no launch hook (read at every call)."""
+        return self.direct and getenv(JIT_LAUNCH_ENV) != "1" and not self.hooks_set()
+
     def stream(self, device: int) -> int:
         if self._stream is None:
             self._stream = compat.current_stream_query()
@@ -196,7 +201,7 @@ def launch_planned(fn, launch: LaunchPlan, tensors: dict, args: dict, *, rows: i
     Launches on the current CUDA device and stream, as ``fn[grid]`` would.
     """
     runtime = _runtime()
-    if not runtime.direct or getenv(JIT_LAUNCH_ENV) == "1" or runtime.hooks_set():
+    if not runtime.launches_directly():
         _jit_launch(fn, launch, tensors, args, launch.grid_rule(rows, num_seqs))
         return
     device = runtime.current_device()
