@@ -544,7 +544,17 @@ class CallProgram {
  public:
   CallProgram(py::list specs, std::vector<int> tma_inputs, std::vector<int> row_inputs, int state_input)
       : alloc_(std::move(specs)), tma_inputs_(std::move(tma_inputs)), row_inputs_(std::move(row_inputs)),
-        state_input_(state_input), fast_key_(py::str("fast")) {}
+        state_input_(state_input), fast_key_(py::str("fast")) {
+    // The inputs the checks read, like those the bindings read, are counted in
+    // inputs_needed_, which each call's input tuple must cover.
+    for (const std::vector<int>* checked : {&tma_inputs_, &row_inputs_}) {
+      for (int i : *checked) {
+        if (i < 0) throw std::invalid_argument("CallProgram: no such input");
+        inputs_needed_ = std::max(inputs_needed_, i + 1);
+      }
+    }
+    inputs_needed_ = std::max(inputs_needed_, state_input_ + 1);
+  }
 
   // grid: (row_block, ceil, per_seq, times, minimum, more0, more1): grid[0] = max(minimum,
   // counts[rows_count] / row_block (ceil: rounded up) + counts[seqs_count] * per_seq) * times.
@@ -589,13 +599,7 @@ class CallProgram {
     const py::object refuse = py::none();
     if (sizes.size() != Allocator::kSizes) throw std::invalid_argument("CallProgram.run: six sizes");
     if (static_cast<int>(inputs.size()) < inputs_needed_ || static_cast<int>(counts.size()) < counts_needed_)
-      throw std::invalid_argument("CallProgram.run: fewer inputs or counts than the launches read");
-    for (int i : tma_inputs_)
-      if (i >= static_cast<int>(inputs.size())) throw std::invalid_argument("CallProgram.run: no such input");
-    for (int i : row_inputs_)
-      if (i >= static_cast<int>(inputs.size())) throw std::invalid_argument("CallProgram.run: no such input");
-    if (state_input_ >= static_cast<int>(inputs.size()))
-      throw std::invalid_argument("CallProgram.run: no such input");
+      throw std::invalid_argument("CallProgram.run: fewer inputs or counts than the program reads");
     for (int i : tma_inputs_)
       if (!tma_rows_tensor(inputs[i])) return refuse;
     for (int i : row_inputs_) {
@@ -672,12 +676,10 @@ class CallProgram {
       }
       return true;
     };
-    if (launcher.count() != static_cast<int>(s.args.size())) return false;
-    if (!index_of(s.args, launcher.arg_keys(), &s.arg_index) || !index_of(s.tensors, launcher.desc_keys(),
-                                                                          &s.desc_index)) {
-      s.layout_owner = py::object();
+    s.layout_owner = py::object();
+    if (launcher.count() != static_cast<int>(s.args.size()) || !index_of(s.args, launcher.arg_keys(), &s.arg_index) ||
+        !index_of(s.tensors, launcher.desc_keys(), &s.desc_index))
       return false;
-    }
     s.layout_owner = owner;
     return true;
   }
