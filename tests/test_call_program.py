@@ -237,7 +237,7 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
     count = 0
     with stubbed_triton_launches() as runs:
         for i in range(120):
-            call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64)),
+            call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128), (80, 96)),
                                        dtypes=(torch.bfloat16, torch.float16, torch.float32))
             problem = make_problem(**call)
             inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
