@@ -1,16 +1,18 @@
-"""Host microseconds of each piece of one gluon_sm90 call on a GPU host: real launches and
-real allocations, what the CPU stub (``tests/test_gluon_host_path.py``) cannot show.
+"""Host microseconds of each piece of one call on a GPU host: real launches and real
+allocations, what the CPU stub (``tests/test_gluon_host_path.py``) cannot show.
 
-Usage (a CUDA machine, repository root): ``python benchmarks/host_parts.py``. Per case
-(H = 16, HV = 32, K = V = 128, bf16, initial and final state; and the H2-HV4 segmented
-call), each piece is called alone in 7 rounds of 100 back-to-back calls (the stream drained
-between rounds) and the median round printed: the public call, the contract
-(``make_problem``), the probe and the registry's choice, the forward, and inside the
-forward the context-parallel plan, the launch plan, the call program (:mod:`.call_program`:
-allocations and launches in one native call), and the Python path's pieces: the inputs' TMA
-check, the one-call allocation and the two stage wrappers (each with its launch); then
-three torch calls for scale. The segmented case prints its public call, contract, choice, forward and allocation,
-then a cProfile of 300 forwards.
+Usage (a CUDA machine, repository root): ``python benchmarks/host_parts.py``. Per backend
+(gluon_sm90, triton_generic) and case (H = 16, HV = 32, K = V = 128, bf16, initial and final
+state; and the H2-HV4 segmented call), each piece is called alone in 7 rounds of 100
+back-to-back calls (the stream drained between rounds) and the median round printed: the
+public call, the contract (``make_problem``), the probe and the registry's choice, the
+forward, the call program (allocations and launches in one native call, through the
+backend's ``run_call``) and the same program with its launches left out (``launch=False``:
+the difference is what the launches cost the host); for gluon_sm90 also the
+context-parallel plan, the launch plan and the Python path's pieces (the inputs' TMA check,
+the one-call allocation, the two stage wrappers, each with its launch); then three torch
+calls for scale. The segmented case prints its public call, contract, choice, forward and
+allocation, then a cProfile of 300 forwards.
 """
 import cProfile
 import pstats
@@ -26,6 +28,8 @@ from gdn_dispatch.backends.gluon_common.call_program import run_call
 from gdn_dispatch.backends.gluon_common.plan import plan
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+from gdn_dispatch.backends.triton_generic import call_program as tg_programs
+from gdn_dispatch.backends.triton_generic.call_program import run_call as tg_run_call
 from gdn_dispatch.bench_host import format_reference, host_reference_us, make_call
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import make_problem
@@ -50,17 +54,58 @@ def us(fn, calls: int = 100, rounds: int = 7) -> float:
     return statistics.median(out)
 
 
-def pieces(call: dict, problem, selection) -> dict:
+class _NoLaunch:
+    """A kept call program run with ``launch=False``: its checks and allocations alone."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __call__(self, *args):
+        return self.program(*args, launch=False)
+
+
+def _without_launches(programs: dict) -> None:
+    for key, (call, outputs) in list(programs.items()):
+        if not isinstance(call, _NoLaunch):
+            programs[key] = (_NoLaunch(call), outputs)
+
+
+def _with_launches(programs: dict) -> None:
+    for key, (call, outputs) in list(programs.items()):
+        if isinstance(call, _NoLaunch):
+            programs[key] = (call.program, outputs)
+
+
+def _program_rows(run, programs: dict) -> dict:
+    """The call program with and without its launches (``run`` takes the call)."""
+    if run() is None:
+        return {}
+
+    def dry():
+        _without_launches(programs)
+        try:
+            return run()
+        finally:
+            _with_launches(programs)
+
+    return {"call program": run, "program, no launches": dry}
+
+
+def pieces(backend: str, call: dict, problem, selection) -> dict:
     device = selection.device
-    cp = plan_for_problem(problem, device.sm_count)
-    launches = plan(problem, device=device, engine=sm90.ENGINE, fused=not cp.enabled)
     rows = {
-        "public": lambda: chunk_gated_delta_rule(**call, backend="gluon_sm90"),
-        "make_problem": lambda: make_problem(**call, backend="gluon_sm90"),
+        "public": lambda: chunk_gated_delta_rule(**call, backend=backend),
+        "make_problem": lambda: make_problem(**call, backend=backend),
         "probe+select": lambda: select(default_probe().for_torch_device(problem.device), problem),
-        "forward": lambda: sm90.forward(problem, selection),
-        "call_buffers": lambda: F.call_buffers(problem, launches, cp),
+        "forward": lambda: selection.module.forward(problem, selection),
     }
+    cp = plan_for_problem(problem, device.sm_count)
+    if backend == "triton_generic":
+        if not cp.enabled:
+            rows.update(_program_rows(lambda: tg_run_call(problem, device.sm_count), tg_programs._PROGRAMS))
+        return rows
+    launches = plan(problem, device=device, engine=sm90.ENGINE, fused=not cp.enabled)
+    rows["call_buffers"] = lambda: F.call_buffers(problem, launches, cp)
     if cp.enabled or launches.fused:
         return rows
     w, u, g_cum, o, final = F.call_buffers(problem, launches, cp)
@@ -68,7 +113,7 @@ def pieces(call: dict, problem, selection) -> dict:
     rows.update({
         "plan_for_problem": lambda: plan_for_problem(problem, device.sm_count),
         "plan": lambda: plan(problem, device=device, engine=sm90.ENGINE, fused=not cp.enabled),
-        "call program": lambda: run_call(problem, launches, sm90.ENGINE),
+        **_program_rows(lambda: run_call(problem, launches, sm90.ENGINE), launches.cls.programs),
         "tma_readable": lambda: F.tma_readable(problem),
         "wy_fwd": lambda: wy_fwd(problem.k, problem.v, problem.g, problem.beta, problem.chunks, wy,
                                  out=(w, u, g_cum)),
@@ -86,21 +131,25 @@ def main() -> None:
     device = torch.device("cuda")
     print(format_reference(host_reference_us(device)))
     print(f"native host layer: {native.status()}")
-    for name, lengths, varlen, host_copy, heads in CASES:
-        call = dict(make_call(lengths, varlen, host_copy, device, 0, heads), output_final_state=True)
-        problem = make_problem(**call, backend="gluon_sm90")
-        selection = select(default_probe().for_torch_device(problem.device), problem)
-        rows = pieces(call, problem, selection)
-        calls = 30 if heads == (2, 4) else 100
-        print(f"## {name}: " + ", ".join(f"{k} {us(fn, calls):.1f}" for k, fn in rows.items()), flush=True)
-        if heads == (2, 4):
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(300):
-                sm90.forward(problem, selection)
-            torch.cuda.synchronize()
-            profile.disable()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+    for backend in ("gluon_sm90", "triton_generic"):
+        for name, lengths, varlen, host_copy, heads in CASES:
+            call = dict(make_call(lengths, varlen, host_copy, device, 0, heads), output_final_state=True)
+            problem = make_problem(**call, backend=backend)
+            selection = select(default_probe().for_torch_device(problem.device), problem)
+            for _ in range(3):  # the first calls plan, compile and make the launchers a program needs
+                chunk_gated_delta_rule(**call, backend=backend)
+            rows = pieces(backend, call, problem, selection)
+            calls = 30 if heads == (2, 4) else 100
+            print(f"## {backend} {name}: " + ", ".join(f"{k} {us(fn, calls):.1f}" for k, fn in rows.items()),
+                  flush=True)
+            if heads == (2, 4) and backend == "gluon_sm90":
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(300):
+                    sm90.forward(problem, selection)
+                torch.cuda.synchronize()
+                profile.disable()
+                pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

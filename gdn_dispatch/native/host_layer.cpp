@@ -594,8 +594,9 @@ class CallProgram {
 
   // inputs: the call's tensors (and None) as the bindings index them; sizes: the
   // allocator's six; counts: the ints the launches read (and size their grids from).
+  // launch=false does everything but the launches (what a host benchmark subtracts).
   py::object run(py::tuple inputs, std::vector<int64_t> sizes, std::vector<int64_t> counts, py::object scale,
-                 py::handle device, py::handle stream) {
+                 py::handle device, py::handle stream, bool launch) {
     const py::object refuse = py::none();
     if (sizes.size() != Allocator::kSizes) throw std::invalid_argument("CallProgram.run: six sizes");
     if (static_cast<int>(inputs.size()) < inputs_needed_ || static_cast<int>(counts.size()) < counts_needed_)
@@ -652,7 +653,8 @@ class CallProgram {
         return refuse;
       prepared.push_back(std::move(launch_args));
     }
-    for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
+    if (launch)
+      for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
     return std::move(buffers);
   }
 
@@ -749,5 +751,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_step", &CallProgram::add_step, py::arg("compiled"), py::arg("args"), py::arg("tensors"),
            py::arg("grid"), py::arg("rows_count"), py::arg("seqs_count"), py::arg("options") = py::none())
       .def("__call__", &CallProgram::run, py::arg("inputs"), py::arg("sizes"), py::arg("counts"), py::arg("scale"),
-           py::arg("device"), py::arg("stream"));
+           py::arg("device"), py::arg("stream"), py::arg("launch") = true);
 }
