@@ -8,7 +8,8 @@ back-to-back calls (the stream drained between rounds) and the median round prin
 public call, the contract (``make_problem``), the probe and the registry's choice, the
 forward, the call program (allocations and launches in one native call, through the
 backend's ``run_call``) and the same program with its launches left out (``launch=False``:
-the difference is what the launches cost the host); for gluon_sm90 also the
+the difference is what the launches cost the host), and the program's own phases timed
+inside the native layer, with how its TMA descriptors were had; for gluon_sm90 also the
 context-parallel plan, the launch plan and the Python path's pieces (the inputs' TMA check,
 the one-call allocation, the two stage wrappers, each with its launch); then three torch
 calls for scale. The segmented case prints its public call, contract, choice, forward and
@@ -127,6 +128,27 @@ def pieces(backend: str, call: dict, problem, selection) -> dict:
     return rows
 
 
+def program_stats(public, calls: int = 200) -> str:
+    """Per public call: the call programs' phases (µs, timed inside the native layer) and
+    how each TMA descriptor was had (reused as the last call left it, found among the
+    encoded ones, encoded)."""
+    module = native.for_calls()
+    if module is None:
+        return "native layer off"
+    torch.cuda.synchronize()
+    module.reset_stats(timing=True)
+    for _ in range(calls):
+        public()
+    torch.cuda.synchronize()
+    stats = module.stats()
+    module.reset_stats()
+    phases = ", ".join(f"{name} {stats['ns_' + name] / calls / 1e3:.1f}"
+                       for name in ("checks", "allocate", "arguments", "launches"))
+    descs = ", ".join(f"{name} {stats['desc_' + name] / calls:.1f}" for name in ("reused", "found", "encoded"))
+    return f"program phases (us per call): {phases}; programs {stats['programs'] / calls:.2f} per call; " \
+           f"descriptors per call: {descs}"
+
+
 def main() -> None:
     device = torch.device("cuda")
     print(format_reference(host_reference_us(device)))
@@ -142,6 +164,7 @@ def main() -> None:
             calls = 30 if heads == (2, 4) else 100
             print(f"## {backend} {name}: " + ", ".join(f"{k} {us(fn, calls):.1f}" for k, fn in rows.items()),
                   flush=True)
+            print(f"   {program_stats(rows['public'])}", flush=True)
             if heads == (2, 4) and backend == "gluon_sm90":
                 profile = cProfile.Profile()
                 profile.enable()

@@ -19,11 +19,46 @@
 #include <torch/csrc/Dtype.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace {
+
+// What the host benchmarks read (benchmarks/host_parts.py): how often a descriptor was
+// reused as it was, found among the encoded ones, or encoded; and, while timing is on, the
+// call programs' nanoseconds per phase (checks and launcher lookup, allocation, argument
+// lists, launches) summed over calls.
+struct Stats {
+  int64_t desc_reused = 0, desc_found = 0, desc_encoded = 0, programs = 0;
+  int64_t ns[4] = {0, 0, 0, 0};
+  bool timing = false;
+};
+Stats g_stats;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+py::dict stats() {
+  py::dict out;
+  out["desc_reused"] = g_stats.desc_reused;
+  out["desc_found"] = g_stats.desc_found;
+  out["desc_encoded"] = g_stats.desc_encoded;
+  out["programs"] = g_stats.programs;
+  out["ns_checks"] = g_stats.ns[0];
+  out["ns_allocate"] = g_stats.ns[1];
+  out["ns_arguments"] = g_stats.ns[2];
+  out["ns_launches"] = g_stats.ns[3];
+  return out;
+}
+
+void reset_stats(bool timing) {
+  g_stats = Stats();
+  g_stats.timing = timing;
+}
 
 enum class Kind : int { Tensor = 0, Int = 1, Identity = 2, Type = 3, Equal = 4 };
 
@@ -204,16 +239,20 @@ class GuardedLauncher {
         stride = view[1].cast<py::tuple>()[0].cast<int64_t>();
       }
       auto ptr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
-      if (!(d.last_map && ptr == d.last_ptr && rows == d.last_rows && stride == d.last_stride)) {
+      if (d.last_map && ptr == d.last_ptr && rows == d.last_rows && stride == d.last_stride) {
+        ++g_stats.desc_reused;
+      } else {
         py::object p = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(ptr));
         py::object r = py::int_(rows), s = py::int_(stride);
         py::tuple key = py::make_tuple(p, r, s);
         PyObject* map = PyDict_GetItemWithError(d.maps.ptr(), key.ptr());
         py::object tma;
         if (map != nullptr) {
+          ++g_stats.desc_found;
           tma = py::reinterpret_borrow<py::object>(map);
         } else {
           if (PyErr_Occurred()) throw py::error_already_set();
+          ++g_stats.desc_encoded;
           tma = encode_kept_(d.maps, d.encode, p, r, d.cols_obj, s);
         }
         d.last_map = std::move(tma);
@@ -598,6 +637,8 @@ class CallProgram {
   py::object run(py::tuple inputs, std::vector<int64_t> sizes, std::vector<int64_t> counts, py::object scale,
                  py::handle device, py::handle stream, bool launch) {
     const py::object refuse = py::none();
+    const bool timing = g_stats.timing;
+    int64_t t0 = timing ? now_ns() : 0;
     if (sizes.size() != Allocator::kSizes) throw std::invalid_argument("CallProgram.run: six sizes");
     if (static_cast<int>(inputs.size()) < inputs_needed_ || static_cast<int>(counts.size()) < counts_needed_)
       throw std::invalid_argument("CallProgram.run: fewer inputs or counts than the program reads");
@@ -628,7 +669,15 @@ class CallProgram {
       held.push_back(py::reinterpret_borrow<py::object>(fast_h));
       launchers.push_back(fast_h.cast<GuardedLauncher*>());
     }
+    auto lap = [&](int phase) {
+      if (!timing) return;
+      const int64_t t = now_ns();
+      g_stats.ns[phase] += t - t0;
+      t0 = t;
+    };
+    lap(0);
     py::tuple buffers = alloc_.call(inputs[0], sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
+    lap(1);
     std::vector<py::object> count_objs;
     for (int64_t c : counts) count_objs.push_back(py::int_(c));
     std::vector<py::tuple> prepared;
@@ -653,8 +702,11 @@ class CallProgram {
         return refuse;
       prepared.push_back(std::move(launch_args));
     }
+    lap(2);
     if (launch)
       for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
+    lap(3);
+    ++g_stats.programs;
     return std::move(buffers);
   }
 
@@ -735,6 +787,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("admit", &admit, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
         py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"));
   m.def("tma_rows_ok", &tma_rows_ok, py::arg("tensors"));
+  m.def("stats", &stats);
+  m.def("reset_stats", &reset_stats, py::arg("timing") = false);
   py::class_<Allocator>(m, "Allocator")
       .def(py::init<py::list>(), py::arg("specs"))
       .def("__call__", &Allocator::call, py::arg("like"), py::arg("a"), py::arg("b") = 0, py::arg("c") = 0,
