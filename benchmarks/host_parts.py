@@ -66,15 +66,15 @@ class _NoLaunch:
 
 
 def _without_launches(programs: dict) -> None:
-    for key, (call, outputs) in list(programs.items()):
+    for key, (call, has_final) in list(programs.items()):
         if not isinstance(call, _NoLaunch):
-            programs[key] = (_NoLaunch(call), outputs)
+            programs[key] = (_NoLaunch(call), has_final)
 
 
 def _with_launches(programs: dict) -> None:
-    for key, (call, outputs) in list(programs.items()):
+    for key, (call, has_final) in list(programs.items()):
         if isinstance(call, _NoLaunch):
-            programs[key] = (call.program, outputs)
+            programs[key] = (call.program, has_final)
 
 
 def _program_rows(run, programs: dict) -> dict:

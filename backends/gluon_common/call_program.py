@@ -64,19 +64,20 @@ def run_call(problem: GDNProblem, launches: ForwardPlan, engine) -> tuple[torch.
     program = launches.cls.programs.get(key)
     if program is None:
         program = launches.cls.programs[key] = build(problem, launches, engine, module)
-    call, (o, final_state) = program
+    call, has_final = program
     t_rows = planned_t_tile_rows(launches.stage("wy_t_fwd").shared, rows, N) if launches.fused else 0
     device = runtime.current_device()
     buffers = call(call_inputs(problem), (problem.B, problem.T, N, t_rows, 0, rows), counts, float(problem.scale),
                    device, runtime.stream(device))
     if counted(buffers) is None:
         return None
-    return buffers[o], None if final_state is None else buffers[final_state]
+    return buffers[0], buffers[1] if has_final else None
 
 
 def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     """The call program of ``launches`` for calls of ``problem``'s form: (the native
-    CallProgram, (index of o, index of the final state or None) in its buffers)."""
+    CallProgram, whether it returns a final state). A program returns ``(o,)`` or ``(o,
+    final state)``; its other buffers never leave the native layer."""
     H, HK, HV = problem.H, problem.H * problem.K, problem.HV
     specs = buffer_specs(problem, ("fused",) if launches.fused else ("pipeline",))
     final = len(specs) - 1 if problem.output_final_state else None
@@ -101,7 +102,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         fused = launches.stage("fused_fwd").shared
         steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, cu, cu, SCALE,
                                                             0)))
-        outputs = (0, final)
+        outputs = [0]
     else:
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)
         wy = launches.stage("wy_fwd").shared
@@ -114,12 +115,12 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))
         so = launches.stage("state_output_fwd").shared
         steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, cu, cu, SCALE, 0)))
-        outputs = (3, final)
-    program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0)
+        outputs = [3]
+    program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0, outputs + ([] if final is None else [final]))
     for launch, (tensors, args) in steps:
         rule = launch.grid_rule
         norm = launch.kernel in NORM_KERNELS
         add_step(program, module, launch.compiled, args, tensors,
                  (rule.row_block, rule.ceil, rule.per_seq, rule.times, rule.minimum, *rule.more),
                  COUNT_HEAD_ROWS if norm else COUNT_ROWS, -1 if norm else COUNT_N)
-    return program, outputs
+    return program, final is not None

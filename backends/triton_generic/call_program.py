@@ -80,13 +80,13 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
         if len(_PROGRAMS) >= PROGRAMS_KEPT:
             _PROGRAMS.clear()
         program = _PROGRAMS[key] = build(problem, capability, state_cfg, module)
-    call, (o, final_state) = program
+    call, has_final = program
     device = torch.cuda.current_device()
     buffers = call(call_inputs(problem), (problem.B, problem.T, N, counts[COUNT_SLOTS], 0, 0), counts,
                    float(problem.scale), device, runtime.stream(device))
     if counted(buffers) is None:
         return None
-    return buffers[o], None if final_state is None else buffers[final_state]
+    return buffers[0], buffers[1] if has_final else None
 
 
 def _site(kernel, args: dict) -> dict:
@@ -102,8 +102,9 @@ def _site(kernel, args: dict) -> dict:
 
 def build(problem: GDNProblem, capability, state_cfg, module):
     """The call program for calls of ``problem``'s form with the state kernel in
-    ``state_cfg``: (the native CallProgram, (index of o, index of the final state or
-    None) in its buffers)."""
+    ``state_cfg``: (the native CallProgram, whether it returns a final state). A program
+    returns ``(o,)`` or ``(o, final state)``; its other buffers never leave the native
+    layer."""
     H, Kd, HV, Vd, l2 = problem.H, problem.K, problem.HV, problem.V, problem.use_qk_l2norm
     dtype, elem = problem.q.dtype, problem.q.element_size()
     fused_solve = fuse_solve_into_wu(capability)
@@ -121,7 +122,8 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     n = count_ref(COUNT_N)
     # Token strides of contiguous inputs (the program takes no other): the packed heads.
     s_qk, s_v, s_gb = H * Kd, HV * Vd, HV
-    program = module.CallProgram(specs, [], [Q, K, V, G, BETA], H0)
+    outputs = [names.index("o")] + ([names.index("final_state")] if problem.output_final_state else [])
+    program = module.CallProgram(specs, [], [Q, K, V, G, BETA], H0, outputs)
 
     def step(kernel, cfg, args, grid, rows_count, seqs_count):
         add_step(program, module, _site(kernel, args), args, {}, grid, rows_count, seqs_count,
@@ -151,4 +153,4 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     step(_output_fwd_kernel, cfg, output_launch_args(
         cfg, dtype, q, k, buf["v_new"], buf["h"], g_cum, k_rnorm, buf["o"], cu, n, SCALE, s_qk, s_qk, H, HV, Kd,
         Vd, CHUNK_SIZE, use_qk_l2norm=l2, load_rnorm=l2), (1, False, 0, HV, 0, -(-Vd // cfg.BV)), COUNT_SLOTS, -1)
-    return program, (names.index("o"), None if final is None else names.index("final_state"))
+    return program, final is not None

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -87,6 +88,13 @@ struct Desc {
   std::uintptr_t last_ptr = 0;
   int64_t last_rows = -1, last_stride = -1;
   py::object last_map, last_rows_obj, last_stride_obj;
+};
+
+// One launch argument's value: a Python object, or a tensor a call program holds in C++
+// (its intermediates, which never become Python objects).
+struct Value {
+  PyObject* obj = nullptr;
+  const at::Tensor* tensor = nullptr;
 };
 
 at::ScalarType scalar_type_of(const py::handle& dtype) {
@@ -160,14 +168,14 @@ class GuardedLauncher {
       if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
       return v;
     };
-    return prepare_with([&](size_t, const Arg& a) { return lookup(arg_dict, a.key); },
-                        [&](size_t, const Desc& d) { return lookup(tensor_dict, d.key); }, device, g0, g1, g2,
-                        stream, options, launch_args);
+    return prepare_with([&](size_t, const Arg& a) { return Value{lookup(arg_dict, a.key)}; },
+                        [&](size_t, const Desc& d) { return Value{lookup(tensor_dict, d.key)}; }, device, g0, g1,
+                        g2, stream, options, launch_args);
   }
 
   // prepare() with the argument values read by position: arg_at(i, arg) and desc_at(j,
-  // desc) give the i-th argument's and j-th descriptor's object (borrowed; nullptr: the
-  // call lacks it, and nothing is launched).
+  // desc) give the i-th argument's and j-th descriptor's Value (a borrowed object or a
+  // tensor; neither: the call lacks it, and nothing is launched).
   template <typename ArgAt, typename DescAt>
   bool prepare_with(ArgAt arg_at, DescAt desc_at, py::handle device, py::handle g0, py::handle g1, py::handle g2,
                     py::handle stream, py::handle options, py::tuple* launch_args) {
@@ -179,13 +187,14 @@ class GuardedLauncher {
     std::vector<py::object> filled(template_);
     for (size_t i = 0; i < args_.size(); ++i) {
       const Arg& a = args_[i];
-      PyObject* v = arg_at(i, a);
-      if (v == nullptr) return false;
+      const Value got = arg_at(i, a);
+      PyObject* v = got.obj;
+      if (v == nullptr && (got.tensor == nullptr || a.kind != Kind::Tensor)) return false;
       py::object value;
       switch (a.kind) {
         case Kind::Tensor: {
-          if (!THPVariable_Check(v)) return false;
-          const at::Tensor& t = THPVariable_Unpack(v);
+          if (got.tensor == nullptr && !THPVariable_Check(v)) return false;
+          const at::Tensor& t = got.tensor != nullptr ? *got.tensor : THPVariable_Unpack(v);
           if (t.scalar_type() != a.dtype) return false;
           auto ptr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
           if ((ptr % 16 == 0) != a.aligned) return false;
@@ -223,10 +232,10 @@ class GuardedLauncher {
     }
     for (size_t j = 0; j < descs_.size(); ++j) {
       Desc& d = descs_[j];
-      PyObject* v = desc_at(j, d);
-      if (v == nullptr) return false;
-      if (!THPVariable_Check(v)) return false;
-      const at::Tensor& t = THPVariable_Unpack(v);
+      const Value got = desc_at(j, d);
+      PyObject* v = got.obj;
+      if (got.tensor == nullptr && (v == nullptr || !THPVariable_Check(v))) return false;
+      const at::Tensor& t = got.tensor != nullptr ? *got.tensor : THPVariable_Unpack(v);
       int64_t rows, stride;
       int64_t numel = t.numel();
       if (d.whole_rows && t.scalar_type() == d.dtype && numel % d.cols == 0 && t.is_contiguous()) {
@@ -234,7 +243,9 @@ class GuardedLauncher {
         stride = d.cols;
       } else {
         // Other layouts, and every error: the plan's own reading (it raises what it raises).
-        py::tuple view = d.view(py::reinterpret_borrow<py::object>(v));
+        py::object tensor = got.tensor != nullptr ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t))
+                                                  : py::reinterpret_borrow<py::object>(v);
+        py::tuple view = d.view(tensor);
         rows = view[0].cast<py::tuple>()[0].cast<int64_t>();
         stride = view[1].cast<py::tuple>()[0].cast<int64_t>();
       }
@@ -347,8 +358,16 @@ class Allocator {
 
   py::tuple call(py::handle like, int64_t a, int64_t b, int64_t c, int64_t d, int64_t e, int64_t f) {
     if (!THPVariable_Check(like.ptr())) throw std::invalid_argument("Allocator: like must be a Tensor");
-    const at::Tensor& t = THPVariable_Unpack(like.ptr());
     const int64_t sizes[kSizes] = {a, b, c, d, e, f};
+    std::vector<at::Tensor> made = allocate(THPVariable_Unpack(like.ptr()), sizes);
+    py::tuple out(made.size());
+    for (size_t i = 0; i < made.size(); ++i)
+      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(made[i])));
+    return out;
+  }
+
+  // The tensors of every spec, for sizes[0..5], on t's device.
+  std::vector<at::Tensor> allocate(const at::Tensor& t, const int64_t* sizes) const {
     const size_t n = specs_.size();
     std::vector<std::vector<int64_t>> dims(n);
     std::vector<at::ScalarType> dtypes(n);
@@ -373,12 +392,12 @@ class Allocator {
       const int g = specs_[i].group;
       if (g >= 0 && !bases[g].defined()) bases[g] = at::empty({totals[g]}, t.options().dtype(at::kByte));
     }
-    py::tuple out(n);
+    std::vector<at::Tensor> out(n);
     std::vector<int64_t> strides;
     for (size_t i = 0; i < n; ++i) {
       const Spec& s = specs_[i];
       auto options = t.options().dtype(dtypes[i]);
-      at::Tensor made;
+      at::Tensor& made = out[i];
       if (s.group < 0) {
         made = at::empty(dims[i], options);
       } else {
@@ -393,7 +412,6 @@ class Allocator {
                                                         c10::scalarTypeToTypeMeta(dtypes[i]));
         made.unsafeGetTensorImpl()->set_sizes_and_strides(dims[i], strides, offsets[i] / item);
       }
-      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(made)));
     }
     return out;
   }
@@ -544,7 +562,8 @@ bool tma_rows_ok(py::tuple tensors) {
 // dim. Every launch goes through the GuardedLauncher its launch site used last (the "fast"
 // entry of the site's dict), whose checks all pass before the first launch: a call that any
 // of them refuses launches nothing and returns None (the Python path then runs it, binding
-// as usual).
+// as usual). The buffers stay C++ tensors: a call returns only its outputs (o and the final
+// state) as Python objects.
 enum class Source : int { Input = 0, Buffer = 1, Count = 2, Constant = 3, Scale = 4, Item = 5 };
 
 struct Bound {
@@ -581,9 +600,12 @@ std::vector<Bound> bounds_of(py::list items) {
 
 class CallProgram {
  public:
-  CallProgram(py::list specs, std::vector<int> tma_inputs, std::vector<int> row_inputs, int state_input)
+  CallProgram(py::list specs, std::vector<int> tma_inputs, std::vector<int> row_inputs, int state_input,
+              std::vector<int> outputs)
       : alloc_(std::move(specs)), tma_inputs_(std::move(tma_inputs)), row_inputs_(std::move(row_inputs)),
-        state_input_(state_input), fast_key_(py::str("fast")) {
+        state_input_(state_input), outputs_(std::move(outputs)), fast_key_(py::str("fast")) {
+    for (int i : outputs_)
+      if (i < 0 || i >= alloc_.size()) throw std::invalid_argument("CallProgram: no such output buffer");
     // The inputs the checks read, like those the bindings read, are counted in
     // inputs_needed_, which each call's input tuple must cover.
     for (const std::vector<int>* checked : {&tma_inputs_, &row_inputs_}) {
@@ -634,6 +656,7 @@ class CallProgram {
   // inputs: the call's tensors (and None) as the bindings index them; sizes: the
   // allocator's six; counts: the ints the launches read (and size their grids from).
   // launch=false does everything but the launches (what a host benchmark subtracts).
+  // Returns the buffers named in outputs, in that order, or None.
   py::object run(py::tuple inputs, std::vector<int64_t> sizes, std::vector<int64_t> counts, py::object scale,
                  py::handle device, py::handle stream, bool launch) {
     const py::object refuse = py::none();
@@ -676,13 +699,16 @@ class CallProgram {
       t0 = t;
     };
     lap(0);
-    py::tuple buffers = alloc_.call(inputs[0], sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5]);
+    if (!is_tensor(inputs[0])) return refuse;
+    // The buffers stay C++ tensors (launch arguments read them as such); only the outputs
+    // become Python objects, after the launches.
+    const std::vector<at::Tensor> buffers = alloc_.allocate(THPVariable_Unpack(inputs[0].ptr()), sizes.data());
     lap(1);
     std::vector<py::object> count_objs;
     for (int64_t c : counts) count_objs.push_back(py::int_(c));
     std::vector<py::tuple> prepared;
-    std::vector<PyObject*> arg_values, desc_values;
-    std::vector<py::object> made;  // objects this call makes for its arguments (buffer entries)
+    std::vector<Value> arg_values, desc_values;
+    std::deque<at::Tensor> made;  // tensors this call makes for its arguments (buffer entries); stable addresses
     for (size_t i = 0; i < steps_.size(); ++i) {
       Step& s = steps_[i];
       GuardedLauncher* launcher = launchers[i];
@@ -705,9 +731,12 @@ class CallProgram {
     lap(2);
     if (launch)
       for (size_t i = 0; i < launchers.size(); ++i) launchers[i]->fire(prepared[i]);
+    py::tuple out(outputs_.size());
+    for (size_t i = 0; i < outputs_.size(); ++i)
+      out[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(buffers[outputs_[i]]));
     lap(3);
     ++g_stats.programs;
-    return std::move(buffers);
+    return std::move(out);
   }
 
  private:
@@ -738,23 +767,23 @@ class CallProgram {
     return true;
   }
 
-  // Each binding's object for this call (borrowed, or kept in *made).
-  static void resolve(const std::vector<Bound>& bounds, const py::tuple& inputs, const py::tuple& buffers,
-                      const std::vector<py::object>& counts, const py::object& scale, std::vector<PyObject*>* out,
-                      std::vector<py::object>* made) {
+  // Each binding's value for this call (a borrowed object, or a tensor of buffers or kept
+  // in *made).
+  static void resolve(const std::vector<Bound>& bounds, const py::tuple& inputs,
+                      const std::vector<at::Tensor>& buffers, const std::vector<py::object>& counts,
+                      const py::object& scale, std::vector<Value>* out, std::deque<at::Tensor>* made) {
     out->clear();
     for (const Bound& b : bounds) {
       switch (b.source) {
         case Source::Item:
-          made->push_back(py::reinterpret_steal<py::object>(
-              THPVariable_Wrap(THPVariable_Unpack(buffers[b.index].ptr()).select(0, b.value.cast<int64_t>()))));
-          out->push_back(made->back().ptr());
+          made->push_back(buffers[b.index].select(0, b.value.cast<int64_t>()));
+          out->push_back(Value{nullptr, &made->back()});
           break;
-        case Source::Input: out->push_back(PyTuple_GET_ITEM(inputs.ptr(), b.index)); break;
-        case Source::Buffer: out->push_back(PyTuple_GET_ITEM(buffers.ptr(), b.index)); break;
-        case Source::Count: out->push_back(counts.at(b.index).ptr()); break;
-        case Source::Constant: out->push_back(b.value.ptr()); break;
-        case Source::Scale: out->push_back(scale.ptr()); break;
+        case Source::Input: out->push_back(Value{PyTuple_GET_ITEM(inputs.ptr(), b.index)}); break;
+        case Source::Buffer: out->push_back(Value{nullptr, &buffers[b.index]}); break;
+        case Source::Count: out->push_back(Value{counts.at(b.index).ptr()}); break;
+        case Source::Constant: out->push_back(Value{b.value.ptr()}); break;
+        case Source::Scale: out->push_back(Value{scale.ptr()}); break;
       }
     }
   }
@@ -763,6 +792,7 @@ class CallProgram {
   int inputs_needed_ = 0, counts_needed_ = 0;
   std::vector<int> tma_inputs_, row_inputs_;
   int state_input_;
+  std::vector<int> outputs_;
   py::str fast_key_;
   std::vector<Step> steps_;
 };
@@ -800,8 +830,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_SCALE") = static_cast<int>(Source::Scale);
   m.attr("SOURCE_ITEM") = static_cast<int>(Source::Item);
   py::class_<CallProgram>(m, "CallProgram")
-      .def(py::init<py::list, std::vector<int>, std::vector<int>, int>(), py::arg("specs"), py::arg("tma_inputs"),
-           py::arg("row_inputs"), py::arg("state_input"))
+      .def(py::init<py::list, std::vector<int>, std::vector<int>, int, std::vector<int>>(), py::arg("specs"),
+           py::arg("tma_inputs"), py::arg("row_inputs"), py::arg("state_input"), py::arg("outputs"))
       .def("add_step", &CallProgram::add_step, py::arg("compiled"), py::arg("args"), py::arg("tensors"),
            py::arg("grid"), py::arg("rows_count"), py::arg("seqs_count"), py::arg("options") = py::none())
       .def("__call__", &CallProgram::run, py::arg("inputs"), py::arg("sizes"), py::arg("counts"), py::arg("scale"),
