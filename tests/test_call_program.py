@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from gdn_dispatch import native  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
@@ -180,14 +181,24 @@ def test_a_refused_check_launches_nothing(native_built):
 
         stub.runs.clear()
         before = dict(PROGRAM_CALLS)
+        module = native.for_calls()
+        module.reset_stats(timing=True)
         with mock.patch.dict(last.compiled, {"fast": Refusing()}):
             assert call_program.run_call(problem, launches, engine) is None
         assert stub.runs == []
+        assert module.stats()["programs"] == 0
         assert call_program.run_call(problem, launches, engine) is not None
         assert len(stub.runs) == len(launches.launches)
         # bench --host reads these: one refusal, one call taken
         assert PROGRAM_CALLS["refused"] == before.get("refused", 0) + 1
         assert PROGRAM_CALLS["taken"] == before.get("taken", 0) + 1
+        # host_parts reads these: the one program run, its phases timed, each descriptor
+        # of its launches had once (the same tensors as the call before: reused or found)
+        stats = module.stats()
+        module.reset_stats()
+        descriptors = sum(len(launch.descriptors) for launch in launches.launches)
+        assert stats["programs"] == 1 and stats["ns_allocate"] > 0 and stats["ns_launches"] > 0
+        assert stats["desc_reused"] + stats["desc_found"] + stats["desc_encoded"] == descriptors
 
 
 @contextlib.contextmanager

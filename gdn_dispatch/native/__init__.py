@@ -23,7 +23,10 @@ call (``at::empty`` in C++: on the H200's host five allocations took 24.8 µs fr
 10.7 from C++); ``admit`` (:func:`admission`): the contract's tensor checks of the
 common call (contiguous inputs, no state pool), which returns the call's sizes or None
 (then the Python contract checks it, and raises where a rule is broken); and
-``tma_rows_ok``: whether contiguous inputs are what the TMA unit reads in place.
+``tma_rows_ok``: whether contiguous inputs are what the TMA unit reads in place;
+``CallProgram`` (the backends' call programs); and ``stats`` / ``reset_stats(timing)``:
+counters the host benchmarks read (descriptors reused, found or encoded; the programs'
+phases timed while timing is on).
 """
 
 from __future__ import annotations
