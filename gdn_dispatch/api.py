@@ -1,7 +1,9 @@
 """The public op: validate, select a backend, run it.
 
 Eager calls validate (:func:`~gdn_dispatch.contract.make_problem`) and run
-(:func:`~gdn_dispatch.op.run_problem`) directly, with no dispatcher in between. Traced
+(:func:`~gdn_dispatch.op.run_problem`) directly, with no dispatcher in between; a recurring
+call of the common form goes from the native checks straight to its call program
+(:mod:`gdn_dispatch.routes`), which launches what that path would. Traced
 calls (``torch.compile``, ``torch.export``, or any tensor subclass such as fake tensors)
 go through the custom op ``torch.ops.gdn_dispatch.chunk_gated_delta_rule``
 (:mod:`gdn_dispatch.op`), which runs the same two steps when the compiled program runs.
@@ -15,6 +17,7 @@ from gdn_dispatch.contract import GDNInputError, StateLayout, make_problem
 from gdn_dispatch.context_parallel import context_parallel_reason
 from gdn_dispatch.op import (chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op, context_parallel_str,
                              run_problem)
+from gdn_dispatch.routes import routed_call
 
 #: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
 #: calls (transformers' Qwen3.5 forwards ``use_cache`` and its ``TransformersKwargs``, as
@@ -129,11 +132,18 @@ def chunk_gated_delta_rule(
     ``torch.ops.gdn_dispatch.chunk_gated_delta_rule`` (``..._inplace`` with
     ``inplace_final_state``); tensor checks then run when the compiled program runs.
     """
-    _check_client_kwargs(client_kwargs)
+    if client_kwargs:
+        _check_client_kwargs(client_kwargs)
     if _is_traced(q):
         return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                             cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
                             state_v_first, head_first, state_indices, inplace_final_state, context_parallel)
+    if state_indices is None and not inplace_final_state and not head_first and state_v_first is None:
+        # A recurring common form goes from the native checks to its call program (routes).
+        done = routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                           use_qk_l2norm_in_kernel, state_layout, backend, context_parallel)
+        if done is not None:
+            return done
     problem = make_problem(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -10,7 +10,8 @@ K = V = 128, initial and final state):
   and registry), forward (plan, allocations and launches), each timed alone; and how many
   of the enqueued calls their call program ran (``program taken/calls``: the native host
   layer's one-call path, :mod:`gdn_dispatch.backends.call_program`; absent where no call
-  consulted one);
+  consulted one) and how many their route ran (``route taken/calls``,
+  :mod:`gdn_dispatch.routes`: those calls skip the three steps above);
 
 for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 8192 tokens.
 First, a *host reference* line: two fixed pieces of host work timed in the same process
@@ -35,6 +36,7 @@ from typing import Callable
 import torch
 
 from gdn_dispatch.backends.call_program import PROGRAM_CALLS
+from gdn_dispatch.routes import ROUTE_CALLS
 from gdn_dispatch.bench_report import FLA
 
 #: Head counts and dims of the host cases (Qwen3.5's linear-attention layer).
@@ -225,6 +227,8 @@ class HostRow:
     note: str = ""
     #: (calls its call program ran, calls enqueued), or None where no call consulted one.
     program: tuple[int, int] | None = None
+    #: (calls its route ran, calls enqueued), or None where no call reached a route.
+    route: tuple[int, int] | None = None
 
 
 def format_rows(rows: list[HostRow]) -> list[str]:
@@ -237,6 +241,8 @@ def format_rows(rows: list[HostRow]) -> list[str]:
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps_us.items())
         if r.program is not None:
             steps += f"{', ' if steps else ''}program {r.program[0]}/{r.program[1]}"
+        if r.route is not None:
+            steps += f"{', ' if steps else ''}route {r.route[0]}/{r.route[1]}"
         lines.append(f"{r.case:<24} {r.backend:<15} {enqueue} {gpu} {ratio}  {steps}{'  ' + r.note if r.note else ''}")
     return lines
 
@@ -271,11 +277,13 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
             return fn()
 
         try:
-            consulted = sum(PROGRAM_CALLS.values())
-            taken = PROGRAM_CALLS["taken"]
+            consulted, routed = sum(PROGRAM_CALLS.values()), sum(ROUTE_CALLS.values())
+            taken, route_taken = PROGRAM_CALLS["taken"], ROUTE_CALLS["taken"]
             row.enqueue_us = rounds_us(counting, calls, rounds, sync=torch.cuda.synchronize)
             if name != FLA and sum(PROGRAM_CALLS.values()) > consulted:
                 row.program = (PROGRAM_CALLS["taken"] - taken, enqueued[0])
+            if name != FLA and sum(ROUTE_CALLS.values()) > routed:
+                row.route = (ROUTE_CALLS["taken"] - route_taken, enqueued[0])
             row.gpu_us = graph_replay_us(fn)
             if name != FLA:
                 for step, step_fn in host_steps(call, name).items():

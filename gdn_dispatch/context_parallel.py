@@ -196,13 +196,23 @@ def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) 
     sequence from the host copy of ``cu_seqlens`` when there is one, else the mean."""
     chunks = problem.chunks
     q, v = problem.q.shape, problem.v.shape
-    T_total = q[0] * q[1]
-    max_len = None
-    if chunks.uniform:
-        max_len = q[1]
-    elif chunks.cu_seqlens_host is not None and chunks.num_seqs > 0 and problem.context_parallel != "off":
-        max_len = chunks.longest_length()
-    return _plan_kept(problem.context_parallel, T_total, chunks.num_seqs, v[2], v[3], sm_count, max_len, tuning)
+    request, N = problem.context_parallel, chunks.num_seqs
+    longest = None
+    if not chunks.uniform and chunks.cu_seqlens_host is not None and N > 0 and request != "off":
+        longest = chunks.longest_length()
+    return plan_for_counts(request, q[0], q[1], N, v[2], v[3], sm_count, chunks.uniform, longest, tuning)
+
+
+def plan_for_counts(request, B: int, T: int, N: int, HV: int, V: int, sm_count: int, uniform: bool,
+                    longest: int | None, tuning: CPTuning = DEFAULT_TUNING) -> CPPlan:
+    """:func:`plan_for_problem` from a call's counts: ``B`` rows of ``T`` tokens (``uniform``),
+    or ``N`` packed sequences whose longest is ``longest`` (None: no host copy, or not
+    read)."""
+    if uniform:
+        longest = T
+    elif N == 0 or request == "off":
+        longest = None
+    return _plan_kept(request, B * T, N, HV, V, sm_count, longest, tuning)
 
 
 @functools.lru_cache(maxsize=4096, typed=True)

@@ -143,6 +143,15 @@ def _uniform_table(B: int, T: int, chunk_size: int, device: torch.device) -> Chu
                       cu_seqlens_host=host, uniform=True, longest=T, aligned=T % chunk_size == 0)
 
 
+def kept_uniform_offsets(B: int, T: int, chunk_size: int, device: torch.device) -> torch.Tensor | None:
+    """The device offsets of ``B`` sequences of ``T`` tokens that :func:`build_chunk_table`
+    keeps for every call of that shape, or None under CUDA-graph capture (where it builds
+    them per call)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return _uniform_table(B, T, chunk_size, device).cu_seqlens
+
+
 def build_chunk_table(
     B: int,
     T: int,

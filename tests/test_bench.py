@@ -669,11 +669,12 @@ def test_host_steps_run_alone_on_the_cpu():
 def test_host_table_and_stream_format():
     from gdn_dispatch.bench_host import HostRow, format_rows, format_stream
 
-    lines = format_rows([HostRow("triton_generic", "varlen-1x64", 40.0, 20.0, {"validate": 5.0}, program=(28, 33)),
+    lines = format_rows([HostRow("triton_generic", "varlen-1x64", 40.0, 20.0, {"validate": 5.0}, program=(28, 33),
+                                 route=(25, 33)),
                          HostRow("fla", "varlen-1x64", note="error: boom")])
     assert lines[1].split()[:5] == ["varlen-1x64", "triton_generic", "40.0", "20.0", "2.00"]
-    assert "validate 5.0, program 28/33" in lines[1] and lines[2].rstrip().endswith("error: boom")
-    assert "program" not in lines[2]
+    assert "validate 5.0, program 28/33, route 25/33" in lines[1] and lines[2].rstrip().endswith("error: boom")
+    assert "program" not in lines[2] and "route" not in lines[2]
     stream = format_stream({"triton_generic": 900.0, "fla": 1500.0, "gluon_sm90": "error: x"})
     assert "0.900 ms  0.60x fla" in stream[1] and stream[2].split() == ["fla", "1.500", "ms"]
     assert stream[3].split() == ["gluon_sm90", "error:", "x"]

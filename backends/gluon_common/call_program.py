@@ -31,15 +31,19 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native
-from gdn_dispatch.contract import GDNProblem
+from gdn_dispatch.context_parallel import plan_for_counts
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.native import INTERMEDIATES
+from gdn_dispatch.varlen import kept_uniform_offsets, num_slots
 
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_ROWS, CU, G, H0, K, Q, SCALE, V, Ref, add_step, buffer_ref, call_counts,
     call_inputs, count_ref, counted, input_ref)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
-from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan
+from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
+from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import norm_launch_args
 from gdn_dispatch.backends.gluon_common.state_output import state_output_launch_args
 from gdn_dispatch.backends.gluon_common.wy import wy_launch_args
@@ -53,25 +57,68 @@ def run_call(problem: GDNProblem, launches: ForwardPlan, engine) -> tuple[torch.
     module = native.for_calls()
     if module is None or problem.state_indices is not None:
         return None
-    runtime = L._runtime()
-    if not runtime.launches_directly():
-        return None
     counts = call_counts(problem)
-    N, rows = counts[COUNT_N], counts[COUNT_ROWS]
-    if rows == 0 or N * problem.HV == 0:
+    if counts[COUNT_ROWS] == 0 or counts[COUNT_N] * problem.HV == 0:
         return None  # the wrappers' own early answers (no launch, or the initial state copied)
     key = (*map(id, launches.launches), problem.initial_state is None)
     program = launches.cls.programs.get(key)
     if program is None:
         program = launches.cls.programs[key] = build(problem, launches, engine, module)
+    return run_program(program, launches, call_inputs(problem), problem.B, problem.T, counts, float(problem.scale))
+
+
+def run_program(program, launches: ForwardPlan, inputs: tuple, B: int, T: int, counts: tuple,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One call through a built ``program`` of ``launches``: ``inputs`` in INPUTS order,
+    ``counts`` in COUNT_N ... COUNT_SLOTS order; (o, final state or None), or None."""
+    runtime = L._runtime()
+    if not runtime.launches_directly():
+        return None
     call, has_final = program
+    N, rows = counts[COUNT_N], counts[COUNT_ROWS]
     t_rows = planned_t_tile_rows(launches.stage("wy_t_fwd").shared, rows, N) if launches.fused else 0
     device = runtime.current_device()
-    buffers = call(call_inputs(problem), (problem.B, problem.T, N, t_rows, 0, rows), counts, float(problem.scale),
-                   device, runtime.stream(device))
+    buffers = call(inputs, (B, T, N, t_rows, 0, rows), counts, scale, device, runtime.stream(device))
     if counted(buffers) is None:
         return None
     return buffers[0], buffers[1] if has_final else None
+
+
+def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
+    """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
+    ``device`` (the registry's), or None where the form takes no program (a state pool,
+    the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest,
+    scale)`` makes the forward's per-call decisions from the counts (the tensors' device
+    current, context parallelism off, the index limits, the launch plan for ``B * T`` and
+    ``N``) and runs the call's program: (o, final state or None), or None (nothing
+    launched: the forward then runs the call) where any of them differs or the program is
+    not built yet."""
+    if native.for_calls() is None or problem.state_indices is not None or problem.chunks.chunk_size != CHUNK_SIZE:
+        return None
+    cls = plan(problem, device=device, engine=engine, fused=True).cls
+    index, request, sm_count = problem.device.index, problem.context_parallel, device.sm_count
+    H, HV, V, no_h0 = problem.H, problem.HV, problem.V, problem.initial_state is None
+
+    def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
+        if index != torch.cuda.current_device():
+            return None
+        rows = B * T
+        if rows == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest).enabled:
+            return None
+        slots = num_slots(rows, N, CHUNK_SIZE)
+        if counts_limits_reason(rows, slots, HV) is not None:
+            return None
+        if cu is None:
+            cu = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device)
+            if cu is None:
+                return None
+        launches = cls.for_call(rows, N, True)
+        program = cls.programs.get((*map(id, launches.launches), no_h0))
+        if program is None:
+            return None
+        return run_program(program, launches, (q, k, v, g, beta, cu, h0), B, T, (N, rows, rows * H, slots), scale)
+
+    return run
 
 
 def build(problem: GDNProblem, launches: ForwardPlan, engine, module):

@@ -427,8 +427,12 @@ def token_stride(t: torch.Tensor) -> int:
 def index_limits_reason(problem: GDNProblem) -> str | None:
     """TMA row coordinates are int32, and so are program ids: B*T and the w/u kernel's
     programs (chunk slots x v-heads) must stay below 2^31."""
-    rows = problem.B * problem.T
-    programs = problem.chunks.num_slots * problem.HV
+    return counts_limits_reason(problem.B * problem.T, problem.chunks.num_slots, problem.HV)
+
+
+def counts_limits_reason(rows: int, slots: int, HV: int) -> str | None:
+    """:func:`index_limits_reason` of a call's token rows ``B * T``, chunk slots and v-heads."""
+    programs = slots * HV
     if rows > INT32_MAX or programs > INT32_MAX:
         return (f"TMA row coordinates and program ids are int32: needs B*T = {rows} and chunk slots x HV = "
                 f"{programs} below 2^31")

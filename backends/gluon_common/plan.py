@@ -26,6 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from gdn_dispatch import routes
 from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_block
 
@@ -218,11 +219,13 @@ PLAN_COUNTS: Counter = Counter()
 
 def clear_plan_cache() -> None:
     """Forget every memoized plan (the class plans, and the norm kernels' plans, which the
-    forward shares with callers outside it) and reset :data:`PLAN_COUNTS` (tests, benchmarks
+    forward shares with callers outside it, and the routes that lead to them) and reset
+    :data:`PLAN_COUNTS` (tests, benchmarks
     that start afresh, or after editing a planner in a live session)."""
     _PLANS.clear()
     PLAN_COUNTS.clear()
     clear_norm_plans()
+    routes.clear()  # a route holds its class plan
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device: DeviceInfo | None = None,

@@ -21,6 +21,7 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo, default_probe
 
+from gdn_dispatch.backends.gluon_common import call_program as _call_program
 from gdn_dispatch.backends.gluon_common import forward as _forward
 from gdn_dispatch.backends.gluon_common import plan as _plan
 from gdn_dispatch.backends.gluon_common.aot import backend_kernels_for_aot
@@ -58,6 +59,12 @@ def forward(problem: GDNProblem, selection: Selection | None = None):
     """
     device = selection.device if selection is not None else default_probe().for_torch_device(problem.device)
     return _forward.forward(problem, device, engine=ENGINE)
+
+
+def route_runner(problem: GDNProblem, selection: Selection):
+    """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form, or None
+    (:func:`gdn_dispatch.backends.gluon_common.call_program.route_runner`)."""
+    return _call_program.route_runner(problem, selection.device, ENGINE)
 
 
 def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],

@@ -15,7 +15,7 @@ The module imports no device state; kernels compile on first launch (or ahead of
 
 from gdn_dispatch.backends.triton_generic.aot import kernels_for_aot
 from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
-from gdn_dispatch.backends.triton_generic.forward import forward, unsupported_reason
+from gdn_dispatch.backends.triton_generic.forward import forward, route_runner, unsupported_reason
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
 from gdn_dispatch.backends.triton_generic.output import output_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
@@ -27,6 +27,7 @@ __all__ = [
     "kernels_for_aot",
     "kkt_solve_fwd",
     "output_fwd",
+    "route_runner",
     "state_fwd",
     "unsupported_reason",
     "wu_fwd",

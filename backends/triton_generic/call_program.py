@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from gdn_dispatch import native
+from gdn_dispatch import native, routes
+from gdn_dispatch.context_parallel import plan_for_counts
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
+from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.native import INTERMEDIATES
+from gdn_dispatch.varlen import kept_uniform_offsets, num_slots
 
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
@@ -50,8 +53,10 @@ PROGRAMS_KEPT = 256
 
 
 def clear_programs() -> None:
-    """Forget every program (tests and benchmarks that start from fresh launch sites)."""
+    """Forget every program, and the routes that lead to them (tests and benchmarks that
+    start from fresh launch sites)."""
     _PROGRAMS.clear()
+    routes.clear()
 
 
 def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -62,31 +67,77 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
     # (CPU tensors run under the interpreter, which launches through Triton's JIT.)
     if module is None or problem.state_indices is not None or interpreting() or problem.chunks.chunk_size != CHUNK_SIZE:
         return None
-    runtime = direct_launch._RUNTIME or direct_launch._init_runtime()
-    if not runtime.direct():
-        return None
     capability, _ = device_facts(problem.device)
     counts = call_counts(problem)
     N, HV = counts[COUNT_N], problem.HV
     if counts[COUNT_ROWS] == 0 or N * HV == 0:
         return None  # the stages' own early answers
-    elem = problem.q.element_size()
-    state_cfg = state_config(problem.K, problem.V, N * HV, elem, capability, sm_count)
-    key = (problem.device.index, capability, problem.q.dtype, problem.H, problem.K, HV, problem.V,
-           problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None,
-           state_cfg)
+    state_cfg = state_config(problem.K, problem.V, N * HV, problem.q.element_size(), capability, sm_count)
+    key = (*_form_key(problem, capability), state_cfg)
     program = _PROGRAMS.get(key)  # the key's capability decides the w/u form (fuse_solve_into_wu)
     if program is None:
         if len(_PROGRAMS) >= PROGRAMS_KEPT:
             _PROGRAMS.clear()
         program = _PROGRAMS[key] = build(problem, capability, state_cfg, module)
+    return run_program(program, call_inputs(problem), problem.B, problem.T, counts, float(problem.scale))
+
+
+def _form_key(problem: GDNProblem, capability) -> tuple:
+    """What a program is kept by, but the state kernel's configuration."""
+    return (problem.device.index, capability, problem.q.dtype, problem.H, problem.K, problem.HV, problem.V,
+            problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None)
+
+
+def run_program(program, inputs: tuple, B: int, T: int, counts: tuple,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One call through a built ``program``: ``inputs`` in INPUTS order, ``counts`` in
+    COUNT_N ... COUNT_SLOTS order; (o, final state or None), or None."""
+    runtime = direct_launch._RUNTIME or direct_launch._init_runtime()
+    if not runtime.direct():
+        return None
     call, has_final = program
     device = torch.cuda.current_device()
-    buffers = call(call_inputs(problem), (problem.B, problem.T, N, counts[COUNT_SLOTS], 0, 0), counts,
-                   float(problem.scale), device, runtime.stream(device))
+    buffers = call(inputs, (B, T, counts[COUNT_N], counts[COUNT_SLOTS], 0, 0), counts, scale, device,
+                   runtime.stream(device))
     if counted(buffers) is None:
         return None
     return buffers[0], buffers[1] if has_final else None
+
+
+def route_runner(problem: GDNProblem, device: DeviceInfo):
+    """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
+    ``device`` (the registry's), or None where the form takes no program (a state pool,
+    the interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B,
+    T, N, longest, scale)`` makes the forward's per-call decisions from the counts (the
+    tensors' device current, context parallelism off, the state kernel's configuration)
+    and runs the call's program: (o, final state or None), or None (nothing launched: the
+    forward then runs the call) where any of them differs or the program is not built yet."""
+    if native.for_calls() is None or problem.state_indices is not None or interpreting() or \
+            problem.chunks.chunk_size != CHUNK_SIZE:
+        return None
+    capability, _ = device_facts(problem.device)
+    form = _form_key(problem, capability)
+    index, request, sm_count = problem.device.index, problem.context_parallel, device.sm_count
+    on_cuda = problem.device.type == "cuda"
+    H, Kd, HV, Vd, elem = problem.H, problem.K, problem.HV, problem.V, problem.q.element_size()
+
+    def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
+        if on_cuda and index != torch.cuda.current_device():
+            return None
+        rows = B * T
+        if rows == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, Vd, sm_count, cu is None, longest).enabled:
+            return None
+        if cu is None:
+            cu = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device)
+            if cu is None:
+                return None
+        program = _PROGRAMS.get((*form, state_config(Kd, Vd, N * HV, elem, capability, sm_count)))
+        if program is None:
+            return None
+        return run_program(program, (q, k, v, g, beta, cu, h0), B, T, (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE)),
+                           scale)
+
+    return run
 
 
 def _site(kernel, args: dict) -> dict:

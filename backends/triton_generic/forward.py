@@ -22,6 +22,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.buffers import call_buffers
+from gdn_dispatch.backends.triton_generic.call_program import route_runner as _route_runner
 from gdn_dispatch.backends.triton_generic.call_program import run_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
@@ -90,6 +91,12 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, chunks, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm, out=o)
     return o, final_state
+
+
+def route_runner(problem: GDNProblem, selection):
+    """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form, or None
+    (:func:`.call_program.route_runner`)."""
+    return _route_runner(problem, selection.device)
 
 
 def unsupported_reason(problem: GDNProblem) -> str | None:
