@@ -28,6 +28,7 @@ segment count, ``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route.
 
 Routes are kept per process (at most :data:`ROUTES_KEPT` forms, emptied when full) and
 forgotten with the plans (``clear_plan_cache``, triton_generic's ``clear_programs``).
+``GDN_DISPATCH_ROUTES=0`` turns them off (read at every call).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from gdn_dispatch.contract import CHUNK_SIZE, debug_checks_enabled, make_problem
 from gdn_dispatch.envvars import getenv
 from gdn_dispatch.registry import ENV_VAR, select
 
+#: "0" turns routes off.
+ROUTES_ENV = "GDN_DISPATCH_ROUTES"
 ROUTES_KEPT = 256
 _ROUTES: dict[tuple, object] = {}
 
@@ -77,7 +80,7 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     if context_parallel != "auto" and context_parallel != "off":
         return None
     module = native.for_calls()
-    if module is None or debug_checks_enabled():
+    if module is None or debug_checks_enabled() or getenv(ROUTES_ENV) == "0":
         return None
     vk = state_layout == "vk"
     facts = module.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk)

@@ -139,6 +139,9 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
         assert routed() is None
         api.chunk_gated_delta_rule(**call)
         monkeypatch.delenv("GDN_DEBUG_CHECKS")
+        monkeypatch.setenv("GDN_DISPATCH_ROUTES", "0")  # routes off
+        assert routed() is None
+        monkeypatch.delenv("GDN_DISPATCH_ROUTES")
         assert routed(context_parallel=2) is None  # a forced segment count
         assert routed(scale=1) is None  # an int scale: the contract converts it
         assert routed(state_layout="KV ") is None  # spellings the contract reads or rejects
