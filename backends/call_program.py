@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-from gdn_dispatch.contract import GDNProblem
+from gdn_dispatch.context_parallel import plan_for_counts
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.varlen import kept_uniform_offsets
 
 #: The call's inputs as a program indexes them (:func:`call_inputs`).
 INPUTS = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")
@@ -73,6 +75,16 @@ def call_counts(problem: GDNProblem) -> tuple[int, int, int, int]:
     B, T, H = problem.q.shape[:3]
     chunks = problem.chunks
     return chunks.num_seqs, B * T, B * T * H, chunks.num_slots
+
+
+def route_offsets(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):
+    """What both backends' route runners decide alike from a call's counts: None where
+    the forward would not run the call through a program (no token rows, no (sequence,
+    v-head) pair, context parallelism on, a uniform batch under CUDA-graph capture), else
+    the offsets its kernels read (``cu``, or a uniform batch's kept ones)."""
+    if B * T == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest).enabled:
+        return None
+    return kept_uniform_offsets(B, T, CHUNK_SIZE, q.device) if cu is None else cu
 
 
 def add_step(program, module, compiled: dict, args: dict, tensors: dict, grid: tuple, rows_count: int,

@@ -31,15 +31,14 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native
-from gdn_dispatch.context_parallel import plan_for_counts
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.native import INTERMEDIATES
-from gdn_dispatch.varlen import kept_uniform_offsets, num_slots
+from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_ROWS, CU, G, H0, K, Q, SCALE, V, Ref, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, counted, input_ref)
+    call_inputs, count_ref, counted, input_ref, route_offsets)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
@@ -102,16 +101,13 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
         if index != torch.cuda.current_device():
             return None
-        rows = B * T
-        if rows == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest).enabled:
+        cu = route_offsets(q, cu, B, T, N, HV, V, request, sm_count, longest)
+        if cu is None:
             return None
+        rows = B * T
         slots = num_slots(rows, N, CHUNK_SIZE)
         if counts_limits_reason(rows, slots, HV) is not None:
             return None
-        if cu is None:
-            cu = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device)
-            if cu is None:
-                return None
         launches = cls.for_call(rows, N, True)
         program = cls.programs.get((*map(id, launches.launches), no_h0))
         if program is None:

@@ -27,16 +27,15 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native, routes
-from gdn_dispatch.context_parallel import plan_for_counts
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.native import INTERMEDIATES
-from gdn_dispatch.varlen import kept_uniform_offsets, num_slots
+from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_N, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, K, Q, SCALE, V, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, counted, input_ref)
+    call_inputs, count_ref, counted, input_ref, route_offsets)
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
@@ -124,13 +123,10 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
     def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
         if on_cuda and index != torch.cuda.current_device():
             return None
-        rows = B * T
-        if rows == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, Vd, sm_count, cu is None, longest).enabled:
-            return None
+        cu = route_offsets(q, cu, B, T, N, HV, Vd, request, sm_count, longest)
         if cu is None:
-            cu = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device)
-            if cu is None:
-                return None
+            return None
+        rows = B * T
         program = _PROGRAMS.get((*form, state_config(Kd, Vd, N * HV, elem, capability, sm_count)))
         if program is None:
             return None
