@@ -1,0 +1,64 @@
+"""Routes (:mod:`gdn_dispatch.routes`) on a GPU: the call a route runs returns what the
+Python path returns for it.
+
+The GPU differential fuzz calls each form once, and a form's first calls never take a
+route (they bind its kernels and build its program), so this test repeats each call of a
+fuzz of forms (``test_call_program._random_form``: ragged tails 0/1/17/63/64/65, grouped
+heads, K < V and K > V, both layouts, bf16/fp16, float32/bfloat16/float16 initial states,
+state pools and projection views, which a route leaves to the Python path): three calls
+with routes on, one with routes off (the expected result), one more with routes on, which
+must be taken exactly when the program takes the form and agree with the expected result
+to 1e-6 relative RMS (the same kernels on the same inputs), the final states too. Needs
+the native layer built (``python -m gdn_dispatch warmup``).
+"""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")]
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch import api, native  # noqa: E402
+from gdn_dispatch.routes import ROUTE_CALLS  # noqa: E402
+from gdn_dispatch.testing import rel_rms_error  # noqa: E402
+
+from test_call_program import _random_form  # noqa: E402
+
+
+def _on_gpu(call: dict) -> dict:
+    return {name: value.cuda() if isinstance(value, torch.Tensor) and name != "cu_seqlens_cpu" else value
+            for name, value in call.items()}
+
+
+@pytest.mark.parametrize("backend", ["gluon_sm90", "triton_generic"])
+def test_routed_calls_return_what_the_python_path_returns(backend):
+    if native.for_calls() is None:
+        pytest.skip("the native layer is not built (python -m gdn_dispatch warmup)")
+    if backend == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("gluon_sm90 runs on sm_90 only")
+    rng = random.Random(8642)
+    routed = 0
+    for i in range(30):
+        call, takes = _random_form(rng)
+        call = dict(_on_gpu(call), backend=backend)
+        for _ in range(3):  # binds the form's kernels, builds its program and its route
+            api.chunk_gated_delta_rule(**call)
+        with mock.patch.object(api, "routed_call", lambda *a: None):
+            expected = api.chunk_gated_delta_rule(**call)
+        before = ROUTE_CALLS["taken"]
+        got = api.chunk_gated_delta_rule(**call)
+        taken = ROUTE_CALLS["taken"] - before
+        assert taken == int(takes), f"call {i}: routed {taken}, expected {int(takes)}"
+        routed += taken
+        assert rel_rms_error(got[0], expected[0]) <= 1e-6, f"call {i}: o"
+        assert (got[1] is None) == (expected[1] is None)
+        if expected[1] is not None:
+            assert rel_rms_error(got[1], expected[1]) <= 1e-6, f"call {i}: final state"
+    assert routed >= 10
