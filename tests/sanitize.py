@@ -9,7 +9,9 @@ The calls cover ragged tails and empty sequences, grouped value heads, both stat
 K != V and the qk l2 norm, and per backend one call cut into segments (context
 parallelism), one on a state pool read and written in place (a -1 index among them) and
 one on the views of a fused projection; each is also checked against the reference (pool
-rows too), so a run that is clean but wrong fails too. Prints a table (backend, tool, calls, errors, seconds) and exits
+rows too), so a run that is clean but wrong fails too. Calls without a pool run
+:data:`REPEATS` times, so that with the native layer on the tools also see the calls a
+route runs (the child fails when none was routed). Prints a table (backend, tool, calls, errors, seconds) and exits
 0 only when every tool reports 0 errors for every backend. Needs a CUDA GPU and
 compute-sanitizer (on PATH, or under /usr/local/cuda/bin).
 
@@ -65,6 +67,8 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
     ([63, 1, 129], 32, 128, 128, 128, "bfloat16", "kv", True),
 ]
+#: Runs of each call without a state pool (a pool call writes its pool in place: once).
+REPEATS = 3
 TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
 #: Kernels with ``gl.warp_specialize`` partitions that hand shared memory over through
 #: mbarriers, per backend: racecheck judges them only where it passes the control.
@@ -76,8 +80,9 @@ def run_calls(backend: str) -> int:
     """Child: run the backend's calls on the GPU; 1 when one is wrong."""
     import torch
 
-    from gdn_dispatch import chunk_gated_delta_rule, reference
+    from gdn_dispatch import chunk_gated_delta_rule, native, reference
     from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.routes import ROUTE_CALLS
     from gdn_dispatch.testing import fused_projection_views, padded_pool, random_call, rel_rms_error
 
     status = 0
@@ -99,9 +104,13 @@ def run_calls(backend: str) -> int:
             live = idx >= 0
             before = pool.clone()
             ours.update(initial_state=pool, state_indices=idx, inplace_final_state=True)
-        o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
         o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags))
-        err = max(rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
+        # Calls of the common form run three times: the second and third go through the
+        # form's route and its call program (the first builds them), so the tools see those.
+        err = 0.0
+        for _ in range(1 if pool is not None else REPEATS):
+            o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
+            err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -113,6 +122,11 @@ def run_calls(backend: str) -> int:
         print(f"call {i}: lengths={lengths} H={H} HV={HV} K={K} V={V} {dtype} {layout} l2={l2} {extras}: "
               f"error {err:.2e} {'ok' if ok else 'WRONG'}", flush=True)
     torch.cuda.synchronize()
+    routed = ROUTE_CALLS["taken"]
+    print(f"routed calls: {routed}", flush=True)
+    if native.for_calls() is not None and routed == 0:
+        print("WRONG: the native layer is on but no call went through a route", flush=True)
+        status = 1
     return status
 
 
