@@ -266,7 +266,6 @@ def _native_fast_launcher(native, site: _CallSite, raw, device, options: tuple, 
             launcher.add_object(name, slot_of[i], native.KIND_EQUAL, value)
         elif not native_guard(launcher, native, name, value, True, slot_of[i]):
             return None
-    (_RUNTIME or _init_runtime()).compat.use_driver_launch(launcher, native, raw)
     return launcher
 
 

@@ -1,5 +1,5 @@
 """Host enqueue per public call with the native host layer off, on without call programs,
-on without routes, on without driver launches, and on, in one process.
+on without routes, and on, in one process.
 
 Usage (a CUDA machine, repository root): ``python benchmarks/native_ab.py [BACKEND]``
 (gluon_sm90 by default, or triton_generic). Builds the
@@ -7,8 +7,7 @@ native layer first where it is not built (:func:`gdn_dispatch.native.build`). Th
 lent here run the same Python up to 1.6x apart from one process to the next, so the arms
 alternate inside one process: per round and case, each arm (``GDN_DISPATCH_NATIVE=0``;
 ``=1`` with the backend's call programs left out (:mod:`gdn_dispatch.backends.call_program`);
-``=1`` with routes off (``GDN_DISPATCH_ROUTES=0``, :mod:`gdn_dispatch.routes`); ``=1`` with
-kernels on Triton's C launch instead of the driver (``GDN_DISPATCH_DRIVER_LAUNCH=0``); ``=1``)
+``=1`` with routes off (``GDN_DISPATCH_ROUTES=0``, :mod:`gdn_dispatch.routes`); ``=1``)
 starts from emptied plan caches (its launchers, allocators and programs made afresh),
 warms up with 3 calls and times 20 back-to-back calls (µs per call); 7 rounds. Prints, per
 case (:func:`host_enqueue_ab.case_calls`, initial and final state), each arm's
@@ -26,7 +25,6 @@ import torch
 
 from gdn_dispatch import native, routes
 from gdn_dispatch.backends import direct_launch
-from gdn_dispatch.backends.gluon_common.compat import DRIVER_LAUNCH_ENV
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 from gdn_dispatch.backends.triton_generic.call_program import clear_programs
 from gdn_dispatch.bench_host import format_reference, host_reference_us, per_call_us
@@ -36,10 +34,10 @@ from host_enqueue_ab import case_calls
 ROUNDS = 7
 
 
-#: The arms: (GDN_DISPATCH_NATIVE, call programs on, GDN_DISPATCH_ROUTES,
-#: GDN_DISPATCH_DRIVER_LAUNCH). Routes lead to programs: off wherever programs are.
-ARMS = {"off": ("0", False, "0", "0"), "no programs": ("1", False, "0", "1"), "no routes": ("1", True, "0", "1"),
-        "no driver launch": ("1", True, "1", "0"), "on": ("1", True, "1", "1")}
+#: The arms: (GDN_DISPATCH_NATIVE, call programs on, GDN_DISPATCH_ROUTES). Routes lead to
+#: programs: off wherever programs are.
+ARMS = {"off": ("0", False, "0"), "no programs": ("1", False, "0"), "no routes": ("1", True, "0"),
+        "on": ("1", True, "1")}
 
 
 #: The forward module whose run_call the "no programs" arm replaces, per backend.
@@ -51,7 +49,6 @@ def fresh(arm: str) -> None:
     """Switch the layer and drop every launcher, allocator and program made so far."""
     os.environ[native.NATIVE_ENV] = ARMS[arm][0]
     os.environ[routes.ROUTES_ENV] = ARMS[arm][2]
-    os.environ[DRIVER_LAUNCH_ENV] = ARMS[arm][3]
     clear_plan_cache()
     clear_programs()
     direct_launch._CALL_SITES.clear()
@@ -71,9 +68,9 @@ def main() -> None:
     native.build()
     print(f"{backend}; native host layer: {native.status()}")
     print(format_reference(host_reference_us("cuda")), flush=True)
-    print("| case | off µs | on, no programs µs | on, no routes µs | on, no driver launch µs | on µs | on - off | "
-          "on - no programs | on - no routes | on - no driver launch |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| case | off µs | on, no programs µs | on, no routes µs | on µs | on - off | on - no programs | "
+          "on - no routes |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, f in case_calls(backend):
         times = {arm: [] for arm in ARMS}
         for _ in range(ROUNDS):
@@ -81,9 +78,9 @@ def main() -> None:
                 times[arm].append(timed(arm, f, forward_module))
         med = {arm: statistics.median(t) for arm, t in times.items()}
         diff = {base: statistics.median(b - a for a, b in zip(times[base], times["on"]))
-                for base in ARMS if base != "on"}
-        print(f"| {name} | " + " | ".join(f"{med[arm]:.1f}" for arm in ARMS) + " | "
-              + " | ".join(f"{diff[base]:+.1f}" for base in diff) + " |", flush=True)
+                for base in ("off", "no programs", "no routes")}
+        print(f"| {name} | {med['off']:.1f} | {med['no programs']:.1f} | {med['no routes']:.1f} | {med['on']:.1f} | "
+              f"{diff['off']:+.1f} | {diff['no programs']:+.1f} | {diff['no routes']:+.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,8 @@ kept-launch tests pass with ``GDN_DISPATCH_NATIVE=1`` (the native layer required
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -177,84 +175,6 @@ def test_a_guarded_launcher_refuses_another_value_class(native_built):
     assert len(sent) == 1
     # Unspecialized: other values of the same int32 class launch.
     assert launcher(0, dict(good, m=1), None, 1, 1, 1, 99, (4, 2)) and sent[-1][7] == 1
-
-
-_PACKED = {"ptr": "<Q", "i8": "<b", "i16": "<h", "i32": "<i", "i64": "<q", "u8": "<B", "u16": "<H", "u32": "<I",
-           "u64": "<Q", "fp16": "<e", "fp32": "<f", "fp64": "<d"}
-
-
-def _random_param(rng: random.Random, kind: str):
-    """A value of parameter ``kind`` and the bytes the driver must receive for it."""
-    if kind in ("fp16", "bf16", "fp32", "fp64"):
-        x = rng.uniform(-4.0, 4.0)
-        if kind == "bf16":  # Triton's pack_bf16 truncates the float32's bits
-            return x, struct.pack("<H", struct.unpack("<I", struct.pack("<f", x))[0] >> 16)
-        return x, struct.pack(_PACKED[kind], x)
-    if kind == "ptr":
-        x = rng.choice([None, rng.randrange(2 ** 64)])
-        return x, struct.pack("<Q", x or 0)
-    bits = int(kind[1:])
-    lo, hi = (0, 2 ** bits - 1) if kind[0] == "u" else (-2 ** (bits - 1), 2 ** (bits - 1) - 1)
-    x = rng.choice([lo, hi, rng.randint(lo, hi)])
-    return (bool(x) if kind == "i8" and x in (0, 1) and rng.random() < 0.5 else x), struct.pack(_PACKED[kind], x)
-
-
-@pytest.mark.slow
-def test_a_guarded_launcher_packs_the_driver_parameters(native_built):
-    """GuardedLauncher.set_direct: the parameters a driver launch passes, captured instead
-    of launched (set_capture), byte for byte what Triton 3.6's C launch converts them to
-    (fuzzed kinds and values), constexpr slots dropped, the TMA map read in place, two
-    null scratch pointers last; a value out of its kind's range goes to the C launch
-    instead, a zero grid launches nothing."""
-    module, _ = native_built
-    rng = random.Random(2024)
-    holder = bytes(rng.randrange(256) for _ in range(400))  # stands in for a PyCUtensorMap object
-    data = ctypes.cast(ctypes.c_char_p(holder), ctypes.c_void_p).value
-    offset = data - id(holder) + 48
-    kinds = list(module.PARAM_KINDS)
-    module.set_capture(True)
-    try:
-        for trial in range(60):
-            slots = [rng.choice(kinds) for _ in range(rng.randint(1, 30))]
-            values, expected = [], []
-            for kind in slots:
-                if kind == "skip":
-                    values.append(rng.choice([None, 64, "ieee"]))
-                elif kind == "tma":
-                    values.append(holder)
-                    expected.append(holder[48:48 + 128])
-                else:
-                    value, packed = _random_param(rng, kind)
-                    values.append(value)
-                    expected.append(packed)
-            sent = []
-            launcher = module.GuardedLauncher(lambda *args: sent.append(args), ("P",), values, 0, None, None, 0)
-            assert not launcher.set_direct(7, 128, 1024, [module.PARAM_KINDS[k] for k in slots] + [0], bytes, offset)
-            assert not launcher.direct
-            assert launcher.set_direct(7, 128, 1024, [module.PARAM_KINDS[k] for k in slots], bytes, offset)
-            assert launcher.direct
-            grid = (rng.randint(1, 2 ** 20), rng.randint(1, 3), 1)
-            assert launcher(0, {}, None, *grid, 12345)
-            captured = module.take_captured()
-            assert sent == [] and len(captured) == 1, (trial, slots, values)
-            function, got_grid, threads, shared, stream, params = captured[0]
-            assert (function, got_grid, threads, shared, stream) == (7, grid, 128, 1024, 12345)
-            assert params == expected + [bytes(8), bytes(8)], trial
-            assert launcher(0, {}, None, 0, 1, 1, 12345)  # an empty grid
-            assert module.take_captured() == [] and sent == []
-        # A value its kind cannot hold: Triton's C launch takes the launch (and raises).
-        for kind, value in (("i32", 2 ** 31), ("u8", -1), ("ptr", 1.5), ("fp32", "x"), ("i64", 2 ** 64)):
-            sent = []
-            launcher = module.GuardedLauncher(lambda *args: sent.append(args), ("P",), [value], 0, None, None, 0)
-            assert launcher.set_direct(7, 32, 0, [module.PARAM_KINDS[kind]], bytes, offset)
-            assert launcher(0, {}, None, 1, 1, 1, 5)
-            assert module.take_captured() == [] and sent == [(1, 1, 1, 5, "P", value)], kind
-        launcher = module.GuardedLauncher(lambda *args: sent.append(args), ("P",), [b"x"], 0, None, None, 0)
-        assert launcher.set_direct(7, 32, 0, [module.PARAM_KINDS["tma"]], bytearray, offset)  # another map type
-        assert launcher(0, {}, None, 1, 1, 1, 5) and module.take_captured() == [] and sent[-1][-1] == b"x"
-    finally:
-        module.set_capture(False)
-        module.take_captured()
 
 
 @pytest.mark.slow

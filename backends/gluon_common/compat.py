@@ -15,8 +15,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import blackwell as _blackwell
 from triton.experimental.gluon.language.nvidia.hopper import tma as _hopper_tma
 
-from gdn_dispatch.envvars import getenv
-
 #: Triton releases each name (or host interface) below was checked on: compiled for
 #: sm_90a and sm_100a (``tests/test_gluon_aot.py``), and the direct launch path run on the
 #: H200 (3.6 only, :data:`DIRECT_LAUNCH_TRITON`).
@@ -162,16 +160,12 @@ class RawLaunch:
         metadata, launch metadata, enter hook, exit hook)``.
     descriptor_meta : per descriptor argument in the kernel's order, Triton's encoding
         metadata (swizzle, element size and type, block size).
-    driver : what the native layer needs to launch the kernel through the driver itself
-        (:func:`driver_launch_spec`), or None.
     """
 
-    __slots__ = ("c_launch", "prefix", "descriptor_meta", "driver")
+    __slots__ = ("c_launch", "prefix", "descriptor_meta")
 
-    def __init__(self, c_launch, prefix: tuple, descriptor_meta: list, driver: tuple | None = None):
+    def __init__(self, c_launch, prefix: tuple, descriptor_meta: list):
         self.c_launch, self.prefix, self.descriptor_meta = c_launch, prefix, descriptor_meta
-        #: :func:`driver_launch_spec` of the kernel, or None.
-        self.driver = driver
 
 
 #: The closure of Triton 3.6's ``wrap_handle_tensordesc`` wrapper, by variable name.
@@ -194,7 +188,7 @@ def raw_launch(compiled) -> RawLaunch | None:
         return None
     cells = getattr(fn, "__closure__", None)
     if not cells:
-        return RawLaunch(fn, prefix, [], driver_launch_spec(compiled, launcher))
+        return RawLaunch(fn, prefix, [])
     free = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in cells)))
     if set(free) != _TENSORDESC_WRAPPER_CELLS:
         return None
@@ -202,72 +196,7 @@ def raw_launch(compiled) -> RawLaunch | None:
     if len(meta) != len(free["tensordesc_indices"]) or any(
             m is None or m.get("fp4_padded") or len(m["block_size"]) != 2 for m in meta):
         return None
-    return RawLaunch(free["launcher"], prefix, meta, driver_launch_spec(compiled, launcher))
-
-
-#: "0" keeps kernels on Triton's C launch (read when a launcher is made).
-DRIVER_LAUNCH_ENV = "GDN_DISPATCH_DRIVER_LAUNCH"
-#: Triton 3.6's C launch converts each scalar of the expanded signature to this C type
-#: (``ty_to_cpp``; i1 travels as an int8).
-_SCALAR_PARAMS = {"i1": "i8", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64", "u1": "u8", "u8": "u8",
-                  "u16": "u16", "u32": "u32", "u64": "u64", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32",
-                  "f32": "fp32", "fp64": "fp64"}
-#: ``sizeof`` Triton 3.6's PyCUtensorMap (a PyObject header, then the 128-byte-aligned
-#: CUtensorMap): the map lies at offset 128.
-_TENSOR_MAP_OBJECT = (256, 128)
-
-
-def driver_launch_spec(compiled, launcher) -> tuple | None:
-    """``(function, threads, shared bytes, parameter kinds, map type, map offset)``: what
-    the native layer's GuardedLauncher.set_direct needs to launch ``compiled`` through the
-    driver's ``cuLaunchKernel`` with the parameters Triton 3.6's C launch would pass (one
-    kind per slot of the C launch's argument list: the kernel's signature with each TMA
-    descriptor expanded to its map, shape and strides; constexprs "skip"), or None where
-    the launch needs more than a grid, a block and shared memory (clusters, a cooperative
-    grid, programmatic dependent launch), the signature has a type not mapped here, or
-    the map object is not the layout checked."""
-    try:
-        num_warps, num_ctas, shared = compiled.packed_metadata
-        signature = compiled.src.signature
-        meta = getattr(compiled.metadata, "tensordesc_meta", None) or ()
-        if num_ctas != 1 or launcher.launch_cooperative_grid or launcher.launch_pdl:
-            return None
-        from triton.backends.nvidia import driver as nvidia_driver
-
-        map_type = nvidia_driver.PyCUtensorMap
-    except (AttributeError, ValueError, TypeError, ImportError):
-        return None
-    if map_type.__basicsize__ != _TENSOR_MAP_OBJECT[0]:
-        return None
-    kinds, descriptors = [], 0
-    for ty in signature.values():
-        if not isinstance(ty, str):
-            return None
-        if ty.startswith("tensordesc"):
-            if descriptors >= len(meta) or meta[descriptors] is None:
-                return None
-            descriptors += 1
-            rank = ty.count(",") + 1
-            kinds += ["tma"] + ["i32"] * rank + ["i64"] * rank
-        elif ty == "constexpr":
-            kinds.append("skip")
-        elif ty.startswith("*"):
-            kinds.append("ptr")
-        elif ty in _SCALAR_PARAMS:
-            kinds.append(_SCALAR_PARAMS[ty])
-        else:
-            return None
-    return compiled.function, 32 * num_warps, shared, kinds, map_type, _TENSOR_MAP_OBJECT[1]
-
-
-def use_driver_launch(launcher, native, raw: RawLaunch) -> None:
-    """Have the native GuardedLauncher ``launcher`` launch ``raw``'s kernel through the
-    driver (:func:`driver_launch_spec`) unless ``GDN_DISPATCH_DRIVER_LAUNCH=0`` or the
-    kernel has no spec."""
-    if raw.driver is None or getenv(DRIVER_LAUNCH_ENV) == "0":
-        return
-    function, threads, shared, kinds, map_type, offset = raw.driver
-    launcher.set_direct(function, threads, shared, [native.PARAM_KINDS[k] for k in kinds], map_type, offset)
+    return RawLaunch(free["launcher"], prefix, meta)
 
 
 def tma_encoder(meta: dict):

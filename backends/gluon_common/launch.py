@@ -388,7 +388,6 @@ def _native_fast_launcher(native, kept: _Kept, device, args: dict, unspecialized
             return None
     for pos, d, cols, maps, encode in kept.descs:
         launcher.add_descriptor(d.tensor, pos, cols, d.dtype, d.shape[0] is None, d.view_of, maps, encode)
-    compat.use_driver_launch(launcher, native, raw)
     return launcher
 
 

@@ -25,18 +25,8 @@ common call (contiguous inputs, no state pool), which returns the call's sizes o
 (then the Python contract checks it, and raises where a rule is broken); and
 ``tma_rows_ok``: whether contiguous inputs are what the TMA unit reads in place;
 ``CallProgram`` (the backends' call programs); and ``stats`` / ``reset_stats(timing)``:
-counters the host benchmarks read (descriptors reused, found or encoded; launches through
-the driver or Triton's C launch; the programs' phases timed while timing is on).
-
-Driver launches: a GuardedLauncher given ``set_direct`` (what
-:func:`gdn_dispatch.backends.gluon_common.compat.driver_launch_spec` reads off a kept
-Triton 3.6 kernel) packs the kernel's parameters itself and calls the driver's
-``cuLaunchKernel`` (libcuda, resolved at the first such launch) instead of Triton's C
-launch, which parses a tuple of ~40 Python objects per launch; a value its parameter
-cannot hold goes to the C launch instead. ``GDN_DISPATCH_DRIVER_LAUNCH=0`` (read when a
-launcher is made) keeps every kernel on the C launch. ``set_capture(True)`` records the
-would-be driver launches (``take_captured``) instead of making them: what a CPU test
-compares with Triton's packing.
+counters the host benchmarks read (descriptors reused, found or encoded; the programs'
+phases timed while timing is on).
 """
 
 from __future__ import annotations

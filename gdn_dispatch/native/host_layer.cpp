@@ -18,11 +18,8 @@
 #include <torch/extension.h>
 #include <torch/csrc/Dtype.h>
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <deque>
 #include <cstdint>
 #include <string>
@@ -31,13 +28,11 @@
 namespace {
 
 // What the host benchmarks read (benchmarks/host_parts.py): how often a descriptor was
-// reused as it was, found among the encoded ones, or encoded; how many launches went
-// through the driver (set_direct) and how many through Triton's C launch; and, while
-// timing is on, the call programs' nanoseconds per phase (checks and launcher lookup,
-// allocation, argument lists, launches) summed over calls.
+// reused as it was, found among the encoded ones, or encoded; and, while timing is on, the
+// call programs' nanoseconds per phase (checks and launcher lookup, allocation, argument
+// lists, launches) summed over calls.
 struct Stats {
   int64_t desc_reused = 0, desc_found = 0, desc_encoded = 0, programs = 0;
-  int64_t driver_launches = 0, c_launches = 0;  // GuardedLaunchers' launches by way
   int64_t ns[4] = {0, 0, 0, 0};
   bool timing = false;
 };
@@ -54,8 +49,6 @@ py::dict stats() {
   out["desc_found"] = g_stats.desc_found;
   out["desc_encoded"] = g_stats.desc_encoded;
   out["programs"] = g_stats.programs;
-  out["driver_launches"] = g_stats.driver_launches;
-  out["c_launches"] = g_stats.c_launches;
   out["ns_checks"] = g_stats.ns[0];
   out["ns_allocate"] = g_stats.ns[1];
   out["ns_arguments"] = g_stats.ns[2];
@@ -69,70 +62,6 @@ void reset_stats(bool timing) {
 }
 
 enum class Kind : int { Tensor = 0, Int = 1, Identity = 2, Type = 3, Equal = 4 };
-
-// Direct launches: a kept kernel launched through the driver's cuLaunchKernel with its
-// parameters packed here, instead of a Python call of Triton's C launch (which parses a
-// ~40-item tuple per launch). Only for the launch shape that C launch was verified to make
-// (Triton 3.6: no cluster, no cooperative grid, no programmatic dependent launch, no
-// scratch buffers): gdn_dispatch.backends.gluon_common.compat.direct_launch_spec decides.
-// Each parameter of the kernel's expanded signature has one of these kinds; a TMA
-// descriptor is the 128-byte CUtensorMap held inside Triton's PyCUtensorMap object.
-enum class Param : int {
-  Skip = 0, Ptr = 1, I8 = 2, I16 = 3, I32 = 4, I64 = 5, U8 = 6, U16 = 7, U32 = 8, U64 = 9,
-  F16 = 10, BF16 = 11, F32 = 12, F64 = 13, TmaMap = 14
-};
-constexpr size_t kTmaMapBytes = 128;
-
-size_t param_bytes(Param p) {
-  switch (p) {
-    case Param::I8: case Param::U8: return 1;
-    case Param::I16: case Param::U16: case Param::F16: case Param::BF16: return 2;
-    case Param::I32: case Param::U32: case Param::F32: return 4;
-    case Param::TmaMap: return kTmaMapBytes;
-    case Param::Skip: return 0;
-    default: return 8;
-  }
-}
-
-// cuLaunchKernel and cuGetErrorString from the libcuda the process already loaded (torch
-// and Triton load it before any kernel is kept); resolved at the first direct launch.
-using LaunchKernelFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
-                               void**, void**);
-using ErrorStringFn = int (*)(int, const char**);
-struct Driver {
-  LaunchKernelFn launch = nullptr;
-  ErrorStringFn error_string = nullptr;
-};
-
-const Driver& driver() {
-  static const Driver d = [] {
-    Driver out;
-    void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_LAZY);
-    if (lib == nullptr) return out;
-    out.launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
-    out.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
-    return out;
-  }();
-  return d;
-}
-
-// While capture is on (tests; a CPU process has no driver), direct launches are recorded
-// here instead of reaching the driver: (function, grid, block, shared bytes, stream,
-// [each parameter's bytes]).
-bool g_capture = false;
-py::list* g_captured = nullptr;
-
-void set_capture(bool on) {
-  g_capture = on;
-  if (g_captured == nullptr) g_captured = new py::list();
-}
-
-py::list take_captured() {
-  py::list out;
-  if (g_captured != nullptr) std::swap(out, *g_captured);
-  return out;
-}
 
 struct Arg {
   Kind kind;
@@ -373,170 +302,10 @@ class GuardedLauncher {
   int count() const { return count_; }
 
   void fire(const py::tuple& launch_args) {
-    if (!direct_params_.empty() && fire_direct(launch_args)) return;
-    ++g_stats.c_launches;
     PyObject* result = PyObject_Call(c_launch_.ptr(), launch_args.ptr(), nullptr);
     if (result == nullptr) throw py::error_already_set();
     Py_DECREF(result);
   }
-
-  // Launch through cuLaunchKernel from here (see Param): the kernel's CUfunction, its block
-  // (32 * num_warps threads) and dynamic shared memory, one kind per slot of the C launch's
-  // argument list, and the type of the objects that carry TMA maps and the map's offset
-  // inside them.
-  // False (launches stay on c_launch_) where params has not one kind per argument slot.
-  bool set_direct(uint64_t function, int threads, int shared, std::vector<int> params, py::object map_type,
-                  int64_t map_offset) {
-    if (params.size() != template_.size()) return false;
-    direct_params_.clear();
-    for (int p : params) {
-      if (p < static_cast<int>(Param::Skip) || p > static_cast<int>(Param::TmaMap))
-        throw std::invalid_argument("set_direct: unknown parameter kind");
-      direct_params_.push_back(static_cast<Param>(p));
-    }
-    function_ = function;
-    threads_ = threads;
-    shared_ = shared;
-    map_type_ = std::move(map_type);
-    map_offset_ = map_offset;
-    return true;
-  }
-
-  bool direct() const { return !direct_params_.empty(); }
-
- private:
-  // False (nothing launched: Triton's C launch then takes the call and raises what it
-  // raises) where a value is not of its parameter's kind.
-  bool fire_direct(const py::tuple& launch_args) {
-    const size_t n_prefix = PyTuple_GET_SIZE(prefix_.ptr());
-    const size_t first = 4 + n_prefix;
-    if (static_cast<size_t>(PyTuple_GET_SIZE(launch_args.ptr())) != first + direct_params_.size()) return false;
-    unsigned grid[3];
-    for (int i = 0; i < 3; ++i) {
-      PyObject* g = PyTuple_GET_ITEM(launch_args.ptr(), i);
-      if (!PyLong_Check(g)) return false;
-      long long x = PyLong_AsLongLong(g);
-      if (x < 0 || x > UINT32_MAX) {
-        PyErr_Clear();
-        return false;
-      }
-      grid[i] = static_cast<unsigned>(x);
-    }
-    PyObject* stream_obj = PyTuple_GET_ITEM(launch_args.ptr(), 3);
-    if (!PyLong_Check(stream_obj)) return false;
-    const uint64_t stream = PyLong_AsUnsignedLongLong(stream_obj);
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-    // Scalars in 8-byte cells (read back at their own width: little-endian), maps in place;
-    // then Triton's two scratch pointers, null (direct_launch_spec admits no scratch).
-    std::vector<uint64_t> cells(direct_params_.size() + 2, 0);
-    std::vector<void*> params;
-    params.reserve(direct_params_.size() + 2);
-    for (size_t i = 0; i < direct_params_.size(); ++i) {
-      const Param kind = direct_params_[i];
-      if (kind == Param::Skip) continue;
-      PyObject* v = PyTuple_GET_ITEM(launch_args.ptr(), first + i);
-      if (kind == Param::TmaMap) {
-        if (reinterpret_cast<PyObject*>(Py_TYPE(v)) != map_type_.ptr()) return false;
-        params.push_back(reinterpret_cast<char*>(v) + map_offset_);
-        continue;
-      }
-      if (!pack_scalar(kind, v, &cells[i])) return false;
-      params.push_back(&cells[i]);
-    }
-    params.push_back(&cells[direct_params_.size()]);
-    params.push_back(&cells[direct_params_.size() + 1]);
-    if (static_cast<uint64_t>(grid[0]) * grid[1] * grid[2] == 0) return true;
-    if (g_capture) {
-      py::list bytes;
-      size_t k = 0;
-      for (Param kind : direct_params_) {
-        if (kind == Param::Skip) continue;
-        bytes.append(py::bytes(static_cast<const char*>(params[k++]), param_bytes(kind)));
-      }
-      for (; k < params.size(); ++k) bytes.append(py::bytes(static_cast<const char*>(params[k]), 8));
-      g_captured->append(py::make_tuple(function_, py::make_tuple(grid[0], grid[1], grid[2]), threads_, shared_,
-                                        stream, bytes));
-      return true;
-    }
-    const Driver& d = driver();
-    if (d.launch == nullptr) return false;
-    int status;
-    {
-      py::gil_scoped_release released;
-      status = d.launch(reinterpret_cast<void*>(function_), grid[0], grid[1], grid[2], threads_, 1, 1, shared_,
-                        reinterpret_cast<void*>(stream), params.data(), nullptr);
-    }
-    ++g_stats.driver_launches;
-    if (status != 0) {
-      const char* text = nullptr;
-      if (d.error_string != nullptr) d.error_string(status, &text);
-      throw std::runtime_error("gdn_dispatch native launch: cuLaunchKernel failed: " +
-                               std::string(text != nullptr ? text : "CUDA error ") + " (" + std::to_string(status) +
-                               ")");
-    }
-    return true;
-  }
-
-  // One scalar parameter from its Python value into *cell, as Triton's C launch converts it
-  // (pointers from ints or None; ints range-checked to their width; floats packed).
-  static bool pack_scalar(Param kind, PyObject* v, uint64_t* cell) {
-    switch (kind) {
-      case Param::Ptr: case Param::U64: {
-        if (kind == Param::Ptr && v == Py_None) return true;
-        if (!PyLong_Check(v)) return false;
-        const unsigned long long x = PyLong_AsUnsignedLongLong(v);
-        if (PyErr_Occurred()) break;
-        *cell = x;
-        return true;
-      }
-      case Param::F16: case Param::BF16: case Param::F32: case Param::F64: {
-        const double x = PyFloat_AsDouble(v);
-        if (x == -1.0 && PyErr_Occurred()) break;
-        if (kind == Param::F64) {
-          std::memcpy(cell, &x, 8);
-        } else if (kind == Param::F32) {
-          const float f = static_cast<float>(x);
-          std::memcpy(cell, &f, 4);
-        } else if (kind == Param::BF16) {
-          const float f = static_cast<float>(x);
-          uint32_t bits;
-          std::memcpy(&bits, &f, 4);
-          *cell = bits >> 16;  // truncation, as Triton's pack_bf16
-        } else {
-          uint16_t half;
-          if (PyFloat_Pack2(x, reinterpret_cast<char*>(&half), 1) != 0) break;
-          *cell = half;
-        }
-        return true;
-      }
-      default: {
-        if (!PyLong_Check(v)) return false;  // bool is an int subclass, as Triton's "b" accepts
-        int overflow = 0;
-        const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (overflow != 0 || (x == -1 && PyErr_Occurred())) break;
-        long long lo = INT64_MIN, hi = INT64_MAX;
-        switch (kind) {
-          case Param::I8: lo = INT8_MIN; hi = INT8_MAX; break;
-          case Param::I16: lo = INT16_MIN; hi = INT16_MAX; break;
-          case Param::I32: lo = INT32_MIN; hi = INT32_MAX; break;
-          case Param::U8: lo = 0; hi = UINT8_MAX; break;
-          case Param::U16: lo = 0; hi = UINT16_MAX; break;
-          case Param::U32: lo = 0; hi = UINT32_MAX; break;
-          default: break;
-        }
-        if (x < lo || x > hi) return false;
-        std::memcpy(cell, &x, 8);
-        return true;
-      }
-    }
-    PyErr_Clear();
-    return false;
-  }
-
- public:
 
  private:
   static bool same(py::handle a, const py::object& b) {
@@ -550,11 +319,6 @@ class GuardedLauncher {
   py::tuple prefix_;
   py::object device_, options_, encode_kept_;
   int count_;
-  std::vector<Param> direct_params_;  // empty: launches go through c_launch_
-  uint64_t function_ = 0;
-  int threads_ = 0, shared_ = 0;
-  py::object map_type_;
-  int64_t map_offset_ = 0;
   std::vector<py::object> template_;
   std::vector<Arg> args_;
   std::vector<Desc> descs_;
@@ -1048,21 +812,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_int", &GuardedLauncher::add_int)
       .def("add_object", &GuardedLauncher::add_object)
       .def("add_descriptor", &GuardedLauncher::add_descriptor)
-      .def("set_direct", &GuardedLauncher::set_direct, py::arg("function"), py::arg("threads"), py::arg("shared"),
-           py::arg("params"), py::arg("map_type"), py::arg("map_offset"))
-      .def_property_readonly("direct", &GuardedLauncher::direct)
       .def("__call__", &GuardedLauncher::call, py::arg("device"), py::arg("args"), py::arg("tensors"),
            py::arg("g0"), py::arg("g1"), py::arg("g2"), py::arg("stream"), py::arg("options") = py::none());
   m.def("admit", &admit, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
         py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"));
   m.def("tma_rows_ok", &tma_rows_ok, py::arg("tensors"));
   m.def("stats", &stats);
-  m.def("set_capture", &set_capture, py::arg("on"));
-  m.def("take_captured", &take_captured);
-  m.attr("PARAM_KINDS") = py::dict(py::arg("skip") = 0, py::arg("ptr") = 1, py::arg("i8") = 2, py::arg("i16") = 3,
-                                   py::arg("i32") = 4, py::arg("i64") = 5, py::arg("u8") = 6, py::arg("u16") = 7,
-                                   py::arg("u32") = 8, py::arg("u64") = 9, py::arg("fp16") = 10, py::arg("bf16") = 11,
-                                   py::arg("fp32") = 12, py::arg("fp64") = 13, py::arg("tma") = 14);
   m.def("reset_stats", &reset_stats, py::arg("timing") = false);
   py::class_<Allocator>(m, "Allocator")
       .def(py::init<py::list>(), py::arg("specs"))
