@@ -32,10 +32,18 @@ from gdn_dispatch.testing import rel_rms_error  # noqa: E402
 from test_call_program import _random_form  # noqa: E402
 
 
+def _to_gpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the GPU with its strides (``.cuda()`` makes a view with gaps, such as the
+    form's projection views, contiguous, and then a program takes a call it should not)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+    out.copy_(t)
+    return out
+
+
 def _on_gpu(call: dict) -> dict:
     """The call on the GPU, its keys l2-normalized where the kernel does not normalize them
     (the form draws raw normal keys: with |k|^2 ~ K the recurrence overflows fp16)."""
-    call = {name: value.cuda() if isinstance(value, torch.Tensor) and name != "cu_seqlens_cpu" else value
+    call = {name: _to_gpu(value) if isinstance(value, torch.Tensor) and name != "cu_seqlens_cpu" else value
             for name, value in call.items()}
     if not call["use_qk_l2norm_in_kernel"]:
         call["k"] = torch.nn.functional.normalize(call["k"].float(), dim=-1).to(call["k"].dtype)
