@@ -140,11 +140,7 @@ def _site(kernel, args: dict) -> dict:
     """The attribute dict of ``kernel``'s launch site for this argument list (made here
     if no launch made it yet): its "fast" entry is the GuardedLauncher of the kernel the
     site launched last."""
-    names = tuple(args)
-    site = direct_launch._CALL_SITES.get((kernel, names))
-    if site is None:
-        site = direct_launch._CALL_SITES[(kernel, names)] = direct_launch._CallSite(kernel, names)
-    return vars(site)
+    return vars(direct_launch.call_site(kernel, tuple(args)))
 
 
 def build(problem: GDNProblem, capability, state_cfg, module):
