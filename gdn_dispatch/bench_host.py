@@ -16,7 +16,9 @@ K = V = 128, initial and final state):
 for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 8192 tokens.
 First, a *host reference* line: two fixed pieces of host work timed in the same process
 (:func:`host_reference_us`), since the same host runs the same Python well apart from one
-process to the next: tables are comparable through it.
+process to the next: tables are comparable through it. The lent hosts also change speed
+within a process, so every row carries the Python reference timed just before it (``py
+ref``, µs): rows are comparable through it.
 Then the *ragged stream*: :data:`STREAM_BATCHES` seeded random batches of 1..16 sequences of
 1..4000 tokens, each one call followed by a synchronize, timed wall-clock; the median per
 backend. A call is host-bound where its enqueue time exceeds its GPU time.
@@ -145,6 +147,12 @@ def _python_reference() -> int:
     return total
 
 
+def python_reference_us(*, calls: int = 1000, rounds: int = 3, clock=time.perf_counter) -> float:
+    """Host microseconds, now, of :func:`_python_reference`: the best of ``rounds`` rounds
+    of ``calls`` calls (a few milliseconds)."""
+    return min(per_call_us(_python_reference, calls, clock=clock) for _ in range(rounds))
+
+
 def host_reference_us(device, *, calls: int = 2000, rounds: int = 5, clock=time.perf_counter) -> dict[str, float]:
     """Host microseconds, now, of ``torch.empty`` of a [1, 64, 32, 128] bf16 tensor on
     ``device`` (an output of the host table's small calls) and of :func:`_python_reference`:
@@ -229,15 +237,19 @@ class HostRow:
     program: tuple[int, int] | None = None
     #: (calls its route ran, calls enqueued), or None where no call reached a route.
     route: tuple[int, int] | None = None
+    #: The Python reference timed just before this row's enqueue (:func:`python_reference_us`).
+    host_ref_us: float | None = None
 
 
 def format_rows(rows: list[HostRow]) -> list[str]:
     """The host table: one line per (case, backend)."""
-    lines = [f"{'case':<24} {'backend':<15} {'enqueue us':>10} {'GPU us':>8} {'host/GPU':>8}  steps (us, each alone)"]
+    lines = [f"{'case':<24} {'backend':<15} {'enqueue us':>10} {'GPU us':>8} {'host/GPU':>8} {'py ref':>6}  "
+             "steps (us, each alone)"]
     for r in rows:
         ratio = f"{r.enqueue_us / r.gpu_us:8.2f}" if r.enqueue_us and r.gpu_us else f"{'-':>8}"
         enqueue = f"{r.enqueue_us:10.1f}" if r.enqueue_us is not None else f"{'-':>10}"
         gpu = f"{r.gpu_us:8.1f}" if r.gpu_us is not None else f"{'-':>8}"
+        ratio += f" {r.host_ref_us:6.2f}" if r.host_ref_us is not None else f" {'-':>6}"
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps_us.items())
         if r.program is not None:
             steps += f"{', ' if steps else ''}program {r.program[0]}/{r.program[1]}"
@@ -277,6 +289,7 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
             return fn()
 
         try:
+            row.host_ref_us = python_reference_us()
             consulted, routed = sum(PROGRAM_CALLS.values()), sum(ROUTE_CALLS.values())
             taken, route_taken = PROGRAM_CALLS["taken"], ROUTE_CALLS["taken"]
             row.enqueue_us = rounds_us(counting, calls, rounds, sync=torch.cuda.synchronize)

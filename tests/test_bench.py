@@ -630,7 +630,7 @@ def test_synchronized_us_includes_the_wait():
 
 
 def test_host_reference_times_both_pieces_and_prints_them():
-    from gdn_dispatch.bench_host import _python_reference, format_reference, host_reference_us
+    from gdn_dispatch.bench_host import _python_reference, format_reference, host_reference_us, python_reference_us
 
     assert _python_reference() == sum(range(16)) + 16 * 2 + 6 * 1  # k0..k9: 2 characters, k10..k15: 3
     ticks = iter(range(10 ** 6))
@@ -642,6 +642,10 @@ def test_host_reference_times_both_pieces_and_prints_them():
     assert all(0 < v < 1e4 for v in real.values())
     line = format_reference({"torch.empty": 5.4, "python": 1.25})
     assert "torch.empty [1, 64, 32, 128] bf16 5.40 us" in line and "Python reference 1.25 us" in line
+    # A row's own reference: the fastest of its rounds (3 calls each: 9, 3 and 6 µs).
+    readings = iter([0.0, 9e-6, 10e-6, 13e-6, 20e-6, 26e-6])
+    assert python_reference_us(calls=3, rounds=3, clock=lambda: next(readings)) == pytest.approx(1.0)
+    assert 0 < python_reference_us() < 1e4
 
 
 def test_fla_call_takes_int64_offsets_without_a_host_copy():
@@ -670,9 +674,11 @@ def test_host_table_and_stream_format():
     from gdn_dispatch.bench_host import HostRow, format_rows, format_stream
 
     lines = format_rows([HostRow("triton_generic", "varlen-1x64", 40.0, 20.0, {"validate": 5.0}, program=(28, 33),
-                                 route=(25, 33)),
+                                 route=(25, 33), host_ref_us=1.05),
                          HostRow("fla", "varlen-1x64", note="error: boom")])
-    assert lines[1].split()[:5] == ["varlen-1x64", "triton_generic", "40.0", "20.0", "2.00"]
+    assert lines[0].split()[:8] == ["case", "backend", "enqueue", "us", "GPU", "us", "host/GPU", "py"]
+    assert lines[1].split()[:6] == ["varlen-1x64", "triton_generic", "40.0", "20.0", "2.00", "1.05"]
+    assert lines[2].split()[:6] == ["varlen-1x64", "fla", "-", "-", "-", "-"]
     assert "validate 5.0, program 28/33, route 25/33" in lines[1] and lines[2].rstrip().endswith("error: boom")
     assert "program" not in lines[2] and "route" not in lines[2]
     stream = format_stream({"triton_generic": 900.0, "fla": 1500.0, "gluon_sm90": "error: x"})
