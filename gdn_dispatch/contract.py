@@ -378,6 +378,8 @@ def _check_pool(pool, state_indices, N: int, HV: int, K: int, V: int, layout: "S
         raise GDNInputError(f"state_indices: expected device {device} (q's), got {state_indices.device}")
     if state_indices.numel() != N:
         raise GDNInputError(f"state_indices: expected one index per sequence, N = {N}, got {state_indices.numel()}")
+    if not state_indices.is_contiguous():  # the kernels read index n at state_indices + n
+        state_indices = _counted_copy("state_indices", state_indices)
     pool = _require_tensor("initial_state", pool, 4, f"(the state pool) {dims}")
     _require_dtype("initial_state", pool, POOL_DTYPES)
     per_row = (HV, K, V) if layout is StateLayout.KV else (HV, V, K)
@@ -524,6 +526,8 @@ def make_problem(
             raise GDNInputError(f"cu_seqlens: expected device {device} (q's), got {cu_seqlens.device}")
         if cu_seqlens.shape[0] < 2:
             raise GDNInputError(f"cu_seqlens: expected at least 2 entries [N + 1], got {cu_seqlens.shape[0]}")
+        if not cu_seqlens.is_contiguous():  # the kernels read offset n at cu_seqlens + n
+            cu_seqlens = _counted_copy("cu_seqlens", cu_seqlens)
     if cu_seqlens is not None:
         if B != 1:
             raise GDNInputError(

@@ -132,6 +132,8 @@ MUTATIONS = [
     ("cu_cpu entries", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(c, lambda x: x + [x[-1]]))),
     ("cu_cpu strided", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(
         c, lambda x: [v for v in x for _ in (0, 1)])[::2] if "cu_seqlens" in c else _DROP)),
+    ("cu strided", True, _with("cu_seqlens", lambda rng, c: _offsets(
+        c, lambda x: [v for v in x for _ in (0, 1)])[::2] if "cu_seqlens" in c else _DROP)),
     ("cu_cpu alone", True, lambda rng, c: {**{n: t for n, t in c.items() if n != "cu_seqlens"},
                                            "cu_seqlens_cpu": torch.tensor([0, c["q"].shape[1]])}),
     ("cu float", True, _with("cu_seqlens", lambda rng, c: torch.tensor([0.0, float(c["q"].shape[1])]))),
@@ -209,7 +211,7 @@ def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):
     assert native.admission() is not None
     admitted = refused = 0
     kinds_refused = set()
-    for i in range(300):
+    for i in range(420):
         base = _common_call(rng)
         name, tensor_rule, mutate = ("none", False, None) if i % 3 == 0 else rng.choice(MUTATIONS)
         call = base if mutate is None else mutate(rng, base)

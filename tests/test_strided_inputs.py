@@ -6,7 +6,8 @@ Token rows are read in place by every backend (no copy: the counter
 at the view's row stride and g, beta through pointers with a token stride. Where TMA cannot
 address a view (a token stride off the 16-byte grid), the Gluon forward copies q, k and v
 once each, counted. A last dim that is not contiguous is copied once by the contract, for
-every backend. Every result equals the call on contiguous copies, bit for bit (the same
+every backend; so are strided ``cu_seqlens`` and ``state_indices`` (the kernels read entry
+``n`` at ``base + n``). Every result equals the call on contiguous copies, bit for bit (the same
 kernels on the same values).
 """
 
@@ -81,6 +82,45 @@ def test_last_dim_not_contiguous_is_copied_once(backend, device, in_place, monke
     before = INPUT_COPIES["v"]
     o, ht = chunk_gated_delta_rule(**{**call, "v": v}, output_final_state=True, backend=backend)
     assert INPUT_COPIES["v"] == before + 1
+    o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+def _strided(t: torch.Tensor, step: int = 3) -> torch.Tensor:
+    """``t``'s values as a 1-D view with element stride ``step`` (fresh random filler between)."""
+    wide = torch.randint(-5, 1000, (t.numel() * step,), dtype=t.dtype, device=t.device)
+    wide[::step] = t
+    return wide[::step]
+
+
+@pytest.mark.parametrize("backend, device, in_place", CASES)
+@pytest.mark.parametrize("host_copy", [True, False], ids=["host-copy", "device-only"])
+def test_strided_offsets_and_indices_are_copied_once(backend, device, in_place, host_copy, monkeypatch):
+    backend = _setup(backend, device, monkeypatch)
+    dims = dict(H=1, HV=2, K=16, V=32) if device == "cpu" else dict(H=2, HV=4, K=128, V=128)
+    call = random_call(lengths=[70, 0, 5, 129], **dims, dtype=torch.bfloat16, device=device, seed=12)
+    if not host_copy:
+        del call["cu_seqlens_cpu"]
+    N, (K, V) = 4, (dims["K"], dims["V"])
+    gen = torch.Generator().manual_seed(13)
+    pool = torch.randn(N + 3, dims["HV"], K, V, generator=gen).to(device)
+    indices = torch.randperm(N + 3, generator=gen)[:N].to(torch.int32).to(device)
+    indices[1] = -1
+    strided = dict(cu_seqlens=_strided(call["cu_seqlens"]), state_indices=_strided(indices))
+    assert not strided["cu_seqlens"].is_contiguous() and not strided["state_indices"].is_contiguous()
+    before = dict(INPUT_COPIES)
+    o, ht = chunk_gated_delta_rule(**{**call, "initial_state": pool, **strided}, output_final_state=True,
+                                   backend=backend)
+    assert INPUT_COPIES["cu_seqlens"] == before.get("cu_seqlens", 0) + 1
+    assert INPUT_COPIES["state_indices"] == before.get("state_indices", 0) + 1
+    o_ref, ht_ref = chunk_gated_delta_rule(**{**call, "initial_state": pool}, state_indices=indices,
+                                           output_final_state=True, backend=backend)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+    # Without a pool too (the common form the native admission checks).
+    o, ht = chunk_gated_delta_rule(**{**call, "cu_seqlens": strided["cu_seqlens"]}, output_final_state=True,
+                                   backend=backend)
     o_ref, ht_ref = chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)

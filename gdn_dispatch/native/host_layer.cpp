@@ -431,9 +431,9 @@ class Allocator {
 };
 
 // The contract's checks (gdn_dispatch.contract.make_problem) for the common call, on
-// at::Tensor: contiguous q, k, v, g, beta on one device; cu_seqlens None or a device
-// index tensor, its host copy None or a contiguous CPU index tensor; initial_state None or
-// a contiguous float tensor of the call's state shape; no state pool. Returns what the
+// at::Tensor: contiguous q, k, v, g, beta on one device; cu_seqlens None or a contiguous
+// device index tensor, its host copy None or a contiguous CPU index tensor; initial_state
+// None or a contiguous float tensor of the call's state shape; no state pool. Returns what the
 // contract computes of such a call, (B, T, H, K, HV, V, N, longest, aligned) (longest and
 // aligned None without a host copy), or None for every call it does not accept as valid
 // (another form, or a broken rule): the Python contract then decides and raises with its
@@ -503,7 +503,9 @@ py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h,
   if (!cu_h.is_none()) {
     if (!is_tensor(cu_h) || B != 1) return refuse;
     const at::Tensor& cu = THPVariable_Unpack(cu_h.ptr());
-    if (cu.dim() != 1 || !index_dtype(cu.scalar_type()) || cu.device() != device || cu.size(0) < 2) return refuse;
+    if (cu.dim() != 1 || !index_dtype(cu.scalar_type()) || cu.device() != device || cu.size(0) < 2 ||
+        !cu.is_contiguous())
+      return refuse;
     N = cu.size(0) - 1;
     if (!cu_cpu_h.is_none()) {
       if (!is_tensor(cu_cpu_h)) return refuse;
