@@ -16,12 +16,14 @@ from gdn_dispatch.context_parallel import plan_for_counts
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.varlen import kept_uniform_offsets
 
-#: The call's inputs as a program indexes them (:func:`call_inputs`).
-INPUTS = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")
-Q, K, V, G, BETA, CU, H0 = range(len(INPUTS))
+#: The call's inputs as a program indexes them (:func:`call_inputs`; the initial state is
+#: the state pool where ``state_indices`` is given, else None).
+INPUTS = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "state_indices")
+Q, K, V, G, BETA, CU, H0, INDICES = range(len(INPUTS))
 #: The call's counts as a program indexes them (:func:`call_counts`): N, the token rows
-#: ``B * T``, the (token, head) rows ``B * T * H``, the chunk slots.
-COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS = range(4)
+#: ``B * T``, the (token, head) rows ``B * T * H``, the chunk slots, the state pool's rows
+#: (0 without a pool).
+COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS, COUNT_POOL = range(5)
 
 
 #: How the programs answered the calls that consulted one: "taken" (the program launched
@@ -67,14 +69,15 @@ def call_inputs(problem: GDNProblem) -> tuple:
     """The call's inputs in :data:`INPUTS` order (the chunk table's offsets, which the
     kernels read)."""
     return (problem.q, problem.k, problem.v, problem.g, problem.beta, problem.chunks.cu_seqlens,
-            problem.initial_state)
+            problem.initial_state, problem.state_indices)
 
 
-def call_counts(problem: GDNProblem) -> tuple[int, int, int, int]:
-    """The call's counts in :data:`COUNT_N` ... :data:`COUNT_SLOTS` order."""
+def call_counts(problem: GDNProblem) -> tuple[int, int, int, int, int]:
+    """The call's counts in :data:`COUNT_N` ... :data:`COUNT_POOL` order."""
     B, T, H = problem.q.shape[:3]
     chunks = problem.chunks
-    return chunks.num_seqs, B * T, B * T * H, chunks.num_slots
+    pool_rows = problem.initial_state.shape[0] if problem.state_indices is not None else 0
+    return chunks.num_seqs, B * T, B * T * H, chunks.num_slots, pool_rows
 
 
 def route_offsets(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):

@@ -7,7 +7,8 @@ these tests run each call of a fuzz through both paths, launches stubbed (as in
 and require the same launches: kernel, grid, every argument
 of the C launch (pointers compared by which tensor they point at: each path's buffers are
 its own), and the outputs returned pointing where the launches wrote. Forms the program
-takes (no pool, contiguous inputs, a float32 or bfloat16 initial state) must be taken
+takes (contiguous inputs, a float32 or bfloat16 initial state or state pool, read and
+maybe written back in place) must be taken
 once the Python path has bound the call's kernels; every other form must be left to the
 Python path, with nothing launched by the program. Needs the native layer built.
 """
@@ -47,8 +48,10 @@ ADDRESS = 2 ** 32  # CPU heap addresses lie above; no count or size of these cal
 
 
 def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128), (128, 64), (64, 64)),
-                 dtypes=(torch.bfloat16, torch.float16)) -> tuple[dict, bool]:
-    """A random call (CPU tensors, fresh values) and whether a program may take it."""
+                 dtypes=(torch.bfloat16, torch.float16), programs: bool = False) -> tuple[dict, bool]:
+    """A random call (CPU tensors, fresh values) and whether a route may take it (with
+    ``programs``: whether a call program may: programs also take state pools, which the
+    public call never routes)."""
     dtype = rng.choice(dtypes)
     H, group = rng.choice([(1, 1), (2, 2), (4, 2), (16, 2), (8, 4)])
     HV = H * group
@@ -91,10 +94,13 @@ def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128
     elif form < 0.15:  # g a view of a wider gate projection, read in place (token stride 2 HV)
         call["g"] = -torch.rand(B, T, 2 * HV, generator=gen)[..., :HV]
         takes = takes and call["g"].is_contiguous()
-    elif form < 0.2:  # a state pool, read in place through state_indices
-        pool = torch.randn(N + 3, *state_shape[1:], generator=gen)
-        call.update(initial_state=pool, state_indices=torch.randperm(N + 3, generator=gen)[:N].to(torch.int32))
-        takes = False
+    elif form < 0.2:  # a state pool (float32 or bfloat16), read in place through state_indices
+        pool = torch.randn(N + 3, *state_shape[1:], generator=gen).to(rng.choice([torch.float32, torch.bfloat16]))
+        indices = torch.randperm(N + 3, generator=gen)[:N].to(rng.choice([torch.int32, torch.int64]))
+        if rng.random() < 0.3:
+            indices[rng.randrange(N)] = -1
+        call.update(initial_state=pool, state_indices=indices, inplace_final_state=rng.random() < 0.5)
+        takes = programs
     return call, takes
 
 
@@ -130,12 +136,13 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
         taken["yes" if out is not None else "no"] += 1
         return out
 
-    paths = {"fused": 0, "pipeline": 0, "refused": 0}
+    paths = {"fused": 0, "pipeline": 0, "refused": 0, "pool": 0}
     with stubbed_launches() as stub:
         for i in range(120):
-            call, takes = _random_form(rng)
+            call, takes = _random_form(rng, programs=True)
             problem = make_problem(**call)
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
+                                                                 "state_indices")}
             inputs["cu_seqlens"] = problem.chunks.cu_seqlens
             with mock.patch.object(F, "run_call", lambda *a: None):
                 F.forward(problem, device, engine=engine)  # binds this form's kernels
@@ -153,10 +160,12 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
             if takes:
                 fused = F.plan(problem, device=device, engine=engine).fused
                 paths["fused" if fused else "pipeline"] += 1
+                paths["pool"] += problem.state_indices is not None
             else:
                 paths["refused"] += 1
-    # The fuzz covered what it is for: both paths where the engine has both, and refusals.
-    assert paths["pipeline"] >= 20 and paths["refused"] >= 10
+    # The fuzz covered what it is for: both paths where the engine has both, state pools,
+    # and refusals.
+    assert paths["pipeline"] >= 20 and paths["refused"] >= 10 and paths["pool"] >= 3
     assert paths["fused"] >= (5 if capability == (9, 0) else 0)
 
 
@@ -245,13 +254,14 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
         taken["yes"] += out is not None
         return out
 
-    count = 0
+    count = pools = 0
     with stubbed_triton_launches() as runs:
         for i in range(120):
             call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128), (80, 96)),
-                                       dtypes=(torch.bfloat16, torch.float16, torch.float32))
+                                       dtypes=(torch.bfloat16, torch.float16, torch.float32), programs=True)
             problem = make_problem(**call)
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
+                                                                 "state_indices")}
             inputs["cu_seqlens"] = problem.chunks.cu_seqlens
             with mock.patch.object(TG, "run_call", lambda *a: None):
                 TG.forward(problem)  # binds this form's kernels
@@ -265,4 +275,5 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
             assert got == expected, f"call {i}: {call.keys()}"
             assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             count += takes
-    assert 60 <= count <= 110  # taken and refused forms both drawn
+            pools += takes and problem.state_indices is not None
+    assert 60 <= count <= 110 and pools >= 3  # taken and refused forms both drawn, pools among them

@@ -4,8 +4,9 @@ The forward's Python host path, past the contract and the plan, spends most of i
 the stage wrappers (shapes, stand-in pointers, the argument dicts), in
 :func:`.launch.launch_planned`'s checks and in one tensor allocation per buffer. A call
 program does the same for the call forms servers send on every layer of every step: no
-state pool, no context parallelism, contiguous inputs the TMA unit reads in place, an
-initial state (if any) in float32 or bfloat16:
+context parallelism, contiguous inputs the TMA unit reads in place, an initial state (if
+any) in float32 or bfloat16, or a state pool (float32 or bfloat16) read and maybe written
+back in place through ``state_indices``:
 
     program = cls.programs[launch sequence, initial state given]     # built at first use
     buffers = program(inputs, sizes, counts, scale, device, stream)  # or None
@@ -37,8 +38,8 @@ from gdn_dispatch.native import INTERMEDIATES
 from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends.call_program import (
-    BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_ROWS, CU, G, H0, K, Q, SCALE, V, Ref, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, counted, input_ref, route_offsets)
+    BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_POOL, COUNT_ROWS, CU, G, H0, INDICES, K, Q, SCALE, V, Ref, add_step,
+    buffer_ref, call_counts, call_inputs, count_ref, counted, input_ref, route_offsets)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
@@ -54,7 +55,7 @@ def run_call(problem: GDNProblem, launches: ForwardPlan, engine) -> tuple[torch.
     state or None) as :func:`.forward.forward` returns them, or None (nothing launched)
     where the program does not take the call."""
     module = native.for_calls()
-    if module is None or problem.state_indices is not None:
+    if module is None:
         return None
     counts = call_counts(problem)
     if counts[COUNT_ROWS] == 0 or counts[COUNT_N] * problem.HV == 0:
@@ -85,8 +86,8 @@ def run_program(program, launches: ForwardPlan, inputs: tuple, B: int, T: int, c
 
 def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
-    ``device`` (the registry's), or None where the form takes no program (a state pool,
-    the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest,
+    ``device`` (the registry's), or None where the form takes no route (a state pool:
+    the public call routes none; the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest,
     scale)`` makes the forward's per-call decisions from the counts (the tensors' device
     current, context parallelism off, the index limits, the launch plan for ``B * T`` and
     ``N``) and runs the call's program: (o, final state or None), or None (nothing
@@ -131,6 +132,9 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     g_cum = buffer_ref(1 if launches.fused else 2)
     h0 = input_ref(H0) if problem.initial_state is not None else g_cum
     ht = g_cum if final is None else buffer_ref(final)
+    # A state pool: read (and written back) through the indices; else cu_seqlens stands in.
+    pool = problem.state_indices is not None
+    indices, pool_rows = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
     # q's and k's token stride is H * K, g's and beta's HV: the program takes contiguous inputs only.
     steps = []
     if launches.fused:
@@ -143,8 +147,8 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         wy_t = launches.stage("wy_t_fwd").shared
         steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
         fused = launches.stage("fused_fwd").shared
-        steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, cu, cu, SCALE,
-                                                            0)))
+        steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, indices, cu,
+                                                            SCALE, pool_rows)))
         outputs = [0]
     else:
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)
@@ -157,7 +161,8 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             norm = launches.stage("qk_rnorm_fwd").shared
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))
         so = launches.stage("state_output_fwd").shared
-        steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, cu, cu, SCALE, 0)))
+        steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, indices, cu, SCALE,
+                                                   pool_rows)))
         outputs = [3]
     program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0, outputs + ([] if final is None else [final]))
     for launch, (tensors, args) in steps:

@@ -2,8 +2,9 @@
 launches in one native call (:mod:`gdn_dispatch.backends.call_program` says how a program
 is made).
 
-Taken for the call forms servers send: unsegmented, no state pool, contiguous inputs, an
-initial state (if any) in float32 or bfloat16, with kept kernels launched directly
+Taken for the call forms servers send: unsegmented, contiguous inputs, an initial state
+(if any) in float32 or bfloat16 or a state pool read (and maybe written back) in place
+through ``state_indices``, with kept kernels launched directly
 (:mod:`gdn_dispatch.backends.direct_launch`). The launches::
 
     g_cum        = chunk_cumsum(g)                       grid (slots, HV blocks)
@@ -34,8 +35,8 @@ from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
-    BETA, COUNT_N, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, K, Q, SCALE, V, add_step, buffer_ref, call_counts,
-    call_inputs, count_ref, counted, input_ref, route_offsets)
+    BETA, COUNT_N, COUNT_POOL, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, INDICES, K, Q, SCALE, V, add_step, buffer_ref,
+    call_counts, call_inputs, count_ref, counted, input_ref, route_offsets)
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
@@ -64,7 +65,7 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
     launched) where the program does not take the call."""
     module = native.for_calls()
     # (CPU tensors run under the interpreter, which launches through Triton's JIT.)
-    if module is None or problem.state_indices is not None or interpreting() or problem.chunks.chunk_size != CHUNK_SIZE:
+    if module is None or interpreting() or problem.chunks.chunk_size != CHUNK_SIZE:
         return None
     capability, _ = device_facts(problem.device)
     counts = call_counts(problem)
@@ -84,7 +85,8 @@ def run_call(problem: GDNProblem, sm_count: int) -> tuple[torch.Tensor, torch.Te
 def _form_key(problem: GDNProblem, capability) -> tuple:
     """What a program is kept by, but the state kernel's configuration."""
     return (problem.device.index, capability, problem.q.dtype, problem.H, problem.K, problem.HV, problem.V,
-            problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None)
+            problem.use_qk_l2norm, problem.state_layout, problem.output_final_state, problem.initial_state is None,
+            problem.state_indices is not None, problem.inplace_final_state)
 
 
 def run_program(program, inputs: tuple, B: int, T: int, counts: tuple,
@@ -105,8 +107,8 @@ def run_program(program, inputs: tuple, B: int, T: int, counts: tuple,
 
 def route_runner(problem: GDNProblem, device: DeviceInfo):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
-    ``device`` (the registry's), or None where the form takes no program (a state pool,
-    the interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B,
+    ``device`` (the registry's), or None where the form takes no route (a state pool:
+    the public call routes none; the interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B,
     T, N, longest, scale)`` makes the forward's per-call decisions from the counts (the
     tensors' device current, context parallelism off, the state kernel's configuration)
     and runs the call's program: (o, final state or None), or None (nothing launched: the
@@ -162,6 +164,9 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     k_rnorm = buf.get("k_rnorm", g_cum)
     q, k, v, g, beta, cu = (input_ref(i) for i in (Q, K, V, G, BETA, CU))
     h0 = input_ref(H0) if problem.initial_state is not None else g_cum
+    # A state pool: read (and written back) through the indices; else cu_seqlens stands in.
+    pool = problem.state_indices is not None
+    indices, pool_rows = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
     n = count_ref(COUNT_N)
     # Token strides of contiguous inputs (the program takes no other): the packed heads.
     s_qk, s_v, s_gb = H * Kd, HV * Vd, HV
@@ -188,8 +193,9 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     final = buf.get("final_state")
     step(_state_fwd_kernel, state_cfg, state_launch_args(
         state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,
-        g_cum if final is None else final, cu, cu, s_qk, 0, H, HV, Kd, Vd, CHUNK_SIZE,
-        use_h0=problem.initial_state is not None, use_pool=False, inplace=False, store_ht=final is not None,
+        g_cum if final is None else final, cu, indices, s_qk, pool_rows, H, HV, Kd, Vd, CHUNK_SIZE,
+        use_h0=problem.initial_state is not None, use_pool=pool, inplace=pool and problem.inplace_final_state,
+        store_ht=final is not None,
         state_vk=problem.state_layout is StateLayout.VK, use_qk_l2norm=l2, load_rnorm=l2),
         (0, False, 1, HV * -(-Vd // state_cfg.BV), 0), -1, COUNT_N)
     cfg = output_config(Kd, Vd, elem, capability)
