@@ -138,10 +138,11 @@ def chunk_gated_delta_rule(
         return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                             cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
                             state_v_first, head_first, state_indices, inplace_final_state, context_parallel)
-    if state_indices is None and not inplace_final_state and not head_first and state_v_first is None:
+    if not head_first and state_v_first is None:
         # A recurring common form goes from the native checks to its call program (routes).
         done = routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                           use_qk_l2norm_in_kernel, state_layout, backend, context_parallel)
+                           use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices,
+                           inplace_final_state)
         if done is not None:
             return done
     problem = make_problem(

@@ -8,14 +8,15 @@ registry's choice, the forward's plans) decides the same things for each of them
 keeps what it decided per form and makes the rest of the decisions, those that follow the
 counts, from the counts alone::
 
-    facts = native.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk)
+    facts = native.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk, state_indices)
     run = routes[form]            # made on the form's first call: contract, registry, backend
-    run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest, scale)  # or None
+    run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest, scale)  # or None
 
 The form (:func:`form_key`) holds everything the registry's choice and the backend's plans
 read of a call but its counts: the device the probe reports, the dtypes, head counts and
 dims, whether the batch is uniform, whether some sequence ends inside a chunk (the host
-copy of the offsets tells; without one, assumed), the flags, the forced backend, the
+copy of the offsets tells; without one, assumed), the flags (a state pool and its
+write-back among them), the forced backend, the
 context-parallel request, and the environment the registry reads (``GDN_BACKEND``,
 ``TRITON_INTERPRET``, ``GDN_SELFTEST``). The runner is the chosen backend's
 (``route_runner(problem, selection)``, where the module has one): it checks per call what
@@ -23,8 +24,8 @@ the forward checks (the current device, context parallelism off, index limits) a
 the call's program (:mod:`gdn_dispatch.backends.call_program`). Anything it does not take
 (a program not built yet, another specialization, context parallelism on) returns None,
 launching nothing, and the call takes the Python path, which is also where every error is
-raised: a call the native admission refuses, with a state pool, an int scale, a forced
-segment count, ``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route.
+raised: a call the native admission refuses, with an int scale, a forced segment count,
+``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route.
 
 Routes are kept per process (at most :data:`ROUTES_KEPT` forms, emptied when full) and
 forgotten with the plans (``clear_plan_cache``, triton_generic's ``clear_programs``).
@@ -58,22 +59,26 @@ def clear() -> None:
 
 
 def form_key(q, g, beta, initial_state, device, facts, uniform: bool, output_final_state, use_qk_l2norm, vk: bool,
-             backend, context_parallel) -> tuple:
+             backend, context_parallel, pool: bool = False, inplace: bool = False) -> tuple:
     """What a route is kept by (see the module docstring): ``facts`` is the native
-    admission's ``(B, T, H, K, HV, V, N, longest, aligned)``."""
+    admission's ``(B, T, H, K, HV, V, N, longest, aligned)``; ``pool``: ``initial_state``
+    is a state pool read through ``state_indices``, ``inplace``: written back."""
     _, T, H, K, HV, V, _, _, aligned = facts
     tails = T % CHUNK_SIZE != 0 if uniform else aligned is not True
     return (device, q.dtype, g.dtype, beta.dtype, None if initial_state is None else initial_state.dtype, H, K, HV, V,
             uniform, tails, bool(output_final_state), bool(use_qk_l2norm), vk, backend, context_parallel,
-            getenv(ENV_VAR), getenv("TRITON_INTERPRET"), getenv(gate.ENV_VAR))
+            pool, inplace, getenv(ENV_VAR), getenv("TRITON_INTERPRET"), getenv(gate.ENV_VAR))
 
 
 def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                use_qk_l2norm_in_kernel, state_layout, backend, context_parallel):
+                use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices=None,
+                inplace_final_state=False):
     """``(o, final state or None)`` of a call of the common form through its route, or None
     where the call takes the Python path (nothing launched). The caller passes calls with
-    no state pool, no ``head_first``, no ``state_v_first`` and no other keywords."""
+    no ``head_first``, no ``state_v_first`` and no other keywords."""
     if scale is not None and type(scale) is not float:
+        return None
+    if inplace_final_state is not False and (inplace_final_state is not True or state_indices is None):
         return None
     if state_layout is not None and state_layout != "kv" and state_layout != "vk":
         return None
@@ -83,16 +88,18 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     if module is None or debug_checks_enabled() or getenv(ROUTES_ENV) == "0":
         return None
     vk = state_layout == "vk"
-    facts = module.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk)
+    facts = module.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk, state_indices)
     if facts is None:
         return None
     device = _op.default_probe().for_torch_device(q.device)
     key = form_key(q, g, beta, initial_state, device, facts, cu_seqlens is None, output_final_state,
-                   use_qk_l2norm_in_kernel, vk, backend, context_parallel)
+                   use_qk_l2norm_in_kernel, vk, backend, context_parallel, state_indices is not None,
+                   inplace_final_state)
     run = _ROUTES.get(key)
     if run is None:
         run = _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                          cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, context_parallel)
+                          cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, context_parallel,
+                          state_indices, inplace_final_state)
         if run is None:
             return None
         if len(_ROUTES) >= ROUTES_KEPT:
@@ -102,13 +109,14 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
         ROUTE_CALLS["declined"] += 1
         return None
     B, T, _, K, _, _, N, longest, _ = facts
-    done = run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest, K ** -0.5 if scale is None else scale)
+    done = run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest,
+               K ** -0.5 if scale is None else scale)
     ROUTE_CALLS["declined" if done is None else "taken"] += 1
     return done
 
 
 def _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                use_qk_l2norm_in_kernel, state_layout, backend, context_parallel):
+                use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices, inplace_final_state):
     """The runner of this call's form (False: the chosen backend has none for it), or None
     where the contract or the registry does not take the call (the Python path then raises
     what it raises)."""
@@ -116,7 +124,8 @@ def _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_sta
         problem = make_problem(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                cu_seqlens_cpu=cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                               state_layout=state_layout, backend=backend, context_parallel=context_parallel)
+                               state_layout=state_layout, backend=backend, context_parallel=context_parallel,
+                               state_indices=state_indices, inplace_final_state=inplace_final_state)
         selection = select(device, problem)
     except Exception:  # the Python path raises the same, with the call's own traceback
         return None

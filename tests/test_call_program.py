@@ -48,10 +48,9 @@ ADDRESS = 2 ** 32  # CPU heap addresses lie above; no count or size of these cal
 
 
 def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128), (128, 64), (64, 64)),
-                 dtypes=(torch.bfloat16, torch.float16), programs: bool = False) -> tuple[dict, bool]:
-    """A random call (CPU tensors, fresh values) and whether a route may take it (with
-    ``programs``: whether a call program may: programs also take state pools, which the
-    public call never routes)."""
+                 dtypes=(torch.bfloat16, torch.float16)) -> tuple[dict, bool]:
+    """A random call (CPU tensors, fresh values) and whether a program (and a route) may
+    take it."""
     dtype = rng.choice(dtypes)
     H, group = rng.choice([(1, 1), (2, 2), (4, 2), (16, 2), (8, 4)])
     HV = H * group
@@ -94,13 +93,13 @@ def _random_form(rng: random.Random, head_dims=((128, 128), (128, 128), (64, 128
     elif form < 0.15:  # g a view of a wider gate projection, read in place (token stride 2 HV)
         call["g"] = -torch.rand(B, T, 2 * HV, generator=gen)[..., :HV]
         takes = takes and call["g"].is_contiguous()
-    elif form < 0.2:  # a state pool (float32 or bfloat16), read in place through state_indices
+    elif form < 0.25:  # a state pool (float32 or bfloat16), read in place through state_indices
         pool = torch.randn(N + 3, *state_shape[1:], generator=gen).to(rng.choice([torch.float32, torch.bfloat16]))
         indices = torch.randperm(N + 3, generator=gen)[:N].to(rng.choice([torch.int32, torch.int64]))
         if rng.random() < 0.3:
             indices[rng.randrange(N)] = -1
         call.update(initial_state=pool, state_indices=indices, inplace_final_state=rng.random() < 0.5)
-        takes = programs
+        takes = True
     return call, takes
 
 
@@ -139,7 +138,7 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
     paths = {"fused": 0, "pipeline": 0, "refused": 0, "pool": 0}
     with stubbed_launches() as stub:
         for i in range(120):
-            call, takes = _random_form(rng, programs=True)
+            call, takes = _random_form(rng)
             problem = make_problem(**call)
             inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
                                                                  "state_indices")}
@@ -258,7 +257,7 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
     with stubbed_triton_launches() as runs:
         for i in range(120):
             call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128), (80, 96)),
-                                       dtypes=(torch.bfloat16, torch.float16, torch.float32), programs=True)
+                                       dtypes=(torch.bfloat16, torch.float16, torch.float32))
             problem = make_problem(**call)
             inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
                                                                  "state_indices")}

@@ -6,7 +6,8 @@ in another form (strided inputs, a list of offsets, a state pool).
 For every call, ``make_problem`` with the layer gives the same problem, or raises the same
 error, as without it (``GDN_DISPATCH_NATIVE=0``); every call ``admit`` accepts is one the
 Python contract accepts, with the sizes ``admit`` returned; and every valid call of the
-common form (contiguous inputs, no pool) is admitted, so the native path is the one taken.
+common form (contiguous inputs, a state pool or not) is admitted, so the native path is the
+one taken.
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def _state_of(call, dims=None, dtype=None, device=None):
     return torch.randn(dims, dtype=dtype or torch.float32, device=device or "cpu")
 
 
+def _pool_call(call, pool_rows=5, pool_dtype=None, indices=None):
+    """``call`` on a state pool of ``pool_rows`` rows (float32 or bfloat16 unless
+    ``pool_dtype``) through int32/int64 ``indices`` (default: valid ones, one -1)."""
+    q, v = call["q"], call["v"]
+    N = call["cu_seqlens"].numel() - 1 if "cu_seqlens" in call else q.shape[0]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    dims = (pool_rows, HV, V, K) if call.get("state_layout") == "vk" else (pool_rows, HV, K, V)
+    dtype = pool_dtype or (torch.float32 if N % 2 else torch.bfloat16)
+    if indices is None:
+        indices = torch.randint(0, max(pool_rows, 1), (N,), dtype=torch.int64 if N % 3 else torch.int32)
+        if N > 1:
+            indices[0] = -1
+    return {**call, "initial_state": torch.randn(dims).to(dtype), "state_indices": indices,
+            "inplace_final_state": bool(N % 2)}
+
+
 def _offsets(call, change):
     cu = call.get("cu_seqlens")
     if cu is None:
@@ -151,11 +168,20 @@ MUTATIONS = [
     ("state int", True, _with("initial_state", lambda rng, c: _state_of(c).to(torch.int32))),
     ("state strided", True, _with("initial_state", lambda rng, c: _state_of(c).transpose(2, 3))),
     ("state a list", True, _with("initial_state", lambda rng, c: [1.0])),
-    ("state pool", True, lambda rng, c: {**c, "initial_state": torch.randn(
-        5, c["v"].shape[2], *((c["v"].shape[3], c["q"].shape[3]) if c.get("state_layout") == "vk"
-                               else (c["q"].shape[3], c["v"].shape[3]))),
-        "state_indices": torch.zeros(c["cu_seqlens"].numel() - 1 if "cu_seqlens" in c else c["q"].shape[0],
-                                     dtype=torch.int32)}),
+    # A state pool is the common form too: admitted when valid.
+    ("state pool", False, lambda rng, c: _pool_call(c)),
+    ("pool float16", True, lambda rng, c: _pool_call(c, pool_dtype=torch.float16)),
+    ("pool no rows", True, lambda rng, c: _pool_call(c, pool_rows=0)),
+    ("pool rows strided", True, lambda rng, c: (lambda p: {**p, "initial_state": p["initial_state"].transpose(2, 3)
+                                                           .contiguous().transpose(2, 3)})(_pool_call(c))),
+    ("indices count", True, lambda rng, c: (lambda p: {**p, "state_indices": torch.cat(
+        [p["state_indices"], p["state_indices"][:1]])})(_pool_call(c))),
+    ("indices strided", True, lambda rng, c: (lambda p: {**p, "state_indices": torch.stack(
+        [p["state_indices"]] * 2, 1)[:, 0]})(_pool_call(c))),
+    ("indices float", True, lambda rng, c: (lambda p: {**p, "state_indices": p["state_indices"].float()})(
+        _pool_call(c))),
+    ("indices without pool", True, lambda rng, c: {**c, "initial_state": None, "state_indices": torch.zeros(
+        c["cu_seqlens"].numel() - 1 if "cu_seqlens" in c else c["q"].shape[0], dtype=torch.int32)}),
     ("scale", False, _with("scale", lambda rng, c: "half")),
     ("context_parallel", False, _with("context_parallel", lambda rng, c: "sometimes")),
     ("backend", False, _with("backend", lambda rng, c: "no_such_backend")),
@@ -201,7 +227,7 @@ def _admit(call: dict):
     admit = native.admission()
     return admit(call.get("q"), call.get("k"), call.get("v"), call.get("g"), call.get("beta"),
                  call.get("initial_state"), call.get("cu_seqlens"), call.get("cu_seqlens_cpu"),
-                 call.get("state_layout") == "vk")
+                 call.get("state_layout") == "vk", call.get("state_indices"))
 
 
 def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):
@@ -209,21 +235,22 @@ def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):
     torch.manual_seed(11)
     monkeypatch.setenv(native.NATIVE_ENV, "1")
     assert native.admission() is not None
-    admitted = refused = 0
+    admitted = refused = pools_admitted = 0
     kinds_refused = set()
     for i in range(420):
         base = _common_call(rng)
         name, tensor_rule, mutate = ("none", False, None) if i % 3 == 0 else rng.choice(MUTATIONS)
         call = base if mutate is None else mutate(rng, base)
-        facts = _admit(call) if "state_indices" not in call else None
+        facts = _admit(call)
         with_layer, without = _outcome(call, monkeypatch, True), _outcome(call, monkeypatch, False)
         monkeypatch.setenv(native.NATIVE_ENV, "1")
         if isinstance(without, tuple):
             assert with_layer == without, (name, call.keys())
         else:
             assert isinstance(with_layer, GDNProblem) and _same_problem(with_layer, without), name
-        if mutate is None:
-            assert facts is not None, "a valid call of the common form was not admitted"
+        if mutate is None or name == "state pool":
+            assert facts is not None, f"a valid call of the common form was not admitted ({name})"
+            pools_admitted += name == "state pool"
         if facts is None:
             refused += 1
             kinds_refused.add(name)
@@ -240,7 +267,7 @@ def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):
             assert (facts[7], facts[8]) == (chunks.longest_length(), chunks.chunk_aligned()), name
         else:
             assert facts[7:] == (None, None)
-    assert admitted > 100 and refused > 50
+    assert admitted > 100 and refused > 50 and pools_admitted >= 3
     # Every tensor rule's mutation was seen refused at least once over the stream.
     assert {name for name, rule, _ in MUTATIONS if rule} <= kinds_refused
 

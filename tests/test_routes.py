@@ -6,8 +6,8 @@ call of a fuzz of forms runs through the Python path (routes off) and through it
 and both must make the same launches (kernel, grid, every argument, addresses named by the
 tensor they point at) and return outputs pointing where the launches wrote. A form whose
 program takes the call must be taken by its route once its first calls have bound the
-kernels; every other form (a state pool, an fp16 initial state, strided views) must be left
-to the Python path. Then what a route must not decide: the debug checks, a forced segment
+kernels (state pools, read and written back in place, among them); every other form (an
+fp16 initial state, strided views) must be left to the Python path. Then what a route must not decide: the debug checks, a forced segment
 count, a changed environment, a cleared plan cache, another current device, a broken call.
 Needs the native layer built.
 """
@@ -58,7 +58,7 @@ def public_calls(backend: str, device):
 
 def _inputs(call: dict) -> dict:
     """The call's tensors by name, and the offsets the kernels read (a uniform batch's kept ones)."""
-    inputs = {name: call.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+    inputs = {name: call.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "state_indices")}
     inputs["cu_seqlens"] = make_problem(**call).chunks.cu_seqlens
     return inputs
 
@@ -84,14 +84,15 @@ def test_routed_calls_launch_what_the_python_path_launches(native_built, capabil
     clear_plan_cache()
     backend = "gluon_sm90" if capability == (9, 0) else "gluon_sm100"
     rng = random.Random(2468 + capability[0])
-    routed = 0
+    routed = pools = 0
     with stubbed_launches() as stub, public_calls(backend, assumed_device(f"sm_{capability[0]}{capability[1]}")):
         for i in range(80):
             call, takes = _random_form(rng)
             taken = _compare(dict(call, backend=backend), stub.runs, i)
             assert taken == int(takes), f"call {i}: routed {taken}, expected {int(takes)}"
             routed += taken
-    assert 30 <= routed <= 75  # routed and Python-path forms both drawn
+            pools += taken and "state_indices" in call
+    assert 30 <= routed <= 75 and pools >= 2  # routed (pools among them) and Python-path forms both drawn
 
 
 @pytest.mark.parametrize("fused_solve", [True, False])
@@ -100,7 +101,7 @@ def test_triton_generic_routed_calls_launch_what_the_python_path_launches(native
     monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
     monkeypatch.setattr(tg_program, "fuse_solve_into_wu", lambda capability: fused_solve)
     rng = random.Random(1357 + fused_solve)
-    routed = 0
+    routed = pools = 0
     with stubbed_triton_launches() as runs, public_calls("triton_generic", assumed_device("sm_90")):
         for i in range(60):
             call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (64, 128)),
@@ -108,14 +109,15 @@ def test_triton_generic_routed_calls_launch_what_the_python_path_launches(native
             taken = _compare(dict(call, backend="triton_generic"), runs, i)
             assert taken == int(takes), f"call {i}: routed {taken}, expected {int(takes)}"
             routed += taken
-    assert 25 <= routed <= 55
+            pools += taken and "state_indices" in call
+    assert 25 <= routed <= 55 and pools >= 2
 
 
 def _plain_call(rng) -> dict:
     """A call every route takes: contiguous inputs, a float32 initial state, no pool."""
     while True:
         call, takes = _random_form(rng)
-        if takes and call.get("initial_state") is not None:
+        if takes and call.get("initial_state") is not None and "state_indices" not in call:
             return dict(call, backend="gluon_sm90")
 
 
@@ -131,7 +133,8 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
             return routes.routed_call(c["q"], c["k"], c["v"], c["g"], c["beta"], c.get("scale"),
                                       c.get("initial_state"), c.get("output_final_state", False), c.get("cu_seqlens"),
                                       c.get("cu_seqlens_cpu"), c.get("use_qk_l2norm_in_kernel", False),
-                                      c.get("state_layout"), c["backend"], c.get("context_parallel", "auto"))
+                                      c.get("state_layout"), c["backend"], c.get("context_parallel", "auto"),
+                                      c.get("state_indices"), c.get("inplace_final_state", False))
 
         assert routed() is not None
         counted = dict(ROUTE_CALLS)
@@ -145,6 +148,8 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
         assert routed(context_parallel=2) is None  # a forced segment count
         assert routed(scale=1) is None  # an int scale: the contract converts it
         assert routed(state_layout="KV ") is None  # spellings the contract reads or rejects
+        assert routed(inplace_final_state=True) is None  # a write-back without a pool: the contract raises
+        assert routed(inplace_final_state=1) is None
         assert dict(ROUTE_CALLS) == counted  # none of them reached a route
 
         routes_made = len(routes._ROUTES)
@@ -174,7 +179,7 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
             problem = make_problem(**call)
             route = next(iter(routes._ROUTES.values()))
             assert route(problem.q, problem.k, problem.v, problem.g, problem.beta, call.get("cu_seqlens"),
-                         problem.initial_state, problem.B, problem.T, problem.N, None, 0.5) is None
+                         problem.initial_state, None, problem.B, problem.T, problem.N, None, 0.5) is None
         assert ROUTE_CALLS["declined"] == before  # the runner alone: nothing counted, nothing launched
 
         broken = dict(call, k=call["k"][:, :, :1])  # a broken call raises the contract's message

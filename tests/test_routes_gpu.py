@@ -5,11 +5,12 @@ The GPU differential fuzz calls each form once, and a form's first calls never t
 route (they bind its kernels and build its program), so this test repeats each call of a
 fuzz of forms (``test_call_program._random_form``: ragged tails 0/1/17/63/64/65, grouped
 heads, K < V and K > V, both layouts, bf16/fp16, float32/bfloat16/float16 initial states,
-state pools and projection views, which a route leaves to the Python path): three calls
-with routes on, one with routes off (the expected result), one more with routes on, which
-must be taken exactly when the program takes the form and agree with the expected result
-to 1e-6 relative RMS (the same kernels on the same inputs), the final states too. Needs
-the native layer built (``python -m gdn_dispatch warmup``).
+state pools read and written back in place, and projection views, which a route leaves to
+the Python path): three calls with routes on, one with routes off (the expected result),
+one more with routes on from the same pool rows, which must be taken exactly when the
+program takes the form and agree with the expected result to 1e-6 relative RMS (the same
+kernels on the same inputs), the final states and written pool rows too. Needs the native
+layer built (``python -m gdn_dispatch warmup``).
 """
 
 from __future__ import annotations
@@ -63,11 +64,19 @@ def test_routed_calls_return_what_the_python_path_returns(backend):
         call = dict(_on_gpu(call), backend=backend)
         for _ in range(3):  # binds the form's kernels, builds its program and its route
             api.chunk_gated_delta_rule(**call)
+        # A pool written back in place: both calls start from the same rows, and must leave the same.
+        pool = call["initial_state"] if call.get("inplace_final_state") else None
+        start = None if pool is None else pool.clone()
         with mock.patch.object(api, "routed_call", lambda *a: None):
             expected = api.chunk_gated_delta_rule(**call)
+        if pool is not None:
+            expected_pool = pool.clone()
+            pool.copy_(start)
         before = ROUTE_CALLS["taken"]
         got = api.chunk_gated_delta_rule(**call)
         taken = ROUTE_CALLS["taken"] - before
+        if pool is not None:
+            assert rel_rms_error(pool.float(), expected_pool.float()) <= 1e-6, f"call {i}: pool rows"
         assert taken == int(takes), f"call {i}: routed {taken}, expected {int(takes)}"
         routed += taken
         assert all(t is None or bool(t.isfinite().all()) for t in got), f"call {i}: not finite"

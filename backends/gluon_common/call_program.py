@@ -86,20 +86,20 @@ def run_program(program, launches: ForwardPlan, inputs: tuple, B: int, T: int, c
 
 def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
-    ``device`` (the registry's), or None where the form takes no route (a state pool:
-    the public call routes none; the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B, T, N, longest,
-    scale)`` makes the forward's per-call decisions from the counts (the tensors' device
-    current, context parallelism off, the index limits, the launch plan for ``B * T`` and
-    ``N``) and runs the call's program: (o, final state or None), or None (nothing
-    launched: the forward then runs the call) where any of them differs or the program is
-    not built yet."""
-    if native.for_calls() is None or problem.state_indices is not None or problem.chunks.chunk_size != CHUNK_SIZE:
+    ``device`` (the registry's), or None where the form takes no program (the layer
+    off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N,
+    longest, scale)`` makes the forward's per-call decisions from the counts (the
+    tensors' device current, context parallelism off, the index limits, the launch plan
+    for ``B * T`` and ``N``) and runs the call's program: (o, final state or None), or None
+    (nothing launched: the forward then runs the call) where any of them differs or the
+    program is not built yet."""
+    if native.for_calls() is None or problem.chunks.chunk_size != CHUNK_SIZE:
         return None
     cls = plan(problem, device=device, engine=engine, fused=True).cls
     index, request, sm_count = problem.device.index, problem.context_parallel, device.sm_count
     H, HV, V, no_h0 = problem.H, problem.HV, problem.V, problem.initial_state is None
 
-    def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
+    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale):
         if index != torch.cuda.current_device():
             return None
         cu = route_offsets(q, cu, B, T, N, HV, V, request, sm_count, longest)
@@ -113,7 +113,9 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
         program = cls.programs.get((*map(id, launches.launches), no_h0))
         if program is None:
             return None
-        return run_program(program, launches, (q, k, v, g, beta, cu, h0), B, T, (N, rows, rows * H, slots), scale)
+        pool_rows = 0 if indices is None else h0.shape[0]
+        return run_program(program, launches, (q, k, v, g, beta, cu, h0, indices), B, T,
+                           (N, rows, rows * H, slots, pool_rows), scale)
 
     return run
 

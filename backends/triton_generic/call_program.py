@@ -107,14 +107,14 @@ def run_program(program, inputs: tuple, B: int, T: int, counts: tuple,
 
 def route_runner(problem: GDNProblem, device: DeviceInfo):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
-    ``device`` (the registry's), or None where the form takes no route (a state pool:
-    the public call routes none; the interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, B,
-    T, N, longest, scale)`` makes the forward's per-call decisions from the counts (the
-    tensors' device current, context parallelism off, the state kernel's configuration)
-    and runs the call's program: (o, final state or None), or None (nothing launched: the
-    forward then runs the call) where any of them differs or the program is not built yet."""
-    if native.for_calls() is None or problem.state_indices is not None or interpreting() or \
-            problem.chunks.chunk_size != CHUNK_SIZE:
+    ``device`` (the registry's), or None where the form takes no program (the
+    interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state,
+    state_indices, B, T, N, longest, scale)`` makes the forward's per-call decisions from
+    the counts (the tensors' device current, context parallelism off, the state kernel's
+    configuration) and runs the call's program: (o, final state or None), or None (nothing
+    launched: the forward then runs the call) where any of them differs or the program is
+    not built yet."""
+    if native.for_calls() is None or interpreting() or problem.chunks.chunk_size != CHUNK_SIZE:
         return None
     capability, _ = device_facts(problem.device)
     form = _form_key(problem, capability)
@@ -122,7 +122,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
     on_cuda = problem.device.type == "cuda"
     H, Kd, HV, Vd, elem = problem.H, problem.K, problem.HV, problem.V, problem.q.element_size()
 
-    def run(q, k, v, g, beta, cu, h0, B, T, N, longest, scale):
+    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale):
         if on_cuda and index != torch.cuda.current_device():
             return None
         cu = route_offsets(q, cu, B, T, N, HV, Vd, request, sm_count, longest)
@@ -132,8 +132,8 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
         program = _PROGRAMS.get((*form, state_config(Kd, Vd, N * HV, elem, capability, sm_count)))
         if program is None:
             return None
-        return run_program(program, (q, k, v, g, beta, cu, h0), B, T, (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE)),
-                           scale)
+        counts = (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE), 0 if indices is None else h0.shape[0])
+        return run_program(program, (q, k, v, g, beta, cu, h0, indices), B, T, counts, scale)
 
     return run
 

@@ -433,11 +433,12 @@ class Allocator {
 // The contract's checks (gdn_dispatch.contract.make_problem) for the common call, on
 // at::Tensor: contiguous q, k, v, g, beta on one device; cu_seqlens None or a contiguous
 // device index tensor, its host copy None or a contiguous CPU index tensor; initial_state
-// None or a contiguous float tensor of the call's state shape; no state pool. Returns what the
-// contract computes of such a call, (B, T, H, K, HV, V, N, longest, aligned) (longest and
-// aligned None without a host copy), or None for every call it does not accept as valid
-// (another form, or a broken rule): the Python contract then decides and raises with its
-// message. It never raises for a bad input itself.
+// None or a contiguous float tensor of the call's state shape, or with state_indices (a
+// contiguous device index tensor [N]) a float32 or bfloat16 state pool [P >= 1, ...].
+// Returns what the contract computes of such a call, (B, T, H, K, HV, V, N, longest,
+// aligned) (longest and aligned None without a host copy), or None for every call it does
+// not accept as valid (another form, or a broken rule): the Python contract then decides
+// and raises with its message. It never raises for a bad input itself.
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kChunkSize = 64;
 
@@ -473,7 +474,7 @@ bool read_offsets(const at::Tensor& cpu, int64_t T_total, int64_t* longest, bool
 }
 
 py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h, py::handle beta_h,
-                 py::handle state_h, py::handle cu_h, py::handle cu_cpu_h, bool vk) {
+                 py::handle state_h, py::handle cu_h, py::handle cu_cpu_h, bool vk, py::handle indices_h) {
   const py::object refuse = py::none();
   for (py::handle h : {q_h, k_h, v_h, g_h, beta_h})
     if (!is_tensor(h)) return refuse;
@@ -525,12 +526,25 @@ py::object admit(py::handle q_h, py::handle k_h, py::handle v_h, py::handle g_h,
     return refuse;
   }
 
+  // A state pool: one contiguous index per sequence on the call's device, and the pool
+  // [P >= 1, HV, ...] in float32 or bfloat16.
+  const bool pool = !indices_h.is_none();
+  if (pool) {
+    if (!is_tensor(indices_h) || state_h.is_none()) return refuse;
+    const at::Tensor& idx = THPVariable_Unpack(indices_h.ptr());
+    if (idx.dim() != 1 || !index_dtype(idx.scalar_type()) || idx.device() != device || idx.size(0) != N ||
+        !idx.is_contiguous())
+      return refuse;
+  }
   if (!state_h.is_none()) {
     if (!is_tensor(state_h)) return refuse;
     const at::Tensor& s = THPVariable_Unpack(state_h.ptr());
     if (s.dim() != 4 || !float_dtype(s.scalar_type()) || s.device() != device || !s.is_contiguous()) return refuse;
     const int64_t inner0 = vk ? V : K, inner1 = vk ? K : V;
-    if (s.size(0) != N || s.size(1) != HV || s.size(2) != inner0 || s.size(3) != inner1) return refuse;
+    if (s.size(1) != HV || s.size(2) != inner0 || s.size(3) != inner1) return refuse;
+    if (pool ? (s.size(0) < 1 || (s.scalar_type() != at::kFloat && s.scalar_type() != at::kBFloat16))
+             : s.size(0) != N)
+      return refuse;
   }
   return py::make_tuple(B, T, H, K, HV, V, N, longest, aligned);
 }
@@ -817,7 +831,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &GuardedLauncher::call, py::arg("device"), py::arg("args"), py::arg("tensors"),
            py::arg("g0"), py::arg("g1"), py::arg("g2"), py::arg("stream"), py::arg("options") = py::none());
   m.def("admit", &admit, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
-        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"));
+        py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("cu_seqlens_cpu"), py::arg("vk"),
+        py::arg("state_indices") = py::none());
   m.def("tma_rows_ok", &tma_rows_ok, py::arg("tensors"));
   m.def("stats", &stats);
   m.def("reset_stats", &reset_stats, py::arg("timing") = false);
