@@ -448,7 +448,7 @@ def make_problem(
     :mod:`gdn_dispatch.varlen`).
 
     Where the native host layer is loaded (:func:`gdn_dispatch.native.admission`), the
-    tensor checks of the common call (contiguous inputs, no state pool) run there first, in
+    tensor checks of the common call (contiguous inputs, a state pool or not) run there first, in
     one C++ call; a call it does not accept is checked here, so every error is this
     module's message either way.
     """
@@ -458,16 +458,16 @@ def make_problem(
             "and v as [B, T, HV, V] (e.g. q.transpose(1, 2).contiguous())"
         )
     layout = _resolve_layout(state_layout, state_v_first)
-    admit = native_admission() if state_indices is None else None
+    admit = native_admission()
     facts = None if admit is None else admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                             layout is StateLayout.VK)
+                                             layout is StateLayout.VK, state_indices)
     if facts is not None:
         # The native layer found every tensor rule of the common call kept (contiguous
-        # inputs, no pool): the scalars are left to check.
+        # inputs; a state pool and its indices, if any): the scalars are left to check.
         B, T, _, K, HV, V, _, longest, aligned = facts
         return _finish_problem(
             q, k, v, g, beta, B, T, K, HV, V, cu_seqlens, cu_seqlens_cpu, cu_seqlens_cpu, longest, aligned,
-            initial_state, None, True, layout, scale, output_final_state, use_qk_l2norm_in_kernel, backend,
+            initial_state, state_indices, True, layout, scale, output_final_state, use_qk_l2norm_in_kernel, backend,
             inplace_final_state, context_parallel)
     q = _require_tensor("q", q, 4, "[B, T, H, K]")
     k = _require_tensor("k", k, 4, "[B, T, H, K]")
@@ -561,8 +561,8 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
                     scale, output_final_state, use_qk_l2norm_in_kernel, backend, inplace_final_state,
                     context_parallel) -> GDNProblem:
     """The rest of :func:`make_problem` once q, k, v, g, beta and the offsets are checked:
-    the debug checks, the chunk table, the state (unless ``state_admitted``: the native
-    admission checked it), the scalars."""
+    the debug checks, the chunk table, the state or the state pool and its indices (unless
+    ``state_admitted``: the native admission checked them), the scalars."""
     device = q.device
     if debug_checks_enabled():
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
@@ -572,7 +572,8 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
     N = chunks.num_seqs
 
     if state_indices is not None:
-        state_indices = _check_pool(initial_state, state_indices, N, HV, K, V, layout, device)
+        if not state_admitted:
+            state_indices = _check_pool(initial_state, state_indices, N, HV, K, V, layout, device)
     elif inplace_final_state:
         raise GDNInputError("inplace_final_state: needs state_indices (the pool rows to write back)")
     elif initial_state is not None and not state_admitted:
