@@ -21,7 +21,7 @@ call). ``python -m gdn_dispatch info`` says which it is.
 And ``Allocator`` (:func:`allocator`): the tensors a call's launches write, allocated in one
 call (``at::empty`` in C++: on the H200's host five allocations took 24.8 µs from Python,
 10.7 from C++); ``admit`` (:func:`admission`): the contract's tensor checks of the
-common call (contiguous inputs, no state pool), which returns the call's sizes or None
+common call (contiguous inputs, a state pool or not), which returns the call's sizes or None
 (then the Python contract checks it, and raises where a rule is broken); and
 ``tma_rows_ok``: whether contiguous inputs are what the TMA unit reads in place;
 ``CallProgram`` (the backends' call programs); and ``stats`` / ``reset_stats(timing)``:
