@@ -21,11 +21,14 @@ context-parallel request, and the environment the registry reads (``GDN_BACKEND`
 ``TRITON_INTERPRET``, ``GDN_SELFTEST``). The runner is the chosen backend's
 (``route_runner(problem, selection)``, where the module has one): it checks per call what
 the forward checks (the current device, context parallelism off, index limits) and runs
-the call's program (:mod:`gdn_dispatch.backends.call_program`). Anything it does not take
-(a program not built yet, another specialization, context parallelism on) returns None,
-launching nothing, and the call takes the Python path, which is also where every error is
-raised: a call the native admission refuses, with an int scale, a forced segment count,
-``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route.
+the call's program (:mod:`gdn_dispatch.backends.call_program`). A call it does not take (a
+program not built yet, another specialization, context parallelism on) it returns None
+for, launching nothing; the route then runs the Python path from the contract on with the
+form's kept registry choice (the backend's own per-call check, ``unsupported_reason``,
+still asked), instead of choosing again. Every error is the Python path's: a call the
+native admission refuses, with an int scale, a forced segment count,
+``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route, and the contract raises
+its own messages on the path above.
 
 Routes are kept per process (at most :data:`ROUTES_KEPT` forms, emptied when full) and
 forgotten with the plans (``clear_plan_cache``, triton_generic's ``clear_programs``).
@@ -73,9 +76,10 @@ def form_key(q, g, beta, initial_state, device, facts, uniform: bool, output_fin
 def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                 use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices=None,
                 inplace_final_state=False):
-    """``(o, final state or None)`` of a call of the common form through its route, or None
-    where the call takes the Python path (nothing launched). The caller passes calls with
-    no ``head_first``, no ``state_v_first`` and no other keywords."""
+    """``(o, final state or None)`` of a call of the common form through its route (its
+    program, or the Python path with the form's kept registry choice), or None where the
+    call reaches no route (nothing launched: the caller runs the Python path). The caller
+    passes calls with no ``head_first``, no ``state_v_first`` and no other keywords."""
     if scale is not None and type(scale) is not float:
         return None
     if inplace_final_state is not False and (inplace_final_state is not True or state_indices is None):
@@ -95,31 +99,44 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     key = form_key(q, g, beta, initial_state, device, facts, cu_seqlens is None, output_final_state,
                    use_qk_l2norm_in_kernel, vk, backend, context_parallel, state_indices is not None,
                    inplace_final_state)
-    run = _ROUTES.get(key)
-    if run is None:
-        run = _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                          cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, context_parallel,
-                          state_indices, inplace_final_state)
-        if run is None:
+    route = _ROUTES.get(key)
+    if route is None:
+        route = _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                            cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, context_parallel,
+                            state_indices, inplace_final_state)
+        if route is None:
             return None
         if len(_ROUTES) >= ROUTES_KEPT:
             _ROUTES.clear()
-        _ROUTES[key] = run
-    if run is False:
-        ROUTE_CALLS["declined"] += 1
-        return None
-    B, T, _, K, _, _, N, longest, _ = facts
-    done = run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest,
-               K ** -0.5 if scale is None else scale)
-    ROUTE_CALLS["declined" if done is None else "taken"] += 1
-    return done
+        _ROUTES[key] = route
+    run, selection = route
+    done = None
+    if run is not False:
+        B, T, _, K, _, _, N, longest, _ = facts
+        done = run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest,
+                   K ** -0.5 if scale is None else scale)
+    if done is not None:
+        ROUTE_CALLS["taken"] += 1
+        return done
+    ROUTE_CALLS["declined"] += 1
+    # The form's registry choice still holds (its key is the route's): the Python path
+    # from the contract on, without a second choice.
+    problem = make_problem(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout,
+                           backend=backend, context_parallel=context_parallel, state_indices=state_indices,
+                           inplace_final_state=inplace_final_state)
+    check = getattr(selection.module, "unsupported_reason", None)
+    if check is not None and check(problem) is not None:
+        return _op.run_problem(problem)  # the registry explains (or chooses another backend)
+    return selection.module.forward(problem, selection)
 
 
 def _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                 use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices, inplace_final_state):
-    """The runner of this call's form (False: the chosen backend has none for it), or None
-    where the contract or the registry does not take the call (the Python path then raises
-    what it raises)."""
+    """``(runner, selection)`` of this call's form (runner False: the chosen backend has
+    none for it), or None where the contract or the registry does not take the call (the
+    Python path then raises what it raises)."""
     try:
         problem = make_problem(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -131,4 +148,4 @@ def _make_route(device, q, k, v, g, beta, scale, initial_state, output_final_sta
         return None
     factory = getattr(selection.module, "route_runner", None)
     run = None if factory is None else factory(problem, selection)
-    return False if run is None else run
+    return (False if run is None else run), selection

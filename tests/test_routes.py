@@ -177,7 +177,7 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
         before = ROUTE_CALLS["declined"]
         with mock.patch.object(torch.cuda, "current_device", lambda: 3):  # not the tensors' device
             problem = make_problem(**call)
-            route = next(iter(routes._ROUTES.values()))
+            route, _ = next(iter(routes._ROUTES.values()))
             assert route(problem.q, problem.k, problem.v, problem.g, problem.beta, call.get("cu_seqlens"),
                          problem.initial_state, None, problem.B, problem.T, problem.N, None, 0.5) is None
         assert ROUTE_CALLS["declined"] == before  # the runner alone: nothing counted, nothing launched
@@ -193,3 +193,34 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
         clear_plan_cache()  # the plans a route leads to are gone, and the routes with them
         assert not routes._ROUTES
         tg_program.clear_programs()
+
+
+def test_a_declined_call_keeps_the_forms_registry_choice(native_built, monkeypatch):
+    """A call the runner declines (here context parallelism on: a long prompt on a 2/4-head
+    shard) runs the Python path from the contract on with the route's registry choice: the
+    same launches as with routes off, and no second registry choice."""
+    from gdn_dispatch import registry
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    chosen = []
+    real_select = registry.select
+
+    def counting_select(*args, **kwargs):
+        chosen.append(1)
+        return real_select(*args, **kwargs)
+
+    with stubbed_triton_launches() as runs, public_calls("triton_generic", assumed_device("sm_90")), \
+            mock.patch.object(op, "select", counting_select), mock.patch.object(routes, "select", counting_select):
+        call = dict(random_call(lengths=[20000, 3000], H=2, HV=4, K=64, V=64, device="cpu", seed=21),
+                    output_final_state=True, backend="triton_generic")
+        assert make_problem(**call).chunks.num_seqs == 2
+        declined = ROUTE_CALLS["declined"]
+        assert _compare(call, runs, 0) == 0  # the route declines it; launches as without routes
+        assert ROUTE_CALLS["declined"] > declined
+        assert any("segment" in name for name, *_ in _labels(runs, (), {})[0])  # context parallelism ran
+        chosen.clear()
+        api.chunk_gated_delta_rule(**call)
+        assert chosen == []  # the route's kept choice: no registry call
+        with mock.patch.object(api, "routed_call", lambda *a: None):
+            api.chunk_gated_delta_rule(**call)
+        assert chosen == [1]  # the Python path without routes chooses
