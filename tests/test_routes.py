@@ -7,9 +7,10 @@ and both must make the same launches (kernel, grid, every argument, addresses na
 tensor they point at) and return outputs pointing where the launches wrote. A form whose
 program takes the call must be taken by its route once its first calls have bound the
 kernels (state pools, read and written back in place, among them); every other form (an
-fp16 initial state, strided views) must be left to the Python path. Then what a route must not decide: the debug checks, a forced segment
-count, a changed environment, a cleared plan cache, another current device, a broken call.
-Needs the native layer built.
+fp16 initial state, strided views) must be left to the Python path. Then what a route must
+not decide: the debug checks, a forced segment count, a changed environment, a cleared plan
+cache, another current device, a broken call; and a call its runner declines keeps the
+form's registry choice. Needs the native layer built.
 """
 
 from __future__ import annotations
