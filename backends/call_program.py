@@ -72,12 +72,17 @@ def call_inputs(problem: GDNProblem) -> tuple:
             problem.initial_state, problem.state_indices)
 
 
+def pool_rows(initial_state, state_indices) -> int:
+    """The state pool's rows (:data:`COUNT_POOL`): 0 without ``state_indices``."""
+    return 0 if state_indices is None else initial_state.shape[0]
+
+
 def call_counts(problem: GDNProblem) -> tuple[int, int, int, int, int]:
     """The call's counts in :data:`COUNT_N` ... :data:`COUNT_POOL` order."""
     B, T, H = problem.q.shape[:3]
     chunks = problem.chunks
-    pool_rows = problem.initial_state.shape[0] if problem.state_indices is not None else 0
-    return chunks.num_seqs, B * T, B * T * H, chunks.num_slots, pool_rows
+    return (chunks.num_seqs, B * T, B * T * H, chunks.num_slots,
+            pool_rows(problem.initial_state, problem.state_indices))
 
 
 def route_offsets(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):

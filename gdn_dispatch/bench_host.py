@@ -249,13 +249,14 @@ def format_rows(rows: list[HostRow]) -> list[str]:
         ratio = f"{r.enqueue_us / r.gpu_us:8.2f}" if r.enqueue_us and r.gpu_us else f"{'-':>8}"
         enqueue = f"{r.enqueue_us:10.1f}" if r.enqueue_us is not None else f"{'-':>10}"
         gpu = f"{r.gpu_us:8.1f}" if r.gpu_us is not None else f"{'-':>8}"
-        ratio += f" {r.host_ref_us:6.2f}" if r.host_ref_us is not None else f" {'-':>6}"
+        ref = f"{r.host_ref_us:6.2f}" if r.host_ref_us is not None else f"{'-':>6}"
         steps = ", ".join(f"{k} {v:.1f}" for k, v in r.steps_us.items())
         if r.program is not None:
             steps += f"{', ' if steps else ''}program {r.program[0]}/{r.program[1]}"
         if r.route is not None:
             steps += f"{', ' if steps else ''}route {r.route[0]}/{r.route[1]}"
-        lines.append(f"{r.case:<24} {r.backend:<15} {enqueue} {gpu} {ratio}  {steps}{'  ' + r.note if r.note else ''}")
+        lines.append(f"{r.case:<24} {r.backend:<15} {enqueue} {gpu} {ratio} {ref}  {steps}"
+                     f"{'  ' + r.note if r.note else ''}")
     return lines
 
 

@@ -435,6 +435,21 @@ def _call_key(problem) -> tuple:
             problem.use_qk_l2norm, problem.state_indices is not None, isinstance(problem.context_parallel, int))
 
 
+def _takes(selection: Selection, problem) -> bool:
+    """Whether the chosen module's own per-call check (``unsupported_reason``: alignment,
+    index limits) passes ``problem``."""
+    check = getattr(selection.module, "unsupported_reason", None)
+    return check is None or check(problem) is None
+
+
+def confirm(selection: Selection, device: DeviceInfo, problem) -> Selection:
+    """``selection``, a choice :func:`select` made for a call of ``problem``'s form on
+    ``device``, where its module's per-call check passes ``problem``; else what
+    :func:`select` answers for ``problem`` (another backend, or its error). For callers
+    that keep a form's choice (:mod:`gdn_dispatch.routes`)."""
+    return selection if _takes(selection, problem) else select(device, problem)
+
+
 def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) -> Selection:
     """The backend that runs ``problem`` on ``device``; GDNDispatchError when none can.
 
@@ -462,10 +477,8 @@ def select(device: DeviceInfo, problem, *, env: dict[str, str] | None = None) ->
             static = _selection(static_explanation, rows)
             if len(_selections) < SELECTIONS_KEPT:
                 _selections[key] = (rows, static)
-    if static is not None:
-        check = getattr(static.module, "unsupported_reason", None)
-        if check is None or check(problem) is None:
-            return static
+    if static is not None and _takes(static, problem):
+        return static
     explanation = explain(device, call or CallSpec.from_problem(problem), problem=problem, backend=problem.backend,
                           env=environ, rows=rows, run_selftest=True)
     if explanation.selected is None:

@@ -24,8 +24,8 @@ the forward checks (the current device, context parallelism off, index limits) a
 the call's program (:mod:`gdn_dispatch.backends.call_program`). A call it does not take (a
 program not built yet, another specialization, context parallelism on) it returns None
 for, launching nothing; the route then runs the Python path from the contract on with the
-form's kept registry choice (the backend's own per-call check, ``unsupported_reason``,
-still asked), instead of choosing again. Every error is the Python path's: a call the
+form's kept registry choice (:func:`gdn_dispatch.registry.confirm`: the backend's own
+per-call check still asked), instead of choosing again. Every error is the Python path's: a call the
 native admission refuses, with an int scale, a forced segment count,
 ``GDN_DEBUG_CHECKS=1`` or unknown keywords never reaches a route, and the contract raises
 its own messages on the path above.
@@ -43,7 +43,7 @@ from gdn_dispatch import gate, native
 from gdn_dispatch import op as _op
 from gdn_dispatch.contract import CHUNK_SIZE, debug_checks_enabled, make_problem
 from gdn_dispatch.envvars import getenv
-from gdn_dispatch.registry import ENV_VAR, select
+from gdn_dispatch.registry import ENV_VAR, confirm, select
 
 #: "0" turns routes off.
 ROUTES_ENV = "GDN_DISPATCH_ROUTES"
@@ -62,7 +62,7 @@ def clear() -> None:
 
 
 def form_key(q, g, beta, initial_state, device, facts, uniform: bool, output_final_state, use_qk_l2norm, vk: bool,
-             backend, context_parallel, pool: bool = False, inplace: bool = False) -> tuple:
+             backend, context_parallel, pool: bool, inplace: bool) -> tuple:
     """What a route is kept by (see the module docstring): ``facts`` is the native
     admission's ``(B, T, H, K, HV, V, N, longest, aligned)``; ``pool``: ``initial_state``
     is a state pool read through ``state_indices``, ``inplace``: written back."""
@@ -126,9 +126,7 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout,
                            backend=backend, context_parallel=context_parallel, state_indices=state_indices,
                            inplace_final_state=inplace_final_state)
-    check = getattr(selection.module, "unsupported_reason", None)
-    if check is not None and check(problem) is not None:
-        return _op.run_problem(problem)  # the registry explains (or chooses another backend)
+    selection = confirm(selection, device, problem)
     return selection.module.forward(problem, selection)
 
 

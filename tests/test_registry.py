@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from gdn_dispatch import GDNDispatchError, chunk_gated_delta_rule
+from gdn_dispatch import GDNDispatchError, chunk_gated_delta_rule, registry
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import CPU, assumed_device
 from gdn_dispatch.registry import (
@@ -190,6 +190,16 @@ def test_select_keeps_the_static_choice_and_rechecks_each_problem(monkeypatch):
     monkeypatch.setattr(first.module, "unsupported_reason", lambda problem: "tensors misaligned", raising=False)
     with pytest.raises(GDNDispatchError, match="reference: tensors misaligned"):
         select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)), env={})
+
+
+def test_confirm_keeps_a_choice_its_module_takes_and_asks_select_otherwise(monkeypatch):
+    problem = make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32, seed=4))
+    kept = select(CPU, problem, env={})
+    asked = []
+    monkeypatch.setattr(registry, "select", lambda *args, **kwargs: asked.append(args) or "selected anew")
+    assert registry.confirm(kept, CPU, problem) is kept and asked == []
+    monkeypatch.setattr(kept.module, "unsupported_reason", lambda p: "tensors misaligned", raising=False)
+    assert registry.confirm(kept, CPU, problem) == "selected anew" and asked == [(CPU, problem)]
 
 
 def test_the_selection_cache_key_tells_apart_every_call_spec():

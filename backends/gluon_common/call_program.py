@@ -39,7 +39,7 @@ from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_N, COUNT_POOL, COUNT_ROWS, CU, G, H0, INDICES, K, Q, SCALE, V, Ref, add_step,
-    buffer_ref, call_counts, call_inputs, count_ref, counted, input_ref, route_offsets)
+    buffer_ref, call_counts, call_inputs, count_ref, counted, input_ref, pool_rows, route_offsets)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
@@ -113,9 +113,8 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
         program = cls.programs.get((*map(id, launches.launches), no_h0))
         if program is None:
             return None
-        pool_rows = 0 if indices is None else h0.shape[0]
         return run_program(program, launches, (q, k, v, g, beta, cu, h0, indices), B, T,
-                           (N, rows, rows * H, slots, pool_rows), scale)
+                           (N, rows, rows * H, slots, pool_rows(h0, indices)), scale)
 
     return run
 
@@ -136,7 +135,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     ht = g_cum if final is None else buffer_ref(final)
     # A state pool: read (and written back) through the indices; else cu_seqlens stands in.
     pool = problem.state_indices is not None
-    indices, pool_rows = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
+    indices, pool_size = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
     # q's and k's token stride is H * K, g's and beta's HV: the program takes contiguous inputs only.
     steps = []
     if launches.fused:
@@ -150,7 +149,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
         fused = launches.stage("fused_fwd").shared
         steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, indices, cu,
-                                                            SCALE, pool_rows)))
+                                                            SCALE, pool_size)))
         outputs = [0]
     else:
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)
@@ -164,7 +163,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))
         so = launches.stage("state_output_fwd").shared
         steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, indices, cu, SCALE,
-                                                   pool_rows)))
+                                                   pool_size)))
         outputs = [3]
     program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0, outputs + ([] if final is None else [final]))
     for launch, (tensors, args) in steps:

@@ -36,7 +36,7 @@ from gdn_dispatch.varlen import num_slots
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_N, COUNT_POOL, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, INDICES, K, Q, SCALE, V, add_step, buffer_ref,
-    call_counts, call_inputs, count_ref, counted, input_ref, route_offsets)
+    call_counts, call_inputs, count_ref, counted, input_ref, pool_rows, route_offsets)
 from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
 from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
@@ -132,7 +132,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
         program = _PROGRAMS.get((*form, state_config(Kd, Vd, N * HV, elem, capability, sm_count)))
         if program is None:
             return None
-        counts = (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE), 0 if indices is None else h0.shape[0])
+        counts = (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE), pool_rows(h0, indices))
         return run_program(program, (q, k, v, g, beta, cu, h0, indices), B, T, counts, scale)
 
     return run
@@ -166,7 +166,7 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     h0 = input_ref(H0) if problem.initial_state is not None else g_cum
     # A state pool: read (and written back) through the indices; else cu_seqlens stands in.
     pool = problem.state_indices is not None
-    indices, pool_rows = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
+    indices, pool_size = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
     n = count_ref(COUNT_N)
     # Token strides of contiguous inputs (the program takes no other): the packed heads.
     s_qk, s_v, s_gb = H * Kd, HV * Vd, HV
@@ -193,7 +193,7 @@ def build(problem: GDNProblem, capability, state_cfg, module):
     final = buf.get("final_state")
     step(_state_fwd_kernel, state_cfg, state_launch_args(
         state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,
-        g_cum if final is None else final, cu, indices, s_qk, pool_rows, H, HV, Kd, Vd, CHUNK_SIZE,
+        g_cum if final is None else final, cu, indices, s_qk, pool_size, H, HV, Kd, Vd, CHUNK_SIZE,
         use_h0=problem.initial_state is not None, use_pool=pool, inplace=pool and problem.inplace_final_state,
         store_ht=final is not None,
         state_vk=problem.state_layout is StateLayout.VK, use_qk_l2norm=l2, load_rnorm=l2),
