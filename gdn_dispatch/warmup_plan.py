@@ -303,9 +303,8 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
         return ("state_fwd", cfg, state_flags, l2, strides["k"])
 
     keys = {
-        ("chunk_cumsum_fwd", strides["g"]),
-        ("kkt_solve_fwd", None if fused else (strides["k"], strides["beta"], l2)),
-        ("wu_fwd", fused, strides["k"], strides["v"], strides["beta"], l2),
+        ("kkt_solve_fwd", None if fused else (strides["k"], strides["g"], strides["beta"], l2)),
+        ("wu_fwd", fused, strides["k"], strides["v"], strides["g"] if fused else None, strides["beta"], l2),
         ("output_fwd", strides["q"], strides["k"], l2),
     }
     if cp is None or not cp.enabled:

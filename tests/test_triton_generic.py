@@ -305,6 +305,34 @@ def test_kkt_solve_inverts_i_plus_a(device, l2):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("split", [False, True], ids=["fused-solve", "kkt-solve-first"])
+def test_the_kernel_forming_t_forms_the_gate_cumsum(device, split):
+    """Given g, the w/u kernel (or kkt_solve on the split form) writes every g_cum row the
+    cumsum stage writes, with the same values, and w and u come out as from the stage's."""
+    problem = _problem(torch.float32, dict(lengths=[70, 0, 64, 3, 129], H=1, HV=3, K=24, V=16), "kv", False, True,
+                       device)
+    chunks = problem.chunks
+    # g with a token stride of its own (HV + 5), beta packed: the kernels read each by its stride.
+    wide = torch.randn(*problem.g.shape[:-1], problem.HV + 5, device=problem.g.device)
+    wide[..., :problem.HV] = problem.g
+    g = wide[..., :problem.HV]
+    expected = tg.chunk_cumsum_fwd(g, chunks, scale=LOG2E)
+    w0, u0 = tg.wu_fwd(problem.k, problem.v, expected, problem.beta, chunks, use_qk_l2norm=True)
+    g_cum = torch.full_like(expected, float("nan"))
+    if split:
+        a_inv = tg.kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, g=g, use_qk_l2norm=True,
+                                 out_dtype=torch.float32)
+        w1, u1 = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=a_inv, use_qk_l2norm=True)
+    else:
+        w1, u1 = tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, g=g, use_qk_l2norm=True)
+    assert not g_cum.isnan().any(), "g_cum rows left unwritten"
+    torch.testing.assert_close(g_cum, expected, rtol=1e-6, atol=1e-6)
+    assert rel_rms_error(w1, w0) <= 1e-6 and rel_rms_error(u1, u0) <= 1e-6
+    with pytest.raises(ValueError, match="g: "):
+        tg.wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, g=g, A_inv=torch.empty(0))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_wu_from_stored_inverse_matches_fused(device):
     problem = _problem(torch.float32, dict(lengths=[70, 64, 3], H=1, HV=2, K=40, V=24), "kv", False, True,
                        device)
@@ -405,8 +433,8 @@ def test_aot_kernels_compile_without_spills(target):
     from gdn_dispatch.aot import compile_kernel
 
     kernels = tg.kernels_for_aot(target)
-    assert {k.kernel for k in kernels} == {"chunk_cumsum_fwd", "kkt_solve_fwd", "wu_fwd", "state_fwd",
-                                           "output_fwd", "segment_map_fwd", "segment_scan_fwd"}
+    assert {k.kernel for k in kernels} == {"kkt_solve_fwd", "wu_fwd", "state_fwd", "output_fwd", "segment_map_fwd",
+                                           "segment_scan_fwd"}
     for kernel in kernels:
         report = compile_kernel(kernel, target)
         assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"

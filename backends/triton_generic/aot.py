@@ -12,9 +12,7 @@ import torch
 
 from gdn_dispatch.aot import AotKernel
 
-from gdn_dispatch.backends.triton_generic.configs import (cumsum_config, fuse_solve_into_wu, intra_config, output_config,
-                                             state_config)
-from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel
+from gdn_dispatch.backends.triton_generic.configs import fuse_solve_into_wu, intra_config, output_config, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, maps_dtype, segment_map_config
@@ -43,23 +41,22 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
     interp_bf16 = False
     tag = f"H{H}-HV{HV}-K{K}-V{V}-{dtype}" + ("-l2" if l2 else "")
     out = []
-    cfg = cumsum_config(HV)
-    out.append(_kernel("chunk_cumsum_fwd", f"HV{HV}", _chunk_cumsum_fwd_kernel,
-                       {"g": "*fp32", "g_cum": "*fp32", "cu_seqlens": "*i32", "N": "i32", "scale": "fp32"},
-                       {"HV": HV, "BT": 64, "BH": cfg.BH, "s_g": HV}, cfg))
     cfg = intra_config(K, V, elem, capability)
-    qk = {"k": ptr, "g_cum": "*fp32", "beta": "*fp32"}
+    # The kernel forming T forms the gate cumsum too (the forward launches no cumsum kernel):
+    # the w/u kernel where it forms T, else kkt_solve.
+    fused = fuse_solve_into_wu(capability)
+    qk = {"k": ptr, "g": "*fp32", "g_cum": "*fp32", "beta": "*fp32"}
     out.append(_kernel("kkt_solve_fwd", tag, _kkt_solve_fwd_kernel,
                        {**qk, "A_inv": ptr, "cu_seqlens": "*i32", "N": "i32"},
-                       {"s_k": H * K, "s_b": HV, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK, "USE_L2NORM": l2,
-                        "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
-    fused = fuse_solve_into_wu(capability)
-    out.append(_kernel("wu_fwd", tag + ("-fused" if fused else "-stored-inverse"), _wu_fwd_kernel,
-                       {"k": ptr, "v": ptr, "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
-                        "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "N": "i32"},
-                       {"s_k": H * K, "s_v": HV * V, "s_b": HV, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
-                        "FUSED_SOLVE": fused, "USE_L2NORM": l2, "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
+                       {"s_k": H * K, "s_g": HV, "s_b": HV, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK,
+                        "FORM_G_CUM": not fused, "USE_L2NORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec,
                         "INTERP_BF16": interp_bf16}, cfg))
+    out.append(_kernel("wu_fwd", tag + ("-fused" if fused else "-stored-inverse"), _wu_fwd_kernel,
+                       {"k": ptr, "v": ptr, "g": "*fp32", "g_cum": "*fp32", "beta": "*fp32", "A_inv": ptr, "w": ptr,
+                        "u": ptr, "k_rnorm": "*fp32", "cu_seqlens": "*i32", "N": "i32"},
+                       {"s_k": H * K, "s_v": HV * V, "s_g": HV, "s_b": HV, "H": H, "HV": HV, "K": K, "V": V, "BT": 64,
+                        "BK": cfg.BK, "BV": cfg.BV, "FUSED_SOLVE": fused, "FORM_G_CUM": fused, "USE_L2NORM": l2,
+                        "STORE_RNORM": l2, "DOT_PREC": prec, "SOLVE_PREC": prec, "INTERP_BF16": interp_bf16}, cfg))
     # The state kernel in both layouts and at both V slice widths; with a state pool read
     # and written in place ("vk", as serving engines keep it) at the Qwen3.5 shape only
     # (at K = 100, fp16 the pool variant spills 8 bytes on sm_80).

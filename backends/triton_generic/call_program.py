@@ -1,4 +1,4 @@
-"""triton_generic's call programs: a common call's allocations and its four or five
+"""triton_generic's call programs: a common call's allocations and its three or four
 launches in one native call (:mod:`gdn_dispatch.backends.call_program` says how a program
 is made).
 
@@ -7,15 +7,14 @@ Taken for the call forms servers send: unsegmented, contiguous inputs, an initia
 through ``state_indices``, with kept kernels launched directly
 (:mod:`gdn_dispatch.backends.direct_launch`). The launches::
 
-    g_cum        = chunk_cumsum(g)                       grid (slots, HV blocks)
-    T            = kkt_solve(k, g_cum, beta)             grid (slots * HV)   (sm_100, sm_120 only)
-    w, u[, r_k]  = wu(k, v, g_cum, beta[, T])            grid (slots * HV)
+    g_cum, T     = kkt_solve(k, g, beta)                 grid (slots * HV)   (sm_100, sm_120 only)
+    [g_cum,] w, u[, r_k] = wu(k, v, g | g_cum, beta[, T])  grid (slots * HV)
     h, v_new, S  = state(k, w, u, g_cum, S0)             grid (N * HV * V blocks)
     o            = output(q, k, v_new, h, g_cum)         grid (slots * HV, V blocks)
 
-(the w/u kernel forms T itself where :func:`.configs.fuse_solve_into_wu` says so: sm_80 to
-sm_90), each with the stage's own argument list (``cumsum_launch_args``,
-``kkt_solve_launch_args``, ``wu_launch_args``, ``state_launch_args``,
+(the w/u kernel forms T itself, and the gate cumsum with it, where
+:func:`.configs.fuse_solve_into_wu` says so: sm_80 to sm_90), each with the stage's own
+argument list (``kkt_solve_launch_args``, ``wu_launch_args``, ``state_launch_args``,
 ``output_launch_args``) and launch options, through its call site's GuardedLauncher; every
 check passes before the first launch, else the program launches nothing and the Python
 path runs the call. A program is kept per call form, device capability and the state
@@ -37,11 +36,10 @@ from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_N, COUNT_POOL, COUNT_ROWS, COUNT_SLOTS, CU, G, H0, INDICES, K, Q, SCALE, V, add_step, buffer_ref,
     call_counts, call_inputs, count_ref, counted, input_ref, pool_rows, route_offsets)
-from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
+from gdn_dispatch.backends.triton_generic._jit import interpreting
 from gdn_dispatch.backends.triton_generic.buffers import buffer_specs
 from gdn_dispatch.backends.triton_generic.configs import (
-    cumsum_config, device_facts, fuse_solve_into_wu, intra_config, output_config, state_config)
-from gdn_dispatch.backends.triton_generic.cumsum import _chunk_cumsum_fwd_kernel, cumsum_launch_args
+    device_facts, fuse_solve_into_wu, intra_config, output_config, state_config)
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel, kkt_solve_launch_args
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel, output_launch_args
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel, state_launch_args
@@ -177,19 +175,17 @@ def build(problem: GDNProblem, capability, state_cfg, module):
         add_step(program, module, _site(kernel, args), args, {}, grid, rows_count, seqs_count,
                  (cfg.num_warps, cfg.num_stages))
 
-    cfg = cumsum_config(HV)
-    step(_chunk_cumsum_fwd_kernel, cfg, cumsum_launch_args(cfg, g, g_cum, cu, n, float(LOG2E), s_gb, HV, CHUNK_SIZE),
-         (1, False, 0, 1, 0, -(-HV // cfg.BH)), COUNT_SLOTS, -1)
+    # The kernel forming T forms the gate cumsum into g_cum too (the forward's stage 1).
     if not fused_solve:
         cfg = intra_config(Kd, Kd, elem, capability)
         step(_kkt_solve_fwd_kernel, cfg, kkt_solve_launch_args(
-            cfg, dtype, k, g_cum, beta, buf["A_inv"], cu, n, s_qk, s_gb, H, HV, Kd, CHUNK_SIZE, use_qk_l2norm=l2),
-            (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+            cfg, dtype, k, g, g_cum, beta, buf["A_inv"], cu, n, s_qk, s_gb, s_gb, H, HV, Kd, CHUNK_SIZE,
+            form_g_cum=True, use_qk_l2norm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     cfg = intra_config(Kd, Vd, elem, capability)
     step(_wu_fwd_kernel, cfg, wu_launch_args(
-        cfg, dtype, k, v, g_cum, beta, g_cum if fused_solve else buf["A_inv"], buf["w"], buf["u"], k_rnorm, cu, n,
-        s_qk, s_v, s_gb, H, HV, Kd, Vd, CHUNK_SIZE, fused_solve=fused_solve, use_qk_l2norm=l2, store_rnorm=l2),
-        (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+        cfg, dtype, k, v, g if fused_solve else g_cum, g_cum, beta, g_cum if fused_solve else buf["A_inv"], buf["w"],
+        buf["u"], k_rnorm, cu, n, s_qk, s_v, s_gb, s_gb, H, HV, Kd, Vd, CHUNK_SIZE, fused_solve=fused_solve,
+        form_g_cum=fused_solve, use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     final = buf.get("final_state")
     step(_state_fwd_kernel, state_cfg, state_launch_args(
         state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,

@@ -5,6 +5,11 @@ start, inclusive); they take ``exp2`` of differences of it, so the sum is scaled
 ``log2(e)`` here once. One program owns one chunk and a ``[BT, BH]`` tile of value heads:
 rows of ``g`` are ``HV`` contiguous values, so the tile loads coalesced, and the scan runs
 down the tile's rows.
+
+The forward launches no kernel of this stage: the kernel that forms each chunk's T forms
+the same sums for its (chunk, v-head) and stores them (``FORM_G_CUM`` of
+:func:`.kkt_solve._kkt_solve_tile`). :func:`chunk_cumsum_fwd` stays as the stage on its own
+(the stage-by-stage tests, and callers of the later stages).
 """
 
 from __future__ import annotations
@@ -80,7 +85,6 @@ def chunk_cumsum_fwd(
 
 def cumsum_launch_args(cfg, g, g_cum, cu_seqlens, num_seqs, scale, s_g, HV, BT) -> dict:
     """Every argument of one ``_chunk_cumsum_fwd_kernel`` launch by name (what
-    :func:`chunk_cumsum_fwd` launches with; a call program binds the same list,
-    :mod:`.call_program`)."""
+    :func:`chunk_cumsum_fwd` launches with)."""
     return dict(g=g, g_cum=g_cum, cu_seqlens=cu_seqlens, N=num_seqs, scale=scale, s_g=s_g, HV=HV, BT=BT,
                 BH=cfg.BH)

@@ -1,8 +1,9 @@
 """The orchestrator: the five stages in order, for one validated call.
 
-    g_cum        = chunk_cumsum_fwd(g)                    # stage 1
-    w, u         = wu_fwd(k, v, g_cum, beta)              # stages 2 + 3 fused: T in registers
-                                                          # (or kkt_solve_fwd, then wu_fwd)
+    g_cum, w, u  = wu_fwd(k, v, g, beta)                  # stages 1 + 2 + 3 fused: the gate
+                                                          # cumsum and T in registers
+                                                          # (or kkt_solve_fwd forms g_cum and T,
+                                                          # then wu_fwd)
     h, v_new, S  = state_fwd(k, w, u, g_cum, S0)          # stage 4
     o            = output_fwd(q, k, v_new, h, g_cum)      # stage 5
 
@@ -20,13 +21,12 @@ import torch
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout
 
-from gdn_dispatch.backends.triton_generic._jit import LOG2E, interpreting
+from gdn_dispatch.backends.triton_generic._jit import interpreting
 from gdn_dispatch.backends.triton_generic.buffers import call_buffers
 from gdn_dispatch.backends.triton_generic.call_program import route_runner as _route_runner
 from gdn_dispatch.backends.triton_generic.call_program import run_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
-from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
 from gdn_dispatch.backends.triton_generic.output import output_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
@@ -67,12 +67,12 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
     # with the qk l2 norm), w, u and, unsegmented, h, v_new, o and the final state.
     g_cum, k_rnorm, w, u, *stages = call_buffers(problem, not plan.enabled)
-    g_cum = chunk_cumsum_fwd(problem.g, chunks, scale=LOG2E, out=g_cum)
+    # The kernel that forms T forms the gate cumsum into g_cum too (stage 1, no launch of its own).
     A_inv = None
     if not fuse_solve_into_wu(device_facts(problem.device)[0]):
-        A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, use_qk_l2norm=l2)
-    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv, use_qk_l2norm=l2,
-                  k_rnorm=k_rnorm, out=(w, u))
+        A_inv = kkt_solve_fwd(problem.k, g_cum, problem.beta, chunks, g=problem.g, use_qk_l2norm=l2)
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv,
+                  g=problem.g if A_inv is None else None, use_qk_l2norm=l2, k_rnorm=k_rnorm, out=(w, u))
     if plan.enabled:
         return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count)
     h, v_new, o, final_state = stages

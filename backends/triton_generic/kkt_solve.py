@@ -27,9 +27,13 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, _slot_rows, interpreting, jit
+from gdn_dispatch.backends.triton_generic._jit import LOG2E, L2NORM_EPS, _cast, _dot, _slot_rows, interpreting, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config, launch
+
+
+#: log2(e) inside the kernels: the gate's sums are kept in log2 units (see :mod:`.cumsum`).
+_LOG2E = tl.constexpr(LOG2E)
 
 
 @jit
@@ -89,17 +93,31 @@ def _inv_unit_lower64(a, PREC: tl.constexpr):
 
 
 @jit
-def _kkt_solve_tile(k, g_cum, beta, s_k: tl.constexpr, s_b: tl.constexpr, t0, n_t, i_h, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr,
-                    DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+def _kkt_solve_tile(k, g, g_cum, beta, s_k: tl.constexpr, s_g: tl.constexpr, s_b: tl.constexpr, t0, n_t, i_h,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                    FORM_G_CUM: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SOLVE_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
     """T = (I + A)^-1 of the chunk starting at token ``t0`` (``n_t`` valid rows) for v-head
     ``i_h``, as a [BT, BT] fp32 register tile.
 
-    Also returns what the w/u stage reuses: ``b_g`` (g_cum rows), ``b_b`` (beta rows,
-    fp32) and ``b_r`` (k's l2-norm reciprocals, ones without USE_L2NORM); [BT] each.
+    With FORM_G_CUM the chunk's gate cumsum (log2 units, as :func:`.cumsum.chunk_cumsum_fwd`
+    forms it) is formed here from ``g`` (token stride ``s_g``) and stored into ``g_cum``
+    for the later stages: one program per (chunk, v-head) covers every row once, and the
+    call saves the cumsum's own launch. Without it the rows are read from ``g_cum``.
+
+    Also returns what the w/u stage reuses: ``b_g`` (g_cum rows, 0 past ``n_t``), ``b_b``
+    (beta rows, fp32) and ``b_r`` (k's l2-norm reciprocals, ones without USE_L2NORM); [BT]
+    each.
     """
     o_i = tl.arange(0, BT)
     m_t = o_i < n_t
+    if FORM_G_CUM:
+        # Before the [BT, BT] product is live: the scan's temporaries would spill beside it.
+        b_g = tl.load(g + t0 * s_g + i_h + o_i * s_g, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.where(m_t, tl.cumsum(b_g, axis=0) * _LOG2E, 0.0)
+        tl.store(g_cum + t0 * HV + i_h + o_i * HV, b_g, mask=m_t)
+    else:
+        b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_ss = tl.zeros([BT], dtype=tl.float32)
@@ -114,7 +132,6 @@ def _kkt_solve_tile(k, g_cum, beta, s_k: tl.constexpr, s_b: tl.constexpr, t0, n_
         b_r = tl.rsqrt(b_ss + L2NORM_EPS)
     else:
         b_r = tl.full([BT], 1.0, dtype=tl.float32)
-    b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     b_b = tl.load(beta + t0 * s_b + i_h + o_i * s_b, mask=m_t, other=0.0).to(tl.float32)
     # where(), not a multiply by the mask: 2^(g_i - g_j) overflows above the diagonal.
     m_a = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
@@ -126,18 +143,21 @@ def _kkt_solve_tile(k, g_cum, beta, s_k: tl.constexpr, s_b: tl.constexpr, t0, n_
 @jit(do_not_specialize=("N",))
 def _kkt_solve_fwd_kernel(
     k,
+    g,
     g_cum,
     beta,
     A_inv,
     cu_seqlens,
     N,
     s_k: tl.constexpr,
+    s_g: tl.constexpr,
     s_b: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    FORM_G_CUM: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
@@ -150,8 +170,8 @@ def _kkt_solve_fwd_kernel(
     t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
     if n_t <= 0:  # an idle slot
         return
-    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, s_k, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
-                                         USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
+    b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g, g_cum, beta, s_k, s_g, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
+                                         FORM_G_CUM, USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     o_i = tl.arange(0, BT)
     p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
     tl.store(p_a, _cast(b_x, A_inv.dtype.element_ty, INTERP_BF16), mask=(o_i < n_t)[:, None])
@@ -179,6 +199,7 @@ def kkt_solve_fwd(
     beta: torch.Tensor,
     chunks: ChunkTable,
     *,
+    g: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -189,9 +210,13 @@ def kkt_solve_fwd(
     k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows. Value head ``j`` reads k head
         ``j // (HV // H)``.
     g_cum : float32 Tensor ``[B, T, HV]``, the chunk-local gate cumsum in log2 units
-        (:func:`chunk_cumsum_fwd` with ``scale=log2(e)``).
+        (:func:`chunk_cumsum_fwd` with ``scale=log2(e)``); written here instead when ``g``
+        is given.
     beta : Tensor ``[B, T, HV]``, any float dtype.
     chunks : ChunkTable of the call.
+    g : Tensor ``[B, T, HV]`` (any float dtype, in token rows) or None: the per-token
+        log-decay; given, the kernel forms the cumsum from it and stores it into ``g_cum``
+        (what the forward does: no cumsum launch of its own).
     use_qk_l2norm : l2-normalize k rows (eps 1e-6, fp32) before forming A.
     out_dtype : dtype of the result, k's dtype (the default) or torch.float32.
 
@@ -211,17 +236,20 @@ def kkt_solve_fwd(
         return A_inv
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)
+    s_b = token_stride("beta", beta)
     launch(_kkt_solve_fwd_kernel, (chunks.num_slots * HV,), cfg, **kkt_solve_launch_args(
-        cfg, k.dtype, k, g_cum, beta, A_inv, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
-        token_stride("beta", beta), H, HV, K, BT, use_qk_l2norm=use_qk_l2norm))
+        cfg, k.dtype, k, g_cum if g is None else g, g_cum, beta, A_inv, chunks.cu_seqlens, chunks.num_seqs,
+        token_stride("k", k), s_b if g is None else token_stride("g", g), s_b, H, HV, K, BT,
+        form_g_cum=g is not None, use_qk_l2norm=use_qk_l2norm))
     return A_inv
 
 
-def kkt_solve_launch_args(cfg, dtype, k, g_cum, beta, A_inv, cu_seqlens, num_seqs, s_k, s_b, H, HV, K, BT, *,
-                          use_qk_l2norm) -> dict:
+def kkt_solve_launch_args(cfg, dtype, k, g, g_cum, beta, A_inv, cu_seqlens, num_seqs, s_k, s_g, s_b, H, HV, K, BT, *,
+                          form_g_cum, use_qk_l2norm) -> dict:
     """Every argument of one ``_kkt_solve_fwd_kernel`` launch by name (what
-    :func:`kkt_solve_fwd` launches with; :mod:`.call_program` binds the same list)."""
+    :func:`kkt_solve_fwd` launches with; :mod:`.call_program` binds the same list). ``g``
+    is read only with ``form_g_cum`` (else any stand-in pointer)."""
     dot_prec, solve_prec = dot_precisions(dtype)
-    return dict(k=k, g_cum=g_cum, beta=beta, A_inv=A_inv, cu_seqlens=cu_seqlens, N=num_seqs, s_k=s_k, s_b=s_b, H=H,
-                HV=HV, K=K, BT=BT, BK=cfg.BK, USE_L2NORM=use_qk_l2norm, DOT_PREC=dot_prec, SOLVE_PREC=solve_prec,
-                INTERP_BF16=interp_bf16_dots(dtype))
+    return dict(k=k, g=g, g_cum=g_cum, beta=beta, A_inv=A_inv, cu_seqlens=cu_seqlens, N=num_seqs, s_k=s_k, s_g=s_g,
+                s_b=s_b, H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, FORM_G_CUM=form_g_cum, USE_L2NORM=use_qk_l2norm,
+                DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(dtype))

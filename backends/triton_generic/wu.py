@@ -3,7 +3,8 @@
 One program owns one (chunk, v-head). With ``FUSED_SOLVE`` (what the orchestrator runs) the
 program first forms T = (I + A)^-1 in registers with stage 2's tile function, so T never
 travels through global memory and k is read by a single kernel; without it T is loaded from
-:func:`kkt_solve_fwd`'s output. T multiplies at the input dtype (fp32 for float32 calls, the
+:func:`kkt_solve_fwd`'s output. The forward has whichever kernel forms T form stage 1's gate
+cumsum too (``FORM_G_CUM``), so a call launches no cumsum kernel. T multiplies at the input dtype (fp32 for float32 calls, the
 16-bit type otherwise: the same rounding w and u get when stored).
 """
 
@@ -42,6 +43,7 @@ def _row_rnorm(p_k, m_t, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 def _wu_fwd_kernel(
     k,
     v,
+    g,
     g_cum,
     beta,
     A_inv,
@@ -52,6 +54,7 @@ def _wu_fwd_kernel(
     N,
     s_k: tl.constexpr,
     s_v: tl.constexpr,
+    s_g: tl.constexpr,
     s_b: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -61,12 +64,14 @@ def _wu_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     FUSED_SOLVE: tl.constexpr,
+    FORM_G_CUM: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     STORE_RNORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
 ):
+    tl.static_assert(FUSED_SOLVE or not FORM_G_CUM, "the gate cumsum is formed by the solve")
     pid = tl.program_id(0).to(tl.int64)
     i_c, i_h = pid // HV, pid % HV
     t0, n_t = _slot_rows(cu_seqlens, i_c, N, BT)
@@ -76,8 +81,8 @@ def _wu_fwd_kernel(
     m_t = o_i < n_t
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k
     if FUSED_SOLVE:
-        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g_cum, beta, s_k, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
-                                             USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
+        b_x, b_g, b_b, b_r = _kkt_solve_tile(k, g, g_cum, beta, s_k, s_g, s_b, t0, n_t, i_h, H, HV, K, BT, BK,
+                                             FORM_G_CUM, USE_L2NORM, DOT_PREC, SOLVE_PREC, INTERP_BF16)
     else:
         p_a = A_inv + (t0 * HV + i_h) * BT + o_i[:, None] * (HV * BT) + o_i[None, :]
         b_x = tl.load(p_a, mask=m_t[:, None], other=0.0).to(tl.float32)
@@ -120,6 +125,7 @@ def wu_fwd(
     chunks: ChunkTable,
     *,
     A_inv: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
@@ -131,11 +137,15 @@ def wu_fwd(
     ----------
     k : Tensor ``[B, T, H, K]``, bf16/fp16/fp32, in token rows (any token stride).
     v : Tensor ``[B, T, HV, V]``, k's dtype, in token rows.
-    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units.
+    g_cum : float32 Tensor ``[B, T, HV]``, chunk-local gate cumsum in log2 units; written
+        here instead when ``g`` is given.
     beta : Tensor ``[B, T, HV]``, any float dtype.
     chunks : ChunkTable of the call.
     A_inv : Tensor ``[B, T, HV, 64]`` from :func:`kkt_solve_fwd`, or None (default) to
         form T inside this kernel (fused: the fast path).
+    g : Tensor ``[B, T, HV]`` (any float dtype, in token rows) or None; only with
+        ``A_inv`` None: the kernel forms the gate cumsum from it and stores it into
+        ``g_cum`` (what the forward does: no cumsum launch of its own).
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` or None; with ``use_qk_l2norm``, receives
         ``1 / ||k||`` of every token (per v-head) for :func:`state_fwd` / :func:`output_fwd`.
@@ -149,6 +159,9 @@ def wu_fwd(
     """
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = v.shape[-2], v.shape[-1], chunks.chunk_size
+    if g is not None and A_inv is not None:
+        raise ValueError("g: the gate cumsum is formed only with the solve fused (A_inv None); "
+                         "kkt_solve_fwd(g=...) forms it on the split path")
     if out is None:
         w = torch.empty(*v.shape[:-1], K, dtype=k.dtype, device=k.device)
         u = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -158,22 +171,24 @@ def wu_fwd(
         return w, u
     capability, _ = device_facts(k.device)
     cfg = config or intra_config(K, V, k.element_size(), capability)
+    s_b = token_stride("beta", beta)
     launch(_wu_fwd_kernel, (chunks.num_slots * HV,), cfg, **wu_launch_args(
-        cfg, k.dtype, k, v, g_cum, beta, A_inv if A_inv is not None else g_cum, w, u,
+        cfg, k.dtype, k, v, g_cum if g is None else g, g_cum, beta, A_inv if A_inv is not None else g_cum, w, u,
         k_rnorm if k_rnorm is not None else g_cum, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
-        token_stride("v", v), token_stride("beta", beta), H, HV, K, V, BT, fused_solve=A_inv is None,
-        use_qk_l2norm=use_qk_l2norm, store_rnorm=use_qk_l2norm and k_rnorm is not None))
+        token_stride("v", v), s_b if g is None else token_stride("g", g), s_b, H, HV, K, V, BT,
+        fused_solve=A_inv is None, form_g_cum=g is not None, use_qk_l2norm=use_qk_l2norm,
+        store_rnorm=use_qk_l2norm and k_rnorm is not None))
     return w, u
 
 
-def wu_launch_args(cfg, dtype, k, v, g_cum, beta, A_inv, w, u, k_rnorm, cu_seqlens, num_seqs, s_k, s_v, s_b,
-                   H, HV, K, V, BT, *, fused_solve, use_qk_l2norm, store_rnorm) -> dict:
+def wu_launch_args(cfg, dtype, k, v, g, g_cum, beta, A_inv, w, u, k_rnorm, cu_seqlens, num_seqs, s_k, s_v, s_g, s_b,
+                   H, HV, K, V, BT, *, fused_solve, form_g_cum, use_qk_l2norm, store_rnorm) -> dict:
     """Every argument of one ``_wu_fwd_kernel`` launch by name, the unused pointers
-    (``A_inv``, ``k_rnorm``) already replaced by a stand-in (what :func:`wu_fwd` launches
-    with; :mod:`.call_program` binds the same list)."""
+    (``g`` without ``form_g_cum``, ``A_inv``, ``k_rnorm``) already replaced by a stand-in
+    (what :func:`wu_fwd` launches with; :mod:`.call_program` binds the same list)."""
     dot_prec, solve_prec = dot_precisions(dtype)
     return dict(
-        k=k, v=v, g_cum=g_cum, beta=beta, A_inv=A_inv, w=w, u=u, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, N=num_seqs,
-        s_k=s_k, s_v=s_v, s_b=s_b, H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
-        FUSED_SOLVE=fused_solve, USE_L2NORM=use_qk_l2norm, STORE_RNORM=store_rnorm, DOT_PREC=dot_prec,
-        SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(dtype))
+        k=k, v=v, g=g, g_cum=g_cum, beta=beta, A_inv=A_inv, w=w, u=u, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens,
+        N=num_seqs, s_k=s_k, s_v=s_v, s_g=s_g, s_b=s_b, H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
+        FUSED_SOLVE=fused_solve, FORM_G_CUM=form_g_cum, USE_L2NORM=use_qk_l2norm, STORE_RNORM=store_rnorm,
+        DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(dtype))
