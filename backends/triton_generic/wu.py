@@ -3,9 +3,10 @@
 One program owns one (chunk, v-head). With ``FUSED_SOLVE`` (what the orchestrator runs) the
 program first forms T = (I + A)^-1 in registers with stage 2's tile function, so T never
 travels through global memory and k is read by a single kernel; without it T is loaded from
-:func:`kkt_solve_fwd`'s output. The forward has whichever kernel forms T form stage 1's gate
-cumsum too (``FORM_G_CUM``), so a call launches no cumsum kernel. T multiplies at the input dtype (fp32 for float32 calls, the
-16-bit type otherwise: the same rounding w and u get when stored).
+:func:`kkt_solve_fwd`'s output. T multiplies at the input dtype (fp32 for float32 calls,
+the 16-bit type otherwise: the same rounding w and u get when stored). Whichever kernel
+forms T also forms stage 1's gate cumsum in the forward (``FORM_G_CUM``), so a call
+launches no cumsum kernel.
 """
 
 from __future__ import annotations
