@@ -180,12 +180,12 @@ def build(problem: GDNProblem, capability, state_cfg, module):
         cfg = intra_config(Kd, Kd, elem, capability)
         step(_kkt_solve_fwd_kernel, cfg, kkt_solve_launch_args(
             cfg, dtype, k, g, g_cum, beta, buf["A_inv"], cu, n, s_qk, s_gb, s_gb, H, HV, Kd, CHUNK_SIZE,
-            form_g_cum=True, use_qk_l2norm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+            use_qk_l2norm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     cfg = intra_config(Kd, Vd, elem, capability)
     step(_wu_fwd_kernel, cfg, wu_launch_args(
-        cfg, dtype, k, v, g if fused_solve else g_cum, g_cum, beta, g_cum if fused_solve else buf["A_inv"], buf["w"],
+        cfg, dtype, k, v, g if fused_solve else None, g_cum, beta, g_cum if fused_solve else buf["A_inv"], buf["w"],
         buf["u"], k_rnorm, cu, n, s_qk, s_v, s_gb, s_gb, H, HV, Kd, Vd, CHUNK_SIZE, fused_solve=fused_solve,
-        form_g_cum=fused_solve, use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
+        use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     final = buf.get("final_state")
     step(_state_fwd_kernel, state_cfg, state_launch_args(
         state_cfg, dtype, k, buf["w"], buf["u"], g_cum, k_rnorm, buf["h"], buf["v_new"], h0,

@@ -236,20 +236,28 @@ def kkt_solve_fwd(
         return A_inv
     capability, _ = device_facts(k.device)
     cfg = intra_config(K, K, k.element_size(), capability)
-    s_b = token_stride("beta", beta)
     launch(_kkt_solve_fwd_kernel, (chunks.num_slots * HV,), cfg, **kkt_solve_launch_args(
-        cfg, k.dtype, k, g_cum if g is None else g, g_cum, beta, A_inv, chunks.cu_seqlens, chunks.num_seqs,
-        token_stride("k", k), s_b if g is None else token_stride("g", g), s_b, H, HV, K, BT,
-        form_g_cum=g is not None, use_qk_l2norm=use_qk_l2norm))
+        cfg, k.dtype, k, g, g_cum, beta, A_inv, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
+        None if g is None else token_stride("g", g), token_stride("beta", beta), H, HV, K, BT,
+        use_qk_l2norm=use_qk_l2norm))
     return A_inv
 
 
 def kkt_solve_launch_args(cfg, dtype, k, g, g_cum, beta, A_inv, cu_seqlens, num_seqs, s_k, s_g, s_b, H, HV, K, BT, *,
-                          form_g_cum, use_qk_l2norm) -> dict:
+                          use_qk_l2norm) -> dict:
     """Every argument of one ``_kkt_solve_fwd_kernel`` launch by name (what
     :func:`kkt_solve_fwd` launches with; :mod:`.call_program` binds the same list). ``g``
-    is read only with ``form_g_cum`` (else any stand-in pointer)."""
+    (token stride ``s_g``) given: the kernel forms the gate cumsum into ``g_cum``
+    (:func:`_g_operands`)."""
     dot_prec, solve_prec = dot_precisions(dtype)
+    g, s_g, form = _g_operands(g, g_cum, s_g, s_b)
     return dict(k=k, g=g, g_cum=g_cum, beta=beta, A_inv=A_inv, cu_seqlens=cu_seqlens, N=num_seqs, s_k=s_k, s_g=s_g,
-                s_b=s_b, H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, FORM_G_CUM=form_g_cum, USE_L2NORM=use_qk_l2norm,
+                s_b=s_b, H=H, HV=HV, K=K, BT=BT, BK=cfg.BK, FORM_G_CUM=form, USE_L2NORM=use_qk_l2norm,
                 DOT_PREC=dot_prec, SOLVE_PREC=solve_prec, INTERP_BF16=interp_bf16_dots(dtype))
+
+
+def _g_operands(g, g_cum, s_g, s_b) -> tuple:
+    """``(g, s_g, FORM_G_CUM)`` of a launch of a kernel on :func:`_kkt_solve_tile`: the gate
+    and its token stride where the kernel forms the cumsum (``g`` given), else ``g_cum``
+    and ``s_b`` as stand-ins it never reads (one specialization for every call without)."""
+    return (g_cum, s_b, False) if g is None else (g, s_g, True)

@@ -19,7 +19,8 @@ from gdn_dispatch.varlen import ChunkTable
 from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, intra_config, launch
-from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_tile, dot_precisions, interp_bf16_dots
+from gdn_dispatch.backends.triton_generic.kkt_solve import (
+    _g_operands, _kkt_solve_tile, dot_precisions, interp_bf16_dots)
 
 
 @jit
@@ -172,22 +173,22 @@ def wu_fwd(
         return w, u
     capability, _ = device_facts(k.device)
     cfg = config or intra_config(K, V, k.element_size(), capability)
-    s_b = token_stride("beta", beta)
     launch(_wu_fwd_kernel, (chunks.num_slots * HV,), cfg, **wu_launch_args(
-        cfg, k.dtype, k, v, g_cum if g is None else g, g_cum, beta, A_inv if A_inv is not None else g_cum, w, u,
+        cfg, k.dtype, k, v, g, g_cum, beta, A_inv if A_inv is not None else g_cum, w, u,
         k_rnorm if k_rnorm is not None else g_cum, chunks.cu_seqlens, chunks.num_seqs, token_stride("k", k),
-        token_stride("v", v), s_b if g is None else token_stride("g", g), s_b, H, HV, K, V, BT,
-        fused_solve=A_inv is None, form_g_cum=g is not None, use_qk_l2norm=use_qk_l2norm,
-        store_rnorm=use_qk_l2norm and k_rnorm is not None))
+        token_stride("v", v), None if g is None else token_stride("g", g), token_stride("beta", beta), H, HV, K, V,
+        BT, fused_solve=A_inv is None, use_qk_l2norm=use_qk_l2norm, store_rnorm=use_qk_l2norm and k_rnorm is not None))
     return w, u
 
 
 def wu_launch_args(cfg, dtype, k, v, g, g_cum, beta, A_inv, w, u, k_rnorm, cu_seqlens, num_seqs, s_k, s_v, s_g, s_b,
-                   H, HV, K, V, BT, *, fused_solve, form_g_cum, use_qk_l2norm, store_rnorm) -> dict:
+                   H, HV, K, V, BT, *, fused_solve, use_qk_l2norm, store_rnorm) -> dict:
     """Every argument of one ``_wu_fwd_kernel`` launch by name, the unused pointers
-    (``g`` without ``form_g_cum``, ``A_inv``, ``k_rnorm``) already replaced by a stand-in
-    (what :func:`wu_fwd` launches with; :mod:`.call_program` binds the same list)."""
+    (``A_inv``, ``k_rnorm``) already replaced by a stand-in (what :func:`wu_fwd` launches
+    with; :mod:`.call_program` binds the same list). ``g`` (token stride ``s_g``) given:
+    the kernel forms the gate cumsum into ``g_cum`` (``kkt_solve._g_operands``)."""
     dot_prec, solve_prec = dot_precisions(dtype)
+    g, s_g, form_g_cum = _g_operands(g, g_cum, s_g, s_b)
     return dict(
         k=k, v=v, g=g, g_cum=g_cum, beta=beta, A_inv=A_inv, w=w, u=u, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens,
         N=num_seqs, s_k=s_k, s_v=s_v, s_g=s_g, s_b=s_b, H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg.BK, BV=cfg.BV,
