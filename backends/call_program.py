@@ -22,8 +22,9 @@ INPUTS = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "state_indi
 Q, K, V, G, BETA, CU, H0, INDICES = range(len(INPUTS))
 #: The call's counts as a program indexes them (:func:`call_counts`): N, the token rows
 #: ``B * T``, the (token, head) rows ``B * T * H``, the chunk slots, the state pool's rows
-#: (0 without a pool).
-COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS, COUNT_POOL = range(5)
+#: (0 without a pool); a segmented call's also its segment slots ``NSEG`` and segment
+#: length ``L`` (:func:`segmented_counts`).
+COUNT_N, COUNT_ROWS, COUNT_HEAD_ROWS, COUNT_SLOTS, COUNT_POOL, COUNT_NSEG, COUNT_L = range(7)
 
 
 #: How the programs answered the calls that consulted one: "taken" (the program launched
@@ -83,6 +84,13 @@ def call_counts(problem: GDNProblem) -> tuple[int, int, int, int, int]:
     chunks = problem.chunks
     return (chunks.num_seqs, B * T, B * T * H, chunks.num_slots,
             pool_rows(problem.initial_state, problem.state_indices))
+
+
+def segmented_counts(counts: tuple, cp) -> tuple:
+    """``counts`` (:func:`call_counts`) of a call segmented by ``cp`` (an enabled
+    :class:`~gdn_dispatch.context_parallel.CPPlan`), with :data:`COUNT_NSEG` and
+    :data:`COUNT_L`."""
+    return (*counts[:COUNT_NSEG], cp.num_segments, cp.seg_len)
 
 
 def route_offsets(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):

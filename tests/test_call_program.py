@@ -10,7 +10,9 @@ its own), and the outputs returned pointing where the launches wrote. Forms the 
 takes (contiguous inputs, a float32 or bfloat16 initial state or state pool, read and
 maybe written back in place) must be taken
 once the Python path has bound the call's kernels; every other form must be left to the
-Python path, with nothing launched by the program. Needs the native layer built.
+Python path, with nothing launched by the program. Segmented calls (context parallelism)
+likewise, their plain-Triton segment kernels recorded with the Gluon launches. Needs the
+native layer built.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gdn_dispatch.backends.call_program import PROGRAM_CALLS  # noqa: E402
 from gdn_dispatch.backends.gluon_common import call_program  # noqa: E402
 from gdn_dispatch.backends.gluon_common import compat  # noqa: E402
 from gdn_dispatch.backends.gluon_common import forward as F  # noqa: E402
+from gdn_dispatch.backends.gluon_common import launch as L  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
 from gdn_dispatch.backends.triton_generic import call_program as tg_program  # noqa: E402
 from gdn_dispatch.backends.triton_generic import configs as tg_configs  # noqa: E402
@@ -235,6 +238,78 @@ def stubbed_triton_launches():
         tg_program.clear_programs()
         yield runs
     tg_program.clear_programs()
+
+
+@contextlib.contextmanager
+def stubbed_segmented_launches():
+    """The Gluon forward's launches stubbed as :func:`stubbed_launches` does, and the
+    plain-Triton segment kernels it launches on a segmented call as
+    :func:`stubbed_triton_launches` does, all recorded in one list, in order (the one
+    device: CPU tensors, index None)."""
+
+    class Runtime:
+        compat = compat
+
+        def direct(self):
+            return True
+
+        def stream(self, device):
+            return 1234
+
+    with stubbed_launches() as stub:
+        def jit_launch(kernel, grid, cfg, kwargs):
+            return _Compiled(kernel.fn, stub.runs, 0)
+
+        with mock.patch.object(tg_configs, "_jit_launch", jit_launch), \
+                mock.patch.object(direct_launch, "_RUNTIME", Runtime()), \
+                mock.patch.object(direct_launch, "_CALL_SITES", {}), \
+                mock.patch.object(L._RUNTIME, "current_device", lambda: None):
+            yield stub
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_segmented_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch, capability):
+    """Calls with a forced segment count: wy, [qk rnorm,] pass 1, the scan and pass 2 in
+    one program, the segment kernels through their plain-Triton launch sites; a ragged batch
+    with a host copy of its offsets too (pass 2's plan reads the segment offsets it gives)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    clear_plan_cache()
+    device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
+    rng = random.Random(4321 + capability[0])
+    taken = {"yes": 0}
+    real_run = call_program.run_segmented_call
+
+    def spy(*args):
+        out = real_run(*args)
+        taken["yes"] += out is not None
+        return out
+
+    count = pools = 0
+    with stubbed_segmented_launches() as stub:
+        for i in range(60):
+            call, takes = _random_form(rng)
+            call["context_parallel"] = rng.choice([2, 3, 4])
+            problem = make_problem(**call)
+            assert F.plan_for_problem(problem, device.sm_count).enabled, f"call {i}"
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
+                                                                 "state_indices")}
+            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
+            with mock.patch.object(F, "run_segmented_call", lambda *a: None):
+                F.forward(problem, device, engine=engine)  # binds this form's kernels
+                stub.runs.clear()
+                expected = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            stub.runs.clear()
+            taken["yes"] = 0
+            with mock.patch.object(F, "run_segmented_call", spy):
+                got = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            launched = [name for name, *_ in got[0]]
+            assert launched == ["_wy_fwd_kernel"] + (["_qk_rnorm_fwd_kernel"] if problem.use_qk_l2norm else []) + [
+                "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel", "_state_output_fwd_kernel"], f"call {i}"
+            assert got == expected, f"call {i}: {call.keys()}"
+            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            count += takes
+            pools += takes and problem.state_indices is not None
+    assert 25 <= count <= 55 and pools >= 2  # taken and refused forms both drawn, pools among them
 
 
 @pytest.mark.parametrize("fused_solve", [True, False])

@@ -685,6 +685,21 @@ def test_segment_tables_count_the_slots_with_tokens(lengths, L, busy):
     assert host.aligned == (not any(x % 64 for x in offsets))
 
 
+def test_a_uniform_batchs_segment_facts_follow_from_its_counts():
+    """What a route reads of a uniform batch's (or one packed sequence's) segments from its
+    counts alone is what the offsets the forward computes give."""
+    from gdn_dispatch.backends.gluon_common import segments
+
+    rng = torch.Generator().manual_seed(11)
+    for _ in range(300):
+        B = int(torch.randint(1, 5, (), generator=rng))
+        T = int(torch.randint(1, 5000, (), generator=rng))
+        L = 64 * int(torch.randint(1, 40, (), generator=rng))
+        host = segments._uniform_segment_offsets(B, T, L)
+        assert segments.uniform_segment_facts(B, T, L) == segments.segment_facts(host), (B, T, L)
+    assert segments.segment_facts(None) == (True, None)
+
+
 def test_slots_with_tokens_need_host_offsets():
     call = random_call(lengths=[4096, 100], H=1, HV=1, K=8, V=8, dtype=torch.float32)
     call.pop("cu_seqlens_cpu")

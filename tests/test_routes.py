@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch import api, op, routes  # noqa: E402
+from gdn_dispatch.context_parallel import plan_for_problem  # noqa: E402
 from gdn_dispatch.contract import GDNInputError, make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
 from gdn_dispatch.routes import ROUTE_CALLS  # noqa: E402
@@ -34,7 +35,7 @@ from gdn_dispatch.testing import random_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
 from gdn_dispatch.backends.triton_generic import call_program as tg_program  # noqa: E402
 
-from test_call_program import _labels, _random_form, stubbed_triton_launches  # noqa: E402
+from test_call_program import _labels, _random_form, stubbed_segmented_launches, stubbed_triton_launches  # noqa: E402
 from test_gluon_host_path import stubbed_launches  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -112,6 +113,43 @@ def test_triton_generic_routed_calls_launch_what_the_python_path_launches(native
             routed += taken
             pools += taken and "state_indices" in call
     assert 25 <= routed <= 55 and pools >= 2
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
+def test_segmented_calls_are_routed(native_built, monkeypatch, capability):
+    """Calls context parallelism segments (``"auto"``: a long prompt on a few heads) go
+    through their route and program: one packed sequence with or without a host copy of
+    the offsets, a uniform batch, a ragged batch without a host copy (its segments' tails
+    assumed); a ragged batch with a host copy is left to the Python path (pass 2's plan
+    reads the segment offsets it gives). Each with random flags: the launches must equal
+    the Python path's."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    clear_plan_cache()
+    backend = "gluon_sm90" if capability == (9, 0) else "gluon_sm100"
+    device = assumed_device(f"sm_{capability[0]}{capability[1]}")
+    rng = random.Random(97 + capability[0])
+    # (lengths or uniform batch, host copy, H, HV, routed)
+    cases = [([5000], True, 2, 4, 1), ([4096], True, 2, 4, 1), ([6100], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
+             ((1, 4100), None, 2, 4, 1), ([3000, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, 0),
+             ([4500, 0, 4700], False, 1, 1, 1)]
+    with stubbed_segmented_launches() as stub, public_calls(backend, device):
+        for i, (shape, host_copy, H, HV, routed) in enumerate(cases * 2):
+            dims = rng.choice([(128, 128), (64, 128), (128, 64), (64, 64)])
+            shaped = dict(batch=shape) if isinstance(shape, tuple) else dict(lengths=shape)
+            call = random_call(**shaped, H=H, HV=HV, K=dims[0], V=dims[1], dtype=rng.choice([torch.bfloat16,
+                               torch.float16]), seed=i, initial_state=rng.random() < 0.7,
+                               state_layout=rng.choice(["kv", "vk"]))
+            if host_copy is False:
+                call.pop("cu_seqlens_cpu")
+            if call["initial_state"] is not None and rng.random() < 0.5:
+                call["initial_state"] = call["initial_state"].to(torch.bfloat16)
+            call.update(output_final_state=rng.random() < 0.7, use_qk_l2norm_in_kernel=rng.random() < 0.5,
+                        backend=backend)
+            assert make_problem(**call).context_parallel == "auto"
+            assert plan_for_problem(make_problem(**call), device.sm_count).enabled, f"case {i}"
+            taken = _compare(call, stub.runs, i)
+            assert taken == routed, f"case {i}: routed {taken}, expected {routed}"
+            assert "_segment_scan_fwd_kernel" in [name for name, *_ in _labels(stub.runs, (), {})[0]]
 
 
 def _plain_call(rng) -> dict:

@@ -34,9 +34,9 @@ norms (8 bytes per token and head) and folds them into row and column scales in 
 (no normalized copy of q or k is written). The warp-specialized path reads normalized
 copies instead: there the norms would add to the aux partition, which paces that kernel.
 Nothing here reads a device value back to the host. Every launch goes through
-:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch), or, for an
-unsegmented call of the common forms once its kernels are kept, the call's program runs
-its allocations and launches in one native call with the same arguments
+:func:`.launch.launch_planned` (Triton's binder only on a plan's first launch), or, for a
+call of the common forms once its kernels are kept (segmented or not), the call's program
+runs its allocations and launches in one native call with the same arguments
 (:mod:`.call_program`).
 
 Inputs are read where they lie: q, k, v in token rows through TMA descriptors with their
@@ -49,23 +49,21 @@ written back, in place through ``state_indices``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from gdn_dispatch import native
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, _counted_copy, replace_fields
+from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
-from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common.buffers import call_buffers
-from gdn_dispatch.backends.gluon_common.call_program import run_call
+from gdn_dispatch.backends.gluon_common.call_program import run_call, run_segmented_call
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
@@ -98,11 +96,16 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     # the path's own needs decide what is copied.
     cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
-    if not cp.enabled:
-        # The common forms in one native call, where the layer is built (None: not taken).
+    # The common forms in one native call, where the layer is built (None: not taken).
+    pass_two = None
+    if cp.enabled:
+        pass_two = segment_launches(problem, cp, device, engine, launches,
+                                    segment_host_offsets(problem.chunks, cp.seg_len))
+        done = run_segmented_call(problem, cp, launches, pass_two)
+    else:
         done = run_call(problem, launches, engine)
-        if done is not None:
-            return done
+    if done is not None:
+        return done
     # On the path the qk l2 norm kernel reads q and k by pointer, at any token stride, and
     # the TMA reads its normalized copies: only v must be TMA-readable.
     norm_copies = launches.norm_copies
@@ -123,7 +126,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
                          out=buffers[:3])
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     if cp.enabled:
-        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:])
+        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:], pass_two=pass_two)
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
@@ -164,7 +167,8 @@ def unsupported_reason(problem: GDNProblem) -> str | None:
 
 def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w: torch.Tensor, u: torch.Tensor,
                   g_cum: torch.Tensor, rnorm: torch.Tensor | None,
-                  out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  out: tuple | None = None, pass_two: ForwardPlan | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` over the segments of ``cp`` (``cp.enabled``).
 
     Parameters
@@ -179,6 +183,7 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         the qk l2 norm, else None.
     out : (o, seg_cu, M_hi, M_lo, N, seg_h0, final state or None) as :func:`call_buffers`
         allocates them, or None to allocate them in the launching functions.
+    pass_two : the call's :func:`segment_launches`, or None to plan them here.
 
     Returns
     -------
@@ -191,15 +196,46 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     # takes per-v-head ones.
     o_out, starts = (None, None) if out is None else ((out[0], None), out[1:])
     seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts)
-    segments = segment_problem(problem, cp, seg_cu, seg_h0)
-    launch = plan(segments, device=device, engine=engine, fused=False,
-                  busy_seqs=segments.chunks.nonempty_seqs()).stage("state_output_fwd")
+    host = segment_host_offsets(problem.chunks, cp.seg_len)
+    segments = segment_problem(problem, cp, seg_cu, seg_h0, host)
+    if pass_two is None:
+        pass_two = segment_launches(problem, cp, device, engine, plan(problem, device=device, engine=engine,
+                                                                      fused=False), host)
+    launch = pass_two.stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
                             initial_state=seg_h0, rnorm=rnorm, out=o_out)
     return o, final_state
 
 
-def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h0: torch.Tensor) -> GDNProblem:
+def segment_launches(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, launches: ForwardPlan,
+                     host: SegmentOffsets | None) -> ForwardPlan:
+    """Pass 2's launches: the plan of ``problem`` over its segments (:func:`segment_problem`),
+    its V-block chosen on the segment slots that hold tokens.
+
+    The segments' call class follows from the call's (``launches.cls``) and whether some
+    segment ends inside a chunk, so the call's class keeps it per that flag
+    (``ClassPlan.segment_classes``): a call then reads it from its counts and the host
+    offsets' facts alone (:func:`segment_facts`), as a route does.
+
+    Parameters
+    ----------
+    problem : the validated call; cp : its context-parallel plan (``cp.enabled``).
+    device, engine : as :func:`forward` got them.
+    launches : the call's own ForwardPlan (``plan(problem, ..., fused=False)``).
+    host : :func:`segment_host_offsets` of the call (None without a host copy).
+    """
+    tails, busy = segment_facts(host)
+    cls = launches.cls.segment_classes.get(tails)
+    if cls is None:
+        seg_cu = torch.empty(cp.num_segments + 1, dtype=problem.chunks.cu_seqlens.dtype, device="meta")
+        seg_h0 = torch.empty(cp.num_segments, problem.HV, problem.K, problem.V, dtype=torch.float32, device="meta")
+        segments = segment_problem(problem, cp, seg_cu, seg_h0, host)
+        cls = launches.cls.segment_classes[tails] = plan(segments, device=device, engine=engine, fused=False).cls
+    return cls.for_call(launches.rows, cp.num_segments, False, busy)
+
+
+def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h0: torch.Tensor,
+                    host: SegmentOffsets | None = None) -> GDNProblem:
     """``problem`` with its segments as the sequences, as pass 2 runs it.
 
     Segment slot ``s`` is sequence ``s`` (empty slots are zero-length sequences); its start
@@ -218,8 +254,11 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
     seg_cu : int Tensor ``[NSEG + 1]``, cu_seqlens's dtype: the segment offsets
         (pass 1 writes them; a ``meta`` tensor in a dry run).
     seg_h0 : float32 Tensor ``[NSEG, HV, K, V]``: the segment start states.
+    host : :func:`segment_host_offsets` of the call, where the caller has them (None: read
+        here).
     """
-    host = segment_host_offsets(problem.chunks, cp.seg_len)
+    if host is None:
+        host = segment_host_offsets(problem.chunks, cp.seg_len)
     if host is None:
         table = segment_table(problem.chunks, problem.B * problem.T, cp, seg_cu)
     else:
@@ -228,58 +267,6 @@ def segment_problem(problem: GDNProblem, cp: CPPlan, seg_cu: torch.Tensor, seg_h
     return replace_fields(problem, chunks=table, cu_seqlens=seg_cu, initial_state=seg_h0,
                           output_final_state=False, state_layout=StateLayout.KV, state_indices=None,
                           inplace_final_state=False, context_parallel="off")
-
-
-class SegmentOffsets(NamedTuple):
-    """The segment offsets on the host (int64 ``[NSEG + 1]``) and what the planners read of
-    them: the longest segment, whether every offset is a multiple of the chunk, how many
-    segment slots hold tokens."""
-
-    offsets: torch.Tensor
-    longest: int
-    aligned: bool
-    nonempty: int
-
-
-def segment_host_offsets(chunks: ChunkTable, seg_len: int) -> SegmentOffsets | None:
-    """The segment offsets pass 1 writes on the device, computed on the host from the
-    call's host copy of ``cu_seqlens``, with what the planners read of them from the same
-    pass (a segmented call's host path reads them once); None without a host copy.
-
-    The fused kernel's tail flag reads them: segments end inside a chunk exactly where the
-    call's sequences do, which only host offsets show (without them the flag is on).
-    """
-    if chunks.cu_seqlens_host is None:
-        return None
-    if chunks.uniform or chunks.num_seqs == 1:
-        # One packed prompt (a long prompt's call on a tensor-parallel shard) is a uniform
-        # batch of one row.
-        # Its one length is the longest, which the contract read from the host copy.
-        return _uniform_segment_offsets(chunks.num_seqs, chunks.longest_length() if chunks.num_seqs else 0,
-                                        seg_len)
-    return _offsets_read(_segment_offsets(chunks.cu_seqlens_host.tolist(), seg_len))
-
-
-def _offsets_read(offsets: list[int]) -> SegmentOffsets:
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    return SegmentOffsets(torch.tensor(offsets, dtype=torch.int64), max(lengths, default=0),
-                          not any(x % CHUNK_SIZE for x in offsets), sum(n > 0 for n in lengths))
-
-
-def _segment_offsets(cu: list[int], seg_len: int) -> list[int]:
-    # Sequence n owns slots cu[n] // L + n .. cu[n + 1] // L + n; its j-th starts at
-    # cu[n] + j L, clamped to its end (gdn_dispatch.context_parallel).
-    out = []
-    for bos, eos in zip(cu, cu[1:]):
-        out.extend(min(bos + j * seg_len, eos) for j in range(eos // seg_len - bos // seg_len + 1))
-    out.append(cu[-1])
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_segment_offsets(B: int, T: int, seg_len: int) -> SegmentOffsets:
-    """Uniform batches recur with few shapes: their offsets are read once per shape."""
-    return _offsets_read(_segment_offsets([n * T for n in range(B + 1)], seg_len))
 
 
 @dataclass(frozen=True)
@@ -360,9 +347,6 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     if not cp.enabled:
         return CallPlan(context_parallel=cp, launches=launches, segments=None)
-    seg_cu = torch.empty(cp.num_segments + 1, dtype=problem.chunks.cu_seqlens.dtype, device="meta")
-    seg_h0 = torch.empty(cp.num_segments, problem.HV, problem.K, problem.V, dtype=torch.float32, device="meta")
-    seg_problem = segment_problem(problem, cp, seg_cu, seg_h0)
-    segments = plan(seg_problem, device=device, engine=engine, fused=False,
-                    busy_seqs=seg_problem.chunks.nonempty_seqs())
+    segments = segment_launches(problem, cp, device, engine, launches,
+                                segment_host_offsets(problem.chunks, cp.seg_len))
     return CallPlan(context_parallel=cp, launches=launches, segments=segments)

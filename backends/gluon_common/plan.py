@@ -152,6 +152,9 @@ class ClassPlan:
     #: The class's native call programs by launch sequence and initial-state presence
     #: (:mod:`.call_program`), made on use.
     programs: dict = field(default_factory=dict, repr=False)
+    #: The call class of a segmented call's pass 2 by whether a segment ends inside a
+    #: chunk (``forward.segment_launches``), made on use.
+    segment_classes: dict = field(default_factory=dict, repr=False)
 
     @property
     def flags(self) -> tuple:

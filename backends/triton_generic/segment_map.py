@@ -223,14 +223,29 @@ def segment_map_fwd(
     if NSEG == 0:  # no sequence and no token: the table is [0]
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
-    dot_prec, _ = dot_precisions(k.dtype)
     # Host ceil-divisions: triton.cdiv is a constexpr function, slow on a call's host path.
-    grid = (NSEG * HV * (-(-V // cfg.BV) - (-K // cfg.BV)),)
-    launch(_segment_map_fwd_kernel, grid, cfg,
-        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm if k_rnorm is not None else g_cum, cu_seqlens=cu_seqlens,
-        seg_cu=seg_cu, N=N, NSEG=NSEG, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=token_stride("k", k),
-        H=H, HV=HV, K=K, V=V, BT=64, BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm,
-        LOAD_RNORM=use_qk_l2norm and k_rnorm is not None, DOT_PREC=dot_prec, INTERP_BF16=interp_bf16_dots(k.dtype),
-        INTERPRET=interpreting(),
-    )
+    grid = (NSEG * HV * segment_map_blocks(K, V, cfg),)
+    launch(_segment_map_fwd_kernel, grid, cfg, **segment_map_launch_args(
+        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, cu_seqlens, seg_cu, N, NSEG,
+        seg_len, m_hi, m_lo, n_out, token_stride("k", k), H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
+        load_rnorm=use_qk_l2norm and k_rnorm is not None))
     return seg_cu, m_hi, m_lo, n_out
+
+
+def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
+    """Pass 1's programs per (segment slot, v-head): the BC-wide blocks of N's ``V`` columns
+    and of M's ``K``."""
+    return -(-V // cfg.BV) - (-K // cfg.BV)
+
+
+def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg_cu, num_seqs, num_segments, seg_len,
+                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm) -> dict:
+    """Every argument of one ``_segment_map_fwd_kernel`` launch by name, an unused
+    ``k_rnorm`` already replaced by a stand-in (what :func:`segment_map_fwd` launches with;
+    a call program binds the same list, :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
+    dot_prec, _ = dot_precisions(dtype)
+    return dict(
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
+        NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
+        BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting())

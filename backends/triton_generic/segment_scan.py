@@ -257,18 +257,26 @@ def segment_scan_fwd(
         capability, sm_count = device_facts(n_in.device)
         cfg = segment_scan_config(K, V, capability, N * HV, sm_count, m_hi.dtype == torch.bfloat16)
     grid = (N * HV * -(-V // cfg.BV),)  # host ceil-div (triton.cdiv is a slow constexpr function)
-    launch(_segment_scan_fwd_kernel, grid, cfg,
-        m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens,
-        h0=initial_state if initial_state is not None else n_in,
-        ht=final_state if final_state is not None else n_in, seg_h0=seg_h0,
-        state_indices=state_indices if state_indices is not None else cu_seqlens,
-        P=initial_state.shape[0] if state_indices is not None else 0,
-        L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=scan_block_kc(cfg), BV=cfg.BV,
-        USE_H0=initial_state is not None, USE_POOL=state_indices is not None,
-        INPLACE=state_indices is not None and inplace_final_state, STORE_HT=final_state is not None,
-        STATE_VK=state_vk, INTERPRET=interpreting(),
-    )
+    pool = state_indices is not None
+    launch(_segment_scan_fwd_kernel, grid, cfg, **segment_scan_launch_args(
+        cfg, m_hi, m_lo, n_in, cu_seqlens, initial_state if initial_state is not None else n_in,
+        final_state if final_state is not None else n_in, seg_h0, state_indices if pool else cu_seqlens,
+        initial_state.shape[0] if pool else 0, seg_len, HV, K, V, use_h0=initial_state is not None, use_pool=pool,
+        inplace=pool and inplace_final_state, store_ht=final_state is not None, state_vk=state_vk))
     return seg_h0, final_state
+
+
+def segment_scan_launch_args(cfg, m_hi, m_lo, n_in, cu_seqlens, h0, ht, seg_h0, state_indices, pool_size, seg_len,
+                             HV, K, V, *, use_h0, use_pool, inplace, store_ht, state_vk) -> dict:
+    """Every argument of one ``_segment_scan_fwd_kernel`` launch by name, the unused
+    pointers (``h0``, ``ht``, ``state_indices``) already replaced by a stand-in (what
+    :func:`segment_scan_fwd` launches with; a call program binds the same list,
+    :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
+    return dict(
+        m_hi=m_hi, m_lo=m_lo, n_in=n_in, cu_seqlens=cu_seqlens, h0=h0, ht=ht, seg_h0=seg_h0,
+        state_indices=state_indices, P=pool_size, L=seg_len, HV=HV, K=K, V=V, BK=cfg.BK, BKC=scan_block_kc(cfg),
+        BV=cfg.BV, USE_H0=use_h0, USE_POOL=use_pool, INPLACE=inplace, STORE_HT=store_ht, STATE_VK=state_vk,
+        INTERPRET=interpreting())
 
 
 def split_maps(m: torch.Tensor, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
