@@ -28,7 +28,10 @@ pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch import api, native  # noqa: E402
 from gdn_dispatch.routes import ROUTE_CALLS  # noqa: E402
-from gdn_dispatch.testing import rel_rms_error  # noqa: E402
+from gdn_dispatch import reference  # noqa: E402
+from gdn_dispatch.context_parallel import plan_for_problem  # noqa: E402
+from gdn_dispatch.contract import make_problem  # noqa: E402
+from gdn_dispatch.testing import poison_cuda_allocator, random_call, rel_rms_error  # noqa: E402
 
 from test_call_program import _random_form  # noqa: E402
 
@@ -85,3 +88,61 @@ def test_routed_calls_return_what_the_python_path_returns(backend):
         if expected[1] is not None:
             assert rel_rms_error(got[1], expected[1]) <= 1e-6, f"call {i}: final state"
     assert routed >= 10
+
+
+def test_segmented_calls_routed_return_what_the_python_path_returns():
+    """Long prompts on few heads, which ``"auto"`` segments, through their route and call
+    program (wy, pass 1, scan, pass 2 in one native call): one packed sequence with and
+    without a host copy of its offsets, a uniform batch, a ragged batch without a host
+    copy, and a ragged batch with one (left to the Python path). The routed call (outputs
+    on a NaN-poisoned allocator) must agree with routes off to 1e-6 and with the float32
+    reference to 5e-3, the final states and written pool rows too."""
+    if native.for_calls() is None:
+        pytest.skip("the native layer is not built (python -m gdn_dispatch warmup)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("gluon_sm90 runs on sm_90 only")
+    rng = random.Random(2211)
+    # (lengths or uniform batch, host copy, H, HV, routed)
+    cases = [([9000], True, 2, 4, 1), ([8192], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
+             ([3000, 0, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, 0)]
+    for i, (shape, host_copy, H, HV, routed) in enumerate(cases * 2):
+        K, V = rng.choice([(128, 128), (64, 128), (128, 64), (64, 64)])
+        shaped = dict(batch=shape) if isinstance(shape, tuple) else dict(lengths=shape)
+        call = random_call(**shaped, H=H, HV=HV, K=K, V=V, dtype=rng.choice([torch.bfloat16, torch.float16]),
+                           device="cuda", seed=300 + i, state_layout=rng.choice(["kv", "vk"]))
+        if host_copy is False:
+            call.pop("cu_seqlens_cpu")
+        N = call["initial_state"].shape[0]
+        if i % 3 == 1:  # a state pool read and written back in place
+            pool = torch.randn(N + 2, *call["initial_state"].shape[1:], device="cuda") * 0.1
+            call.update(initial_state=pool, state_indices=torch.randperm(N + 2, device="cuda")[:N],
+                        inplace_final_state=True)
+        elif i % 3 == 2:
+            call["initial_state"] = call["initial_state"].to(torch.bfloat16)
+        call.update(output_final_state=True, backend="gluon_sm90")
+        problem = make_problem(**call)
+        assert plan_for_problem(problem, torch.cuda.get_device_properties(0).multi_processor_count).enabled
+        pool = call["initial_state"] if call.get("inplace_final_state") else None
+        start = None if pool is None else pool.clone()
+        for _ in range(3):  # binds the form's kernels, builds its program and its route
+            api.chunk_gated_delta_rule(**call)
+            if pool is not None:
+                pool.copy_(start)
+        with mock.patch.object(api, "routed_call", lambda *a: None):
+            expected = api.chunk_gated_delta_rule(**call)
+        if pool is not None:
+            expected_pool = pool.clone()
+            pool.copy_(start)
+        want = reference.forward(make_problem(**{**call, "backend": "reference", "initial_state": (
+            start if pool is not None else call["initial_state"]).clone()}))
+        poison_cuda_allocator()
+        before = ROUTE_CALLS["taken"]
+        got = api.chunk_gated_delta_rule(**call)
+        assert ROUTE_CALLS["taken"] - before == routed, f"case {i}"
+        assert all(bool(t.isfinite().all()) for t in got), f"case {i}: not finite"
+        assert rel_rms_error(got[0], expected[0]) <= 1e-6, f"case {i}: o"
+        assert rel_rms_error(got[1], expected[1]) <= 1e-6, f"case {i}: final state"
+        assert rel_rms_error(got[0].float(), want[0].float()) <= 5e-3, f"case {i}: o against the reference"
+        assert rel_rms_error(got[1], want[1].float()) <= 5e-3, f"case {i}: final state against the reference"
+        if pool is not None:
+            assert rel_rms_error(pool.float(), expected_pool.float()) <= 1e-6, f"case {i}: pool rows"
