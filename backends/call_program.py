@@ -93,14 +93,18 @@ def segmented_counts(counts: tuple, cp) -> tuple:
     return (*counts[:COUNT_NSEG], cp.num_segments, cp.seg_len)
 
 
-def route_offsets(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):
+def route_decisions(q, cu, B: int, T: int, N: int, HV: int, V: int, request, sm_count: int, longest: int | None):
     """What both backends' route runners decide alike from a call's counts: None where
     the forward would not run the call through a program (no token rows, no (sequence,
-    v-head) pair, context parallelism on, a uniform batch under CUDA-graph capture), else
-    the offsets its kernels read (``cu``, or a uniform batch's kept ones)."""
-    if B * T == 0 or N * HV == 0 or plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest).enabled:
+    v-head) pair, a uniform batch under CUDA-graph capture), else ``(offsets, cp)``: the
+    offsets its kernels read (``cu``, or a uniform batch's kept ones) and the call's
+    context-parallel plan."""
+    if B * T == 0 or N * HV == 0:
         return None
-    return kept_uniform_offsets(B, T, CHUNK_SIZE, q.device) if cu is None else cu
+    offsets = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device) if cu is None else cu
+    if offsets is None:
+        return None
+    return offsets, plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest)
 
 
 def add_step(program, module, compiled: dict, args: dict, tensors: dict, grid: tuple, rows_count: int,

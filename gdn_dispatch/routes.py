@@ -21,10 +21,10 @@ context-parallel request, and the environment the registry reads (``GDN_BACKEND`
 ``TRITON_INTERPRET``, ``GDN_SELFTEST``). The runner is the chosen backend's
 (``route_runner(problem, selection)``, where the module has one): it checks per call what
 the forward checks (the current device, context parallelism, index limits) and runs the
-call's program (:mod:`gdn_dispatch.backends.call_program`; the Gluon backends' take
-segmented calls too, triton_generic's only unsegmented ones). A call it does not take (a
-program not built yet, another specialization, a segmented call its backend has no
-program for) it returns None for, launching nothing; the route then runs the Python path from the contract on with the
+call's program (:mod:`gdn_dispatch.backends.call_program`), segmented calls included. A
+call it does not take (a program not built yet, another specialization, a segmented
+ragged batch with a host copy of its offsets on the Gluon backends, whose pass 2 reads
+the segment offsets) it returns None for, launching nothing; the route then runs the Python path from the contract on with the
 form's kept registry choice (:func:`gdn_dispatch.registry.confirm`: the backend's own
 per-call check still asked), instead of choosing again. Every error is the Python path's: a call the
 native admission refuses, with an int scale, a forced segment count,

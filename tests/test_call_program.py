@@ -354,3 +354,50 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
             count += takes
             pools += takes and problem.state_indices is not None
     assert 60 <= count <= 110 and pools >= 3  # taken and refused forms both drawn, pools among them
+
+
+@pytest.mark.parametrize("fused_solve", [True, False])
+def test_triton_generic_segmented_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch,
+                                                                                     fused_solve):
+    """Calls with a forced segment count: the kernel forming T, pass 1, the scan, and the
+    state and output kernels over the segment slots in one program, ragged batches with a
+    host copy of their offsets among them (pass 2 here reads none)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
+    monkeypatch.setattr(tg_program, "fuse_solve_into_wu", lambda capability: fused_solve)
+    rng = random.Random(313 + fused_solve)
+    taken = {"yes": 0}
+    real_run = tg_program.run_segmented_call
+
+    def spy(*args):
+        out = real_run(*args)
+        taken["yes"] += out is not None
+        return out
+
+    count = pools = 0
+    with stubbed_triton_launches() as runs:
+        for i in range(60):
+            call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128)),
+                                       dtypes=(torch.bfloat16, torch.float16, torch.float32))
+            call["context_parallel"] = rng.choice([2, 3, 4])
+            problem = make_problem(**call)
+            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
+                                                                 "state_indices")}
+            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
+            with mock.patch.object(TG, "run_segmented_call", lambda *a: None):
+                TG.forward(problem)  # binds this form's kernels
+                runs.clear()
+                expected = _labels(runs, TG.forward(problem), inputs)
+            runs.clear()
+            taken["yes"] = 0
+            with mock.patch.object(TG, "run_segmented_call", spy):
+                got = _labels(runs, TG.forward(problem), inputs)
+            launched = [name for name, *_ in got[0]]
+            assert launched == ([] if fused_solve else ["_kkt_solve_fwd_kernel"]) + [
+                "_wu_fwd_kernel", "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel", "_state_fwd_kernel",
+                "_output_fwd_kernel"], f"call {i}: {launched}"
+            assert got == expected, f"call {i}: {call.keys()}"
+            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            count += takes
+            pools += takes and problem.state_indices is not None
+    assert 25 <= count <= 55 and pools >= 2

@@ -276,17 +276,26 @@ def test_triton_generic_call_buffers(l2, unsegmented, final, layout):
     """triton_generic's one-call allocation against the shapes its stages document."""
     import importlib
 
+    from gdn_dispatch.context_parallel import plan_for_problem
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import random_call
 
     tg_forward = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")
     call = random_call(lengths=[100, 0, 30], H=2, HV=4, K=32, V=48, dtype=torch.float16, seed=4, state_layout=layout)
-    problem = make_problem(**call, output_final_state=final, use_qk_l2norm_in_kernel=l2)
-    out = tg_forward.call_buffers(problem, unsegmented)
+    problem = make_problem(**call, output_final_state=final, use_qk_l2norm_in_kernel=l2,
+                           context_parallel="off" if unsegmented else 2)
+    cp = plan_for_problem(problem, 132)
+    assert cp.enabled != unsegmented
+    out = tg_forward.call_buffers(problem, cp)
     B, T, N, HV, K, V, NS = 1, 130, 3, 4, 32, 48, problem.chunks.num_slots
+    S = cp.num_segments
     f16, f32 = torch.float16, torch.float32
     expected = [((B, T, HV), f32), ((B, T, HV), f32) if l2 else None, ((B, T, HV, K), f16), ((B, T, HV, V), f16)]
-    if unsegmented:
-        expected += [((NS, HV, K, V), f16), ((B, T, HV, V), f16), ((B, T, HV, V), f16),
-                     (((N, HV, V, K) if layout == "vk" else (N, HV, K, V)), f32) if final else None]
+    if not unsegmented:  # pass 1's and the scan's, then pass 2's h over the segments' chunk slots
+        expected += [((S + 1,), call["cu_seqlens"].dtype), ((S, HV, K, K), f32), ((S, HV, K, K), torch.bfloat16),
+                     ((S, HV, K, V), f32), ((S, HV, K, V), f32)]
+        NS = T // 64 + S
+    expected += [((NS, HV, K, V), f16), ((B, T, HV, V), f16), ((B, T, HV, V), f16),
+                 (((N, HV, V, K) if layout == "vk" else (N, HV, K, V)), f32) if final else None]
     assert [t if t is None else (tuple(t.shape), t.dtype) for t in out] == expected
+    assert all(t is None or t.is_contiguous() for t in out)

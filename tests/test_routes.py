@@ -115,24 +115,27 @@ def test_triton_generic_routed_calls_launch_what_the_python_path_launches(native
     assert 25 <= routed <= 55 and pools >= 2
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm90", "sm100"])
-def test_segmented_calls_are_routed(native_built, monkeypatch, capability):
+@pytest.mark.parametrize("backend", ["gluon_sm90", "gluon_sm100", "triton_generic"])
+def test_segmented_calls_are_routed(native_built, monkeypatch, backend):
     """Calls context parallelism segments (``"auto"``: a long prompt on a few heads) go
     through their route and program: one packed sequence with or without a host copy of
     the offsets, a uniform batch, a ragged batch without a host copy (its segments' tails
-    assumed); a ragged batch with a host copy is left to the Python path (pass 2's plan
-    reads the segment offsets it gives). Each with random flags: the launches must equal
-    the Python path's."""
+    assumed); a ragged batch with a host copy is left to the Python path by the Gluon
+    backends (their pass 2's plan reads the segment offsets it gives), not by
+    triton_generic's. Each with random flags: the launches must equal the Python path's."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     clear_plan_cache()
-    backend = "gluon_sm90" if capability == (9, 0) else "gluon_sm100"
+    capability = (10, 0) if backend == "gluon_sm100" else (9, 0)
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
-    rng = random.Random(97 + capability[0])
+    rng = random.Random(97 + capability[0] + len(backend))
+    ragged_host = int(backend == "triton_generic")
     # (lengths or uniform batch, host copy, H, HV, routed)
     cases = [([5000], True, 2, 4, 1), ([4096], True, 2, 4, 1), ([6100], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
-             ((1, 4100), None, 2, 4, 1), ([3000, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, 0),
+             ((1, 4100), None, 2, 4, 1), ([3000, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, ragged_host),
              ([4500, 0, 4700], False, 1, 1, 1)]
-    with stubbed_segmented_launches() as stub, public_calls(backend, device):
+    stub = stubbed_triton_launches() if backend == "triton_generic" else stubbed_segmented_launches()
+    with stub as launched, public_calls(backend, device):
+        runs = launched if backend == "triton_generic" else launched.runs
         for i, (shape, host_copy, H, HV, routed) in enumerate(cases * 2):
             dims = rng.choice([(128, 128), (64, 128), (128, 64), (64, 64)])
             shaped = dict(batch=shape) if isinstance(shape, tuple) else dict(lengths=shape)
@@ -147,9 +150,9 @@ def test_segmented_calls_are_routed(native_built, monkeypatch, capability):
                         backend=backend)
             assert make_problem(**call).context_parallel == "auto"
             assert plan_for_problem(make_problem(**call), device.sm_count).enabled, f"case {i}"
-            taken = _compare(call, stub.runs, i)
+            taken = _compare(call, runs, i)
             assert taken == routed, f"case {i}: routed {taken}, expected {routed}"
-            assert "_segment_scan_fwd_kernel" in [name for name, *_ in _labels(stub.runs, (), {})[0]]
+            assert "_segment_scan_fwd_kernel" in [name for name, *_ in _labels(runs, (), {})[0]]
 
 
 def _plain_call(rng) -> dict:
@@ -235,9 +238,10 @@ def test_a_route_leaves_to_the_python_path_what_it_does_not_decide(native_built,
 
 
 def test_a_declined_call_keeps_the_forms_registry_choice(native_built, monkeypatch):
-    """A call the runner declines (here context parallelism on: a long prompt on a 2/4-head
-    shard) runs the Python path from the contract on with the route's registry choice: the
-    same launches as with routes off, and no second registry choice."""
+    """A call the runner declines (here one whose program refuses its float16 initial
+    state, which the Python path converts; context parallelism on: a long prompt on a
+    2/4-head shard) runs the Python path from the contract on with the route's registry
+    choice: the same launches as with routes off, and no second registry choice."""
     from gdn_dispatch import registry
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -252,6 +256,7 @@ def test_a_declined_call_keeps_the_forms_registry_choice(native_built, monkeypat
             mock.patch.object(op, "select", counting_select), mock.patch.object(routes, "select", counting_select):
         call = dict(random_call(lengths=[20000, 3000], H=2, HV=4, K=64, V=64, device="cpu", seed=21),
                     output_final_state=True, backend="triton_generic")
+        call["initial_state"] = call["initial_state"].to(torch.float16)
         assert make_problem(**call).chunks.num_seqs == 2
         declined = ROUTE_CALLS["declined"]
         assert _compare(call, runs, 0) == 0  # the route declines it; launches as without routes

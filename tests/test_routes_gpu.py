@@ -90,21 +90,24 @@ def test_routed_calls_return_what_the_python_path_returns(backend):
     assert routed >= 10
 
 
-def test_segmented_calls_routed_return_what_the_python_path_returns():
+@pytest.mark.parametrize("backend", ["gluon_sm90", "triton_generic"])
+def test_segmented_calls_routed_return_what_the_python_path_returns(backend):
     """Long prompts on few heads, which ``"auto"`` segments, through their route and call
     program (wy, pass 1, scan, pass 2 in one native call): one packed sequence with and
     without a host copy of its offsets, a uniform batch, a ragged batch without a host
-    copy, and a ragged batch with one (left to the Python path). The routed call (outputs
+    copy, and a ragged batch with one (left to the Python path by gluon_sm90, whose pass 2
+    reads the segment offsets it gives). The routed call (outputs
     on a NaN-poisoned allocator) must agree with routes off to 1e-6 and with the float32
     reference to 5e-3, the final states and written pool rows too."""
     if native.for_calls() is None:
         pytest.skip("the native layer is not built (python -m gdn_dispatch warmup)")
-    if torch.cuda.get_device_capability() != (9, 0):
+    if backend == "gluon_sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("gluon_sm90 runs on sm_90 only")
     rng = random.Random(2211)
+    ragged_host = int(backend == "triton_generic")
     # (lengths or uniform batch, host copy, H, HV, routed)
     cases = [([9000], True, 2, 4, 1), ([8192], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
-             ([3000, 0, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, 0)]
+             ([3000, 0, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, ragged_host)]
     for i, (shape, host_copy, H, HV, routed) in enumerate(cases * 2):
         K, V = rng.choice([(128, 128), (64, 128), (128, 64), (64, 64)])
         shaped = dict(batch=shape) if isinstance(shape, tuple) else dict(lengths=shape)
@@ -119,7 +122,7 @@ def test_segmented_calls_routed_return_what_the_python_path_returns():
                         inplace_final_state=True)
         elif i % 3 == 2:
             call["initial_state"] = call["initial_state"].to(torch.bfloat16)
-        call.update(output_final_state=True, backend="gluon_sm90")
+        call.update(output_final_state=True, backend=backend)
         problem = make_problem(**call)
         assert plan_for_problem(problem, torch.cuda.get_device_properties(0).multi_processor_count).enabled
         pool = call["initial_state"] if call.get("inplace_final_state") else None

@@ -38,16 +38,17 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch import native
-from gdn_dispatch.context_parallel import CPPlan, plan_for_counts
+from gdn_dispatch.context_parallel import CPPlan
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.native import INTERMEDIATES
-from gdn_dispatch.varlen import kept_uniform_offsets, num_slots
+from gdn_dispatch.varlen import num_slots
 
 from gdn_dispatch.backends import direct_launch
 from gdn_dispatch.backends.call_program import (
     BETA, COUNT_HEAD_ROWS, COUNT_L, COUNT_N, COUNT_NSEG, COUNT_POOL, COUNT_ROWS, CU, G, H0, INDICES, K, Q, SCALE, V,
-    Ref, add_step, buffer_ref, call_counts, call_inputs, count_ref, counted, input_ref, pool_rows, segmented_counts)
+    Ref, add_step, buffer_ref, call_counts, call_inputs, count_ref, counted, input_ref, pool_rows, route_decisions,
+    segmented_counts)
 from gdn_dispatch.backends.gluon_common import launch as L
 from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
@@ -159,13 +160,13 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale):
         if index != torch.cuda.current_device():
             return None
-        rows = B * T
-        if rows == 0 or N * HV == 0:
+        decided = route_decisions(q, cu, B, T, N, HV, V, request, sm_count, longest)
+        if decided is None:
             return None
-        cp = plan_for_counts(request, B, T, N, HV, V, sm_count, cu is None, longest)
-        offsets = kept_uniform_offsets(B, T, CHUNK_SIZE, q.device) if cu is None else cu
+        offsets, cp = decided
+        rows = B * T
         slots = num_slots(rows, N, CHUNK_SIZE)
-        if offsets is None or counts_limits_reason(rows, slots, HV) is not None:
+        if counts_limits_reason(rows, slots, HV) is not None:
             return None
         counts = (N, rows, rows * H, slots, pool_rows(h0, indices))
         if cp.enabled:

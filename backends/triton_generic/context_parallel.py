@@ -80,7 +80,8 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
 
 
 def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                  k_rnorm: torch.Tensor | None, sm_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  k_rnorm: torch.Tensor | None, sm_count: int | None = None,
+                  out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stages 4 and 5 of ``problem`` over the segments of ``plan`` (``plan.enabled``).
 
     Parameters
@@ -90,6 +91,9 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
     g_cum : float32 Tensor ``[B, T, HV]``; w ``[B, T, HV, K]``, u ``[B, T, HV, V]`` in k's
         dtype; k_rnorm float32 ``[B, T, HV]`` or None: stages 1-3 of the call.
     sm_count : int or None, the SMs the state kernel's config fills (see :func:`state_fwd`).
+    out : (seg_cu, M_hi, M_lo, N, seg_h0, h, v_new, o, final state or None) as
+        :func:`.buffers.call_buffers` allocates them, or None to allocate them in the
+        launching functions.
 
     Returns
     -------
@@ -99,10 +103,11 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
         rows are written too.
     """
     l2 = problem.use_qk_l2norm
-    seg_cu, seg_h0, final_state = segment_start_states(problem, plan, g_cum, w, u, k_rnorm)
+    starts = None if out is None else (*out[:5], out[8])
+    seg_cu, seg_h0, final_state = segment_start_states(problem, plan, g_cum, w, u, k_rnorm, out=starts)
     segments = segment_table(problem.chunks, problem.B * problem.T, plan, seg_cu)
     h, v_new, _ = state_fwd(problem.k, w, u, g_cum, segments, initial_state=seg_h0, use_qk_l2norm=l2,
-                            k_rnorm=k_rnorm, sm_count=sm_count)
+                            k_rnorm=k_rnorm, sm_count=sm_count, out=None if out is None else (*out[5:7], None))
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,
-                   k_rnorm=k_rnorm)
+                   k_rnorm=k_rnorm, out=None if out is None else out[7])
     return o, final_state

@@ -9,9 +9,10 @@
 
 Tensors ``[B, T, ...]`` lie as the packed ``[B * T, ...]`` token axis whose chunk slots
 (:mod:`gdn_dispatch.varlen`) the per-chunk kernels launch over; a uniform batch and a varlen
-batch take the same path. Nothing here reads a device value back to the host. An
-unsegmented call of the common forms, once its kernels are kept, runs its allocations and
-launches as one native call program with the same arguments (:mod:`.call_program`).
+batch take the same path. Nothing here reads a device value back to the host. A
+call of the common forms (segmented or not), once its kernels are kept, runs its
+allocations and launches as one native call program with the same arguments
+(:mod:`.call_program`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.backends.triton_generic._jit import interpreting
 from gdn_dispatch.backends.triton_generic.buffers import call_buffers
 from gdn_dispatch.backends.triton_generic.call_program import route_runner as _route_runner
-from gdn_dispatch.backends.triton_generic.call_program import run_call
+from gdn_dispatch.backends.triton_generic.call_program import run_call, run_segmented_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
@@ -59,14 +60,14 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
     plan = plan_for_problem(problem, sm_count)
-    if not plan.enabled:
-        # The common forms in one native call, where the layer is built (None: not taken).
-        done = run_call(problem, sm_count)
-        if done is not None:
-            return done
+    # The common forms in one native call, where the layer is built (None: not taken).
+    done = run_segmented_call(problem, plan, sm_count) if plan.enabled else run_call(problem, sm_count)
+    if done is not None:
+        return done
     # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
-    # with the qk l2 norm), w, u and, unsegmented, h, v_new, o and the final state.
-    g_cum, k_rnorm, w, u, *stages = call_buffers(problem, not plan.enabled)
+    # with the qk l2 norm), w, u, [pass 1's and the scan's buffers,] h, v_new, o and the
+    # final state.
+    g_cum, k_rnorm, w, u, *stages = call_buffers(problem, plan)
     # The kernel that forms T forms the gate cumsum into g_cum too (stage 1, no launch of its own).
     A_inv = None
     if not fuse_solve_into_wu(device_facts(problem.device)[0]):
@@ -74,7 +75,7 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv,
                   g=problem.g if A_inv is None else None, use_qk_l2norm=l2, k_rnorm=k_rnorm, out=(w, u))
     if plan.enabled:
-        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count)
+        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count, out=stages)
     h, v_new, o, final_state = stages
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,
