@@ -107,7 +107,7 @@ def test_segmented_calls_routed_return_what_the_python_path_returns(backend):
     ragged_host = int(backend == "triton_generic")
     # (lengths or uniform batch, host copy, H, HV, routed)
     cases = [([9000], True, 2, 4, 1), ([8192], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
-             ([3000, 0, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, ragged_host)]
+             ([3000, 0, 6500], False, 1, 1, 1), ([3000, 6000], True, 1, 2, ragged_host)]
     for i, (shape, host_copy, H, HV, routed) in enumerate(cases * 2):
         K, V = rng.choice([(128, 128), (64, 128), (128, 64), (64, 64)])
         shaped = dict(batch=shape) if isinstance(shape, tuple) else dict(lengths=shape)
