@@ -130,35 +130,18 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
     clear_plan_cache()
     device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
     rng = random.Random(1234 + capability[0])
-    taken = {"yes": 0, "no": 0}
-    real_run_call = call_program.run_call
-
-    def spy(problem, launches, eng):
-        out = real_run_call(problem, launches, eng)
-        taken["yes" if out is not None else "no"] += 1
-        return out
-
     paths = {"fused": 0, "pipeline": 0, "refused": 0, "pool": 0}
     with stubbed_launches() as stub:
         for i in range(120):
             call, takes = _random_form(rng)
             problem = make_problem(**call)
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
-                                                                 "state_indices")}
-            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
-            with mock.patch.object(F, "run_call", lambda *a: None):
-                F.forward(problem, device, engine=engine)  # binds this form's kernels
-                stub.runs.clear()
-                expected = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
-            stub.runs.clear()
-            taken.update(yes=0, no=0)
-            with mock.patch.object(F, "run_call", spy):
-                got = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            expected, got, taken = _both_paths(F, "run_call", lambda: F.forward(problem, device, engine=engine),
+                                               stub.runs, problem)
             assert got == expected, f"call {i}: {call.keys()}"
             # the views are read in place
             assert problem.q.is_contiguous() == call["q"].is_contiguous()
             assert problem.g.is_contiguous() == call["g"].is_contiguous()
-            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            assert taken == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             if takes:
                 fused = F.plan(problem, device=device, engine=engine).fused
                 paths["fused" if fused else "pipeline"] += 1
@@ -276,14 +259,6 @@ def test_segmented_call_programs_launch_what_the_python_path_launches(native_bui
     clear_plan_cache()
     device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
     rng = random.Random(4321 + capability[0])
-    taken = {"yes": 0}
-    real_run = call_program.run_segmented_call
-
-    def spy(*args):
-        out = real_run(*args)
-        taken["yes"] += out is not None
-        return out
-
     count = pools = 0
     with stubbed_segmented_launches() as stub:
         for i in range(60):
@@ -291,113 +266,75 @@ def test_segmented_call_programs_launch_what_the_python_path_launches(native_bui
             call["context_parallel"] = rng.choice([2, 3, 4])
             problem = make_problem(**call)
             assert F.plan_for_problem(problem, device.sm_count).enabled, f"call {i}"
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
-                                                                 "state_indices")}
-            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
-            with mock.patch.object(F, "run_segmented_call", lambda *a: None):
-                F.forward(problem, device, engine=engine)  # binds this form's kernels
-                stub.runs.clear()
-                expected = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
-            stub.runs.clear()
-            taken["yes"] = 0
-            with mock.patch.object(F, "run_segmented_call", spy):
-                got = _labels(stub.runs, F.forward(problem, device, engine=engine), inputs)
+            expected, got, taken = _both_paths(F, "run_segmented_call",
+                                               lambda: F.forward(problem, device, engine=engine), stub.runs, problem)
             launched = [name for name, *_ in got[0]]
             assert launched == ["_wy_fwd_kernel"] + (["_qk_rnorm_fwd_kernel"] if problem.use_qk_l2norm else []) + [
                 "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel", "_state_output_fwd_kernel"], f"call {i}"
             assert got == expected, f"call {i}: {call.keys()}"
-            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            assert taken == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             count += takes
             pools += takes and problem.state_indices is not None
     assert 25 <= count <= 55 and pools >= 2  # taken and refused forms both drawn, pools among them
 
 
+@pytest.mark.parametrize("segmented", [False, True], ids=["unsegmented", "segmented"])
 @pytest.mark.parametrize("fused_solve", [True, False])
-def test_triton_generic_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch, fused_solve):
+def test_triton_generic_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch, fused_solve,
+                                                                           segmented):
     """Both w/u forms: T formed in the w/u kernel (sm_80..sm_90), or by kkt_solve first
-    (sm_100, sm_120; here by the CPU stand-in's capability answer)."""
+    (sm_100, sm_120; here by the CPU stand-in's capability answer). Segmented: a forced
+    segment count, pass 1, the scan and the state and output kernels over the segment
+    slots in the same program, ragged batches with a host copy of their offsets among
+    them (pass 2 here reads none)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
     monkeypatch.setattr(tg_program, "fuse_solve_into_wu", lambda capability: fused_solve)
-    rng = random.Random(77 + fused_solve)
-    taken = {"yes": 0}
-    real_run_call = tg_program.run_call
-
-    def spy(problem, sm_count):
-        out = real_run_call(problem, sm_count)
-        taken["yes"] += out is not None
-        return out
-
+    rng = random.Random(77 + fused_solve + 236 * segmented)
+    entry = "run_segmented_call" if segmented else "run_call"
+    calls = 60 if segmented else 120
     count = pools = 0
     with stubbed_triton_launches() as runs:
-        for i in range(120):
+        for i in range(calls):
             call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128), (80, 96)),
                                        dtypes=(torch.bfloat16, torch.float16, torch.float32))
+            if segmented:
+                call["context_parallel"] = rng.choice([2, 3, 4])
             problem = make_problem(**call)
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
-                                                                 "state_indices")}
-            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
-            with mock.patch.object(TG, "run_call", lambda *a: None):
-                TG.forward(problem)  # binds this form's kernels
-                runs.clear()
-                expected = _labels(runs, TG.forward(problem), inputs)
-            runs.clear()
-            taken["yes"] = 0
-            with mock.patch.object(TG, "run_call", spy):
-                got = _labels(runs, TG.forward(problem), inputs)
+            expected, got, taken = _both_paths(TG, entry, lambda: TG.forward(problem), runs, problem)
             # No cumsum launch: the kernel forming T forms the gate cumsum (w/u fused, else kkt_solve).
             launched = [name for name, *_ in got[0]]
+            middle = ["_segment_map_fwd_kernel", "_segment_scan_fwd_kernel"] if segmented else []
             assert launched == ([] if fused_solve else ["_kkt_solve_fwd_kernel"]) + [
-                "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel"], f"call {i}: {launched}"
+                "_wu_fwd_kernel", *middle, "_state_fwd_kernel", "_output_fwd_kernel"], f"call {i}: {launched}"
             assert got == expected, f"call {i}: {call.keys()}"
-            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
+            assert taken == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             count += takes
             pools += takes and problem.state_indices is not None
-    assert 60 <= count <= 110 and pools >= 3  # taken and refused forms both drawn, pools among them
+    # taken and refused forms both drawn, pools among them
+    assert (25 <= count <= 55 if segmented else 60 <= count <= 110) and pools >= (2 if segmented else 3)
 
 
-@pytest.mark.parametrize("fused_solve", [True, False])
-def test_triton_generic_segmented_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch,
-                                                                                     fused_solve):
-    """Calls with a forced segment count: the kernel forming T, pass 1, the scan, and the
-    state and output kernels over the segment slots in one program, ragged batches with a
-    host copy of their offsets among them (pass 2 here reads none)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
-    monkeypatch.setattr(tg_program, "fuse_solve_into_wu", lambda capability: fused_solve)
-    rng = random.Random(313 + fused_solve)
-    taken = {"yes": 0}
-    real_run = tg_program.run_segmented_call
+def _both_paths(module, entry: str, forward, runs: list, problem):
+    """``(expected, got, taken)``: the launches and outputs (:func:`_labels`) of ``forward()``
+    with ``module.entry`` (the program's entry) answering None, after one such call that
+    binds the form's kernels; then with the real entry, and whether it took the call."""
+    inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
+                                                         "state_indices")}
+    inputs["cu_seqlens"] = problem.chunks.cu_seqlens
+    with mock.patch.object(module, entry, lambda *a: None):
+        forward()
+        runs.clear()
+        expected = _labels(runs, forward(), inputs)
+    runs.clear()
+    real = getattr(module, entry)
+    taken = []
 
     def spy(*args):
-        out = real_run(*args)
-        taken["yes"] += out is not None
+        out = real(*args)
+        taken.append(out is not None)
         return out
 
-    count = pools = 0
-    with stubbed_triton_launches() as runs:
-        for i in range(60):
-            call, takes = _random_form(rng, head_dims=((128, 128), (64, 64), (96, 80), (128, 64), (64, 128)),
-                                       dtypes=(torch.bfloat16, torch.float16, torch.float32))
-            call["context_parallel"] = rng.choice([2, 3, 4])
-            problem = make_problem(**call)
-            inputs = {name: getattr(problem, name) for name in ("q", "k", "v", "g", "beta", "initial_state",
-                                                                 "state_indices")}
-            inputs["cu_seqlens"] = problem.chunks.cu_seqlens
-            with mock.patch.object(TG, "run_segmented_call", lambda *a: None):
-                TG.forward(problem)  # binds this form's kernels
-                runs.clear()
-                expected = _labels(runs, TG.forward(problem), inputs)
-            runs.clear()
-            taken["yes"] = 0
-            with mock.patch.object(TG, "run_segmented_call", spy):
-                got = _labels(runs, TG.forward(problem), inputs)
-            launched = [name for name, *_ in got[0]]
-            assert launched == ([] if fused_solve else ["_kkt_solve_fwd_kernel"]) + [
-                "_wu_fwd_kernel", "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel", "_state_fwd_kernel",
-                "_output_fwd_kernel"], f"call {i}: {launched}"
-            assert got == expected, f"call {i}: {call.keys()}"
-            assert taken["yes"] == int(takes), f"call {i}: program taken {taken}, expected {takes}"
-            count += takes
-            pools += takes and problem.state_indices is not None
-    assert 25 <= count <= 55 and pools >= 2
+    with mock.patch.object(module, entry, spy):
+        got = _labels(runs, forward(), inputs)
+    return expected, got, sum(taken)
