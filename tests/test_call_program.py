@@ -195,28 +195,37 @@ def test_a_refused_check_launches_nothing(native_built):
         assert stats["desc_reused"] + stats["desc_found"] + stats["desc_encoded"] == descriptors
 
 
+class _TritonRuntime:
+    """direct_launch's runtime on the CPU: direct launches, a made-up stream."""
+
+    compat = compat
+
+    def direct(self):
+        return True
+
+    def stream(self, device):
+        return 1234
+
+
+@contextlib.contextmanager
+def _triton_launch_stubs(runs: list):
+    """triton_generic's binder returning a stand-in kernel whose C launch records into
+    ``runs``, from fresh launch sites."""
+    def jit_launch(kernel, grid, cfg, kwargs):
+        return _Compiled(kernel.fn, runs, 0)
+
+    with mock.patch.object(tg_configs, "_jit_launch", jit_launch), \
+            mock.patch.object(direct_launch, "_RUNTIME", _TritonRuntime()), \
+            mock.patch.object(direct_launch, "_CALL_SITES", {}):
+        yield
+
+
 @contextlib.contextmanager
 def stubbed_triton_launches():
     """triton_generic's launches on CPU tensors without the interpreter: Triton's binder
     returns a stand-in kernel whose C launch records (kernel, grid + prefix, arguments)."""
     runs: list = []
-
-    class Runtime:
-        compat = compat
-
-        def direct(self):
-            return True
-
-        def stream(self, device):
-            return 1234
-
-    def jit_launch(kernel, grid, cfg, kwargs):
-        return _Compiled(kernel.fn, runs, 0)
-
-    with mock.patch.object(tg_configs, "_jit_launch", jit_launch), \
-            mock.patch.object(compat, "raw_launch", _raw_launch), \
-            mock.patch.object(direct_launch, "_RUNTIME", Runtime()), \
-            mock.patch.object(direct_launch, "_CALL_SITES", {}), \
+    with _triton_launch_stubs(runs), mock.patch.object(compat, "raw_launch", _raw_launch), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0):
         tg_program.clear_programs()
         yield runs
@@ -229,25 +238,9 @@ def stubbed_segmented_launches():
     plain-Triton segment kernels it launches on a segmented call as
     :func:`stubbed_triton_launches` does, all recorded in one list, in order (the one
     device: CPU tensors, index None)."""
-
-    class Runtime:
-        compat = compat
-
-        def direct(self):
-            return True
-
-        def stream(self, device):
-            return 1234
-
-    with stubbed_launches() as stub:
-        def jit_launch(kernel, grid, cfg, kwargs):
-            return _Compiled(kernel.fn, stub.runs, 0)
-
-        with mock.patch.object(tg_configs, "_jit_launch", jit_launch), \
-                mock.patch.object(direct_launch, "_RUNTIME", Runtime()), \
-                mock.patch.object(direct_launch, "_CALL_SITES", {}), \
-                mock.patch.object(L._RUNTIME, "current_device", lambda: None):
-            yield stub
+    with stubbed_launches() as stub, _triton_launch_stubs(stub.runs), \
+            mock.patch.object(L._RUNTIME, "current_device", lambda: None):
+        yield stub
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
