@@ -10,7 +10,7 @@ counts, from the counts alone::
 
     facts = native.admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk, state_indices)
     run = routes[form]            # made on the form's first call: contract, registry, backend
-    run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest, scale)  # or None
+    run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest, scale, cu_seqlens_cpu)
 
 The form (:func:`form_key`) holds everything the registry's choice and the backend's plans
 read of a call but its counts: the device the probe reports, the dtypes, head counts and
@@ -22,9 +22,8 @@ context-parallel request, and the environment the registry reads (``GDN_BACKEND`
 (``route_runner(problem, selection)``, where the module has one): it checks per call what
 the forward checks (the current device, context parallelism, index limits) and runs the
 call's program (:mod:`gdn_dispatch.backends.call_program`), segmented calls included. A
-call it does not take (a program not built yet, another specialization, a segmented
-ragged batch with a host copy of its offsets on the Gluon backends, whose pass 2 reads
-the segment offsets) it returns None for, launching nothing; the route then runs the Python path from the contract on with the
+call it does not take (a program not built yet, another specialization) it returns None
+for, launching nothing; the route then runs the Python path from the contract on with the
 form's kept registry choice (:func:`gdn_dispatch.registry.confirm`: the backend's own
 per-call check still asked), instead of choosing again. Every error is the Python path's: a call the
 native admission refuses, with an int scale, a forced segment count,
@@ -115,7 +114,7 @@ def routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     if run is not False:
         B, T, _, K, _, _, N, longest, _ = facts
         done = run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N, longest,
-                   K ** -0.5 if scale is None else scale)
+                   K ** -0.5 if scale is None else scale, cu_seqlens_cpu)
     if done is not None:
         ROUTE_CALLS["taken"] += 1
         return done

@@ -685,9 +685,10 @@ def test_segment_tables_count_the_slots_with_tokens(lengths, L, busy):
     assert host.aligned == (not any(x % 64 for x in offsets))
 
 
-def test_a_uniform_batchs_segment_facts_follow_from_its_counts():
+def test_a_routes_segment_facts_are_the_segment_offsets():
     """What a route reads of a uniform batch's (or one packed sequence's) segments from its
-    counts alone is what the offsets the forward computes give."""
+    counts alone, and of a packed batch's from its host offsets, is what the segment
+    offsets the forward computes give."""
     from gdn_dispatch.backends.gluon_common import segments
 
     rng = torch.Generator().manual_seed(11)
@@ -698,6 +699,14 @@ def test_a_uniform_batchs_segment_facts_follow_from_its_counts():
         host = segments._uniform_segment_offsets(B, T, L)
         assert segments.uniform_segment_facts(B, T, L) == segments.segment_facts(host), (B, T, L)
     assert segments.segment_facts(None) == (True, None)
+    for _ in range(300):
+        lengths = torch.randint(0, 3000, (int(torch.randint(1, 7, (), generator=rng)),), generator=rng)
+        lengths[torch.rand(len(lengths), generator=rng) < 0.3] = 0
+        lengths[torch.rand(len(lengths), generator=rng) < 0.3] = 64 * int(torch.randint(1, 20, (), generator=rng))
+        offsets = [0, *lengths.cumsum(0).tolist()]
+        L = 64 * int(torch.randint(1, 40, (), generator=rng))
+        host = segments._offsets_read(segments._segment_offsets(offsets, L))
+        assert segments.ragged_segment_facts(offsets, L) == segments.segment_facts(host), (offsets, L)
 
 
 def test_slots_with_tokens_need_host_offsets():

@@ -119,20 +119,18 @@ def test_triton_generic_routed_calls_launch_what_the_python_path_launches(native
 def test_segmented_calls_are_routed(native_built, monkeypatch, backend):
     """Calls context parallelism segments (``"auto"``: a long prompt on a few heads) go
     through their route and program: one packed sequence with or without a host copy of
-    the offsets, a uniform batch, a ragged batch without a host copy (its segments' tails
-    assumed); a ragged batch with a host copy is left to the Python path by the Gluon
-    backends (their pass 2's plan reads the segment offsets it gives), not by
-    triton_generic's. Each with random flags: the launches must equal the Python path's."""
+    the offsets, a uniform batch, ragged batches with a host copy (the Gluon backends'
+    pass 2 plans on the segment slots it fills) and without one (its segments' tails
+    assumed). Each with random flags: the launches must equal the Python path's."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     clear_plan_cache()
     capability = (10, 0) if backend == "gluon_sm100" else (9, 0)
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
     rng = random.Random(97 + capability[0] + len(backend))
-    ragged_host = int(backend == "triton_generic")
     # (lengths or uniform batch, host copy, H, HV, routed)
     cases = [([5000], True, 2, 4, 1), ([4096], True, 2, 4, 1), ([6100], False, 1, 2, 1), ((2, 4160), None, 1, 2, 1),
-             ((1, 4100), None, 2, 4, 1), ([3000, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, ragged_host),
-             ([4500, 0, 4700], False, 1, 1, 1)]
+             ((1, 4100), None, 2, 4, 1), ([3000, 6000], False, 1, 2, 1), ([3000, 6000], True, 1, 2, 1),
+             ([4500, 0, 4700], False, 1, 1, 1), ([4500, 0, 4700, 64], True, 1, 1, 1)]
     stub = stubbed_triton_launches() if backend == "triton_generic" else stubbed_segmented_launches()
     with stub as launched, public_calls(backend, device):
         runs = launched if backend == "triton_generic" else launched.runs

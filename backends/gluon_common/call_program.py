@@ -54,7 +54,8 @@ from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
 from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import norm_launch_args
-from gdn_dispatch.backends.gluon_common.segments import segment_facts, uniform_segment_facts
+from gdn_dispatch.backends.gluon_common.segments import (
+    ragged_segment_facts, segment_facts, uniform_segment_facts)
 from gdn_dispatch.backends.gluon_common.state_output import state_output_launch_args
 from gdn_dispatch.backends.gluon_common.wy import wy_launch_args
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_launch_args
@@ -143,13 +144,13 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
     ``device`` (the registry's), or None where the form takes no program (the layer
     off). ``run(q, k, v, g, beta, cu_seqlens, initial_state, state_indices, B, T, N,
-    longest, scale)`` makes the forward's per-call decisions from the counts (the
+    longest, scale, cu_host)`` makes the forward's per-call decisions from the counts (the
     tensors' device current, the index limits, context parallelism, the launch plan for
-    ``B * T`` and ``N``, or a segmented call's pass 2 for its segment slots) and runs the
-    call's program: (o, final state or None), or None (nothing launched: the forward then
-    runs the call) where any of them differs, the program is not built yet, or a
-    segmented ragged batch comes with a host copy of its offsets (pass 2's plan reads the
-    segment offsets it gives, which the runner does not have)."""
+    ``B * T`` and ``N``, or a segmented call's pass 2 for its segment slots: the segment
+    offsets' facts from the counts, or from ``cu_host``, the host copy of a ragged batch's
+    offsets) and runs the call's program: (o, final state or None), or None (nothing
+    launched: the forward then runs the call) where any of them differs or the program is
+    not built yet."""
     if native.for_calls() is None or problem.chunks.chunk_size != CHUNK_SIZE:
         return None
     cls = plan(problem, device=device, engine=engine, fused=True).cls
@@ -157,7 +158,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     H, Kd, HV, V, no_h0 = problem.H, problem.K, problem.HV, problem.V, problem.initial_state is None
     uniform, device_index, dtype = problem.chunks.uniform, problem.device, problem.q.dtype
 
-    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale):
+    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale, cu_host=None):
         if index != torch.cuda.current_device():
             return None
         decided = route_decisions(q, cu, B, T, N, HV, V, request, sm_count, longest)
@@ -170,24 +171,25 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
             return None
         counts = (N, rows, rows * H, slots, pool_rows(h0, indices))
         if cp.enabled:
-            return run_segmented(offsets, q, k, v, g, beta, h0, indices, B, T, N, longest, scale, cp, counts)
+            return run_segmented(offsets, q, k, v, g, beta, h0, indices, B, T, N, longest, scale, cp, counts,
+                                 cu_host)
         launches = cls.for_call(rows, N, True)
         program = cls.programs.get((*map(id, launches.launches), no_h0))
         if program is None:
             return None
         return run_program(program, launches, (q, k, v, g, beta, offsets, h0, indices), B, T, counts, scale)
 
-    def run_segmented(cu, q, k, v, g, beta, h0, indices, B, T, N, longest, scale, cp, counts):
+    def run_segmented(cu, q, k, v, g, beta, h0, indices, B, T, N, longest, scale, cp, counts, cu_host):
         # Pass 2's plan reads the segment offsets' facts: from the counts where the batch is
-        # uniform or one sequence, assumed without a host copy; a ragged batch's need its
-        # host copy's offsets (the Python path reads them).
+        # uniform or one sequence, from the host copy of a ragged batch's offsets, assumed
+        # without one.
         if uniform or N == 1 and longest is not None:
             tails, busy = uniform_segment_facts(B, T, cp.seg_len) if uniform else \
                 uniform_segment_facts(1, longest, cp.seg_len)
-        elif longest is None:
+        elif longest is None or cu_host is None:
             tails, busy = segment_facts(None)
         else:
-            return None
+            tails, busy = ragged_segment_facts(cu_host.tolist(), cp.seg_len)
         seg_cls = cls.segment_classes.get(tails)
         if seg_cls is None:
             return None

@@ -5,7 +5,8 @@ the host needs some of their facts before it launches anything: whether a segmen
 inside a chunk (the fused kernel's tail flag) and how many segment slots hold tokens (pass
 2's V-block). :func:`segment_host_offsets` computes the offsets from a call's host copy of
 ``cu_seqlens``; :func:`uniform_segment_facts` gives the facts of a uniform batch (or one
-packed sequence) from its counts alone, as a route needs them.
+packed sequence) from its counts alone, :func:`ragged_segment_facts` those of a packed
+batch from its host offsets, as a route needs them.
 """
 
 from __future__ import annotations
@@ -84,3 +85,12 @@ def uniform_segment_facts(B: int, T: int, seg_len: int) -> tuple[bool, int]:
     the chunk), so they all start on a chunk exactly when ``T`` is a multiple of it, and
     ``ceil(T / L)`` of each row's slots hold tokens."""
     return T % CHUNK_SIZE != 0, B * -(-T // seg_len)
+
+
+def ragged_segment_facts(offsets: list[int], seg_len: int) -> tuple[bool, int]:
+    """:func:`segment_facts` of a packed batch from its host offsets ``cu`` (a list) without
+    forming the segment offsets: sequence ``n``'s segments start at ``cu[n] + j L`` (``L``
+    a multiple of the chunk), so they all start on a chunk exactly when every offset does,
+    and ``ceil(len_n / L)`` of its slots hold tokens."""
+    return (any(offset % CHUNK_SIZE for offset in offsets),
+            sum(-(-(b - a) // seg_len) for a, b in zip(offsets, offsets[1:])))

@@ -158,7 +158,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
     """The runner :mod:`gdn_dispatch.routes` keeps for calls of ``problem``'s form on
     ``device`` (the registry's), or None where the form takes no program (the
     interpreter, the layer off). ``run(q, k, v, g, beta, cu_seqlens, initial_state,
-    state_indices, B, T, N, longest, scale)`` makes the forward's per-call decisions from
+    state_indices, B, T, N, longest, scale, cu_host)`` (``cu_host`` not read) makes the forward's per-call decisions from
     the counts (the tensors' device current, context parallelism, the state kernel's and a
     segmented call's scan's configurations) and runs the call's program: (o, final state or
     None), or None (nothing launched: the forward then runs the call) where any of them
@@ -172,7 +172,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
     H, Kd, HV, Vd, elem = problem.H, problem.K, problem.HV, problem.V, problem.q.element_size()
     dtype = problem.q.dtype
 
-    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale):
+    def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale, cu_host=None):
         if on_cuda and index != torch.cuda.current_device():
             return None
         decided = route_decisions(q, cu, B, T, N, HV, Vd, request, sm_count, longest)
