@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="back-to-back calls per --host measurement round (default 50)")
     parser.add_argument("--host-rounds", type=_positive_int, default=5, metavar="R",
                         help="rounds per --host measurement, the median reported (default 5)")
+    parser.add_argument("--host-passes", type=_positive_int, default=3, metavar="P",
+                        help="passes of --host enqueue rounds over every case, summarized last with each "
+                             "row's median at the host's full speed (default 3)")
     parser.add_argument("--startup", action="store_true",
                         help="instead: start-up figures (imports, first calls and warmup from a cold and a warm "
                              "Triton cache, compiles after warmup), each from a fresh process")
@@ -235,7 +238,7 @@ def _run_host(args, names, want_fla, probe, out) -> int:
         return EXIT_FAILED
     print(f"gdn-dispatch bench --host on {info.name} ({info.arch})", file=out)
     return run_host(runnable, fla_fn, device, seed=args.seed, calls=args.host_calls, out=out,
-                    rounds=args.host_rounds)
+                    rounds=args.host_rounds, passes=args.host_passes)
 
 
 def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:

@@ -19,6 +19,14 @@ First, a *host reference* line: two fixed pieces of host work timed in the same 
 process to the next: tables are comparable through it. The lent hosts also change speed
 within a process, so every row carries the Python reference timed just before it (``py
 ref``, µs): rows are comparable through it.
+Last, the *enqueue over passes*: the case list is timed ``passes`` times over (the passes
+after the first re-time the enqueue alone), each round between two readings of the Python
+reference. The lent hosts are virtual machines whose CPUs run at about half speed for
+seconds at a time, on every CPU in turn (pinning a process does not avoid it); a round whose
+readings stay within :data:`FULL_SPEED` of the run's fastest reading ran on a host at full
+speed. The summary gives each row's median over all rounds, its best round and its median
+over the full-speed rounds, so a row is read at the host's speed and not at the stretch of
+contention it happened to meet.
 Then the *ragged stream*: :data:`STREAM_BATCHES` seeded random batches of 1..16 sequences of
 1..4000 tokens, each one call followed by a synchronize, timed wall-clock; the median per
 backend. A call is host-bound where its enqueue time exceeds its GPU time.
@@ -133,6 +141,31 @@ def rounds_us(fn: Callable[[], object], calls: int, rounds: int, *, clock=time.p
                              for i in range(rounds))
 
 
+@dataclass(frozen=True)
+class EnqueueRound:
+    """One enqueue round: host µs per call, and the Python reference around it (the slower
+    of the readings just before and just after the round, µs)."""
+
+    us: float
+    ref_us: float
+
+
+def enqueue_rounds(fn: Callable[[], object], calls: int, rounds: int, *, clock=time.perf_counter,
+                   sync: Callable[[], None] = lambda: None, reference: Callable[[], float] | None = None,
+                   warmup: int = 3) -> list[EnqueueRound]:
+    """``rounds`` rounds of :func:`per_call_us` (``calls`` calls each; only the first warms
+    up), each between two readings of ``reference`` (:func:`python_reference_us` unless
+    given; one reading between two rounds serves both)."""
+    reference = reference or python_reference_us
+    before, out = reference(), []
+    for i in range(rounds):
+        us = per_call_us(fn, calls, clock=clock, sync=sync, warmup=warmup if i == 0 else 0)
+        after = reference()
+        out.append(EnqueueRound(us, max(before, after)))
+        before = after
+    return out
+
+
 #: Entries of the dict the Python reference reads (:func:`_python_reference`).
 _REFERENCE_KEYS = tuple(f"k{i}" for i in range(16))
 _REFERENCE_DICT = {key: i for i, key in enumerate(_REFERENCE_KEYS)}
@@ -239,6 +272,35 @@ class HostRow:
     route: tuple[int, int] | None = None
     #: The Python reference timed just before this row's enqueue (:func:`python_reference_us`).
     host_ref_us: float | None = None
+    #: Every enqueue round of every pass (the first pass's give ``enqueue_us``, their median).
+    rounds: list[EnqueueRound] = field(default_factory=list)
+
+
+#: A round ran at the host's full speed where the Python reference around it read at most
+#: this many times the run's fastest reading (the lent hosts' slow stretches read 1.7-2.5x).
+FULL_SPEED = 1.25
+
+
+def format_passes(rows: list[HostRow]) -> list[str]:
+    """The enqueue summary over all passes: per row its rounds, their median, the best
+    round, and the median of the rounds at full host speed (:data:`FULL_SPEED`)."""
+    refs = [r.ref_us for row in rows for r in row.rounds]
+    if not refs:
+        return []
+    fastest = min(refs)
+    lines = [f"enqueue over all passes, us per call (fs: rounds at full host speed, the Python reference around "
+             f"them within {FULL_SPEED}x of the run's fastest reading, {fastest:.2f} us)",
+             f"{'case':<28} {'backend':<15} {'rounds':>6} {'median':>8} {'best':>8} {'fs rounds':>10} "
+             f"{'fs median':>9}"]
+    for row in rows:
+        if not row.rounds:
+            continue
+        fast = [r.us for r in row.rounds if r.ref_us <= FULL_SPEED * fastest]
+        fast_median = f"{statistics.median(fast):9.1f}" if fast else f"{'-':>9}"
+        lines.append(f"{row.case:<28} {row.backend:<15} {len(row.rounds):>6} "
+                     f"{statistics.median(r.us for r in row.rounds):8.1f} {min(r.us for r in row.rounds):8.1f} "
+                     f"{f'{len(fast)}/{len(row.rounds)}':>10} {fast_median}{'  ' + row.note if row.note else ''}")
+    return lines
 
 
 def format_rows(rows: list[HostRow]) -> list[str]:
@@ -277,7 +339,8 @@ def format_stream(medians: dict[str, float | str]) -> list[str]:
 def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int,
                  rounds: int = 1) -> list[HostRow]:
     """Every caller on one case (GPU): enqueue and our host steps (each the median of
-    ``rounds`` rounds of ``calls`` calls), graph replay."""
+    ``rounds`` rounds of ``calls`` calls; the enqueue's rounds kept on the row with their
+    Python reference, :func:`enqueue_rounds`), graph replay."""
     call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
     rows = []
     for name, caller in callers.items():
@@ -290,10 +353,11 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
             return fn()
 
         try:
-            row.host_ref_us = python_reference_us()
             consulted, routed = sum(PROGRAM_CALLS.values()), sum(ROUTE_CALLS.values())
             taken, route_taken = PROGRAM_CALLS["taken"], ROUTE_CALLS["taken"]
-            row.enqueue_us = rounds_us(counting, calls, rounds, sync=torch.cuda.synchronize)
+            row.rounds = enqueue_rounds(counting, calls, rounds, sync=torch.cuda.synchronize)
+            row.host_ref_us = row.rounds[0].ref_us
+            row.enqueue_us = statistics.median(r.us for r in row.rounds)
             if name != FLA and sum(PROGRAM_CALLS.values()) > consulted:
                 row.program = (PROGRAM_CALLS["taken"] - taken, enqueued[0])
             if name != FLA and sum(ROUTE_CALLS.values()) > routed:
@@ -306,6 +370,21 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
             row.note = f"{type(exc).__name__}: {exc}"[:120]
         rows.append(row)
     return rows
+
+
+def retime_enqueue(case: HostCase, rows: list[HostRow], callers: dict[str, Callable], device, seed: int,
+                   calls: int, rounds: int) -> None:
+    """One more pass of enqueue rounds on ``case`` for every caller, appended to its row."""
+    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
+    for row in rows:
+        if row.enqueue_us is None:  # it failed in the first pass, which reported why
+            continue
+        caller = callers[row.backend]
+        fn = (lambda c=fla_call(call): caller(**c)) if row.backend == FLA else (lambda: caller(**call))
+        try:
+            row.rounds += enqueue_rounds(fn, calls, rounds, sync=torch.cuda.synchronize)
+        except Exception as exc:  # the row keeps the rounds it has; the summary says why it has fewer
+            row.note += f"{'; ' if row.note else ''}a later pass: {type(exc).__name__}: {exc}"[:120]
 
 
 def measure_stream(callers: dict[str, Callable], device, seed: int) -> dict[str, float | str]:
@@ -325,8 +404,10 @@ def measure_stream(callers: dict[str, Callable], device, seed: int) -> dict[str,
 
 
 def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, calls: int, out,
-             rounds: int = 1) -> int:
-    """The host table and the ragged stream on ``device``; returns 0, or 1 if one of ours failed."""
+             rounds: int = 1, passes: int = 1) -> int:
+    """The host table, the ragged stream and, over ``passes`` passes of the enqueue rounds,
+    the enqueue summary (:func:`format_passes`) on ``device``; returns 0, or 1 if one of
+    ours failed."""
     from gdn_dispatch.api import chunk_gated_delta_rule
 
     callers: dict[str, Callable] = {}
@@ -336,13 +417,15 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
     if fla_fn is not None:
         callers[FLA] = lambda **c: fla_fn(**c, output_final_state=True)
     print(f"host cost per call (H={H}, HV={HV} unless the case names its heads, K=V={HEAD_DIM}, bf16, h0 + final "
-          f"state); enqueue = {calls} back-to-back calls (median of {rounds} rounds), GPU = CUDA-graph replay",
+          f"state); enqueue = {calls} back-to-back calls (median of {rounds} rounds; {passes} passes, summary "
+          f"last), GPU = CUDA-graph replay",
           file=out)
     print(format_reference(host_reference_us(device)), file=out, flush=True)
     from gdn_dispatch import native
 
     print(f"native host layer: {native.status()}", file=out, flush=True)
-    rows = []
+    rows: list[HostRow] = []
+    by_case: list[tuple[HostCase, list[HostRow]]] = []
     with torch.inference_mode():
         # A process's first second or two of calls run slower on the lent hosts (the first
         # case read 1.2-1.8x the next ones in every run): one untimed pass of the first case.
@@ -352,5 +435,11 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
             lines = format_rows(case_rows)
             print("\n".join(lines if not rows else lines[1:]), file=out, flush=True)  # header once
             rows += case_rows
+            by_case.append((case, case_rows))
         print("\n".join(format_stream(measure_stream(callers, device, seed))), file=out, flush=True)
+        for p in range(1, passes):
+            print(f"enqueue pass {p + 1}/{passes}", file=out, flush=True)
+            for case, case_rows in by_case:
+                retime_enqueue(case, case_rows, callers, device, seed, calls, rounds)
+        print("\n".join(format_passes(rows)), file=out, flush=True)
     return 1 if any(r.note and r.backend != FLA for r in rows) else 0

@@ -616,6 +616,78 @@ def test_rounds_us_reports_the_median_round():
     assert clock.events == first + (["sync"] + ["call"] * 4 + ["sync"]) * 2
 
 
+def test_enqueue_rounds_read_the_reference_around_each_round():
+    """Each round carries the slower of the references read just before and just after it
+    (one reading between two rounds serves both); only the first round warms up."""
+    from gdn_dispatch.bench_host import EnqueueRound, enqueue_rounds
+
+    clock = StandInClock(step=20e-6)
+    steps = iter([20e-6] * 2 + [20e-6] * 4 + [50e-6] * 4 + [30e-6] * 4)
+    readings = iter([1.0, 2.1, 1.1, 1.05])
+
+    def work():
+        clock.step = next(steps)
+        clock.work()
+
+    def reference():
+        clock.events.append("ref")
+        return next(readings)
+
+    got = enqueue_rounds(work, 4, 3, clock=clock, sync=clock.sync, reference=reference, warmup=2)
+    assert got == [EnqueueRound(pytest.approx(20.0), 2.1), EnqueueRound(pytest.approx(50.0), 2.1),
+                   EnqueueRound(pytest.approx(30.0), 1.1)]
+    first = ["ref"] + ["call"] * 2 + ["sync"] + ["call"] * 4 + ["sync", "ref"]
+    assert clock.events == first + (["sync"] + ["call"] * 4 + ["sync", "ref"]) * 2
+
+
+def test_pass_summary_reads_each_row_at_full_host_speed():
+    """The summary's full-speed median leaves out the rounds whose reference read more than
+    FULL_SPEED times the run's fastest (any row's); best and median take every round."""
+    from gdn_dispatch.bench_host import FULL_SPEED, EnqueueRound, HostRow, format_passes
+
+    assert format_passes([HostRow("gluon_sm90", "varlen-1x64")]) == []
+    fast = 1.0
+    slow = FULL_SPEED * fast + 0.01
+    ours = HostRow("gluon_sm90", "varlen-1x64", rounds=[
+        EnqueueRound(40.0, fast), EnqueueRound(90.0, slow), EnqueueRound(44.0, FULL_SPEED * fast),
+        EnqueueRound(85.0, 2.2), EnqueueRound(38.0, 1.1)])
+    theirs = HostRow("fla", "varlen-1x64", note="a later pass: RuntimeError: x",
+                     rounds=[EnqueueRound(900.0, 2.0), EnqueueRound(950.0, 2.1)])
+    failed = HostRow("triton_generic", "varlen-1x64", note="error: boom")
+    lines = format_passes([ours, theirs, failed])
+    assert "1.00 us" in lines[0] and f"{FULL_SPEED}x" in lines[0]
+    assert lines[1].split() == ["case", "backend", "rounds", "median", "best", "fs", "rounds", "fs", "median"]
+    assert lines[2].split() == ["varlen-1x64", "gluon_sm90", "5", "44.0", "38.0", "3/5", "40.0"]
+    assert lines[3].split()[:7] == ["varlen-1x64", "fla", "2", "925.0", "900.0", "0/2", "-"]
+    assert lines[3].endswith("a later pass: RuntimeError: x") and len(lines) == 4  # no rounds, no line
+
+
+def test_later_passes_add_enqueue_rounds_to_each_row(monkeypatch):
+    """A later pass appends its rounds to every row that has a first-pass figure; a caller
+    that fails in it keeps its rounds and says why."""
+    from gdn_dispatch import bench_host
+    from gdn_dispatch.bench_host import HostCase, HostRow, retime_enqueue
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench_host, "python_reference_us", lambda: 1.0)
+    case = HostCase("varlen-tiny", (3, 5), varlen=True, heads=(1, 2))
+    seen = []
+
+    def ours(**call):
+        seen.append(tuple(call["cu_seqlens"].tolist()))
+
+    def broken(**call):
+        raise RuntimeError("gone")
+
+    rows = [HostRow("ours", case.name, enqueue_us=10.0), HostRow("broken", case.name, enqueue_us=12.0),
+            HostRow("never", case.name, note="error: first pass")]
+    retime_enqueue(case, rows, {"ours": ours, "broken": broken, "never": broken}, "cpu", 0, calls=2, rounds=3)
+    assert len(rows[0].rounds) == 3 and all(r.ref_us == 1.0 for r in rows[0].rounds)
+    assert set(seen) == {(0, 3, 8)} and len(seen) == 3 + 3 * 2  # warm-up, then 3 rounds of 2
+    assert rows[1].rounds == [] and rows[1].note == "a later pass: RuntimeError: gone"
+    assert rows[2].rounds == [] and rows[2].note == "error: first pass"
+
+
 def test_synchronized_us_includes_the_wait():
     from gdn_dispatch.bench_host import synchronized_us
 
@@ -687,8 +759,9 @@ def test_host_table_and_stream_format():
 
 
 def test_host_flag_needs_a_gpu(capsys):
-    args = parse("--host", "--host-calls", "7", "--host-rounds", "3")
-    assert args.host and args.host_calls == 7 and args.host_rounds == 3
+    args = parse("--host", "--host-calls", "7", "--host-rounds", "3", "--host-passes", "2")
+    assert args.host and args.host_calls == 7 and args.host_rounds == 3 and args.host_passes == 2
+    assert parse("--host").host_passes == 3
     assert bench.run(args, probe=FakeProbe(count=0)) == 2
     assert capsys.readouterr().err.startswith("bench needs a CUDA device")
 

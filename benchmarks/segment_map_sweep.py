@@ -1,0 +1,76 @@
+"""Context parallelism's pass 1 (the segment maps) alone, in several launch configs.
+
+Usage (a CUDA machine, repository root): ``python benchmarks/segment_map_sweep.py``; with
+``--cpu`` (under ``TRITON_INTERPRET=1``) it runs two configs at a small size to check the
+script.
+
+Each row is one ``segment_map_fwd`` launch config (the column block BC, warps, pipeline
+stages) on the segmented calls of the tensor-parallel shards: one sequence of 32768
+tokens, K = V = 128, bf16, segments of 2048 tokens (4096 at 8/16), as ``"auto"`` cuts
+them. Inputs are seeded random tensors of the shapes ``wu_fwd`` returns (the time does not
+depend on their values). "err" is the relative RMS difference of M and N against the
+shipped config's (a config that computes something else shows here); the time is GPU µs
+per call (a CUDA graph of 10 calls, median of 15 replays). Prints a markdown table last.
+"""
+import sys
+
+import torch
+
+from gdn_dispatch.backends.triton_generic import segment_map
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
+from gdn_dispatch.testing import rel_rms_error
+
+CPU = "--cpu" in sys.argv
+DEVICE = "cpu" if CPU else "cuda"
+K = V = 128
+#: (H, HV, tokens, segment length)
+SHAPES = [(1, 2, 256, 128)] if CPU else [(2, 4, 32768, 2048), (4, 8, 32768, 2048), (2, 8, 32768, 2048),
+                                           (8, 16, 32768, 4096)]
+CONFIGS = [LaunchConfig(num_warps=w, num_stages=s, BK=128, BV=bc)
+           for bc, w, s in ([(64, 4, 2), (32, 4, 2)] if CPU else
+                            [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4, 3), (32, 2, 2),
+                             (32, 8, 2), (16, 4, 2), (16, 2, 2), (128, 8, 2), (128, 8, 3)])]
+
+
+def inputs(H: int, HV: int, T: int):
+    """k, w, u (bf16), g_cum (float32, a chunk-local cumsum of log2 decays) and the offsets."""
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=DEVICE), dim=-1).bfloat16()
+    w = (0.1 * torch.randn(1, T, HV, K, device=DEVICE)).bfloat16()
+    u = torch.randn(1, T, HV, V, device=DEVICE).bfloat16()
+    g = -0.05 * torch.rand(1, T // 64, 64, HV, device=DEVICE)
+    g_cum = g.cumsum(2).reshape(1, T, HV).contiguous()
+    return k, w, u, g_cum, torch.tensor([0, T], device=DEVICE, dtype=torch.int32)
+
+
+def main() -> None:
+    if not CPU:
+        from gdn_dispatch.bench_host import graph_replay_us
+    torch.manual_seed(0)
+    shipped = segment_map.segment_map_config(K, V)
+    rows = []
+    for H, HV, T, L in SHAPES:
+        k, w, u, g_cum, cu = inputs(H, HV, T)
+        _, m_hi, m_lo, n = segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=shipped)
+        want = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
+        for cfg in CONFIGS:
+            name = f"BC {cfg.BV}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+            try:
+                _, m_hi, m_lo, n = segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=cfg)
+                got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
+                err = rel_rms_error(got, want)
+                us = None if CPU else graph_replay_us(
+                    lambda: [segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=cfg) for _ in range(10)],
+                    replays=1, windows=15) / 10
+                rows.append((f"{H}/{HV}", T // L, name, f"{err:.1e}", "-" if us is None else f"{us:.1f}"))
+            except Exception as exc:  # a config that does not compile here is a row, not a stop
+                rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}"))
+            print(rows[-1], flush=True)
+    print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
+    print("| H/HV | segments | config | err | µs per call |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+if __name__ == "__main__":
+    main()
