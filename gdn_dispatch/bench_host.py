@@ -154,9 +154,10 @@ def enqueue_rounds(fn: Callable[[], object], calls: int, rounds: int, *, clock=t
                    sync: Callable[[], None] = lambda: None, reference: Callable[[], float] | None = None,
                    warmup: int = 3) -> list[EnqueueRound]:
     """``rounds`` rounds of :func:`per_call_us` (``calls`` calls each; only the first warms
-    up), each between two readings of ``reference`` (:func:`python_reference_us` unless
-    given; one reading between two rounds serves both)."""
-    reference = reference or python_reference_us
+    up), each between two readings of ``reference`` (one round of
+    :func:`python_reference_us` unless given: the best of several would read fast where
+    any part of the reading was; one reading between two rounds serves both)."""
+    reference = reference or (lambda: python_reference_us(rounds=1))
     before, out = reference(), []
     for i in range(rounds):
         us = per_call_us(fn, calls, clock=clock, sync=sync, warmup=warmup if i == 0 else 0)

@@ -669,7 +669,8 @@ def test_later_passes_add_enqueue_rounds_to_each_row(monkeypatch):
     from gdn_dispatch.bench_host import HostCase, HostRow, retime_enqueue
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench_host, "python_reference_us", lambda: 1.0)
+    readings = []
+    monkeypatch.setattr(bench_host, "python_reference_us", lambda **kw: readings.append(kw) or 1.0)
     case = HostCase("varlen-tiny", (3, 5), varlen=True, heads=(1, 2))
     seen = []
 
@@ -683,6 +684,7 @@ def test_later_passes_add_enqueue_rounds_to_each_row(monkeypatch):
             HostRow("never", case.name, note="error: first pass")]
     retime_enqueue(case, rows, {"ours": ours, "broken": broken, "never": broken}, "cpu", 0, calls=2, rounds=3)
     assert len(rows[0].rounds) == 3 and all(r.ref_us == 1.0 for r in rows[0].rounds)
+    assert readings[:4] == [{"rounds": 1}] * 4  # one round per reading: a best-of would hide a slow stretch
     assert set(seen) == {(0, 3, 8)} and len(seen) == 3 + 3 * 2  # warm-up, then 3 rounds of 2
     assert rows[1].rounds == [] and rows[1].note == "a later pass: RuntimeError: gone"
     assert rows[2].rounds == [] and rows[2].note == "error: first pass"
