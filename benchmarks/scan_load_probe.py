@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from md_table import print_table
 from gdn_dispatch.backends.triton_generic import segment_scan
 from gdn_dispatch.backends.triton_generic.segment_scan import _split_product
 from gdn_dispatch.bench_host import graph_replay_us
@@ -101,10 +102,7 @@ def main() -> None:
             except Exception as exc:  # a form that does not fit here is a row, not a stop
                 rows.append((HV, NSEG, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
             print(rows[-1], flush=True)
-    print("| HV | segments | step form | rel. error | µs per call | regs / spill bytes |")
-    print("| ---: | ---: | --- | ---: | ---: | --- |")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
+    print_table(["HV", "segments", "step form", "rel. error", "µs per call", "regs / spill bytes"], "rrlrrl", rows)
 
 
 if __name__ == "__main__":

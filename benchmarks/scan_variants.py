@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from md_table import print_table
 from gdn_dispatch.backends.triton_generic import segment_scan
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch.testing import rel_rms_error
@@ -78,10 +79,7 @@ def main() -> None:
             except Exception as exc:  # a form that does not compile here is a row, not a stop
                 rows.append((HV, NSEG, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}"))
             print(rows[-1], flush=True)
-    print("| HV | segments | step form | rel. error | µs per call |")
-    print("| ---: | ---: | --- | ---: | ---: |")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
+    print_table(["HV", "segments", "step form", "rel. error", "µs per call"], "rrlrr", rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from md_table import print_table
 from gdn_dispatch.backends.triton_generic import segment_map
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig
 from gdn_dispatch.testing import rel_rms_error
@@ -66,10 +67,7 @@ def main() -> None:
                 rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}"))
             print(rows[-1], flush=True)
     print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
-    print("| H/HV | segments | config | err | µs per call |")
-    print("| --- | ---: | --- | ---: | ---: |")
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
+    print_table(["H/HV", "segments", "config", "err", "µs per call"], "lrlrr", rows)
 
 
 if __name__ == "__main__":
