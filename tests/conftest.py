@@ -8,6 +8,13 @@ import pytest
 
 
 def pytest_configure(config):
+    # The run reads no cache of the user's (self-test verdicts, the native host layer a
+    # warmup built): tests that assume neither would take other paths where one exists.
+    # A cache named in the environment is kept (GPU runs name the one holding their build).
+    if not os.environ.get("GDN_SELFTEST_CACHE"):
+        import tempfile
+
+        os.environ["GDN_SELFTEST_CACHE"] = tempfile.mkdtemp(prefix="gdn-dispatch-test-cache-")
     # Each pytest-xdist worker is a process with torch's default of one intra-op thread per
     # core: n workers then run n x cores threads on the cores, and the float32 CPU
     # references of the GPU tier (recurrences over thousands of tokens and 64 heads) slow
