@@ -15,6 +15,10 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["GDN_SELFTEST_CACHE"] = tempfile.mkdtemp(prefix="gdn-dispatch-test-cache-")
+    # Nor the library's call-time switches from the user's shell (a forced backend, the
+    # self-test gate's mode, debug checks, Triton's JIT launches): tests that need one set it.
+    for name in ("GDN_BACKEND", "GDN_SELFTEST", "GDN_DEBUG_CHECKS", "GDN_DISPATCH_JIT_LAUNCH"):
+        os.environ.pop(name, None)
     # Each pytest-xdist worker is a process with torch's default of one intra-op thread per
     # core: n workers then run n x cores threads on the cores, and the float32 CPU
     # references of the GPU tier (recurrences over thousands of tokens and 64 heads) slow
