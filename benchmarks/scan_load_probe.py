@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from md_table import print_table
+from scan_variants import scan64
 from gdn_dispatch.backends.triton_generic import segment_scan
 from gdn_dispatch.backends.triton_generic.segment_scan import _split_product
 from gdn_dispatch.bench_host import graph_replay_us
@@ -75,11 +76,7 @@ def main() -> None:
     for HV, NSEG in SHAPES:
         m = 0.9 * torch.randn(NSEG, HV, K, K, device="cuda", dtype=torch.float64) / K ** 0.5
         n64 = torch.randn(NSEG, HV, K, V, device="cuda", dtype=torch.float64)
-        s, want = torch.zeros_like(n64[0]), []
-        for m_s, n_s in zip(m, n64):
-            want.append(s)
-            s = m_s @ s + n_s
-        want = torch.stack(want)
+        want = scan64(m, n64)
         n = n64.float().contiguous()
         m_hi, m_lo = segment_scan.split_maps(m.float(), bf16=False)
         m32 = m.float().contiguous()

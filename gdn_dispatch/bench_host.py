@@ -17,8 +17,9 @@ for uniform and varlen calls (with and without ``cu_seqlens_cpu``) at 64 and 819
 First, a *host reference* line: two fixed pieces of host work timed in the same process
 (:func:`host_reference_us`), since the same host runs the same Python well apart from one
 process to the next: tables are comparable through it. The lent hosts also change speed
-within a process, so every row carries the Python reference timed just before it (``py
-ref``, µs): rows are comparable through it.
+within a process, so every row carries the Python reference read around its first
+enqueue round (``py ref``, µs; the slower of the readings before and after it): rows are
+comparable through it.
 Last, the *enqueue over passes*: the case list is timed ``passes`` times over (the passes
 after the first re-time the enqueue alone), each round between two readings of the Python
 reference. The lent hosts are virtual machines whose CPUs run at about half speed for
@@ -271,7 +272,7 @@ class HostRow:
     program: tuple[int, int] | None = None
     #: (calls its route ran, calls enqueued), or None where no call reached a route.
     route: tuple[int, int] | None = None
-    #: The Python reference timed just before this row's enqueue (:func:`python_reference_us`).
+    #: The Python reference around this row's first enqueue round (its ``ref_us``).
     host_ref_us: float | None = None
     #: Every enqueue round of every pass (the first pass's give ``enqueue_us``, their median).
     rounds: list[EnqueueRound] = field(default_factory=list)
@@ -337,16 +338,28 @@ def format_stream(medians: dict[str, float | str]) -> list[str]:
     return lines
 
 
-def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int, calls: int,
+def case_call(case: HostCase, device, seed: int) -> dict:
+    """Our keyword arguments of ``case``'s call (:func:`make_call`)."""
+    return make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
+
+
+def bound_call(name: str, caller: Callable, call: dict) -> Callable[[], object]:
+    """``caller`` on ``call`` with no arguments: fla's in its own keywords (:func:`fla_call`)."""
+    if name == FLA:
+        theirs = fla_call(call)
+        return lambda: caller(**theirs)
+    return lambda: caller(**call)
+
+
+def measure_case(case: HostCase, call: dict, callers: dict[str, Callable], calls: int,
                  rounds: int = 1) -> list[HostRow]:
-    """Every caller on one case (GPU): enqueue and our host steps (each the median of
-    ``rounds`` rounds of ``calls`` calls; the enqueue's rounds kept on the row with their
-    Python reference, :func:`enqueue_rounds`), graph replay."""
-    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
+    """Every caller on ``case``'s ``call`` (GPU): enqueue and our host steps (each the
+    median of ``rounds`` rounds of ``calls`` calls; the enqueue's rounds kept on the row
+    with their Python reference, :func:`enqueue_rounds`), graph replay."""
     rows = []
     for name, caller in callers.items():
         row = HostRow(name, case.name)
-        fn = (lambda c=fla_call(call): caller(**c)) if name == FLA else (lambda: caller(**call))
+        fn = bound_call(name, caller, call)
         enqueued = [0]
 
         def counting(fn=fn):
@@ -373,17 +386,15 @@ def measure_case(case: HostCase, callers: dict[str, Callable], device, seed: int
     return rows
 
 
-def retime_enqueue(case: HostCase, rows: list[HostRow], callers: dict[str, Callable], device, seed: int,
-                   calls: int, rounds: int) -> None:
-    """One more pass of enqueue rounds on ``case`` for every caller, appended to its row."""
-    call = make_call(case.lengths, case.varlen, case.host_copy, device, seed, case.heads)
+def retime_enqueue(call: dict, rows: list[HostRow], callers: dict[str, Callable], calls: int, rounds: int) -> None:
+    """One more pass of enqueue rounds on ``call`` (the rows' case) for every caller,
+    appended to its row."""
     for row in rows:
         if row.enqueue_us is None:  # it failed in the first pass, which reported why
             continue
-        caller = callers[row.backend]
-        fn = (lambda c=fla_call(call): caller(**c)) if row.backend == FLA else (lambda: caller(**call))
         try:
-            row.rounds += enqueue_rounds(fn, calls, rounds, sync=torch.cuda.synchronize)
+            row.rounds += enqueue_rounds(bound_call(row.backend, callers[row.backend], call), calls, rounds,
+                                         sync=torch.cuda.synchronize)
         except Exception as exc:  # the row keeps the rounds it has; the summary says why it has fewer
             row.note += f"{'; ' if row.note else ''}a later pass: {type(exc).__name__}: {exc}"[:120]
 
@@ -426,21 +437,23 @@ def run_host(backends: list[str], fla_fn, device: torch.device, *, seed: int, ca
 
     print(f"native host layer: {native.status()}", file=out, flush=True)
     rows: list[HostRow] = []
-    by_case: list[tuple[HostCase, list[HostRow]]] = []
+    by_case: list[tuple[dict, list[HostRow]]] = []  # each case's call, kept for the later passes
     with torch.inference_mode():
         # A process's first second or two of calls run slower on the lent hosts (the first
         # case read 1.2-1.8x the next ones in every run): one untimed pass of the first case.
-        measure_case(host_cases()[0], callers, device, seed, calls, 1)
+        first = host_cases()[0]
+        measure_case(first, case_call(first, device, seed), callers, calls, 1)
         for case in host_cases():
-            case_rows = measure_case(case, callers, device, seed, calls, rounds)
+            call = case_call(case, device, seed)
+            case_rows = measure_case(case, call, callers, calls, rounds)
             lines = format_rows(case_rows)
             print("\n".join(lines if not rows else lines[1:]), file=out, flush=True)  # header once
             rows += case_rows
-            by_case.append((case, case_rows))
+            by_case.append((call, case_rows))
         print("\n".join(format_stream(measure_stream(callers, device, seed))), file=out, flush=True)
         for p in range(1, passes):
             print(f"enqueue pass {p + 1}/{passes}", file=out, flush=True)
-            for case, case_rows in by_case:
-                retime_enqueue(case, case_rows, callers, device, seed, calls, rounds)
+            for call, case_rows in by_case:
+                retime_enqueue(call, case_rows, callers, calls, rounds)
         print("\n".join(format_passes(rows)), file=out, flush=True)
     return 1 if any(r.note and r.backend != FLA for r in rows) else 0

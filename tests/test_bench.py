@@ -554,12 +554,12 @@ def test_host_cases_cover_both_sizes_and_both_varlen_forms():
 def test_the_host_tables_shard_case_is_cut_into_segments():
     """On the H200 (132 SMs) "auto" cuts the TP = 8 shard's 32768-token prompt into
     segments: the host table measures a context-parallel call."""
-    from gdn_dispatch.bench_host import TP8_HEADS, host_cases, make_call
+    from gdn_dispatch.bench_host import TP8_HEADS, case_call, host_cases
     from gdn_dispatch.context_parallel import plan_for_problem
     from gdn_dispatch.contract import make_problem
 
     case = next(c for c in host_cases() if c.heads == TP8_HEADS and c.host_copy)
-    call = make_call(case.lengths, case.varlen, case.host_copy, "cpu", seed=1, heads=case.heads)
+    call = case_call(case, "cpu", seed=1)
     assert call["q"].shape[2] == 2 and call["v"].shape[2] == 4
     assert plan_for_problem(make_problem(**call, output_final_state=True), 132).enabled
 
@@ -663,16 +663,16 @@ def test_pass_summary_reads_each_row_at_full_host_speed():
 
 
 def test_later_passes_add_enqueue_rounds_to_each_row(monkeypatch):
-    """A later pass appends its rounds to every row that has a first-pass figure; a caller
-    that fails in it keeps its rounds and says why."""
+    """A later pass appends its rounds to every row that has a first-pass figure (fla's
+    calls in its own keywords); a caller that fails in it keeps its rounds and says why."""
     from gdn_dispatch import bench_host
-    from gdn_dispatch.bench_host import HostCase, HostRow, retime_enqueue
+    from gdn_dispatch.bench_host import FLA, HostCase, HostRow, case_call, retime_enqueue
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     readings = []
     monkeypatch.setattr(bench_host, "python_reference_us", lambda **kw: readings.append(kw) or 1.0)
     case = HostCase("varlen-tiny", (3, 5), varlen=True, heads=(1, 2))
-    seen = []
+    seen, fla_seen = [], []
 
     def ours(**call):
         seen.append(tuple(call["cu_seqlens"].tolist()))
@@ -680,10 +680,15 @@ def test_later_passes_add_enqueue_rounds_to_each_row(monkeypatch):
     def broken(**call):
         raise RuntimeError("gone")
 
+    def theirs(**call):
+        fla_seen.append((call["cu_seqlens"].dtype, "cu_seqlens_cpu" in call))
+
     rows = [HostRow("ours", case.name, enqueue_us=10.0), HostRow("broken", case.name, enqueue_us=12.0),
-            HostRow("never", case.name, note="error: first pass")]
-    retime_enqueue(case, rows, {"ours": ours, "broken": broken, "never": broken}, "cpu", 0, calls=2, rounds=3)
+            HostRow("never", case.name, note="error: first pass"), HostRow(FLA, case.name, enqueue_us=500.0)]
+    callers = {"ours": ours, "broken": broken, "never": broken, FLA: theirs}
+    retime_enqueue(case_call(case, "cpu", 0), rows, callers, calls=2, rounds=3)
     assert len(rows[0].rounds) == 3 and all(r.ref_us == 1.0 for r in rows[0].rounds)
+    assert len(rows[3].rounds) == 3 and fla_seen == [(torch.int64, False)] * 9  # int64 offsets, no host copy
     assert readings[:4] == [{"rounds": 1}] * 4  # one round per reading: a best-of would hide a slow stretch
     assert set(seen) == {(0, 3, 8)} and len(seen) == 3 + 3 * 2  # warm-up, then 3 rounds of 2
     assert rows[1].rounds == [] and rows[1].note == "a later pass: RuntimeError: gone"
