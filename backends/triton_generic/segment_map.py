@@ -42,7 +42,7 @@ import torch
 import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import (
-    L2NORM_EPS, _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
+    _bf16_round, _cast, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.state import _walk_chunks
@@ -69,97 +69,6 @@ def _segment_bounds(cu_seqlens, N, L, slot):
     seq_eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
     start = seq_bos + (slot - (seq_bos // L + lo)) * L
     return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
-
-
-@jit
-def _pair_step(k, w, u, g_cum, k_rnorm, b_s, s_k: tl.constexpr, t0, n_a, n_b, i_h, o_k, o_c, u_cols,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-               INTERP_BF16: tl.constexpr):
-    """Two chunks of the recurrence on the [BK, BC] columns ``o_c`` of ``S`` in one step of
-    the chain: a, ``n_a`` rows from token ``t0``; b, the ``n_b`` rows after it (0: none).
-
-    With ``d`` a chunk's token decays to its last token, ``k~ = diag(d) k``, ``r`` its decay
-    to its last token and ``X = w_b k~_a^T`` ``[BT, BT]``, chunk a's step then chunk b's,
-    ``S -> r S + k~^T (u - w S)`` each, are the one step::
-
-        S -> r_a r_b S + r_b k~_a^T (u_a - w_a S) + k~_b^T (u_b' - w_b' S),
-        w_b' = r_a w_b - X w_a,   u_b' = u_b - X u_a
-
-    so b's product with S does not wait for a's update: two dependent products per pair of
-    chunks on the chain instead of four (X, w_b' and u_b' depend on no state). w_b' is
-    rounded to the data type for its product with S, as w is."""
-    o_i = tl.arange(0, BT)
-    m_a, m_b, m_k = o_i < n_a, o_i < n_b, o_k < K
-    t1 = t0 + BT
-    dt = k.dtype.element_ty
-    p_w = w + i_h * K + o_i[:, None] * (HV * K) + o_k[None, :]
-    b_wa = tl.load(p_w + t0 * (HV * K), mask=m_a[:, None] & m_k[None, :], other=0.0)
-    b_wb = tl.load(p_w + t1 * (HV * K), mask=m_b[:, None] & m_k[None, :], other=0.0)
-    p_u = u + i_h * V + o_i[:, None] * (HV * V) + o_c[None, :]
-    m_c = (o_c < u_cols)[None, :]
-    b_ua = tl.load(p_u + t0 * (HV * V), mask=m_a[:, None] & m_c, other=0.0)
-    b_ub = tl.load(p_u + t1 * (HV * V), mask=m_b[:, None] & m_c, other=0.0).to(tl.float32)
-    p_g = g_cum + i_h + o_i * HV
-    b_ra = tl.load(g_cum + (t0 + n_a - 1) * HV + i_h)
-    b_rb = tl.load(g_cum + (t1 + tl.maximum(n_b, 1) - 1) * HV + i_h, mask=n_b > 0, other=0.0)
-    b_da = tl.where(m_a, tl.exp2(b_ra - tl.load(p_g + t0 * HV, mask=m_a, other=0.0)), 0.0)
-    b_db = tl.where(m_b, tl.exp2(b_rb - tl.load(p_g + t1 * HV, mask=m_b, other=0.0)), 0.0)
-    p_k = k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
-    b_kta = tl.load(p_k + t0 * s_k, mask=m_k[:, None] & m_a[None, :], other=0.0)
-    b_ktb = tl.load(p_k + t1 * s_k, mask=m_k[:, None] & m_b[None, :], other=0.0)
-    if LOAD_RNORM:
-        p_n = k_rnorm + i_h + o_i * HV
-        b_da = b_da * tl.load(p_n + t0 * HV, mask=m_a, other=0.0)
-        b_db = b_db * tl.load(p_n + t1 * HV, mask=m_b, other=0.0)
-    elif USE_L2NORM:
-        b_kfa = b_kta.to(tl.float32)
-        b_kfb = b_ktb.to(tl.float32)
-        b_da = b_da * tl.rsqrt(tl.sum(b_kfa * b_kfa, axis=0) + L2NORM_EPS)
-        b_db = b_db * tl.rsqrt(tl.sum(b_kfb * b_kfb, axis=0) + L2NORM_EPS)
-
-    # Off the chain: X, then b's rows of w and u as seen from the pair's start state.
-    b_x = _dot(b_wb, b_kta, tl.zeros([BT, BT], dtype=tl.float32), DOT_PREC, INTERP_BF16) * b_da[None, :]
-    b_x = _cast(b_x, dt, INTERP_BF16)
-    b_wb = _cast(b_wb.to(tl.float32) * tl.exp2(b_ra) - _dot(b_x, b_wa, tl.zeros(b_wa.shape, dtype=tl.float32),
-                                                              DOT_PREC, INTERP_BF16), dt, INTERP_BF16)
-    b_ub = b_ub - _dot(b_x, b_ua, tl.zeros_like(b_ub), DOT_PREC, INTERP_BF16)
-
-    # The chain: both chunks' products with S, then both updates into one accumulator.
-    b_sc = _cast(b_s, dt, INTERP_BF16)
-    b_va = b_ua.to(tl.float32) - _dot(b_wa, b_sc, tl.zeros_like(b_ub), DOT_PREC, INTERP_BF16)
-    b_vb = b_ub - _dot(b_wb, b_sc, tl.zeros_like(b_ub), DOT_PREC, INTERP_BF16)
-    b_va = _cast(b_va * (b_da * tl.exp2(b_rb))[:, None], dt, INTERP_BF16)
-    b_vb = _cast(b_vb * b_db[:, None], dt, INTERP_BF16)
-    b_s = _dot(b_kta, b_va, b_s * tl.exp2(b_ra + b_rb), DOT_PREC, INTERP_BF16)
-    return _dot(b_ktb, b_vb, b_s, DOT_PREC, INTERP_BF16)
-
-
-@jit
-def _pair_walk(k, w, u, g_cum, k_rnorm, b_s, s_k: tl.constexpr, bos, eos, i_h, o_k, o_c, u_cols,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-               INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """``S`` after the chunks of tokens ``[bos, eos)`` from ``S = b_s``, two chunks a step
-    (:func:`_pair_step`; the last pair's second chunk may be empty)."""
-    NP = tl.cdiv(eos - bos, 2 * BT)
-    if INTERPRET:
-        i_p = 0
-        while i_p < NP:  # see state._walk_chunks: the interpreter's bound is an array
-            t0 = bos + i_p * (2 * BT)
-            n_a = tl.minimum(eos - t0, BT).to(tl.int32)
-            n_b = tl.minimum(tl.maximum(eos - t0 - BT, 0), BT).to(tl.int32)
-            b_s = _pair_step(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_a, n_b, i_h, o_k, o_c, u_cols, H, HV, K, V,
-                             BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
-            i_p += 1
-    else:
-        for i_p in range(NP):
-            t0 = bos + i_p * (2 * BT)
-            n_a = tl.minimum(eos - t0, BT).to(tl.int32)
-            n_b = tl.minimum(tl.maximum(eos - t0 - BT, 0), BT).to(tl.int32)
-            b_s = _pair_step(k, w, u, g_cum, k_rnorm, b_s, s_k, t0, n_a, n_b, i_h, o_k, o_c, u_cols, H, HV, K, V,
-                             BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
-    return b_s
 
 
 @jit(do_not_specialize=("N", "NSEG", "L"))
@@ -190,7 +99,6 @@ def _segment_map_fwd_kernel(
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
-    PAIRS: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -217,12 +125,8 @@ def _segment_map_fwd_kernel(
 
     # The state kernel's walk without its stores (h and v_new are not written: m_hi and
     # n_out stand in for them).
-    if PAIRS:
-        b_s = _pair_walk(k, w, u, g_cum, k_rnorm, b_s, s_k, bos, eos, i_h, o_k, o_c, n_cols, H, HV, K, V, BT,
-                         USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
-    else:
-        b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
-                           H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
+                       H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
 
     m_k = (o_k < K)[:, None]
     at_m = i_sh * (K * K) + o_k[:, None] * K + o_c[None, :]
@@ -248,9 +152,6 @@ def _segment_map_fwd_kernel(
 #: unsegmented ones to about 1e-5 rather than float32 rounding (the public docstring of
 #: ``context_parallel`` would then have to say so).
 BF16_MAPS = False
-
-#: Pass 1 walks two chunks per step of its chain (:func:`_pair_step`).
-CHUNK_PAIRS = False
 
 
 def maps_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -338,8 +239,7 @@ def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
 
 
 def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg_cu, num_seqs, num_segments, seg_len,
-                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm,
-                            pairs: bool | None = None) -> dict:
+                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm) -> dict:
     """Every argument of one ``_segment_map_fwd_kernel`` launch by name, an unused
     ``k_rnorm`` already replaced by a stand-in (what :func:`segment_map_fwd` launches with;
     a call program binds the same list, :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
@@ -348,4 +248,4 @@ def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
         NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
         BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
-        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PAIRS=CHUNK_PAIRS if pairs is None else pairs)
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting())
