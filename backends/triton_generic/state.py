@@ -155,34 +155,15 @@ def _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV: tl.c
 
 
 @jit
-def _chunk_rows(u, g_cum, k_rnorm, t0, n_t, i_h, o_c, u_cols, HV: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, LOAD_RNORM: tl.constexpr):
-    """The rows of one chunk that feed no product directly: u's [BT, BC] block (fp32), the
-    token decays to the chunk's last token ``2^(g_last - g)`` (times ``1/||k||`` with
-    LOAD_RNORM; 0 past ``n_t``) and that decay of the state ``2^g_last``; ``n_t = 0`` (no
-    chunk) gives zeros and 1. The software pipeliner fetches only the loads that feed
-    products ahead (w, k), so the walk loads these a chunk ahead itself."""
-    o_i = tl.arange(0, BT)
-    m_t = o_i < n_t
-    b_u = tl.load(u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V) + o_c[None, :],
-                  mask=m_t[:, None] & (o_c < u_cols)[None, :], other=0.0).to(tl.float32)
-    p_g = g_cum + t0 * HV + i_h
-    b_g_last = tl.load(p_g + (tl.maximum(n_t, 1) - 1) * HV, mask=n_t > 0, other=0.0)
-    b_d = tl.where(m_t, tl.exp2(b_g_last - tl.load(p_g + o_i * HV, mask=m_t, other=0.0)), 0.0)
-    if LOAD_RNORM:
-        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
-    return b_u, b_d, tl.exp2(b_g_last)
-
-
-@jit
-def _chunk_step(k, w, h, v_new, b_s, b_u, b_d, b_r, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_c, u_cols,
+def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_c, u_cols,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                STORE: tl.constexpr, USE_L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
+                STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
+                INTERP_BF16: tl.constexpr):
     """One chunk (first token ``t0``, ``n_t`` valid rows, chunk slot ``i_c``) of the
-    recurrence on the [BK, BC] columns ``o_c`` of ``S``, with the chunk's rows from
-    :func:`_chunk_rows` (``b_u``, ``b_d``, ``b_r``): ``v_new = u - w S``; returns the next
-    ``S``. With STORE (the state kernel, columns of V) ``h[i_c] = S`` and ``v_new`` are
-    written; without (context parallelism's pass 1, whose columns may be M's) nothing is."""
+    recurrence on the [BK, BC] columns ``o_c`` of ``S``, ``u`` read in the columns below
+    ``u_cols``: ``v_new = u - w S``; returns the next ``S``. With STORE (the state kernel,
+    columns of V) ``h[i_c] = S`` and ``v_new`` are written; without (context parallelism's
+    pass 1, whose columns may be M's) nothing is."""
     o_i = tl.arange(0, BT)
     m_t, m_k = o_i < n_t, o_k < K
     # S rounded to the data type, as h is stored, for the w S product.
@@ -193,22 +174,29 @@ def _chunk_step(k, w, h, v_new, b_s, b_u, b_d, b_r, s_k: tl.constexpr, t0, n_t, 
 
     p_w = w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :]
     b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_v = b_u - _dot(b_w, b_sc, tl.zeros_like(b_u), DOT_PREC, INTERP_BF16)
+    o_u = (t0 * HV + i_h) * V
+    p_u = o_i[:, None] * (HV * V) + o_c[None, :]
+    m_u = m_t[:, None] & (o_c < u_cols)[None, :]
+    b_v = tl.load(u + o_u + p_u, mask=m_u, other=0.0).to(tl.float32)
+    b_v -= _dot(b_w, b_sc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
     if STORE:
-        o_u = (t0 * HV + i_h) * V
-        p_u = o_i[:, None] * (HV * V) + o_c[None, :]
-        tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16),
-                 mask=m_t[:, None] & (o_c < u_cols)[None, :])
+        tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_u)
 
     # Decay to the chunk's last token: the state by 2^g_last, each token's update by
     # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm).
+    p_g = g_cum + t0 * HV + i_h
+    b_g_last = tl.load(p_g + (n_t - 1) * HV)
+    b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
+    b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
-    if USE_L2NORM:  # and no k_rnorm: reduce k's rows here
+    if LOAD_RNORM:
+        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+    elif USE_L2NORM:
         b_kf = b_kt.to(tl.float32)
         b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
     b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
-    return _dot(b_kt, b_v, b_s * b_r, DOT_PREC, INTERP_BF16)
+    return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
 
 
 @jit
@@ -217,44 +205,26 @@ def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos,
                  STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
                  INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """``S`` after the chunks of tokens ``[bos, eos)`` (chunk slots from ``i_c0``), from
-    ``S = b_s``: :func:`_chunk_step` in order. The loads of w and k feed products, so the
-    software pipeliner (num_stages) fetches the next chunk's ahead; u and the gate rows
-    (:func:`_chunk_rows`) are loaded here a chunk before their step."""
+    ``S = b_s``: :func:`_chunk_step` in order. The loads of w, k, u and the gate do not
+    depend on S, so the software pipeliner (num_stages) fetches the next chunk's ahead."""
     NT = tl.cdiv(eos - bos, BT)
-    b_u, b_d, b_r = _chunk_rows(u, g_cum, k_rnorm, bos, tl.minimum(eos - bos, BT).to(tl.int32), i_h, o_c, u_cols,
-                                HV, V, BT, LOAD_RNORM)
     if INTERPRET:
         # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
         # (int() of a 1-element array); a while loop reads the bound as a bool instead.
         i_t = 0
         while i_t < NT:
-            b_s, b_u, b_d, b_r = _rows_then_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_u, b_d, b_r, s_k, bos,
-                                                 eos, i_t, i_c0, i_h, o_k, o_c, u_cols, H, HV, K, V, BT, STORE,
-                                                 USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+                              u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
             i_t += 1
     else:
         for i_t in range(NT):
-            b_s, b_u, b_d, b_r = _rows_then_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_u, b_d, b_r, s_k, bos,
-                                                 eos, i_t, i_c0, i_h, o_k, o_c, u_cols, H, HV, K, V, BT, STORE,
-                                                 USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
+            t0 = bos + i_t * BT
+            n_t = tl.minimum(eos - t0, BT).to(tl.int32)
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+                              u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
     return b_s
-
-
-@jit
-def _rows_then_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_u, b_d, b_r, s_k: tl.constexpr, bos, eos, i_t, i_c0,
-                    i_h, o_k, o_c, u_cols, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr,
-                    DOT_PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
-    """Chunk ``i_t``'s step on its rows ``(b_u, b_d, b_r)``, the next chunk's rows loaded
-    first (none past ``eos``): returns the next S and those rows."""
-    t0 = bos + i_t * BT
-    t1 = t0 + BT
-    nxt = _chunk_rows(u, g_cum, k_rnorm, t1, tl.minimum(tl.maximum(eos - t1, 0), BT).to(tl.int32), i_h, o_c,
-                      u_cols, HV, V, BT, LOAD_RNORM)
-    b_s = _chunk_step(k, w, h, v_new, b_s, b_u, b_d, b_r, s_k, t0, tl.minimum(eos - t0, BT).to(tl.int32),
-                      i_c0 + i_t, i_h, o_k, o_c, u_cols, H, HV, K, V, BT, STORE, USE_L2NORM and not LOAD_RNORM,
-                      DOT_PREC, INTERP_BF16)
-    return b_s, nxt[0], nxt[1], nxt[2]
 
 
 @jit(do_not_specialize=("P",))
