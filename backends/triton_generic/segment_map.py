@@ -42,7 +42,7 @@ import torch
 import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import (
-    L2NORM_EPS, _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
+    _bf16_round, _cast, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.state import _walk_chunks
@@ -69,62 +69,6 @@ def _segment_bounds(cu_seqlens, N, L, slot):
     seq_eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
     start = seq_bos + (slot - (seq_bos // L + lo)) * L
     return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
-
-
-@jit
-def _chunk_step_t(k, w, u, g_cum, k_rnorm, b_st, s_k: tl.constexpr, t0, n_t, i_h, o_k, o_c, u_cols,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                  INTERP_BF16: tl.constexpr):
-    """:func:`.state._chunk_step` on ``S^T`` ``[BC, BK]`` (the columns ``o_c`` of S as
-    rows): ``v_new^T = u^T - S^T w^T``, then ``S^T = 2^g_last S^T + (2^(g_last - g) v_new)^T
-    k``. Both products take their left operand from registers (S^T, then v_new^T) and
-    their right one (w^T, k) as loaded, so the chain never goes through shared memory."""
-    o_i = tl.arange(0, BT)
-    m_t, m_k = o_i < n_t, o_k < K
-    dt = k.dtype.element_ty
-    # w and u load in token rows (coalesced); w^T is a view of w's tile, u^T a transpose in
-    # registers off the chain.
-    b_wt = tl.trans(tl.load(w + (t0 * HV + i_h) * K + o_i[:, None] * (HV * K) + o_k[None, :],
-                            mask=m_t[:, None] & m_k[None, :], other=0.0))
-    b_ut = tl.trans(tl.load(u + (t0 * HV + i_h) * V + o_i[:, None] * (HV * V) + o_c[None, :],
-                            mask=m_t[:, None] & (o_c < u_cols)[None, :], other=0.0).to(tl.float32))
-    b_vt = b_ut - _dot(_cast(b_st, dt, INTERP_BF16), b_wt, tl.zeros_like(b_ut), DOT_PREC, INTERP_BF16)
-    p_g = g_cum + t0 * HV + i_h
-    b_g_last = tl.load(p_g + (n_t - 1) * HV)
-    b_d = tl.where(m_t, tl.exp2(b_g_last - tl.load(p_g + o_i * HV, mask=m_t, other=0.0)), 0.0)
-    b_k = tl.load(k + t0 * s_k + (i_h // (HV // H)) * K + o_i[:, None] * s_k + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0)
-    if LOAD_RNORM:
-        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
-    elif USE_L2NORM:
-        b_kf = b_k.to(tl.float32)
-        b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + L2NORM_EPS)
-    b_vt = _cast(b_vt * b_d[None, :], dt, INTERP_BF16)
-    return _dot(b_vt, b_k, b_st * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
-
-
-@jit
-def _walk_chunks_t(k, w, u, g_cum, k_rnorm, b_st, s_k: tl.constexpr, bos, eos, i_h, o_k, o_c, u_cols,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                   INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """``S^T`` after the chunks of tokens ``[bos, eos)`` from ``S^T = b_st``
-    (:func:`_chunk_step_t` in order; the loop as :func:`.state._walk_chunks`)."""
-    NT = tl.cdiv(eos - bos, BT)
-    if INTERPRET:
-        i_t = 0
-        while i_t < NT:
-            t0 = bos + i_t * BT
-            b_st = _chunk_step_t(k, w, u, g_cum, k_rnorm, b_st, s_k, t0, tl.minimum(eos - t0, BT).to(tl.int32), i_h,
-                                 o_k, o_c, u_cols, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
-            i_t += 1
-    else:
-        for i_t in range(NT):
-            t0 = bos + i_t * BT
-            b_st = _chunk_step_t(k, w, u, g_cum, k_rnorm, b_st, s_k, t0, tl.minimum(eos - t0, BT).to(tl.int32), i_h,
-                                 o_k, o_c, u_cols, H, HV, K, V, BT, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
-    return b_st
 
 
 @jit(do_not_specialize=("N", "NSEG", "L"))
@@ -155,7 +99,6 @@ def _segment_map_fwd_kernel(
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
-    WALK_T: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -178,17 +121,12 @@ def _segment_map_fwd_kernel(
     # mask under every Triton interpreter): M's columns are < K, N's < V, u feeds N only.
     m_cols = tl.where(is_m, K, 0)
     n_cols = tl.where(is_m, 0, V)
-    if WALK_T:
-        b_st = tl.where((o_c[:, None] == o_k[None, :]) & (o_c < m_cols)[:, None], 1.0, 0.0)
-        b_st = _walk_chunks_t(k, w, u, g_cum, k_rnorm, b_st, s_k, bos, eos, i_h, o_k, o_c, n_cols, H, HV, K, V, BT,
-                              USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
-        b_s = tl.trans(b_st)
-    else:
-        b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
-        # The state kernel's walk without its stores (h and v_new are not written: m_hi and
-        # n_out stand in for them).
-        b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
-                           H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
+    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
+
+    # The state kernel's walk without its stores (h and v_new are not written: m_hi and
+    # n_out stand in for them).
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
+                       H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
 
     m_k = (o_k < K)[:, None]
     at_m = i_sh * (K * K) + o_k[:, None] * K + o_c[None, :]
@@ -214,9 +152,6 @@ def _segment_map_fwd_kernel(
 #: unsegmented ones to about 1e-5 rather than float32 rounding (the public docstring of
 #: ``context_parallel`` would then have to say so).
 BF16_MAPS = False
-
-#: Pass 1 walks S^T (:func:`_walk_chunks_t`) instead of S.
-WALK_TRANSPOSED = False
 
 
 def maps_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -313,4 +248,4 @@ def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
         NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
         BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
-        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), WALK_T=WALK_TRANSPOSED)
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting())
