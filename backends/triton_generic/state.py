@@ -155,20 +155,15 @@ def _store_final_state(h0, ht, b_s, i_nh, i_row, i_h, k_rows, o_k, o_v, HV: tl.c
 
 
 @jit
-def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_neye, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_c,
-                u_cols, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, t0, n_t, i_c, i_h, o_k, o_c, u_cols,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                 STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
                 INTERP_BF16: tl.constexpr):
     """One chunk (first token ``t0``, ``n_t`` valid rows, chunk slot ``i_c``) of the
     recurrence on the [BK, BC] columns ``o_c`` of ``S``, ``u`` read in the columns below
     ``u_cols``: ``v_new = u - w S``; returns the next ``S``. With STORE (the state kernel,
     columns of V) ``h[i_c] = S`` and ``v_new`` are written; without (context parallelism's
-    pass 1, whose columns may be M's) nothing is.
-
-    ``b_neye`` is ``-I`` ``[BC, BC]`` in the data type: ``w S - u`` is one accumulator of
-    two products, ``w S`` and ``u (-I)``, so u enters the tensor cores as loaded instead of
-    being widened to fp32 and subtracted in registers (a fifth of the step's instructions
-    on sm_90)."""
+    pass 1, whose columns may be M's) nothing is."""
     o_i = tl.arange(0, BT)
     m_t, m_k = o_i < n_t, o_k < K
     # S rounded to the data type, as h is stored, for the w S product.
@@ -182,18 +177,17 @@ def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_neye, s_k: tl.constexp
     o_u = (t0 * HV + i_h) * V
     p_u = o_i[:, None] * (HV * V) + o_c[None, :]
     m_u = m_t[:, None] & (o_c < u_cols)[None, :]
-    b_u = tl.load(u + o_u + p_u, mask=m_u, other=0.0)
-    b_vn = _dot(b_w, b_sc, tl.zeros([BT, b_neye.shape[0]], dtype=tl.float32), DOT_PREC, INTERP_BF16)
-    b_vn = _dot(b_u, b_neye, b_vn, DOT_PREC, INTERP_BF16)  # -v_new
+    b_v = tl.load(u + o_u + p_u, mask=m_u, other=0.0).to(tl.float32)
+    b_v -= _dot(b_w, b_sc, tl.zeros_like(b_v), DOT_PREC, INTERP_BF16)
     if STORE:
-        tl.store(v_new + o_u + p_u, _cast(-b_vn, v_new.dtype.element_ty, INTERP_BF16), mask=m_u)
+        tl.store(v_new + o_u + p_u, _cast(b_v, v_new.dtype.element_ty, INTERP_BF16), mask=m_u)
 
     # Decay to the chunk's last token: the state by 2^g_last, each token's update by
-    # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm); negated with v_new.
+    # 2^(g_last - g_t) (and by 1/||k_t|| with the fused l2-norm).
     p_g = g_cum + t0 * HV + i_h
     b_g_last = tl.load(p_g + (n_t - 1) * HV)
     b_g = tl.load(p_g + o_i * HV, mask=m_t, other=0.0)
-    b_d = tl.where(m_t, -tl.exp2(b_g_last - b_g), 0.0)
+    b_d = tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
     if LOAD_RNORM:
@@ -201,7 +195,7 @@ def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_neye, s_k: tl.constexp
     elif USE_L2NORM:
         b_kf = b_kt.to(tl.float32)
         b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
-    b_v = _cast(b_vn * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
+    b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
     return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
 
 
@@ -214,7 +208,6 @@ def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos,
     ``S = b_s``: :func:`_chunk_step` in order. The loads of w, k, u and the gate do not
     depend on S, so the software pipeliner (num_stages) fetches the next chunk's ahead."""
     NT = tl.cdiv(eos - bos, BT)
-    b_neye = tl.where(o_c[:, None] == o_c[None, :], -1.0, 0.0).to(k.dtype.element_ty)
     if INTERPRET:
         # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
         # (int() of a 1-element array); a while loop reads the bound as a bool instead.
@@ -222,14 +215,14 @@ def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos,
         while i_t < NT:
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_neye, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
                               u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
             i_t += 1
     else:
         for i_t in range(NT):
             t0 = bos + i_t * BT
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
-            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, b_neye, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
+            b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
                               u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
     return b_s
 
