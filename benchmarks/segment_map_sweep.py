@@ -1,8 +1,8 @@
 """Context parallelism's pass 1 (the segment maps) alone, in several launch configs.
 
-Usage (a CUDA machine, repository root): ``python benchmarks/segment_map_sweep.py``; with
-``--cpu`` (under ``TRITON_INTERPRET=1``) it runs two configs at a small size to check the
-script.
+Usage (a CUDA machine, repository root): ``python benchmarks/segment_map_sweep.py``
+(``--quick``: the shipped config and the next best alone); with ``--cpu`` (under
+``TRITON_INTERPRET=1``) it runs two configs at a small size to check the script.
 
 Each row is one ``segment_map_fwd`` launch config (the column block BC, warps, pipeline
 stages) on the segmented calls of the tensor-parallel shards: one sequence of 32768
@@ -10,7 +10,8 @@ tokens, K = V = 128, bf16, segments of 2048 tokens (4096 at 8/16), as ``"auto"``
 them. Inputs are seeded random tensors of the shapes ``wu_fwd`` returns (the time does not
 depend on their values). "err" is the relative RMS difference of M and N against the
 shipped config's (a config that computes something else shows here); the time is GPU µs
-per call (a CUDA graph of 10 calls, median of 15 replays). Prints a markdown table last.
+per call (a CUDA graph of 10 calls, median of 15 replays); "regs" the registers and spill
+bytes per thread of the compiled kernel. Prints a markdown table last.
 """
 import sys
 
@@ -31,6 +32,18 @@ CONFIGS = [LaunchConfig(num_warps=w, num_stages=s, BK=128, BV=bc)
            for bc, w, s in ([(64, 4, 2), (32, 4, 2)] if CPU else
                             [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 2), (32, 4, 3), (32, 2, 2),
                              (32, 8, 2), (16, 4, 2), (16, 2, 2), (128, 8, 2), (128, 8, 3)])]
+if "--quick" in sys.argv:  # the shipped config and the next best
+    CONFIGS = CONFIGS[:1] + CONFIGS[-2:-1]
+
+
+def compiled_regs() -> dict:
+    """(registers, spill bytes) of every compiled pass-1 kernel, by its cache key."""
+    out = {}
+    for cache in segment_map._segment_map_fwd_kernel.device_caches.values():
+        for key, kernel in cache[0].items():
+            kernel._init_handles()
+            out[key] = (kernel.n_regs, kernel.n_spills)
+    return out
 
 
 def inputs(H: int, HV: int, T: int):
@@ -51,23 +64,29 @@ def main() -> None:
     rows = []
     for H, HV, T, L in SHAPES:
         k, w, u, g_cum, cu = inputs(H, HV, T)
+        before = set(compiled_regs())
         _, m_hi, m_lo, n = segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=shipped)
+        shipped_regs = [f"{r} / {s}" for key, (r, s) in compiled_regs().items() if key not in before]
         want = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
         for cfg in CONFIGS:
             name = f"BC {cfg.BV}, {cfg.num_warps} warps, {cfg.num_stages} stages"
             try:
+                before = set(compiled_regs())
                 _, m_hi, m_lo, n = segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=cfg)
                 got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
                 err = rel_rms_error(got, want)
                 us = None if CPU else graph_replay_us(
                     lambda: [segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=cfg) for _ in range(10)],
                     replays=1, windows=15) / 10
-                rows.append((f"{H}/{HV}", T // L, name, f"{err:.1e}", "-" if us is None else f"{us:.1f}"))
+                regs = (shipped_regs if cfg == shipped else
+                        [f"{r} / {s}" for key, (r, s) in compiled_regs().items() if key not in before])
+                rows.append((f"{H}/{HV}", T // L, name, f"{err:.1e}", "-" if us is None else f"{us:.1f}",
+                             regs[0] if regs else "-"))
             except Exception as exc:  # a config that does not compile here is a row, not a stop
-                rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}"))
+                rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
             print(rows[-1], flush=True)
     print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
-    print_table(["H/HV", "segments", "config", "err", "µs per call"], "lrlrr", rows)
+    print_table(["H/HV", "segments", "config", "err", "µs per call", "regs / spill B"], "lrlrrr", rows)
 
 
 if __name__ == "__main__":

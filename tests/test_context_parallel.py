@@ -351,6 +351,25 @@ def test_segment_map_kernel_matches_the_reference_maps(dtype, K, V, l2, bf16_map
             assert bool((N[s] == 0).all())
 
 
+@pytest.mark.parametrize("arch, depth", [("sm_90", 2), ("sm_80", 0), ("sm_100", 0)])
+def test_pass_one_prefetches_into_l2_where_measured(arch, depth):
+    """Pass 1 asks the L2 for w, k and u two chunks ahead on sm_90 (where the H200 measured
+    the gain) and nowhere else; its sm_90 builds keep every register (no spills) with it."""
+    from gdn_dispatch.aot import compile_kernel, kernels_for_target
+    from gdn_dispatch.device import assumed_device
+
+    capability = assumed_device(arch).capability
+    assert tg_map.l2_prefetch_chunks(capability) == depth
+    kernels = [k for k in kernels_for_target(capability, ["triton_generic"]) if k.kernel == "segment_map_fwd"]
+    assert kernels and all(k.constexprs["PREFETCH"] == depth for k in kernels)
+    if arch == "sm_90":
+        for kernel in kernels:
+            report = compile_kernel(kernel, capability)
+            assert report.ptx.count("prefetch.global.L2") >= 3 * depth, kernel.specialization
+            assert report.spill_bytes == 0, kernel.specialization
+    assert tg_map.l2_prefetch_chunks(None) == 0  # the interpreter
+
+
 #: The scan's error bound per split of the maps (relative RMS of every start and final
 #: state against a float32 scan with unsplit maps, 9 segments): the TF32 + bf16 split
 #: represents M to about 2^-19 of each entry, the bf16 + bf16 split (and the state's own

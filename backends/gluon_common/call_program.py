@@ -301,7 +301,8 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
     cfg = segment_map_config(Kd, Vd)
     triton_step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
         cfg, problem.q.dtype, k, w, u, g_cum, g_cum, cu, seg_cu, n, nseg, seg_len, m_hi, m_lo, n_map, HK, H, HV, Kd,
-        Vd, use_qk_l2norm=l2, load_rnorm=False), HV * segment_map_blocks(Kd, Vd, cfg), COUNT_NSEG)
+        Vd, use_qk_l2norm=l2, load_rnorm=False, capability=device_facts(problem.device)[0]),
+        HV * segment_map_blocks(Kd, Vd, cfg), COUNT_NSEG)
     # The scan: unused state pointers read the maps' N as the wrapper's stand-in.
     triton_step(_segment_scan_fwd_kernel, scan, segment_scan_launch_args(
         scan, m_hi, m_lo, n_map, cu, input_ref(H0) if problem.initial_state is not None else n_map,

@@ -185,6 +185,15 @@ def _dot(a, b, acc, PREC: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 
 @jit
+def _prefetch_l2(ptrs, on):
+    """Hint the L2 to fetch the 128-byte line of each pointer of ``ptrs`` where ``on`` (int32,
+    same shape) is nonzero; returns zeros (the hint has no result). Not for the interpreter."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _tf32_round(x):
     """fp32 ``x`` rounded to its 10 leading mantissa bits (TF32), as an fp32 value: an MMA
     reads it unchanged however it treats the 13 bits below (truncation or rounding)."""

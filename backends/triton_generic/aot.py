@@ -15,7 +15,8 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.backends.triton_generic.configs import fuse_solve_into_wu, intra_config, output_config, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
-from gdn_dispatch.backends.triton_generic.segment_map import _segment_map_fwd_kernel, maps_dtype, segment_map_config
+from gdn_dispatch.backends.triton_generic.segment_map import (
+    _segment_map_fwd_kernel, l2_prefetch_chunks, maps_dtype, segment_map_config)
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
@@ -100,7 +101,7 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability
                         "m_hi": m_hi, "m_lo": "*bf16", "n_out": "*fp32"},
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
-                        "INTERPRET": False}, cfg))
+                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability)}, cfg))
     pool = dtype == "bf16"
     # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
     # the part takes them).

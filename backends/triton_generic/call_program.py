@@ -284,7 +284,8 @@ def _segment_steps(step, problem: GDNProblem, buf: dict, k, cu, h0, final, indic
     step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
         cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), cu,
         buf["seg_cu"], count_ref(COUNT_N), count_ref(COUNT_NSEG), count_ref(COUNT_L), buf["m_hi"], buf["m_lo"], n_map,
-        s_k, H, HV, Kd, Vd, use_qk_l2norm=l2, load_rnorm=l2), (0, False, HV * segment_map_blocks(Kd, Vd, cfg), 1, 0),
+        s_k, H, HV, Kd, Vd, use_qk_l2norm=l2, load_rnorm=l2, capability=device_facts(problem.device)[0]),
+        (0, False, HV * segment_map_blocks(Kd, Vd, cfg), 1, 0),
         -1, COUNT_NSEG)
     pool = problem.state_indices is not None
     step(_segment_scan_fwd_kernel, scan, segment_scan_launch_args(

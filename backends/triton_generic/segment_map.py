@@ -43,7 +43,7 @@ import triton.language as tl
 
 from gdn_dispatch.backends.triton_generic._jit import (
     _bf16_round, _cast, _tf32_round, interpreting, jit, next_pow2)
-from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, launch, state_block_k
+from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.state import _walk_chunks
 from gdn_dispatch.backends.triton_generic.strides import token_stride
@@ -99,6 +99,7 @@ def _segment_map_fwd_kernel(
     DOT_PREC: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -125,8 +126,9 @@ def _segment_map_fwd_kernel(
 
     # The state kernel's walk without its stores (h and v_new are not written: m_hi and
     # n_out stand in for them).
-    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols,
-                       H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols, i_cb,
+                       NCB, H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET,
+                       PREFETCH)
 
     m_k = (o_k < K)[:, None]
     at_m = i_sh * (K * K) + o_k[:, None] * K + o_c[None, :]
@@ -152,6 +154,22 @@ def _segment_map_fwd_kernel(
 #: unsegmented ones to about 1e-5 rather than float32 rounding (the public docstring of
 #: ``context_parallel`` would then have to say so).
 BF16_MAPS = False
+
+
+#: Chunks ahead of its step at which each pass-1 program asks the L2 for w, k and u on sm_90
+#: (its share of them: :func:`.state._prefetch_chunk`). On the H200 the chain with every
+#: chunk's tiles already on chip takes 36 µs of pass 1's 63 at 2/4 (``python
+#: benchmarks/chain_probe.py``): the walk waits on its loads. Two chunks ahead gave 66.1 ->
+#: 61.5 µs at 2/4, 125.1 -> 118.7 at 4/8, 238.1 -> 232.4 at 8/16; 3, 4, 6 and 8 less
+#: (benchmarks/RESULTS.md). Other parts have no measurement, and sm_80's l2-norm build
+#: spills with it: none there (:func:`l2_prefetch_chunks`).
+L2_PREFETCH_CHUNKS = 2
+
+
+def l2_prefetch_chunks(capability: tuple[int, int] | None) -> int:
+    """Pass 1's L2 prefetch distance in chunks on a part of ``capability`` (0: none; None,
+    the interpreter: none)."""
+    return L2_PREFETCH_CHUNKS if capability is not None and tuple(capability) == (9, 0) else 0
 
 
 def maps_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -228,7 +246,7 @@ def segment_map_fwd(
     launch(_segment_map_fwd_kernel, grid, cfg, **segment_map_launch_args(
         cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, cu_seqlens, seg_cu, N, NSEG,
         seg_len, m_hi, m_lo, n_out, token_stride("k", k), H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
-        load_rnorm=use_qk_l2norm and k_rnorm is not None))
+        load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0]))
     return seg_cu, m_hi, m_lo, n_out
 
 
@@ -239,13 +257,14 @@ def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
 
 
 def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg_cu, num_seqs, num_segments, seg_len,
-                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm) -> dict:
+                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm, capability) -> dict:
     """Every argument of one ``_segment_map_fwd_kernel`` launch by name, an unused
-    ``k_rnorm`` already replaced by a stand-in (what :func:`segment_map_fwd` launches with;
-    a call program binds the same list, :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
+    ``k_rnorm`` already replaced by a stand-in, for a part of ``capability`` (what
+    :func:`segment_map_fwd` launches with; a call program binds the same list,
+    :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
     dot_prec, _ = dot_precisions(dtype)
     return dict(
         k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
         NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
         BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
-        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting())
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability))

@@ -26,7 +26,7 @@ from gdn_dispatch import varlen
 from gdn_dispatch.contract import CHUNK_SIZE, empty_final_state
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, interpreting, jit
+from gdn_dispatch.backends.triton_generic._jit import L2NORM_EPS, _cast, _dot, _prefetch_l2, interpreting, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, state_block_k, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
@@ -200,13 +200,35 @@ def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, t0, n
 
 
 @jit
+def _prefetch_chunk(k, w, u, t0, eos, i_h, i_pf, n_pf, s_k: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Ask the L2 for the chunk at token ``t0``'s rows of w, k and u (none past ``eos``), two
+    lines a row. The ``n_pf`` programs that walk the same rows (the column blocks of one
+    head) share the work: program ``i_pf`` takes the tensors ``j`` with ``j % n_pf == i_pf``."""
+    o_l = tl.arange(0, 2 * BT)
+    row = tl.minimum(t0 + o_l // 2, eos - 1)
+    live = t0 < eos
+    mine = i_pf % n_pf
+    _prefetch_l2(w + (row * HV + i_h) * K + (o_l % 2) * (K // 2),
+                 tl.where(live & (mine == 0), 1, 0) + o_l * 0)
+    _prefetch_l2(k + row * s_k + (i_h // (HV // H)) * K + (o_l % 2) * (K // 2),
+                 tl.where(live & (mine == 1 % n_pf), 1, 0) + o_l * 0)
+    _prefetch_l2(u + (row * HV + i_h) * V + (o_l % 2) * (V // 2),
+                 tl.where(live & (mine == 2 % n_pf), 1, 0) + o_l * 0)
+
+
+@jit
 def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos, eos, i_c0, i_h, o_k, o_c, u_cols,
-                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                 i_pf, n_pf, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                  STORE: tl.constexpr, USE_L2NORM: tl.constexpr, LOAD_RNORM: tl.constexpr, DOT_PREC: tl.constexpr,
-                 INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                 INTERP_BF16: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
     """``S`` after the chunks of tokens ``[bos, eos)`` (chunk slots from ``i_c0``), from
     ``S = b_s``: :func:`_chunk_step` in order. The loads of w, k, u and the gate do not
-    depend on S, so the software pipeliner (num_stages) fetches the next chunk's ahead."""
+    depend on S, so the software pipeliner (num_stages) fetches the next chunk's ahead; with
+    ``PREFETCH = P > 0`` each step also asks the L2 for the rows ``P`` chunks ahead
+    (:func:`_prefetch_chunk`, shared by the ``n_pf`` programs of one head, this one being
+    ``i_pf``), for walks that wait on their loads with the pipeliner's one chunk of lead
+    (:data:`.segment_map.L2_PREFETCH_CHUNKS`)."""
     NT = tl.cdiv(eos - bos, BT)
     if INTERPRET:
         # triton 3.6's interpreter cannot range() over a loaded bound under numpy >= 2.4
@@ -219,8 +241,13 @@ def _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, bos,
                               u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
             i_t += 1
     else:
+        if PREFETCH > 0:
+            for i_p in tl.static_range(1, PREFETCH):
+                _prefetch_chunk(k, w, u, bos + i_p * BT, eos, i_h, i_pf, n_pf, s_k, H, HV, K, V, BT)
         for i_t in range(NT):
             t0 = bos + i_t * BT
+            if PREFETCH > 0:
+                _prefetch_chunk(k, w, u, t0 + PREFETCH * BT, eos, i_h, i_pf, n_pf, s_k, H, HV, K, V, BT)
             n_t = tl.minimum(eos - t0, BT).to(tl.int32)
             b_s = _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k, t0, n_t, i_c0 + i_t, i_h, o_k, o_c,
                               u_cols, H, HV, K, V, BT, STORE, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16)
@@ -266,8 +293,10 @@ def _state_fwd_kernel(
     b_h, i_row, k_rows = _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV, K, V, BK, BV, USE_H0, USE_POOL,
                                       STATE_VK)
     i_c0 = bos // BT + i_n  # the sequence's first chunk slot, where its h rows start
-    b_h = _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, bos, eos, i_c0, i_h, o_k, o_v, V,
-                       H, HV, K, V, BT, True, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET)
+    # No L2 prefetch: with a program per (sequence, v-head, V slice) filling the GPU it made
+    # the H200's state kernel slower (H16-HV32 4 x 8192: 419 -> 558 µs at 3 chunks ahead).
+    b_h = _walk_chunks(k, w, u, g_cum, k_rnorm, h, v_new, b_h, s_k, bos, eos, i_c0, i_h, o_k, o_v, V, i_v, 1,
+                       H, HV, K, V, BT, True, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET, 0)
     _store_final_state(h0, ht, b_h, i_nh, i_row, i_h, k_rows, o_k, o_v, HV, K, V, INPLACE, STORE_HT, STATE_VK)
 
 
