@@ -14,7 +14,9 @@ N and of M), 4 warps, 2 stages):
   tiles stay in L2: the loads' latency without DRAM or L2 traffic).
 * chain, tiles loaded once: the chunk's tiles loaded before the walk, the loop is the
   chain of products and their register work alone.
-* loads alone: every chunk's tiles loaded and reduced, no products (the stream's time).
+* loads alone: every chunk's tiles loaded and folded into S by row and column sums, no
+  products (on the H200 the sums' cross-thread reductions took longer than the whole
+  walk: this row bounds nothing, it only shows the loads are not free of register work).
 
 GPU µs per call (a CUDA graph of 10 calls, median of 15 replays). Prints a markdown table
 last.
