@@ -13,6 +13,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py qk_norm_group  # fused.QK_NORM_ON_CHIP_MAX_GROUP 2 -> 4
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
     python benchmarks/flag_ab.py bf16_maps    # segment_map.BF16_MAPS: the scan on bf16 parts of M
+    python benchmarks/flag_ab.py ring_slots   # state_output.RING_SLOTS_MAX 2 -> 3: loads two chunks ahead
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -77,6 +78,13 @@ STUDIES = {
     "bf16_maps": ("gdn_dispatch.backends.triton_generic.segment_map", "BF16_MAPS", (False, True), {
         "H2-HV4-1x32768": (2, 4, [32768], False), "H4-HV8-1x32768": (4, 8, [32768], False),
         "H8-HV16-1x32768": (8, 16, [32768], False)}),
+    # The state-output kernel's load rings up to 3 slots where they fit (chunk t + 2's tiles
+    # issued at chunk t): context parallelism's pass 2 at the tensor-parallel shards, and a
+    # pipeline call on that kernel.
+    "ring_slots": ("gdn_dispatch.backends.gluon_common.state_output", "RING_SLOTS_MAX", (2, 3), {
+        "H2-HV4-1x32768": (2, 4, [32768], False), "H4-HV8-1x32768": (4, 8, [32768], False),
+        "H2-HV8-1x32768": (2, 8, [32768], False), "H8-HV16-1x32768": (8, 16, [32768], False),
+        "H16-HV64-1x8192": (16, 64, [8192], False)}),
 }
 
 

@@ -71,7 +71,10 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
-                                 "USE_POOL": False, "INPLACE": False, **({} if scatters else {"o_rows_desc": None})}
+                                 "USE_POOL": False, "INPLACE": False,
+                                 "NUM_BUF": so.state_output_ring_slots(K, BV, 2, launch.num_warps,
+                                                                       smem_per_block=SMEM_OPTIN[capability]),
+                                 **({} if scatters else {"o_rows_desc": None})}
     expected = {
         "q_desc": ("q", (rows, H * K), (BT, K)),
         "k_desc": ("k", (rows, H * K), (BT, K)),
@@ -191,6 +194,39 @@ def test_smem_and_tmem_budget(K, BV):
     assert so.state_output_smem_bytes(64, 64, 2) < SMEM_OPTIN[SM90] // 2 - 8 * 1024
 
 
+@pytest.mark.parametrize("most, K, BV, warps, slots", [
+    (2, 128, 64, 4, 2), (3, 128, 64, 4, 3), (3, 128, 32, 4, 3),
+    (3, 128, 128, 8, 2),  # three slots would not fit (287 KB)
+    (3, 64, 64, 4, 2),  # three would fit one program per SM where two slots fit two
+])
+def test_ring_slots_fit_without_fewer_programs(monkeypatch, most, K, BV, warps, slots):
+    """A plan takes up to RING_SLOTS_MAX ring slots where their shared memory fits with as
+    many programs per SM as two slots allow; its smem_bytes follow."""
+    monkeypatch.setattr(so, "RING_SLOTS_MAX", most)
+    assert so.state_output_ring_slots(K, BV, 2, warps) == slots
+    launch = so.plan_state_output(_problem(lengths=[100], K=K, V=128), SM90, block_v=BV, num_warps=warps)
+    assert launch.constexprs["NUM_BUF"] == slots
+    assert launch.blocks["smem_bytes"] == so.state_output_smem_bytes(K, BV, 2, slots=slots)
+
+
+def test_three_ring_slots_compile_within_shared_memory():
+    """The kernel's lead of NUM_BUF - 1 chunks at three slots (K = V = 128, BV = 64) compiles
+    for sm_90a and sm_100a within the part's shared memory, without spills."""
+    import dataclasses
+
+    from gdn_dispatch.aot import compile_kernel
+
+    p = _problem(lengths=[100, 70], K=128, V=128)
+    for capability, backend in ((SM90, "gluon_sm90"), (SM100, "gluon_sm100")):
+        launch = so.plan_state_output(p, capability, block_v=64)
+        launch = dataclasses.replace(launch.shared, constexprs={**launch.constexprs, "NUM_BUF": 3})
+        report = compile_kernel(so.state_output_aot_kernel(backend, launch, torch.bfloat16, "three-slots"),
+                                capability)
+        assert report.shared_bytes <= SMEM_OPTIN[capability], capability
+        assert report.shared_bytes >= so.state_output_smem_bytes(128, 64, 2, slots=3), capability
+        assert report.spill_bytes == 0, capability
+
+
 def test_plan_flags():
     p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
     launch = so.plan_state_output(p, SM90)
@@ -198,7 +234,7 @@ def test_plan_flags():
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
                                                                      launch.num_warps), "o_rows_desc": None,
-                                 "USE_POOL": False, "INPLACE": False}
+                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 2}
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
 

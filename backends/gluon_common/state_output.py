@@ -49,7 +49,8 @@ Where the data lives: S, P, O and QK are engine accumulators (TMEM on sm_100a: B
 BV + 64 columns at most; wgmma registers on sm_90a). w, k and q tiles share one ring
 allocation ``[3 NUM_BUF, 64, K]`` (slot ``b`` holds w at ``3 b``, k at ``3 b + 1``, q at
 ``3 b + 2``) on one ready barrier per slot; u has its own ring and ready barriers (it is
-needed later). Chunk t + 1's loads are issued at the top of chunk t.
+needed later). Chunk t + NUM_BUF - 1's loads are issued at the top of chunk t (chunk t + 1's
+with the two slots shipped).
 
 Phase bookkeeping, written once: chunk ``t`` uses slot ``buf = t % NUM_BUF``; each ready
 barrier of a slot completes once per use of the slot, so chunk t waits ``(t // NUM_BUF) &
@@ -62,9 +63,9 @@ A v_new with QK late), which is what each ``ENGINE.mma_wait_until``'s PENDING co
 
 Why each buffer is free when it is rewritten (no "empty" barriers):
 
-* ring slot ``buf`` is refilled at the top of chunk t + 1 (with chunk t + 2). Its readers
-  in chunk t: the P, O, QK and state-update MMAs (all waited by the end of chunk t) and
-  register reads (u for v_new), which all come before the
+* the ring slot of chunk t is refilled at the top of chunk t + 1 (with chunk t + NUM_BUF).
+  Its readers in chunk t: the P, O, QK and state-update MMAs (all waited by the end of
+  chunk t) and register reads (u for v_new), which all come before the
   ``fence_async_shared`` + CTA barrier in front of chunk t's last MMA (A v_new), so they
   precede the TMA writes (async proxy) in every thread.
 * ``h_smem``: read by chunk t - 1's P and O MMAs, both waited in chunk t - 1.
@@ -89,7 +90,7 @@ serial chain and was repeated by every V-block), loaded a chunk early with the g
 ``rk`` folds into the row scale of ``vs`` (``k_n^T vs = k^T (rk vs)``) and into the columns
 of ``QK``; q's ``rq`` into the rows of o. q and k are never rewritten.
 
-Budget (16-bit, K = 128, BV = 64): shared memory ring 96 KB + u ring 16 KB + h 16 KB +
+Budget (16-bit, K = 128, BV = 64, two ring slots): shared memory ring 96 KB + u ring 16 KB + h 16 KB +
 v_new, vs, o 24 KB + A 8 KB = 160 KB: one program per SM (K = 128, BV = 32: 132 KB;
 BV = 128: 216 KB; K = 64, BV = 64: 104 KB, two per SM). TMEM at most 3 BV + 64 = 448
 columns on sm_100a. Registers on sm_90a: the state tile is K * BV / (32 warps) per
@@ -121,8 +122,13 @@ from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rn
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init, state_out
 
-#: Slots of the w/k/q and u rings: chunk t computes while chunk t + 1 lands.
-NUM_BUF = gl.constexpr(2)
+#: Most slots of the w/k/q and u rings (the kernel's ``NUM_BUF``: chunk t computes while
+#: chunks t + 1 .. t + NUM_BUF - 1 land): a plan takes up to this many where they fit the
+#: shared memory without fewer programs per SM (:func:`state_output_ring_slots`). Three
+#: (K = V = 128, BV = 64: 216 KB, still one program per SM; sm_90a's l2-norm builds with
+#: tails then spill 8 bytes) compile but are not measured yet: ``python
+#: benchmarks/flag_ab.py ring_slots``.
+RING_SLOTS_MAX = 2
 #: V-blocks the fused kernel is built for, on both engines: the state tile and three more
 #: [64, *] accumulators must fit the sm_90a register file, the rings and tiles shared
 #: memory (:func:`state_output_smem_bytes`). BV = 128 runs on two warpgroups
@@ -272,7 +278,7 @@ def _state_output_fwd_kernel(
     g_cum, rnorm, h0, ht, state_indices, cu_seqlens, scale, HV, GROUP, pool_size,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -325,8 +331,9 @@ def _state_output_fwd_kernel(
     P = ENGINE.acc_alloc(BT, BV)
     O = ENGINE.acc_alloc(BT, BV)
     QK = ENGINE.acc_alloc(BT, BT)
-    _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                       0, bos, col_w, col_k, col_v, NT > 0)
+    for i in gl.static_range(NUM_BUF - 1):
+        _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                           i, bos + i * BT, col_w, col_k, col_v, i < NT)
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
     i_hk = i_h // GROUP
     H = HV // GROUP
@@ -343,9 +350,11 @@ def _state_output_fwd_kernel(
         ready_phase = (t // NUM_BUF) & 1
         mma_phase = t & 1
         row = bos + t * BT
-        # Refill the other slot with chunk t + 1 (the module docstring says why it is free).
+        # Refill chunk t - 1's slot with chunk t + NUM_BUF - 1 (the module docstring says why
+        # it is free).
         _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                           1 - buf, row + BT, col_w, col_k, col_v, t + 1 < NT)
+                           (t + NUM_BUF - 1) % NUM_BUF, row + (NUM_BUF - 1) * BT, col_w, col_k, col_v,
+                           t + NUM_BUF - 1 < NT)
         w_tile = ring.index(3 * buf)
         k_tile = ring.index(3 * buf + 1)
         q_tile = ring.index(3 * buf + 2)
@@ -436,13 +445,14 @@ def _state_output_fwd_kernel(
 # Host side: plan (dry run), launch, AOT list
 
 
-def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE) -> int:
-    """Shared memory of the fused kernel: the w/k/q ring (3 NUM_BUF tiles [BT, K], which
-    also stages the fp32 initial/final state), the u ring, h, v_new, vs, o and A tiles and
-    the barriers (the compiler's layout-conversion scratch comes on top)."""
-    rings = 2 * (3 * BT * K + BT * BV) * elem
+def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, slots: int = 2) -> int:
+    """Shared memory of the fused kernel with ``slots`` ring slots: the w/k/q ring (three
+    tiles [BT, K] a slot, which also stages the fp32 initial/final state), the u ring, h,
+    v_new, vs, o and A tiles and the barriers (the compiler's layout-conversion scratch
+    comes on top)."""
+    rings = slots * (3 * BT * K + BT * BV) * elem
     tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
-    return rings + tiles + (2 * 2 + 5) * 8
+    return rings + tiles + (2 * slots + 5) * 8
 
 
 def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int = NUM_WARPS, *,
@@ -455,6 +465,20 @@ def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int
     per_sm = smem_per_block + SMEM_RESERVED_PER_BLOCK
     by_smem = per_sm // (state_output_smem_bytes(K, BV, elem) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK)
     return max(1, min(by_smem, 2 * NUM_WARPS // warps))
+
+
+def state_output_ring_slots(K: int, BV: int, elem: int = 2, warps: int = NUM_WARPS, *,
+                            smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
+    """Ring slots (the kernel's ``NUM_BUF``) of a program: the most, up to
+    :data:`RING_SLOTS_MAX`, whose shared memory fits ``smem_per_block`` with as many
+    programs per SM as two slots allow."""
+    per_sm = smem_per_block + SMEM_RESERVED_PER_BLOCK
+    programs = state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
+    for slots in range(RING_SLOTS_MAX, 2, -1):
+        need = state_output_smem_bytes(K, BV, elem, slots=slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+        if programs * need <= per_sm:
+            return slots
+    return 2
 
 
 def state_output_warps(K: int, BV: int) -> int:
@@ -574,8 +598,9 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_desc", "o", dtype, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, HV * V, (1, BV), scatter=True),
     )
+    slots = state_output_ring_slots(K, BV, elem, warps, smem_per_block=shared_memory_per_block(info))
     descriptors, constexprs = drop_unused_scatter(
-        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer})
+        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots})
     launch = LaunchPlan(
         kernel="state_output_fwd",
         # (sequence, v-head, V-block) programs.
@@ -584,7 +609,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
         # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
-                "smem_bytes": state_output_smem_bytes(K, BV, elem),
+                "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=slots),
                 "tmem_columns": 3 * BV + BT if is_sm100 else 0},
         constexprs=constexprs,
         descriptors=descriptors,
