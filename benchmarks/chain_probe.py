@@ -63,8 +63,9 @@ def _step(b_s, b_w, b_u, b_d, b_r, b_kt, F32_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _probe_kernel(k, w, u, g_cum, out, L: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, MODE: tl.constexpr, F32_DOTS: tl.constexpr = False):
+def _probe_kernel(k, w, u, g_cum, out, L: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, MODE: tl.constexpr,
+                  F32_DOTS: tl.constexpr = False):
     NCB: tl.constexpr = V // BC + K // BC
     pid = tl.program_id(0).to(tl.int64)
     i_cb, i_sh = pid % NCB, pid // NCB
