@@ -455,15 +455,21 @@ def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, sl
     return rings + tiles + (2 * slots + 5) * 8
 
 
+def _programs_by_smem(K: int, BV: int, elem: int, slots: int, smem_per_block: int) -> int:
+    """Programs with ``slots`` ring slots whose shared memory one SM holds (0: not one): an
+    SM holds ``smem_per_block``, the device's opt-in maximum, plus the 1 KB each block
+    reserves; a program takes its tiles, the compiler's scratch and that 1 KB."""
+    need = state_output_smem_bytes(K, BV, elem, slots=slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+    return (smem_per_block + SMEM_RESERVED_PER_BLOCK) // need
+
+
 def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int = NUM_WARPS, *,
                                  smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
-    """Programs of the fused kernel one SM holds at once: by shared memory (an SM holds
-    ``smem_per_block``, the device's opt-in maximum, plus the 1 KB each block reserves;
-    a program takes its tiles, the compiler's scratch and that 1 KB: 1 at K = 128, 2 at
-    K = 64 and BV <= 64 on sm_90 / sm_100) and by registers (up to 255 per thread: two
-    one-warpgroup programs or one two-warpgroup program in 64 K registers)."""
-    per_sm = smem_per_block + SMEM_RESERVED_PER_BLOCK
-    by_smem = per_sm // (state_output_smem_bytes(K, BV, elem) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK)
+    """Programs of the fused kernel one SM holds at once, with two ring slots: by shared
+    memory (:func:`_programs_by_smem`: 1 at K = 128, 2 at K = 64 and BV <= 64 on sm_90 /
+    sm_100) and by registers (up to 255 per thread: two one-warpgroup programs or one
+    two-warpgroup program in 64 K registers)."""
+    by_smem = _programs_by_smem(K, BV, elem, 2, smem_per_block)
     return max(1, min(by_smem, 2 * NUM_WARPS // warps))
 
 
@@ -472,13 +478,9 @@ def state_output_ring_slots(K: int, BV: int, elem: int = 2, warps: int = NUM_WAR
     """Ring slots (the kernel's ``NUM_BUF``) of a program: the most, up to
     :data:`RING_SLOTS_MAX`, whose shared memory fits ``smem_per_block`` with as many
     programs per SM as two slots allow."""
-    per_sm = smem_per_block + SMEM_RESERVED_PER_BLOCK
     programs = state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
-    for slots in range(RING_SLOTS_MAX, 2, -1):
-        need = state_output_smem_bytes(K, BV, elem, slots=slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
-        if programs * need <= per_sm:
-            return slots
-    return 2
+    return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
+                 if _programs_by_smem(K, BV, elem, slots, smem_per_block) >= programs), 2)
 
 
 def state_output_warps(K: int, BV: int) -> int:
