@@ -56,6 +56,37 @@ def inputs(H: int, HV: int, T: int):
     return k, w, u, g_cum, torch.tensor([0, T], device=DEVICE, dtype=torch.int32)
 
 
+#: The Gluon pass 1's configs (BC, warps, ring slots; None: its plan's choice).
+GLUON_CONFIGS = [(None, None, None), (128, 8, 2), (64, 4, 2), (64, 4, 3)]
+
+
+def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, cu, want) -> list:
+    """The Gluon pass 1 (:mod:`gdn_dispatch.backends.gluon_common.segment_map`) on the same
+    inputs, in each of :data:`GLUON_CONFIGS`."""
+    from gdn_dispatch.backends.gluon_common import segment_map as gm
+    from gdn_dispatch.backends.gluon_sm90 import ENGINE
+    from gdn_dispatch.bench_host import graph_replay_us
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
+
+    problem = make_problem(**random_call(lengths=[64], H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16))
+    rows = []
+    for block_c, warps, slots in GLUON_CONFIGS:
+        launch = gm.plan_segment_map(problem, (9, 0), block_c=block_c, num_warps=warps, slots=slots, engine=ENGINE)
+        name = (f"gluon BC {launch.blocks['BC']}, {launch.num_warps} warps, {launch.constexprs['NUM_BUF']} slots"
+                f"{' (plan)' if block_c is None else ''}")
+        try:
+            _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, cu, L, launch)
+            got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
+            us = graph_replay_us(lambda: [gm.segment_map_fwd(k, w, u, g_cum, cu, L, launch) for _ in range(10)],
+                                 replays=1, windows=15) / 10
+            rows.append((f"{H}/{HV}", T // L, name, f"{rel_rms_error(got, want):.1e}", f"{us:.1f}", "-"))
+        except Exception as exc:
+            rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     if not CPU:
         from gdn_dispatch.bench_host import graph_replay_us
@@ -85,6 +116,8 @@ def main() -> None:
             except Exception as exc:  # a config that does not compile here is a row, not a stop
                 rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
             print(rows[-1], flush=True)
+        if not CPU:
+            rows.extend(gluon_rows(H, HV, T, L, k, w, u, g_cum, cu, want))
     print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
     print_table(["H/HV", "segments", "config", "err", "µs per call", "regs / spill B"], "lrlrrr", rows)
 

@@ -1,0 +1,420 @@
+"""Context parallelism, pass 1 on the matrix engine: the affine map of every segment on the
+state, its loads on a TMA ring several chunks deep.
+
+The same maps as :mod:`gdn_dispatch.backends.triton_generic.segment_map` (which documents
+them, the segment slots and the split of M): per segment and value head, the chunk
+recurrence takes a start state ``S`` ``[K, V]`` to ``M S + N``, where ``N`` is the walk from
+zeros and each column of ``M`` ``[K, K]`` a walk from a column of the identity with ``u =
+0``. One program owns one (segment slot, v-head, BC-wide block of the ``V + K`` columns)
+and walks its segment's chunks::
+
+    h     = S                                  (the data type, shared memory only)
+    P     = w h
+    v_new = u - P                               (u = 0 in M's columns)
+    S     = 2^g_last S + k^T (2^(g_last - g) v_new)
+
+Why a kernel of its own next to the plain-Triton one: that one's chain waits on each
+chunk's loads, issued one chunk ahead by the software pipeliner (two programs of 90 KB per
+SM leave no room for a deeper pipeline; benchmarks/RESULTS.md, "Pass 1's chunk step").
+Here w and k arrive by TMA on a ring of ``NUM_BUF`` slots (chunk t + NUM_BUF - 1 is
+issued at the top of chunk t) and u on a ring of its own; at BC = 128 the program's two
+warpgroups share every tile, so one set of loads serves twice the columns. The gate rows
+(and k's reciprocal row norms with the qk l2 norm, from :mod:`.qk_norm`) of chunk t + 1
+are loaded during chunk t.
+
+Rows past a segment's end (a sequence's last chunk) hold the next sequence's tokens: their
+decay is selected to 0 (:func:`.recurrence.state_vs`), so they contribute nothing.
+
+Why each ring slot is free when it is refilled (no "empty" barriers): chunk t - 1's slot
+is refilled at the top of chunk t; its readers, the two MMAs of chunk t - 1 (both waited
+in chunk t - 1) and the register read of u (before the fence in front of chunk t - 1's
+state update), all precede the TMA writes.
+
+Phases: chunk t uses slot ``t % NUM_BUF``, whose ready barriers complete once per use
+(chunk t waits ``(t // NUM_BUF) & 1``); each MMA barrier completes once per chunk (``t & 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from gdn_dispatch.aot import AotKernel
+from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, shared_memory_per_block
+
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import (
+    MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, resolve_engine, sig_dtype,
+    tile_desc)
+from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
+from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
+
+#: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
+#: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
+RING_SLOTS_MAX = 4
+#: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
+SMEM_SCRATCH = 1024
+
+
+@gluon.jit
+def _segment_bounds(cu_seqlens, N, L, slot):
+    """``(bos, eos)`` of segment slot ``slot`` (int32): the rule of
+    :func:`gdn_dispatch.backends.triton_generic.segment_map._segment_bounds`, its sequence
+    found by bisection over ``[0, N)``."""
+    lo = slot * 0
+    hi = lo + N
+    span = lo + 1
+    while span < N:
+        mid = (lo + hi) // 2
+        below = gl.load(cu_seqlens + mid).to(gl.int32) // L + mid <= slot
+        lo = gl.where(below, mid, lo)
+        hi = gl.where(below, hi, mid)
+        span *= 2
+    seq_bos = gl.load(cu_seqlens + lo).to(gl.int32)
+    seq_eos = gl.load(cu_seqlens + lo + 1).to(gl.int32)
+    start = seq_bos + (slot - (seq_bos // L + lo)) * L
+    return gl.minimum(start, seq_eos), gl.minimum(start + L, seq_eos)
+
+
+@gluon.jit
+def _tf32_round(x):
+    """fp32 ``x`` rounded to its 10 leading mantissa bits, as triton_generic's pass 1 rounds M_hi."""
+    bits = x.to(gl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _bf16_round(x):
+    """fp32 ``x`` rounded to nearest even at bf16's 7 mantissa bits, as an fp32 value."""
+    bits = x.to(gl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, buf, row, col_w, col_k, col_u,
+                      pred, pred_u):
+    """Issue one chunk's TMA loads into slot ``buf``: w and k [BT, K] into ``ring[2 buf ...]``
+    on ``wk_ready[buf]``; u [BT, BC] into ``u_smem[buf]`` on ``u_ready[buf]`` where
+    ``pred_u`` (a block of N's columns); nothing when not ``pred``."""
+    mbarrier.expect(wk_ready.index(buf), 2 * w_desc.block_type.nbytes, pred=pred)
+    tma_load(w_desc, [row, col_w], wk_ready.index(buf), ring.index(2 * buf), pred=pred)
+    tma_load(k_desc, [row, col_k], wk_ready.index(buf), ring.index(2 * buf + 1), pred=pred)
+    mbarrier.expect(u_ready.index(buf), u_desc.block_type.nbytes, pred=pred & pred_u)
+    tma_load(u_desc, [row, col_u], u_ready.index(buf), u_smem.index(buf), pred=pred & pred_u)
+
+
+@gluon.jit
+def _k_rnorm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.constexpr):
+    """One chunk's reciprocal row norms of k (:mod:`.qk_norm`'s ``[B * T, H, 2]`` pairs,
+    k second), 0 past the segment's end."""
+    rows = row + gl.arange(0, BT, layout=row_layout)
+    return gl.load(rnorm + (rows.to(gl.int64) * H + i_hk) * 2 + 1, mask=rows < eos, other=0.0)
+
+
+@gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP"])
+def _segment_map_fwd_kernel(
+    k_desc, w_desc, u_desc, g_cum, rnorm, cu_seqlens, seg_cu, m_hi, m_lo, n_out, N, NSEG, L, HV, GROUP,
+    V: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr,
+):
+    BT: gl.constexpr = w_desc.block_type.shape[0]
+    K: gl.constexpr = w_desc.block_type.shape[1]
+    BC: gl.constexpr = u_desc.block_type.shape[1]
+    dtype: gl.constexpr = w_desc.dtype
+    NVB: gl.constexpr = V // BC
+    NCB: gl.constexpr = NVB + K // BC
+    s_layout: gl.constexpr = ENGINE.acc_layout(K, BC, gl.num_warps())
+    p_layout: gl.constexpr = ENGINE.acc_layout(BT, BC, gl.num_warps())
+    row_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+
+    # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
+    # one head stream the same w and k rows at the same time.
+    pid = gl.program_id(0)
+    i_cb = pid % NCB
+    i_sh = pid // NCB
+    i_h = i_sh % HV
+    slot = i_sh // HV
+    bos, eos = _segment_bounds(cu_seqlens, N, L, slot)
+    # The segment table for the launches after this one (the last slot's end is the token axis's).
+    if (i_cb == 0) & (i_h == 0):
+        gl.store(seg_cu + slot, bos.to(seg_cu.dtype.element_ty))
+        if slot == NSEG - 1:
+            gl.store(seg_cu + NSEG, eos.to(seg_cu.dtype.element_ty))
+    is_m = i_cb >= NVB
+    is_n = i_cb < NVB
+    c0 = gl.where(is_m, i_cb - NVB, i_cb) * BC
+    NT = gl.cdiv(eos - bos, BT)
+    i_hk = i_h // GROUP
+    col_w = i_h * K
+    col_k = i_hk * K
+    col_u = i_h * V + c0
+
+    ring = gl.allocate_shared_memory(dtype, [2 * NUM_BUF, BT, K], w_desc.layout)
+    u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BC], u_desc.layout)
+    h_smem = gl.allocate_shared_memory(dtype, [K, BC], E.smem_layout([K, BC], dtype))
+    vs_smem = gl.allocate_shared_memory(dtype, [BT, BC], u_desc.layout)
+    wk_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mma_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_bar = mma_bars.index(0)
+    s_bar = mma_bars.index(1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(wk_ready.index(i), count=1)
+        mbarrier.init(u_ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(mma_bars.index(i), count=1)
+
+    # The start: M's columns of the identity, zeros for N's.
+    r = gl.arange(0, K, layout=gl.SliceLayout(1, s_layout))
+    c = gl.arange(0, BC, layout=gl.SliceLayout(0, s_layout))
+    eye = (gl.expand_dims(r, 1) == gl.expand_dims(c0 + c, 0)) & is_m
+    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where(eye, 1.0, 0.0))
+    P = ENGINE.acc_alloc(BT, BC)
+    for i in gl.static_range(NUM_BUF - 1):
+        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, i, bos + i * BT, col_w, col_k,
+                          col_u, i < NT, is_n)
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    if USE_L2NORM:
+        b_rk = _k_rnorm_rows(rnorm, bos, eos, i_hk, HV // GROUP, BT, row_layout)
+    else:
+        b_rk = b_g  # unused
+
+    for t in range(NT):
+        buf = t % NUM_BUF
+        ready_phase = (t // NUM_BUF) & 1
+        mma_phase = t & 1
+        row = bos + t * BT
+        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, (t + NUM_BUF - 1) % NUM_BUF,
+                          row + (NUM_BUF - 1) * BT, col_w, col_k, col_u, t + NUM_BUF - 1 < NT, is_n)
+        w_tile = ring.index(2 * buf)
+        k_tile = ring.index(2 * buf + 1)
+        m_t, b_d, decay = gate_decays(b_g, g_last, row, eos, BT)
+        if USE_L2NORM:
+            b_d = b_d * b_rk
+        # Chunk t + 1's gate rows (and k's norms): their global-load latency would otherwise
+        # sit on the chain (past the last chunk they read row eos - 1).
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        if USE_L2NORM:
+            b_rk = _k_rnorm_rows(rnorm, row + BT, eos, i_hk, HV // GROUP, BT, row_layout)
+
+        s_reg = ENGINE.acc_read(S)
+        h_smem.store(s_reg.to(dtype))
+        fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        mbarrier.wait(wk_ready.index(buf), ready_phase)
+        p = ENGINE.mma(w_tile, h_smem, _fresh(P, ENGINE), False, p_bar)
+        # The decayed state becomes the accumulator of k^T vs (overlaps the MMA).
+        S = ENGINE.acc_write(S, s_reg * decay)
+        p = ENGINE.mma_wait(p, p_bar, mma_phase)
+        mbarrier.wait(u_ready.index(buf), ready_phase, pred=is_n)
+        b_u = u_smem.index(buf).load(p_layout).to(gl.float32)
+        # M's blocks load no u: their slot holds whatever was there, selected away.
+        b_v = gl.where(is_m, 0.0, b_u) - ENGINE.acc_read(p)
+        vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
+        # Orders the vs writes before the MMA reading them, and the register reads of u
+        # before the TMA refill of this slot at the top of the next chunk.
+        fence_async_shared()
+        S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
+        S = ENGINE.mma_wait(S, s_bar, mma_phase)
+
+    s = gl.convert_layout(ENGINE.acc_read(S), s_layout)
+    cols = c0 + gl.expand_dims(c, 0)
+    if is_m:
+        at = i_sh.to(gl.int64) * (K * K) + gl.expand_dims(r, 1) * K + cols
+        if m_hi.dtype.element_ty == gl.bfloat16:
+            s_hi = _bf16_round(s)
+        else:
+            s_hi = _tf32_round(s)
+        gl.store(m_hi + at, s_hi.to(m_hi.dtype.element_ty))
+        gl.store(m_lo + at, (s - s_hi).to(gl.bfloat16))
+    else:
+        gl.store(n_out + i_sh.to(gl.int64) * (K * V) + gl.expand_dims(r, 1) * V + cols, s)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(wk_ready.index(i))
+        mbarrier.invalidate(u_ready.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(mma_bars.index(i))
+
+
+@gluon.jit
+def _fresh(acc, ENGINE: gl.constexpr):
+    """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
+    zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
+    if ENGINE.IS_SM100:
+        out = acc
+    else:
+        out = ENGINE.acc_alloc(acc.shape[0], acc.shape[1])
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Host side: plan (dry run), launch, AOT list
+
+
+def segment_map_smem_bytes(K: int, BC: int, elem: int, slots: int, BT: int = CHUNK_SIZE) -> int:
+    """Shared memory of a program with ``slots`` ring slots: the w/k ring, the u ring, the h
+    and vs tiles and the barriers (the compiler's scratch comes on top)."""
+    return slots * (2 * BT * K + BT * BC) * elem + (K * BC + BT * BC) * elem + (2 * slots + 2) * 8
+
+
+def _programs_by_smem(K: int, BC: int, elem: int, slots: int, smem_per_block: int) -> int:
+    """Programs with ``slots`` ring slots whose shared memory one SM holds (0: not one)."""
+    need = segment_map_smem_bytes(K, BC, elem, slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+    return (smem_per_block + SMEM_RESERVED_PER_BLOCK) // need
+
+
+def segment_map_ring_slots(K: int, BC: int, elem: int = 2, warps: int = NUM_WARPS, *,
+                           smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
+    """Ring slots of a program: the most, up to :data:`RING_SLOTS_MAX`, that fit
+    ``smem_per_block`` with as many programs per SM as two slots allow (at most two
+    one-warpgroup programs or one of two warpgroups, by registers)."""
+    programs = max(1, min(_programs_by_smem(K, BC, elem, 2, smem_per_block), 2 * NUM_WARPS // warps))
+    return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
+                 if _programs_by_smem(K, BC, elem, slots, smem_per_block) >= programs), 2)
+
+
+def segment_map_config(K: int, V: int) -> tuple[int, int]:
+    """(BC, warps): 128 columns on two warpgroups where BC = 128 divides both K and V (every
+    tile loaded once for both), else 64 on one."""
+    BC = 128 if K % 128 == 0 and V % 128 == 0 else 64
+    return BC, NUM_WARPS * (2 if K * BC > MAX_STATE_TILE else 1)
+
+
+def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None, num_warps: int | None = None,
+                     slots: int | None = None, engine=None) -> LaunchPlan:
+    """Launch plan of :func:`segment_map_fwd` for ``problem`` (a dry run: no GPU, no tensor
+    read; the grid follows from the segment slot count at each launch).
+
+    Parameters
+    ----------
+    problem : a validated call; K and V in {64, 128}, bf16/fp16.
+    device : DeviceInfo, or a bare capability tuple (its representative part).
+    block_c : BC override, 64 or 128 dividing K and V; default :func:`segment_map_config`.
+    num_warps : 4 or 8 holding the [K, BC] state tile; default the least that hold it.
+    slots : ring slots override (2 or more); default :func:`segment_map_ring_slots`.
+    engine : the launching backend's matrix engine; None: the one registry.toml admits.
+    """
+    info = as_device(device)
+    engine = resolve_engine(info, engine)
+    H, K, HV, V = problem.H, problem.K, problem.HV, problem.V
+    elem = torch.finfo(problem.dtype).bits // 8
+    BT = CHUNK_SIZE
+    chosen_bc, chosen_warps = segment_map_config(K, V)
+    BC = block_c or chosen_bc
+    if BC not in (64, 128) or K % BC or V % BC:
+        raise ValueError(f"block_c: expected 64 or 128 dividing K = {K} and V = {V}, got {BC}")
+    warps = num_warps or (chosen_warps if BC == chosen_bc else NUM_WARPS * (2 if K * BC > MAX_STATE_TILE else 1))
+    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or K * BC * NUM_WARPS // warps > MAX_STATE_TILE:
+        raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BC}] state tile, got {warps}")
+    smem = shared_memory_per_block(info)
+    slots = slots or segment_map_ring_slots(K, BC, elem, warps, smem_per_block=smem)
+    if slots < 2 or _programs_by_smem(K, BC, elem, slots, smem) < 1:
+        raise ValueError(f"slots: expected 2 or more that fit {smem} bytes of shared memory, got {slots}")
+    NCB = (V + K) // BC
+    return LaunchPlan(
+        kernel="segment_map_fwd",
+        # (segment slot, v-head, column block) programs: the slot count is the launch's num_seqs.
+        grid_rule=GridRule(per_seq=1, times=HV * NCB),
+        num_warps=warps,
+        blocks={"BT": BT, "K": K, "BC": BC, "NCB": NCB, "smem_bytes": segment_map_smem_bytes(K, BC, elem, slots),
+                "tmem_columns": K + BC if engine.is_sm100 else 0},
+        constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots},
+        descriptors=(
+            tile_desc("k_desc", "k", problem.dtype, H * K, (BT, K), token_rows=True),
+            tile_desc("w_desc", "w", problem.dtype, HV * K, (BT, K)),
+            tile_desc("u_desc", "u", problem.dtype, HV * V, (BT, BC)),
+        ),
+        scalars={"HV": HV, "GROUP": HV // H},
+        notes=f"BC={BC}, {warps} warps, {slots} ring slots: NSEG x {HV} v-heads x {NCB} column blocks",
+        maxnreg=255 if engine.is_sm100 else None,
+    )
+
+
+def segment_map_launch_args(launch: LaunchPlan | BoundLaunch, k, w, u, g_cum, rnorm, cu_seqlens, seg_cu, num_seqs,
+                            num_segments, seg_len, m_hi, m_lo, n_out) -> tuple[dict, dict]:
+    """The descriptor tensors and runtime arguments of one ``_segment_map_fwd_kernel``
+    launch (``rnorm``: a stand-in without the qk l2 norm)."""
+    launch = launch.shared
+    return {"k": k, "w": w, "u": u}, dict(
+        g_cum=g_cum, rnorm=rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, m_hi=m_hi, m_lo=m_lo, n_out=n_out,
+        N=num_seqs, NSEG=num_segments, L=seg_len, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"])
+
+
+def segment_map_fwd(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g_cum: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seg_len: int,
+    launch: LaunchPlan | BoundLaunch,
+    *,
+    rnorm: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
+    head, M split in two: what :func:`gdn_dispatch.backends.triton_generic.segment_map.segment_map_fwd`
+    returns, from the same inputs.
+
+    Parameters
+    ----------
+    k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place.
+    w, u : Tensors ``[B, T, HV, K]``, ``[B, T, HV, V]``, k's dtype, contiguous (from ``wy_fwd``).
+    g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
+    cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
+    seg_len : int, ``L``, a multiple of the 64-token chunk.
+    launch : the plan (:func:`plan_segment_map`).
+    rnorm : with the plan's ``USE_L2NORM``, float32 ``[B * T, H, 2]`` from
+        :func:`.qk_norm.qk_rnorm_fwd` (k's reciprocal row norms second); ignored without.
+    out : (seg_cu, M_hi, M_lo, N) allocated by the caller, or None to allocate them here.
+
+    Returns
+    -------
+    seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = B * T // L + N``.
+    M_hi : Tensor ``[NSEG, HV, K, K]`` of :func:`maps_dtype`, M rounded to TF32 (or bf16).
+    M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi``.
+    N : float32 Tensor ``[NSEG, HV, K, V]``.
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[-2], u.shape[-1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    NSEG = B * T // seg_len + num_seqs
+    if out is None:
+        seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
+        m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
+        m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
+        n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
+    else:
+        seg_cu, m_hi, m_lo, n_out = out
+    if NSEG == 0:
+        return seg_cu.zero_(), m_hi, m_lo, n_out
+    launch = launch.shared
+    if launch.constexprs["USE_L2NORM"] and (rnorm is None or rnorm.shape != (B * T, H, 2)):
+        raise ValueError(f"rnorm: a USE_L2NORM plan needs float32 [{B * T}, {H}, 2] (qk_rnorm_fwd), got "
+                         f"{None if rnorm is None else tuple(rnorm.shape)}")
+    tensors, args = segment_map_launch_args(launch, k, w, u, g_cum, rnorm if rnorm is not None else g_cum,
+                                            cu_seqlens, seg_cu, num_seqs, NSEG, seg_len, m_hi, m_lo, n_out)
+    launch_planned(_segment_map_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=NSEG)
+    return seg_cu, m_hi, m_lo, n_out
+
+
+_POINTERS = ("g_cum", "rnorm", "cu_seqlens", "seg_cu", "m_hi", "m_lo", "n_out")
+
+
+def segment_map_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, tag: str,
+                           cu_dtype: torch.dtype = torch.int32) -> AotKernel:
+    """The AotKernel that compiles exactly what :func:`segment_map_fwd` launches for
+    ``launch`` (cu_seqlens and the segment offsets of ``cu_dtype``)."""
+    constexprs = dict(launch.constexprs)
+    sig = {d.arg: d.signature for d in launch.descriptors}
+    cu = "*" + sig_dtype(cu_dtype)
+    sig.update(g_cum="*fp32", rnorm="*fp32", cu_seqlens=cu, seg_cu=cu, m_hi="*" + sig_dtype(maps_dtype(dtype)),
+               m_lo="*bf16", n_out="*fp32", N="i32", NSEG="i32", L="i32", HV="i32", GROUP="i32")
+    sig.update({name: "constexpr" for name in constexprs})
+    signature = {name: sig[name] for name in arg_names(_segment_map_fwd_kernel)}
+    return AotKernel(backend=backend, kernel="segment_map_fwd", specialization=tag, fn=_segment_map_fwd_kernel,
+                     signature=signature, constexprs=constexprs, dialect="gluon", num_warps=launch.num_warps,
+                     attrs=pointer_attrs(_segment_map_fwd_kernel, _POINTERS), maxnreg=launch.maxnreg)

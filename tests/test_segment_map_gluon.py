@@ -1,0 +1,163 @@
+"""Context parallelism's pass 1 on the matrix engine (:mod:`gdn_dispatch.backends.gluon_common.segment_map`).
+
+CPU: the plan's choices and the sm_90a / sm_100a builds within their limits. GPU: the maps
+and the segment table against the reference's and triton_generic's pass 1, every output
+poisoned first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn_dispatch import reference
+from gdn_dispatch.contract import make_problem
+from gdn_dispatch.device import SMEM_OPTIN
+from gdn_dispatch.testing import random_call, rel_rms_error
+
+from gdn_dispatch.backends.gluon_common import segment_map as gm
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _problem(K: int, V: int, l2: bool = False, H: int = 2, HV: int = 4, device="cpu", lengths=(64, 65), seed=0):
+    call = random_call(lengths=list(lengths), H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, device=device,
+                       seed=seed, normalize_qk=not l2)
+    # Mild gates keep M away from zero over a segment, so its comparison means something.
+    call = {**call, "g": call["g"] * 0.05}
+    return call, make_problem(**call, use_qk_l2norm_in_kernel=l2)
+
+
+def _engine(capability):
+    if capability[0] == 10:
+        from gdn_dispatch.backends.gluon_sm100 import ENGINE
+    else:
+        from gdn_dispatch.backends.gluon_sm90 import ENGINE
+    return ENGINE
+
+
+@pytest.mark.parametrize("K, V, want", [
+    # BC = 128 on two warpgroups, one program per SM: three slots fit (192 KB), four do not.
+    (128, 128, (128, 8, 3)),
+    # BC = 64: two programs per SM with two slots (104 KB each); a third slot would leave one.
+    (128, 64, (64, 4, 2)),
+    # K = 64: two programs per SM hold three slots (88 KB each).
+    (64, 128, (64, 4, 3)),
+    (64, 64, (64, 4, 3)),
+])
+def test_plan_picks_the_column_block_and_the_deepest_ring_that_fits(K, V, want):
+    _, problem = _problem(K, V)
+    launch = gm.plan_segment_map(problem, (9, 0))
+    assert (launch.blocks["BC"], launch.num_warps, launch.constexprs["NUM_BUF"]) == want
+    smem = launch.blocks["smem_bytes"] + gm.SMEM_SCRATCH
+    assert smem <= SMEM_OPTIN[(9, 0)]
+    # One ring slot more would fit fewer programs per SM, or none.
+    programs = gm._programs_by_smem(K, want[0], 2, want[2], SMEM_OPTIN[(9, 0)])
+    assert want[2] == gm.RING_SLOTS_MAX or gm._programs_by_smem(K, want[0], 2, want[2] + 1,
+                                                                SMEM_OPTIN[(9, 0)]) < programs
+    # (segment slot, v-head, column block) programs: NSEG slots are the launch's num_seqs.
+    assert launch.grid_for(4096, 17) == (17 * problem.HV * (K + V) // want[0],)
+
+
+def test_plan_refuses_what_cannot_run():
+    _, problem = _problem(128, 64)
+    with pytest.raises(ValueError, match="block_c"):
+        gm.plan_segment_map(problem, (9, 0), block_c=128)  # does not divide V
+    _, problem = _problem(128, 128)
+    with pytest.raises(ValueError, match="num_warps"):
+        gm.plan_segment_map(problem, (9, 0), block_c=128, num_warps=4)  # 128 fp32 a thread
+    with pytest.raises(ValueError, match="slots"):
+        gm.plan_segment_map(problem, (9, 0), slots=5)  # 320 KB
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("K, V, l2", [(128, 128, False), (128, 128, True), (64, 128, True), (128, 64, False)])
+def test_builds_within_limits(capability, K, V, l2):
+    """Every default plan compiles without spills, within the shared memory it planned
+    (and the TMEM of S and P on sm_100a), with its MMAs on the part's engine."""
+    from gdn_dispatch.aot import compile_kernel
+
+    _, problem = _problem(K, V, l2)
+    launch = gm.plan_segment_map(problem, capability, engine=_engine(capability))
+    report = compile_kernel(gm.segment_map_aot_kernel("test", launch, torch.bfloat16, "t"), capability)
+    assert report.spill_bytes == 0
+    assert report.shared_bytes <= launch.blocks["smem_bytes"] + gm.SMEM_SCRATCH
+    assert report.shared_bytes <= SMEM_OPTIN[capability]
+    if capability[0] == 10:
+        assert "tcgen05.mma" in report.ptx and report.tmem_columns <= 512
+    else:
+        assert "wgmma.mma_async" in report.ptx
+    assert "cp.async.bulk.tensor" in report.ptx
+
+
+# ----------------------------------------------------------------------------------------
+# GPU
+
+
+def _maps(call, problem, L, launch, cu_dtype):
+    """(seg_cu, M, N) of pass 1 on the Gluon kernel and on triton_generic's, from the same
+    w, u and g_cum, every output NaN-poisoned first."""
+    from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
+    from gdn_dispatch.backends.triton_generic import segment_map as tm
+    from gdn_dispatch.backends.triton_generic._jit import LOG2E
+    from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+    from gdn_dispatch.backends.triton_generic.wu import wu_fwd
+
+    l2 = problem.use_qk_l2norm
+    g_cum = chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2)
+    cu = problem.chunks.cu_seqlens.to(cu_dtype)
+    B, T, H, K = problem.k.shape
+    NSEG = B * T // L + cu.shape[0] - 1
+    HV, V = problem.HV, problem.V
+    out = (torch.full((NSEG + 1,), -(2 ** 30), dtype=cu_dtype, device="cuda"),
+           torch.full((NSEG, HV, K, K), float("nan"), device="cuda"),
+           torch.full((NSEG, HV, K, K), float("nan"), dtype=torch.bfloat16, device="cuda"),
+           torch.full((NSEG, HV, K, V), float("nan"), device="cuda"))
+    rnorm = qk_rnorm_fwd(problem.q, problem.k, plan_qk_rnorm_rows(B * T * H, K)) if l2 else None
+    seg_cu, m_hi, m_lo, n = gm.segment_map_fwd(problem.k, w, u, g_cum, cu, L, launch, rnorm=rnorm, out=out)
+    t_cu, t_hi, t_lo, t_n = tm.segment_map_fwd(problem.k, w, u, g_cum, cu, L, use_qk_l2norm=l2)
+    return (seg_cu, m_hi.double() + m_lo.double(), n), (t_cu, t_hi.double() + t_lo.double(), t_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("K, V, H, HV, lengths, L, l2, cu_dtype, config", [
+    (128, 128, 2, 4, [4096], 512, False, torch.int32, None),
+    (128, 128, 1, 4, [700, 0, 1500, 64, 33], 256, False, torch.int64, None),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, True, torch.int32, None),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (64, 4, 2)),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (128, 8, 2)),
+    (64, 128, 2, 2, [900, 1, 640], 128, True, torch.int32, None),
+    (128, 64, 1, 2, [640, 77], 128, True, torch.int64, None),
+    (64, 64, 1, 1, [300, 5000], 1024, False, torch.int32, None),
+])
+def test_maps_match_the_reference_and_the_plain_triton_pass(K, V, H, HV, lengths, L, l2, cu_dtype, config):
+    """Every slot's M and N against the reference's affine map of its tokens and against
+    triton_generic's pass 1, every output element written (NaN-poisoned first), the
+    segment table equal: ragged tails, empty sequences and empty slots, grouped heads, the
+    qk l2 norm, both offset dtypes, K != V and the non-default launch configs."""
+    from gdn_dispatch.backends.gluon_sm90 import ENGINE
+
+    call, problem = _problem(K, V, l2, H, HV, "cuda", lengths, seed=sum(lengths) + L)
+    block_c, warps, slots = config or (None, None, None)
+    launch = gm.plan_segment_map(problem, torch.cuda.get_device_capability(), block_c=block_c, num_warps=warps,
+                                 slots=slots, engine=ENGINE)
+    (seg_cu, M, N), (t_cu, t_M, t_N) = _maps(call, problem, L, launch, cu_dtype)
+    assert seg_cu.dtype == cu_dtype and seg_cu.tolist() == t_cu.tolist()
+    assert not M.isnan().any() and not N.isnan().any()
+    assert rel_rms_error(M, t_M) <= 2e-3 and rel_rms_error(N, t_N) <= 2e-3
+    starts = seg_cu.tolist()
+    k_all = call["k"][0].float()
+    if l2:
+        k_all = reference.l2_normalize(k_all)
+    k_all = k_all.repeat_interleave(HV // H, dim=1)
+    for s in range(len(starts) - 1):
+        a, b = starts[s], starts[s + 1]
+        M_ref, N_ref = reference.segment_map(k_all[a:b], call["g"][0, a:b].float(), call["beta"][0, a:b].float(),
+                                             call["v"][0, a:b].float(), 64)
+        assert rel_rms_error(M[s].float(), M_ref) <= 1e-2, (s, a, b)
+        if b > a:
+            assert rel_rms_error(N[s], N_ref) <= 1e-2, (s, a, b)
+        else:
+            assert bool((N[s] == 0).all()) and bool((M[s].float() == M_ref).all())
