@@ -244,28 +244,29 @@ def _state_flags(problem: GDNProblem) -> tuple:
             problem.uses_state_pool, problem.inplace_final_state)
 
 
-def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool) -> set:
+def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool | None) -> set:
     """The plain-Triton kernels of a segmented call (pass-1 maps with the segment table,
     scan): pass 1's config is fixed by the dims and the device, the scan's V-block by its
     (sequence, v-head) pairs against the SM count; the call's state flags go to the scan;
-    pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows itself."""
+    pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows
+    itself; None: the caller runs a pass 1 of its own (the scan's key alone)."""
     from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
     from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_config
 
     capability = tuple(device.capability) if device.capability else None
     bf16_maps = maps_dtype(problem.q.dtype) == torch.bfloat16
     scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count, bf16_maps)
-    return {
-        ("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm, bf16_maps),
-        ("segment_scan_fwd", _state_flags(problem), scan),
-    }
+    keys = {("segment_scan_fwd", _state_flags(problem), scan)}
+    if k_rnorm is not None:
+        keys.add(("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm, bf16_maps))
+    return keys
 
 
 def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:
     """One key per launch of the Gluon forward's dry run (:func:`~gdn_dispatch.backends.
     gluon_common.forward.plan_call`): kernel, warps, register cap, constexprs, descriptor
     signatures and the class of each integer argument. A segmented call launches its
-    front stages, the segment kernels and pass 2: the fused kernel over the segments (float32
+    front stages, pass 1, the scan and pass 2: the fused kernel over the segments (float32
     "kv" start states, no pool, no final state), configured by the segment slot count.
     (``cp`` is not read: the dry run makes the same context-parallel decision itself.)"""
     from gdn_dispatch.backends.gluon_common.forward import plan_call
@@ -275,7 +276,8 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
         return frozenset(_launch_key(launch) for launch in call.launches.stages)
     keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}
     keys.add(_launch_key(call.segments.stage("state_output_fwd")))
-    return frozenset(keys | _segment_kernel_keys(problem, device, token_rows_stride(problem.k), k_rnorm=False))
+    keys.add(_launch_key(call.segment_map))
+    return frozenset(keys | _segment_kernel_keys(problem, device, token_rows_stride(problem.k), k_rnorm=None))
 
 
 def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | None) -> frozenset:

@@ -660,7 +660,11 @@ def test_gluon_plan_call_runs_segments(arch, shape, request_, seg_len):
     cp = planned.context_parallel
     nseg = problem.B * problem.T // seg_len[arch] + problem.N
     assert (cp.enabled, cp.seg_len, cp.num_segments) == (True, seg_len[arch], nseg)
-    assert planned.kernels == ("wy_fwd", "segment_map", "segment_scan", "state_output_fwd")
+    assert planned.kernels == ("wy_fwd", "segment_map_fwd", "segment_scan", "state_output_fwd")
+    # Pass 1 on the matrix engine: (segment slot, v-head, column block of V + K) programs.
+    pass_one = planned.segment_map
+    assert pass_one.kernel == "segment_map_fwd" and pass_one.constexprs["ENGINE"].is_sm100 == (arch == "sm_100")
+    assert pass_one.grid[0] == nseg * problem.HV * (problem.K + problem.V) // pass_one.blocks["BC"]
     fused = planned.state_output
     assert fused.grid[0] == nseg * problem.HV * fused.blocks["NV"]
     flags = fused.constexprs
@@ -757,8 +761,9 @@ def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
     assert ">= 0.25 x 132 SMs" in planned.context_parallel.reason
     l2 = GLUON_FORWARD.plan_call(make_problem(**call, use_qk_l2norm_in_kernel=True, context_parallel=2),
                                  assumed_device("sm_90"))
-    assert l2.kernels == ("wy_fwd", "qk_rnorm_fwd", "segment_map", "segment_scan",
+    assert l2.kernels == ("wy_fwd", "qk_rnorm_fwd", "segment_map_fwd", "segment_scan",
                           "state_output_fwd")
+    assert l2.segment_map.constexprs["USE_L2NORM"]
 
 
 @pytest.mark.parametrize("lengths, L", [([300, 0, 1, 64, 128, 129, 700], 128), ([0, 0], 64), ([5], 64),
@@ -795,7 +800,7 @@ def test_gluon_rows_run_segments_and_auto_engages(monkeypatch):
 
 class _GluonStandIns:
     """The Gluon kernels replaced by triton_generic's (same math, under the interpreter),
-    recording what the orchestrator hands them; the segment kernels stay real."""
+    recording what the orchestrator hands them; the scan stays real."""
 
     def __init__(self):
         self.calls = []
@@ -817,6 +822,17 @@ class _GluonStandIns:
         self.calls.append("qk_rnorm_fwd")
         self.rnorm = torch.full((q.shape[0] * q.shape[1], q.shape[2], 2), float("nan"))
         return self.rnorm
+
+    def segment_map_fwd(self, k, w, u, g_cum, cu_seqlens, seg_len, launch, *, rnorm=None, out=None):
+        self.calls.append("segment_map_fwd")
+        assert all(a is b for a, b in zip((w, u, g_cum), self.wy)), "pass 1 must read the call's w, u, g_cum"
+        l2 = launch.constexprs["USE_L2NORM"]
+        assert rnorm is (self.rnorm if l2 else None)
+        # (segment slot, v-head, column block) programs over the slots pass 1 writes.
+        nseg = k.shape[0] * k.shape[1] // seg_len + cu_seqlens.shape[0] - 1
+        assert launch.grid_for(k.shape[0] * k.shape[1], nseg)[0] == \
+            nseg * u.shape[2] * (k.shape[3] + u.shape[3]) // launch.blocks["BC"]
+        return tg_map.segment_map_fwd(k, w, u, g_cum, cu_seqlens, seg_len, use_qk_l2norm=l2, out=out)
 
     def state_output_fwd(self, q, k, w, u, g_cum, chunks, launch, *, scale, initial_state=None,
                          output_final_state=False, rnorm=None, state_indices=None, out=None):
@@ -846,8 +862,9 @@ class _GluonStandIns:
     pytest.param([190, 0, 70], "vk", False, torch.bfloat16, 3, id="varlen-190.0.70-vk-pool-bf16-n3"),
 ])
 def test_gluon_orchestration_matches_the_reference_on_cpu(lengths, layout, l2, pool, n, device, monkeypatch):
-    """The segmented Gluon forward end to end on the CPU: the real segment table, maps and
-    scan (interpreted) between stand-ins for the Gluon kernels computing the same math; one
+    """The segmented Gluon forward end to end on the CPU: the real scan (interpreted)
+    between stand-ins for the Gluon kernels computing the same math (pass 1's writes the
+    real segment table and maps, on triton_generic's kernel); one
     wy launch feeds both passes, pass 2 walks the segments, the scan gives the final state
     and the pool rows (the Python path: a call program, where the native layer is built,
     launches the kernels themselves, which this CPU has no driver for)."""
@@ -855,7 +872,7 @@ def test_gluon_orchestration_matches_the_reference_on_cpu(lengths, layout, l2, p
 
     monkeypatch.setattr(native, "for_calls", lambda: None)
     stand_ins = _GluonStandIns()
-    for name in ("wy_fwd", "qk_rnorm_fwd", "state_output_fwd"):
+    for name in ("wy_fwd", "qk_rnorm_fwd", "segment_map_fwd", "state_output_fwd"):
         monkeypatch.setattr(GLUON_FORWARD, name, getattr(stand_ins, name))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     call = _mild(random_call(lengths=lengths, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=5,
@@ -875,7 +892,7 @@ def test_gluon_orchestration_matches_the_reference_on_cpu(lengths, layout, l2, p
     clear_plan_cache()
     o, ht = GLUON_FORWARD.forward(problem, assumed_device("sm_90"), engine=None)
     cp = plan_for_problem(problem, 132)
-    assert stand_ins.calls == ["wy_fwd"] + (["qk_rnorm_fwd"] if l2 else []) + ["state_output_fwd"]
+    assert stand_ins.calls == ["wy_fwd"] + (["qk_rnorm_fwd"] if l2 else []) + ["segment_map_fwd", "state_output_fwd"]
     assert stand_ins.segmented == cp.num_segments > problem.N
     assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16]
     assert rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16]

@@ -12,8 +12,8 @@ through ``state_indices``:
     buffers = program(inputs, sizes, counts, scale, device, stream)  # or None
 
 A segmented call (context parallelism) has its own program (:func:`run_segmented_call`):
-wy, [qk rnorm,] pass 1 and the scan (triton_generic's plain-Triton kernels, launched
-through their own launch sites' GuardedLaunchers), and pass 2 over the segment slots,
+wy, [qk rnorm,] pass 1 (:mod:`.segment_map`), the scan (triton_generic's plain-Triton
+kernel, launched through its own launch site's GuardedLauncher), and pass 2 over the segment slots,
 with the segment count and length among its counts; it is kept by pass 2's launch, whose
 plan reads the segment offsets' facts (:mod:`.segments`).
 
@@ -59,9 +59,9 @@ from gdn_dispatch.backends.gluon_common.segments import (
 from gdn_dispatch.backends.gluon_common.state_output import state_output_launch_args
 from gdn_dispatch.backends.gluon_common.wy import wy_launch_args
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_launch_args
+from gdn_dispatch.backends.gluon_common.segment_map import segment_map_launch_args
 from gdn_dispatch.backends.triton_generic.configs import device_facts
-from gdn_dispatch.backends.triton_generic.segment_map import (
-    _segment_map_fwd_kernel, maps_dtype, segment_map_blocks, segment_map_config, segment_map_launch_args)
+from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, segment_scan_config, segment_scan_launch_args)
 
@@ -263,9 +263,9 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
 
 def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: ForwardPlan, scan, module):
     """The call program of a segmented call of ``problem``'s form (:func:`.forward.segmented_fwd`'s
-    launches: wy, [qk rnorm,] pass 1 and the scan (triton_generic's plain-Triton kernels,
-    through their launch sites' GuardedLaunchers), pass 2 as ``pass_two`` plans it; the
-    scan in configuration ``scan``): (the native CallProgram, whether it returns a final
+    launches: wy, [qk rnorm,] pass 1 (the class's ``segment_map`` plan), the scan
+    (triton_generic's plain-Triton kernel, through its launch site's GuardedLauncher), pass
+    2 as ``pass_two`` plans it; the scan in configuration ``scan``): (the native CallProgram, whether it returns a final
     state). Pass 1 and pass 2 run over the segment slots (count ``COUNT_NSEG``), the scan
     over the sequences."""
     H, HK, HV, Kd, Vd, l2 = problem.H, problem.H * problem.K, problem.HV, problem.K, problem.V, problem.use_qk_l2norm
@@ -297,12 +297,10 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
         norm = launches.stage("qk_rnorm_fwd").shared
         gluon_step(norm, *norm_launch_args(norm, q, k, rnorm, count_ref(COUNT_HEAD_ROWS), H, HK, HK),
                    COUNT_HEAD_ROWS, -1)
-    # Pass 1 reduces k's rows itself under the l2 norm (g_cum stands in for k_rnorm).
-    cfg = segment_map_config(Kd, Vd)
-    triton_step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
-        cfg, problem.q.dtype, k, w, u, g_cum, g_cum, cu, seg_cu, n, nseg, seg_len, m_hi, m_lo, n_map, HK, H, HV, Kd,
-        Vd, use_qk_l2norm=l2, load_rnorm=False, capability=device_facts(problem.device)[0]),
-        HV * segment_map_blocks(Kd, Vd, cfg), COUNT_NSEG)
+    # Pass 1 over the segment slots; k's row norms from the qk rnorm launch (g_cum stands in without).
+    pass_one = launches.cls.segment_map
+    gluon_step(pass_one, *segment_map_launch_args(pass_one, k, w, u, g_cum, rnorm, cu, seg_cu, n, nseg, seg_len,
+                                                  m_hi, m_lo, n_map), COUNT_ROWS, COUNT_NSEG)
     # The scan: unused state pointers read the maps' N as the wrapper's stand-in.
     triton_step(_segment_scan_fwd_kernel, scan, segment_scan_launch_args(
         scan, m_hi, m_lo, n_map, cu, input_ref(H0) if problem.initial_state is not None else n_map,

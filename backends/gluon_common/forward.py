@@ -12,10 +12,10 @@ over segments of the sequences instead, each from its exact start state::
     seg_h0, S = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)  # fp32 scan; final state / pool rows
     o, _      = state_output_fwd(q, k, w, u, g_cum, segments, seg_h0)   # pass 2
 
-The two segment launches are triton_generic's plain-Triton kernels, read at their public
-host functions. w, u and g_cum are per chunk and segments start on chunk boundaries of their
-sequence, so one wy launch serves both passes (pass 1 reads them as triton_generic's own:
-the same ``[B, T, HV, *]`` rows, g_cum chunk-local in log2 units).
+Pass 1 is this package's :mod:`.segment_map` (the maps triton_generic's pass 1 writes, on
+the matrix engine); the scan is triton_generic's plain-Triton kernel, read at its public
+host function. w, u and g_cum are per chunk and segments start on chunk boundaries of their
+sequence, so one wy launch serves both passes.
 
 Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
 :mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
@@ -63,6 +63,7 @@ from gdn_dispatch.backends.gluon_common.call_program import run_call, run_segmen
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.segment_map import segment_map_fwd
 from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
@@ -192,15 +193,15 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         None unless ``problem.output_final_state``; with ``inplace_final_state`` the scan
         writes the pool rows.
     """
-    # Pass 1 reduces k's rows itself under the l2 norm: rnorm holds q/k-head norms, pass 1
-    # takes per-v-head ones.
     o_out, starts = (None, None) if out is None else ((out[0], None), out[1:])
-    seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts)
+    launches = plan(problem, device=device, engine=engine, fused=False)
+    maps = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, cp.seg_len, launches.cls.segment_map,
+                           rnorm=rnorm, out=None if starts is None else starts[:4])
+    seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts, maps=maps)
     host = segment_host_offsets(problem.chunks, cp.seg_len)
     segments = segment_problem(problem, cp, seg_cu, seg_h0, host)
     if pass_two is None:
-        pass_two = segment_launches(problem, cp, device, engine, plan(problem, device=device, engine=engine,
-                                                                      fused=False), host)
+        pass_two = segment_launches(problem, cp, device, engine, launches, host)
     launch = pass_two.stage("state_output_fwd")
     o, _ = state_output_fwd(problem.q, problem.k, w, u, g_cum, segments.chunks, launch, scale=problem.scale,
                             initial_state=seg_h0, rnorm=rnorm, out=o_out)
@@ -287,15 +288,22 @@ class CallPlan:
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """The launches, in order: Gluon stages by their plan's kernel name, the
-        plain-Triton segment kernels as ``segment_map`` (which writes the segment table too),
+        """The launches, in order: Gluon stages by their plan's kernel name (pass 1,
+        ``segment_map_fwd``, writes the segment table too), the plain-Triton scan as
         ``segment_scan``."""
         if self.launches.fused:
             return tuple(s.kernel for s in self.launches.stages)
         front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
         if self.segments is None:
             return front + ("state_output_fwd",)
-        return front + ("segment_map", "segment_scan", "state_output_fwd")
+        return front + ("segment_map_fwd", "segment_scan", "state_output_fwd")
+
+    @property
+    def segment_map(self):
+        """Pass 1's launch seen with the call's segment slots (None unsegmented)."""
+        if self.segments is None:
+            return None
+        return self.launches.cls.segment_map.bind(self.launches.rows, self.context_parallel.num_segments)
 
     @property
     def state_output(self):

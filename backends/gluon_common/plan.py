@@ -33,6 +33,7 @@ from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_bl
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
 from gdn_dispatch.backends.gluon_common.qk_norm import clear_norm_plans, plan_qk_l2norm, plan_qk_rnorm
+from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map
 from gdn_dispatch.backends.gluon_common.state_output import (
     plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -128,6 +129,8 @@ class ClassPlan:
         and the class can run it (``engine.fused.fused_reason``), else None.
     fused_min_programs : the ``N * HV`` from which a call takes ``fused``
         (``engine.fused.MIN_SM_SHARE`` of the SMs).
+    segment_map : context parallelism's pass 1 (:mod:`.segment_map`), for the class's
+        segmented calls; its grid follows from their segment slot count.
     """
 
     capability: tuple[int, int]
@@ -145,6 +148,7 @@ class ClassPlan:
     state_outputs: dict
     fused: tuple[LaunchPlan, ...] | None = None
     fused_min_programs: int = 0
+    segment_map: LaunchPlan | None = None
     #: ForwardPlans by (B * T, N, fused allowed), filled on use (bounded by COUNTS_KEPT).
     by_counts: dict = field(default_factory=dict, repr=False)
     #: The class's output allocators by form (the forward's ``call_buffers``), made on use.
@@ -283,8 +287,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
 
 def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> ClassPlan:
     """The launch plans of ``problem``'s call class for ``device`` and the engine (no cache):
-    wy, the norms with the qk l2 norm, and the fused kernel in every configuration it may
-    run in."""
+    wy, the norms with the qk l2 norm, the fused kernel in every configuration it may run
+    in, and context parallelism's pass 1."""
     PLAN_COUNTS["computed"] += 1
     engine = resolve_engine(device, engine)
     # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
@@ -313,7 +317,8 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
                      state_layout=problem.state_layout, has_tails=has_tails(problem), H=problem.H, HV=problem.HV,
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
-                     state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs)
+                     state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs,
+                     segment_map=plan_segment_map(problem, device, engine=engine))
 
 
 def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None, fused: bool = True) -> ForwardPlan:

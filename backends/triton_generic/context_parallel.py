@@ -43,7 +43,7 @@ def segment_table(chunks: ChunkTable, total_tokens: int, plan: CPPlan, seg_cu: t
 
 
 def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
-                         k_rnorm: torch.Tensor | None = None, out: tuple | None = None,
+                         k_rnorm: torch.Tensor | None = None, out: tuple | None = None, maps: tuple | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pass 1 and the scan: the segment offsets, every segment's start state, and the
     call's final state.
@@ -56,6 +56,9 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
         rows itself).
     out : (seg_cu, M_hi, M_lo, N, seg_h0, final_state) allocated by the caller (pass 1's
         and the scan's ``out``), or None to allocate them in those functions.
+    maps : pass 1's (seg_cu, M_hi, M_lo, N) where the caller ran its own pass 1 (the Gluon
+        backends' :mod:`gdn_dispatch.backends.gluon_common.segment_map`), or None to run
+        this backend's here.
 
     Returns
     -------
@@ -64,9 +67,11 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
     final_state : as :func:`segmented_fwd` returns it; with ``inplace_final_state`` the
         pool rows are written too.
     """
-    seg_cu, m_hi, m_lo, n_in = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
-                                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm,
-                                               out=None if out is None else out[:4])
+    if maps is None:
+        maps = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
+                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm,
+                               out=None if out is None else out[:4])
+    seg_cu, m_hi, m_lo, n_in = maps
     seg_h0, final_state = segment_scan_fwd(
         m_hi, m_lo, n_in, problem.chunks.cu_seqlens, plan.seg_len,
         initial_state=problem.initial_state,
