@@ -56,9 +56,8 @@ def inputs(H: int, HV: int, T: int):
     return k, w, u, g_cum, torch.tensor([0, T], device=DEVICE, dtype=torch.int32)
 
 
-#: The Gluon pass 1's configs (BC, warps, ring slots, S^T walked; None: its plan's choice).
-GLUON_CONFIGS = [(None, None, None, None), (64, 4, 2, False), (128, 8, None, True), (128, 8, 2, True),
-                 (128, 8, 3, False)]
+#: The Gluon pass 1's configs (BC, warps, ring slots; None: its plan's choice).
+GLUON_CONFIGS = [(None, None, None), (64, 4, 3), (128, 8, 2), (128, 8, 3)]
 
 
 def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, cu, want) -> list:
@@ -72,11 +71,10 @@ def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, cu, want) -> lis
 
     problem = make_problem(**random_call(lengths=[64], H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16))
     rows = []
-    for block_c, warps, slots, walk_t in GLUON_CONFIGS:
-        launch = gm.plan_segment_map(problem, (9, 0), block_c=block_c, num_warps=warps, slots=slots, walk_t=walk_t,
-                                     engine=ENGINE)
+    for block_c, warps, slots in GLUON_CONFIGS:
+        launch = gm.plan_segment_map(problem, (9, 0), block_c=block_c, num_warps=warps, slots=slots, engine=ENGINE)
         name = (f"gluon BC {launch.blocks['BC']}, {launch.num_warps} warps, {launch.constexprs['NUM_BUF']} slots"
-                f"{', S^T' if launch.constexprs['WALK_T'] else ''}{' (plan)' if block_c is None else ''}")
+                f"{' (plan)' if block_c is None else ''}")
         try:
             _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, cu, L, launch)
             got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])

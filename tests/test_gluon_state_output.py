@@ -209,6 +209,16 @@ def test_ring_slots_fit_without_fewer_programs(monkeypatch, most, K, BV, warps, 
     assert launch.blocks["smem_bytes"] == so.state_output_smem_bytes(K, BV, 2, slots=slots)
 
 
+@pytest.mark.parametrize("l2, lengths, slots", [(False, [100, 70], 3), (True, [128, 64], 3), (True, [100, 70], 2)])
+def test_ring_slots_stay_at_two_where_the_registers_are_full(l2, lengths, slots):
+    """Three slots by default at K = V = 128, BV = 64 on one warpgroup; two on sm_90a with
+    the qk l2 norm and varlen tails (the register-bound build, where a third slot
+    spilled); sm_100a's accumulators are not registers: three there."""
+    p = _problem(lengths=lengths, K=128, V=128, l2=l2)
+    assert so.plan_state_output(p, SM90, block_v=64).constexprs["NUM_BUF"] == slots
+    assert so.plan_state_output(p, SM100, block_v=64).constexprs["NUM_BUF"] == 3
+
+
 def test_three_ring_slots_compile_within_shared_memory():
     """The kernel's lead of NUM_BUF - 1 chunks at three slots (K = V = 128, BV = 64) compiles
     for sm_90a and sm_100a within the part's shared memory, without spills."""
@@ -234,7 +244,8 @@ def test_plan_flags():
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
                                                                      launch.num_warps), "o_rows_desc": None,
-                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 2}
+                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3}
+    assert launch.blocks["BV"] == 32  # not the register-bound BV = 64 build: a third slot
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
 

@@ -46,7 +46,7 @@ def _engine(capability):
 ])
 def test_plan_picks_the_column_block_and_the_deepest_ring_that_fits(K, V, want):
     _, problem = _problem(K, V)
-    launch = gm.plan_segment_map(problem, (9, 0), walk_t=False)
+    launch = gm.plan_segment_map(problem, (9, 0))
     assert (launch.blocks["BC"], launch.num_warps, launch.constexprs["NUM_BUF"]) == want
     smem = launch.blocks["smem_bytes"] + gm.SMEM_SCRATCH
     assert smem <= SMEM_OPTIN[(9, 0)]
@@ -124,9 +124,9 @@ def _maps(call, problem, L, launch, cu_dtype):
     (128, 128, 2, 4, [4096], 512, False, torch.int32, None),
     (128, 128, 1, 4, [700, 0, 1500, 64, 33], 256, False, torch.int64, None),
     (128, 128, 2, 4, [1000, 333, 2048], 256, True, torch.int32, None),
-    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (64, 4, 2, False)),
-    (128, 128, 2, 4, [1000, 333, 2048], 256, True, torch.int32, (128, 8, 2, True)),
-    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (128, 8, 3, False)),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (64, 4, 3)),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, True, torch.int32, (128, 8, 2)),
+    (128, 128, 2, 4, [1000, 333, 2048], 256, False, torch.int32, (128, 8, 3)),
     (64, 128, 2, 2, [900, 1, 640], 128, True, torch.int32, None),
     (128, 64, 1, 2, [640, 77], 128, True, torch.int64, None),
     (64, 64, 1, 1, [300, 5000], 1024, False, torch.int32, None),
@@ -139,9 +139,9 @@ def test_maps_match_the_reference_and_the_plain_triton_pass(K, V, H, HV, lengths
     from gdn_dispatch.backends.gluon_sm90 import ENGINE
 
     call, problem = _problem(K, V, l2, H, HV, "cuda", lengths, seed=sum(lengths) + L)
-    block_c, warps, slots, walk_t = config or (None, None, None, None)
+    block_c, warps, slots = config or (None, None, None)
     launch = gm.plan_segment_map(problem, torch.cuda.get_device_capability(), block_c=block_c, num_warps=warps,
-                                 slots=slots, walk_t=walk_t, engine=ENGINE)
+                                 slots=slots, engine=ENGINE)
     (seg_cu, M, N), (t_cu, t_M, t_N) = _maps(call, problem, L, launch, cu_dtype)
     assert seg_cu.dtype == cu_dtype and seg_cu.tolist() == t_cu.tolist()
     assert not M.isnan().any() and not N.isnan().any()

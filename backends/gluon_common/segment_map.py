@@ -58,10 +58,6 @@ from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
 RING_SLOTS_MAX = 4
-#: Walk S^T ``[BC, K]`` instead of S (the kernel's ``WALK_T``): both products then take
-#: their left operand from registers on sm_90a (``P^T = S^T w^T``, ``S^T += vs^T k``), so
-#: neither h nor vs goes through shared memory on the chain.
-WALK_TRANSPOSED = True
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
 
@@ -122,20 +118,6 @@ def _k_rnorm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.con
 
 
 @gluon.jit
-def _state_start(c0, is_m, R: gl.constexpr, C: gl.constexpr, ROWS_ARE_K: gl.constexpr, ENGINE: gl.constexpr):
-    """The walk's start as an accumulator [R, C]: M's block of the identity, zeros for N's
-    (column ``c0 + j`` of the state is row ``j`` of a transposed walk)."""
-    layout: gl.constexpr = ENGINE.acc_layout(R, C, gl.num_warps())
-    r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
-    c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    if ROWS_ARE_K:
-        eye = gl.expand_dims(r, 1) == gl.expand_dims(c0 + c, 0)
-    else:
-        eye = gl.expand_dims(c0 + r, 1) == gl.expand_dims(c, 0)
-    return ENGINE.acc_write(ENGINE.acc_alloc(R, C), gl.where(eye & is_m, 1.0, 0.0))
-
-
-@gluon.jit
 def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, V: gl.constexpr):
     """The walked block ``s`` (entry at state row ``k_idx``, column ``c_idx``, both
     broadcast to its shape) into M (split) or N of slot-head ``i_sh``."""
@@ -154,7 +136,7 @@ def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, 
 @gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP"])
 def _segment_map_fwd_kernel(
     k_desc, w_desc, u_desc, g_cum, rnorm, cu_seqlens, seg_cu, m_hi, m_lo, n_out, N, NSEG, L, HV, GROUP,
-    V: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr, WALK_T: gl.constexpr,
+    V: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -162,11 +144,9 @@ def _segment_map_fwd_kernel(
     dtype: gl.constexpr = w_desc.dtype
     NVB: gl.constexpr = V // BC
     NCB: gl.constexpr = NVB + K // BC
-    if WALK_T:
-        # S^T [BC, K]: the per-token vectors run along the columns of P^T [BC, BT].
-        tok_layout: gl.constexpr = gl.SliceLayout(0, ENGINE.acc_layout(BC, BT, gl.num_warps()))
-    else:
-        tok_layout: gl.constexpr = gl.SliceLayout(1, ENGINE.acc_layout(BT, BC, gl.num_warps()))
+    s_layout: gl.constexpr = ENGINE.acc_layout(K, BC, gl.num_warps())
+    p_layout: gl.constexpr = ENGINE.acc_layout(BT, BC, gl.num_warps())
+    tok_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
 
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -192,17 +172,8 @@ def _segment_map_fwd_kernel(
 
     ring = gl.allocate_shared_memory(dtype, [2 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BC], u_desc.layout)
-    if WALK_T:
-        if ENGINE.IS_SM100:
-            # tcgen05 reads its left operands from shared memory: S^T and vs^T go there.
-            h_smem = gl.allocate_shared_memory(dtype, [BC, K], E.smem_layout([BC, K], dtype))
-            vs_smem = gl.allocate_shared_memory(dtype, [BC, BT], E.smem_layout([BC, BT], dtype))
-        else:
-            h_smem = ring.index(0)  # not written: wgmma reads both left operands from registers
-            vs_smem = ring.index(0)
-    else:
-        h_smem = gl.allocate_shared_memory(dtype, [K, BC], E.smem_layout([K, BC], dtype))
-        vs_smem = gl.allocate_shared_memory(dtype, [BT, BC], u_desc.layout)
+    h_smem = gl.allocate_shared_memory(dtype, [K, BC], E.smem_layout([K, BC], dtype))
+    vs_smem = gl.allocate_shared_memory(dtype, [BT, BC], u_desc.layout)
     wk_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mma_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -214,12 +185,11 @@ def _segment_map_fwd_kernel(
     for i in gl.static_range(2):
         mbarrier.init(mma_bars.index(i), count=1)
 
-    if WALK_T:
-        S = _state_start(c0, is_m, BC, K, False, ENGINE)
-        P = ENGINE.acc_alloc(BC, BT)
-    else:
-        S = _state_start(c0, is_m, K, BC, True, ENGINE)
-        P = ENGINE.acc_alloc(BT, BC)
+    # The start: M's columns of the identity, zeros for N's.
+    k_idx = gl.expand_dims(gl.arange(0, K, layout=gl.SliceLayout(1, s_layout)), 1)
+    c_idx = gl.expand_dims(c0 + gl.arange(0, BC, layout=gl.SliceLayout(0, s_layout)), 0)
+    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where((k_idx == c_idx) & is_m, 1.0, 0.0))
+    P = ENGINE.acc_alloc(BT, BC)
     for i in gl.static_range(NUM_BUF - 1):
         _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, i, bos + i * BT, col_w, col_k,
                           col_u, i < NT, is_n)
@@ -248,51 +218,25 @@ def _segment_map_fwd_kernel(
             b_rk = _k_rnorm_rows(rnorm, row + BT, eos, i_hk, HV // GROUP, BT, tok_layout)
 
         s_reg = ENGINE.acc_read(S)
-        if WALK_T:
-            # P^T = S^T w^T, the left operand from registers (no shared-memory round trip of
-            # S on sm_90a). The state is decayed before the MMA is issued, so that only its
-            # 16-bit copy and the decayed state are live while it runs.
-            h = s_reg.to(dtype)
-            S = ENGINE.acc_write(S, s_reg * decay)
-            mbarrier.wait(wk_ready.index(buf), ready_phase)
-            p = ENGINE.mma_reg_a(h, h_smem, w_tile.permute((1, 0)), _fresh(P, ENGINE), False, p_bar)
-        else:
-            h_smem.store(s_reg.to(dtype))
-            fence_async_shared()  # generic writes -> MMA reads (async proxy)
-            mbarrier.wait(wk_ready.index(buf), ready_phase)
-            p = ENGINE.mma(w_tile, h_smem, _fresh(P, ENGINE), False, p_bar)
-            # The decayed state becomes the accumulator of the update (overlaps the MMA).
-            S = ENGINE.acc_write(S, s_reg * decay)
+        h_smem.store(s_reg.to(dtype))
+        fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        mbarrier.wait(wk_ready.index(buf), ready_phase)
+        p = ENGINE.mma(w_tile, h_smem, _fresh(P, ENGINE), False, p_bar)
+        # The decayed state becomes the accumulator of k^T vs (overlaps the MMA).
+        S = ENGINE.acc_write(S, s_reg * decay)
         mbarrier.wait(u_ready.index(buf), ready_phase, pred=is_n)
-        if WALK_T:
-            b_u = u_smem.index(buf).permute((1, 0)).load(ENGINE.acc_layout(BC, BT, gl.num_warps())).to(gl.float32)
-        else:
-            b_u = u_smem.index(buf).load(ENGINE.acc_layout(BT, BC, gl.num_warps())).to(gl.float32)
+        b_u = u_smem.index(buf).load(p_layout).to(gl.float32)
         p = ENGINE.mma_wait(p, p_bar, mma_phase)
         # M's blocks load no u: their slot holds whatever was there, selected away.
         b_v = gl.where(is_m, 0.0, b_u) - ENGINE.acc_read(p)
-        if WALK_T:
-            vs = gl.where(gl.expand_dims(m_t, 0), b_v * gl.expand_dims(b_d, 0), 0.0)
-            # Orders the register reads of u before the TMA refill of this slot next chunk.
-            fence_async_shared()
-            S = ENGINE.mma_reg_a(vs, vs_smem, k_tile, S, True, s_bar)
-        else:
-            vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
-            # Orders the vs writes before the MMA reading them, and the register reads of u
-            # before the TMA refill of this slot at the top of the next chunk.
-            fence_async_shared()
-            S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
+        vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
+        # Orders the vs writes before the MMA reading them, and the register reads of u
+        # before the TMA refill of this slot at the top of the next chunk.
+        fence_async_shared()
+        S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
         S = ENGINE.mma_wait(S, s_bar, mma_phase)
 
-    if WALK_T:
-        s_layout: gl.constexpr = ENGINE.acc_layout(BC, K, gl.num_warps())
-        c = gl.expand_dims(c0 + gl.arange(0, BC, layout=gl.SliceLayout(1, s_layout)), 1)
-        k = gl.expand_dims(gl.arange(0, K, layout=gl.SliceLayout(0, s_layout)), 0)
-    else:
-        s_layout: gl.constexpr = ENGINE.acc_layout(K, BC, gl.num_warps())
-        k = gl.expand_dims(gl.arange(0, K, layout=gl.SliceLayout(1, s_layout)), 1)
-        c = gl.expand_dims(c0 + gl.arange(0, BC, layout=gl.SliceLayout(0, s_layout)), 0)
-    _store_map(gl.convert_layout(ENGINE.acc_read(S), s_layout), k, c, is_m, i_sh, m_hi, m_lo, n_out, K, V)
+    _store_map(gl.convert_layout(ENGINE.acc_read(S), s_layout), k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K, V)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(wk_ready.index(i))
         mbarrier.invalidate(u_ready.index(i))
@@ -315,27 +259,26 @@ def _fresh(acc, ENGINE: gl.constexpr):
 # Host side: plan (dry run), launch, AOT list
 
 
-def segment_map_smem_bytes(K: int, BC: int, elem: int, slots: int, staged: bool = True, BT: int = CHUNK_SIZE) -> int:
+def segment_map_smem_bytes(K: int, BC: int, elem: int, slots: int, BT: int = CHUNK_SIZE) -> int:
     """Shared memory of a program with ``slots`` ring slots: the w/k ring, the u ring, the h
-    and vs tiles where the MMAs read them from shared memory (``staged``: all but the
-    transposed walk on sm_90a) and the barriers (the compiler's scratch comes on top)."""
-    return slots * (2 * BT * K + BT * BC) * elem + staged * (K * BC + BT * BC) * elem + (2 * slots + 2) * 8
+    and vs tiles and the barriers (the compiler's scratch comes on top)."""
+    return slots * (2 * BT * K + BT * BC) * elem + (K * BC + BT * BC) * elem + (2 * slots + 2) * 8
 
 
-def _programs_by_smem(K: int, BC: int, elem: int, slots: int, smem_per_block: int, staged: bool = True) -> int:
+def _programs_by_smem(K: int, BC: int, elem: int, slots: int, smem_per_block: int) -> int:
     """Programs with ``slots`` ring slots whose shared memory one SM holds (0: not one)."""
-    need = segment_map_smem_bytes(K, BC, elem, slots, staged) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+    need = segment_map_smem_bytes(K, BC, elem, slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
     return (smem_per_block + SMEM_RESERVED_PER_BLOCK) // need
 
 
-def segment_map_ring_slots(K: int, BC: int, elem: int = 2, warps: int = NUM_WARPS, *, staged: bool = True,
+def segment_map_ring_slots(K: int, BC: int, elem: int = 2, warps: int = NUM_WARPS, *,
                            smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
     """Ring slots of a program: the most, up to :data:`RING_SLOTS_MAX`, that fit
     ``smem_per_block`` with as many programs per SM as two slots allow (at most two
     one-warpgroup programs or one of two warpgroups, by registers)."""
-    programs = max(1, min(_programs_by_smem(K, BC, elem, 2, smem_per_block, staged), 2 * NUM_WARPS // warps))
+    programs = max(1, min(_programs_by_smem(K, BC, elem, 2, smem_per_block), 2 * NUM_WARPS // warps))
     return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
-                 if _programs_by_smem(K, BC, elem, slots, smem_per_block, staged) >= programs), 2)
+                 if _programs_by_smem(K, BC, elem, slots, smem_per_block) >= programs), 2)
 
 
 def segment_map_config(K: int, V: int) -> tuple[int, int]:
@@ -347,7 +290,7 @@ def segment_map_config(K: int, V: int) -> tuple[int, int]:
 
 
 def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None, num_warps: int | None = None,
-                     slots: int | None = None, walk_t: bool | None = None, engine=None) -> LaunchPlan:
+                     slots: int | None = None, engine=None) -> LaunchPlan:
     """Launch plan of :func:`segment_map_fwd` for ``problem`` (a dry run: no GPU, no tensor
     read; the grid follows from the segment slot count at each launch).
 
@@ -358,7 +301,6 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     block_c : BC override, 64 or 128 dividing K and V; default :func:`segment_map_config`.
     num_warps : 4 or 8 holding the [K, BC] state tile; default the least that hold it.
     slots : ring slots override (2 or more); default :func:`segment_map_ring_slots`.
-    walk_t : walk S^T (default :data:`WALK_TRANSPOSED`).
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
     info = as_device(device)
@@ -374,10 +316,8 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     if warps not in (NUM_WARPS, 2 * NUM_WARPS) or K * BC * NUM_WARPS // warps > MAX_STATE_TILE:
         raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BC}] state tile, got {warps}")
     smem = shared_memory_per_block(info)
-    walk_t = WALK_TRANSPOSED and not engine.is_sm100 if walk_t is None else bool(walk_t)
-    staged = not walk_t or engine.is_sm100
-    slots = slots or segment_map_ring_slots(K, BC, elem, warps, staged=staged, smem_per_block=smem)
-    if slots < 2 or _programs_by_smem(K, BC, elem, slots, smem, staged) < 1:
+    slots = slots or segment_map_ring_slots(K, BC, elem, warps, smem_per_block=smem)
+    if slots < 2 or _programs_by_smem(K, BC, elem, slots, smem) < 1:
         raise ValueError(f"slots: expected 2 or more that fit {smem} bytes of shared memory, got {slots}")
     NCB = (V + K) // BC
     return LaunchPlan(
@@ -385,17 +325,16 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
         # (segment slot, v-head, column block) programs: the slot count is the launch's num_seqs.
         grid_rule=GridRule(per_seq=1, times=HV * NCB),
         num_warps=warps,
-        blocks={"BT": BT, "K": K, "BC": BC, "NCB": NCB, "smem_bytes": segment_map_smem_bytes(K, BC, elem, slots, staged),
+        blocks={"BT": BT, "K": K, "BC": BC, "NCB": NCB, "smem_bytes": segment_map_smem_bytes(K, BC, elem, slots),
                 "tmem_columns": K + BC if engine.is_sm100 else 0},
-        constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots,
-                    "WALK_T": walk_t},
+        constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots},
         descriptors=(
             tile_desc("k_desc", "k", problem.dtype, H * K, (BT, K), token_rows=True),
             tile_desc("w_desc", "w", problem.dtype, HV * K, (BT, K)),
             tile_desc("u_desc", "u", problem.dtype, HV * V, (BT, BC)),
         ),
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"BC={BC}, {warps} warps, {slots} ring slots{', S^T walked' if walk_t else ''}: NSEG x {HV} v-heads x {NCB} column blocks",
+        notes=f"BC={BC}, {warps} warps, {slots} ring slots: NSEG x {HV} v-heads x {NCB} column blocks",
         maxnreg=255 if engine.is_sm100 else None,
     )
 

@@ -125,10 +125,12 @@ from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init,
 #: Most slots of the w/k/q and u rings (the kernel's ``NUM_BUF``: chunk t computes while
 #: chunks t + 1 .. t + NUM_BUF - 1 land): a plan takes up to this many where they fit the
 #: shared memory without fewer programs per SM (:func:`state_output_ring_slots`). Three
-#: (K = V = 128, BV = 64: 216 KB, still one program per SM; sm_90a's l2-norm builds with
-#: tails then spill 8 bytes) compile but are not measured yet: ``python
-#: benchmarks/flag_ab.py ring_slots``.
-RING_SLOTS_MAX = 2
+#: slots against two on the H200 (``python benchmarks/flag_ab.py ring_slots``, outputs
+#: bit-equal): H16-HV64 1 x 8192 (K = V = 128, BV = 64: 216 KB, one program per SM as with
+#: two) 265 -> 247 µs of this kernel, context parallelism's pass 2 at 2/4 67.3 -> 65.8,
+#: unchanged at 4/8, 2/8 and 8/16. Not where the registers are already full
+#: (:func:`_register_bound`): a third slot spilled 8 bytes there.
+RING_SLOTS_MAX = 3
 #: V-blocks the fused kernel is built for, on both engines: the state tile and three more
 #: [64, *] accumulators must fit the sm_90a register file, the rings and tiles shared
 #: memory (:func:`state_output_smem_bytes`). BV = 128 runs on two warpgroups
@@ -473,11 +475,22 @@ def state_output_programs_per_sm(K: int, BV: int = 64, elem: int = 2, warps: int
     return max(1, min(by_smem, 2 * NUM_WARPS // warps))
 
 
+def _register_bound(K: int, BV: int, is_sm100: bool, warps: int, l2: bool, tails: bool) -> bool:
+    """The specializations at the sm_90a register limit, where even the gate rows are
+    loaded in their own chunk (:func:`_gates_early`): the largest state tile on one
+    warpgroup with the qk l2 norm and varlen tails."""
+    return (not is_sm100 and warps == NUM_WARPS and state_tile_per_warpgroup(K, BV, warps) >= MAX_STATE_TILE
+            and l2 and tails)
+
+
 def state_output_ring_slots(K: int, BV: int, elem: int = 2, warps: int = NUM_WARPS, *,
-                            smem_per_block: int = SMEM_OPTIN[(9, 0)]) -> int:
+                            smem_per_block: int = SMEM_OPTIN[(9, 0)], register_bound: bool = False) -> int:
     """Ring slots (the kernel's ``NUM_BUF``) of a program: the most, up to
     :data:`RING_SLOTS_MAX`, whose shared memory fits ``smem_per_block`` with as many
-    programs per SM as two slots allow."""
+    programs per SM as two slots allow; two where the build is ``register_bound``
+    (:func:`_register_bound`: a third slot's addresses spilled there)."""
+    if register_bound:
+        return 2
     programs = state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
     return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
                  if _programs_by_smem(K, BV, elem, slots, smem_per_block) >= programs), 2)
@@ -600,7 +613,9 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         tile_desc("o_desc", "o", dtype, HV * V, (BT, BV)),
         tile_desc("o_rows_desc", "o", dtype, HV * V, (1, BV), scatter=True),
     )
-    slots = state_output_ring_slots(K, BV, elem, warps, smem_per_block=shared_memory_per_block(info))
+    slots = state_output_ring_slots(
+        K, BV, elem, warps, smem_per_block=shared_memory_per_block(info),
+        register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)))
     descriptors, constexprs = drop_unused_scatter(
         descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots})
     launch = LaunchPlan(
