@@ -4,8 +4,10 @@ Usage (a CUDA machine, repository root): ``python benchmarks/segment_map_sweep.p
 (``--quick``: the shipped config and the next best alone); with ``--cpu`` (under
 ``TRITON_INTERPRET=1``) it runs two configs at a small size to check the script.
 
-Each row is one ``segment_map_fwd`` launch config (the column block BC, warps, pipeline
-stages) on the segmented calls of the tensor-parallel shards: one sequence of 32768
+Each row is one launch config of triton_generic's ``segment_map_fwd`` (the column block
+BC, warps, pipeline stages) or, on a GPU, of the Gluon backends' pass 1
+(:mod:`gdn_dispatch.backends.gluon_common.segment_map`: BC, warps, ring slots; rows
+"gluon ...") on the segmented calls of the tensor-parallel shards: one sequence of 32768
 tokens, K = V = 128, bf16, segments of 2048 tokens (4096 at 8/16), as ``"auto"`` cuts
 them. Inputs are seeded random tensors of the shapes ``wu_fwd`` returns (the time does not
 depend on their values). "err" is the relative RMS difference of M and N against the

@@ -1078,7 +1078,7 @@ def test_bench_rows_name_their_launches(monkeypatch):
     assert describe("gluon_sm90[cp=off]", bench_timing.make_input_sets(few, 1, "cpu", 0)[0]) == ""
     forced = bench.launch_describer("cpu", assumed_device("sm_90"), context_parallel=2)
     assert forced("gluon_sm90", bench_timing.make_input_sets(many, 1, "cpu", 0)[0]) == \
-        "wy_fwd, segment_map, segment_scan, state_output_fwd"
+        "wy_fwd, segment_map_fwd, segment_scan, state_output_fwd"
     assert bench.launch_describer("cpu") is None
 
     def ok(x):

@@ -419,7 +419,13 @@ def test_kernel_lists_cover_both_layouts_and_tails():
         kernels = module.kernels_for_aot(cap)
         # What the forward launches; on sm_90a also the warp-specialized path.
         extra = {"qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
-        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd"} | extra
+        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd", "segment_map_fwd"} | extra
+        # Context parallelism's pass 1 at every head dim pair, dtype and norm flag, both offset dtypes.
+        maps = [k for k in kernels if k.kernel == "segment_map_fwd"]
+        assert {(k.signature["k_desc"].split("[")[0], k.constexprs["V"], k.constexprs["USE_L2NORM"],
+                 k.signature["cu_seqlens"]) for k in maps} >= {
+            (f"tensordesc<{d}", V, l2, "*i32") for d in ("bf16", "fp16") for V in (64, 128) for l2 in (False, True)}
+        assert {k.signature["cu_seqlens"] for k in maps} == {"*i32", "*i64"}
         for name in {"qk_rnorm_fwd", "qk_l2norm_fwd"} & {k.kernel for k in kernels}:
             norms = [k for k in kernels if k.kernel == name]
             assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {

@@ -291,7 +291,7 @@ def test_context_parallel_calls_stay_on_the_pipeline():
     p = make_problem(**call, output_final_state=True, context_parallel=4)
     planned = plan_call(p, _device(132), engine=sm90)
     assert planned.context_parallel.enabled
-    assert planned.kernels == ("wy_fwd", "segment_map", "segment_scan", "state_output_fwd")
+    assert planned.kernels == ("wy_fwd", "segment_map_fwd", "segment_scan", "state_output_fwd")
 
 
 # ---------------------------------------------------------------------------------------
@@ -433,7 +433,7 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
      "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs; the qk "
      "l2 norm on normalized copies (4 v-heads per q/k head))"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
-     "wy_fwd, segment_map, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
+     "wy_fwd, segment_map_fwd, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
 ])
 def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch):

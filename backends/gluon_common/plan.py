@@ -33,7 +33,7 @@ from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_bl
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
 from gdn_dispatch.backends.gluon_common.qk_norm import clear_norm_plans, plan_qk_l2norm, plan_qk_rnorm
-from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map
+from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map, segment_map_supported
 from gdn_dispatch.backends.gluon_common.state_output import (
     plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -130,7 +130,8 @@ class ClassPlan:
     fused_min_programs : the ``N * HV`` from which a call takes ``fused``
         (``engine.fused.MIN_SM_SHARE`` of the SMs).
     segment_map : context parallelism's pass 1 (:mod:`.segment_map`), for the class's
-        segmented calls; its grid follows from their segment slot count.
+        segmented calls; its grid follows from their segment slot count (None for head
+        dims the kernel is not built for: dry runs outside the backends' own).
     """
 
     capability: tuple[int, int]
@@ -318,7 +319,8 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
                      state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs,
-                     segment_map=plan_segment_map(problem, device, engine=engine))
+                     segment_map=(plan_segment_map(problem, device, engine=engine)
+                                  if segment_map_supported(problem.K, problem.V) else None))
 
 
 def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None, fused: bool = True) -> ForwardPlan:

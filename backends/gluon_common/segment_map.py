@@ -289,6 +289,12 @@ def segment_map_config(K: int, V: int) -> tuple[int, int]:
     return 64, NUM_WARPS
 
 
+def segment_map_supported(K: int, V: int) -> bool:
+    """Whether the kernel is built for head dims K and V (multiples of its 64-wide column
+    block, the Gluon backends' 64 and 128)."""
+    return K % 64 == 0 and V % 64 == 0
+
+
 def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None, num_warps: int | None = None,
                      slots: int | None = None, engine=None) -> LaunchPlan:
     """Launch plan of :func:`segment_map_fwd` for ``problem`` (a dry run: no GPU, no tensor

@@ -1,6 +1,6 @@
 """A segmented call's segment offsets on the host, and what the planners read of them.
 
-Pass 1 writes the segment offsets on the device (:mod:`gdn_dispatch.backends.triton_generic.segment_map`);
+Pass 1 writes the segment offsets on the device (:mod:`.segment_map`);
 the host needs some of their facts before it launches anything: whether a segment ends
 inside a chunk (the fused kernel's tail flag) and how many segment slots hold tokens (pass
 2's V-block). :func:`segment_host_offsets` computes the offsets from a call's host copy of
