@@ -48,23 +48,30 @@ def compiled_regs() -> dict:
     return out
 
 
-def inputs(H: int, HV: int, T: int):
-    """k, w, u (bf16), g_cum (float32, a chunk-local cumsum of log2 decays) and the offsets."""
+def inputs(H: int, HV: int, T: int, strong: bool = False):
+    """k, w, u (bf16), g_cum (float32, a chunk-local cumsum of log2 decays), beta (bf16,
+    sigmoid) and the offsets. Weak gates (about -0.04 bits a token) keep every segment's
+    M above the Gluon pass 1's negligible bound, so its programs walk; ``strong``: the
+    bench's logsigmoid(randn) gates, under which the Gluon pass 1 stores M as zeros."""
     k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=DEVICE), dim=-1).bfloat16()
     w = (0.1 * torch.randn(1, T, HV, K, device=DEVICE)).bfloat16()
     u = torch.randn(1, T, HV, V, device=DEVICE).bfloat16()
-    g = -0.05 * torch.rand(1, T // 64, 64, HV, device=DEVICE)
+    if strong:
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T // 64, 64, HV, device=DEVICE)) * 1.4426950408889634
+    else:
+        g = -0.05 * torch.rand(1, T // 64, 64, HV, device=DEVICE)
     g_cum = g.cumsum(2).reshape(1, T, HV).contiguous()
-    return k, w, u, g_cum, torch.tensor([0, T], device=DEVICE, dtype=torch.int32)
+    beta = torch.sigmoid(torch.randn(1, T, HV, device=DEVICE)).bfloat16()
+    return k, w, u, g_cum, beta, torch.tensor([0, T], device=DEVICE, dtype=torch.int32)
 
 
 #: The Gluon pass 1's configs (BC, warps, ring slots; None: its plan's choice).
 GLUON_CONFIGS = [(None, None, None), (64, 4, 3), (128, 8, 2), (128, 8, 3)]
 
 
-def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, cu, want) -> list:
+def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, beta, cu, want, configs=GLUON_CONFIGS) -> list:
     """The Gluon pass 1 (:mod:`gdn_dispatch.backends.gluon_common.segment_map`) on the same
-    inputs, in each of :data:`GLUON_CONFIGS`."""
+    inputs, in each of ``configs``; ``want`` None: strong gates (M stored as zeros; no error column)."""
     from gdn_dispatch.backends.gluon_common import segment_map as gm
     from gdn_dispatch.backends.gluon_sm90 import ENGINE
     from gdn_dispatch.bench_host import graph_replay_us
@@ -73,16 +80,17 @@ def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, cu, want) -> lis
 
     problem = make_problem(**random_call(lengths=[64], H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16))
     rows = []
-    for block_c, warps, slots in GLUON_CONFIGS:
+    for block_c, warps, slots in configs:
         launch = gm.plan_segment_map(problem, (9, 0), block_c=block_c, num_warps=warps, slots=slots, engine=ENGINE)
         name = (f"gluon BC {launch.blocks['BC']}, {launch.num_warps} warps, {launch.constexprs['NUM_BUF']} slots"
-                f"{' (plan)' if block_c is None else ''}")
+                f"{' (plan)' if block_c is None else ''}{', strong gates' if want is None else ''}")
         try:
-            _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, cu, L, launch)
+            _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch)
             got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
-            us = graph_replay_us(lambda: [gm.segment_map_fwd(k, w, u, g_cum, cu, L, launch) for _ in range(10)],
+            us = graph_replay_us(lambda: [gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch) for _ in range(10)],
                                  replays=1, windows=15) / 10
-            rows.append((f"{H}/{HV}", T // L, name, f"{rel_rms_error(got, want):.1e}", f"{us:.1f}", "-"))
+            err = "-" if want is None else f"{rel_rms_error(got, want):.1e}"
+            rows.append((f"{H}/{HV}", T // L, name, err, f"{us:.1f}", "-"))
         except Exception as exc:
             rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
         print(rows[-1], flush=True)
@@ -96,7 +104,7 @@ def main() -> None:
     shipped = segment_map.segment_map_config(K, V)
     rows = []
     for H, HV, T, L in SHAPES:
-        k, w, u, g_cum, cu = inputs(H, HV, T)
+        k, w, u, g_cum, beta, cu = inputs(H, HV, T)
         before = set(compiled_regs())
         _, m_hi, m_lo, n = segment_map.segment_map_fwd(k, w, u, g_cum, cu, L, config=shipped)
         shipped_regs = [f"{r} / {s}" for key, (r, s) in compiled_regs().items() if key not in before]
@@ -119,7 +127,8 @@ def main() -> None:
                 rows.append((f"{H}/{HV}", T // L, name, "-", f"{type(exc).__name__}: {str(exc)[:60]}", "-"))
             print(rows[-1], flush=True)
         if not CPU:
-            rows.extend(gluon_rows(H, HV, T, L, k, w, u, g_cum, cu, want))
+            rows.extend(gluon_rows(H, HV, T, L, k, w, u, g_cum, beta, cu, want))
+            rows.extend(gluon_rows(H, HV, T, L, *inputs(H, HV, T, strong=True), None, configs=GLUON_CONFIGS[:1]))
     print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
     print_table(["H/HV", "segments", "config", "err", "µs per call", "regs / spill B"], "lrlrrr", rows)
 

@@ -823,7 +823,7 @@ class _GluonStandIns:
         self.rnorm = torch.full((q.shape[0] * q.shape[1], q.shape[2], 2), float("nan"))
         return self.rnorm
 
-    def segment_map_fwd(self, k, w, u, g_cum, cu_seqlens, seg_len, launch, *, rnorm=None, out=None):
+    def segment_map_fwd(self, k, w, u, g_cum, beta, cu_seqlens, seg_len, launch, *, rnorm=None, out=None):
         self.calls.append("segment_map_fwd")
         assert all(a is b for a, b in zip((w, u, g_cum), self.wy)), "pass 1 must read the call's w, u, g_cum"
         l2 = launch.constexprs["USE_L2NORM"]

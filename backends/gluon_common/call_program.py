@@ -297,10 +297,11 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
         norm = launches.stage("qk_rnorm_fwd").shared
         gluon_step(norm, *norm_launch_args(norm, q, k, rnorm, count_ref(COUNT_HEAD_ROWS), H, HK, HK),
                    COUNT_HEAD_ROWS, -1)
-    # Pass 1 over the segment slots; k's row norms from the qk rnorm launch (g_cum stands in without).
+    # Pass 1 over the segment slots; k's row norms from the qk rnorm launch (g_cum stands in
+    # without); beta's token stride is HV (contiguous inputs).
     pass_one = launches.cls.segment_map
-    gluon_step(pass_one, *segment_map_launch_args(pass_one, k, w, u, g_cum, rnorm, cu, seg_cu, n, nseg, seg_len,
-                                                  m_hi, m_lo, n_map), COUNT_ROWS, COUNT_NSEG)
+    gluon_step(pass_one, *segment_map_launch_args(pass_one, k, w, u, g_cum, rnorm, beta, cu, seg_cu, n, nseg,
+                                                  seg_len, m_hi, m_lo, n_map, HV), COUNT_ROWS, COUNT_NSEG)
     # The scan: unused state pointers read the maps' N as the wrapper's stand-in.
     triton_step(_segment_scan_fwd_kernel, scan, segment_scan_launch_args(
         scan, m_hi, m_lo, n_map, cu, input_ref(H0) if problem.initial_state is not None else n_map,

@@ -195,8 +195,8 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     """
     o_out, starts = (None, None) if out is None else ((out[0], None), out[1:])
     launches = plan(problem, device=device, engine=engine, fused=False)
-    maps = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, cp.seg_len, launches.cls.segment_map,
-                           rnorm=rnorm, out=None if starts is None else starts[:4])
+    maps = segment_map_fwd(problem.k, w, u, g_cum, problem.beta, problem.chunks.cu_seqlens, cp.seg_len,
+                           launches.cls.segment_map, rnorm=rnorm, out=None if starts is None else starts[:4])
     seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts, maps=maps)
     host = segment_host_offsets(problem.chunks, cp.seg_len)
     segments = segment_problem(problem, cp, seg_cu, seg_h0, host)

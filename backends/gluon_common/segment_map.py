@@ -46,11 +46,12 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, assumed_device, shared_memory_per_block
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, resolve_engine, sig_dtype,
-    tile_desc)
+    tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common.masks import tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import _aot_problem
 from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
@@ -58,6 +59,14 @@ from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
 RING_SLOTS_MAX = 4
+#: log2 of the norm below which a segment's M is stored as zeros instead of walked: when
+#: its bound (:func:`_map_log2_bound`) is below 2^-40, ``M S`` is below 1e-12 of the
+#: state it maps, far under the float32 rounding of ``N``. Gates that forget a segment's
+#: start within it (the bench's logsigmoid(randn) gates, about -1.2 bits a token, from
+#: the first chunk on) leave M's programs with a few loads instead of the walk.
+MAP_NEGLIGIBLE_LOG2 = -40.0
+#: Tokens the bound reads per step of its loop (gates and beta).
+BOUND_BLOCK = gl.constexpr(512)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
 
@@ -118,6 +127,72 @@ def _k_rnorm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.con
 
 
 @gluon.jit
+def _k_norms_max(k_desc, ring, pre_bars, bos, eos, NT, col_k, SLOTS: gl.constexpr):
+    """The largest squared row norm of k over the segment's rows, its chunks streamed by TMA
+    through the first ``SLOTS`` tiles of the idle ring (each refilled once every warp has
+    read it)."""
+    BT: gl.constexpr = k_desc.block_type.shape[0]
+    K: gl.constexpr = k_desc.block_type.shape[1]
+    layout: gl.constexpr = tile_layout(BT, K, gl.num_warps())
+    for i in gl.static_range(SLOTS):
+        mbarrier.expect(pre_bars.index(i), k_desc.block_type.nbytes, pred=i < NT)
+        tma_load(k_desc, [bos + i * BT, col_k], pre_bars.index(i), ring.index(i), pred=i < NT)
+    x_max = gl.max(gl.zeros([BT], gl.float32, gl.SliceLayout(1, layout)), 0)
+    for t in range(NT):
+        slot = t % SLOTS
+        mbarrier.wait(pre_bars.index(slot), (t // SLOTS) & 1)
+        kt = ring.index(slot).load(layout).to(gl.float32)
+        rows = bos + t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+        x_max = gl.maximum(x_max, gl.max(gl.where(rows < eos, gl.sum(kt * kt, 1), 0.0), 0))
+        # Every warp's reads of the slot precede its refill (async proxy).
+        fence_async_shared()
+        thread_barrier()
+        more = t + SLOTS < NT
+        mbarrier.expect(pre_bars.index(slot), k_desc.block_type.nbytes, pred=more)
+        tma_load(k_desc, [bos + (t + SLOTS) * BT, col_k], pre_bars.index(slot), ring.index(slot), pred=more)
+    return x_max
+
+
+@gluon.jit
+def _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, NT, i_h, col_k, HV,
+                    USE_L2NORM: gl.constexpr, SLOTS: gl.constexpr, NEGLIGIBLE_LOG2: gl.constexpr):
+    """log2 of an upper bound on ``||M||_2`` of the segment ``bos .. eos``, or 1.0 where
+    none is cheap to state (k's rows are read only where the gates alone bound it below
+    2^NEGLIGIBLE_LOG2).
+
+    M is the product over the segment's tokens of ``2^g_t (I - beta_t k_t k_t^T)`` (g in
+    log2 units; k normalized with the qk l2 norm), and ``||I - b k k^T||_2 = max(1, |1 -
+    b ||k||^2|)``: at most 1 when ``0 <= beta_t ||k_t||^2 <= 2`` for every token, and then
+    ``||M||_2 <= 2^(sum of g)``. The sum of g is the sum of each chunk's last row of the
+    chunk-local cumsum; the condition is checked as ``min beta >= 0`` and ``max beta *
+    max ||k||^2 <= 2`` (``||k||^2 <= 1`` after the l2 norm).
+    """
+    BT: gl.constexpr = k_desc.block_type.shape[0]
+    flat: gl.constexpr = gl.BlockedLayout([BOUND_BLOCK // (32 * gl.num_warps())], [32], [gl.num_warps()], [0])
+    zeros = gl.zeros([BOUND_BLOCK], gl.float32, flat)
+    g_sum = gl.sum(zeros, 0)
+    b_min = g_sum
+    b_max = g_sum
+    for start in range(bos, eos, BOUND_BLOCK):
+        rows = start + gl.arange(0, BOUND_BLOCK, layout=flat)
+        live = rows < eos
+        # Chunks start at multiples of BT from bos (segments start on chunk boundaries of their sequence).
+        last = live & ((((rows - bos) % BT) == BT - 1) | (rows == eos - 1))
+        g_sum += gl.sum(gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=last, other=0.0), 0)
+        b = gl.load(beta + rows.to(gl.int64) * s_beta + i_h, mask=live, other=0.0).to(gl.float32)
+        b_min = gl.minimum(b_min, gl.min(b, 0))
+        b_max = gl.maximum(b_max, gl.max(b, 0))
+    bound = gl.where(b_min >= 0.0, g_sum, 1.0)
+    if USE_L2NORM:
+        bound = gl.where(b_max <= 2.0, bound, 1.0)
+    else:
+        if bound < NEGLIGIBLE_LOG2:
+            x_max = _k_norms_max(k_desc, ring, pre_bars, bos, eos, NT, col_k, SLOTS)
+            bound = gl.where(b_max * x_max <= 2.0, bound, 1.0)
+    return bound
+
+
+@gluon.jit
 def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, V: gl.constexpr):
     """The walked block ``s`` (entry at state row ``k_idx``, column ``c_idx``, both
     broadcast to its shape) into M (split) or N of slot-head ``i_sh``."""
@@ -133,10 +208,11 @@ def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, 
         gl.store(n_out + i_sh.to(gl.int64) * (K * V) + k_idx * V + c_idx, s)
 
 
-@gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP"])
+@gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP", "s_beta"])
 def _segment_map_fwd_kernel(
-    k_desc, w_desc, u_desc, g_cum, rnorm, cu_seqlens, seg_cu, m_hi, m_lo, n_out, N, NSEG, L, HV, GROUP,
+    k_desc, w_desc, u_desc, g_cum, rnorm, beta, cu_seqlens, seg_cu, m_hi, m_lo, n_out, N, NSEG, L, HV, GROUP, s_beta,
     V: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr,
+    NEGLIGIBLE_LOG2: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -164,7 +240,6 @@ def _segment_map_fwd_kernel(
     is_m = i_cb >= NVB
     is_n = i_cb < NVB
     c0 = gl.where(is_m, i_cb - NVB, i_cb) * BC
-    NT = gl.cdiv(eos - bos, BT)
     i_hk = i_h // GROUP
     col_w = i_h * K
     col_k = i_hk * K
@@ -184,11 +259,24 @@ def _segment_map_fwd_kernel(
         mbarrier.init(u_ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(mma_bars.index(i), count=1)
+    pre_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * NUM_BUF):
+        mbarrier.init(pre_bars.index(i), count=1)
+
+    # M's programs first bound M's norm: a map provably below 2^NEGLIGIBLE_LOG2 is stored as
+    # zeros and not walked (an empty segment's bound is 0: its identity is walked, in no step).
+    chunks = gl.cdiv(eos - bos, BT)
+    bound = (slot * 0).to(gl.float32)
+    if is_m:
+        bound = _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, chunks, i_h, col_k, HV,
+                                USE_L2NORM, 2 * NUM_BUF, NEGLIGIBLE_LOG2)
+    walk = bound >= NEGLIGIBLE_LOG2
+    NT = gl.where(walk, chunks, 0)
 
     # The start: M's columns of the identity, zeros for N's.
     k_idx = gl.expand_dims(gl.arange(0, K, layout=gl.SliceLayout(1, s_layout)), 1)
     c_idx = gl.expand_dims(c0 + gl.arange(0, BC, layout=gl.SliceLayout(0, s_layout)), 0)
-    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where((k_idx == c_idx) & is_m, 1.0, 0.0))
+    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where((k_idx == c_idx) & is_m & walk, 1.0, 0.0))
     P = ENGINE.acc_alloc(BT, BC)
     for i in gl.static_range(NUM_BUF - 1):
         _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, i, bos + i * BT, col_w, col_k,
@@ -242,6 +330,8 @@ def _segment_map_fwd_kernel(
         mbarrier.invalidate(u_ready.index(i))
     for i in gl.static_range(2):
         mbarrier.invalidate(mma_bars.index(i))
+    for i in gl.static_range(2 * NUM_BUF):
+        mbarrier.invalidate(pre_bars.index(i))
 
 
 @gluon.jit
@@ -262,7 +352,7 @@ def _fresh(acc, ENGINE: gl.constexpr):
 def segment_map_smem_bytes(K: int, BC: int, elem: int, slots: int, BT: int = CHUNK_SIZE) -> int:
     """Shared memory of a program with ``slots`` ring slots: the w/k ring, the u ring, the h
     and vs tiles and the barriers (the compiler's scratch comes on top)."""
-    return slots * (2 * BT * K + BT * BC) * elem + (K * BC + BT * BC) * elem + (2 * slots + 2) * 8
+    return slots * (2 * BT * K + BT * BC) * elem + (K * BC + BT * BC) * elem + (4 * slots + 2) * 8
 
 
 def _programs_by_smem(K: int, BC: int, elem: int, slots: int, smem_per_block: int) -> int:
@@ -333,7 +423,8 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
         num_warps=warps,
         blocks={"BT": BT, "K": K, "BC": BC, "NCB": NCB, "smem_bytes": segment_map_smem_bytes(K, BC, elem, slots),
                 "tmem_columns": K + BC if engine.is_sm100 else 0},
-        constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots},
+        constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots,
+                    "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2},
         descriptors=(
             tile_desc("k_desc", "k", problem.dtype, H * K, (BT, K), token_rows=True),
             tile_desc("w_desc", "w", problem.dtype, HV * K, (BT, K)),
@@ -345,14 +436,16 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     )
 
 
-def segment_map_launch_args(launch: LaunchPlan | BoundLaunch, k, w, u, g_cum, rnorm, cu_seqlens, seg_cu, num_seqs,
-                            num_segments, seg_len, m_hi, m_lo, n_out) -> tuple[dict, dict]:
+def segment_map_launch_args(launch: LaunchPlan | BoundLaunch, k, w, u, g_cum, rnorm, beta, cu_seqlens, seg_cu,
+                            num_seqs, num_segments, seg_len, m_hi, m_lo, n_out, s_beta) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_segment_map_fwd_kernel``
-    launch (``rnorm``: a stand-in without the qk l2 norm)."""
+    launch (``rnorm``: a stand-in without the qk l2 norm; ``beta`` the call's, of token
+    stride ``s_beta``)."""
     launch = launch.shared
     return {"k": k, "w": w, "u": u}, dict(
-        g_cum=g_cum, rnorm=rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, m_hi=m_hi, m_lo=m_lo, n_out=n_out,
-        N=num_seqs, NSEG=num_segments, L=seg_len, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"])
+        g_cum=g_cum, rnorm=rnorm, beta=beta, cu_seqlens=cu_seqlens, seg_cu=seg_cu, m_hi=m_hi, m_lo=m_lo,
+        n_out=n_out, N=num_seqs, NSEG=num_segments, L=seg_len, HV=launch.scalars["HV"],
+        GROUP=launch.scalars["GROUP"], s_beta=s_beta)
 
 
 def segment_map_fwd(
@@ -360,6 +453,7 @@ def segment_map_fwd(
     w: torch.Tensor,
     u: torch.Tensor,
     g_cum: torch.Tensor,
+    beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     seg_len: int,
     launch: LaunchPlan | BoundLaunch,
@@ -376,6 +470,9 @@ def segment_map_fwd(
     k : Tensor ``[B, T, H, K]``, bf16/fp16, in token rows the TMA unit reads in place.
     w, u : Tensors ``[B, T, HV, K]``, ``[B, T, HV, V]``, k's dtype, contiguous (from ``wy_fwd``).
     g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
+    beta : Tensor ``[B, T, HV]``, the call's (any float dtype, token rows): read with the
+        gates to bound each M's norm (an M below 2^:data:`MAP_NEGLIGIBLE_LOG2` is stored
+        as zeros without its walk).
     cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
     seg_len : int, ``L``, a multiple of the 64-token chunk.
     launch : the plan (:func:`plan_segment_map`).
@@ -386,7 +483,8 @@ def segment_map_fwd(
     Returns
     -------
     seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = B * T // L + N``.
-    M_hi : Tensor ``[NSEG, HV, K, K]`` of :func:`maps_dtype`, M rounded to TF32 (or bf16).
+    M_hi : Tensor ``[NSEG, HV, K, K]`` of :func:`maps_dtype`, M rounded to TF32 (or bf16);
+        zeros where M's bound is below 2^:data:`MAP_NEGLIGIBLE_LOG2`.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi``.
     N : float32 Tensor ``[NSEG, HV, K, V]``.
     """
@@ -407,24 +505,27 @@ def segment_map_fwd(
     if launch.constexprs["USE_L2NORM"] and (rnorm is None or rnorm.shape != (B * T, H, 2)):
         raise ValueError(f"rnorm: a USE_L2NORM plan needs float32 [{B * T}, {H}, 2] (qk_rnorm_fwd), got "
                          f"{None if rnorm is None else tuple(rnorm.shape)}")
-    tensors, args = segment_map_launch_args(launch, k, w, u, g_cum, rnorm if rnorm is not None else g_cum,
-                                            cu_seqlens, seg_cu, num_seqs, NSEG, seg_len, m_hi, m_lo, n_out)
+    tensors, args = segment_map_launch_args(launch, k, w, u, g_cum, rnorm if rnorm is not None else g_cum, beta,
+                                            cu_seqlens, seg_cu, num_seqs, NSEG, seg_len, m_hi, m_lo, n_out,
+                                            token_stride(beta))
     launch_planned(_segment_map_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=NSEG)
     return seg_cu, m_hi, m_lo, n_out
 
 
-_POINTERS = ("g_cum", "rnorm", "cu_seqlens", "seg_cu", "m_hi", "m_lo", "n_out")
+_POINTERS = ("g_cum", "rnorm", "beta", "cu_seqlens", "seg_cu", "m_hi", "m_lo", "n_out")
 
 
 def segment_map_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, tag: str,
-                           cu_dtype: torch.dtype = torch.int32) -> AotKernel:
+                           cu_dtype: torch.dtype = torch.int32, beta_dtype: torch.dtype | None = None) -> AotKernel:
     """The AotKernel that compiles exactly what :func:`segment_map_fwd` launches for
-    ``launch`` (cu_seqlens and the segment offsets of ``cu_dtype``)."""
+    ``launch`` (cu_seqlens and the segment offsets of ``cu_dtype``; beta of ``beta_dtype``,
+    default the data's)."""
     constexprs = dict(launch.constexprs)
     sig = {d.arg: d.signature for d in launch.descriptors}
     cu = "*" + sig_dtype(cu_dtype)
-    sig.update(g_cum="*fp32", rnorm="*fp32", cu_seqlens=cu, seg_cu=cu, m_hi="*" + sig_dtype(maps_dtype(dtype)),
-               m_lo="*bf16", n_out="*fp32", N="i32", NSEG="i32", L="i32", HV="i32", GROUP="i32")
+    sig.update(g_cum="*fp32", rnorm="*fp32", beta="*" + sig_dtype(beta_dtype or dtype), cu_seqlens=cu, seg_cu=cu,
+               m_hi="*" + sig_dtype(maps_dtype(dtype)), m_lo="*bf16", n_out="*fp32", N="i32", NSEG="i32", L="i32",
+               HV="i32", GROUP="i32", s_beta="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in arg_names(_segment_map_fwd_kernel)}
     return AotKernel(backend=backend, kernel="segment_map_fwd", specialization=tag, fn=_segment_map_fwd_kernel,
@@ -446,4 +547,9 @@ def segment_map_kernels_for_aot(capability: tuple[int, int], backend: str, *, en
         tag = (f"K{K}-V{V}-BC{launch.blocks['BC']}-w{launch.num_warps}-s{launch.constexprs['NUM_BUF']}-"
                f"{sig_dtype(dtype)}{'-l2' if l2 else ''}{'-cu64' if cu_dtype == torch.int64 else ''}")
         kernels.append(segment_map_aot_kernel(backend, launch, dtype, tag, cu_dtype))
+    # A float32 beta (the contract takes any float dtype for it).
+    launch = plan_segment_map(_aot_problem(128, 128, torch.bfloat16, True, False, True, True, True), device,
+                              engine=engine)
+    kernels.append(segment_map_aot_kernel(backend, launch, torch.bfloat16, "K128-V128-bf16-l2-beta-fp32",
+                                          beta_dtype=torch.float32))
     return kernels
