@@ -53,8 +53,8 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
-from gdn_dispatch.backends.gluon_common.state_output import _aot_problem
-from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
+from gdn_dispatch.backends.gluon_common.state_output import _aot_problem, overwrite_acc
+from gdn_dispatch.backends.triton_generic.segment_map import maps_buffers, maps_dtype
 
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
@@ -309,7 +309,7 @@ def _segment_map_fwd_kernel(
         h_smem.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA reads (async proxy)
         mbarrier.wait(wk_ready.index(buf), ready_phase)
-        p = ENGINE.mma(w_tile, h_smem, _fresh(P, ENGINE), False, p_bar)
+        p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
         # The decayed state becomes the accumulator of k^T vs (overlaps the MMA).
         S = ENGINE.acc_write(S, s_reg * decay)
         mbarrier.wait(u_ready.index(buf), ready_phase, pred=is_n)
@@ -332,17 +332,6 @@ def _segment_map_fwd_kernel(
         mbarrier.invalidate(mma_bars.index(i))
     for i in gl.static_range(2 * NUM_BUF):
         mbarrier.invalidate(pre_bars.index(i))
-
-
-@gluon.jit
-def _fresh(acc, ENGINE: gl.constexpr):
-    """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
-    zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
-    if ENGINE.IS_SM100:
-        out = acc
-    else:
-        out = ENGINE.acc_alloc(acc.shape[0], acc.shape[1])
-    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -489,16 +478,8 @@ def segment_map_fwd(
     N : float32 Tensor ``[NSEG, HV, K, V]``.
     """
     B, T, H, K = k.shape
-    HV, V = u.shape[-2], u.shape[-1]
     num_seqs = cu_seqlens.shape[0] - 1
-    NSEG = B * T // seg_len + num_seqs
-    if out is None:
-        seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
-        m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
-        m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
-        n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
-    else:
-        seg_cu, m_hi, m_lo, n_out = out
+    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out)
     if NSEG == 0:
         return seg_cu.zero_(), m_hi, m_lo, n_out
     launch = launch.shared

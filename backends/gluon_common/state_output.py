@@ -197,7 +197,7 @@ def _norm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.conste
 
 
 @gluon.jit
-def _overwrite(acc, ENGINE: gl.constexpr):
+def overwrite_acc(acc, ENGINE: gl.constexpr):
     """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
     zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
     if ENGINE.IS_SM100:
@@ -380,10 +380,10 @@ def _state_output_fwd_kernel(
         h_smem.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA reads (async proxy)
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
-        p = ENGINE.mma(w_tile, h_smem, _overwrite(P, ENGINE), False, p_bar)
-        o = ENGINE.mma(q_tile, h_smem, _overwrite(O, ENGINE), False, o_bar)
+        p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
+        o = ENGINE.mma(q_tile, h_smem, overwrite_acc(O, ENGINE), False, o_bar)
         if not QK_LATE:
-            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, ENGINE), False, qk_bar)
+            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
         # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
         S = ENGINE.acc_write(S, s_reg * decay)
         if USE_L2NORM:
@@ -401,7 +401,7 @@ def _state_output_fwd_kernel(
         S = _state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
                                  vn_smem, vs_smem, s_bar, ENGINE)
         if QK_LATE:
-            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), _overwrite(QK, ENGINE), False, qk_bar)
+            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
 
         # o's row scale (times q's reciprocal row norms); A -> p_smem; O = 2^g O + A v_new.
         r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)

@@ -230,14 +230,7 @@ def segment_map_fwd(
     B, T, H, K = k.shape
     HV, V = u.shape[-2], u.shape[-1]
     N = cu_seqlens.shape[0] - 1
-    NSEG = B * T // seg_len + N
-    if out is None:
-        seg_cu = torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device)
-        m_hi = torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device)
-        m_lo = torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device)
-        n_out = torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device)
-    else:
-        seg_cu, m_hi, m_lo, n_out = out
+    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out)
     if NSEG == 0:  # no sequence and no token: the table is [0]
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
@@ -248,6 +241,22 @@ def segment_map_fwd(
         seg_len, m_hi, m_lo, n_out, token_stride("k", k), H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
         load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0]))
     return seg_cu, m_hi, m_lo, n_out
+
+
+def maps_buffers(k: torch.Tensor, u: torch.Tensor, cu_seqlens: torch.Tensor, seg_len: int,
+                 out: tuple | None = None) -> tuple[int, tuple]:
+    """The segment slot count ``NSEG`` of a pass 1 over k ``[B, T, H, K]``, u ``[B, T, HV,
+    V]`` and ``cu_seqlens``, with what it writes: (seg_cu, M_hi, M_lo, N) as
+    :func:`segment_map_fwd` returns them, ``out`` where the caller allocated them."""
+    B, T, _, K = k.shape
+    HV, V = u.shape[-2], u.shape[-1]
+    NSEG = B * T // seg_len + cu_seqlens.shape[0] - 1
+    if out is not None:
+        return NSEG, tuple(out)
+    return NSEG, (torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device),
+                  torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device),
+                  torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device),
+                  torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device))
 
 
 def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
