@@ -153,13 +153,17 @@ def test_maps_match_the_reference_and_the_plain_triton_pass(K, V, H, HV, lengths
     if l2:
         k_all = reference.l2_normalize(k_all)
     k_all = k_all.repeat_interleave(HV // H, dim=1)
+    # Against the float32 reference: the walk rounds the state to bf16 for each of its L / 64
+    # chunk steps, errors adding up like a random walk (both backends' pass 1 alike: they
+    # agree to 2e-3 above), so the bound grows with the square root of the steps.
+    tol = 5e-3 * max(2.0, (L / 64) ** 0.5)
     for s in range(len(starts) - 1):
         a, b = starts[s], starts[s + 1]
         M_ref, N_ref = reference.segment_map(k_all[a:b], call["g"][0, a:b].float(), call["beta"][0, a:b].float(),
                                              call["v"][0, a:b].float(), 64)
-        assert rel_rms_error(M[s].float(), M_ref) <= 1e-2, (s, a, b)
+        assert rel_rms_error(M[s].float(), M_ref) <= tol, (s, a, b)
         if b > a:
-            assert rel_rms_error(N[s], N_ref) <= 1e-2, (s, a, b)
+            assert rel_rms_error(N[s], N_ref) <= tol, (s, a, b)
         else:
             assert bool((N[s] == 0).all()) and bool((M[s].float() == M_ref).all())
 
