@@ -265,8 +265,8 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
     """The call program of a segmented call of ``problem``'s form (:func:`.forward.segmented_fwd`'s
     launches: wy, [qk rnorm,] pass 1 (the class's ``segment_map`` plan), the scan
     (triton_generic's plain-Triton kernel, through its launch site's GuardedLauncher), pass
-    2 as ``pass_two`` plans it; the scan in configuration ``scan``): (the native CallProgram, whether it returns a final
-    state). Pass 1 and pass 2 run over the segment slots (count ``COUNT_NSEG``), the scan
+    2 as ``pass_two`` plans it; the scan in configuration ``scan``): (the native
+    CallProgram, whether it returns a final state). Pass 1 and pass 2 run over the segment slots (count ``COUNT_NSEG``), the scan
     over the sequences."""
     H, HK, HV, Kd, Vd, l2 = problem.H, problem.H * problem.K, problem.HV, problem.K, problem.V, problem.use_qk_l2norm
     specs = buffer_specs(problem, ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype)))
