@@ -13,8 +13,8 @@ from gdn_dispatch.backends.gluon_common.wy import wy_kernels_for_aot
 def backend_kernels_for_aot(backend: str, capabilities: tuple[tuple[int, int], ...],
                             capability: tuple[int, int] | None, *, engine) -> list[AotKernel]:
     """The kernels the forward launches (wy, the qk norms, the fused state + output, and
-    context parallelism's pass 1) at every specialization, for ``capability`` (default: the backend's first) on the
-    backend's matrix ``engine``."""
+    context parallelism's pass 1) at every specialization, for ``capability`` (default:
+    the backend's first) on the backend's matrix ``engine``."""
     capability = tuple(capability or capabilities[0])
     if capability not in capabilities:
         raise ValueError(f"{backend} compiles for {capabilities}, got {capability}")

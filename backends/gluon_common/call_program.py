@@ -13,9 +13,9 @@ through ``state_indices``:
 
 A segmented call (context parallelism) has its own program (:func:`run_segmented_call`):
 wy, [qk rnorm,] pass 1 (:mod:`.segment_map`), the scan (triton_generic's plain-Triton
-kernel, launched through its own launch site's GuardedLauncher), and pass 2 over the segment slots,
-with the segment count and length among its counts; it is kept by pass 2's launch, whose
-plan reads the segment offsets' facts (:mod:`.segments`).
+kernel, launched through its own launch site's GuardedLauncher), and pass 2 over the
+segment slots, with the segment count and length among its counts; it is kept by pass 2's
+launch, whose plan reads the segment offsets' facts (:mod:`.segments`).
 
 Each launch's argument lists are the stage's own (``wy_launch_args``,
 ``state_output_launch_args``, ...: the functions the Python wrappers launch with), called
@@ -54,12 +54,12 @@ from gdn_dispatch.backends.gluon_common.buffers import buffer_specs
 from gdn_dispatch.backends.gluon_common.launch_plan import counts_limits_reason
 from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import norm_launch_args
+from gdn_dispatch.backends.gluon_common.segment_map import segment_map_launch_args
 from gdn_dispatch.backends.gluon_common.segments import (
     ragged_segment_facts, segment_facts, uniform_segment_facts)
 from gdn_dispatch.backends.gluon_common.state_output import state_output_launch_args
 from gdn_dispatch.backends.gluon_common.wy import wy_launch_args
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_launch_args
-from gdn_dispatch.backends.gluon_common.segment_map import segment_map_launch_args
 from gdn_dispatch.backends.triton_generic.configs import device_facts
 from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
 from gdn_dispatch.backends.triton_generic.segment_scan import (
@@ -266,8 +266,8 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
     launches: wy, [qk rnorm,] pass 1 (the class's ``segment_map`` plan), the scan
     (triton_generic's plain-Triton kernel, through its launch site's GuardedLauncher), pass
     2 as ``pass_two`` plans it; the scan in configuration ``scan``): (the native
-    CallProgram, whether it returns a final state). Pass 1 and pass 2 run over the segment slots (count ``COUNT_NSEG``), the scan
-    over the sequences."""
+    CallProgram, whether it returns a final state). Pass 1 and pass 2 run over the segment
+    slots (count ``COUNT_NSEG``), the scan over the sequences."""
     H, HK, HV, Kd, Vd, l2 = problem.H, problem.H * problem.K, problem.HV, problem.K, problem.V, problem.use_qk_l2norm
     specs = buffer_specs(problem, ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype)))
     final = len(specs) - 1 if problem.output_final_state else None

@@ -127,7 +127,8 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
                          out=buffers[:3])
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
     if cp.enabled:
-        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:], pass_two=pass_two)
+        return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:], pass_two=pass_two,
+                             launches=launches)
     o, final_state = state_output_fwd(
         problem.q, problem.k, w, u, g_cum, chunks, launches.stage("state_output_fwd"), scale=problem.scale,
         initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
@@ -169,7 +170,7 @@ def unsupported_reason(problem: GDNProblem) -> str | None:
 def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w: torch.Tensor, u: torch.Tensor,
                   g_cum: torch.Tensor, rnorm: torch.Tensor | None,
                   out: tuple | None = None, pass_two: ForwardPlan | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  launches: ForwardPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` over the segments of ``cp`` (``cp.enabled``).
 
     Parameters
@@ -185,6 +186,8 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     out : (o, seg_cu, M_hi, M_lo, N, seg_h0, final state or None) as :func:`call_buffers`
         allocates them, or None to allocate them in the launching functions.
     pass_two : the call's :func:`segment_launches`, or None to plan them here.
+    launches : the call's plan (``fused=False``: its class holds pass 1's), or None to plan
+        it here.
 
     Returns
     -------
@@ -194,7 +197,8 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
         writes the pool rows.
     """
     o_out, starts = (None, None) if out is None else ((out[0], None), out[1:])
-    launches = plan(problem, device=device, engine=engine, fused=False)
+    if launches is None:
+        launches = plan(problem, device=device, engine=engine, fused=False)
     maps = segment_map_fwd(problem.k, w, u, g_cum, problem.beta, problem.chunks.cu_seqlens, cp.seg_len,
                            launches.cls.segment_map, rnorm=rnorm, out=None if starts is None else starts[:4])
     seg_cu, seg_h0, final_state = segment_start_states(problem, cp, g_cum, w, u, out=starts, maps=maps)

@@ -57,7 +57,8 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
-from gdn_dispatch.backends.gluon_common.state_output import _aot_problem, overwrite_acc
+from gdn_dispatch.backends.gluon_common.state_output import (
+    _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
 from gdn_dispatch.backends.triton_generic.segment_map import maps_buffers, maps_dtype
 
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
@@ -364,12 +365,13 @@ def segment_map_ring_slots(K: int, BC: int, elem: int = 2, warps: int = NUM_WARP
                  if _programs_by_smem(K, BC, elem, slots, smem_per_block) >= programs), 2)
 
 
-def segment_map_config(K: int, V: int) -> tuple[int, int]:
-    """(BC, warps): 64 columns on one warpgroup, two programs per SM at K = 128. On the H200
-    (``python benchmarks/segment_map_sweep.py``) that ran faster than 128 columns on two
-    warpgroups sharing every tile (one program per SM) at every tensor-parallel shard:
-    54.4 against 57.8 µs at 2/4, 105.3 against 112.5 at 4/8, 201.0 against 213.6 at 8/16."""
-    return 64, NUM_WARPS
+def segment_map_block(K: int, V: int) -> int:
+    """BC: 64 columns (one warpgroup holds the state tile; two programs per SM at K = 128).
+    On the H200 (``python benchmarks/segment_map_sweep.py``) that ran faster than 128
+    columns on two warpgroups sharing every tile (one program per SM) at every
+    tensor-parallel shard: 54.4 against 57.8 µs at 2/4, 105.3 against 112.5 at 4/8, 201.0
+    against 213.6 at 8/16."""
+    return 64
 
 
 def segment_map_supported(K: int, V: int) -> bool:
@@ -387,8 +389,9 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     ----------
     problem : a validated call; K and V in {64, 128}, bf16/fp16.
     device : DeviceInfo, or a bare capability tuple (its representative part).
-    block_c : BC override, 64 or 128 dividing K and V; default :func:`segment_map_config`.
-    num_warps : 4 or 8 holding the [K, BC] state tile; default the least that hold it.
+    block_c : BC override, 64 or 128 dividing K and V; default :func:`segment_map_block`.
+    num_warps : 4 or 8 holding the [K, BC] state tile; default the least that hold it
+        (:func:`.state_output.state_output_warps`).
     slots : ring slots override (2 or more); default :func:`segment_map_ring_slots`.
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
@@ -397,12 +400,11 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     H, K, HV, V = problem.H, problem.K, problem.HV, problem.V
     elem = torch.finfo(problem.dtype).bits // 8
     BT = CHUNK_SIZE
-    chosen_bc, chosen_warps = segment_map_config(K, V)
-    BC = block_c or chosen_bc
+    BC = block_c or segment_map_block(K, V)
     if BC not in (64, 128) or K % BC or V % BC:
         raise ValueError(f"block_c: expected 64 or 128 dividing K = {K} and V = {V}, got {BC}")
-    warps = num_warps or (chosen_warps if BC == chosen_bc else NUM_WARPS * (2 if K * BC > MAX_STATE_TILE else 1))
-    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or K * BC * NUM_WARPS // warps > MAX_STATE_TILE:
+    warps = num_warps or state_output_warps(K, BC)
+    if warps not in (NUM_WARPS, 2 * NUM_WARPS) or state_tile_per_warpgroup(K, BC, warps) > MAX_STATE_TILE:
         raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BC}] state tile, got {warps}")
     smem = shared_memory_per_block(info)
     slots = slots or segment_map_ring_slots(K, BC, elem, warps, smem_per_block=smem)
