@@ -70,26 +70,33 @@ def inputs(H: int, HV: int, T: int, strong: bool = False):
 GLUON_CONFIGS = [(None, None, None), (64, 4, 3), (128, 8, 2), (128, 8, 3)]
 
 
-def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, beta, cu, want, configs=GLUON_CONFIGS) -> list:
+def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, beta, cu, want, configs=GLUON_CONFIGS,
+               l2: bool = False) -> list:
     """The Gluon pass 1 (:mod:`gdn_dispatch.backends.gluon_common.segment_map`) on the same
-    inputs, in each of ``configs``; ``want`` None: strong gates (M stored as zeros; no error column)."""
+    inputs, in each of ``configs``; ``want`` None: strong gates (M stored as zeros; no error
+    column). ``l2``: its qk-l2-norm build (k's norms of 1 given, so the same maps), whose
+    bound reads no k."""
     from gdn_dispatch.backends.gluon_common import segment_map as gm
     from gdn_dispatch.backends.gluon_sm90 import ENGINE
     from gdn_dispatch.bench_host import graph_replay_us
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.testing import random_call
 
-    problem = make_problem(**random_call(lengths=[64], H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16))
+    problem = make_problem(**random_call(lengths=[64], H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16),
+                           use_qk_l2norm_in_kernel=l2)
+    rnorm = torch.ones(T, H, 2, device=DEVICE) if l2 else None
     rows = []
     for block_c, warps, slots in configs:
         launch = gm.plan_segment_map(problem, (9, 0), block_c=block_c, num_warps=warps, slots=slots, engine=ENGINE)
         name = (f"gluon BC {launch.blocks['BC']}, {launch.num_warps} warps, {launch.constexprs['NUM_BUF']} slots"
-                f"{' (plan)' if block_c is None else ''}{', strong gates' if want is None else ''}")
+                f"{' (plan)' if block_c is None else ''}{', strong gates' if want is None else ''}"
+                f"{', l2' if l2 else ''}")
         try:
-            _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch)
+            _, m_hi, m_lo, n = gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch, rnorm=rnorm)
             got = torch.cat([(m_hi.double() + m_lo.double()).flatten(), n.double().flatten()])
-            us = graph_replay_us(lambda: [gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch) for _ in range(10)],
-                                 replays=1, windows=15) / 10
+            us = graph_replay_us(
+                lambda: [gm.segment_map_fwd(k, w, u, g_cum, beta, cu, L, launch, rnorm=rnorm) for _ in range(10)],
+                replays=1, windows=15) / 10
             err = "-" if want is None else f"{rel_rms_error(got, want):.1e}"
             rows.append((f"{H}/{HV}", T // L, name, err, f"{us:.1f}", "-"))
         except Exception as exc:
@@ -129,7 +136,9 @@ def main() -> None:
             print(rows[-1], flush=True)
         if not CPU:
             rows.extend(gluon_rows(H, HV, T, L, k, w, u, g_cum, beta, cu, want))
-            rows.extend(gluon_rows(H, HV, T, L, *inputs(H, HV, T, strong=True), None, configs=GLUON_CONFIGS[:1]))
+            strong = inputs(H, HV, T, strong=True)
+            rows.extend(gluon_rows(H, HV, T, L, *strong, None, configs=GLUON_CONFIGS[:1]))
+            rows.extend(gluon_rows(H, HV, T, L, *strong, None, configs=GLUON_CONFIGS[:1], l2=True))
     print(f"shipped: BC {shipped.BV}, {shipped.num_warps} warps, {shipped.num_stages} stages")
     print_table(["H/HV", "segments", "config", "err", "µs per call", "regs / spill B"], "lrlrrr", rows)
 

@@ -222,3 +222,29 @@ def test_negligible_maps_are_stored_as_zeros_and_the_rest_walked(l2, k_scale, be
     assert walked > 0  # the empty slots' identities at least
     if k_scale == 1.0 and beta_spike is None or l2:
         assert zeros > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("poisoned", ["beta", "k"])
+def test_a_nan_input_is_walked_not_bounded(poisoned):
+    """A NaN beta or key in a segment whose gates alone would bound M below the negligible
+    norm: the bound's min / max reductions must not drop it, so that segment's M is walked
+    (NaN, as the reference's) instead of stored as zeros; the other segments still are."""
+    from gdn_dispatch.backends.gluon_sm90 import ENGINE
+
+    lengths, L, H, HV = [1024], 256, 1, 2
+    call = random_call(lengths=lengths, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=7)
+    if poisoned == "beta":
+        call["beta"][0, 300, :] = float("nan")
+    else:
+        call["k"][0, 300, :, 5] = float("nan")
+    problem = make_problem(**call)
+    launch = gm.plan_segment_map(problem, torch.cuda.get_device_capability(), engine=ENGINE)
+    (seg_cu, M, N), _ = _maps(call, problem, L, launch, torch.int32)
+    assert seg_cu.tolist()[:3] == [0, 256, 512]
+    assert bool(M[1].isnan().any())  # tokens 256 .. 511 hold the NaN
+    for s in (0, 2, 3):
+        gates = call["g"][0, s * L:(s + 1) * L].float().sum(0) * 1.4426950408889634
+        assert float(gates.max()) < gm.MAP_NEGLIGIBLE_LOG2 - 2
+        assert bool((M[s] == 0).all()), s

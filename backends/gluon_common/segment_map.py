@@ -142,20 +142,23 @@ def _k_norms_max(k_desc, ring, pre_bars, bos, eos, NT, col_k, SLOTS: gl.constexp
     for i in gl.static_range(SLOTS):
         mbarrier.expect(pre_bars.index(i), k_desc.block_type.nbytes, pred=i < NT)
         tma_load(k_desc, [bos + i * BT, col_k], pre_bars.index(i), ring.index(i), pred=i < NT)
-    x_max = gl.max(gl.zeros([BT], gl.float32, gl.SliceLayout(1, layout)), 0)
+    # Each row position keeps its own maximum over the chunks; one reduction at the end.
+    x_rows = gl.zeros([BT], gl.float32, gl.SliceLayout(1, layout))
     for t in range(NT):
         slot = t % SLOTS
         mbarrier.wait(pre_bars.index(slot), (t // SLOTS) & 1)
         kt = ring.index(slot).load(layout).to(gl.float32)
         rows = bos + t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
-        x_max = gl.maximum(x_max, gl.max(gl.where(rows < eos, gl.sum(kt * kt, 1), 0.0), 0))
+        x = gl.sum(kt * kt, 1)
+        # max drops a NaN operand: a NaN norm counts as infinite, so its segment walks.
+        x_rows = gl.maximum(x_rows, gl.where(rows < eos, gl.where(x == x, x, float("inf")), 0.0))
         # Every warp's reads of the slot precede its refill (async proxy).
         fence_async_shared()
         thread_barrier()
         more = t + SLOTS < NT
         mbarrier.expect(pre_bars.index(slot), k_desc.block_type.nbytes, pred=more)
         tma_load(k_desc, [bos + (t + SLOTS) * BT, col_k], pre_bars.index(slot), ring.index(slot), pred=more)
-    return x_max
+    return gl.max(x_rows, 0)
 
 
 @gluon.jit
@@ -185,6 +188,8 @@ def _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, NT, i
         last = live & ((((rows - bos) % BT) == BT - 1) | (rows == eos - 1))
         g_sum += gl.sum(gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=last, other=0.0), 0)
         b = gl.load(beta + rows.to(gl.int64) * s_beta + i_h, mask=live, other=0.0).to(gl.float32)
+        # min and max drop a NaN operand: a NaN beta counts as negative, so its segment walks.
+        b = gl.where(b == b, b, -1.0)
         b_min = gl.minimum(b_min, gl.min(b, 0))
         b_max = gl.maximum(b_max, gl.max(b, 0))
     bound = gl.where(b_min >= 0.0, g_sum, 1.0)
@@ -229,11 +234,15 @@ def _segment_map_fwd_kernel(
     p_layout: gl.constexpr = ENGINE.acc_layout(BT, BC, gl.num_warps())
     tok_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
 
-    # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
-    # one head stream the same w and k rows at the same time.
+    # Axis 0: N's programs (segment slot, v-head, V block), then M's (segment slot, v-head, K
+    # block), the column block fastest: the blocks of one head stream the same w and k rows
+    # at the same time. N's walks come first in the launch order: they always walk, while an
+    # M found negligible costs only its bound, so M's programs fill the SMs the walks leave.
     pid = gl.program_id(0)
-    i_cb = pid % NCB
-    i_sh = pid // NCB
+    n_programs = NSEG * HV * NVB
+    is_m = pid >= n_programs
+    i_cb = gl.where(is_m, NVB + (pid - n_programs) % (NCB - NVB), pid % NVB)
+    i_sh = gl.where(is_m, (pid - n_programs) // (NCB - NVB), pid // NVB)
     i_h = i_sh % HV
     slot = i_sh // HV
     bos, eos = _segment_bounds(cu_seqlens, N, L, slot)
@@ -242,7 +251,6 @@ def _segment_map_fwd_kernel(
         gl.store(seg_cu + slot, bos.to(seg_cu.dtype.element_ty))
         if slot == NSEG - 1:
             gl.store(seg_cu + NSEG, eos.to(seg_cu.dtype.element_ty))
-    is_m = i_cb >= NVB
     is_n = i_cb < NVB
     c0 = gl.where(is_m, i_cb - NVB, i_cb) * BC
     i_hk = i_h // GROUP
