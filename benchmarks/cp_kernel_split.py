@@ -5,7 +5,8 @@ Prints per-kernel GPU time (torch.profiler, 20 public calls after 3 warm-up call
 
 * the segmented calls of the tensor-parallel shards (one sequence of 32768 tokens, 2/4,
   4/8, 2/8 and 8/16 heads, ``context_parallel="auto"``): wy, pass 1 (segment maps), the
-  scan, pass 2;
+  scan, pass 2; then the same calls on raw q, k with the qk l2 norm in the kernel (as
+  Qwen3.5 calls it: pass 1 bounds M without reading k);
 * calls shaped like those calls' pass 2 (the segments as sequences: 16 x 2048 tokens and
   the like, an initial state, no final state, ``context_parallel="off"``), once on the
   warp-specialized path (T kernel + fused kernel) and once on the two-launch pipeline
@@ -47,10 +48,14 @@ def row(name: str, times: dict[str, float]) -> str:
 def main() -> None:
     share = fused.MIN_SM_SHARE
     try:
-        for name, H, HV in SHARDS:
-            call = random_call(lengths=[32768], H=H, HV=HV, K=128, V=128, device="cuda", seed=1)
-            kwargs = {**call, "output_final_state": True, "backend": "gluon_sm90"}
-            print(row(f"segmented {name} 1x32768", kernel_times(lambda: chunk_gated_delta_rule(**kwargs))), flush=True)
+        for l2 in (False, True):
+            for name, H, HV in SHARDS:
+                call = random_call(lengths=[32768], H=H, HV=HV, K=128, V=128, device="cuda", seed=1,
+                                   normalize_qk=not l2)
+                kwargs = {**call, "output_final_state": True, "backend": "gluon_sm90",
+                          "use_qk_l2norm_in_kernel": l2}
+                print(row(f"segmented {name} 1x32768{' l2' if l2 else ''}",
+                          kernel_times(lambda: chunk_gated_delta_rule(**kwargs))), flush=True)
         for name, H, HV, B, T in SEGMENT_SHAPES:
             call = random_call(lengths=[T] * B, H=H, HV=HV, K=128, V=128, device="cuda", seed=1)
             kwargs = {**call, "output_final_state": False, "context_parallel": "off", "backend": "gluon_sm90"}
