@@ -24,9 +24,7 @@ are loaded during chunk t. On the H200 that took pass 1 from 62 to 54 µs at 2/4
 
 A segment whose M is provably negligible is not walked: M's programs first bound
 ``||M||_2`` from the gates, beta and k's row norms (:func:`_map_log2_bound`) and, below
-2^:data:`MAP_NEGLIGIBLE_LOG2`, store zeros, flagged for the scan in M_hi's entry [0, 0]
-(:data:`~gdn_dispatch.backends.triton_generic.segment_map.ZERO_MAP_BITS`: the scan then
-loads N alone for that step).
+2^:data:`MAP_NEGLIGIBLE_LOG2`, store zeros.
 
 Rows past a segment's end (a sequence's last chunk) hold the next sequence's tokens: their
 decay is selected to 0 (:func:`.recurrence.state_vs`), so they contribute nothing.
@@ -61,7 +59,7 @@ from gdn_dispatch.backends.gluon_common.masks import tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
-from gdn_dispatch.backends.triton_generic.segment_map import ZERO_MAP_BITS, maps_buffers, maps_dtype
+from gdn_dispatch.backends.triton_generic.segment_map import maps_buffers, maps_dtype
 
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
@@ -205,18 +203,15 @@ def _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, NT, i
 
 
 @gluon.jit
-def _store_map(s, k_idx, c_idx, is_m, flag_bits, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, V: gl.constexpr):
+def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, V: gl.constexpr):
     """The walked block ``s`` (entry at state row ``k_idx``, column ``c_idx``, both
-    broadcast to its shape) into M (split) or N of slot-head ``i_sh``; ``flag_bits`` (0, or
-    :data:`ZERO_MAP_BITS` for an M stored as zeros) or-ed into float32 M_hi's entry [0, 0]."""
+    broadcast to its shape) into M (split) or N of slot-head ``i_sh``."""
     if is_m:
         at = i_sh.to(gl.int64) * (K * K) + k_idx * K + c_idx
         if m_hi.dtype.element_ty == gl.bfloat16:
             s_hi = _bf16_round(s)
         else:
             s_hi = _tf32_round(s)
-            flagged = (s_hi.to(gl.int32, bitcast=True) | flag_bits).to(gl.float32, bitcast=True)
-            s_hi = gl.where((k_idx == 0) & (c_idx == 0), flagged, s_hi)
         gl.store(m_hi + at, s_hi.to(m_hi.dtype.element_ty))
         gl.store(m_lo + at, (s - s_hi).to(gl.bfloat16))
     else:
@@ -342,10 +337,7 @@ def _segment_map_fwd_kernel(
         S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
         S = ENGINE.mma_wait(S, s_bar, mma_phase)
 
-    # An M stored as zeros is flagged for the scan, which then skips its loads.
-    flag_bits = gl.where(walk, 0, ZERO_MAP_BITS)
-    _store_map(gl.convert_layout(ENGINE.acc_read(S), s_layout), k_idx, c_idx, is_m, flag_bits, i_sh, m_hi, m_lo,
-               n_out, K, V)
+    _store_map(gl.convert_layout(ENGINE.acc_read(S), s_layout), k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K, V)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(wk_ready.index(i))
         mbarrier.invalidate(u_ready.index(i))
@@ -495,8 +487,7 @@ def segment_map_fwd(
     -------
     seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = B * T // L + N``.
     M_hi : Tensor ``[NSEG, HV, K, K]`` of :func:`maps_dtype`, M rounded to TF32 (or bf16);
-        zeros where M's bound is below 2^:data:`MAP_NEGLIGIBLE_LOG2`, float32 ones flagged
-        by :data:`ZERO_MAP_BITS` in their entry [0, 0].
+        zeros where M's bound is below 2^:data:`MAP_NEGLIGIBLE_LOG2`.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi``.
     N : float32 Tensor ``[NSEG, HV, K, V]``.
     """

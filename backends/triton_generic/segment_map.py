@@ -172,15 +172,6 @@ def l2_prefetch_chunks(capability: tuple[int, int] | None) -> int:
     return L2_PREFETCH_CHUNKS if capability is not None and tuple(capability) == (9, 0) else 0
 
 
-#: The bits of ``M_hi[s, h, 0, 0]`` (float32) where pass 1 stored a map as zeros without
-#: walking it (the Gluon backends' pass 1 bounds M first:
-#: :mod:`gdn_dispatch.backends.gluon_common.segment_map`): the least denormal, 1.4e-45, an
-#: entry no walked map holds (TF32 rounding clears the low 13 bits) and a harmless value to
-#: any reader that ignores it. The scan (:mod:`.segment_scan`) reads it first and skips that
-#: map's loads. bf16 maps (:data:`BF16_MAPS`) carry no flag.
-ZERO_MAP_BITS = tl.constexpr(1)
-
-
 def maps_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``M_hi`` that pass 1 writes for a call on ``dtype`` data."""
     return torch.bfloat16 if BF16_MAPS and dtype != torch.float32 else torch.float32

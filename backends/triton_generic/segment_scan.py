@@ -30,10 +30,6 @@ depend on ``S``) into shared memory while step ``s`` multiplies; as everywhere f
 of M: the program reads ``S`` back from ``seg_h0[s]``, which it has just stored (a CTA
 barrier orders the store before the loads of other threads), so no ``[K, K]`` tile is
 held in registers.
-
-A map the Gluon backends' pass 1 stored as zeros carries a flag in its entry [0, 0]
-(:data:`.segment_map.ZERO_MAP_BITS`): the step reads it first and masks M's loads off, so
-it streams N alone.
 """
 
 from __future__ import annotations
@@ -48,7 +44,6 @@ from gdn_dispatch.contract import empty_final_state
 from gdn_dispatch.backends.triton_generic._jit import (
     _bf16_round, _cast, _dot, _tf32_round, interpreting, jit, next_pow2)
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, MIN_TILE, device_facts, launch, state_block_k
-from gdn_dispatch.backends.triton_generic.segment_map import ZERO_MAP_BITS
 from gdn_dispatch.backends.triton_generic.state import _sequence_program, _start_state, _store_final_state
 
 
@@ -79,27 +74,12 @@ def _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V: tl.constexpr):
 
 
 @jit
-def _map_rows(m_hi, o_sh, K: tl.constexpr):
-    """The rows of slot-head ``o_sh``'s M to load: ``K``, or 0 where pass 1 stored M as
-    zeros and flagged it (:data:`.segment_map.ZERO_MAP_BITS` in float32 M_hi's entry [0, 0]):
-    its product is zero, so the step loads N alone."""
-    if m_hi.dtype.element_ty == tl.float32:
-        flag = tl.load(m_hi + o_sh * K).to(tl.int32, bitcast=True)
-        return tl.where(flag == ZERO_MAP_BITS, 0, K)
-    else:
-        return K
-
-
-@jit
-def _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, o_sh, o_k, o_v, m_kv, K: tl.constexpr, V: tl.constexpr,
+def _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, o_sh, o_k, o_v, m_kv, m_kk, K: tl.constexpr, V: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Slot ``o_sh`` (its row offset ``(slot * HV + h) * K``): store its start state,
     return the next. M's parts and N feed the products straight from their loads, which
-    the pipeliner moves ahead into shared memory (M's masked off where it is flagged zero)."""
+    the pipeliner moves ahead into shared memory."""
     _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V)
-    # Row limits folded into comparisons (a block mask & a scalar bool is not a bool mask
-    # under every Triton interpreter).
-    m_kk = (o_k < _map_rows(m_hi, o_sh, K))[:, None] & (o_k < K)[None, :]
     b_hi = tl.load(m_hi + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
     b_lo = tl.load(m_lo + o_sh * K + o_k[:, None] * K + o_k[None, :], mask=m_kk, other=0.0)
     b_n = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
@@ -145,15 +125,16 @@ def _segment_scan_fwd_kernel(
         # The slots from s_busy on hold no token (the slot count rounds up): their maps are
         # the identity, so the state passes them unchanged and is only stored as their start.
         s_busy = i_s + (eos - bos + L - 1) // L
+        m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
         if INTERPRET:
             # triton 3.6's interpreter cannot range() over a loaded bound (see state.py).
             while i_s < s_busy:
-                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_s * HV + i_h) * K, o_k, o_v, m_kv, K, V,
+                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_s * HV + i_h) * K, o_k, o_v, m_kv, m_kk, K, V,
                                     INTERPRET)
                 i_s += 1
         else:
             for i_t in range(i_s, s_busy):
-                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_t * HV + i_h) * K, o_k, o_v, m_kv, K, V,
+                b_s = _whole_m_step(m_hi, m_lo, n_in, seg_h0, b_s, (i_t * HV + i_h) * K, o_k, o_v, m_kv, m_kk, K, V,
                                     INTERPRET)
         i_e = s_busy
         while i_e < s_end:
@@ -167,10 +148,9 @@ def _segment_scan_fwd_kernel(
             _store_start(seg_h0, b_s, o_sh, o_k, o_v, m_kv, V)
             tl.debug_barrier()  # the rows just stored are read below by other threads
             b_acc = tl.load(n_in + o_sh * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            m_rows = _map_rows(m_hi, o_sh, K)
             for i_kc in tl.static_range(0, K, BKC):
                 o_kc = i_kc + tl.arange(0, BKC)
-                m_kc = (o_k < m_rows)[:, None] & (o_kc < K)[None, :]
+                m_kc = (o_k < K)[:, None] & (o_kc < K)[None, :]
                 b_hi = tl.load(m_hi + o_sh * K + o_k[:, None] * K + o_kc[None, :], mask=m_kc, other=0.0)
                 b_lo = tl.load(m_lo + o_sh * K + o_k[:, None] * K + o_kc[None, :], mask=m_kc, other=0.0)
                 b_sk = tl.load(seg_h0 + o_sh * V + o_kc[:, None] * V + o_v[None, :],
