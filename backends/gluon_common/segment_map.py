@@ -24,7 +24,19 @@ are loaded during chunk t. On the H200 that took pass 1 from 62 to 54 µs at 2/4
 
 A segment whose M is provably negligible is not walked: M's programs first bound
 ``||M||_2`` from the gates, beta and k's row norms (:func:`_map_log2_bound`) and, below
-2^:data:`MAP_NEGLIGIBLE_LOG2`, store zeros.
+2^:data:`MAP_NEGLIGIBLE_LOG2`, store zeros. N's programs come first in the launch order:
+they always walk, and M's programs, where they only bound, fill the SMs the walks leave
+(without the qk l2 norm the bound streams the segment's k, a round of its own after the
+walks where they fill the SMs). On one H200 (``python benchmarks/segment_map_sweep.py
+--quick``, benchmarks/logs/h200_pass1_launch_order.log), µs at 2/4, 4/8, 2/8 and 8/16:
+
+* the bench's gates (every M zeros): N first 52.5 / 79.2 / 77.9 / 156.4; each head's
+  blocks together (the order before) 54.8 / 105.2 / 104.6 / 207.0; M first 51.1 / 82.6 /
+  82.1 / 156.6;
+* the same with the qk l2 norm: 53.7 / 65.8 / 64.5 / 128.5; 54.2 / 96.3 / 95.2 / 191.5;
+  53.3 / 70.0 / 69.0 / 134.4;
+* every M walked: 61.3 / 111.5 / 111.9 / 221.3; 63.9 / 122.6 / 121.4 / 241.3; 61.7 /
+  112.0 / 111.7 / 219.7.
 
 Rows past a segment's end (a sequence's last chunk) hold the next sequence's tokens: their
 decay is selected to 0 (:func:`.recurrence.state_vs`), so they contribute nothing.
