@@ -22,13 +22,20 @@ are loaded during chunk t. On the H200 that took pass 1 from 62 to 54 µs at 2/4
 119 to 105 at 4/8; what is left of a step is the chain of two MMAs and their waits.
 (``block_c=128`` on two warpgroups shares every tile between them; it ran slower.)
 
-A segment whose M is provably negligible is not walked: M's programs first bound
-``||M||_2`` from the gates, beta and k's row norms (:func:`_map_log2_bound`) and, below
-2^:data:`MAP_NEGLIGIBLE_LOG2`, store zeros. N's programs come first in the launch order:
-they always walk, and M's programs, where they only bound, fill the SMs the walks leave
-(without the qk l2 norm the bound streams the segment's k, a round of its own after the
-walks where they fill the SMs). On one H200 (``python benchmarks/segment_map_sweep.py
---quick``, benchmarks/logs/h200_pass1_launch_order.log), µs at 2/4, 4/8, 2/8 and 8/16:
+What a segment provably forgets is not walked. Every program first finds the segment's
+shortest suffix of chunks whose map on the state is provably below
+2^:data:`MAP_NEGLIGIBLE_LOG2` in norm, from the gates, beta and k's row norms
+(:func:`_forgetting_start`). Where there is one, the state at the suffix's start reaches
+the segment's end scaled by less than 2^-40, so it is dropped: M's programs store zeros,
+and N's walk the suffix alone, from zeros. The maps then differ from the exact ones by
+less than 2^-40 of that state's norm, far under the float32 rounding of the walks; under
+the bench's gates (about -75 bits a chunk) the suffix is the last chunk. What the dropped
+stretch holds does not reach the segment's end, non-finite values included (a NaN beta or
+key inside the suffix fails the check, so the segment is walked whole).
+
+N's programs come first in the launch order. On one H200, before N's walks were cut to
+the suffix (``python benchmarks/segment_map_sweep.py --quick``,
+benchmarks/logs/h200_pass1_launch_order.log), µs at 2/4, 4/8, 2/8 and 8/16:
 
 * the bench's gates (every M zeros): N first 52.5 / 79.2 / 77.9 / 156.4; each head's
   blocks together (the order before) 54.8 / 105.2 / 104.6 / 207.0; M first 51.1 / 82.6 /
@@ -76,14 +83,16 @@ from gdn_dispatch.backends.triton_generic.segment_map import maps_buffers, maps_
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
 RING_SLOTS_MAX = 4
-#: log2 of the norm below which a segment's M is stored as zeros instead of walked: when
-#: its bound (:func:`_map_log2_bound`) is below 2^-40, ``M S`` is below 1e-12 of the
-#: state it maps, far under the float32 rounding of ``N``. Gates that forget a segment's
-#: start within it (the bench's logsigmoid(randn) gates, about -1.2 bits a token, from
-#: the first chunk on) leave M's programs with the bound's reads instead of the walk.
+#: log2 of the norm below which a suffix's map forgets the state it starts from
+#: (:func:`_forgetting_start`): below 2^-40 that state reaches the segment's end under 1e-12
+#: of its norm, far under the float32 rounding of the walks. Gates that forget within one
+#: chunk (the bench's logsigmoid(randn) gates, about -1.2 bits a token) leave M's programs
+#: with the bound's reads and N's with one chunk to walk.
 MAP_NEGLIGIBLE_LOG2 = -40.0
-#: Tokens the bound reads per step of its loop (gates and beta).
+#: Tokens the bound's check reads per step of its loop (beta).
 BOUND_BLOCK = gl.constexpr(512)
+#: Chunks the gate suffix search (:func:`_gate_suffix`) reads per step of its loop.
+SUFFIX_BLOCK = gl.constexpr(128)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
 
@@ -144,74 +153,97 @@ def _k_rnorm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.con
 
 
 @gluon.jit
-def _k_norms_max(k_desc, ring, pre_bars, bos, eos, NT, col_k, SLOTS: gl.constexpr):
-    """The largest squared row norm of k over the segment's rows, its chunks streamed by TMA
-    through the first ``SLOTS`` tiles of the idle ring (each refilled once every warp has
-    read it)."""
+def _k_norms_max(k_desc, ring, pre_bars, row0, eos, NT, col_k, SLOTS: gl.constexpr):
+    """The largest squared row norm of k over the rows ``row0 .. eos`` (``NT`` chunks; a NaN
+    norm counts as infinite), the chunks streamed by TMA through the first ``SLOTS`` tiles of
+    the idle ring (each refilled once every warp has read it)."""
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     layout: gl.constexpr = tile_layout(BT, K, gl.num_warps())
     for i in gl.static_range(SLOTS):
         mbarrier.expect(pre_bars.index(i), k_desc.block_type.nbytes, pred=i < NT)
-        tma_load(k_desc, [bos + i * BT, col_k], pre_bars.index(i), ring.index(i), pred=i < NT)
+        tma_load(k_desc, [row0 + i * BT, col_k], pre_bars.index(i), ring.index(i), pred=i < NT)
     # Each row position keeps its own maximum over the chunks; one reduction at the end.
     x_rows = gl.zeros([BT], gl.float32, gl.SliceLayout(1, layout))
     for t in range(NT):
         slot = t % SLOTS
         mbarrier.wait(pre_bars.index(slot), (t // SLOTS) & 1)
         kt = ring.index(slot).load(layout).to(gl.float32)
-        rows = bos + t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
+        rows = row0 + t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
         x = gl.sum(kt * kt, 1)
-        # max drops a NaN operand: a NaN norm counts as infinite, so its segment walks.
+        # max drops a NaN operand: a NaN norm counts as infinite.
         x_rows = gl.maximum(x_rows, gl.where(rows < eos, gl.where(x == x, x, float("inf")), 0.0))
         # Every warp's reads of the slot precede its refill (async proxy).
         fence_async_shared()
         thread_barrier()
         more = t + SLOTS < NT
         mbarrier.expect(pre_bars.index(slot), k_desc.block_type.nbytes, pred=more)
-        tma_load(k_desc, [bos + (t + SLOTS) * BT, col_k], pre_bars.index(slot), ring.index(slot), pred=more)
+        tma_load(k_desc, [row0 + (t + SLOTS) * BT, col_k], pre_bars.index(slot), ring.index(slot), pred=more)
     return gl.max(x_rows, 0)
 
 
 @gluon.jit
-def _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, NT, i_h, col_k, HV,
-                    USE_L2NORM: gl.constexpr, SLOTS: gl.constexpr, NEGLIGIBLE_LOG2: gl.constexpr):
-    """log2 of an upper bound on ``||M||_2`` of the segment ``bos .. eos``, or 1.0 where
-    none is cheap to state (k's rows are read only where the gates alone bound it below
-    2^NEGLIGIBLE_LOG2).
+def _add(a, b):
+    return a + b
 
-    M is the product over the segment's tokens of ``2^g_t (I - beta_t k_t k_t^T)`` (g in
-    log2 units; k normalized with the qk l2 norm), and ``||I - b k k^T||_2 = max(1, |1 -
-    b ||k||^2|)``: at most 1 when ``0 <= beta_t ||k_t||^2 <= 2`` for every token, and then
-    ``||M||_2 <= 2^(sum of g)``. The sum of g is the sum of each chunk's last row of the
-    chunk-local cumsum; the condition is checked as ``min beta >= 0`` and ``max beta *
-    max ||k||^2 <= 2`` (``||k||^2 <= 1`` after the l2 norm).
+
+@gluon.jit
+def _gate_suffix(g_cum, bos, eos, NT, i_h, HV, BT: gl.constexpr, NEGLIGIBLE_LOG2: gl.constexpr):
+    """The largest chunk ``c`` of the segment ``bos .. eos`` (``NT`` chunks) whose suffix of
+    chunks ``c .. NT - 1`` sums its gates (log2 units) below ``NEGLIGIBLE_LOG2``, or -1. A
+    chunk's sum is its last row of the chunk-local cumsum; the chunks are read in blocks of
+    :data:`SUFFIX_BLOCK`, the last block first, the later blocks' sum carried."""
+    layout: gl.constexpr = gl.BlockedLayout([SUFFIX_BLOCK // (32 * gl.num_warps())], [32], [gl.num_warps()], [0])
+    carry = gl.sum(gl.zeros([SUFFIX_BLOCK], gl.float32, layout), 0)
+    c0 = (NT * 0 - 1).to(gl.int32)
+    blocks = gl.cdiv(NT, SUFFIX_BLOCK)
+    for i in range(blocks):
+        c = (blocks - 1 - i) * SUFFIX_BLOCK + gl.arange(0, SUFFIX_BLOCK, layout=layout)
+        live = c < NT
+        last = bos + gl.minimum((c + 1) * BT, eos - bos) - 1
+        g_c = gl.load(g_cum + last.to(gl.int64) * HV + i_h, mask=live, other=0.0)
+        suffix = gl.associative_scan(g_c, 0, _add, reverse=True) + carry
+        c0 = gl.maximum(c0, gl.max(gl.where(live & (suffix < NEGLIGIBLE_LOG2), c, -1), 0))
+        carry += gl.sum(g_c, 0)
+    return c0
+
+
+@gluon.jit
+def _forgetting_start(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, NT, i_h, col_k, HV,
+                      USE_L2NORM: gl.constexpr, SLOTS: gl.constexpr, NEGLIGIBLE_LOG2: gl.constexpr):
+    """The first chunk ``c0`` of the shortest suffix of the segment's chunks whose map on
+    the state is provably below ``2^NEGLIGIBLE_LOG2`` in norm, or -1 where none is.
+
+    A suffix's map is the product over its tokens of ``2^g_t (I - beta_t k_t k_t^T)`` (g in
+    log2 units; k normalized with the qk l2 norm), and ``||I - b k k^T||_2 = max(1, |1 - b
+    ||k||^2|)``: at most 1 when ``0 <= beta_t ||k_t||^2 <= 2``, and then the suffix's map
+    is at most 2^(its gates' sum). The suffix is found from the gates alone
+    (:func:`_gate_suffix`), then the condition checked over its tokens as ``min beta >= 0``
+    and ``max beta * max ||k||^2 <= 2`` (``||k||^2 <= 1`` after the l2 norm; else k's rows
+    of the suffix streamed through the idle ring). A NaN beta or key in the suffix fails
+    the check.
     """
     BT: gl.constexpr = k_desc.block_type.shape[0]
-    flat: gl.constexpr = gl.BlockedLayout([BOUND_BLOCK // (32 * gl.num_warps())], [32], [gl.num_warps()], [0])
-    zeros = gl.zeros([BOUND_BLOCK], gl.float32, flat)
-    g_sum = gl.sum(zeros, 0)
-    b_min = g_sum
-    b_max = g_sum
-    for start in range(bos, eos, BOUND_BLOCK):
-        rows = start + gl.arange(0, BOUND_BLOCK, layout=flat)
-        live = rows < eos
-        # Chunks start at multiples of BT from bos (segments start on chunk boundaries of their sequence).
-        last = live & ((((rows - bos) % BT) == BT - 1) | (rows == eos - 1))
-        g_sum += gl.sum(gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=last, other=0.0), 0)
-        b = gl.load(beta + rows.to(gl.int64) * s_beta + i_h, mask=live, other=0.0).to(gl.float32)
-        # min and max drop a NaN operand: a NaN beta counts as negative, so its segment walks.
-        b = gl.where(b == b, b, -1.0)
-        b_min = gl.minimum(b_min, gl.min(b, 0))
-        b_max = gl.maximum(b_max, gl.max(b, 0))
-    bound = gl.where(b_min >= 0.0, g_sum, 1.0)
-    if USE_L2NORM:
-        bound = gl.where(b_max <= 2.0, bound, 1.0)
-    else:
-        if bound < NEGLIGIBLE_LOG2:
-            x_max = _k_norms_max(k_desc, ring, pre_bars, bos, eos, NT, col_k, SLOTS)
-            bound = gl.where(b_max * x_max <= 2.0, bound, 1.0)
-    return bound
+    c0 = _gate_suffix(g_cum, bos, eos, NT, i_h, HV, BT, NEGLIGIBLE_LOG2)
+    start = c0
+    if c0 >= 0:
+        row0 = bos + c0 * BT
+        flat: gl.constexpr = gl.BlockedLayout([BOUND_BLOCK // (32 * gl.num_warps())], [32], [gl.num_warps()], [0])
+        b_min = gl.sum(gl.zeros([BOUND_BLOCK], gl.float32, flat), 0)
+        b_max = b_min
+        for r in range(row0, eos, BOUND_BLOCK):
+            rows = r + gl.arange(0, BOUND_BLOCK, layout=flat)
+            b = gl.load(beta + rows.to(gl.int64) * s_beta + i_h, mask=rows < eos, other=0.0).to(gl.float32)
+            # min and max drop a NaN operand: a NaN beta counts as negative.
+            b = gl.where(b == b, b, -1.0)
+            b_min = gl.minimum(b_min, gl.min(b, 0))
+            b_max = gl.maximum(b_max, gl.max(b, 0))
+        if USE_L2NORM:
+            x_max = b_min * 0.0 + 1.0
+        else:
+            x_max = _k_norms_max(k_desc, ring, pre_bars, row0, eos, NT - c0, col_k, SLOTS)
+        start = gl.where((b_min >= 0.0) & (b_max * x_max <= 2.0), c0, -1)
+    return start
 
 
 @gluon.jit
@@ -288,27 +320,29 @@ def _segment_map_fwd_kernel(
     for i in gl.static_range(2 * NUM_BUF):
         mbarrier.init(pre_bars.index(i), count=1)
 
-    # M's programs first bound M's norm: a map provably below 2^NEGLIGIBLE_LOG2 is stored as
-    # zeros and not walked (an empty segment's bound is 0: its identity is walked, in no step).
+    # Both kinds of program first look for the segment's shortest suffix whose map on the
+    # state is provably negligible (-1: none). Where there is one, what comes before it is
+    # forgotten: M is stored as zeros without a walk, and N walked from zeros over the suffix
+    # alone (an empty segment has none: its identity is walked, in no step).
     chunks = gl.cdiv(eos - bos, BT)
-    bound = (slot * 0).to(gl.float32)
-    if is_m:
-        bound = _map_log2_bound(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, chunks, i_h, col_k, HV,
-                                USE_L2NORM, 2 * NUM_BUF, NEGLIGIBLE_LOG2)
-    walk = bound >= NEGLIGIBLE_LOG2
-    NT = gl.where(walk, chunks, 0)
+    f0 = _forgetting_start(g_cum, beta, s_beta, k_desc, ring, pre_bars, bos, eos, chunks, i_h, col_k, HV,
+                           USE_L2NORM, 2 * NUM_BUF, NEGLIGIBLE_LOG2)
+    forgets = f0 >= 0
+    first = gl.where(is_n & forgets, f0, 0)
+    NT = gl.where(is_m & forgets, 0, chunks - first)
+    row0 = bos + first * BT
 
     # The start: M's columns of the identity, zeros for N's.
     k_idx = gl.expand_dims(gl.arange(0, K, layout=gl.SliceLayout(1, s_layout)), 1)
     c_idx = gl.expand_dims(c0 + gl.arange(0, BC, layout=gl.SliceLayout(0, s_layout)), 0)
-    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where((k_idx == c_idx) & is_m & walk, 1.0, 0.0))
+    S = ENGINE.acc_write(ENGINE.acc_alloc(K, BC), gl.where((k_idx == c_idx) & is_m & (f0 < 0), 1.0, 0.0))
     P = ENGINE.acc_alloc(BT, BC)
     for i in gl.static_range(NUM_BUF - 1):
-        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, i, bos + i * BT, col_w, col_k,
+        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, i, row0 + i * BT, col_w, col_k,
                           col_u, i < NT, is_n)
-    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, tok_layout)
+    b_g, g_last = gate_rows(g_cum, row0, eos, i_h, HV, BT, tok_layout)
     if USE_L2NORM:
-        b_rk = _k_rnorm_rows(rnorm, bos, eos, i_hk, HV // GROUP, BT, tok_layout)
+        b_rk = _k_rnorm_rows(rnorm, row0, eos, i_hk, HV // GROUP, BT, tok_layout)
     else:
         b_rk = b_g  # unused
 
@@ -316,7 +350,7 @@ def _segment_map_fwd_kernel(
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
         mma_phase = t & 1
-        row = bos + t * BT
+        row = row0 + t * BT
         _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, (t + NUM_BUF - 1) % NUM_BUF,
                           row + (NUM_BUF - 1) * BT, col_w, col_k, col_u, t + NUM_BUF - 1 < NT, is_n)
         w_tile = ring.index(2 * buf)
@@ -478,7 +512,9 @@ def segment_map_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
     head, M split in two: what :func:`gdn_dispatch.backends.triton_generic.segment_map.segment_map_fwd`
-    returns, from the same inputs.
+    returns, from the same inputs, but for what a segment provably forgets (module
+    docstring): where a suffix of its chunks maps the state below
+    2^:data:`MAP_NEGLIGIBLE_LOG2` in norm, M is zeros and N the suffix's walk from zeros.
 
     Parameters
     ----------
@@ -486,8 +522,7 @@ def segment_map_fwd(
     w, u : Tensors ``[B, T, HV, K]``, ``[B, T, HV, V]``, k's dtype, contiguous (from ``wy_fwd``).
     g_cum : float32 Tensor ``[B, T, HV]``, contiguous: chunk-local gate cumsum in log2 units.
     beta : Tensor ``[B, T, HV]``, the call's (any float dtype, token rows): read with the
-        gates to bound each M's norm (an M below 2^:data:`MAP_NEGLIGIBLE_LOG2` is stored
-        as zeros without its walk).
+        gates and k's row norms to bound the suffixes' maps.
     cu_seqlens : int32/int64 Tensor ``[N + 1]``, the call's sequence offsets (device).
     seg_len : int, ``L``, a multiple of the 64-token chunk.
     launch : the plan (:func:`plan_segment_map`).
@@ -499,9 +534,10 @@ def segment_map_fwd(
     -------
     seg_cu : Tensor ``[NSEG + 1]`` of cu_seqlens's dtype, ``NSEG = B * T // L + N``.
     M_hi : Tensor ``[NSEG, HV, K, K]`` of :func:`maps_dtype`, M rounded to TF32 (or bf16);
-        zeros where M's bound is below 2^:data:`MAP_NEGLIGIBLE_LOG2`.
+        zeros where the segment forgets its start.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi``.
-    N : float32 Tensor ``[NSEG, HV, K, V]``.
+    N : float32 Tensor ``[NSEG, HV, K, V]``; where the segment forgets its start, the walk
+        of the forgetting suffix alone.
     """
     B, T, H, K = k.shape
     num_seqs = cu_seqlens.shape[0] - 1
