@@ -89,6 +89,22 @@ def test_builds_within_limits(capability, K, V, l2):
     assert "cp.async.bulk.tensor" in report.ptx
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("config", [(64, 4, 3), (128, 8, 2), (128, 8, 3)], ids=str)
+def test_override_configs_build(capability, config):
+    """The plan's overrides the sweep and the GPU tests launch (two warpgroups at BC 128,
+    a third ring slot) compile without spills: every layout of the kernel holds at 8 warps."""
+    from gdn_dispatch.aot import compile_kernel
+
+    _, problem = _problem(128, 128)
+    block_c, warps, slots = config
+    launch = gm.plan_segment_map(problem, capability, block_c=block_c, num_warps=warps, slots=slots,
+                                 engine=_engine(capability))
+    report = compile_kernel(gm.segment_map_aot_kernel("test", launch, torch.bfloat16, "t"), capability)
+    assert report.spill_bytes == 0
+    assert report.shared_bytes <= SMEM_OPTIN[capability]
+
+
 # ----------------------------------------------------------------------------------------
 # GPU
 

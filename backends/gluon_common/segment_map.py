@@ -91,8 +91,6 @@ RING_SLOTS_MAX = 4
 MAP_NEGLIGIBLE_LOG2 = -40.0
 #: Tokens the bound's check reads per step of its loop (beta).
 BOUND_BLOCK = gl.constexpr(512)
-#: Chunks the gate suffix search (:func:`_gate_suffix`) reads per step of its loop.
-SUFFIX_BLOCK = gl.constexpr(128)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
 
@@ -192,8 +190,9 @@ def _gate_suffix(g_cum, bos, eos, NT, i_h, HV, BT: gl.constexpr, NEGLIGIBLE_LOG2
     """The largest chunk ``c`` of the segment ``bos .. eos`` (``NT`` chunks) whose suffix of
     chunks ``c .. NT - 1`` sums its gates (log2 units) below ``NEGLIGIBLE_LOG2``, or -1. A
     chunk's sum is its last row of the chunk-local cumsum; the chunks are read in blocks of
-    :data:`SUFFIX_BLOCK`, the last block first, the later blocks' sum carried."""
-    layout: gl.constexpr = gl.BlockedLayout([SUFFIX_BLOCK // (32 * gl.num_warps())], [32], [gl.num_warps()], [0])
+    one per thread, the last block first, the later blocks' sum carried."""
+    SUFFIX_BLOCK: gl.constexpr = 32 * gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     carry = gl.sum(gl.zeros([SUFFIX_BLOCK], gl.float32, layout), 0)
     c0 = (NT * 0 - 1).to(gl.int32)
     blocks = gl.cdiv(NT, SUFFIX_BLOCK)
