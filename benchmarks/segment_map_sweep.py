@@ -51,9 +51,10 @@ def compiled_regs() -> dict:
 def inputs(H: int, HV: int, T: int, strong: bool = False):
     """k, w, u (bf16), g_cum (float32, a chunk-local cumsum of log2 decays), beta (bf16,
     sigmoid) and the offsets. Weak gates (-0.0025 bits a token on average: -10 over 4096
-    tokens) keep every segment's M above the Gluon pass 1's negligible bound, so its
-    programs walk; ``strong``: the bench's logsigmoid(randn) gates, under which the Gluon
-    pass 1 stores M as zeros."""
+    tokens) forget no suffix of any segment, so the Gluon pass 1's programs walk whole
+    segments; ``strong``: the bench's logsigmoid(randn) gates, under which each segment
+    forgets all but its last chunk (the Gluon pass 1 stores M as zeros and walks N over
+    that chunk)."""
     k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=DEVICE), dim=-1).bfloat16()
     w = (0.1 * torch.randn(1, T, HV, K, device=DEVICE)).bfloat16()
     u = torch.randn(1, T, HV, V, device=DEVICE).bfloat16()
@@ -73,8 +74,8 @@ GLUON_CONFIGS = [(None, None, None), (64, 4, 3), (128, 8, 2), (128, 8, 3)]
 def gluon_rows(H: int, HV: int, T: int, L: int, k, w, u, g_cum, beta, cu, want, configs=GLUON_CONFIGS,
                l2: bool = False) -> list:
     """The Gluon pass 1 (:mod:`gdn_dispatch.backends.gluon_common.segment_map`) on the same
-    inputs, in each of ``configs``; ``want`` None: strong gates (M stored as zeros; no error
-    column). ``l2``: its qk-l2-norm build (k's norms of 1 given, so the same maps), whose
+    inputs, in each of ``configs``; ``want`` None: strong gates (M zeros, N the last chunk's
+    walk; no error column). ``l2``: its qk-l2-norm build (k's norms of 1 given, so the same maps), whose
     bound reads no k."""
     from gdn_dispatch.backends.gluon_common import segment_map as gm
     from gdn_dispatch.backends.gluon_sm90 import ENGINE
