@@ -3,12 +3,19 @@
 kernel split of two segmented calls (torch profiler). GPU time, not host time: a server
 replays its layers in CUDA graphs, so the rule is fitted to what the GPU spends.
 
-Usage (a CUDA machine, repository root): ``python benchmarks/cp_crossover.py [BACKEND]``
-(default gluon_sm90). Inputs: bf16, K = V = 128, l2-normalized q and k, gates
-``logsigmoid(randn) / 16``, an initial state and the final state, varlen with a host copy
-of cu_seqlens. Prints a markdown table last (median of 15 x 5 replays).
+Usage (a CUDA machine, repository root): ``python benchmarks/cp_crossover.py [BACKEND]
+[--gates crossover|bench|weak] [--segments 2,4,8]`` (default gluon_sm90). Inputs: bf16,
+K = V = 128, l2-normalized q and k, an initial state and the final state, varlen with a
+host copy of cu_seqlens. The gates decide how much of a segment the Gluon pass 1 walks
+(it drops what a segment provably forgets): ``crossover`` (default, the table's)
+``logsigmoid(randn) / 16``, about -4.6 bits a chunk, forgets a 2048-token segment's first
+23 chunks; ``bench`` the bench's ``logsigmoid(randn)``, about -75 bits a chunk, all but
+the last chunk; ``weak`` ``logsigmoid(randn) / 1024``, about -0.07 bits a chunk, nothing,
+so every segment is walked whole (long-memory heads). ``--segments`` also times each
+shape with each of those forced segment counts (a column per count). Prints a markdown
+table last (median of 15 x 5 replays).
 """
-import sys
+import argparse
 import time
 
 import torch, torch.nn.functional as F
@@ -18,16 +25,17 @@ from gdn_dispatch.bench_host import graph_replay_us
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.context_parallel import plan_for_problem
 
-BACKEND = sys.argv[1] if len(sys.argv) > 1 else "gluon_sm90"
+#: Divisor of logsigmoid(randn) per --gates choice.
+GATE_DIVISORS = {"crossover": 16.0, "bench": 1.0, "weak": 1024.0}
 
 
-def call_for(H, HV, N, L):
+def call_for(H, HV, N, L, gate_divisor=GATE_DIVISORS["crossover"]):
     T = N * L
     g = torch.Generator(device="cuda").manual_seed(0)
     q = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
     k = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
     v = torch.randn(1, T, HV, 128, device="cuda", generator=g).bfloat16()
-    gate = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=g)) / 16
+    gate = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=g)) / gate_divisor
     beta = torch.rand(1, T, HV, device="cuda", generator=g).sigmoid()
     cu = torch.arange(0, T + 1, L, dtype=torch.int32)
     h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=g)
@@ -35,8 +43,8 @@ def call_for(H, HV, N, L):
                 cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
 
 
-def graph_ms(call, cp):
-    return graph_replay_us(lambda: chunk_gated_delta_rule(**call, context_parallel=cp, backend=BACKEND),
+def graph_ms(call, cp, backend):
+    return graph_replay_us(lambda: chunk_gated_delta_rule(**call, context_parallel=cp, backend=backend),
                            replays=5, windows=15) / 1e3
 
 
@@ -45,21 +53,35 @@ SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768
           (2, 4, 2, 32768), (4, 8, 1, 65536)]
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("backend", nargs="?", default="gluon_sm90")
+    parser.add_argument("--gates", choices=sorted(GATE_DIVISORS), default="crossover")
+    parser.add_argument("--segments", type=lambda x: [int(n) for n in x.split(",")], default=[],
+                        help="comma-separated forced segment counts to time beside off and auto")
+    return parser.parse_args(argv)
+
+
 def main():
+    args = parse_args()
     t0 = time.time()
-    rows = ["| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |",
-            "| --- | --- | ---: | ---: | ---: | --- |"]
+    forced = "".join(f" {n} segs ms |" for n in args.segments)
+    rows = [f"| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |{forced}",
+            "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * len(args.segments)]
+    print(f"gates: {args.gates} (logsigmoid(randn) / {GATE_DIVISORS[args.gates]:g}), backend {args.backend}",
+          flush=True)
     for H, HV, N, L in SHAPES:
-        call = call_for(H, HV, N, L)
+        call = call_for(H, HV, N, L, GATE_DIVISORS[args.gates])
         plan = plan_for_problem(make_problem(**call), torch.cuda.get_device_properties(0).multi_processor_count)
-        off, auto = graph_ms(call, "off"), graph_ms(call, "auto")
+        off, auto = graph_ms(call, "off", args.backend), graph_ms(call, "auto", args.backend)
         seg = f"{plan.num_segments - N} of {plan.seg_len}" if plan.enabled else "off"
-        rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |")
+        more = "".join(f" {graph_ms(call, n, args.backend):.3f} |" for n in args.segments)
+        rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |{more}")
         print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)
         if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768)]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    chunk_gated_delta_rule(**call, context_parallel="auto", backend=BACKEND)
+                    chunk_gated_delta_rule(**call, context_parallel="auto", backend=args.backend)
                 torch.cuda.synchronize()
             split = [f"{e.key.replace('_fwd_kernel', '').strip('_')} {e.device_time_total / 5:.0f}"
                      for e in prof.key_averages() if e.device_time_total > 0 and "kernel" in e.key]
