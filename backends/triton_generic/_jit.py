@@ -132,13 +132,11 @@ class Kernel(JITFunction):
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 
-def jit(fn=None, *, do_not_specialize=(), noinline=False):
-    """``triton.jit`` for this backend: the kernel runs compiled or interpreted, decided per
-    launch. ``noinline``: a device function compiled as a call of its own (its registers
-    are not live across its caller's later code)."""
+def jit(fn=None, *, do_not_specialize=()):
+    """``triton.jit`` for this backend: the kernel runs compiled or interpreted, decided per launch."""
 
     def decorate(f):
-        return Kernel(f, do_not_specialize=do_not_specialize, noinline=noinline)
+        return Kernel(f, do_not_specialize=do_not_specialize)
 
     return decorate(fn) if fn is not None else decorate
 

@@ -16,7 +16,7 @@ from gdn_dispatch.backends.triton_generic.configs import fuse_solve_into_wu, int
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import (
-    MAP_NEGLIGIBLE_LOG2, _segment_map_fwd_kernel, l2_prefetch_chunks, maps_dtype, segment_map_config)
+    _segment_map_fwd_kernel, l2_prefetch_chunks, maps_dtype, segment_map_config)
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
@@ -96,13 +96,12 @@ def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability
     m_hi = "*bf16" if bf16_maps else "*fp32"
     cfg = segment_map_config(K, V)
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
-                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "beta": "*fp32",
+                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32",
                         "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32",
                         "m_hi": m_hi, "m_lo": "*bf16", "n_out": "*fp32"},
-                       {"s_k": H * K, "s_b": HV, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK,
-                        "BC": cfg.BV, "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
-                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability), "FORGET": True,
-                        "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2}, cfg))
+                       {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
+                        "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
+                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability)}, cfg))
     pool = dtype == "bf16"
     # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
     # the part takes them).

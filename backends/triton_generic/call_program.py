@@ -252,7 +252,7 @@ def build(problem: GDNProblem, capability, state_cfg, module, scan=None):
         use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     final = buf.get("final_state")
     if segmented:
-        _segment_steps(step, problem, capability, buf, k, beta, cu, h0, final, indices, pool_size, scan, s_qk, s_gb)
+        _segment_steps(step, problem, capability, buf, k, cu, h0, final, indices, pool_size, scan, s_qk)
         # Pass 2: the segment slots as the sequences, from their start states, no final state.
         cu, n, seqs, h0, final, indices, pool_size = buf["seg_cu"], count_ref(COUNT_NSEG), COUNT_NSEG, \
             buf["seg_h0"], None, buf["seg_cu"], 0
@@ -274,19 +274,18 @@ def build(problem: GDNProblem, capability, state_cfg, module, scan=None):
     return program, buf.get("final_state") is not None
 
 
-def _segment_steps(step, problem: GDNProblem, capability, buf: dict, k, beta, cu, h0, final, indices, pool_size,
-                   scan, s_k, s_b) -> None:
+def _segment_steps(step, problem: GDNProblem, capability, buf: dict, k, cu, h0, final, indices, pool_size, scan,
+                   s_k) -> None:
     """Pass 1 and the scan of a segmented program (:func:`build`): pass 1 over the segment
-    slots (dropping what a segment forgets, from beta of token stride ``s_b``), the scan
-    over the sequences from the call's initial state (or pool rows) to its final state;
-    unused state pointers read the maps' N as the wrappers' stand-in."""
+    slots, the scan over the sequences from the call's initial state (or pool rows) to its
+    final state; unused state pointers read the maps' N as the wrappers' stand-in."""
     H, Kd, HV, Vd, l2 = problem.H, problem.K, problem.HV, problem.V, problem.use_qk_l2norm
     n_map = buf["n_map"]
     cfg = segment_map_config(Kd, Vd)
     step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
-        cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), beta, cu,
+        cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), cu,
         buf["seg_cu"], count_ref(COUNT_N), count_ref(COUNT_NSEG), count_ref(COUNT_L), buf["m_hi"], buf["m_lo"], n_map,
-        s_k, s_b, H, HV, Kd, Vd, use_qk_l2norm=l2, load_rnorm=l2, capability=capability, forget=True),
+        s_k, H, HV, Kd, Vd, use_qk_l2norm=l2, load_rnorm=l2, capability=capability),
         (0, False, HV * segment_map_blocks(Kd, Vd, cfg), 1, 0),
         -1, COUNT_NSEG)
     pool = problem.state_indices is not None

@@ -69,7 +69,7 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
     """
     if maps is None:
         maps = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
-                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm, beta=problem.beta,
+                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm,
                                out=None if out is None else out[:4])
     seg_cu, m_hi, m_lo, n_in = maps
     seg_h0, final_state = segment_scan_fwd(

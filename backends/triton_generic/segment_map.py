@@ -24,16 +24,6 @@ of column block 0 and v-head 0 write the slot starts as offsets ``seg_cu`` ``[NS
 for the launches after it (the scan reads the call's offsets; pass 2 runs the segments as
 its sequences): from ``cu_seqlens`` alone, on the device, with no host copy and no sync.
 
-With ``beta`` (the backends' segmented calls pass it) pass 1 drops what a segment
-provably forgets: every program first finds the segment's shortest suffix of chunks whose
-map on the state is provably below 2^:data:`MAP_NEGLIGIBLE_LOG2` in norm
-(:func:`_forgetting_start`: the gates summed per chunk from the back, then beta and k's row
-norms checked over the suffix). Where there is one, M is stored as zeros without a walk
-and N walked over the suffix alone, from zeros: the maps differ from the exact ones by
-under 2^-40 of the dropped state, and what the dropped stretch holds, NaN included, does
-not reach the segment's end. The Gluon backends' pass 1
-(:mod:`gdn_dispatch.backends.gluon_common.segment_map`) applies the same rule.
-
 M is stored split for the scan's products: ``M_hi`` (fp32 values rounded to TF32) and
 ``M_lo = M - M_hi`` in bf16, 6 bytes per entry, together M to about 2^-19 of each entry.
 With :data:`BF16_MAPS` a call on 16-bit data stores ``M_hi`` in bf16 too (4 bytes an
@@ -81,78 +71,6 @@ def _segment_bounds(cu_seqlens, N, L, slot):
     return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
 
 
-@jit
-def _gate_suffix(g_cum, bos, eos, i_h, HV: tl.constexpr, BT: tl.constexpr, NEGLIGIBLE_LOG2: tl.constexpr,
-                 CB: tl.constexpr):
-    """The largest chunk ``c`` of the segment ``bos .. eos`` whose suffix of chunks ``c ..``
-    sums its gates (log2 units) below ``NEGLIGIBLE_LOG2``, or -1. A chunk's sum is its last
-    row of the chunk-local cumsum; the chunks are read ``CB`` at a time, the last block
-    first, the later blocks' sum carried (while loops: the interpreter cannot range() over
-    a loaded bound)."""
-    NT = (eos - bos + BT - 1) // BT
-    c0 = NT * 0 - 1
-    carry = tl.sum(tl.zeros([CB], tl.float32), 0)
-    blk = (NT + CB - 1) // CB
-    while blk > 0:
-        blk -= 1
-        c = blk * CB + tl.arange(0, CB)
-        live = c < NT
-        last = bos + tl.minimum((c + 1) * BT, eos - bos) - 1
-        g_c = tl.load(g_cum + last * HV + i_h, mask=live, other=0.0)
-        suffix = tl.cumsum(g_c, 0, reverse=True) + carry
-        c0 = tl.maximum(c0, tl.max(tl.where(live & (suffix < NEGLIGIBLE_LOG2), c, -1), 0))
-        carry += tl.sum(g_c, 0)
-    return c0
-
-
-@jit(noinline=True)  # inlined, even these 16-row tiles spilled the walk after them (sm_86, K = 100, fp16)
-def _k_rows_norm2_max(k, r, eos, i_h, s_k: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      BK: tl.constexpr):
-    """The largest squared norm of k's rows ``r .. r + 15`` below ``eos`` for v-head ``i_h``
-    (a NaN norm counts as infinite)."""
-    rows = r + tl.arange(0, 16)
-    o_k = tl.arange(0, BK)
-    live = rows < eos
-    kt = tl.load(k + rows[:, None] * s_k + (i_h // (HV // H)) * K + o_k[None, :],
-                 mask=live[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-    x = tl.sum(kt * kt, 1)
-    return tl.max(tl.where(live, tl.where(x == x, x, float("inf")), 0.0), 0)
-
-
-@jit
-def _forgetting_start(g_cum, beta, k, bos, eos, i_h, s_b: tl.constexpr, s_k: tl.constexpr, H: tl.constexpr,
-                      HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      USE_L2NORM: tl.constexpr, NEGLIGIBLE_LOG2: tl.constexpr):
-    """The first chunk of the shortest suffix of the segment's chunks whose map on the state
-    is provably below ``2^NEGLIGIBLE_LOG2`` in norm, or -1: the rule of
-    :func:`gdn_dispatch.backends.gluon_common.segment_map._forgetting_start` (the suffix from
-    the gates, then ``min beta >= 0`` and ``max beta * max ||k||^2 <= 2`` over its tokens,
-    ``||k||^2 <= 1`` after the l2 norm; a NaN beta or key fails it)."""
-    c0 = _gate_suffix(g_cum, bos, eos, i_h, HV, BT, NEGLIGIBLE_LOG2, 128)
-    o_i = tl.arange(0, BT)
-    b_min = tl.sum(tl.zeros([BT], tl.float32), 0)
-    b_max = b_min
-    if USE_L2NORM:
-        x_max = b_min + 1.0  # ||k||^2 after the l2 norm
-    else:
-        x_max = b_min
-    r = bos + tl.maximum(c0, 0) * BT
-    while (c0 >= 0) & (r < eos):
-        rows = r + o_i
-        b = tl.load(beta + rows * s_b + i_h, mask=rows < eos, other=0.0).to(tl.float32)
-        # min and max drop a NaN operand: a NaN beta counts as negative, a NaN norm as infinite.
-        b = tl.where(b == b, b, -1.0)
-        b_min = tl.minimum(b_min, tl.min(b, 0))
-        b_max = tl.maximum(b_max, tl.max(b, 0))
-        if not USE_L2NORM:
-            # 16 rows of k at a time, in a call of their own: a [BT, BK] fp32 tile here
-            # spilled the walk after it on sm_86 / sm_89 / sm_120 at BK = 128.
-            for i_r in tl.static_range(0, BT, 16):
-                x_max = tl.maximum(x_max, _k_rows_norm2_max(k, r + i_r, eos, i_h, s_k, H, HV, K, BK))
-        r += BT
-    return tl.where((c0 >= 0) & (b_min >= 0.0) & (b_max * x_max <= 2.0), c0, -1)
-
-
 @jit(do_not_specialize=("N", "NSEG", "L"))
 def _segment_map_fwd_kernel(
     k,
@@ -160,7 +78,6 @@ def _segment_map_fwd_kernel(
     u,
     g_cum,
     k_rnorm,
-    beta,
     cu_seqlens,
     seg_cu,
     N,
@@ -170,7 +87,6 @@ def _segment_map_fwd_kernel(
     m_lo,
     n_out,
     s_k: tl.constexpr,
-    s_b: tl.constexpr,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -184,8 +100,6 @@ def _segment_map_fwd_kernel(
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FORGET: tl.constexpr,
-    NEGLIGIBLE_LOG2: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -208,20 +122,11 @@ def _segment_map_fwd_kernel(
     # mask under every Triton interpreter): M's columns are < K, N's < V, u feeds N only.
     m_cols = tl.where(is_m, K, 0)
     n_cols = tl.where(is_m, 0, V)
-    # With FORGET, what the segment provably forgets is dropped (the Gluon pass 1's rule):
-    # from the first chunk f0 of its shortest forgetting suffix, M is zeros (no walk) and N
-    # walks the suffix alone, from zeros.
-    if FORGET:
-        f0 = _forgetting_start(g_cum, beta, k, bos, eos, i_h, s_b, s_k, H, HV, K, BT, BK, USE_L2NORM,
-                               NEGLIGIBLE_LOG2)
-    else:
-        f0 = bos * 0 - 1
-    start = tl.where(f0 < 0, bos, tl.where(is_m, eos, bos + f0 * BT))
-    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < tl.where(f0 < 0, m_cols, 0))[None, :], 1.0, 0.0)
+    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
 
     # The state kernel's walk without its stores (h and v_new are not written: m_hi and
     # n_out stand in for them).
-    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, start, eos, 0, i_h, o_k, o_c, n_cols, i_cb,
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols, i_cb,
                        NCB, H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET,
                        PREFETCH)
 
@@ -236,13 +141,6 @@ def _segment_map_fwd_kernel(
     tl.store(m_lo + at_m, _cast(b_s - b_hi, tl.bfloat16, INTERPRET), mask=m_m)
     tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
 
-
-#: log2 of the norm below which a suffix's map forgets the state it starts from (pass 1's
-#: ``FORGET`` rule, :func:`_forgetting_start`): below 2^-40 that state reaches the
-#: segment's end under 1e-12 of its norm, far under the float32 rounding of the walks.
-#: Gates that forget within one chunk (the bench's logsigmoid(randn) gates, about -1.2 bits
-#: a token) leave M's programs with the bound's reads and N's with one chunk to walk.
-MAP_NEGLIGIBLE_LOG2 = -40.0
 
 #: Calls on bf16/fp16 data store M's leading part in bf16 instead of TF32-rounded fp32
 #: (:func:`maps_dtype`): the scan streams 64 KB of M per step and segment at K = 128
@@ -299,16 +197,11 @@ def segment_map_fwd(
     *,
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
-    head, M split in two; with ``beta``, but for what a segment provably forgets: where a
-    suffix of its chunks maps the state below 2^:data:`MAP_NEGLIGIBLE_LOG2` in norm (from
-    the gates, beta and k's row norms), M is zeros and N the suffix's walk from zeros, off
-    from the exact maps by under 2^-40 of the dropped state (what the dropped stretch holds,
-    NaN included, does not reach the segment's end).
+    head, M split in two.
 
     Parameters
     ----------
@@ -319,8 +212,6 @@ def segment_map_fwd(
     seg_len : int, ``L``, a multiple of the 64-token chunk.
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` from ``wu_fwd``, or None to reduce k's rows here.
-    beta : Tensor ``[B, T, HV]``, the call's (any float dtype, token rows), or None for the
-        exact maps (every chunk walked).
     config : LaunchConfig override (BV is the column block BC).
     out : (seg_cu, M_hi, M_lo, N) allocated by the caller (contiguous, as returned below),
         or None to allocate them here.
@@ -332,8 +223,7 @@ def segment_map_fwd(
         (every segment a whole number of chunks of its sequence, the last one its tail, or
         empty).
     M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32 (bfloat16, M rounded to
-        bf16, where :func:`maps_dtype` says so); the identity for an empty segment; zeros
-        (with ``beta``) where the segment forgets its start.
+        bf16, where :func:`maps_dtype` says so); the identity for an empty segment.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi`` rounded to bf16.
     N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
     """
@@ -347,11 +237,9 @@ def segment_map_fwd(
     # Host ceil-divisions: triton.cdiv is a constexpr function, slow on a call's host path.
     grid = (NSEG * HV * segment_map_blocks(K, V, cfg),)
     launch(_segment_map_fwd_kernel, grid, cfg, **segment_map_launch_args(
-        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum,
-        beta if beta is not None else g_cum, cu_seqlens, seg_cu, N, NSEG, seg_len, m_hi, m_lo, n_out,
-        token_stride("k", k), HV if beta is None else token_stride("beta", beta), H, HV, K, V,
-        use_qk_l2norm=use_qk_l2norm, load_rnorm=use_qk_l2norm and k_rnorm is not None,
-        capability=device_facts(k.device)[0], forget=beta is not None))
+        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, cu_seqlens, seg_cu, N, NSEG,
+        seg_len, m_hi, m_lo, n_out, token_stride("k", k), H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
+        load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0]))
     return seg_cu, m_hi, m_lo, n_out
 
 
@@ -377,17 +265,15 @@ def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
     return -(-V // cfg.BV) - (-K // cfg.BV)
 
 
-def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, beta, cu_seqlens, seg_cu, num_seqs, num_segments,
-                            seg_len, m_hi, m_lo, n_out, s_k, s_b, H, HV, K, V, *, use_qk_l2norm, load_rnorm,
-                            capability, forget) -> dict:
-    """Every argument of one ``_segment_map_fwd_kernel`` launch by name, unused ``k_rnorm``
-    and ``beta`` (without ``forget``) already replaced by a stand-in, for a part of
-    ``capability`` (what :func:`segment_map_fwd` launches with; a call program binds the
-    same list, :mod:`.call_program`)."""
+def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg_cu, num_seqs, num_segments, seg_len,
+                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm, capability) -> dict:
+    """Every argument of one ``_segment_map_fwd_kernel`` launch by name, an unused
+    ``k_rnorm`` already replaced by a stand-in, for a part of ``capability`` (what
+    :func:`segment_map_fwd` launches with; a call program binds the same list,
+    :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
     dot_prec, _ = dot_precisions(dtype)
     return dict(
-        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, beta=beta, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
-        NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, s_b=s_b, H=H, HV=HV, K=K, V=V,
-        BT=64, BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
-        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability),
-        FORGET=forget, NEGLIGIBLE_LOG2=MAP_NEGLIGIBLE_LOG2)
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
+        NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
+        BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability))
