@@ -16,6 +16,7 @@ from gdn_dispatch.device import SMEM_OPTIN
 from gdn_dispatch.testing import random_call, rel_rms_error
 
 from gdn_dispatch.backends.gluon_common import segment_map as gm
+from gdn_dispatch.backends.triton_generic._jit import LOG2E
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -114,7 +115,6 @@ def _maps(call, problem, L, launch, cu_dtype):
     w, u and g_cum, every output NaN-poisoned first."""
     from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
     from gdn_dispatch.backends.triton_generic import segment_map as tm
-    from gdn_dispatch.backends.triton_generic._jit import LOG2E
     from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
     from gdn_dispatch.backends.triton_generic.wu import wu_fwd
 
@@ -182,9 +182,6 @@ def test_maps_match_the_reference_and_the_plain_triton_pass(K, V, H, HV, lengths
             assert rel_rms_error(N[s], N_ref) <= tol, (s, a, b)
         else:
             assert bool((N[s] == 0).all()) and bool((M[s].float() == M_ref).all())
-
-
-LOG2E = 1.4426950408889634
 
 
 def _forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor) -> tuple[int, bool]:

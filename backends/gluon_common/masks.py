@@ -171,3 +171,9 @@ def store_chunk_tile(desc, rows_desc, ptr, row_stride, smem, row0, col0, n_valid
             tma_store(desc, [row0, col0], smem)
     else:
         tma_store(desc, [row0, col0], smem)
+
+
+@gluon.jit
+def add(a, b):
+    """``a + b``: the combine function of a ``gl.associative_scan`` sum (a cumulative sum)."""
+    return a + b

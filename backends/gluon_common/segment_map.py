@@ -74,7 +74,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.masks import tile_layout
+from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
@@ -181,11 +181,6 @@ def _k_norms_max(k_desc, ring, pre_bars, row0, eos, NT, col_k, SLOTS: gl.constex
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
 def _gate_suffix(g_cum, bos, eos, NT, i_h, HV, BT: gl.constexpr, NEGLIGIBLE_LOG2: gl.constexpr):
     """The largest chunk ``c`` of the segment ``bos .. eos`` (``NT`` chunks) whose suffix of
     chunks ``c .. NT - 1`` sums its gates (log2 units) below ``NEGLIGIBLE_LOG2``, or -1. A
@@ -201,7 +196,7 @@ def _gate_suffix(g_cum, bos, eos, NT, i_h, HV, BT: gl.constexpr, NEGLIGIBLE_LOG2
         live = c < NT
         last = bos + gl.minimum((c + 1) * BT, eos - bos) - 1
         g_c = gl.load(g_cum + last.to(gl.int64) * HV + i_h, mask=live, other=0.0)
-        suffix = gl.associative_scan(g_c, 0, _add, reverse=True) + carry
+        suffix = gl.associative_scan(g_c, 0, add, reverse=True) + carry
         c0 = gl.maximum(c0, gl.max(gl.where(live & (suffix < NEGLIGIBLE_LOG2), c, -1), 0))
         carry += gl.sum(g_c, 0)
     return c0

@@ -85,7 +85,8 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
     has_tails, pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
-from gdn_dispatch.backends.gluon_common.masks import chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common.masks import (
+    add, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
 
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
@@ -264,11 +265,6 @@ def _unsafe_entries(t):
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
 def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr):
     """With ``EARLY``, the chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end,
     in the flat layout :func:`_chunk_gates` scans in), loaded before the program waits for
@@ -295,7 +291,7 @@ def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout
         x = row_vector(g, row0, n_valid, i_h, s_g, BT, flat)
     else:
         x = g_raw
-    c = gl.associative_scan(x, 0, _add) * LOG2E
+    c = gl.associative_scan(x, 0, add) * LOG2E
     r = gl.arange(0, BT, layout=flat)
     gl.store(g_cum + (row0 + r).to(gl.int64) * HV + i_h, c, mask=r < n_valid)
     return gl.convert_layout(c, layout)
