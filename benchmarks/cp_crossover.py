@@ -50,7 +50,10 @@ def graph_ms(call, cp, backend):
 
 SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768), (16, 32, 1, 32768),
           (2, 4, 8, 4096), (16, 32, 1, 8192), (4, 8, 2, 16384), (2, 4, 1, 8192), (2, 4, 1, 4096), (8, 16, 1, 8192),
-          (2, 4, 2, 32768), (4, 8, 1, 65536)]
+          (2, 4, 2, 32768), (4, 8, 1, 65536),
+          # where the chunks-per-program bound decides: 4 to 8 chunks per program
+          (4, 8, 2, 8192), (2, 4, 4, 8192), (4, 8, 1, 4096), (2, 4, 2, 4096), (2, 4, 1, 2048), (8, 16, 1, 12288),
+          (8, 16, 1, 4096), (2, 4, 1, 1024)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,14 +81,16 @@ def main():
         more = "".join(f" {graph_ms(call, n, args.backend):.3f} |" for n in args.segments)
         rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |{more}")
         print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)
-        if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768)]:
+        if (H, HV, N, L) in [(2, 4, 1, 32768), (8, 16, 1, 32768), (16, 32, 1, 32768)]:
+            # auto's kernels; where auto is off, those of the middle forced count
+            split_cp = "auto" if plan.enabled or not args.segments else args.segments[len(args.segments) // 2]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    chunk_gated_delta_rule(**call, context_parallel="auto", backend=args.backend)
+                    chunk_gated_delta_rule(**call, context_parallel=split_cp, backend=args.backend)
                 torch.cuda.synchronize()
             split = [f"{e.key.replace('_fwd_kernel', '').strip('_')} {e.device_time_total / 5:.0f}"
                      for e in prof.key_averages() if e.device_time_total > 0 and "kernel" in e.key]
-            print("   kernels (us):", ", ".join(split), flush=True)
+            print(f"   kernels (us, context_parallel={split_cp!r}):", ", ".join(split), flush=True)
         del call
         torch.cuda.empty_cache()
     print("\n".join(rows))

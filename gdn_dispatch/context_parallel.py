@@ -16,21 +16,31 @@ The slot count ``NSEG = T_total // L + N`` is known on the host without reading
 ``cu_seqlens``. This module is the planner: pure host arithmetic, no tensors.
 
 The automatic rule, with the constants of :class:`CPTuning` (fitted to CUDA-graph GPU times
-of the Gluon forward on an H200, 132 SMs, bf16, K = V = 128: 1-8 sequences of 4096-32768
-tokens on 4-32 v-heads, every forced segment count from 2 to 64 against "off"):
+of the Gluon forward on an H200, 132 SMs, bf16, K = V = 128: 1-8 sequences of 1024-65536
+tokens on 4-32 v-heads, forced counts of 2 to 64 segments against "off", under gates that
+forget within a chunk, within a 2048-token segment, and never: ``python
+benchmarks/cp_crossover.py --gates bench|crossover|weak``, benchmarks/RESULTS.md). The host
+cannot see the gates, and pass 1 walks a segment whole where they do not forget, so every
+constant holds under the weakest gates:
 
 * off when the serial work already fills the device: ``N * HV * ceil(V / 64)`` programs
-  (the state kernel's V blocks) at least ``fill * SMs`` (64 programs ran faster unsegmented
-  at every segment count; 32 and fewer gained up to 2.6x);
+  (the state kernel's V blocks) at least ``fill * SMs`` (64 programs: one sequence of
+  32768 tokens on 32 v-heads ran 0.76 ms at 4 segments against 1.03 off under gates that
+  forget, but 1.23-1.44 ms at every count against 1.04 under gates that do not);
 * off when the longest sequence (the mean length when ``cu_seqlens`` has no host copy) has
   fewer than ``min_chunks`` chunks, or fewer than ``chunks_per_program`` chunks per
-  program (32 programs on 128 chunks gained 5% at the best count and lost at the
-  neighbouring ones), or would give fewer than two segments;
+  program (32 programs on 128 chunks gained 1.25x under gates that never forget and 1.65x
+  under gates that do; 32 programs on 64 chunks gained 1.09-1.33x at 4 segments, but 8
+  programs on 16 chunks lost at every count), or would give fewer than two segments;
 * else segments of ``2^round(log2(seg_factor * sqrt(N * HV * chunks / SMs)))`` chunks, at
   least ``min_seg_chunks``: the segment walk (``seg`` chunk steps, pass 1 and pass 2)
   against the scan (``chunks / seg`` steps). FlashQLA's rule of thumb has the same form
   with a factor of 3; ours measured best at 6 (segments twice as long), since each scan
   step is a full ``[K, K] x [K, V]`` fp32 product.
+
+triton_generic follows the same rule. Its pass 1 is slower (plain Triton), and on the H200
+(where the registry does not pick it), under gates that never forget, it ran 0-3% slower
+than "off" at 32 programs with 4-7 chunks each and faster everywhere else the rule engages.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ class CPTuning:
 
     fill: float = 0.25
     min_chunks: int = 16
-    chunks_per_program: int = 8
+    chunks_per_program: int = 4
     seg_factor: float = 6.0
     min_seg_chunks: int = 4
 

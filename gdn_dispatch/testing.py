@@ -7,6 +7,8 @@ state magnitudes are realistic: k (and q) unit-norm, g = logsigmoid(randn) (a de
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -128,6 +130,31 @@ class StandInProbe:
         from gdn_dispatch.device import CPU
 
         return CPU if device.type == "cpu" else self.devices[device.index or 0]
+
+
+def forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor, negligible_log2: float = -40.0,
+                     chunk: int = 64) -> tuple[int, bool]:
+    """The host's model of context parallelism's forgetting rule (pass 1 drops what a
+    segment provably forgets) on one segment and v-head: ``g`` the natural-log gates,
+    ``beta``, ``k_norm2`` the keys' squared norms (after the l2 norm where the call asks
+    for it), each ``[n]``. Returns the first chunk of the shortest suffix of ``chunk``-token
+    chunks whose gates sum below ``negligible_log2`` bits and whose tokens hold ``min beta
+    >= 0`` and ``max beta * max ||k||^2 <= 2`` (or -1), and whether a sum or that product
+    sits within float32-rounding reach of its threshold (a kernel may then decide either
+    way)."""
+    n = g.shape[0]
+    log2e = math.log2(math.e)
+    sums = [float(g[c:c + chunk].double().sum()) * log2e for c in range(0, n, chunk)]
+    suffix = [sum(sums[c:]) for c in range(len(sums))]
+    near = any(abs(x - negligible_log2) < 2 for x in suffix)
+    f0 = max((c for c, x in enumerate(suffix) if x < negligible_log2), default=-1)
+    if f0 >= 0:
+        b, x = beta[chunk * f0:].double(), k_norm2[chunk * f0:].double()
+        product = float(b.max()) * float(x.max())
+        near |= abs(product - 2) < 1e-2
+        if not (float(b.min()) >= 0 and product <= 2):
+            f0 = -1
+    return f0, near
 
 
 def random_walk_lengths(gen: torch.Generator, n: int) -> list[int]:

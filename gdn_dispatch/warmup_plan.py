@@ -244,12 +244,14 @@ def _state_flags(problem: GDNProblem) -> tuple:
             problem.uses_state_pool, problem.inplace_final_state)
 
 
-def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool | None) -> set:
-    """The plain-Triton kernels of a segmented call (pass-1 maps with the segment table,
-    scan): pass 1's config is fixed by the dims and the device, the scan's V-block by its
-    (sequence, v-head) pairs against the SM count; the call's state flags go to the scan;
-    pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or reduces k's rows
-    itself; None: the caller runs a pass 1 of its own (the scan's key alone)."""
+def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k_rnorm: bool | None,
+                         beta_stride=None) -> set:
+    """The plain-Triton kernels of a segmented call (the forgetting starts and pass-1 maps
+    with the segment table, scan): pass 1's config is fixed by the dims and the device, the
+    scan's V-block by its (sequence, v-head) pairs against the SM count; the call's state
+    flags go to the scan; pass 1 takes the k row norms of an earlier stage (``k_rnorm``) or
+    reduces k's rows itself, and the forgetting starts read beta (token stride
+    ``beta_stride``); None: the caller runs a pass 1 of its own (the scan's key alone)."""
     from gdn_dispatch.backends.triton_generic.segment_map import maps_dtype
     from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_config
 
@@ -258,7 +260,7 @@ def _segment_kernel_keys(problem: GDNProblem, device: DeviceInfo, k_stride, *, k
     scan = segment_scan_config(problem.K, problem.V, capability, problem.N * problem.HV, device.sm_count, bf16_maps)
     keys = {("segment_scan_fwd", _state_flags(problem), scan)}
     if k_rnorm is not None:
-        keys.add(("segment_map_fwd", k_stride, problem.use_qk_l2norm, k_rnorm, bf16_maps))
+        keys.add(("segment_map_fwd", k_stride, beta_stride, problem.use_qk_l2norm, k_rnorm, bf16_maps))
     return keys
 
 
@@ -311,7 +313,8 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     }
     if cp is None or not cp.enabled:
         return frozenset(keys | {state_key(problem.N, flags)})
-    return frozenset(keys | _segment_kernel_keys(problem, device, strides["k"], k_rnorm=l2) | {
+    return frozenset(keys | _segment_kernel_keys(problem, device, strides["k"], k_rnorm=l2,
+                                                 beta_stride=strides["beta"]) | {
         state_key(cp.num_segments, (True, False, StateLayout.KV.value, False, False)),
     })
 

@@ -21,8 +21,8 @@ MATRIX = {
 
 
 #: Kernels without a matrix product: the gate cumsum, the qk l2 norms and normalized rows
-#: (row reductions).
-NO_MATRIX_PRODUCT = {"chunk_cumsum_fwd", "qk_rnorm_fwd", "qk_l2norm_fwd"}
+#: (row reductions), context parallelism's forgetting starts (sums over gates, beta, keys).
+NO_MATRIX_PRODUCT = {"chunk_cumsum_fwd", "qk_rnorm_fwd", "qk_l2norm_fwd", "forgetting_start"}
 
 #: The fast tier's sample of the matrix: on these parts, the first listed kernel with a
 #: matrix product (one per matrix engine: mma.sync, wgmma, tcgen05, and consumer Blackwell).

@@ -52,11 +52,12 @@ def test_auto_stays_off_for_short_sequences_and_without_sms():
     # Two segments at least: 24 chunks against segments of 16 (6 * sqrt(2 * 24 / 12) = 12).
     two = _auto(T_total=24 * 64, max_len=24 * 64, HV=2, V=64, sm_count=12)
     assert not two.enabled and "fewer than 2 segments" in two.reason, two.reason
-    # Enough chunks per program: 32 programs need 256 chunks (8 each), 16 programs 128.
-    few = _auto(HV=16, T_total=8192, max_len=8192)
-    assert not few.enabled and "128 chunks < 8 per program x 32 programs" in few.reason
-    assert _auto(HV=8, T_total=8192, max_len=8192).enabled
-    assert _auto(HV=16, T_total=16384, max_len=16384).enabled
+    # Enough chunks per program: 32 programs need 128 chunks (4 each), 16 programs 64.
+    few = _auto(HV=16, T_total=4096, max_len=4096)
+    assert not few.enabled and "64 chunks < 4 per program x 32 programs" in few.reason
+    assert not _auto(HV=16, T_total=127 * 64, max_len=127 * 64).enabled
+    assert _auto(HV=8, T_total=4096, max_len=4096).enabled
+    assert _auto(HV=16, T_total=8192, max_len=8192).enabled
 
 
 def test_auto_without_a_host_copy_uses_the_mean_length():
@@ -294,6 +295,69 @@ def test_segment_map_writes_the_segment_table(lengths, L, dtype, device):
     seg_cu = _segment_table(cu, L, dtype, device)
     assert seg_cu.dtype == dtype and seg_cu.tolist() == _segment_starts(cu, L)
     assert len(_segment_starts(cu, L)) == cu[-1] // L + len(lengths) + 1
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype, l2, gate_scale, k_scale", [
+    pytest.param(torch.bfloat16, False, 1.0, 1.0, id="bf16-bench-gates"),  # the last chunk alone forgets
+    pytest.param(torch.float32, False, 0.25, 1.0, id="fp32-weaker-gates"),  # suffixes of 3-4 chunks, or none
+    pytest.param(torch.float32, True, 0.25, 3.0, id="fp32-l2-raw-keys"),  # ||k||^2 <= 1 after the l2 norm
+    pytest.param(torch.float32, False, 1.0, 2.0, id="fp32-keys-of-norm-2"),  # beta ||k||^2 may pass 2: none
+])
+def test_segment_map_kernel_drops_what_a_segment_forgets(dtype, l2, gate_scale, k_scale, device):
+    """With beta, a launch before pass 1 writes each (segment, v-head)'s forgetting start
+    (the Gluon pass 1's rule, modelled on the host by :func:`gdn_dispatch.testing.forgetting_start`),
+    and pass 1 drops what it forgets: there M is exact zeros and N (the suffix's walk from
+    zeros) equals the exact maps' N to float32 rounding; elsewhere both maps are bit-equal
+    to the exact ones (beta None). The starts' buffer is poisoned first."""
+    from gdn_dispatch.backends.triton_generic._jit import LOG2E
+    from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+    from gdn_dispatch.backends.triton_generic.wu import wu_fwd
+    from gdn_dispatch.testing import forgetting_start
+
+    lengths, L, K, V = [300, 0, 129, 513], 256, 32, 32
+    call = random_call(lengths=lengths, H=1, HV=2, K=K, V=V, dtype=dtype, device=device, seed=6,
+                       normalize_qk=not l2)
+    call = {**call, "g": call["g"] * gate_scale, "k": (call["k"].float() * k_scale).to(dtype)}
+    problem = make_problem(**call, use_qk_l2norm_in_kernel=l2)
+    g_cum = chunk_cumsum_fwd(problem.g, problem.chunks, scale=LOG2E)
+    k_rnorm = torch.empty_like(g_cum) if l2 else None
+    w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, problem.chunks, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    cu = problem.chunks.cu_seqlens
+    nseg = sum(lengths) // L + len(lengths)
+    f_start = torch.full((nseg * 2 + 3,), -7.0, device=device)
+    seg_cu, m_hi, m_lo, n = tg_map.segment_map_fwd(problem.k, w, u, g_cum, cu, L, use_qk_l2norm=l2, k_rnorm=k_rnorm,
+                                                   beta=problem.beta, f_start=f_start)
+    _, e_hi, e_lo, e_n = tg_map.segment_map_fwd(problem.k, w, u, g_cum, cu, L, use_qk_l2norm=l2, k_rnorm=k_rnorm)
+    assert bool((f_start[:nseg * 2] != -7.0).all()) and bool((f_start[nseg * 2:] == -7.0).all())
+    k_all = call["k"][0].float()
+    if l2:
+        k_all = reference.l2_normalize(k_all)
+    k_norm2 = k_all.pow(2).sum(-1).repeat_interleave(2, dim=1)
+    g, beta = call["g"][0].float(), call["beta"][0].float()
+    starts = seg_cu.tolist()
+    zeros = partial = walked = 0
+    for s in range(len(starts) - 1):
+        a, b = starts[s], starts[s + 1]
+        if b > a:
+            assert rel_rms_error(n[s], e_n[s]) <= 1e-5, (s, a, b)
+        for h in range(2):
+            f0, near = forgetting_start(g[a:b, h].cpu(), beta[a:b, h].cpu(), k_norm2[a:b, h].cpu(),
+                                        tg_map.MAP_NEGLIGIBLE_LOG2)
+            if near:
+                continue
+            assert int(f_start[s * 2 + h]) == f0, (s, h)
+            if f0 >= 0:
+                assert bool((m_hi[s, h] == 0).all()) and bool((m_lo[s, h] == 0).all()), (s, h)
+                zeros += 1
+                partial += f0 > 0
+            else:
+                assert torch.equal(m_hi[s, h], e_hi[s, h]) and torch.equal(m_lo[s, h], e_lo[s, h]), (s, h)
+                assert torch.equal(n[s, h], e_n[s, h]), (s, h)
+                walked += 1
+    assert walked > 0  # the empty slots' identities at least
+    if k_scale == 1.0 or l2:
+        assert zeros > 0 and partial > 0
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)

@@ -13,7 +13,7 @@ import torch
 from gdn_dispatch import reference
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import SMEM_OPTIN
-from gdn_dispatch.testing import random_call, rel_rms_error
+from gdn_dispatch.testing import forgetting_start, random_call, rel_rms_error
 
 from gdn_dispatch.backends.gluon_common import segment_map as gm
 from gdn_dispatch.backends.triton_generic._jit import LOG2E
@@ -184,27 +184,6 @@ def test_maps_match_the_reference_and_the_plain_triton_pass(K, V, H, HV, lengths
             assert bool((N[s] == 0).all()) and bool((M[s].float() == M_ref).all())
 
 
-def _forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor) -> tuple[int, bool]:
-    """The host's model of pass 1's rule on one segment and head (``g`` the natural-log
-    gates, ``beta``, ``k_norm2`` the keys' squared norms, all ``[n]``): the first chunk of
-    the shortest suffix of 64-token chunks whose gates sum below 2^MAP_NEGLIGIBLE_LOG2 and
-    whose tokens hold ``min beta >= 0`` and ``max beta * max ||k||^2 <= 2``, or -1; and
-    whether a sum or product sits too near its threshold for the kernel's float32 to be
-    asserted against it."""
-    n, neg = g.shape[0], gm.MAP_NEGLIGIBLE_LOG2
-    sums = [float(g[c:c + 64].double().sum()) * LOG2E for c in range(0, n, 64)]
-    suffix = [sum(sums[c:]) for c in range(len(sums))]
-    near = any(abs(x - neg) < 2 for x in suffix)
-    f0 = max((c for c, x in enumerate(suffix) if x < neg), default=-1)
-    if f0 >= 0:
-        b, x = beta[64 * f0:], k_norm2[64 * f0:]
-        product = float(b.max()) * float(x.max())
-        near |= abs(product - 2) < 1e-2
-        if not (float(b.min()) >= 0 and product <= 2):
-            f0 = -1
-    return f0, near
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("l2, k_scale, beta_spike, gate_scale", [
@@ -216,10 +195,10 @@ def _forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor
 ])
 def test_forgotten_stretches_are_dropped_and_the_rest_walked(l2, k_scale, beta_spike, gate_scale):
     """Pass 1 finds each segment's shortest suffix whose map is provably below
-    2^MAP_NEGLIGIBLE_LOG2 (:func:`_forgetting_start` models the rule on the host): there M
-    is stored as exact zeros, and the reference's map of that suffix is indeed below the
-    bound, and N (walked over the suffix alone) equals the reference's N of the whole
-    segment; everywhere else M is walked and equals the reference's."""
+    2^MAP_NEGLIGIBLE_LOG2 (:func:`gdn_dispatch.testing.forgetting_start` models the rule on
+    the host): there M is stored as exact zeros, and the reference's map of that suffix is
+    indeed below the bound, and N (walked over the suffix alone) equals the reference's N
+    of the whole segment; everywhere else M is walked and equals the reference's."""
     from gdn_dispatch.backends.gluon_sm90 import ENGINE
 
     lengths, L, H, HV = [700, 0, 1500, 64, 33, 1], 256, 1, 2
@@ -246,7 +225,7 @@ def test_forgotten_stretches_are_dropped_and_the_rest_walked(l2, k_scale, beta_s
         if b > a:
             assert rel_rms_error(N[s], N_ref) <= 1e-2, (s, a, b)
         for h in range(HV):
-            f0, near = _forgetting_start(g[a:b, h], beta[a:b, h], k_norm2[a:b, h])
+            f0, near = forgetting_start(g[a:b, h], beta[a:b, h], k_norm2[a:b, h], gm.MAP_NEGLIGIBLE_LOG2)
             if near:
                 continue  # too close to a threshold for the kernel's float32 sums to be asserted
             if f0 >= 0:
@@ -280,7 +259,7 @@ def test_a_nan_in_a_forgotten_stretch_is_dropped_and_one_in_the_suffix_walks(poi
     call = random_call(lengths=[1024], H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=7)
     g, beta = call["g"][0].float(), call["beta"][0].float()
     for h in range(HV):
-        assert _forgetting_start(g[256:512, h], beta[256:512, h], torch.ones(256)) == (3, False)
+        assert forgetting_start(g[256:512, h], beta[256:512, h], torch.ones(256)) == (3, False)
     if poisoned == "k":
         call["k"][0, token, :, 5] = float("nan")
     else:

@@ -433,8 +433,8 @@ def test_aot_kernels_compile_without_spills(target):
     from gdn_dispatch.aot import compile_kernel
 
     kernels = tg.kernels_for_aot(target)
-    assert {k.kernel for k in kernels} == {"kkt_solve_fwd", "wu_fwd", "state_fwd", "output_fwd", "segment_map_fwd",
-                                           "segment_scan_fwd"}
+    assert {k.kernel for k in kernels} == {"kkt_solve_fwd", "wu_fwd", "state_fwd", "output_fwd", "forgetting_start",
+                                           "segment_map_fwd", "segment_scan_fwd"}
     for kernel in kernels:
         report = compile_kernel(kernel, target)
         assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"

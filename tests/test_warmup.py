@@ -261,7 +261,7 @@ def recorded_launches(problem, monkeypatch) -> frozenset:
 
 MODEL_SPEC = WarmupSpec(H=1, HV=2, K=16, V=32, max_num_seqs=20)
 #: Long prompts of the checked stream: from the shortest the planner segments (16 chunks)
-#: to 64 times the usual long prompt (the planner wants 8 chunks per program, and without a
+#: to 64 times the usual long prompt (the planner wants 4 chunks per program, and without a
 #: host copy of cu_seqlens it sees the mean length), so segmented calls run over few to
 #: many segments.
 MODEL_LONG = (16 * 64, 64 * LONG_LENGTH)

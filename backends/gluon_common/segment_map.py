@@ -78,17 +78,11 @@ from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
-from gdn_dispatch.backends.triton_generic.segment_map import maps_buffers, maps_dtype
+from gdn_dispatch.backends.triton_generic.segment_map import MAP_NEGLIGIBLE_LOG2, maps_buffers, maps_dtype
 
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
 RING_SLOTS_MAX = 4
-#: log2 of the norm below which a suffix's map forgets the state it starts from
-#: (:func:`_forgetting_start`): below 2^-40 that state reaches the segment's end under 1e-12
-#: of its norm, far under the float32 rounding of the walks. Gates that forget within one
-#: chunk (the bench's logsigmoid(randn) gates, about -1.2 bits a token) leave M's programs
-#: with the bound's reads and N's with one chunk to walk.
-MAP_NEGLIGIBLE_LOG2 = -40.0
 #: Tokens the bound's check reads per step of its loop (beta).
 BOUND_BLOCK = gl.constexpr(512)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.

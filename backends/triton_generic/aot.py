@@ -16,7 +16,8 @@ from gdn_dispatch.backends.triton_generic.configs import fuse_solve_into_wu, int
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import (
-    _segment_map_fwd_kernel, l2_prefetch_chunks, maps_dtype, segment_map_config)
+    FORGETTING_CONFIG, MAP_NEGLIGIBLE_LOG2, _forgetting_start_kernel, _segment_map_fwd_kernel, l2_prefetch_chunks,
+    maps_dtype, segment_map_config)
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
@@ -87,21 +88,26 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
 
 
 def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability) -> list[AotKernel]:
-    """The segmented path's own kernels (pass 2 is the state and output kernels above):
-    pass 1's maps (which write the segment table too), and the scan in the "vk" layout
+    """The segmented path's own kernels (pass 2 is the state and output kernels above): the
+    forgetting starts, pass 1's maps (which write the segment table too), and the scan in the "vk" layout
     with a pool."""
     out = []
     bf16_maps = maps_dtype({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]) \
         == torch.bfloat16
     m_hi = "*bf16" if bf16_maps else "*fp32"
     cfg = segment_map_config(K, V)
+    out.append(_kernel("forgetting_start", f"{tag}-BK{cfg.BK}", _forgetting_start_kernel,
+                       {"g_cum": "*fp32", "beta": ptr, "k": ptr, "cu_seqlens": "*i32", "f_start": "*fp32",
+                        "N": "i32", "L": "i32"},
+                       {"s_b": HV, "s_k": H * K, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK,
+                        "USE_L2NORM": l2, "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2}, FORGETTING_CONFIG))
     out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
-                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32",
+                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "f_start": "*fp32",
                         "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32",
                         "m_hi": m_hi, "m_lo": "*bf16", "n_out": "*fp32"},
                        {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
                         "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
-                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability)}, cfg))
+                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability), "FORGET": True}, cfg))
     pool = dtype == "bf16"
     # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
     # the part takes them).

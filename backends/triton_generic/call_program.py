@@ -49,7 +49,8 @@ from gdn_dispatch.backends.triton_generic.configs import (
 from gdn_dispatch.backends.triton_generic.kkt_solve import _kkt_solve_fwd_kernel, kkt_solve_launch_args
 from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel, output_launch_args
 from gdn_dispatch.backends.triton_generic.segment_map import (
-    _segment_map_fwd_kernel, maps_dtype, segment_map_blocks, segment_map_config, segment_map_launch_args)
+    FORGETTING_CONFIG, _forgetting_start_kernel, _segment_map_fwd_kernel, forgetting_start_launch_args, maps_dtype,
+    segment_map_blocks, segment_map_config, segment_map_launch_args)
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, segment_scan_config, segment_scan_launch_args)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel, state_launch_args
@@ -252,7 +253,7 @@ def build(problem: GDNProblem, capability, state_cfg, module, scan=None):
         use_qk_l2norm=l2, store_rnorm=l2), (1, False, 0, HV, 0), COUNT_SLOTS, -1)
     final = buf.get("final_state")
     if segmented:
-        _segment_steps(step, problem, capability, buf, k, cu, h0, final, indices, pool_size, scan, s_qk)
+        _segment_steps(step, problem, capability, buf, k, beta, cu, h0, final, indices, pool_size, scan, s_qk, s_gb)
         # Pass 2: the segment slots as the sequences, from their start states, no final state.
         cu, n, seqs, h0, final, indices, pool_size = buf["seg_cu"], count_ref(COUNT_NSEG), COUNT_NSEG, \
             buf["seg_h0"], None, buf["seg_cu"], 0
@@ -274,18 +275,24 @@ def build(problem: GDNProblem, capability, state_cfg, module, scan=None):
     return program, buf.get("final_state") is not None
 
 
-def _segment_steps(step, problem: GDNProblem, capability, buf: dict, k, cu, h0, final, indices, pool_size, scan,
-                   s_k) -> None:
-    """Pass 1 and the scan of a segmented program (:func:`build`): pass 1 over the segment
-    slots, the scan over the sequences from the call's initial state (or pool rows) to its
-    final state; unused state pointers read the maps' N as the wrappers' stand-in."""
+def _segment_steps(step, problem: GDNProblem, capability, buf: dict, k, beta, cu, h0, final, indices, pool_size,
+                   scan, s_k, s_b) -> None:
+    """Pass 1 and the scan of a segmented program (:func:`build`): the forgetting starts
+    (beta of token stride ``s_b``; written into the scan's start states, which the scan
+    fills only after pass 1 has read them), pass 1 over the segment slots, the scan over
+    the sequences from the call's initial state (or pool rows) to its final state; unused
+    state pointers read the maps' N as the wrappers' stand-in."""
     H, Kd, HV, Vd, l2 = problem.H, problem.K, problem.HV, problem.V, problem.use_qk_l2norm
-    n_map = buf["n_map"]
+    n_map, f_start = buf["n_map"], buf["seg_h0"]
     cfg = segment_map_config(Kd, Vd)
+    n, nseg, seg_len = count_ref(COUNT_N), count_ref(COUNT_NSEG), count_ref(COUNT_L)
+    step(_forgetting_start_kernel, FORGETTING_CONFIG, forgetting_start_launch_args(
+        buf["g_cum"], beta, k, cu, f_start, n, seg_len, s_b, s_k, H, HV, Kd, cfg.BK, use_qk_l2norm=l2),
+        (0, False, HV, 1, 0), -1, COUNT_NSEG)
     step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
-        cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), cu,
-        buf["seg_cu"], count_ref(COUNT_N), count_ref(COUNT_NSEG), count_ref(COUNT_L), buf["m_hi"], buf["m_lo"], n_map,
-        s_k, H, HV, Kd, Vd, use_qk_l2norm=l2, load_rnorm=l2, capability=capability),
+        cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), f_start, cu,
+        buf["seg_cu"], n, nseg, seg_len, buf["m_hi"], buf["m_lo"], n_map, s_k, H, HV, Kd, Vd, use_qk_l2norm=l2,
+        load_rnorm=l2, capability=capability, forget=True),
         (0, False, HV * segment_map_blocks(Kd, Vd, cfg), 1, 0),
         -1, COUNT_NSEG)
     pool = problem.state_indices is not None

@@ -68,8 +68,11 @@ def segment_start_states(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor,
         pool rows are written too.
     """
     if maps is None:
+        # The scan's start states lend pass 1 their room for the forgetting starts: the scan
+        # writes them only after pass 1 has read those.
         maps = segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, plan.seg_len,
-                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm,
+                               use_qk_l2norm=problem.use_qk_l2norm, k_rnorm=k_rnorm, beta=problem.beta,
+                               f_start=None if out is None else out[4].view(-1),
                                out=None if out is None else out[:4])
     seg_cu, m_hi, m_lo, n_in = maps
     seg_h0, final_state = segment_scan_fwd(

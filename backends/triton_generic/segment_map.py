@@ -24,6 +24,20 @@ of column block 0 and v-head 0 write the slot starts as offsets ``seg_cu`` ``[NS
 for the launches after it (the scan reads the call's offsets; pass 2 runs the segments as
 its sequences): from ``cu_seqlens`` alone, on the device, with no host copy and no sync.
 
+With ``beta`` (the backend's segmented calls pass it) pass 1 drops what a segment
+provably forgets, by the rule of the Gluon backends' pass 1
+(:mod:`gdn_dispatch.backends.gluon_common.segment_map`): a launch before it
+(:func:`_forgetting_start_kernel`, one program per segment slot and v-head) finds the
+segment's shortest suffix of chunks whose map on the state is provably below
+2^:data:`MAP_NEGLIGIBLE_LOG2` in norm (the gates summed per chunk from the back, then beta
+and k's row norms over the suffix) and writes its first chunk, or -1. Where there is one,
+pass 1 stores M as zeros without a walk and walks N over the suffix alone, from zeros: the
+maps differ from the exact ones by under 2^-40 of the dropped state, and what the dropped
+stretch holds, NaN included, does not reach the segment's end. The rule is a launch of its
+own because pass 1's walk fills the register file: with the rule inlined, the qk-l2-norm
+build spilled on sm_80 / sm_86 / sm_89 under triton 3.9, while one scalar load of the start
+chunk leaves it as it was.
+
 M is stored split for the scan's products: ``M_hi`` (fp32 values rounded to TF32) and
 ``M_lo = M - M_hi`` in bf16, 6 bytes per entry, together M to about 2^-19 of each entry.
 With :data:`BF16_MAPS` a call on 16-bit data stores ``M_hi`` in bf16 too (4 bytes an
@@ -71,6 +85,86 @@ def _segment_bounds(cu_seqlens, N, L, slot):
     return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
 
 
+@jit
+def _gate_suffix(g_cum, bos, eos, i_h, HV: tl.constexpr, BT: tl.constexpr, NEGLIGIBLE_LOG2: tl.constexpr,
+                 CB: tl.constexpr):
+    """The largest chunk ``c`` of the segment ``bos .. eos`` whose suffix of chunks ``c ..``
+    sums its gates (log2 units) below ``NEGLIGIBLE_LOG2``, or -1. A chunk's sum is the last
+    row of its chunk-local cumsum; chunks are read ``CB`` at a time from the back, the sum
+    of the blocks after carried (while loops: the interpreter cannot range() over a loaded
+    bound)."""
+    NT = (eos - bos + BT - 1) // BT
+    c0 = NT * 0 - 1
+    carry = tl.sum(tl.zeros([CB], tl.float32), 0)
+    blk = (NT + CB - 1) // CB
+    while blk > 0:
+        blk -= 1
+        c = blk * CB + tl.arange(0, CB)
+        live = c < NT
+        last = bos + tl.minimum((c + 1) * BT, eos - bos) - 1
+        g_c = tl.load(g_cum + last * HV + i_h, mask=live, other=0.0)
+        suffix = tl.cumsum(g_c, 0, reverse=True) + carry
+        c0 = tl.maximum(c0, tl.max(tl.where(live & (suffix < NEGLIGIBLE_LOG2), c, -1), 0))
+        carry += tl.sum(g_c, 0)
+    return c0
+
+
+@jit(do_not_specialize=("N", "L"))
+def _forgetting_start_kernel(
+    g_cum,
+    beta,
+    k,
+    cu_seqlens,
+    f_start,
+    N,
+    L,
+    s_b: tl.constexpr,
+    s_k: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    NEGLIGIBLE_LOG2: tl.constexpr,
+):
+    """``f_start[slot * HV + h]``: the first chunk of segment slot ``slot``'s shortest suffix
+    of chunks whose map on v-head ``h``'s state is provably below ``2^NEGLIGIBLE_LOG2`` in
+    norm, or -1 (stored in ``f_start``'s dtype). The suffix from the gates, then over its
+    tokens ``min beta >= 0`` and ``max beta * max ||k||^2 <= 2`` (``||k||^2 <= 1`` after
+    the l2 norm): each token's factor ``I - beta k k^T`` then has norm at most 1, so the
+    suffix's map is bounded by its decay. A NaN beta counts as negative and a NaN key norm
+    as infinite, so a NaN in the suffix keeps the whole segment walked."""
+    pid = tl.program_id(0).to(tl.int64)
+    i_h = pid % HV
+    bos, eos = _segment_bounds(cu_seqlens, N, L, pid // HV)
+    c0 = _gate_suffix(g_cum, bos, eos, i_h, HV, BT, NEGLIGIBLE_LOG2, 128)
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    b_min = tl.sum(tl.zeros([BT], tl.float32), 0)
+    b_max = b_min
+    if USE_L2NORM:
+        x_max = b_min + 1.0
+    else:
+        x_max = b_min
+    r = bos + tl.maximum(c0, 0) * BT
+    while (c0 >= 0) & (r < eos):
+        rows = r + o_i
+        live = rows < eos
+        b = tl.load(beta + rows * s_b + i_h, mask=live, other=0.0).to(tl.float32)
+        b = tl.where(b == b, b, -1.0)  # min and max drop a NaN operand
+        b_min = tl.minimum(b_min, tl.min(b, 0))
+        b_max = tl.maximum(b_max, tl.max(b, 0))
+        if not USE_L2NORM:
+            kt = tl.load(k + rows[:, None] * s_k + (i_h // (HV // H)) * K + o_k[None, :],
+                         mask=live[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+            x = tl.sum(kt * kt, 1)
+            x_max = tl.maximum(x_max, tl.max(tl.where(live, tl.where(x == x, x, float("inf")), 0.0), 0))
+        r += BT
+    f0 = tl.where((c0 >= 0) & (b_min >= 0.0) & (b_max * x_max <= 2.0), c0, -1)
+    tl.store(f_start + pid, f0.to(f_start.dtype.element_ty))
+
+
 @jit(do_not_specialize=("N", "NSEG", "L"))
 def _segment_map_fwd_kernel(
     k,
@@ -78,6 +172,7 @@ def _segment_map_fwd_kernel(
     u,
     g_cum,
     k_rnorm,
+    f_start,
     cu_seqlens,
     seg_cu,
     N,
@@ -100,6 +195,7 @@ def _segment_map_fwd_kernel(
     INTERP_BF16: tl.constexpr,
     INTERPRET: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FORGET: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
     # one head stream the same w and k rows at the same time.
@@ -122,11 +218,18 @@ def _segment_map_fwd_kernel(
     # mask under every Triton interpreter): M's columns are < K, N's < V, u feeds N only.
     m_cols = tl.where(is_m, K, 0)
     n_cols = tl.where(is_m, 0, V)
-    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < m_cols)[None, :], 1.0, 0.0)
+    # With FORGET, from the first chunk f0 of the segment's forgetting suffix (written by
+    # _forgetting_start_kernel; -1: none) M is zeros, no walk, and N walks the suffix alone.
+    if FORGET:
+        f0 = tl.load(f_start + i_sh).to(tl.int64)
+    else:
+        f0 = bos * 0 - 1
+    start = tl.where(f0 < 0, bos, tl.where(is_m, eos, bos + f0 * BT))
+    b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < tl.where(f0 < 0, m_cols, 0))[None, :], 1.0, 0.0)
 
     # The state kernel's walk without its stores (h and v_new are not written: m_hi and
     # n_out stand in for them).
-    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, bos, eos, 0, i_h, o_k, o_c, n_cols, i_cb,
+    b_s = _walk_chunks(k, w, u, g_cum, k_rnorm, m_hi, n_out, b_s, s_k, start, eos, 0, i_h, o_k, o_c, n_cols, i_cb,
                        NCB, H, HV, K, V, BT, False, USE_L2NORM, LOAD_RNORM, DOT_PREC, INTERP_BF16, INTERPRET,
                        PREFETCH)
 
@@ -141,6 +244,13 @@ def _segment_map_fwd_kernel(
     tl.store(m_lo + at_m, _cast(b_s - b_hi, tl.bfloat16, INTERPRET), mask=m_m)
     tl.store(n_out + i_sh * (K * V) + o_k[:, None] * V + o_c[None, :], b_s, mask=m_k & (o_c < n_cols)[None, :])
 
+
+#: log2 of the norm below which a suffix's map forgets the state it starts from (pass 1's
+#: ``FORGET`` rule, :func:`_forgetting_start_kernel`, and the Gluon pass 1's): below 2^-40
+#: that state reaches the segment's end under 1e-12 of its norm, far under the float32
+#: rounding of the walks. Gates that forget within one chunk (the bench's logsigmoid(randn)
+#: gates, about -1.2 bits a token) leave M's programs nothing to walk and N's one chunk.
+MAP_NEGLIGIBLE_LOG2 = -40.0
 
 #: Calls on bf16/fp16 data store M's leading part in bf16 instead of TF32-rounded fp32
 #: (:func:`maps_dtype`): the scan streams 64 KB of M per step and segment at K = 128
@@ -197,11 +307,15 @@ def segment_map_fwd(
     *,
     use_qk_l2norm: bool = False,
     k_rnorm: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    f_start: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
-    head, M split in two.
+    head, M split in two; with ``beta``, but for what a segment provably forgets (module
+    docstring): where a suffix of its chunks maps the state below
+    2^:data:`MAP_NEGLIGIBLE_LOG2` in norm, M is zeros and N the suffix's walk from zeros.
 
     Parameters
     ----------
@@ -212,6 +326,12 @@ def segment_map_fwd(
     seg_len : int, ``L``, a multiple of the 64-token chunk.
     use_qk_l2norm : k rows are l2-normalized (eps 1e-6) before use.
     k_rnorm : float32 Tensor ``[B, T, HV]`` from ``wu_fwd``, or None to reduce k's rows here.
+    beta : Tensor ``[B, T, HV]``, the call's (any float dtype, token rows), or None for the
+        exact maps (every chunk walked).
+    f_start : with ``beta``, float32 or int32 Tensor of at least ``NSEG * HV`` contiguous
+        entries for the forgetting starts (the launch before pass 1 writes them, pass 1
+        reads them), or None to allocate them here. A segmented call lends its scan's start
+        states, which the scan writes only after pass 1 has read them.
     config : LaunchConfig override (BV is the column block BC).
     out : (seg_cu, M_hi, M_lo, N) allocated by the caller (contiguous, as returned below),
         or None to allocate them here.
@@ -223,9 +343,11 @@ def segment_map_fwd(
         (every segment a whole number of chunks of its sequence, the last one its tail, or
         empty).
     M_hi : float32 Tensor ``[NSEG, HV, K, K]``, M rounded to TF32 (bfloat16, M rounded to
-        bf16, where :func:`maps_dtype` says so); the identity for an empty segment.
+        bf16, where :func:`maps_dtype` says so); the identity for an empty segment; zeros
+        (with ``beta``) where the segment forgets its start.
     M_lo : bfloat16 Tensor ``[NSEG, HV, K, K]``, ``M - M_hi`` rounded to bf16.
-    N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment.
+    N : float32 Tensor ``[NSEG, HV, K, V]``; zeros for an empty segment; with ``beta``,
+        where the segment forgets its start, the walk of the forgetting suffix alone.
     """
     B, T, H, K = k.shape
     HV, V = u.shape[-2], u.shape[-1]
@@ -234,12 +356,24 @@ def segment_map_fwd(
     if NSEG == 0:  # no sequence and no token: the table is [0]
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
+    s_k = token_stride("k", k)
+    forget = beta is not None
+    if forget:
+        if f_start is None:
+            f_start = torch.empty(NSEG * HV, dtype=torch.float32, device=k.device)
+        elif f_start.dtype not in (torch.float32, torch.int32) or not f_start.is_contiguous() \
+                or f_start.numel() < NSEG * HV:
+            raise ValueError(f"f_start: expected a contiguous float32 or int32 tensor of at least NSEG x HV = "
+                             f"{NSEG * HV} entries, got {f_start.dtype} {tuple(f_start.shape)}")
+        launch(_forgetting_start_kernel, (NSEG * HV,), FORGETTING_CONFIG, **forgetting_start_launch_args(
+            g_cum, beta, k, cu_seqlens, f_start, N, seg_len, token_stride("beta", beta), s_k, H, HV, K, cfg.BK,
+            use_qk_l2norm=use_qk_l2norm))
     # Host ceil-divisions: triton.cdiv is a constexpr function, slow on a call's host path.
     grid = (NSEG * HV * segment_map_blocks(K, V, cfg),)
     launch(_segment_map_fwd_kernel, grid, cfg, **segment_map_launch_args(
-        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, cu_seqlens, seg_cu, N, NSEG,
-        seg_len, m_hi, m_lo, n_out, token_stride("k", k), H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
-        load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0]))
+        cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, f_start if forget else g_cum,
+        cu_seqlens, seg_cu, N, NSEG, seg_len, m_hi, m_lo, n_out, s_k, H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
+        load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0], forget=forget))
     return seg_cu, m_hi, m_lo, n_out
 
 
@@ -265,15 +399,31 @@ def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
     return -(-V // cfg.BV) - (-K // cfg.BV)
 
 
-def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, cu_seqlens, seg_cu, num_seqs, num_segments, seg_len,
-                            m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm, capability) -> dict:
-    """Every argument of one ``_segment_map_fwd_kernel`` launch by name, an unused
-    ``k_rnorm`` already replaced by a stand-in, for a part of ``capability`` (what
-    :func:`segment_map_fwd` launches with; a call program binds the same list,
-    :mod:`gdn_dispatch.backends.gluon_common.call_program`)."""
+def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, f_start, cu_seqlens, seg_cu, num_seqs,
+                            num_segments, seg_len, m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm,
+                            capability, forget) -> dict:
+    """Every argument of one ``_segment_map_fwd_kernel`` launch by name, unused ``k_rnorm``
+    and ``f_start`` (without ``forget``) already replaced by a stand-in, for a part of
+    ``capability`` (what :func:`segment_map_fwd` launches with; a call program binds the
+    same list, :mod:`.call_program`)."""
     dot_prec, _ = dot_precisions(dtype)
     return dict(
-        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, cu_seqlens=cu_seqlens, seg_cu=seg_cu, N=num_seqs,
-        NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V, BT=64,
-        BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
-        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability))
+        k=k, w=w, u=u, g_cum=g_cum, k_rnorm=k_rnorm, f_start=f_start, cu_seqlens=cu_seqlens, seg_cu=seg_cu,
+        N=num_seqs, NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V,
+        BT=64, BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
+        INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability),
+        FORGET=forget)
+
+
+#: The forgetting-start launch: one program of 4 warps per (segment slot, v-head), reading
+#: chunk totals and the suffix's beta and k rows (no pipelining to gain).
+FORGETTING_CONFIG = LaunchConfig(num_warps=4, num_stages=1)
+
+
+def forgetting_start_launch_args(g_cum, beta, k, cu_seqlens, f_start, num_seqs, seg_len, s_b, s_k, H, HV, K, BK, *,
+                                 use_qk_l2norm) -> dict:
+    """Every argument of one ``_forgetting_start_kernel`` launch by name (grid ``NSEG * HV``
+    programs), as :func:`segment_map_fwd` and the call programs launch it."""
+    return dict(g_cum=g_cum, beta=beta, k=k, cu_seqlens=cu_seqlens, f_start=f_start, N=num_seqs, L=seg_len, s_b=s_b,
+                s_k=s_k, H=H, HV=HV, K=K, BT=64, BK=BK, USE_L2NORM=use_qk_l2norm,
+                NEGLIGIBLE_LOG2=MAP_NEGLIGIBLE_LOG2)
