@@ -277,8 +277,8 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
                                                                            segmented):
     """Both w/u forms: T formed in the w/u kernel (sm_80..sm_90), or by kkt_solve first
     (sm_100, sm_120; here by the CPU stand-in's capability answer). Segmented: a forced
-    segment count, pass 1, the scan and the state and output kernels over the segment
-    slots in the same program, ragged batches with a host copy of their offsets among
+    segment count, the forgetting starts, pass 1, the scan and the state and output kernels
+    over the segment slots in the same program, ragged batches with a host copy of their offsets among
     them (pass 2 here reads none)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(TG, "fuse_solve_into_wu", lambda capability: fused_solve)
@@ -297,7 +297,8 @@ def test_triton_generic_call_programs_launch_what_the_python_path_launches(nativ
             expected, got, taken = _both_paths(TG, entry, lambda: TG.forward(problem), runs, problem)
             # No cumsum launch: the kernel forming T forms the gate cumsum (w/u fused, else kkt_solve).
             launched = [name for name, *_ in got[0]]
-            middle = ["_segment_map_fwd_kernel", "_segment_scan_fwd_kernel"] if segmented else []
+            middle = ["_forgetting_start_kernel", "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel"] \
+                if segmented else []
             assert launched == ([] if fused_solve else ["_kkt_solve_fwd_kernel"]) + [
                 "_wu_fwd_kernel", *middle, "_state_fwd_kernel", "_output_fwd_kernel"], f"call {i}: {launched}"
             assert got == expected, f"call {i}: {call.keys()}"

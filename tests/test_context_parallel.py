@@ -297,6 +297,22 @@ def test_segment_map_writes_the_segment_table(lengths, L, dtype, device):
     assert len(_segment_starts(cu, L)) == cu[-1] // L + len(lengths) + 1
 
 
+def test_segment_map_refuses_a_forgetting_starts_buffer_it_cannot_fill():
+    """``f_start`` must hold NSEG x HV float32 or int32 entries, contiguous; the error names it."""
+    call = random_call(lengths=[300, 129], H=1, HV=2, K=16, V=16, dtype=torch.float32, device="cpu", seed=2)
+    problem = make_problem(**call)
+    B, T = problem.q.shape[:2]
+    w, u = torch.zeros(B, T, 2, 16), torch.zeros(B, T, 2, 16)
+    g_cum = torch.zeros(B, T, 2)
+    nseg = 429 // 128 + 2
+    for bad in (torch.zeros(nseg * 2 - 1), torch.zeros(nseg * 2, dtype=torch.float64),
+                torch.zeros(nseg * 2, 2)[:, 0]):
+        with pytest.raises(ValueError, match="f_start: expected a contiguous float32 or int32 tensor of at least "
+                                             f"NSEG x HV = {nseg * 2} entries"):
+            tg_map.segment_map_fwd(problem.k, w, u, g_cum, problem.chunks.cu_seqlens, 128, beta=problem.beta,
+                                   f_start=bad)
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype, l2, gate_scale, k_scale", [
     pytest.param(torch.bfloat16, False, 1.0, 1.0, id="bf16-bench-gates"),  # the last chunk alone forgets
