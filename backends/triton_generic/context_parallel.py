@@ -1,6 +1,8 @@
 """Context parallelism for this backend: the call's long sequences cut into segments.
 
-    seg_cu, M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, cu_seqlens, L)   # pass 1: offsets, maps
+    seg_cu, M_hi, M_lo, N = segment_map_fwd(k, w, u, g_cum, cu_seqlens, L, beta)  # pass 1: offsets, maps
+                                                          # (a launch first finds what each
+                                                          # segment forgets)
     seg_h0, S    = segment_scan_fwd(M_hi, M_lo, N, cu_seqlens, L, S0)   # serial over segments
     h, v_new     = state_fwd(k, w, u, g_cum, segments, seg_h0) # pass 2: the normal stages 4 + 5,
     o            = output_fwd(q, k, v_new, h, g_cum, segments) #   segments as the sequences
