@@ -185,7 +185,10 @@ def plan_context_parallel(
         return _off("no SM count on this device")
     programs = N * HV * -(-V // COUNTED_BV)
     if programs >= tuning.fill * sm_count:
-        return _off(f"N x HV x V-blocks = {programs} programs >= {tuning.fill:g} x {sm_count} SMs")
+        # Below one program per SM, segments still pay where the gates forget (pass 1 then
+        # walks only what each segment remembers); the host cannot see the gates.
+        hint = "; a forced count gains only where the gates forget" if programs < sm_count else ""
+        return _off(f"N x HV x V-blocks = {programs} programs >= {tuning.fill:g} x {sm_count} SMs{hint}")
     known = max_len is not None
     longest = max_len if known else T_total // N
     chunks = _chunks(longest)
