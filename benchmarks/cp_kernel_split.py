@@ -6,7 +6,7 @@ Prints per-kernel GPU time (torch.profiler, 20 public calls after 3 warm-up call
 * the segmented calls of the tensor-parallel shards (one sequence of 32768 tokens, 2/4,
   4/8, 2/8 and 8/16 heads, ``context_parallel="auto"``): wy, pass 1 (segment maps), the
   scan, pass 2; then the same calls on raw q, k with the qk l2 norm in the kernel (as
-  Qwen3.5 calls it: pass 1 bounds M without reading k);
+  Qwen3.5 calls it: pass 1 finds what a segment forgets without reading k);
 * calls shaped like those calls' pass 2 (the segments as sequences: 16 x 2048 tokens and
   the like, an initial state, no final state, ``context_parallel="off"``), once on the
   warp-specialized path (T kernel + fused kernel) and once on the two-launch pipeline

@@ -132,16 +132,17 @@ class StandInProbe:
         return CPU if device.type == "cpu" else self.devices[device.index or 0]
 
 
-def forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor, negligible_log2: float = -40.0,
+def forgetting_start(g: torch.Tensor, beta: torch.Tensor, k_norm2: torch.Tensor, negligible_log2: float,
                      chunk: int = 64) -> tuple[int, bool]:
     """The host's model of context parallelism's forgetting rule (pass 1 drops what a
     segment provably forgets) on one segment and v-head: ``g`` the natural-log gates,
     ``beta``, ``k_norm2`` the keys' squared norms (after the l2 norm where the call asks
-    for it), each ``[n]``. Returns the first chunk of the shortest suffix of ``chunk``-token
-    chunks whose gates sum below ``negligible_log2`` bits and whose tokens hold ``min beta
-    >= 0`` and ``max beta * max ||k||^2 <= 2`` (or -1), and whether a sum or that product
-    sits within float32-rounding reach of its threshold (a kernel may then decide either
-    way)."""
+    for it), each ``[n]``; ``negligible_log2`` the backends' bound (their
+    ``MAP_NEGLIGIBLE_LOG2``). Returns the first chunk of the shortest suffix of
+    ``chunk``-token chunks whose gates sum below ``negligible_log2`` bits and whose tokens
+    hold ``min beta >= 0`` and ``max beta * max ||k||^2 <= 2`` (or -1), and whether a sum
+    or that product sits within float32-rounding reach of its threshold (a kernel may then
+    decide either way)."""
     n = g.shape[0]
     log2e = math.log2(math.e)
     sums = [float(g[c:c + chunk].double().sum()) * log2e for c in range(0, n, chunk)]

@@ -259,7 +259,8 @@ def test_a_nan_in_a_forgotten_stretch_is_dropped_and_one_in_the_suffix_walks(poi
     call = random_call(lengths=[1024], H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=7)
     g, beta = call["g"][0].float(), call["beta"][0].float()
     for h in range(HV):
-        assert forgetting_start(g[256:512, h], beta[256:512, h], torch.ones(256)) == (3, False)
+        f0 = forgetting_start(g[256:512, h], beta[256:512, h], torch.ones(256), gm.MAP_NEGLIGIBLE_LOG2)
+        assert f0 == (3, False)
     if poisoned == "k":
         call["k"][0, token, :, 5] = float("nan")
     else:

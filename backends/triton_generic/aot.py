@@ -89,8 +89,8 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
 
 def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability) -> list[AotKernel]:
     """The segmented path's own kernels (pass 2 is the state and output kernels above): the
-    forgetting starts, pass 1's maps (which write the segment table too), and the scan in the "vk" layout
-    with a pool."""
+    forgetting starts, pass 1's maps (which write the segment table too), and the scan in
+    the "vk" layout with a pool."""
     out = []
     bf16_maps = maps_dtype({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]) \
         == torch.bfloat16
