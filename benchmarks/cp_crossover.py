@@ -12,10 +12,13 @@ host copy of cu_seqlens. The gates decide how much of a segment the Gluon pass 1
 23 chunks; ``bench`` the bench's ``logsigmoid(randn)``, about -75 bits a chunk, all but
 the last chunk; ``weak`` ``logsigmoid(randn) / 1024``, about -0.07 bits a chunk, nothing,
 so every segment is walked whole (long-memory heads). ``--segments`` also times each
-shape with each of those forced segment counts (a column per count). Prints a markdown
-table last (median of 15 x 5 replays).
+shape with each of those forced segment counts (a column per count). ``--chain-fill X``
+runs "auto" under the planner's constants with ``chain_fill = X`` (chained segments
+between a quarter of the SMs and ``X`` of them; a backend without them refuses the call).
+Prints a markdown table last (median of 15 x 5 replays).
 """
 import argparse
+import dataclasses
 import time
 
 import torch, torch.nn.functional as F
@@ -23,6 +26,7 @@ from torch.profiler import profile, ProfilerActivity
 from gdn_dispatch import chunk_gated_delta_rule
 from gdn_dispatch.bench_host import graph_replay_us
 from gdn_dispatch.contract import make_problem
+from gdn_dispatch import context_parallel
 from gdn_dispatch.context_parallel import plan_for_problem
 
 #: Divisor of logsigmoid(randn) per --gates choice.
@@ -62,22 +66,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gates", choices=sorted(GATE_DIVISORS), default="crossover")
     parser.add_argument("--segments", type=lambda x: [int(n) for n in x.split(",")], default=[],
                         help="comma-separated forced segment counts to time beside off and auto")
+    parser.add_argument("--chain-fill", type=float, default=None,
+                        help="plan 'auto' with chained segments below this fraction of the SMs")
     return parser.parse_args(argv)
 
 
 def main():
     args = parse_args()
+    if args.chain_fill is not None:
+        context_parallel.TUNING = dataclasses.replace(context_parallel.TUNING, chain_fill=args.chain_fill)
     t0 = time.time()
     forced = "".join(f" {n} segs ms |" for n in args.segments)
     rows = [f"| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |{forced}",
             "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * len(args.segments)]
-    print(f"gates: {args.gates} (logsigmoid(randn) / {GATE_DIVISORS[args.gates]:g}), backend {args.backend}",
-          flush=True)
+    print(f"gates: {args.gates} (logsigmoid(randn) / {GATE_DIVISORS[args.gates]:g}), backend {args.backend}, "
+          f"{context_parallel.TUNING}", flush=True)
     for H, HV, N, L in SHAPES:
         call = call_for(H, HV, N, L, GATE_DIVISORS[args.gates])
         plan = plan_for_problem(make_problem(**call), torch.cuda.get_device_properties(0).multi_processor_count)
         off, auto = graph_ms(call, "off", args.backend), graph_ms(call, "auto", args.backend)
-        seg = f"{plan.num_segments - N} of {plan.seg_len}" if plan.enabled else "off"
+        seg = f"{plan.num_segments - N}{' chained' if plan.chained else ''} of {plan.seg_len}" if plan.enabled \
+            else "off"
         more = "".join(f" {graph_ms(call, n, args.backend):.3f} |" for n in args.segments)
         rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |{more}")
         print(rows[-1], f"[{time.time() - t0:.0f}s]", flush=True)

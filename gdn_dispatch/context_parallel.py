@@ -41,6 +41,18 @@ constant holds under the weakest gates:
 triton_generic follows the same rule. Its pass 1 is slower (plain Triton), and on the H200
 (where the registry does not pick it), under gates that never forget, it ran 0-3% slower
 than "off" at 32 programs with 4-7 chunks each and faster everywhere else the rule engages.
+
+Chained segments (``CPPlan.chained``) serve the band the rule leaves off: at least ``fill *
+SMs`` programs but fewer than ``chain_fill * SMs``. There no segment map ``M`` is formed
+and nothing is scanned: pass 1 maps only the segments whose gates provably forget their
+start (``N`` over the forgetting suffix), and pass 2's program of segment ``j`` starts from
+segment ``j - 1``'s ``N`` where that one forgets, else waits for segment ``j - 1``'s
+program to hand over its end state (programs take their work in segment order from a
+ticket, so a program only waits on one that is already running). Under gates that forget
+the segments run in parallel; under gates that never forget the walk is as serial as
+"off" and costs a hand-over per segment. ``chain_fill`` is 0 (the band is empty) until the
+chain is timed against "off"; a backend without the chain (:data:`CHAIN_BACKENDS`) refuses
+a chained plan by name.
 """
 
 from __future__ import annotations
@@ -55,6 +67,8 @@ CHUNK = 64
 COUNTED_BV = 64
 #: Accepted values of ``context_parallel`` besides a positive segment count.
 MODES = ("auto", "off")
+#: Backends whose pass 2 runs chained segments (:attr:`CPPlan.chained`).
+CHAIN_BACKENDS = ("triton_generic",)
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,11 @@ class CPTuning:
         many per program (``N * HV * ceil(V / 64)``).
     seg_factor : float, the factor in front of ``sqrt(N * HV * chunks / SMs)``.
     min_seg_chunks : int, the shortest segment, chunks.
+    chain_fill : float, chained segments where ``fill * SMs <= N * HV * ceil(V / 64) <
+        chain_fill * SMs`` (0: never).
+    chain_waves : float, a chained plan cuts the longest sequence into ``2^round(log2(
+        chain_waves * SMs / programs))`` segments (at least 2, none under ``min_seg_chunks``
+        chunks): each segment slot's programs fill ``1 / chain_waves`` of the SMs.
     """
 
     fill: float = 0.25
@@ -76,9 +95,14 @@ class CPTuning:
     chunks_per_program: int = 4
     seg_factor: float = 6.0
     min_seg_chunks: int = 4
+    chain_fill: float = 0.0
+    chain_waves: float = 2.0
 
 
 DEFAULT_TUNING = CPTuning()
+#: The constants the planners read when a call gives none: a benchmark that re-fits the
+#: rule (or times chained segments, ``chain_fill``) replaces it for its run.
+TUNING = DEFAULT_TUNING
 
 
 @dataclass(frozen=True)
@@ -91,17 +115,21 @@ class CPPlan:
     seg_len : int, ``L``: tokens per segment, a multiple of 64 (0 when not enabled).
     num_segments : int, ``NSEG = T_total // L + N`` segment slots (0 when not enabled).
     reason : str, why, in one line (shown by ``explain`` and ``info``).
+    chained : bool, pass 2 hands each segment's end state to the next (module docstring)
+        instead of starting every segment from a scanned state.
     """
 
     enabled: bool
     seg_len: int
     num_segments: int
     reason: str
+    chained: bool = False
 
     def describe(self) -> str:
         if not self.enabled:
             return f"off ({self.reason})"
-        return f"on, segments of {self.seg_len} tokens, {self.num_segments} segment slots ({self.reason})"
+        kind = "chained segments" if self.chained else "segments"
+        return f"on, {kind} of {self.seg_len} tokens, {self.num_segments} segment slots ({self.reason})"
 
 
 def context_parallel_reason(value) -> str | None:
@@ -123,15 +151,24 @@ def _off(reason: str) -> CPPlan:
     return CPPlan(enabled=False, seg_len=0, num_segments=0, reason=reason)
 
 
-def _on(seg_chunks: int, T_total: int, N: int, reason: str) -> CPPlan:
+def _on(seg_chunks: int, T_total: int, N: int, reason: str, chained: bool = False) -> CPPlan:
     L = seg_chunks * CHUNK
-    return CPPlan(enabled=True, seg_len=L, num_segments=T_total // L + N, reason=reason)
+    return CPPlan(enabled=True, seg_len=L, num_segments=T_total // L + N, reason=reason, chained=chained)
+
+
+def chain_segment_chunks(programs: int, chunks: int, sm_count: int, tuning: CPTuning) -> int:
+    """Chunks per segment of a chained plan: the longest sequence's ``chunks`` in
+    ``2^round(log2(chain_waves * SMs / programs))`` segments (at least 2), each at least
+    ``min_seg_chunks`` chunks."""
+    count = max(2, 2 ** round(math.log2(max(tuning.chain_waves * sm_count / programs, 1.0))))
+    return max(tuning.min_seg_chunks, -(-chunks // count))
 
 
 def auto_segment_chunks(N: int, HV: int, chunks: int, sm_count: int,
-                        tuning: CPTuning = DEFAULT_TUNING) -> int:
+                        tuning: CPTuning | None = None) -> int:
     """Chunks per segment of the automatic rule: ``2^round(log2(seg_factor * sqrt(N * HV *
     chunks / SMs)))``, at least ``min_seg_chunks``."""
+    tuning = tuning or TUNING
     ideal = tuning.seg_factor * math.sqrt(N * HV * chunks / sm_count)
     return max(tuning.min_seg_chunks, 2 ** round(math.log2(max(ideal, 1.0))))
 
@@ -145,7 +182,7 @@ def plan_context_parallel(
     V: int,
     sm_count: int,
     max_len: int | None = None,
-    tuning: CPTuning = DEFAULT_TUNING,
+    tuning: CPTuning | None = None,
 ) -> CPPlan:
     """Decide context parallelism for a call.
 
@@ -162,12 +199,13 @@ def plan_context_parallel(
     max_len : int or None, the longest sequence's length when known on the host (a
         uniform batch: ``T``; varlen with a host copy of ``cu_seqlens``); None otherwise,
         and then only ``T_total`` and ``N`` are used (no device sync).
-    tuning : CPTuning, the automatic rule's constants.
+    tuning : CPTuning, the automatic rule's constants (None: :data:`TUNING`).
 
     Returns
     -------
     CPPlan
     """
+    tuning = tuning or TUNING
     reason = context_parallel_reason(request)
     if reason is not None:
         raise ValueError(f"context_parallel: {reason}")
@@ -184,6 +222,8 @@ def plan_context_parallel(
     if sm_count <= 0:
         return _off("no SM count on this device")
     programs = N * HV * -(-V // COUNTED_BV)
+    if tuning.fill * sm_count <= programs < tuning.chain_fill * sm_count:
+        return _chained(programs, T_total, N, sm_count, max_len, tuning)
     if programs >= tuning.fill * sm_count:
         # Below one program per SM, segments still pay where the gates forget (pass 1 then
         # walks only what each segment remembers); the host cannot see the gates.
@@ -204,7 +244,30 @@ def plan_context_parallel(
                f"N x HV x V-blocks = {programs} programs < {tuning.fill:g} x {sm_count} SMs; {what} of {chunks} chunks")
 
 
-def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) -> CPPlan:
+def _chained(programs: int, T_total: int, N: int, sm_count: int, max_len: int | None, tuning: CPTuning) -> CPPlan:
+    """The band between ``fill`` and ``chain_fill`` of the SMs: chained segments
+    (:func:`chain_segment_chunks`) where the longest (or mean) sequence gives two."""
+    known = max_len is not None
+    chunks = _chunks(max_len if known else T_total // N)
+    what = "longest sequence" if known else "mean sequence"
+    seg_chunks = chain_segment_chunks(programs, chunks, sm_count, tuning)
+    band = f"N x HV x V-blocks = {programs} programs in [{tuning.fill:g}, {tuning.chain_fill:g}) x {sm_count} SMs"
+    if chunks < 2 * seg_chunks:
+        return _off(f"{band}; {what} of {chunks} chunks gives fewer than 2 chained segments of {seg_chunks}")
+    return _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True)
+
+
+def refuse_chained(plan: CPPlan, backend: str) -> CPPlan:
+    """``plan``, unless it is chained and ``backend`` runs no chained segments: then a
+    NotImplementedError naming the backend and the constant that planned them."""
+    if plan.chained and backend not in CHAIN_BACKENDS:
+        raise NotImplementedError(
+            f"context_parallel: {backend} has no chained segments, which CPTuning.chain_fill > 0 planned for this "
+            f"call ({plan.reason}); backends with them: {', '.join(CHAIN_BACKENDS)}")
+    return plan
+
+
+def plan_for_problem(problem, sm_count: int, tuning: CPTuning | None = None) -> CPPlan:
     """:func:`plan_context_parallel` for a validated call (a ``GDNProblem``): the longest
     sequence from the host copy of ``cu_seqlens`` when there is one, else the mean."""
     chunks = problem.chunks
@@ -217,7 +280,7 @@ def plan_for_problem(problem, sm_count: int, tuning: CPTuning = DEFAULT_TUNING) 
 
 
 def plan_for_counts(request, B: int, T: int, N: int, HV: int, V: int, sm_count: int, uniform: bool,
-                    longest: int | None, tuning: CPTuning = DEFAULT_TUNING) -> CPPlan:
+                    longest: int | None, tuning: CPTuning | None = None) -> CPPlan:
     """:func:`plan_for_problem` from a call's counts: ``B`` rows of ``T`` tokens (``uniform``),
     or ``N`` packed sequences whose longest is ``longest`` (None: no host copy, or not
     read)."""
@@ -225,7 +288,7 @@ def plan_for_counts(request, B: int, T: int, N: int, HV: int, V: int, sm_count: 
         longest = T
     elif N == 0 or request == "off":
         longest = None
-    return _plan_kept(request, B * T, N, HV, V, sm_count, longest, tuning)
+    return _plan_kept(request, B * T, N, HV, V, sm_count, longest, tuning or TUNING)
 
 
 @functools.lru_cache(maxsize=4096, typed=True)

@@ -291,7 +291,8 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
 
     With context parallelism (``cp.enabled``) the call's state flags go to the scan, and
     the state kernel runs over the segments from float32 start states ("kv", no final
-    state, no pool), next to the segment maps (which write the segment table).
+    state, no pool), next to the segment maps (which write the segment table); chained
+    segments (``cp.chained``) run no scan, and their state kernel takes the call's flags.
     """
     from gdn_dispatch.backends.triton_generic import configs
 
@@ -313,6 +314,14 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     }
     if cp is None or not cp.enabled:
         return frozenset(keys | {state_key(problem.N, flags)})
+    if cp.chained:
+        # The forgetting starts zero the hand-over counts, pass 1 maps N alone, and the
+        # chained state kernel takes the call's state flags (configured as the unsegmented one).
+        return frozenset(keys | {
+            ("forgetting_start", "chained", strides["k"], strides["beta"], l2),
+            ("segment_map_fwd", "chained", strides["k"], l2),
+            ("chained_state_fwd", *state_key(problem.N, flags)[1:]),
+        })
     return frozenset(keys | _segment_kernel_keys(problem, device, strides["k"], k_rnorm=l2,
                                                  beta_stride=strides["beta"]) | {
         state_key(cp.num_segments, (True, False, StateLayout.KV.value, False, False)),

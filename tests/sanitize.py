@@ -7,7 +7,8 @@ For every (backend, tool) pair a child process runs the calls below under
 driver symbols otherwise count as API errors) and the parent reads the tool's error summary.
 The calls cover ragged tails and empty sequences, grouped value heads, both state layouts,
 K != V and the qk l2 norm, and per backend one call cut into segments (context
-parallelism), one on a state pool read and written in place (a -1 index among them) and
+parallelism; on triton_generic also one in chained segments, whose programs wait on each
+other's hand-overs), one on a state pool read and written in place (a -1 index among them) and
 one on the views of a fused projection; each is also checked against the reference (pool
 rows too), so a run that is clean but wrong fails too. Every call runs :data:`REPEATS`
 times, so that with the native layer on the tools also see the calls a route runs (the
@@ -37,9 +38,10 @@ TOOLS = ("memcheck", "racecheck", "synccheck")
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (lengths, H, HV, K, V, dtype, layout, l2[, extras]) per call; small, since racecheck is
-#: slow. extras: "cp" (a forced segment count), "pool" (the pool's dtype: a pool of N + 2
-#: rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views of one
-#: projection).
+#: slow. extras: "cp" (a forced segment count), "chain" (chained segments: the planner's
+#: band over every program count, :data:`CHAIN_TUNING`), "pool" (the pool's dtype: a pool
+#: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
+#: of one projection).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -47,6 +49,7 @@ CALLS = {
         ([64, 1], 1, 2, 128, 32, "bfloat16", "vk", False),
         ([33, 100], 2, 2, 8, 8, "float32", "kv", True),
         ([300, 0, 129], 1, 2, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
+        ([700, 0, 129, 1000], 1, 4, 64, 64, "bfloat16", "vk", False, {"chain": True, "pool": "bfloat16"}),
         ([70, 1, 64], 2, 4, 64, 32, "bfloat16", "vk", False, {"pool": "bfloat16"}),
         ([65, 130], 2, 4, 32, 64, "bfloat16", "kv", True, {"fused": True}),
     ],
@@ -67,6 +70,9 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
     ([63, 1, 129], 32, 128, 128, 128, "bfloat16", "kv", True),
 ]
+#: The planner's constants for a "chain" call: chained segments at any program count, two
+#: segments on the longest sequence of segments as short as one chunk.
+CHAIN_TUNING = dict(fill=0.0, chain_fill=float("inf"), chain_waves=1e-9, min_seg_chunks=1)
 #: Runs of each call (a pool call from the same pool rows each time).
 REPEATS = 3
 TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
@@ -80,7 +86,7 @@ def run_calls(backend: str) -> int:
     """Child: run the backend's calls on the GPU; 1 when one is wrong."""
     import torch
 
-    from gdn_dispatch import chunk_gated_delta_rule, native, reference
+    from gdn_dispatch import chunk_gated_delta_rule, context_parallel, native, reference
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.routes import ROUTE_CALLS
     from gdn_dispatch.testing import fused_projection_views, padded_pool, random_call, rel_rms_error
@@ -109,11 +115,16 @@ def run_calls(backend: str) -> int:
         # third go through the form's route and its call program (the first builds them), so
         # the tools see those.
         err = 0.0
+        kept = context_parallel.TUNING
+        if extras.get("chain"):
+            context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
+            assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
         for _ in range(REPEATS):
             if pool is not None:
                 pool.copy_(before)
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
+        context_parallel.TUNING = kept
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))

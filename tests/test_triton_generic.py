@@ -434,7 +434,7 @@ def test_aot_kernels_compile_without_spills(target):
 
     kernels = tg.kernels_for_aot(target)
     assert {k.kernel for k in kernels} == {"kkt_solve_fwd", "wu_fwd", "state_fwd", "output_fwd", "forgetting_start",
-                                           "segment_map_fwd", "segment_scan_fwd"}
+                                           "segment_map_fwd", "segment_scan_fwd", "chained_state_fwd"}
     for kernel in kernels:
         report = compile_kernel(kernel, target)
         assert report.spill_bytes == 0, f"{kernel.kernel} {kernel.specialization} spills"

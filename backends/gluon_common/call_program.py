@@ -165,6 +165,8 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
         if decided is None:
             return None
         offsets, cp = decided
+        if cp.chained:
+            return None  # the forward refuses it by name
         rows = B * T
         slots = num_slots(rows, N, CHUNK_SIZE)
         if counts_limits_reason(rows, slots, HV) is not None:

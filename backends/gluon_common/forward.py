@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch import native
-from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
+from gdn_dispatch.context_parallel import CPPlan, plan_for_problem, refuse_chained
 from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
 
@@ -95,7 +95,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             return forward(problem, device, engine=engine)
     # Plans read shapes, dtypes and flags, never strides: planned before any copy, so that
     # the path's own needs decide what is copied.
-    cp = plan_for_problem(problem, device.sm_count)
+    cp = refuse_chained(plan_for_problem(problem, device.sm_count), "gluon")
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     # The common forms in one native call, where the layer is built (None: not taken).
     pass_two = None
@@ -355,7 +355,7 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     device : DeviceInfo the launches are sized for (its SM count decides "auto").
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
-    cp = plan_for_problem(problem, device.sm_count)
+    cp = refuse_chained(plan_for_problem(problem, device.sm_count), "gluon")
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     if not cp.enabled:
         return CallPlan(context_parallel=cp, launches=launches, segments=None)

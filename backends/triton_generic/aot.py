@@ -18,6 +18,7 @@ from gdn_dispatch.backends.triton_generic.output import _output_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_map import (
     FORGETTING_CONFIG, MAP_NEGLIGIBLE_LOG2, _forgetting_start_kernel, _segment_map_fwd_kernel, l2_prefetch_chunks,
     maps_dtype, segment_map_config)
+from gdn_dispatch.backends.triton_generic.segment_chain import _chained_state_fwd_kernel
 from gdn_dispatch.backends.triton_generic.segment_scan import (
     _segment_scan_fwd_kernel, scan_block_kc, segment_scan_config)
 from gdn_dispatch.backends.triton_generic.state import _state_fwd_kernel
@@ -90,25 +91,44 @@ def _stage_kernels(dtype: str, H: int, HV: int, K: int, V: int, l2: bool, capabi
 def _context_parallel_kernels(dtype, H, HV, K, V, l2, ptr, prec, tag, capability) -> list[AotKernel]:
     """The segmented path's own kernels (pass 2 is the state and output kernels above): the
     forgetting starts, pass 1's maps (which write the segment table too), and the scan in
-    the "vk" layout with a pool."""
+    the "vk" layout with a pool; for chained segments the forgetting starts zeroing the
+    hand-over counts, pass 1 without M, and the chained state kernel (with a pool in the
+    "vk" layout, as servers keep states, on 16-bit data)."""
     out = []
     bf16_maps = maps_dtype({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]) \
         == torch.bfloat16
     m_hi = "*bf16" if bf16_maps else "*fp32"
     cfg = segment_map_config(K, V)
-    out.append(_kernel("forgetting_start", f"{tag}-BK{cfg.BK}", _forgetting_start_kernel,
-                       {"g_cum": "*fp32", "beta": ptr, "k": ptr, "cu_seqlens": "*i32", "f_start": "*fp32",
-                        "N": "i32", "L": "i32"},
-                       {"s_b": HV, "s_k": H * K, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK,
-                        "USE_L2NORM": l2, "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2}, FORGETTING_CONFIG))
-    out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}", _segment_map_fwd_kernel,
-                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "f_start": "*fp32",
-                        "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32",
-                        "m_hi": m_hi, "m_lo": "*bf16", "n_out": "*fp32"},
-                       {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
-                        "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
-                        "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability), "FORGET": True}, cfg))
+    for chain in (False, True):
+        suffix = "-chain" if chain else ""
+        f_start = "*i32" if chain else "*fp32"
+        out.append(_kernel("forgetting_start", f"{tag}-BK{cfg.BK}{suffix}", _forgetting_start_kernel,
+                           {"g_cum": "*fp32", "beta": ptr, "k": ptr, "cu_seqlens": "*i32", "f_start": f_start,
+                            "chain_flags": "*i32" if chain else f_start, "N": "i32", "L": "i32"},
+                           {"s_b": HV, "s_k": H * K, "H": H, "HV": HV, "K": K, "BT": 64, "BK": cfg.BK,
+                            "USE_L2NORM": l2, "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2, "CHAIN": chain},
+                           FORGETTING_CONFIG))
+        out.append(_kernel("segment_map_fwd", f"{tag}-BC{cfg.BV}{suffix}", _segment_map_fwd_kernel,
+                           {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "f_start": f_start,
+                            "cu_seqlens": "*i32", "seg_cu": "*i32", "N": "i32", "NSEG": "i32", "L": "i32",
+                            "m_hi": "*fp32" if chain else m_hi, "m_lo": "*fp32" if chain else "*bf16",
+                            "n_out": "*fp32"},
+                           {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BC": cfg.BV,
+                            "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
+                            "INTERPRET": False, "PREFETCH": l2_prefetch_chunks(capability), "FORGET": True,
+                            "CHAIN": chain}, cfg))
     pool = dtype == "bf16"
+    cfg = state_config(K, V, HV, _TYPES[dtype][1], capability)
+    out.append(_kernel("chained_state_fwd", f"{tag}-BV{cfg.BV}" + ("-vk-pool" if pool else "-kv"),
+                       _chained_state_fwd_kernel,
+                       {"k": ptr, "w": ptr, "u": ptr, "g_cum": "*fp32", "k_rnorm": "*fp32", "h": ptr, "v_new": ptr,
+                        "h0": "*bf16" if pool else "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
+                        "state_indices": "*i32", "f_start": "*i32", "hand": "*fp32", "chain_flags": "*i32",
+                        "P": "i32", "N": "i32", "NSEG": "i32", "L": "i32"},
+                       {"s_k": H * K, "H": H, "HV": HV, "K": K, "V": V, "BT": 64, "BK": cfg.BK, "BV": cfg.BV,
+                        "USE_H0": True, "USE_POOL": pool, "INPLACE": pool, "STORE_HT": True, "STATE_VK": pool,
+                        "USE_L2NORM": l2, "LOAD_RNORM": l2, "DOT_PREC": prec, "INTERP_BF16": False,
+                        "INTERPRET": False}, cfg))
     # The scan's configs: many (sequence, v-head) pairs, and one pair (narrower V blocks where
     # the part takes them).
     configs = {segment_scan_config(K, V, capability, pairs, 132, bf16_maps) for pairs in (10 ** 6, 1)}

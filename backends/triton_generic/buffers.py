@@ -33,7 +33,10 @@ def call_buffers(problem: GDNProblem, cp: CPPlan) -> tuple[torch.Tensor, ...]:
     pass 1's seg_cu ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
     (:func:`.segment_map.maps_dtype`), M_lo (bf16) and N ``[NSEG, HV, K, V]`` (float32),
     the scan's seg_h0 ``[NSEG, HV, K, V]`` (float32), then pass 2's h (over the segments'
-    chunk slots), v_new and o, and the final state (the scan writes it).
+    chunk slots), v_new and o, and the final state (the scan writes it). Chained (``cp.chained``),
+    after w and u: seg_cu, the forgetting starts (int32 ``[NSEG, HV]``), the hand-over
+    counts and ticket (int32 ``[NSEG + 1, HV]``, the ticket first in the last row) and N
+    ``[NSEG, HV, K, V]`` (float32), then h, v_new, o and the final state as segmented.
     """
     HV, K, V, l2 = problem.HV, problem.K, problem.V, problem.use_qk_l2norm
     form = buffer_form(problem, cp)
@@ -52,10 +55,12 @@ def call_buffers(problem: GDNProblem, cp: CPPlan) -> tuple[torch.Tensor, ...]:
 
 
 def buffer_form(problem: GDNProblem, cp: CPPlan) -> tuple:
-    """The call's form of buffers: ("unsegmented",) or ("segmented", offsets' dtype, maps'
-    dtype)."""
+    """The call's form of buffers: ("unsegmented",), ("segmented", offsets' dtype, maps'
+    dtype) or ("chained", offsets' dtype)."""
     if not cp.enabled:
         return ("unsegmented",)
+    if cp.chained:
+        return ("chained", problem.chunks.cu_seqlens.dtype)
     return ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype))
 
 
@@ -73,6 +78,9 @@ def buffer_specs(problem: GDNProblem, form: tuple) -> list[tuple[tuple[int, ...]
     if form[0] == "segmented":
         specs += [((-5,), form[1], mid), ((-6, HV, K, K), form[2], mid), ((-6, HV, K, K), torch.bfloat16, mid),
                   ((-6, HV, K, V), f32, mid), ((-6, HV, K, V), f32, mid)]
+    elif form[0] == "chained":
+        specs += [((-5,), form[1], mid), ((-6, HV), torch.int32, mid), ((-5, HV), torch.int32, mid),
+                  ((-6, HV, K, V), f32, mid)]
     specs += [((-4, HV, K, V), None, mid), ((-1, -2, HV, V), None, mid), ((-1, -2, HV, V), None)]
     if problem.output_final_state:
         specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), f32))

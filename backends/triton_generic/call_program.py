@@ -180,6 +180,8 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
         if decided is None:
             return None
         offsets, cp = decided
+        if cp.chained:
+            return None  # no program for chained segments: the forward launches them
         rows = B * T
         counts = (N, rows, rows * H, num_slots(rows, N, CHUNK_SIZE), pool_rows(h0, indices))
         if cp.enabled:
@@ -287,7 +289,7 @@ def _segment_steps(step, problem: GDNProblem, capability, buf: dict, k, beta, cu
     cfg = segment_map_config(Kd, Vd)
     n, nseg, seg_len = count_ref(COUNT_N), count_ref(COUNT_NSEG), count_ref(COUNT_L)
     step(_forgetting_start_kernel, FORGETTING_CONFIG, forgetting_start_launch_args(
-        buf["g_cum"], beta, k, cu, f_start, n, seg_len, s_b, s_k, H, HV, Kd, cfg.BK, use_qk_l2norm=l2),
+        buf["g_cum"], beta, k, cu, f_start, f_start, n, seg_len, s_b, s_k, H, HV, Kd, cfg.BK, use_qk_l2norm=l2),
         (0, False, HV, 1, 0), -1, COUNT_NSEG)
     step(_segment_map_fwd_kernel, cfg, segment_map_launch_args(
         cfg, problem.q.dtype, k, buf["w"], buf["u"], buf["g_cum"], buf.get("k_rnorm", buf["g_cum"]), f_start, cu,

@@ -7,6 +7,10 @@
     h, v_new     = state_fwd(k, w, u, g_cum, segments, seg_h0) # pass 2: the normal stages 4 + 5,
     o            = output_fwd(q, k, v_new, h, g_cum, segments) #   segments as the sequences
 
+Chained segments (``plan.chained``, :func:`chained_fwd`) form no M and run no scan: pass 1
+maps only what the segments forget, and pass 2 (:mod:`.segment_chain`) hands each
+segment's end state to the next.
+
 Segments are cut at multiples of ``L`` (a multiple of the chunk) inside each sequence, so
 the per-chunk stages 1-3 (gate cumsum, w, u) are the call's own and run before. The plan
 (:func:`gdn_dispatch.context_parallel.plan_for_problem`) is made on the host from shapes
@@ -22,6 +26,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.varlen import ChunkTable, new_table, num_slots
 
 from gdn_dispatch.backends.triton_generic.output import output_fwd
+from gdn_dispatch.backends.triton_generic.segment_chain import chained_state_fwd
 from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
 from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
@@ -120,4 +125,47 @@ def segmented_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: tor
                             k_rnorm=k_rnorm, sm_count=sm_count, out=None if out is None else (*out[5:7], None))
     o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,
                    k_rnorm=k_rnorm, out=None if out is None else out[7])
+    return o, final_state
+
+
+def chained_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
+                k_rnorm: torch.Tensor | None, sm_count: int | None = None,
+                out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 4 and 5 of ``problem`` over the chained segments of ``plan``
+    (``plan.chained``): the forgetting starts, pass 1's N where a segment forgets, then
+    pass 2 chained (:mod:`.segment_chain`) and the output over the segments.
+
+    Parameters
+    ----------
+    problem, plan, g_cum, w, u, k_rnorm, sm_count : as :func:`segmented_fwd` takes them.
+    out : (seg_cu, f_start, chain_flags, N, h, v_new, o, final state or None) as
+        :func:`.buffers.call_buffers` allocates them for a chained plan, or None to
+        allocate them in the launching functions.
+
+    Returns
+    -------
+    o, final_state : as :func:`segmented_fwd` returns them.
+    """
+    l2, chunks, NSEG, HV = problem.use_qk_l2norm, problem.chunks, plan.num_segments, problem.HV
+    if out is None:
+        device = problem.k.device
+        seg_cu, hand = None, None
+        f_start = torch.empty(NSEG * HV, dtype=torch.int32, device=device)
+        flags = torch.empty(NSEG * HV + 1, dtype=torch.int32, device=device)
+        stages = None
+    else:
+        seg_cu, f_start, flags, hand, *stages = out
+        f_start, flags = f_start.view(-1), flags.view(-1)
+    seg_cu, _, _, hand = segment_map_fwd(
+        problem.k, w, u, g_cum, chunks.cu_seqlens, plan.seg_len, use_qk_l2norm=l2, k_rnorm=k_rnorm,
+        beta=problem.beta, f_start=f_start, chain_flags=flags, out=None if out is None else (seg_cu, None, None, hand))
+    segments = segment_table(chunks, problem.B * problem.T, plan, seg_cu)
+    h, v_new, final_state = chained_state_fwd(
+        problem.k, w, u, g_cum, chunks.cu_seqlens, segments, plan.seg_len, f_start, hand, flags,
+        initial_state=problem.initial_state, output_final_state=problem.output_final_state,
+        state_vk=problem.state_layout is StateLayout.VK, use_qk_l2norm=l2, k_rnorm=k_rnorm,
+        state_indices=problem.state_indices, inplace_final_state=problem.inplace_final_state, sm_count=sm_count,
+        out=None if stages is None else (stages[0], stages[1], stages[3]))
+    o = output_fwd(problem.q, problem.k, v_new, h, g_cum, segments, scale=problem.scale, use_qk_l2norm=l2,
+                   k_rnorm=k_rnorm, out=None if stages is None else stages[2])
     return o, final_state

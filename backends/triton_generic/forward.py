@@ -27,7 +27,7 @@ from gdn_dispatch.backends.triton_generic.buffers import call_buffers
 from gdn_dispatch.backends.triton_generic.call_program import route_runner as _route_runner
 from gdn_dispatch.backends.triton_generic.call_program import run_call, run_segmented_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
-from gdn_dispatch.backends.triton_generic.context_parallel import segmented_fwd
+from gdn_dispatch.backends.triton_generic.context_parallel import chained_fwd, segmented_fwd
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
 from gdn_dispatch.backends.triton_generic.output import output_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
@@ -61,7 +61,11 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
     plan = plan_for_problem(problem, sm_count)
     # The common forms in one native call, where the layer is built (None: not taken).
-    done = run_segmented_call(problem, plan, sm_count) if plan.enabled else run_call(problem, sm_count)
+    # (Chained segments have no call program yet: the launches below run them.)
+    if plan.chained:
+        done = None
+    else:
+        done = run_segmented_call(problem, plan, sm_count) if plan.enabled else run_call(problem, sm_count)
     if done is not None:
         return done
     # g_cum, 1/||k|| per token (formed once by the w/u kernel and read by the later stages,
@@ -75,7 +79,8 @@ def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor
     w, u = wu_fwd(problem.k, problem.v, g_cum, problem.beta, chunks, A_inv=A_inv,
                   g=problem.g if A_inv is None else None, use_qk_l2norm=l2, k_rnorm=k_rnorm, out=(w, u))
     if plan.enabled:
-        return segmented_fwd(problem, plan, g_cum, w, u, k_rnorm, sm_count, out=stages)
+        stitched = chained_fwd if plan.chained else segmented_fwd
+        return stitched(problem, plan, g_cum, w, u, k_rnorm, sm_count, out=stages)
     h, v_new, o, final_state = stages
     h, v_new, final_state = state_fwd(
         problem.k, w, u, g_cum, chunks,

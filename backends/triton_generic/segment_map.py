@@ -64,12 +64,11 @@ from gdn_dispatch.backends.triton_generic.strides import token_stride
 
 
 @jit
-def _segment_bounds(cu_seqlens, N, L, slot):
-    """``(bos, eos)`` of segment slot ``slot``: its sequence is the largest ``n`` with
-    ``cu[n] // L + n <= slot``, found by bisection over ``[0, N)`` (``ceil(log2(N))``
-    halvings counted at run time, keeping ``cu[lo] // L + lo <= slot``); the segment starts
-    ``slot - (cu[n] // L + n)`` lengths ``L`` into it and ends ``L`` later, both clamped to
-    the sequence's end."""
+def _slot_sequence(cu_seqlens, N, L, slot):
+    """The sequence ``n`` that owns segment slot ``slot`` and its token bounds ``(n, bos,
+    eos)``: the largest ``n`` with ``cu[n] // L + n <= slot``, found by bisection over ``[0,
+    N)`` (``ceil(log2(N))`` halvings counted at run time, keeping ``cu[lo] // L + lo <=
+    slot``). Its slots are ``bos // L + n .. eos // L + n``."""
     lo = slot * 0
     hi = lo + N
     span = N * 0 + 1
@@ -81,7 +80,16 @@ def _segment_bounds(cu_seqlens, N, L, slot):
         span *= 2
     seq_bos = tl.load(cu_seqlens + lo).to(tl.int64)
     seq_eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    start = seq_bos + (slot - (seq_bos // L + lo)) * L
+    return lo, seq_bos, seq_eos
+
+
+@jit
+def _segment_bounds(cu_seqlens, N, L, slot):
+    """``(bos, eos)`` of segment slot ``slot``: the segment starts ``slot - (cu[n] // L +
+    n)`` lengths ``L`` into its sequence ``n`` (:func:`_slot_sequence`) and ends ``L``
+    later, both clamped to the sequence's end."""
+    n, seq_bos, seq_eos = _slot_sequence(cu_seqlens, N, L, slot)
+    start = seq_bos + (slot - (seq_bos // L + n)) * L
     return tl.minimum(start, seq_eos), tl.minimum(start + L, seq_eos)
 
 
@@ -116,6 +124,7 @@ def _forgetting_start_kernel(
     k,
     cu_seqlens,
     f_start,
+    chain_flags,
     N,
     L,
     s_b: tl.constexpr,
@@ -127,6 +136,7 @@ def _forgetting_start_kernel(
     BK: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     NEGLIGIBLE_LOG2: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
     """``f_start[slot * HV + h]``: the first chunk of segment slot ``slot``'s shortest suffix
     of chunks whose map on v-head ``h``'s state is provably below ``2^NEGLIGIBLE_LOG2`` in
@@ -134,8 +144,16 @@ def _forgetting_start_kernel(
     tokens ``min beta >= 0`` and ``max beta * max ||k||^2 <= 2`` (``||k||^2 <= 1`` after
     the l2 norm): each token's factor ``I - beta k k^T`` then has norm at most 1, so the
     suffix's map is bounded by its decay. A NaN beta counts as negative and a NaN key norm
-    as infinite, so a NaN in the suffix keeps the whole segment walked."""
+    as infinite, so a NaN in the suffix keeps the whole segment walked.
+
+    With ``CHAIN`` (chained segments, :mod:`.segment_chain`) it also zeroes the hand-over
+    count of its (slot, v-head), ``chain_flags[slot * HV + h]``, and program 0 the ticket
+    after them, ``chain_flags[NSEG * HV]``: pass 2 starts from a clean slate on every call
+    (a CUDA graph's replay included) without a launch of its own."""
     pid = tl.program_id(0).to(tl.int64)
+    if CHAIN:
+        tl.store(chain_flags + pid, 0)
+        tl.store(chain_flags + tl.num_programs(0), 0, mask=pid == 0)
     i_h = pid % HV
     bos, eos = _segment_bounds(cu_seqlens, N, L, pid // HV)
     c0 = _gate_suffix(g_cum, bos, eos, i_h, HV, BT, NEGLIGIBLE_LOG2, 128)
@@ -196,11 +214,12 @@ def _segment_map_fwd_kernel(
     INTERPRET: tl.constexpr,
     PREFETCH: tl.constexpr,
     FORGET: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
     # Axis 0: (segment slot, v-head, column block), the column block fastest: the blocks of
-    # one head stream the same w and k rows at the same time.
+    # one head stream the same w and k rows at the same time. CHAIN: N's blocks alone.
     NVB: tl.constexpr = (V + BC - 1) // BC
-    NCB: tl.constexpr = NVB + (K + BC - 1) // BC
+    NCB: tl.constexpr = NVB + (0 if CHAIN else (K + BC - 1) // BC)
     pid = tl.program_id(0).to(tl.int64)
     i_cb, i_sh = pid % NCB, pid // NCB
     i_h = i_sh % HV
@@ -224,7 +243,8 @@ def _segment_map_fwd_kernel(
         f0 = tl.load(f_start + i_sh).to(tl.int64)
     else:
         f0 = bos * 0 - 1
-    start = tl.where(f0 < 0, bos, tl.where(is_m, eos, bos + f0 * BT))
+    # CHAIN: a segment that does not forget is not walked (pass 2 hands its state on).
+    start = tl.where(f0 < 0, eos if CHAIN else bos, tl.where(is_m, eos, bos + f0 * BT))
     b_s = tl.where((o_k[:, None] == o_c[None, :]) & (o_c < tl.where(f0 < 0, m_cols, 0))[None, :], 1.0, 0.0)
 
     # The state kernel's walk without its stores (h and v_new are not written: m_hi and
@@ -309,9 +329,10 @@ def segment_map_fwd(
     k_rnorm: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     f_start: torch.Tensor | None = None,
+    chain_flags: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
     head, M split in two; with ``beta``, but for what a segment provably forgets (module
     docstring): where a suffix of its chunks maps the state below
@@ -332,9 +353,13 @@ def segment_map_fwd(
         entries for the forgetting starts (the launch before pass 1 writes them, pass 1
         reads them), or None to allocate them here. A segmented call lends its scan's start
         states, which the scan writes only after pass 1 has read them.
+    chain_flags : int32 Tensor of at least ``NSEG * HV + 1`` contiguous entries, or None.
+        Given, the maps of chained segments (:mod:`.segment_chain`; needs ``beta``): no M
+        (``M_hi``, ``M_lo`` come back None), N only where a segment forgets its start (the
+        other segments' N is pass 2's to write), and the flags zeroed for pass 2.
     config : LaunchConfig override (BV is the column block BC).
-    out : (seg_cu, M_hi, M_lo, N) allocated by the caller (contiguous, as returned below),
-        or None to allocate them here.
+    out : (seg_cu, M_hi, M_lo, N) allocated by the caller (contiguous, as returned below;
+        M_hi and M_lo None with ``chain_flags``), or None to allocate them here.
 
     Returns
     -------
@@ -352,56 +377,71 @@ def segment_map_fwd(
     B, T, H, K = k.shape
     HV, V = u.shape[-2], u.shape[-1]
     N = cu_seqlens.shape[0] - 1
-    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out)
+    chain = chain_flags is not None
+    if chain and beta is None:
+        raise ValueError("chain_flags: chained segments need beta (pass 1 maps only the segments that forget)")
+    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out, chain=chain)
     if NSEG == 0:  # no sequence and no token: the table is [0]
         return seg_cu.zero_(), m_hi, m_lo, n_out
     cfg = config or segment_map_config(K, V)
     s_k = token_stride("k", k)
     forget = beta is not None
     if forget:
-        if f_start is None:
-            f_start = torch.empty(NSEG * HV, dtype=torch.float32, device=k.device)
-        elif f_start.dtype not in (torch.float32, torch.int32) or not f_start.is_contiguous() \
-                or f_start.numel() < NSEG * HV:
-            raise ValueError(f"f_start: expected a contiguous float32 or int32 tensor of at least NSEG x HV = "
-                             f"{NSEG * HV} entries, got {f_start.dtype} {tuple(f_start.shape)}")
+        f_start = _checked_buffer("f_start", f_start, (torch.float32, torch.int32), NSEG * HV, "NSEG x HV", k.device)
+        if chain:
+            _checked_buffer("chain_flags", chain_flags, (torch.int32,), NSEG * HV + 1, "NSEG x HV + 1", k.device)
         launch(_forgetting_start_kernel, (NSEG * HV,), FORGETTING_CONFIG, **forgetting_start_launch_args(
-            g_cum, beta, k, cu_seqlens, f_start, N, seg_len, token_stride("beta", beta), s_k, H, HV, K, cfg.BK,
-            use_qk_l2norm=use_qk_l2norm))
+            g_cum, beta, k, cu_seqlens, f_start, chain_flags if chain else f_start, N, seg_len,
+            token_stride("beta", beta), s_k, H, HV, K, cfg.BK, use_qk_l2norm=use_qk_l2norm, chain=chain))
     # Host ceil-divisions: triton.cdiv is a constexpr function, slow on a call's host path.
-    grid = (NSEG * HV * segment_map_blocks(K, V, cfg),)
+    grid = (NSEG * HV * segment_map_blocks(K, V, cfg, chain),)
     launch(_segment_map_fwd_kernel, grid, cfg, **segment_map_launch_args(
         cfg, k.dtype, k, w, u, g_cum, k_rnorm if k_rnorm is not None else g_cum, f_start if forget else g_cum,
-        cu_seqlens, seg_cu, N, NSEG, seg_len, m_hi, m_lo, n_out, s_k, H, HV, K, V, use_qk_l2norm=use_qk_l2norm,
-        load_rnorm=use_qk_l2norm and k_rnorm is not None, capability=device_facts(k.device)[0], forget=forget))
+        cu_seqlens, seg_cu, N, NSEG, seg_len, n_out if chain else m_hi, n_out if chain else m_lo, n_out, s_k, H, HV,
+        K, V, use_qk_l2norm=use_qk_l2norm, load_rnorm=use_qk_l2norm and k_rnorm is not None,
+        capability=device_facts(k.device)[0], forget=forget, chain=chain))
     return seg_cu, m_hi, m_lo, n_out
 
 
+def _checked_buffer(name: str, buf: torch.Tensor | None, dtypes: tuple, entries: int, what: str,
+                    device: torch.device) -> torch.Tensor:
+    """``buf`` where it is a contiguous tensor of one of ``dtypes`` with at least
+    ``entries`` entries (else a ValueError naming it); a new one of ``dtypes[0]`` for None."""
+    if buf is None:
+        return torch.empty(entries, dtype=dtypes[0], device=device)
+    if buf.dtype not in dtypes or not buf.is_contiguous() or buf.numel() < entries:
+        kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: expected a contiguous {kinds} tensor of at least {what} = {entries} entries, "
+                         f"got {buf.dtype} {tuple(buf.shape)}")
+    return buf
+
+
 def maps_buffers(k: torch.Tensor, u: torch.Tensor, cu_seqlens: torch.Tensor, seg_len: int,
-                 out: tuple | None = None) -> tuple[int, tuple]:
+                 out: tuple | None = None, *, chain: bool = False) -> tuple[int, tuple]:
     """The segment slot count ``NSEG`` of a pass 1 over k ``[B, T, H, K]``, u ``[B, T, HV,
     V]`` and ``cu_seqlens``, with what it writes: (seg_cu, M_hi, M_lo, N) as
-    :func:`segment_map_fwd` returns them, ``out`` where the caller allocated them."""
+    :func:`segment_map_fwd` returns them (M_hi and M_lo None for ``chain``), ``out`` where
+    the caller allocated them."""
     B, T, _, K = k.shape
     HV, V = u.shape[-2], u.shape[-1]
     NSEG = B * T // seg_len + cu_seqlens.shape[0] - 1
     if out is not None:
         return NSEG, tuple(out)
-    return NSEG, (torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device),
-                  torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device),
-                  torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device),
+    maps = (None, None) if chain else (torch.empty(NSEG, HV, K, K, dtype=maps_dtype(k.dtype), device=k.device),
+                                       torch.empty(NSEG, HV, K, K, dtype=torch.bfloat16, device=k.device))
+    return NSEG, (torch.empty(NSEG + 1, dtype=cu_seqlens.dtype, device=k.device), *maps,
                   torch.empty(NSEG, HV, K, V, dtype=torch.float32, device=k.device))
 
 
-def segment_map_blocks(K: int, V: int, cfg: LaunchConfig) -> int:
+def segment_map_blocks(K: int, V: int, cfg: LaunchConfig, chain: bool = False) -> int:
     """Pass 1's programs per (segment slot, v-head): the BC-wide blocks of N's ``V`` columns
-    and of M's ``K``."""
-    return -(-V // cfg.BV) - (-K // cfg.BV)
+    and, but for chained segments (``chain``), of M's ``K``."""
+    return -(-V // cfg.BV) + (0 if chain else -(-K // cfg.BV))
 
 
 def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, f_start, cu_seqlens, seg_cu, num_seqs,
                             num_segments, seg_len, m_hi, m_lo, n_out, s_k, H, HV, K, V, *, use_qk_l2norm, load_rnorm,
-                            capability, forget) -> dict:
+                            capability, forget, chain=False) -> dict:
     """Every argument of one ``_segment_map_fwd_kernel`` launch by name, unused ``k_rnorm``
     and ``f_start`` (without ``forget``) already replaced by a stand-in, for a part of
     ``capability`` (what :func:`segment_map_fwd` launches with; a call program binds the
@@ -412,7 +452,7 @@ def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, f_start, cu_seq
         N=num_seqs, NSEG=num_segments, L=seg_len, m_hi=m_hi, m_lo=m_lo, n_out=n_out, s_k=s_k, H=H, HV=HV, K=K, V=V,
         BT=64, BK=cfg.BK, BC=cfg.BV, USE_L2NORM=use_qk_l2norm, LOAD_RNORM=load_rnorm, DOT_PREC=dot_prec,
         INTERP_BF16=interp_bf16_dots(dtype), INTERPRET=interpreting(), PREFETCH=l2_prefetch_chunks(capability),
-        FORGET=forget)
+        FORGET=forget, CHAIN=chain)
 
 
 #: The forgetting-start launch: one program of 4 warps per (segment slot, v-head), reading
@@ -420,10 +460,11 @@ def segment_map_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, f_start, cu_seq
 FORGETTING_CONFIG = LaunchConfig(num_warps=4, num_stages=1)
 
 
-def forgetting_start_launch_args(g_cum, beta, k, cu_seqlens, f_start, num_seqs, seg_len, s_b, s_k, H, HV, K, BK, *,
-                                 use_qk_l2norm) -> dict:
+def forgetting_start_launch_args(g_cum, beta, k, cu_seqlens, f_start, chain_flags, num_seqs, seg_len, s_b, s_k, H,
+                                 HV, K, BK, *, use_qk_l2norm, chain=False) -> dict:
     """Every argument of one ``_forgetting_start_kernel`` launch by name (grid ``NSEG * HV``
-    programs), as :func:`segment_map_fwd` and the call programs launch it."""
-    return dict(g_cum=g_cum, beta=beta, k=k, cu_seqlens=cu_seqlens, f_start=f_start, N=num_seqs, L=seg_len, s_b=s_b,
-                s_k=s_k, H=H, HV=HV, K=K, BT=64, BK=BK, USE_L2NORM=use_qk_l2norm,
-                NEGLIGIBLE_LOG2=MAP_NEGLIGIBLE_LOG2)
+    programs; ``chain_flags`` a stand-in but for ``chain``), as :func:`segment_map_fwd`
+    and the call programs launch it."""
+    return dict(g_cum=g_cum, beta=beta, k=k, cu_seqlens=cu_seqlens, f_start=f_start, chain_flags=chain_flags,
+                N=num_seqs, L=seg_len, s_b=s_b, s_k=s_k, H=H, HV=HV, K=K, BT=64, BK=BK, USE_L2NORM=use_qk_l2norm,
+                NEGLIGIBLE_LOG2=MAP_NEGLIGIBLE_LOG2, CHAIN=chain)

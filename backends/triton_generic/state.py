@@ -109,6 +109,22 @@ def _sequence_program(cu_seqlens, HV: tl.constexpr, V: tl.constexpr, BV: tl.cons
 
 
 @jit
+def _state_row(state_indices, P, i_n, K: tl.constexpr, USE_POOL: tl.constexpr):
+    """Where sequence ``i_n``'s initial and final states live: its row of the initial /
+    final states, or with a pool row ``state_indices[i_n]``, and the rows of K the row
+    admits (K, or 0 for a pool index outside ``[0, P)``: no row)."""
+    if USE_POOL:
+        i_slot = tl.load(state_indices + i_n).to(tl.int64)
+        has_row = (i_slot >= 0) & (i_slot < P)
+        i_row = tl.where(has_row, i_slot, 0)
+        k_rows = tl.where(has_row, K, 0)
+    else:
+        i_row = i_n
+        k_rows = K
+    return i_row, k_rows
+
+
+@jit
 def _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, USE_POOL: tl.constexpr,
                  STATE_VK: tl.constexpr):
@@ -118,14 +134,7 @@ def _start_state(h0, state_indices, P, i_n, i_h, o_k, o_v, HV: tl.constexpr, K: 
 
     With a state pool the state lives in pool row ``state_indices[i_n]``; an index outside
     ``[0, P)`` (-1 marks CUDA-graph padding) starts from zeros and writes nothing back."""
-    if USE_POOL:
-        i_slot = tl.load(state_indices + i_n).to(tl.int64)
-        has_row = (i_slot >= 0) & (i_slot < P)
-        i_row = tl.where(has_row, i_slot, 0)
-        k_rows = tl.where(has_row, K, 0)
-    else:
-        i_row = i_n
-        k_rows = K
+    i_row, k_rows = _state_row(state_indices, P, i_n, K, USE_POOL)
     if USE_H0:
         p_s, m_s = _state_ptrs(h0 + (i_row * HV + i_h) * K * V, o_k, o_v, K, V, STATE_VK, k_rows)
         b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)
