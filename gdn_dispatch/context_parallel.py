@@ -50,9 +50,15 @@ segment ``j - 1``'s ``N`` where that one forgets, else waits for segment ``j - 1
 program to hand over its end state (programs take their work in segment order from a
 ticket, so a program only waits on one that is already running). Under gates that forget
 the segments run in parallel; under gates that never forget the walk is as serial as
-"off" and costs a hand-over per segment. ``chain_fill`` is 0 (the band is empty) until the
-chain is timed against "off"; a backend without the chain (:data:`CHAIN_BACKENDS`) refuses
-a chained plan by name.
+"off" and costs a hand-over per segment. Pass 2 keeps the unsegmented call's V-block (a
+wider one, as the mapped segments take on their slots, would make the serial walk slower
+than "off": on the H200 a chunk step takes about 3.1 µs at BV = 128 on two warpgroups
+against 1.4 at BV = 32, from the fused kernel's timings behind its configuration rule). So the chain can only gain where one slot's programs at that V-block leave SMs
+idle: below about half the SMs in programs of 64 columns (one sequence of 32 v-heads at
+V = 128 already fills the H200 at BV = 32, and gains nothing). ``chain_fill`` is 0 (the
+band is empty) until the chain is timed against "off"; 0.5 is the band where it can gain.
+Every backend with context parallelism runs chained plans (the reference computes their
+results as any segmented call's).
 """
 
 from __future__ import annotations
@@ -67,8 +73,6 @@ CHUNK = 64
 COUNTED_BV = 64
 #: Accepted values of ``context_parallel`` besides a positive segment count.
 MODES = ("auto", "off")
-#: Backends whose pass 2 runs chained segments (:attr:`CPPlan.chained`).
-CHAIN_BACKENDS = ("triton_generic",)
 
 
 @dataclass(frozen=True)
@@ -255,16 +259,6 @@ def _chained(programs: int, T_total: int, N: int, sm_count: int, max_len: int | 
     if chunks < 2 * seg_chunks:
         return _off(f"{band}; {what} of {chunks} chunks gives fewer than 2 chained segments of {seg_chunks}")
     return _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True)
-
-
-def refuse_chained(plan: CPPlan, backend: str) -> CPPlan:
-    """``plan``, unless it is chained and ``backend`` runs no chained segments: then a
-    NotImplementedError naming the backend and the constant that planned them."""
-    if plan.chained and backend not in CHAIN_BACKENDS:
-        raise NotImplementedError(
-            f"context_parallel: {backend} has no chained segments, which CPTuning.chain_fill > 0 planned for this "
-            f"call ({plan.reason}); backends with them: {', '.join(CHAIN_BACKENDS)}")
-    return plan
 
 
 def plan_for_problem(problem, sm_count: int, tuning: CPTuning | None = None) -> CPPlan:

@@ -274,6 +274,11 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
     from gdn_dispatch.backends.gluon_common.forward import plan_call
 
     call = plan_call(problem, device, engine=module.ENGINE)
+    if call.context_parallel.chained:
+        # Chained segments: the front stages, pass 1 with N's blocks alone and the fused
+        # kernel over the segment slots with the call's flags (no scan).
+        keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}
+        return frozenset(keys | {_launch_key(call.segment_map), _launch_key(call.state_output)})
     if call.segments is None:
         return frozenset(_launch_key(launch) for launch in call.launches.stages)
     keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}

@@ -5,10 +5,10 @@
 For every (backend, tool) pair a child process runs the calls below under
 ``compute-sanitizer --tool TOOL --report-api-errors no`` (the cuda-python probe's lookups of
 driver symbols otherwise count as API errors) and the parent reads the tool's error summary.
-The calls cover ragged tails and empty sequences, grouped value heads, both state layouts,
-K != V and the qk l2 norm, and per backend one call cut into segments (context
-parallelism; on triton_generic also one in chained segments, whose programs wait on each
-other's hand-overs), one on a state pool read and written in place (a -1 index among them) and
+The calls cover ragged tails and empty sequences (the first one too), grouped value heads,
+both state layouts, K != V and the qk l2 norm, and per backend one call cut into segments
+(context parallelism, and one in chained segments, whose programs wait on each other's
+hand-overs), one on a state pool read and written in place (a -1 index among them) and
 one on the views of a fused projection; each is also checked against the reference (pool
 rows too), so a run that is clean but wrong fails too. Every call runs :data:`REPEATS`
 times, so that with the native layer on the tools also see the calls a route runs (the
@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
+        ([0, 65, 130], 2, 4, 32, 48, "bfloat16", "kv", False),
         ([15, 64, 0, 70], 4, 4, 96, 16, "float16", "vk", True),
         ([64, 1], 1, 2, 128, 32, "bfloat16", "vk", False),
         ([33, 100], 2, 2, 8, 8, "float32", "kv", True),
@@ -55,9 +56,11 @@ CALLS = {
     ],
     "gluon_sm100": [
         ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False),
+        ([0, 65, 130], 2, 4, 128, 128, "bfloat16", "kv", False),
         ([15, 64, 0, 70], 2, 8, 64, 128, "float16", "vk", True),
         ([64, 129], 1, 2, 128, 64, "bfloat16", "vk", True),
         ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "vk", True, {"cp": 3}),
+        ([700, 0, 129, 1000], 1, 4, 128, 128, "bfloat16", "vk", False, {"chain": True, "pool": "bfloat16"}),
         ([70, 1, 64], 2, 4, 128, 64, "bfloat16", "kv", False, {"pool": "float32"}),
         ([65, 130], 2, 4, 64, 128, "bfloat16", "kv", True, {"fused": True}),
     ],

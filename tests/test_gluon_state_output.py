@@ -71,7 +71,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
-                                 "USE_POOL": False, "INPLACE": False,
+                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False,
                                  "NUM_BUF": so.state_output_ring_slots(K, BV, 2, launch.num_warps,
                                                                        smem_per_block=SMEM_OPTIN[capability]),
                                  **({} if scatters else {"o_rows_desc": None})}
@@ -244,7 +244,7 @@ def test_plan_flags():
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
                                                                      launch.num_warps), "o_rows_desc": None,
-                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3}
+                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3, "CHAIN": False}
     assert launch.blocks["BV"] == 32  # not the register-bound BV = 64 build: a third slot
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
@@ -262,11 +262,19 @@ def test_aot_list(capability):
     # tails x layout x l2 (16); then three initial/final state flips; two pools per
     # configuration, a pool only read and a bfloat16 initial state; int64 cu_seqlens at
     # K = V = 128 (3 configurations), and there context parallelism's second pass (tails x
-    # l2, one of them already among the flips).
+    # l2, one of them already among the flips); chained segments' pass 2 at K = V = 128 (3
+    # configurations x a float32 "kv" state and a bfloat16 "vk" pool written back).
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
     assert len(configs) == 10
-    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3 + 3 * 4 - 1
+    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3 + 3 * 4 - 1 + 3 * 2
+    chained = [k for k in kernels if k.constexprs["CHAIN"]]
+    assert len(chained) == 6 and all(k.specialization.endswith("-chain") for k in chained)
+    assert {(k.signature["f_start"], k.signature["chain_flags"], k.signature["hand"]) for k in chained} == \
+        {("*i32", "*i32", "*fp32")}
+    assert {(k.constexprs["USE_POOL"], k.constexprs["STATE_VK"], k.constexprs["STORE_HT"]) for k in chained} == \
+        {(False, False, True), (True, True, False)}
+    kernels = [k for k in kernels if not k.constexprs["CHAIN"]]
     # Segments start from float32 "kv" states and return no final state of their own.
     pass2 = {(k.signature["u_desc"], k.num_warps, k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"])
              for k in kernels

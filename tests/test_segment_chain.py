@@ -1,6 +1,7 @@
 """Chained segments (context parallelism without segment maps or a scan): the planner's
-band, the refusal where a backend has none, and triton_generic's chained pass 2 against the
-unsegmented call and the reference, every buffer poisoned first."""
+band, the Gluon dry run, and the chained pass 2 against the unsegmented call and the
+reference, every buffer poisoned first (triton_generic under the interpreter; both
+backends on a GPU)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import torch
 
 from gdn_dispatch import chunk_gated_delta_rule, reference
 from gdn_dispatch import context_parallel as cp_module
-from gdn_dispatch.context_parallel import CPPlan, CPTuning, plan_context_parallel, refuse_chained
+from gdn_dispatch.context_parallel import CPPlan, CPTuning, plan_context_parallel
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.registry import CallSpec, explain
 from gdn_dispatch.testing import padded_pool, random_call, rel_rms_error
 
+from gdn_dispatch.backends.gluon_common.state_output import state_output_config
 from gdn_dispatch.backends.triton_generic.configs import state_config
 
 TG_FORWARD = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")
@@ -79,15 +81,33 @@ def test_plans_read_the_replaced_tuning(monkeypatch):
     assert plan.chained and plan.seg_len == 1024
 
 
-def test_a_backend_without_the_chain_refuses_it_by_name(monkeypatch):
-    plan = _auto()
-    assert refuse_chained(plan, "triton_generic") is plan
-    with pytest.raises(NotImplementedError, match=r"gluon has no chained segments.*CPTuning\.chain_fill"):
-        refuse_chained(plan, "gluon")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_gluon_plan_call_runs_chained_segments(arch, monkeypatch):
+    """The dry run of a chained call: wy, pass 1 with N's blocks alone, and the fused kernel
+    in the unsegmented call's configuration with the call's own state flags (a "vk" pool
+    written back in place, the final state) over the segment slots; no scan."""
     monkeypatch.setattr(cp_module, "TUNING", CHAIN)
-    problem = make_problem(**_band_call(1), output_final_state=True)
-    with pytest.raises(NotImplementedError, match="gluon has no chained segments"):
-        GLUON_FORWARD.plan_call(problem, assumed_device("sm_90"))
+    call = random_call(lengths=[4096], H=1, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=1, state_layout="vk")
+    idx = torch.tensor([0], dtype=torch.int32)
+    problem = make_problem(**call, output_final_state=True, state_indices=idx, inplace_final_state=True)
+    device = assumed_device(arch)
+    planned = GLUON_FORWARD.plan_call(problem, device)
+    cp = planned.context_parallel
+    assert cp.chained and cp.seg_len == 1024 and cp.num_segments == 4096 // 1024 + 1
+    assert planned.kernels == ("wy_fwd", "segment_map_fwd", "state_output_fwd")
+    one = planned.segment_map
+    assert one.constexprs["CHAIN"] and one.grid[0] == cp.num_segments * 32 * 128 // one.blocks["BC"]
+    two = planned.state_output
+    unsegmented = GLUON_FORWARD.plan_call(make_problem(**call, output_final_state=True, state_indices=idx,
+                                                       inplace_final_state=True, context_parallel="off"), device)
+    base = unsegmented.state_output
+    assert two.blocks == base.blocks and two.num_warps == base.num_warps
+    assert two.grid[0] == cp.num_segments * 32 * two.blocks["NV"]
+    assert two.constexprs == {**base.constexprs, "CHAIN": True}
+    flags = two.constexprs
+    assert (flags["USE_H0"], flags["STORE_HT"], flags["STATE_VK"], flags["USE_POOL"], flags["INPLACE"]) == \
+        (True, True, True, True, True)
+    assert not base.constexprs["CHAIN"]
 
 
 def test_explain_names_chained_segments(monkeypatch):
@@ -109,17 +129,20 @@ def _gates(call: dict, per_head: list[float]) -> dict:
     return {**call, "g": call["g"] * scale}
 
 
-def _chained_run(problem, seg_len: int, monkeypatch):
-    """``problem`` through triton_generic's forward on chained segments of ``seg_len``
-    tokens, every buffer of the call poisoned first (floats NaN, integers -2^30); returns
-    (o, final state, forgetting starts ``[NSEG, HV]``, hand-over counts and ticket)."""
+def _chained_run(problem, seg_len: int, monkeypatch, backend: str = "triton_generic"):
+    """``problem`` through ``backend``'s forward on chained segments of ``seg_len`` tokens,
+    every buffer of the call poisoned first (floats NaN, integers -2^30); returns (o, final
+    state, forgetting starts ``[NSEG, HV]``, hand-over counts and ticket)."""
     plan = CPPlan(enabled=True, seg_len=seg_len, num_segments=problem.B * problem.T // seg_len + problem.N,
                   reason="chained for the test", chained=True)
+    module = TG_FORWARD if backend == "triton_generic" else GLUON_FORWARD
+    entry = TG_FORWARD.forward if backend == "triton_generic" else \
+        importlib.import_module(f"gdn_dispatch.backends.{backend}").forward
     seen = {}
-    real = TG_FORWARD.call_buffers
+    real = module.call_buffers
 
-    def poisoned(p, cp):
-        out = real(p, cp)
+    def poisoned(*args):
+        out = real(*args)
         for t in out:
             if t is not None:
                 t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
@@ -127,9 +150,9 @@ def _chained_run(problem, seg_len: int, monkeypatch):
         return out
 
     with monkeypatch.context() as patch:
-        patch.setattr(TG_FORWARD, "plan_for_problem", lambda p, sms: plan)
-        patch.setattr(TG_FORWARD, "call_buffers", poisoned)
-        o, ht = TG_FORWARD.forward(problem)
+        patch.setattr(module, "plan_for_problem", lambda p, sms: plan)
+        patch.setattr(module, "call_buffers", poisoned)
+        o, ht = entry(problem)
     f_start, flags = seen["buffers"][5:7]
     return o, ht, f_start, flags
 
@@ -241,10 +264,15 @@ GPU_CASES = [
 ]
 
 
+GPU_BACKENDS = ["triton_generic"] + (
+    ["gluon_sm90"] if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else [])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("shape, L, divisor", GPU_CASES)
-def test_chained_segments_on_the_gpu(shape, L, divisor, monkeypatch):
+def test_chained_segments_on_the_gpu(shape, L, divisor, backend, monkeypatch):
     """Compiled, with programs resident at once and waiting on each other's hand-overs:
     against the reference and the unsegmented kernels, with the counts and the ticket as
     the interpreter test checks them. Gates ``logsigmoid(randn) / divisor`` as
@@ -255,16 +283,19 @@ def test_chained_segments_on_the_gpu(shape, L, divisor, monkeypatch):
     call["g"] = torch.nn.functional.logsigmoid(torch.randn(call["g"].shape, device="cuda", generator=gen)) / divisor
     flags = dict(output_final_state=True)
     o_ref, ht_ref = reference.forward(make_problem(**call, **flags, context_parallel="off"))
-    o_off, ht_off = chunk_gated_delta_rule(**call, **flags, context_parallel="off", backend="triton_generic")
-    problem = make_problem(**call, **flags, backend="triton_generic")
+    o_off, ht_off = chunk_gated_delta_rule(**call, **flags, context_parallel="off", backend=backend)
+    problem = make_problem(**call, **flags, backend=backend)
     for _ in range(2):  # a second call on fresh buffers: nothing carried over
-        o, ht, f_start, counts = _chained_run(problem, L, monkeypatch)
+        o, ht, f_start, counts = _chained_run(problem, L, monkeypatch, backend)
         assert rel_rms_error(o, o_ref) <= 5e-3 and rel_rms_error(ht, ht_ref) <= 5e-3
         assert rel_rms_error(o, o_off) <= 2e-3 and rel_rms_error(ht, ht_off) <= 1e-4
         HV, NSEG = problem.HV, f_start.numel() // problem.HV
         sms = torch.cuda.get_device_properties(0).multi_processor_count  # the forward's, without a selection
-        NV = -(-problem.V // state_config(problem.K, problem.V, problem.N * HV, 2,
-                                          torch.cuda.get_device_capability(), sms).BV)
+        if backend == "triton_generic":
+            BV = state_config(problem.K, problem.V, problem.N * HV, 2, torch.cuda.get_device_capability(), sms).BV
+        else:
+            BV = state_output_config(problem.K, problem.V, problem.N * HV, sms)[0]
+        NV = -(-problem.V // BV)
         forgot = (f_start >= 0).view(NSEG, HV)
         if divisor >= 1024:
             assert not forgot.any()
@@ -288,3 +319,20 @@ def test_warmup_keys_name_the_chained_kernels(monkeypatch):
     assert "state_fwd" in plain and "chained_state_fwd" not in plain
     assert {"chained_state_fwd", "forgetting_start", "segment_map_fwd"} <= chained
     assert not {"state_fwd", "segment_scan_fwd"} & chained
+
+
+def test_gluon_warmup_keys_name_the_chained_launches(monkeypatch):
+    """A Gluon warm-up planned under a tuning that chains keeps the chained launches: pass 1
+    and the fused kernel with CHAIN on (the unsegmented call's fused kernel is not among
+    them), and no scan."""
+    from gdn_dispatch.warmup_plan import specialization_keys
+
+    problem = make_problem(**_band_call(4), output_final_state=True)
+    device = assumed_device("sm_90")
+
+    def launches():
+        return {(key[1][0], dict(key[1][3]).get("CHAIN")) for key in specialization_keys("gluon_sm90", problem, device)}
+
+    assert launches() == {("wy_fwd", None), ("state_output_fwd", False)}
+    monkeypatch.setattr(cp_module, "TUNING", CHAIN)
+    assert launches() == {("wy_fwd", None), ("segment_map_fwd", True), ("state_output_fwd", True)}

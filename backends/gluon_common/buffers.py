@@ -32,11 +32,15 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
     ``[NSEG + 1]`` (cu_seqlens's dtype), M_hi ``[NSEG, HV, K, K]``
     (:func:`~gdn_dispatch.backends.triton_generic.segment_map.maps_dtype`), M_lo (bf16) and
     N ``[NSEG, HV, K, V]`` (float32), and the scan's seg_h0 ``[NSEG, HV, K, V]`` (float32);
-    last the float32 final state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), None
+    with chained segments (``cp.chained``) seg_cu, the forgetting starts (int32 ``[NSEG,
+    HV]``), the hand-over counts and ticket (int32 ``[NSEG + 1, HV]``) and N; last the
+    float32 final state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` for "vk"), None
     unless ``output_final_state``.
     """
     if launches.fused:
         form = ("fused",)
+    elif cp.chained:
+        form = ("chained", problem.chunks.cu_seqlens.dtype)
     elif cp.enabled:
         form = ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype))
     else:
@@ -51,8 +55,8 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
 
 def buffer_specs(problem: GDNProblem, form: tuple) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
     """The :func:`gdn_dispatch.native.allocator` specs of :func:`call_buffers` for the
-    call's ``form``: ("fused",), ("pipeline",) or ("segmented", offsets' dtype, maps'
-    dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1. The
+    call's ``form``: ("fused",), ("pipeline",), ("segmented", offsets' dtype, maps'
+    dtype) or ("chained", offsets' dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1. The
     intermediates (everything but o and the final state) are :data:`INTERMEDIATES`: one
     allocation where the native layer carves them."""
     HV, K, V = problem.HV, problem.K, problem.V
@@ -65,6 +69,9 @@ def buffer_specs(problem: GDNProblem, form: tuple) -> list[tuple[tuple[int, ...]
     if form[0] == "segmented":
         specs += [((-5,), form[1], mid), ((-4, HV, K, K), form[2], mid), ((-4, HV, K, K), torch.bfloat16, mid),
                   ((-4, HV, K, V), f32, mid), ((-4, HV, K, V), f32, mid)]
+    elif form[0] == "chained":
+        specs += [((-5,), form[1], mid), ((-4, HV), torch.int32, mid), ((-5, HV), torch.int32, mid),
+                  ((-4, HV, K, V), f32, mid)]
     if problem.output_final_state:
         specs.append((state_dims(-3, HV, K, V, problem.state_layout is StateLayout.VK), torch.float32))
     return specs

@@ -166,7 +166,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
             return None
         offsets, cp = decided
         if cp.chained:
-            return None  # the forward refuses it by name
+            return None  # no program for chained segments: the forward launches them
         rows = B * T
         slots = num_slots(rows, N, CHUNK_SIZE)
         if counts_limits_reason(rows, slots, HV) is not None:
@@ -251,7 +251,7 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             steps.append((norm, norm_launch_args(norm, q, k, rnorm, head_rows, H, HK, HK)))
         so = launches.stage("state_output_fwd").shared
         steps.append((so, state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, h0, ht, indices, cu, SCALE,
-                                                   pool_size)))
+                                                   pool_size, g_cum, cu, cu, 0, 0, 0)))
         outputs = [3]
     program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0, outputs + ([] if final is None else [final]))
     for launch, (tensors, args) in steps:
@@ -313,7 +313,7 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
     # Pass 2: the segments as the sequences, from their start states; no final state, no pool.
     so = pass_two.stage("state_output_fwd").shared
     gluon_step(so, *state_output_launch_args(so, q, k, w, u, o, g_cum, rnorm, seg_h0, g_cum, seg_cu, seg_cu, SCALE,
-                                             0), COUNT_ROWS, COUNT_NSEG)
+                                             0, g_cum, seg_cu, seg_cu, 0, 0, 0), COUNT_ROWS, COUNT_NSEG)
     program = module.CallProgram(specs, [Q, K, V], [G, BETA], H0, [3] + ([] if final is None else [final]))
     for site, args, tensors, grid, rows_count, seqs_count, options in steps:
         add_step(program, module, site, args, tensors, grid, rows_count, seqs_count, options)

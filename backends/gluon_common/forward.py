@@ -15,7 +15,11 @@ over segments of the sequences instead, each from its exact start state::
 Pass 1 is this package's :mod:`.segment_map` (the maps triton_generic's pass 1 writes, on
 the matrix engine); the scan is triton_generic's plain-Triton kernel, read at its public
 host function. w, u and g_cum are per chunk and segments start on chunk boundaries of their
-sequence, so one wy launch serves both passes.
+sequence, so one wy launch serves both passes. Chained segments (``cp.chained``,
+:func:`chained_fwd`) form no M and run no scan::
+
+    seg_cu, N = segment_map_fwd(..., chain=(f_start, flags))  # pass 1: N where a segment forgets
+    o, S      = state_output_fwd(..., chain=(N, f_start, flags, L, NSEG))  # each slot from the one before
 
 Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
 :mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
@@ -54,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch import native
-from gdn_dispatch.context_parallel import CPPlan, plan_for_problem, refuse_chained
+from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
 from gdn_dispatch.device import DeviceInfo
 
@@ -95,11 +99,13 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             return forward(problem, device, engine=engine)
     # Plans read shapes, dtypes and flags, never strides: planned before any copy, so that
     # the path's own needs decide what is copied.
-    cp = refuse_chained(plan_for_problem(problem, device.sm_count), "gluon")
+    cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     # The common forms in one native call, where the layer is built (None: not taken).
     pass_two = None
-    if cp.enabled:
+    if cp.chained:
+        done = None  # no call program for chained segments: the launches below run them
+    elif cp.enabled:
         pass_two = segment_launches(problem, cp, device, engine, launches,
                                     segment_host_offsets(problem.chunks, cp.seg_len))
         done = run_segmented_call(problem, cp, launches, pass_two)
@@ -126,6 +132,8 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     w, u, g_cum = wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, launches.stage("wy_fwd"),
                          out=buffers[:3])
     rnorm = qk_rnorm_fwd(problem.q, problem.k, launches.stage("qk_rnorm_fwd")) if problem.use_qk_l2norm else None
+    if cp.chained:
+        return chained_fwd(problem, cp, launches, w, u, g_cum, rnorm, out=buffers[3:])
     if cp.enabled:
         return segmented_fwd(problem, cp, device, engine, w, u, g_cum, rnorm, out=buffers[3:], pass_two=pass_two,
                              launches=launches)
@@ -212,6 +220,48 @@ def segmented_fwd(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, w
     return o, final_state
 
 
+def chained_fwd(problem: GDNProblem, cp: CPPlan, launches: ForwardPlan, w: torch.Tensor, u: torch.Tensor,
+                g_cum: torch.Tensor, rnorm: torch.Tensor | None,
+                out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence and output of ``problem`` over the chained segments of ``cp``
+    (``cp.chained``, :mod:`.segment_chain`): pass 1 with N's blocks alone (the forgetting
+    starts, N where a segment forgets, the hand-over counts zeroed), then the fused kernel
+    of the call's own configuration over the segment slots, each segment started from the
+    one before it; no scan.
+
+    Parameters
+    ----------
+    problem, w, u, g_cum, rnorm : as :func:`segmented_fwd` takes them.
+    cp : its context-parallel plan (``cp.chained``).
+    launches : the call's plan (``fused=False``): its fused kernel's configuration is pass
+        2's, its class holds pass 1's plan.
+    out : (o, seg_cu, f_start, chain_flags, N, final state or None) as :func:`call_buffers`
+        allocates them for a chained plan, or None to allocate them here.
+
+    Returns
+    -------
+    o, final_state : as :func:`segmented_fwd` returns them; with ``inplace_final_state``
+        pass 2 writes the pool rows.
+    """
+    HV, NSEG = problem.HV, cp.num_segments
+    pass_one, pass_two = launches.cls.chained(launches.stage("state_output_fwd").shared)
+    if out is None:
+        device = problem.k.device
+        o_out, seg_cu, hand = None, None, None
+        f_start = torch.empty(NSEG * HV, dtype=torch.int32, device=device)
+        flags = torch.empty(NSEG * HV + 1, dtype=torch.int32, device=device)
+    else:
+        o, seg_cu, f_start, flags, hand, final_state = out
+        o_out, f_start, flags = (o, final_state), f_start.view(-1), flags.view(-1)
+    _, _, _, hand = segment_map_fwd(problem.k, w, u, g_cum, problem.beta, problem.chunks.cu_seqlens, cp.seg_len,
+                                    pass_one, rnorm=rnorm, chain=(f_start, flags),
+                                    out=None if out is None else (seg_cu, None, None, hand))
+    return state_output_fwd(problem.q, problem.k, w, u, g_cum, problem.chunks, pass_two, scale=problem.scale,
+                            initial_state=problem.initial_state, output_final_state=problem.output_final_state,
+                            rnorm=rnorm, state_indices=problem.state_indices,
+                            chain=(hand, f_start, flags, cp.seg_len, NSEG), out=o_out)
+
+
 def segment_launches(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine, launches: ForwardPlan,
                      host: SegmentOffsets | None) -> ForwardPlan:
     """Pass 2's launches: the plan of ``problem`` over its segments (:func:`segment_problem`),
@@ -294,10 +344,12 @@ class CallPlan:
     def kernels(self) -> tuple[str, ...]:
         """The launches, in order: Gluon stages by their plan's kernel name (pass 1,
         ``segment_map_fwd``, writes the segment table too), the plain-Triton scan as
-        ``segment_scan``."""
+        ``segment_scan`` (none with chained segments)."""
         if self.launches.fused:
             return tuple(s.kernel for s in self.launches.stages)
         front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
+        if self.context_parallel.chained:
+            return front + ("segment_map_fwd", "state_output_fwd")
         if self.segments is None:
             return front + ("state_output_fwd",)
         return front + ("segment_map_fwd", "segment_scan", "state_output_fwd")
@@ -305,16 +357,24 @@ class CallPlan:
     @property
     def segment_map(self):
         """Pass 1's launch seen with the call's segment slots (None unsegmented)."""
+        cp, rows = self.context_parallel, self.launches.rows
+        if cp.chained:
+            return self._chained()[0].bind(rows, cp.num_segments)
         if self.segments is None:
             return None
-        return self.launches.cls.segment_map.bind(self.launches.rows, self.context_parallel.num_segments)
+        return self.launches.cls.segment_map.bind(rows, cp.num_segments)
 
     @property
     def state_output(self):
         """The LaunchPlan of the kernel that runs the recurrence (pass 2's when
         segmented; the warp-specialized kernel's on that path)."""
+        if self.context_parallel.chained:
+            return self._chained()[1].bind(self.launches.rows, self.context_parallel.num_segments)
         launches = self.segments or self.launches
         return launches.stage("fused_fwd" if launches.fused else "state_output_fwd")
+
+    def _chained(self):
+        return self.launches.cls.chained(self.launches.stage("state_output_fwd").shared)
 
 
 def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
@@ -355,9 +415,9 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     device : DeviceInfo the launches are sized for (its SM count decides "auto").
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
-    cp = refuse_chained(plan_for_problem(problem, device.sm_count), "gluon")
+    cp = plan_for_problem(problem, device.sm_count)
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
-    if not cp.enabled:
+    if not cp.enabled or cp.chained:
         return CallPlan(context_parallel=cp, launches=launches, segments=None)
     segments = segment_launches(problem, cp, device, engine, launches,
                                 segment_host_offsets(problem.chunks, cp.seg_len))

@@ -35,7 +35,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
 from gdn_dispatch.backends.gluon_common.qk_norm import clear_norm_plans, plan_qk_l2norm, plan_qk_rnorm
 from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map, segment_map_supported
 from gdn_dispatch.backends.gluon_common.state_output import (
-    plan_state_output, state_output_config, state_output_configs)
+    chained_plan, plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
 from gdn_dispatch.backends.gluon_common.wy_t import plan_wy_t
 
@@ -132,6 +132,7 @@ class ClassPlan:
     segment_map : context parallelism's pass 1 (:mod:`.segment_map`), for the class's
         segmented calls; its grid follows from their segment slot count (None for head
         dims the kernel is not built for: dry runs outside the backends' own).
+    segment_map_chain : the same for chained segments (``CHAIN``: N's blocks alone).
     """
 
     capability: tuple[int, int]
@@ -150,6 +151,7 @@ class ClassPlan:
     fused: tuple[LaunchPlan, ...] | None = None
     fused_min_programs: int = 0
     segment_map: LaunchPlan | None = None
+    segment_map_chain: LaunchPlan | None = None
     #: ForwardPlans by (B * T, N, fused allowed), filled on use (bounded by COUNTS_KEPT).
     by_counts: dict = field(default_factory=dict, repr=False)
     #: The class's output allocators by form (the forward's ``call_buffers``), made on use.
@@ -160,6 +162,9 @@ class ClassPlan:
     #: The call class of a segmented call's pass 2 by whether a segment ends inside a
     #: chunk (``forward.segment_launches``), made on use.
     segment_classes: dict = field(default_factory=dict, repr=False)
+    #: Chained segments' (pass 1, pass 2) by the fused kernel's configuration
+    #: (:meth:`chained`), made on use.
+    chain_plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def flags(self) -> tuple:
@@ -178,6 +183,16 @@ class ClassPlan:
         config = state_output_config(self.K, self.V, busy * self.HV, self.sm_count, self.elem,
                                      smem_per_block=self.smem_per_block)
         return (*self.front, self.state_outputs[config])
+
+    def chained(self, state_output: LaunchPlan) -> tuple[LaunchPlan, LaunchPlan]:
+        """(pass 1, pass 2) of a chained call (:mod:`.segment_chain`) whose unsegmented
+        fused kernel would run in ``state_output`` (one of :attr:`state_outputs`): pass 1
+        with N's programs alone (``CHAIN``); pass 2 the same kernel in the same
+        configuration, over the segment slots (the launch's ``num_seqs``), ``CHAIN`` on."""
+        got = self.chain_plans.get(id(state_output))
+        if got is None:
+            got = self.chain_plans[id(state_output)] = (self.segment_map_chain, chained_plan(state_output))
+        return got
 
     def for_call(self, rows: int, num_seqs: int, fused: bool = True, busy_seqs: int | None = None) -> ForwardPlan:
         """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
@@ -319,8 +334,16 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
                      state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs,
-                     segment_map=(plan_segment_map(problem, device, engine=engine)
-                                  if segment_map_supported(problem.K, problem.V) else None))
+                     **_segment_maps(problem, device, engine))
+
+
+def _segment_maps(problem: GDNProblem, device: DeviceInfo, engine) -> dict:
+    """The class's pass-1 plans, mapped and chained (none for head dims the kernel is not
+    built for)."""
+    if not segment_map_supported(problem.K, problem.V):
+        return {}
+    return dict(segment_map=plan_segment_map(problem, device, engine=engine),
+                segment_map_chain=plan_segment_map(problem, device, engine=engine, chain=True))
 
 
 def compute_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None, fused: bool = True) -> ForwardPlan:

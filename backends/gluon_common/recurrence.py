@@ -93,13 +93,33 @@ def walk_program(cu_seqlens, HV, GROUP, K: gl.constexpr, V: gl.constexpr, BV: gl
 
 
 @gluon.jit
+def slot_sequence(cu_seqlens, N, L, slot):
+    """``(n, bos, eos)`` (int32): the sequence that owns segment slot ``slot`` and its token
+    bounds, found by bisection over ``[0, N)`` (the rule of
+    :func:`gdn_dispatch.backends.triton_generic.segment_map._slot_sequence`)."""
+    lo = slot * 0
+    hi = lo + N
+    span = lo + 1
+    while span < N:
+        mid = (lo + hi) // 2
+        below = gl.load(cu_seqlens + mid).to(gl.int32) // L + mid <= slot
+        lo = gl.where(below, mid, lo)
+        hi = gl.where(below, hi, mid)
+        span *= 2
+    seq_bos = gl.load(cu_seqlens + lo).to(gl.int32)
+    seq_eos = gl.load(cu_seqlens + lo + 1).to(gl.int32)
+    return lo, seq_bos, seq_eos
+
+
+@gluon.jit
 def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constexpr):
     """One chunk's gate cumsum rows ``b_g`` (0 past the sequence's end; rows in
     ``row_layout``) and its last valid row's ``g_last``, as loaded from ``g_cum``. Both
     loads are plain global loads, so a caller may issue them a chunk early."""
     rows = row + gl.arange(0, BT, layout=row_layout)
     b_g = gl.load(g_cum + rows.to(gl.int64) * HV + i_h, mask=rows < eos, other=0.0)
-    g_last = gl.load(g_cum + (gl.minimum(row + BT, eos) - 1).to(gl.int64) * HV + i_h)
+    # Clamped at row 0: an empty first sequence (eos = 0) would read before g_cum.
+    g_last = gl.load(g_cum + gl.maximum(gl.minimum(row + BT, eos) - 1, 0).to(gl.int64) * HV + i_h)
     return b_g, g_last
 
 

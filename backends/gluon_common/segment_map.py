@@ -75,7 +75,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
-from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs
+from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, slot_sequence, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
 from gdn_dispatch.backends.triton_generic.segment_map import MAP_NEGLIGIBLE_LOG2, maps_buffers, maps_dtype
@@ -92,20 +92,9 @@ SMEM_SCRATCH = 1024
 @gluon.jit
 def _segment_bounds(cu_seqlens, N, L, slot):
     """``(bos, eos)`` of segment slot ``slot`` (int32): the rule of
-    :func:`gdn_dispatch.backends.triton_generic.segment_map._segment_bounds`, its sequence
-    found by bisection over ``[0, N)``."""
-    lo = slot * 0
-    hi = lo + N
-    span = lo + 1
-    while span < N:
-        mid = (lo + hi) // 2
-        below = gl.load(cu_seqlens + mid).to(gl.int32) // L + mid <= slot
-        lo = gl.where(below, mid, lo)
-        hi = gl.where(below, hi, mid)
-        span *= 2
-    seq_bos = gl.load(cu_seqlens + lo).to(gl.int32)
-    seq_eos = gl.load(cu_seqlens + lo + 1).to(gl.int32)
-    start = seq_bos + (slot - (seq_bos // L + lo)) * L
+    :func:`gdn_dispatch.backends.triton_generic.segment_map._segment_bounds`."""
+    n, seq_bos, seq_eos = slot_sequence(cu_seqlens, N, L, slot)
+    start = seq_bos + (slot - (seq_bos // L + n)) * L
     return gl.minimum(start, seq_eos), gl.minimum(start + L, seq_eos)
 
 
@@ -252,9 +241,10 @@ def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, 
 
 @gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP", "s_beta"])
 def _segment_map_fwd_kernel(
-    k_desc, w_desc, u_desc, g_cum, rnorm, beta, cu_seqlens, seg_cu, m_hi, m_lo, n_out, N, NSEG, L, HV, GROUP, s_beta,
+    k_desc, w_desc, u_desc, g_cum, rnorm, beta, cu_seqlens, seg_cu, m_hi, m_lo, n_out, f_start, chain_flags, N, NSEG,
+    L, HV, GROUP, s_beta,
     V: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr,
-    NEGLIGIBLE_LOG2: gl.constexpr,
+    NEGLIGIBLE_LOG2: gl.constexpr, CHAIN: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -317,7 +307,18 @@ def _segment_map_fwd_kernel(
                            USE_L2NORM, 2 * NUM_BUF, NEGLIGIBLE_LOG2)
     forgets = f0 >= 0
     first = gl.where(is_n & forgets, f0, 0)
-    NT = gl.where(is_m & forgets, 0, chunks - first)
+    if CHAIN:
+        # N's programs only (the grid has no M); a segment that does not forget is not
+        # walked: pass 2 hands its end state on. Block 0 of each (slot, v-head) publishes
+        # the forgetting start and zeroes the hand-over count, program 0 the ticket.
+        NT = gl.where(forgets, chunks - first, 0)
+        if i_cb == 0:
+            gl.store(f_start + i_sh, f0)
+            gl.store(chain_flags + i_sh, 0)
+            if pid == 0:
+                gl.store(chain_flags + NSEG * HV, 0)
+    else:
+        NT = gl.where(is_m & forgets, 0, chunks - first)
     row0 = bos + first * BT
 
     # The start: M's columns of the identity, zeros for N's.
@@ -423,7 +424,7 @@ def segment_map_supported(K: int, V: int) -> bool:
 
 
 def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None, num_warps: int | None = None,
-                     slots: int | None = None, engine=None) -> LaunchPlan:
+                     slots: int | None = None, engine=None, chain: bool = False) -> LaunchPlan:
     """Launch plan of :func:`segment_map_fwd` for ``problem`` (a dry run: no GPU, no tensor
     read; the grid follows from the segment slot count at each launch).
 
@@ -436,6 +437,8 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
         (:func:`.state_output.state_output_warps`).
     slots : ring slots override (2 or more); default :func:`segment_map_ring_slots`.
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
+    chain : pass 1 of chained segments (``CHAIN``): N's programs alone, which write the
+        forgetting starts and zero the hand-over counts (:mod:`.segment_chain`).
     """
     info = as_device(device)
     engine = resolve_engine(info, engine)
@@ -452,7 +455,7 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
     slots = slots or segment_map_ring_slots(K, BC, elem, warps, smem_per_block=smem)
     if slots < 2 or _programs_by_smem(K, BC, elem, slots, smem) < 1:
         raise ValueError(f"slots: expected 2 or more that fit {smem} bytes of shared memory, got {slots}")
-    NCB = (V + K) // BC
+    NCB = V // BC if chain else (V + K) // BC
     return LaunchPlan(
         kernel="segment_map_fwd",
         # (segment slot, v-head, column block) programs: the slot count is the launch's num_seqs.
@@ -461,7 +464,7 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
         blocks={"BT": BT, "K": K, "BC": BC, "NCB": NCB, "smem_bytes": segment_map_smem_bytes(K, BC, elem, slots),
                 "tmem_columns": K + BC if engine.is_sm100 else 0},
         constexprs={"V": V, "USE_L2NORM": problem.use_qk_l2norm, "ENGINE": engine, "NUM_BUF": slots,
-                    "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2},
+                    "NEGLIGIBLE_LOG2": MAP_NEGLIGIBLE_LOG2, "CHAIN": chain},
         descriptors=(
             tile_desc("k_desc", "k", problem.dtype, H * K, (BT, K), token_rows=True),
             tile_desc("w_desc", "w", problem.dtype, HV * K, (BT, K)),
@@ -474,15 +477,18 @@ def plan_segment_map(problem: GDNProblem, device, *, block_c: int | None = None,
 
 
 def segment_map_launch_args(launch: LaunchPlan | BoundLaunch, k, w, u, g_cum, rnorm, beta, cu_seqlens, seg_cu,
-                            num_seqs, num_segments, seg_len, m_hi, m_lo, n_out, s_beta) -> tuple[dict, dict]:
+                            num_seqs, num_segments, seg_len, m_hi, m_lo, n_out, s_beta, f_start=None,
+                            chain_flags=None) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_segment_map_fwd_kernel``
     launch (``rnorm``: a stand-in without the qk l2 norm; ``beta`` the call's, of token
-    stride ``s_beta``)."""
+    stride ``s_beta``; ``f_start`` and ``chain_flags`` for a ``CHAIN`` plan, else the
+    segment table stands in)."""
     launch = launch.shared
     return {"k": k, "w": w, "u": u}, dict(
         g_cum=g_cum, rnorm=rnorm, beta=beta, cu_seqlens=cu_seqlens, seg_cu=seg_cu, m_hi=m_hi, m_lo=m_lo,
-        n_out=n_out, N=num_seqs, NSEG=num_segments, L=seg_len, HV=launch.scalars["HV"],
-        GROUP=launch.scalars["GROUP"], s_beta=s_beta)
+        n_out=n_out, f_start=seg_cu if f_start is None else f_start,
+        chain_flags=seg_cu if chain_flags is None else chain_flags, N=num_seqs, NSEG=num_segments, L=seg_len,
+        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_beta=s_beta)
 
 
 def segment_map_fwd(
@@ -496,8 +502,9 @@ def segment_map_fwd(
     launch: LaunchPlan | BoundLaunch,
     *,
     rnorm: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chain: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The segment offsets, and the affine map ``S -> M S + N`` of every segment and value
     head, M split in two: what :func:`gdn_dispatch.backends.triton_generic.segment_map.segment_map_fwd`
     returns, from the same inputs, but for what a segment provably forgets (module
@@ -516,7 +523,12 @@ def segment_map_fwd(
     launch : the plan (:func:`plan_segment_map`).
     rnorm : with the plan's ``USE_L2NORM``, float32 ``[B * T, H, 2]`` from
         :func:`.qk_norm.qk_rnorm_fwd` (k's reciprocal row norms second); ignored without.
-    out : (seg_cu, M_hi, M_lo, N) allocated by the caller, or None to allocate them here.
+    chain : with a ``CHAIN`` plan, ``(f_start, chain_flags)``: int32, contiguous, at least
+        ``NSEG * HV`` and ``NSEG * HV + 1`` entries: the forgetting starts and the zeroed
+        hand-over counts and ticket of chained segments; no M is formed (M_hi and M_lo
+        come back None) and only the segments that forget are walked.
+    out : (seg_cu, M_hi, M_lo, N) allocated by the caller (M_hi and M_lo None with
+        ``chain``), or None to allocate them here.
 
     Returns
     -------
@@ -529,21 +541,31 @@ def segment_map_fwd(
     """
     B, T, H, K = k.shape
     num_seqs = cu_seqlens.shape[0] - 1
-    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out)
+    launch = launch.shared
+    if launch.constexprs["CHAIN"] != (chain is not None):
+        raise ValueError("chain: a CHAIN plan needs (f_start, chain_flags), another plan none")
+    NSEG, (seg_cu, m_hi, m_lo, n_out) = maps_buffers(k, u, cu_seqlens, seg_len, out, chain=chain is not None)
     if NSEG == 0:
         return seg_cu.zero_(), m_hi, m_lo, n_out
-    launch = launch.shared
+    f_start, flags = chain if chain is not None else (None, None)
+    if chain is not None:
+        HV = u.shape[2]
+        for name, buf, entries in (("f_start", f_start, NSEG * HV), ("chain_flags", flags, NSEG * HV + 1)):
+            if buf.dtype != torch.int32 or not buf.is_contiguous() or buf.numel() < entries:
+                raise ValueError(f"{name}: expected a contiguous int32 tensor of at least {entries} entries, got "
+                                 f"{buf.dtype} {tuple(buf.shape)}")
     if launch.constexprs["USE_L2NORM"] and (rnorm is None or rnorm.shape != (B * T, H, 2)):
         raise ValueError(f"rnorm: a USE_L2NORM plan needs float32 [{B * T}, {H}, 2] (qk_rnorm_fwd), got "
                          f"{None if rnorm is None else tuple(rnorm.shape)}")
     tensors, args = segment_map_launch_args(launch, k, w, u, g_cum, rnorm if rnorm is not None else g_cum, beta,
-                                            cu_seqlens, seg_cu, num_seqs, NSEG, seg_len, m_hi, m_lo, n_out,
-                                            token_stride(beta))
+                                            cu_seqlens, seg_cu, num_seqs, NSEG, seg_len,
+                                            n_out if m_hi is None else m_hi, n_out if m_lo is None else m_lo, n_out,
+                                            token_stride(beta), f_start, flags)
     launch_planned(_segment_map_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=NSEG)
     return seg_cu, m_hi, m_lo, n_out
 
 
-_POINTERS = ("g_cum", "rnorm", "beta", "cu_seqlens", "seg_cu", "m_hi", "m_lo", "n_out")
+_POINTERS = ("g_cum", "rnorm", "beta", "cu_seqlens", "seg_cu", "m_hi", "m_lo", "n_out", "f_start", "chain_flags")
 
 
 def segment_map_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, tag: str,
@@ -554,9 +576,11 @@ def segment_map_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype
     constexprs = dict(launch.constexprs)
     sig = {d.arg: d.signature for d in launch.descriptors}
     cu = "*" + sig_dtype(cu_dtype)
+    chain = launch.constexprs["CHAIN"]
     sig.update(g_cum="*fp32", rnorm="*fp32", beta="*" + sig_dtype(beta_dtype or dtype), cu_seqlens=cu, seg_cu=cu,
-               m_hi="*" + sig_dtype(maps_dtype(dtype)), m_lo="*bf16", n_out="*fp32", N="i32", NSEG="i32", L="i32",
-               HV="i32", GROUP="i32", s_beta="i32")
+               m_hi="*fp32" if chain else "*" + sig_dtype(maps_dtype(dtype)), m_lo="*fp32" if chain else "*bf16",
+               n_out="*fp32", f_start="*i32" if chain else cu, chain_flags="*i32" if chain else cu, N="i32",
+               NSEG="i32", L="i32", HV="i32", GROUP="i32", s_beta="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in arg_names(_segment_map_fwd_kernel)}
     return AotKernel(backend=backend, kernel="segment_map_fwd", specialization=tag, fn=_segment_map_fwd_kernel,
@@ -578,6 +602,12 @@ def segment_map_kernels_for_aot(capability: tuple[int, int], backend: str, *, en
         tag = (f"K{K}-V{V}-BC{launch.blocks['BC']}-w{launch.num_warps}-s{launch.constexprs['NUM_BUF']}-"
                f"{sig_dtype(dtype)}{'-l2' if l2 else ''}{'-cu64' if cu_dtype == torch.int64 else ''}")
         kernels.append(segment_map_aot_kernel(backend, launch, dtype, tag, cu_dtype))
+    # Chained segments' pass 1 (N's blocks alone) at K = V = 128, with and without the norm.
+    for l2 in (False, True):
+        launch = plan_segment_map(_aot_problem(128, 128, torch.bfloat16, True, False, True, True, l2), device,
+                                  engine=engine, chain=True)
+        kernels.append(segment_map_aot_kernel(backend, launch, torch.bfloat16,
+                                              f"K128-V128-bf16{'-l2' if l2 else ''}-chain"))
     # A float32 beta (the contract takes any float dtype for it).
     launch = plan_segment_map(_aot_problem(128, 128, torch.bfloat16, True, False, True, True, True), device,
                               engine=engine)

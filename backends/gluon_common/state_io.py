@@ -76,12 +76,14 @@ def _block_base(h0, block, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def state_in(h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-             STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, layout: gl.constexpr, OUT_VK: gl.constexpr = False):
+             STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, layout: gl.constexpr, OUT_VK: gl.constexpr = False,
+             BYPASS_L1: gl.constexpr = False):
     """The [K, BV] tile (columns ``i_v * BV ...``) of block ``block`` (:func:`state_block`)
     of the initial states or pool ``h0`` (fp32 or bf16 in memory) as fp32 in ``layout``,
     staged through the idle ``ring``; zeros for block -1 (pools only). "vk" tiles are read
     coalesced as [BV, K] and read back through a transposed view (no transpose kernel).
-    ``OUT_VK`` returns the tile transposed, [BV, K] (a kernel holding the state as S^T)."""
+    ``OUT_VK`` returns the tile transposed, [BV, K] (a kernel holding the state as S^T).
+    ``BYPASS_L1`` reads past L1 (``.cg``): a tile another SM stored during this launch."""
     base, limit = _block_base(h0, block, K, V)
     if STATE_VK:
         io_vk: gl.constexpr = _io_layout(BV, K, gl.num_warps())
@@ -93,6 +95,8 @@ def state_in(h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl.cons
         stage = _staging(ring, K, BV)
     if USE_POOL:
         x = gl.load(base + offs, mask=offs < limit, other=0.0)
+    elif BYPASS_L1:
+        x = gl.load(base + offs, cache_modifier=".cg")
     else:
         x = gl.load(base + offs)
     stage.store(x.to(gl.float32))

@@ -84,6 +84,12 @@ they are columns ``j > i`` of every valid row ``i``, selected to 0 by the causal
 rows past the end only feed o rows that are never written (TMA scatter with row
 0x7FFFFFFF on sm_100a, masked stores on sm_90a, see :mod:`.masks`).
 
+Chained segments (``CHAIN``, :mod:`.segment_chain`): a program takes its (segment slot,
+v-head, V-block) from a ticket instead of its program id, walks the slot's chunks of the
+call's sequence, starts from the call's initial state (first slot) or the previous slot's
+hand-over, and ends with the call's final state (last slot) or a hand-over of its own; the
+walk between is the one above.
+
 qk l2 norm: w arrives normalized from stage 3. The reciprocal row norms of q and k come
 from :mod:`.qk_norm` (one launch before this one; reducing the tiles here sat on the
 serial chain and was repeated by every V-block), loaded a chunk early with the gates. k's
@@ -100,6 +106,8 @@ it is off at that size).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from triton.experimental import gluon
@@ -120,6 +128,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
 from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
+from gdn_dispatch.backends.gluon_common.segment_chain import chain_state_init, chain_state_out, chain_walk
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init, state_out
 
 #: Most slots of the w/k/q and u rings (the kernel's ``NUM_BUF``: chunk t computes while
@@ -274,13 +283,14 @@ def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_s
     store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, ENGINE)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "N", "L", "NSEG"])
 def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
-    g_cum, rnorm, h0, ht, state_indices, cu_seqlens, scale, HV, GROUP, pool_size,
+    g_cum, rnorm, h0, ht, state_indices, cu_seqlens, hand, f_start, chain_flags, scale, HV, GROUP, pool_size,
+    N, L, NSEG,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr, CHAIN: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -301,7 +311,13 @@ def _state_output_fwd_kernel(
     # with tails; loaded at the top of their chunk, they are first read after P's wait.
     NORMS_EARLY: gl.constexpr = GATES_EARLY and not QK_LATE
     # q shares k's head, so its tiles sit at col_k too.
-    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT, False)
+    if CHAIN:
+        # A segment slot of the call's sequence i_n (:mod:`.segment_chain`).
+        slot, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v, i_n, first = chain_walk(
+            chain_flags, cu_seqlens, N, L, NSEG, HV, GROUP, K, V, BV, BT)
+    else:
+        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, BV, BT,
+                                                                              False)
     # The block of h0 (the initial states, or the pool) this program reads and writes back.
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
 
@@ -329,7 +345,11 @@ def _state_output_fwd_kernel(
 
     # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
     # of every chunk, so the handles stay loop-invariant (the results get other names).
-    S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
+    if CHAIN:
+        S = chain_state_init(ENGINE.acc_alloc(K, BV), h0, hand, f_start, chain_flags, ring, block, slot, first, i_h,
+                             i_v, HV, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
+    else:
+        S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
     P = ENGINE.acc_alloc(BT, BV)
     O = ENGINE.acc_alloc(BT, BV)
     QK = ENGINE.acc_alloc(BT, BT)
@@ -432,8 +452,12 @@ def _state_output_fwd_kernel(
             _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
                                    HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
-    if STORE_HT or INPLACE:
-        # The ring is idle: every load landed and every MMA reading it was waited on.
+    # The ring is idle: every load landed and every MMA reading it was waited on.
+    if CHAIN:
+        # (the sequence from i_nh, which lives across the walk anyway)
+        chain_state_out(ENGINE.acc_read(S), ht, i_nh, h0, block, hand, f_start, chain_flags, ring, cu_seqlens, L,
+                        slot, i_nh // HV, slot * HV + i_nh % HV, i_v, K, V, BV, STATE_VK, STORE_HT, INPLACE)
+    elif STORE_HT or INPLACE:
         state_out(ht, i_nh, h0, block, i_v, ENGINE.acc_read(S), ring, K, V, BV, STATE_VK, STORE_HT, INPLACE)
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
     for i in gl.static_range(NUM_BUF):
@@ -617,7 +641,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         K, BV, elem, warps, smem_per_block=shared_memory_per_block(info),
         register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)))
     descriptors, constexprs = drop_unused_scatter(
-        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots})
+        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots, "CHAIN": False})
     launch = LaunchPlan(
         kernel="state_output_fwd",
         # (sequence, v-head, V-block) programs.
@@ -653,6 +677,7 @@ def state_output_fwd(
     output_final_state: bool = False,
     rnorm: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    chain: tuple | None = None,
     out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
@@ -684,6 +709,10 @@ def state_output_fwd(
     state_indices : with ``USE_POOL``, int32/int64 ``[N]``: sequence ``n`` starts from pool
         row ``state_indices[n]`` (zeros for an index outside ``[0, P)``); with ``INPLACE``
         its final state is written back there in the pool's dtype (nothing outside).
+    chain : with a ``CHAIN`` plan (:func:`chained_plan`), ``(hand, f_start, chain_flags,
+        seg_len, NSEG)``: the call's sequences walked as chained segments of ``seg_len``
+        tokens in ``NSEG`` slots (:mod:`.segment_chain`; pass 1 wrote ``hand``'s N where a
+        segment forgets, the forgetting starts and the zeroed counts); None otherwise.
     out : (o, final_state) allocated by the caller (contiguous, as returned below; the
         final state None unless ``output_final_state``), or None to allocate them here.
 
@@ -712,23 +741,33 @@ def state_output_fwd(
                              f"{tuple(rnorm.shape)} contiguous={rnorm.is_contiguous()}")
     else:
         rnorm = g_cum  # not read
+    if launch.constexprs["CHAIN"] != (chain is not None):
+        raise ValueError("chain: a CHAIN plan needs (hand, f_start, chain_flags, seg_len, NSEG), another plan none")
+    # Without a chain its pointers are stand-ins and its counts 0 (as the call programs bind them).
+    hand, f_start, flags, seg_len, slots = chain if chain is not None else (g_cum, chunks.cu_seqlens,
+                                                                            chunks.cu_seqlens, 0, 0)
     tensors, args = state_output_launch_args(
         launch, q, k, w, u, o, g_cum, rnorm, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, state_indices if use_pool else chunks.cu_seqlens,
-        chunks.cu_seqlens, float(scale), h0.shape[0] if use_pool else 0)
-    launch_planned(_state_output_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
+        chunks.cu_seqlens, float(scale), h0.shape[0] if use_pool else 0, hand, f_start, flags,
+        N if chain is not None else 0, seg_len, slots)
+    launch_planned(_state_output_fwd_kernel, launch, tensors, args, rows=B * T,
+                   num_seqs=slots if chain is not None else N)
     return o, final_state
 
 
 def state_output_launch_args(launch: LaunchPlan, q, k, w, u, o, g_cum, rnorm, h0, ht, state_indices, cu_seqlens,
-                             scale, pool_size) -> tuple[dict, dict]:
+                             scale, pool_size, hand, f_start, chain_flags, num_seqs, seg_len,
+                             num_segments) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_state_output_fwd_kernel``
-    launch, the unused pointers (``rnorm``, ``h0``, ``ht``, ``state_indices``) already
-    replaced by a stand-in (what :func:`state_output_fwd` launches with;
-    :mod:`.call_program` binds the same lists)."""
+    launch, the unused pointers (``rnorm``, ``h0``, ``ht``, ``state_indices``; ``hand``,
+    ``f_start``, ``chain_flags`` but for chained segments) already replaced by a stand-in
+    (what :func:`state_output_fwd` launches with; :mod:`.call_program` binds the same
+    lists)."""
     return {"q": q, "k": k, "w": w, "u": u, "o": o}, dict(
         o_ptr=o, g_cum=g_cum, rnorm=rnorm, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens,
-        scale=scale, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size,
+        hand=hand, f_start=f_start, chain_flags=chain_flags, scale=scale, HV=launch.scalars["HV"],
+        GROUP=launch.scalars["GROUP"], pool_size=pool_size, N=num_seqs, L=seg_len, NSEG=num_segments,
         V=launch.scalars["V"])
 
 
@@ -775,7 +814,7 @@ def pool_rows(pool: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
     return torch.where(live.view(-1, *([1] * (pool.dim() - 1))), rows, 0.0)
 
 
-_POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "state_indices", "cu_seqlens")
+_POINTERS = ("o_ptr", "g_cum", "rnorm", "h0", "ht", "state_indices", "cu_seqlens", "hand", "f_start", "chain_flags")
 
 
 def state_output_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
@@ -790,10 +829,13 @@ def state_output_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype,
     constexprs = {"V": launch.scalars["V"], **launch.constexprs}
     sig = {d.arg: d.signature for d in launch.descriptors}
     pool = launch.constexprs["USE_POOL"]
+    chain = launch.constexprs["CHAIN"]
     sig.update(o_ptr="*" + sig_dtype(dtype), g_cum="*fp32", rnorm="*fp32", h0="*" + sig_dtype(state_dtype),
                ht="*fp32", state_indices="*" + sig_dtype(index_dtype if pool else cu_dtype),
-               cu_seqlens="*" + sig_dtype(cu_dtype),
-               scale="fp32", HV="i32", GROUP="i32", pool_size="i32")
+               cu_seqlens="*" + sig_dtype(cu_dtype), hand="*fp32",
+               f_start="*i32" if chain else "*" + sig_dtype(cu_dtype),
+               chain_flags="*i32" if chain else "*" + sig_dtype(cu_dtype),
+               scale="fp32", HV="i32", GROUP="i32", pool_size="i32", N="i32", L="i32", NSEG="i32")
     sig.update({name: "constexpr" for name in constexprs})
     signature = {name: sig[name] for name in arg_names(_state_output_fwd_kernel)}
     return signature, constexprs, pointer_attrs(_state_output_fwd_kernel, _POINTERS)
@@ -890,11 +932,29 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
         if key not in seen:
             seen.add(key)
             unique.append((K, V, BV, warps, flags))
+    # Chained segments' pass 2 (the call's own flags, CHAIN on) at K = V = 128 in every
+    # configuration: a float32 "kv" initial and final state, and a bfloat16 "vk" pool
+    # written back in place.
+    chained = [(K, V, BV, warps, flags) for K, V, BV, warps in configs if K == V == 128
+               for flags in (base, {**base, "pool": True, "inplace": True, "vk": True, "ht": False,
+                                    "state_dtype": torch.bfloat16, "index_dtype": torch.int64})]
     kernels = []
-    for K, V, BV, warps, flags in unique:
+    for K, V, BV, warps, flags in unique + chained:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
                                    engine=engine)
+        tag = _aot_tag(K, V, BV, warps, flags)
+        if len(kernels) >= len(unique):
+            launch = chained_plan(launch.shared)
+            tag += "-chain"
         state_dtype = flags["state_dtype"] if flags["h0"] or flags["pool"] else torch.float32
-        kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], _aot_tag(K, V, BV, warps, flags),
-                                               state_dtype, flags["index_dtype"], flags["cu_dtype"]))
+        kernels.append(state_output_aot_kernel(backend, launch, flags["dtype"], tag, state_dtype,
+                                               flags["index_dtype"], flags["cu_dtype"]))
     return kernels
+
+
+def chained_plan(launch: LaunchPlan) -> LaunchPlan:
+    """``launch`` (a fused-kernel plan of a call) as chained segments' pass 2: the same
+    configuration and flags with ``CHAIN`` on, over the segment slots (its launch's
+    ``num_seqs``), with compiled kernels of its own."""
+    return dataclasses.replace(launch, constexprs={**launch.constexprs, "CHAIN": True},
+                               notes=launch.notes + "; chained segments: NSEG slots taken in slot order", compiled={})
