@@ -336,3 +336,121 @@ def test_gluon_warmup_keys_name_the_chained_launches(monkeypatch):
     assert launches() == {("wy_fwd", None), ("state_output_fwd", False)}
     monkeypatch.setattr(cp_module, "TUNING", CHAIN)
     assert launches() == {("wy_fwd", None), ("segment_map_fwd", True), ("state_output_fwd", True)}
+
+
+class _ChainedGluonStandIns:
+    """The Gluon kernels of a chained call replaced by triton_generic's (the same math and
+    the same hand-over protocol, under the interpreter), checking what the orchestrator
+    hands them: the call's w, u, g_cum, the chain's buffers and counts, the call's own
+    state flags."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wy_fwd(self, k, v, g, beta, chunks, launch, out=None):
+        from gdn_dispatch.backends.triton_generic._jit import LOG2E
+        from gdn_dispatch.backends.triton_generic.cumsum import chunk_cumsum_fwd
+        from gdn_dispatch.backends.triton_generic.wu import wu_fwd
+
+        self.calls.append("wy_fwd")
+        g_cum = chunk_cumsum_fwd(g, chunks, scale=LOG2E)
+        results = (*wu_fwd(k, v, g_cum, beta, chunks), g_cum)
+        for buffer, result in zip(out, results):
+            buffer.copy_(result)
+        self.wy = tuple(out)
+        return self.wy
+
+    def segment_map_fwd(self, k, w, u, g_cum, beta, cu_seqlens, seg_len, launch, *, rnorm=None, chain=None,
+                        out=None):
+        from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
+
+        self.calls.append("segment_map_fwd")
+        assert all(a is b for a, b in zip((w, u, g_cum), self.wy)), "pass 1 must read the call's w, u, g_cum"
+        assert launch.constexprs["CHAIN"] and chain is not None and out[1] is None and out[2] is None
+        nseg = k.shape[0] * k.shape[1] // seg_len + cu_seqlens.shape[0] - 1
+        # N's blocks alone: (segment slot, v-head, V block) programs.
+        assert launch.grid_for(k.shape[0] * k.shape[1], nseg)[0] == nseg * u.shape[2] * u.shape[3] // \
+            launch.blocks["BC"]
+        self.chain = chain
+        result = segment_map_fwd(k, w, u, g_cum, cu_seqlens, seg_len, beta=beta, f_start=chain[0],
+                                 chain_flags=chain[1], out=out)
+        self.seg_cu = result[0]
+        return result
+
+    def state_output_fwd(self, q, k, w, u, g_cum, chunks, launch, *, scale, initial_state=None,
+                         output_final_state=False, rnorm=None, state_indices=None, chain=None, out=None):
+        from gdn_dispatch.backends.triton_generic.context_parallel import segment_table
+        from gdn_dispatch.backends.triton_generic.output import output_fwd
+        from gdn_dispatch.backends.triton_generic.segment_chain import chained_state_fwd
+
+        self.calls.append("state_output_fwd")
+        flags = launch.constexprs
+        assert all(a is b for a, b in zip((w, u, g_cum), self.wy)), "pass 2 must read the call's w, u, g_cum"
+        hand, f_start, chain_flags, seg_len, nseg = chain
+        assert flags["CHAIN"] and (f_start, chain_flags) == self.chain
+        assert launch.grid_for(q.shape[0] * q.shape[1], nseg)[0] == nseg * u.shape[2] * launch.blocks["NV"]
+        self.state_flags = (flags["USE_H0"], flags["STORE_HT"], flags["STATE_VK"], flags["USE_POOL"],
+                            flags["INPLACE"])
+        plan = CPPlan(enabled=True, seg_len=seg_len, num_segments=nseg, reason="stand-in", chained=True)
+        segments = segment_table(chunks, q.shape[0] * q.shape[1], plan, self.seg_cu)
+        h, v_new, ht = chained_state_fwd(
+            k, w, u, g_cum, chunks.cu_seqlens, segments, seg_len, f_start, hand, chain_flags,
+            initial_state=initial_state, output_final_state=output_final_state, state_vk=flags["STATE_VK"],
+            state_indices=state_indices, inplace_final_state=flags["INPLACE"])
+        o = output_fwd(q, k, v_new, h, g_cum, segments, scale=scale)
+        out[0].copy_(o)
+        if out[1] is not None:
+            out[1].copy_(ht)
+        return out
+
+
+@pytest.mark.parametrize("layout, pool", [("kv", None), ("vk", torch.bfloat16)])
+def test_gluon_chained_orchestration_matches_the_reference_on_cpu(layout, pool, monkeypatch):
+    """The chained Gluon forward end to end on the CPU, its kernels stood in for by
+    triton_generic's under the interpreter: one wy launch, pass 1 with the chain's buffers,
+    pass 2 with the call's own state flags (the pool read and written in place), no scan;
+    every buffer of the call poisoned first, the result against the reference."""
+    from gdn_dispatch import native
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(native, "for_calls", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    stand_ins = _ChainedGluonStandIns()
+    for name in ("wy_fwd", "segment_map_fwd", "state_output_fwd"):
+        monkeypatch.setattr(GLUON_FORWARD, name, getattr(stand_ins, name))
+    lengths = [300, 0, 1, 129, 250]
+    call = _gates(random_call(lengths=lengths, H=1, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=6,
+                              state_layout=layout), [0.1, 40.0])
+    flags, extra, ref_call = dict(output_final_state=True), {}, dict(call)
+    if pool is not None:
+        dims = tuple(call["initial_state"].shape[2:])
+        rows, idx, ref_call["initial_state"] = padded_pool(len(lengths), 2, dims, pool, seed=3, device="cpu")
+        expected_pool, extra = rows.clone(), dict(state_indices=idx, inplace_final_state=True)
+        call = {**call, "initial_state": rows}
+    o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
+    problem = make_problem(**call, **flags, **extra)
+    plan = CPPlan(enabled=True, seg_len=128, num_segments=problem.B * problem.T // 128 + problem.N,
+                  reason="chained for the test", chained=True)
+    monkeypatch.setattr(GLUON_FORWARD, "plan_for_problem", lambda p, sms: plan)
+    real = GLUON_FORWARD.call_buffers
+
+    def poisoned(*args):
+        out = real(*args)
+        for t in out:
+            if t is not None:
+                t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
+        return out
+
+    monkeypatch.setattr(GLUON_FORWARD, "call_buffers", poisoned)
+    clear_plan_cache()
+    o, ht = GLUON_FORWARD.forward(problem, assumed_device("sm_90"), engine=None)
+    assert stand_ins.calls == ["wy_fwd", "segment_map_fwd", "state_output_fwd"]
+    assert stand_ins.state_flags == (True, True, layout == "vk", pool is not None, pool is not None)
+    f_start = stand_ins.chain[0]
+    assert (f_start >= 0).any() and (f_start < 0).any()  # some segments forget, some hand over
+    assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16] and rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16]
+    if pool is not None:
+        live = idx >= 0
+        expected_pool[idx[live].long()] = ht_ref[live].to(pool)
+        assert rel_rms_error(call["initial_state"], expected_pool) <= TOL[pool]
