@@ -57,7 +57,10 @@ SHAPES = [(2, 4, 1, 32768), (4, 8, 1, 32768), (2, 8, 1, 32768), (8, 16, 1, 32768
           (2, 4, 2, 32768), (4, 8, 1, 65536),
           # where the chunks-per-program bound decides: 4 to 8 chunks per program
           (4, 8, 2, 8192), (2, 4, 4, 8192), (4, 8, 1, 4096), (2, 4, 2, 4096), (2, 4, 1, 2048), (8, 16, 1, 12288),
-          (8, 16, 1, 4096), (2, 4, 1, 1024)]
+          (8, 16, 1, 4096), (2, 4, 1, 1024),
+          # between a quarter and half of the SMs in 64-column programs: where chained segments
+          # (--chain-fill) can gain; a full wave at BV = 32 (8/16 x 2) where they cannot
+          (4, 8, 3, 16384), (2, 4, 6, 8192), (8, 16, 2, 16384)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
