@@ -129,29 +129,38 @@ def _gates(call: dict, per_head: list[float]) -> dict:
     return {**call, "g": call["g"] * scale}
 
 
-def _chained_run(problem, seg_len: int, monkeypatch, backend: str = "triton_generic"):
-    """``problem`` through ``backend``'s forward on chained segments of ``seg_len`` tokens,
-    every buffer of the call poisoned first (floats NaN, integers -2^30); returns (o, final
-    state, forgetting starts ``[NSEG, HV]``, hand-over counts and ticket)."""
-    plan = CPPlan(enabled=True, seg_len=seg_len, num_segments=problem.B * problem.T // seg_len + problem.N,
+def _chained_plan(problem, seg_len: int) -> CPPlan:
+    """Chained segments of ``seg_len`` tokens for ``problem``."""
+    return CPPlan(enabled=True, seg_len=seg_len, num_segments=problem.B * problem.T // seg_len + problem.N,
                   reason="chained for the test", chained=True)
-    module = TG_FORWARD if backend == "triton_generic" else GLUON_FORWARD
-    entry = TG_FORWARD.forward if backend == "triton_generic" else \
-        importlib.import_module(f"gdn_dispatch.backends.{backend}").forward
-    seen = {}
-    real = module.call_buffers
 
+
+def _poisoning(call_buffers, seen: dict):
+    """``call_buffers`` with every buffer it returns poisoned (floats NaN, integers -2^30),
+    the last ones kept in ``seen["buffers"]``."""
     def poisoned(*args):
-        out = real(*args)
+        out = call_buffers(*args)
         for t in out:
             if t is not None:
                 t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
         seen["buffers"] = out
         return out
 
+    return poisoned
+
+
+def _chained_run(problem, seg_len: int, monkeypatch, backend: str = "triton_generic"):
+    """``problem`` through ``backend``'s forward on chained segments of ``seg_len`` tokens,
+    every buffer of the call poisoned first; returns (o, final state, forgetting starts
+    ``[NSEG, HV]``, hand-over counts and ticket)."""
+    plan = _chained_plan(problem, seg_len)
+    module = TG_FORWARD if backend == "triton_generic" else GLUON_FORWARD
+    entry = TG_FORWARD.forward if backend == "triton_generic" else \
+        importlib.import_module(f"gdn_dispatch.backends.{backend}").forward
+    seen = {}
     with monkeypatch.context() as patch:
         patch.setattr(module, "plan_for_problem", lambda p, sms: plan)
-        patch.setattr(module, "call_buffers", poisoned)
+        patch.setattr(module, "call_buffers", _poisoning(module.call_buffers, seen))
         o, ht = entry(problem)
     f_start, flags = seen["buffers"][5:7]
     return o, ht, f_start, flags
@@ -430,19 +439,9 @@ def test_gluon_chained_orchestration_matches_the_reference_on_cpu(layout, pool, 
         call = {**call, "initial_state": rows}
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
     problem = make_problem(**call, **flags, **extra)
-    plan = CPPlan(enabled=True, seg_len=128, num_segments=problem.B * problem.T // 128 + problem.N,
-                  reason="chained for the test", chained=True)
+    plan = _chained_plan(problem, 128)
     monkeypatch.setattr(GLUON_FORWARD, "plan_for_problem", lambda p, sms: plan)
-    real = GLUON_FORWARD.call_buffers
-
-    def poisoned(*args):
-        out = real(*args)
-        for t in out:
-            if t is not None:
-                t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
-        return out
-
-    monkeypatch.setattr(GLUON_FORWARD, "call_buffers", poisoned)
+    monkeypatch.setattr(GLUON_FORWARD, "call_buffers", _poisoning(GLUON_FORWARD.call_buffers, {}))
     clear_plan_cache()
     o, ht = GLUON_FORWARD.forward(problem, assumed_device("sm_90"), engine=None)
     assert stand_ins.calls == ["wy_fwd", "segment_map_fwd", "state_output_fwd"]

@@ -56,9 +56,9 @@ def call_buffers(problem: GDNProblem, launches: ForwardPlan, cp: CPPlan,
 def buffer_specs(problem: GDNProblem, form: tuple) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
     """The :func:`gdn_dispatch.native.allocator` specs of :func:`call_buffers` for the
     call's ``form``: ("fused",), ("pipeline",), ("segmented", offsets' dtype, maps'
-    dtype) or ("chained", offsets' dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T tiles' rows), -5 NSEG + 1. The
-    intermediates (everything but o and the final state) are :data:`INTERMEDIATES`: one
-    allocation where the native layer carves them."""
+    dtype) or ("chained", offsets' dtype). Sizes: -1 B, -2 T, -3 N, -4 NSEG (or the T
+    tiles' rows), -5 NSEG + 1. The intermediates (everything but o and the final state) are
+    :data:`INTERMEDIATES`: one allocation where the native layer carves them."""
     HV, K, V = problem.HV, problem.K, problem.V
     f32, mid = torch.float32, INTERMEDIATES
     if form[0] == "fused":

@@ -73,6 +73,7 @@ from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
+from gdn_dispatch.backends.triton_generic.segment_chain import chain_buffers
 
 
 def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -246,10 +247,8 @@ def chained_fwd(problem: GDNProblem, cp: CPPlan, launches: ForwardPlan, w: torch
     HV, NSEG = problem.HV, cp.num_segments
     pass_one, pass_two = launches.cls.chained(launches.stage("state_output_fwd").shared)
     if out is None:
-        device = problem.k.device
         o_out, seg_cu, hand = None, None, None
-        f_start = torch.empty(NSEG * HV, dtype=torch.int32, device=device)
-        flags = torch.empty(NSEG * HV + 1, dtype=torch.int32, device=device)
+        f_start, flags = chain_buffers(NSEG, HV, problem.k.device)
     else:
         o, seg_cu, f_start, flags, hand, final_state = out
         o_out, f_start, flags = (o, final_state), f_start.view(-1), flags.view(-1)

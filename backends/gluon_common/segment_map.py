@@ -78,7 +78,8 @@ from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, slot_sequence, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
-from gdn_dispatch.backends.triton_generic.segment_map import MAP_NEGLIGIBLE_LOG2, maps_buffers, maps_dtype
+from gdn_dispatch.backends.triton_generic.segment_map import (
+    MAP_NEGLIGIBLE_LOG2, checked_buffer, maps_buffers, maps_dtype)
 
 #: Most slots of the w/k and u rings: a plan takes the most that fit one SM's shared
 #: memory at the programs per SM of two slots (:func:`segment_map_ring_slots`).
@@ -550,10 +551,8 @@ def segment_map_fwd(
     f_start, flags = chain if chain is not None else (None, None)
     if chain is not None:
         HV = u.shape[2]
-        for name, buf, entries in (("f_start", f_start, NSEG * HV), ("chain_flags", flags, NSEG * HV + 1)):
-            if buf.dtype != torch.int32 or not buf.is_contiguous() or buf.numel() < entries:
-                raise ValueError(f"{name}: expected a contiguous int32 tensor of at least {entries} entries, got "
-                                 f"{buf.dtype} {tuple(buf.shape)}")
+        checked_buffer("f_start", f_start, (torch.int32,), NSEG * HV, "NSEG x HV", k.device)
+        checked_buffer("chain_flags", flags, (torch.int32,), NSEG * HV + 1, "NSEG x HV + 1", k.device)
     if launch.constexprs["USE_L2NORM"] and (rnorm is None or rnorm.shape != (B * T, H, 2)):
         raise ValueError(f"rnorm: a USE_L2NORM plan needs float32 [{B * T}, {H}, 2] (qk_rnorm_fwd), got "
                          f"{None if rnorm is None else tuple(rnorm.shape)}")

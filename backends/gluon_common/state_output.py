@@ -939,11 +939,11 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
                for flags in (base, {**base, "pool": True, "inplace": True, "vk": True, "ht": False,
                                     "state_dtype": torch.bfloat16, "index_dtype": torch.int64})]
     kernels = []
-    for K, V, BV, warps, flags in unique + chained:
+    for K, V, BV, warps, flags, chain in [(*case, False) for case in unique] + [(*case, True) for case in chained]:
         launch = plan_state_output(_aot_problem(K, V, **flags), device, block_v=BV, num_warps=warps,
                                    engine=engine)
         tag = _aot_tag(K, V, BV, warps, flags)
-        if len(kernels) >= len(unique):
+        if chain:
             launch = chained_plan(launch.shared)
             tag += "-chain"
         state_dtype = flags["state_dtype"] if flags["h0"] or flags["pool"] else torch.float32

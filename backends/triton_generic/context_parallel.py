@@ -26,7 +26,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.varlen import ChunkTable, new_table, num_slots
 
 from gdn_dispatch.backends.triton_generic.output import output_fwd
-from gdn_dispatch.backends.triton_generic.segment_chain import chained_state_fwd
+from gdn_dispatch.backends.triton_generic.segment_chain import chain_buffers, chained_state_fwd
 from gdn_dispatch.backends.triton_generic.segment_map import segment_map_fwd
 from gdn_dispatch.backends.triton_generic.segment_scan import segment_scan_fwd
 from gdn_dispatch.backends.triton_generic.state import state_fwd
@@ -148,11 +148,8 @@ def chained_fwd(problem: GDNProblem, plan: CPPlan, g_cum: torch.Tensor, w: torch
     """
     l2, chunks, NSEG, HV = problem.use_qk_l2norm, problem.chunks, plan.num_segments, problem.HV
     if out is None:
-        device = problem.k.device
-        seg_cu, hand = None, None
-        f_start = torch.empty(NSEG * HV, dtype=torch.int32, device=device)
-        flags = torch.empty(NSEG * HV + 1, dtype=torch.int32, device=device)
-        stages = None
+        seg_cu, hand, stages = None, None, None
+        f_start, flags = chain_buffers(NSEG, HV, problem.k.device)
     else:
         seg_cu, f_start, flags, hand, *stages = out
         f_start, flags = f_start.view(-1), flags.view(-1)

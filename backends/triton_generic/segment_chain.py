@@ -37,14 +37,14 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gdn_dispatch.contract import empty_final_state
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.triton_generic._jit import interpreting, jit
 from gdn_dispatch.backends.triton_generic.configs import LaunchConfig, device_facts, launch, state_block_k, state_config
 from gdn_dispatch.backends.triton_generic.kkt_solve import dot_precisions, interp_bf16_dots
 from gdn_dispatch.backends.triton_generic.segment_map import _slot_sequence
-from gdn_dispatch.backends.triton_generic.state import _state_ptrs, _state_row, _store_final_state, _walk_chunks
+from gdn_dispatch.backends.triton_generic.state import (
+    _state_ptrs, _state_row, _store_final_state, _walk_chunks, state_buffers)
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 
 
@@ -152,6 +152,14 @@ def _chained_state_fwd_kernel(
         tl.atomic_add(chain_flags + i_sh, 1, sem="release")
 
 
+def chain_buffers(num_segments: int, HV: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 forgetting starts ``[NSEG * HV]`` and the hand-over counts with the ticket
+    ``[NSEG * HV + 1]`` of a chained call (pass 1 writes the first and zeroes the second),
+    where the caller did not allocate them."""
+    return (torch.empty(num_segments * HV, dtype=torch.int32, device=device),
+            torch.empty(num_segments * HV + 1, dtype=torch.int32, device=device))
+
+
 def chained_state_fwd(
     k: torch.Tensor,
     w: torch.Tensor,
@@ -205,12 +213,7 @@ def chained_state_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, V = u.shape[-2], u.shape[-1]
     N, NSEG = cu_seqlens.shape[0] - 1, segments.num_seqs
-    if out is not None:
-        h, v_new, final_state = out
-    else:
-        h = torch.empty(segments.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
-        v_new = torch.empty_like(u)
-        final_state = empty_final_state(output_final_state, N, HV, K, V, state_vk, k.device)
+    h, v_new, final_state = state_buffers(k, u, segments.num_slots, N, output_final_state, state_vk, out)
     if NSEG * HV == 0:
         return h, v_new, final_state
     capability, device_sms = device_facts(k.device)

@@ -387,9 +387,9 @@ def segment_map_fwd(
     s_k = token_stride("k", k)
     forget = beta is not None
     if forget:
-        f_start = _checked_buffer("f_start", f_start, (torch.float32, torch.int32), NSEG * HV, "NSEG x HV", k.device)
+        f_start = checked_buffer("f_start", f_start, (torch.float32, torch.int32), NSEG * HV, "NSEG x HV", k.device)
         if chain:
-            _checked_buffer("chain_flags", chain_flags, (torch.int32,), NSEG * HV + 1, "NSEG x HV + 1", k.device)
+            checked_buffer("chain_flags", chain_flags, (torch.int32,), NSEG * HV + 1, "NSEG x HV + 1", k.device)
         launch(_forgetting_start_kernel, (NSEG * HV,), FORGETTING_CONFIG, **forgetting_start_launch_args(
             g_cum, beta, k, cu_seqlens, f_start, chain_flags if chain else f_start, N, seg_len,
             token_stride("beta", beta), s_k, H, HV, K, cfg.BK, use_qk_l2norm=use_qk_l2norm, chain=chain))
@@ -403,7 +403,7 @@ def segment_map_fwd(
     return seg_cu, m_hi, m_lo, n_out
 
 
-def _checked_buffer(name: str, buf: torch.Tensor | None, dtypes: tuple, entries: int, what: str,
+def checked_buffer(name: str, buf: torch.Tensor | None, dtypes: tuple, entries: int, what: str,
                     device: torch.device) -> torch.Tensor:
     """``buf`` where it is a contiguous tensor of one of ``dtypes`` with at least
     ``entries`` entries (else a ValueError naming it); a new one of ``dtypes[0]`` for None."""

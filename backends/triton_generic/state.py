@@ -363,12 +363,7 @@ def state_fwd(
     H, K = k.shape[-2], k.shape[-1]
     HV, V, BT = u.shape[-2], u.shape[-1], chunks.chunk_size
     N = chunks.num_seqs
-    if out is not None:  # (h, v_new, final state) the caller allocated, as returned below
-        h, v_new, final_state = out
-    else:
-        h = torch.empty(chunks.num_slots, HV, K, V, dtype=k.dtype, device=k.device)
-        v_new = torch.empty_like(u)
-        final_state = empty_final_state(output_final_state, N, HV, K, V, state_vk, k.device)
+    h, v_new, final_state = state_buffers(k, u, chunks.num_slots, N, output_final_state, state_vk, out)
     if N * HV == 0:
         return h, v_new, final_state
     capability, device_sms = device_facts(k.device)
@@ -384,6 +379,18 @@ def state_fwd(
         inplace=state_indices is not None and inplace_final_state, store_ht=final_state is not None,
         state_vk=state_vk, use_qk_l2norm=use_qk_l2norm, load_rnorm=use_qk_l2norm and k_rnorm is not None))
     return h, v_new, final_state
+
+
+def state_buffers(k: torch.Tensor, u: torch.Tensor, num_slots: int, N: int, output_final_state: bool, state_vk: bool,
+                  out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What a state kernel writes: h ``[num_slots, HV, K, V]`` and v_new (u's shape) in k's
+    dtype, the float32 final state of ``N`` sequences (None unless ``output_final_state``);
+    ``out`` where the caller allocated them (as returned)."""
+    if out is not None:
+        return tuple(out)
+    HV, K, V = u.shape[-2], k.shape[-1], u.shape[-1]
+    return (torch.empty(num_slots, HV, K, V, dtype=k.dtype, device=k.device), torch.empty_like(u),
+            empty_final_state(output_final_state, N, HV, K, V, state_vk, k.device))
 
 
 def state_launch_args(cfg, dtype, k, w, u, g_cum, k_rnorm, h, v_new, h0, ht, cu_seqlens, state_indices, s_k, P,
