@@ -11,7 +11,8 @@ specializations of 128 value heads at K = V, where gluon_sm90 takes its warp-spe
 path), both state layouts,
 the in-kernel l2 norm, initial and final state on and off, every admitted dtype, and for a
 backend that runs context parallelism a forced segment count on about a third of the
-calls (drawn from a stream of its own, so the other draws stay as they were).
+calls (drawn from a stream of its own, so the other draws stay as they were); those calls
+again as chained segments of the same length (:func:`_chained_plans`).
 
 Kernels specialize on the head shape and the feature flags, so a case draws those from a
 pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
@@ -24,6 +25,7 @@ per-token recurrence.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -343,6 +345,11 @@ def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
         clear_plan_cache()
 
 
+def _forced_cases(cases):
+    """The draw's calls with a forced segment count."""
+    return [(i, c) for i, c in enumerate(cases) if isinstance(c.context_parallel, int)]
+
+
 def _bf16_maps_cases(cases):
     """The draw's calls that :data:`..segment_map.BF16_MAPS` changes: forced segments on
     16-bit data."""
@@ -361,6 +368,32 @@ def test_fuzz_gpu_bf16_maps(case, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     monkeypatch.setattr(segment_map, "BF16_MAPS", True)
+    _check(case, "cuda")
+
+
+def _chained_plans(monkeypatch) -> None:
+    """Every segmented plan made from now on chained (the same segments, handed over instead
+    of mapped and scanned): the planners' one memoized entry returns the plan it would,
+    chained where it is on (routes then decline the call and the forwards launch it)."""
+    from gdn_dispatch import context_parallel
+
+    planned = context_parallel._plan_kept
+
+    def chained(*args):
+        plan = planned(*args)
+        return dataclasses.replace(plan, chained=True) if plan.enabled else plan
+
+    monkeypatch.setattr(context_parallel, "_plan_kept", chained)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params(_forced_cases, "-chained")))
+def test_fuzz_gpu_chained(case, monkeypatch):
+    """The draw's forced-segment calls as chained segments, against the reference."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _chained_plans(monkeypatch)
     _check(case, "cuda")
 
 
@@ -389,6 +422,18 @@ def test_fuzz_triton_generic_interpreted_bf16_maps(case, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     monkeypatch.setattr(segment_map, "BF16_MAPS", True)
+    _check(case, "cpu")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"triton_generic-chained-s{seed}-{i:02d}")
+                                  for seed in SEEDS
+                                  for i, c in _forced_cases(draw_cases("triton_generic", seed, CPU_CASES_PER_SEED,
+                                                                       cpu=True))])
+def test_fuzz_triton_generic_interpreted_chained(case, monkeypatch):
+    """The CPU tier's forced-segment calls again as chained segments."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _chained_plans(monkeypatch)
     _check(case, "cpu")
 
 
