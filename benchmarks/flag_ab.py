@@ -14,6 +14,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py t_block_tma  # wy_t.WY_T_BLOCK_TMA: T_u in 16 x 16 TMA boxes
     python benchmarks/flag_ab.py bf16_maps    # segment_map.BF16_MAPS: the scan on bf16 parts of M
     python benchmarks/flag_ab.py ring_slots   # state_output.RING_SLOTS_MAX 2 -> 3: loads two chunks ahead
+    python benchmarks/flag_ab.py state_output_ws  # state_output.STATE_OUTPUT_WS: chain and output warpgroups
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -85,6 +86,10 @@ STUDIES = {
         "H2-HV4-1x32768": (2, 4, [32768], False), "H4-HV8-1x32768": (4, 8, [32768], False),
         "H2-HV8-1x32768": (2, 8, [32768], False), "H8-HV16-1x32768": (8, 16, [32768], False),
         "H16-HV64-1x8192": (16, 64, [8192], False)}),
+    # The state-output kernel's walk warp-specialized (the chain in one warpgroup, the output
+    # in another): the pipeline's calls (BV = 32 and 64) and context parallelism's pass 2.
+    "state_output_ws": ("gdn_dispatch.backends.gluon_common.state_output", "STATE_OUTPUT_WS", (False, True), {
+        **_WY_SHAPES, "H4-HV8-1x32768": (4, 8, [32768], False), "H16-HV32-1x32768-l2": (16, 32, [32768], True)}),
 }
 
 

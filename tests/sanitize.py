@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: slow. extras: "cp" (a forced segment count), "chain" (chained segments: the planner's
 #: band over every program count, :data:`CHAIN_TUNING`), "pool" (the pool's dtype: a pool
 #: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
-#: of one projection).
+#: of one projection), "ws" (gluon_sm90: the state-output walk warp-specialized,
+#: ``state_output.STATE_OUTPUT_WS``; left out of racecheck where it fails its control).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -72,6 +73,9 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False),
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
     ([63, 1, 129], 32, 128, 128, 128, "bfloat16", "kv", True),
+    ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False, {"ws": True}),
+    ([300, 0, 129], 1, 2, 128, 128, "float16", "vk", True, {"ws": True, "pool": "float32"}),
+    ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "kv", False, {"ws": True, "cp": 3}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -85,8 +89,9 @@ WARP_SPECIALIZED = {"gluon_sm90": ("_fused_fwd_kernel",)}
 CONTROL = Path(__file__).resolve().parent / "ws_racecheck_control.py"
 
 
-def run_calls(backend: str) -> int:
-    """Child: run the backend's calls on the GPU; 1 when one is wrong."""
+def run_calls(backend: str, skip_ws: bool = False) -> int:
+    """Child: run the backend's calls on the GPU; 1 when one is wrong. ``skip_ws``: leave
+    out the "ws" calls."""
     import torch
 
     from gdn_dispatch import chunk_gated_delta_rule, context_parallel, native, reference
@@ -97,6 +102,9 @@ def run_calls(backend: str) -> int:
     status = 0
     for i, (lengths, H, HV, K, V, dtype, layout, l2, *more) in enumerate(CALLS[backend]):
         extras = more[0] if more else {}
+        if extras.get("ws") and skip_ws:
+            print(f"call {i}: {extras}: left out (racecheck fails its control)", flush=True)
+            continue
         call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), device="cuda",
                            seed=i, state_layout=layout, normalize_qk=not l2)
         flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
@@ -122,12 +130,16 @@ def run_calls(backend: str) -> int:
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
+        if extras.get("ws"):
+            _walk_warp_specialized(True)
         for _ in range(REPEATS):
             if pool is not None:
                 pool.copy_(before)
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
+        if extras.get("ws"):
+            _walk_warp_specialized(False)
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -145,6 +157,15 @@ def run_calls(backend: str) -> int:
         print("WRONG: the native layer is on but no call went through a route", flush=True)
         status = 1
     return status
+
+
+def _walk_warp_specialized(on: bool) -> None:
+    """Plan the state-output walk warp-specialized (or not) from the next call on."""
+    from gdn_dispatch.backends.gluon_common import state_output
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    state_output.STATE_OUTPUT_WS = on
+    clear_plan_cache()
 
 
 def sanitizer_binary() -> str:
@@ -175,8 +196,11 @@ def _run_tool(tool: str, script: list[str], exclude: tuple[str, ...] = ()) -> tu
 
 
 def sanitize(backend: str, tool: str, exclude: tuple[str, ...] = ()) -> tuple[int | None, int, float, str]:
-    """:func:`_run_tool` over the backend's calls (the ``--child`` run)."""
-    return _run_tool(tool, [str(Path(__file__).resolve()), "--child", backend], exclude)
+    """:func:`_run_tool` over the backend's calls (the ``--child`` run); with kernels
+    excluded, without the "ws" calls too (their warp-specialized kernel shares its name
+    with the one-warpgroup walk's)."""
+    return _run_tool(tool, [str(Path(__file__).resolve()), "--child", backend] + (["--skip-ws"] if exclude else []),
+                     exclude)
 
 
 def racecheck_orders_partitions() -> bool:
@@ -194,9 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
     parser.add_argument("--backends", default=None, help="comma-separated GPU backends (default: those this GPU runs)")
     parser.add_argument("--child", metavar="BACKEND", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return run_calls(args.child)
+        return run_calls(args.child, args.skip_ws)
 
     tools = [t for t in args.tools.split(",") if t]
     for t in tools:

@@ -11,6 +11,7 @@ float32 reference (gdn_dispatch.reference.forward), with NaN-poisoned outputs.
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
-                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False,
+                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False, "WS": False,
                                  "NUM_BUF": so.state_output_ring_slots(K, BV, 2, launch.num_warps,
                                                                        smem_per_block=SMEM_OPTIN[capability]),
                                  **({} if scatters else {"o_rows_desc": None})}
@@ -237,6 +238,96 @@ def test_three_ring_slots_compile_within_shared_memory():
         assert report.spill_bytes == 0, capability
 
 
+@pytest.mark.parametrize("BV, slots", [(32, 3), (64, 2)])
+def test_warp_specialized_walk_plan(monkeypatch, BV, slots):
+    """With STATE_OUTPUT_WS the sm_90a plans at K = 128 on one warpgroup take the
+    warp-specialized walk: WS on, o not deferred (the output partition stores it), the
+    ring slots that fit its second h and v_new tile; elsewhere (sm_100a, two warpgroups,
+    K = 64, chained segments) the one-warpgroup walk."""
+    p = _problem(lengths=[100, 0, 70], K=128, V=128)
+    assert not so.plan_state_output(p, SM90, block_v=BV).constexprs["WS"]  # off by default
+    monkeypatch.setattr(so, "STATE_OUTPUT_WS", True)
+    launch = so.plan_state_output(p, SM90, block_v=BV)
+    flags = launch.constexprs
+    assert flags["WS"] and not flags["DEFER_OUT"] and flags["NUM_BUF"] == slots and launch.num_warps == 4
+    smem = so.state_output_smem_bytes(128, BV, 2, slots=slots, ws=True)
+    assert launch.blocks["smem_bytes"] == smem <= SMEM_OPTIN[SM90] - 2 * 1024
+    # A second h [K, BV] and v_new [64, BV] tile and a third barrier per slot.
+    assert smem - so.state_output_smem_bytes(128, BV, 2, slots=slots) == 2 * (128 * BV + 64 * BV) + 8 * (slots + 4)
+    assert "warp-specialized" in launch.notes
+    assert not so.chained_plan(launch.shared).constexprs["WS"]
+    assert not so.plan_state_output(p, SM90, block_v=128).constexprs["WS"]  # two warpgroups of state
+    assert not so.plan_state_output(p, SM100, block_v=BV).constexprs["WS"]
+    assert not so.plan_state_output(_problem(lengths=[100], K=64, V=128), SM90, block_v=BV).constexprs["WS"]
+    monkeypatch.setattr(so, "STATE_OUTPUT_WS", False)
+    assert so.plan_state_output(p, SM90, block_v=BV, ws=True).constexprs["WS"]
+    with pytest.raises(ValueError, match="ws: the warp-specialized walk runs on sm_90a"):
+        so.plan_state_output(p, SM100, block_v=BV, ws=True)
+    with pytest.raises(ValueError, match="ws: .*not 8 warps"):
+        so.plan_state_output(p, SM90, block_v=128, ws=True)
+
+
+def test_warp_specialized_walk_reaches_the_call_plans(monkeypatch):
+    """The flag reaches the forward's dry run: an unsegmented pipeline call (16/32 x 32768
+    tokens: BV = 32) and context parallelism's pass 2 at BV = 64 (2/4 x 32768) take the
+    warp-specialized walk; chained segments' pass 2, pass 2 at BV = 128 (16/32 in 4
+    segments) and the warp-specialized path's calls do not."""
+    import importlib
+
+    from gdn_dispatch.contract import make_problem
+    from gdn_dispatch.testing import random_call
+
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    forward = importlib.import_module("gdn_dispatch.backends.gluon_common.forward")
+    monkeypatch.setattr(so, "STATE_OUTPUT_WS", True)
+    clear_plan_cache()
+    try:
+        device = _device(SM90)
+        call = random_call(lengths=[32768], H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=2)
+        off = forward.plan_call(make_problem(**call, output_final_state=True, context_parallel="off"), device)
+        assert off.state_output.constexprs["WS"] and off.state_output.blocks["BV"] == 32
+        wide = forward.plan_call(make_problem(**call, output_final_state=True, context_parallel=4), device)
+        assert wide.segments is not None and wide.state_output.blocks["BV"] == 128
+        assert not wide.state_output.constexprs["WS"]
+        assert not forward.CallPlan(context_parallel=dataclasses.replace(wide.context_parallel, chained=True),
+                                    launches=wide.launches, segments=None).state_output.constexprs["WS"]
+        shard = random_call(lengths=[32768], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=2)
+        segmented = forward.plan_call(make_problem(**shard, output_final_state=True), device)
+        assert segmented.segments is not None and segmented.state_output.blocks["BV"] == 64
+        assert segmented.state_output.constexprs["WS"]
+        many = random_call(batch=(4, 256), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=2)
+        assert forward.plan_call(make_problem(**many, output_final_state=True), device).launches.fused
+    finally:
+        clear_plan_cache()
+
+
+@pytest.mark.slow
+def test_warp_specialized_walk_compiles():
+    """The warp-specialized walk builds for sm_90a at K = V = 128, BV = 32 and 64, with
+    tails, the qk l2 norm, "vk" states and a pool written in place: no spills, within
+    the shared memory its plan counts (plus the compiler's scratch), two warpgroups
+    (``reqntid 256``) in ``warp_specialize`` partitions, and every MMA of the one-warpgroup
+    walk (36 wgmma instructions at K = 128: P 8, the update 8, q k^T 8, q h 8, A v_new 4)."""
+    import re
+
+    from gdn_dispatch.aot import compile_kernel
+
+    flags = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=False, pool=False, inplace=False,
+                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+    cases = [(32, {}), (32, {"l2": True, "vk": True}), (64, {"tails": False}),
+             (64, {"pool": True, "inplace": True, "l2": True})]
+    for BV, more in cases:
+        f = {**flags, **more}
+        launch = so.plan_state_output(so._aot_problem(128, 128, **f), SM90, block_v=BV, ws=True)
+        report = compile_kernel(so.state_output_aot_kernel("gluon_sm90", launch, f["dtype"], f"ws-{BV}"), SM90)
+        assert report.spill_bytes == 0, (BV, more)
+        planned = launch.blocks["smem_bytes"]
+        assert planned <= report.shared_bytes <= planned + so.SMEM_SCRATCH, (BV, more)
+        assert ".reqntid 256" in report.ptx and "ttg.warp_specialize" in report.ttgir, (BV, more)
+        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 36, (BV, more)
+
+
 def test_plan_flags():
     p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
     launch = so.plan_state_output(p, SM90)
@@ -244,7 +335,7 @@ def test_plan_flags():
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90),
                                  "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
                                                                      launch.num_warps), "o_rows_desc": None,
-                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3, "CHAIN": False}
+                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3, "CHAIN": False, "WS": False}
     assert launch.blocks["BV"] == 32  # not the register-bound BV = 64 build: a third slot
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
@@ -442,6 +533,24 @@ def _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, **plan_options):
 @pytest.mark.parametrize("shape, H, HV, K, V, BV, layout, h0, l2, dtype", GPU_CASES)
 def test_fused_matches_reference(shape, H, HV, K, V, BV, layout, h0, l2, dtype):
     _check_fused(shape, H, HV, K, V, layout, h0, l2, dtype, block_v=BV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] != 9, reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("shape, H, HV, BV, layout, h0, l2, dtype", [
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0, 700]), 2, 4, 32, "kv", True, False, torch.bfloat16,
+                 id="varlen-H2-HV4-BV32-kv-h0-bf16"),
+    pytest.param(dict(lengths=[1, 63, 64, 65, 130, 0, 700]), 2, 4, 64, "vk", True, True, torch.float16,
+                 id="varlen-H2-HV4-BV64-vk-h0-l2-fp16"),
+    pytest.param(dict(lengths=[0, 2000, 129]), 1, 2, 32, "vk", False, True, torch.bfloat16,
+                 id="varlen-0-2000-129-H1-HV2-BV32-vk-l2-bf16"),
+    pytest.param(dict(batch=(2, 1000)), 2, 8, 64, "kv", True, False, torch.bfloat16, id="B2-T1000-H2-HV8-BV64-kv-h0"),
+])
+def test_warp_specialized_walk_matches_reference(shape, H, HV, BV, layout, h0, l2, dtype):
+    """The walk warp-specialized (the chain in one warpgroup, the output in another, the
+    ring refilled by the output partition): tails, empty and one-token sequences, a long
+    sequence (ring and h / v_new slots wrapping many times), grouped heads, both layouts."""
+    _check_fused(shape, H, HV, 128, 128, layout, h0, l2, dtype, block_v=BV, ws=True)
 
 
 #: Every launch configuration of the fused kernel: (BV, warps, o stored a chunk late).

@@ -77,7 +77,8 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
 from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, slot_sequence, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
-    _aot_problem, overwrite_acc, state_output_warps, state_tile_per_warpgroup)
+    _aot_problem, state_output_warps, state_tile_per_warpgroup)
+from gdn_dispatch.backends.gluon_common.state_output_steps import overwrite_acc
 from gdn_dispatch.backends.triton_generic.segment_map import (
     MAP_NEGLIGIBLE_LOG2, checked_buffer, maps_buffers, maps_dtype)
 

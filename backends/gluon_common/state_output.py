@@ -84,6 +84,12 @@ they are columns ``j > i`` of every valid row ``i``, selected to 0 by the causal
 rows past the end only feed o rows that are never written (TMA scatter with row
 0x7FFFFFFF on sm_100a, masked stores on sm_90a, see :mod:`.masks`).
 
+Warp-specialized (``WS``, sm_90a, one warpgroup of state; :data:`STATE_OUTPUT_WS`): the
+same walk with the serial chain (h_t, P, v_new, the state update) in one warpgroup and
+everything hanging off it (QK, O, A v_new, o's store, the ring's refills) in another
+(:mod:`.state_output_ws`), so that the chain no longer queues behind the output's MMAs in
+one warpgroup's wgmma order.
+
 Chained segments (``CHAIN``, :mod:`.segment_chain`): a program takes its (segment slot,
 v-head, V-block) from a ticket instead of its program id, walks the slot's chunks of the
 call's sequence, starts from the call's initial state (first slot) or the previous slot's
@@ -120,16 +126,18 @@ from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, shared_memo
 from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import arg_names, tma_load
+from gdn_dispatch.backends.gluon_common.compat import arg_names
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, drop_unused_scatter, has_tails,
     pointer_attrs, resolve_engine, sig_dtype, tile_desc)
-from gdn_dispatch.backends.gluon_common.masks import _causal_gate_scalar, store_chunk_tile
 from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
-from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, state_vs, walk_program
+from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, walk_program
 from gdn_dispatch.backends.gluon_common.segment_chain import chain_state_init, chain_state_out, chain_walk
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init, state_out
+from gdn_dispatch.backends.gluon_common.state_output_steps import (
+    norm_rows, overwrite_acc, state_output_epilogue, state_output_load, state_output_pv, state_output_update)
+from gdn_dispatch.backends.gluon_common.state_output_ws import state_output_ws_walk
 
 #: Most slots of the w/k/q and u rings (the kernel's ``NUM_BUF``: chunk t computes while
 #: chunks t + 1 .. t + NUM_BUF - 1 land): a plan takes up to this many where they fit the
@@ -147,24 +155,16 @@ RING_SLOTS_MAX = 3
 BLOCK_V = (32, 64, 128)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
+#: Walk the chunks warp-specialized on sm_90a (:mod:`.state_output_ws`: the serial chain
+#: in one warpgroup, the output in another) wherever the state fits one warpgroup at
+#: K = 128 (BV of 32 or 64). Off: compiled (no spills, within shared memory) but not yet run
+#: on a GPU; ``python benchmarks/flag_ab.py state_output_ws`` measures it against the
+#: one-warpgroup walk.
+STATE_OUTPUT_WS = False
 
 
 # ----------------------------------------------------------------------------------------
 # Kernel
-
-
-@gluon.jit
-def _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                       buf, row, col_w, col_k, col_v, pred):
-    """Issue the TMA loads of one chunk into slot ``buf``: w, k, q [BT, K] into
-    ``ring[3 buf ...]`` on ``wkq_ready[buf]`` (needed together), u [BT, BV] into
-    ``u_smem[buf]`` on ``u_ready[buf]`` (needed later); nothing when not ``pred``."""
-    mbarrier.expect(wkq_ready.index(buf), 3 * w_desc.block_type.nbytes, pred=pred)
-    tma_load(w_desc, [row, col_w], wkq_ready.index(buf), ring.index(3 * buf), pred=pred)
-    tma_load(k_desc, [row, col_k], wkq_ready.index(buf), ring.index(3 * buf + 1), pred=pred)
-    tma_load(q_desc, [row, col_k], wkq_ready.index(buf), ring.index(3 * buf + 2), pred=pred)
-    mbarrier.expect(u_ready.index(buf), u_desc.block_type.nbytes, pred=pred)
-    tma_load(u_desc, [row, col_v], u_ready.index(buf), u_smem.index(buf), pred=pred)
 
 
 @gluon.constexpr_function
@@ -193,96 +193,6 @@ def _gates_early(QK_LATE, USE_L2NORM, HAS_TAILS, num_warps):
     return not (QK_LATE and USE_L2NORM and HAS_TAILS and num_warps == NUM_WARPS)
 
 
-@gluon.jit
-def _norm_rows(rnorm, row, eos, i_hk, H, BT: gl.constexpr, row_layout: gl.constexpr):
-    """One chunk's reciprocal row norms of q and of k (:mod:`.qk_norm`'s ``[B * T, H, 2]``
-    pairs of q/k head ``i_hk``; 0 past the sequence's end, where no row is stored or enters
-    the state), in ``row_layout``. Plain global loads: a caller may issue them a chunk early."""
-    rows = row + gl.arange(0, BT, layout=row_layout)
-    offs = (rows.to(gl.int64) * H + i_hk) * 2
-    b_rq = gl.load(rnorm + offs, mask=rows < eos, other=0.0)
-    b_rk = gl.load(rnorm + offs + 1, mask=rows < eos, other=0.0)
-    return b_rq, b_rk
-
-
-@gluon.jit
-def overwrite_acc(acc, ENGINE: gl.constexpr):
-    """The accumulator to hand an MMA with ``use_acc=False``: the same TMEM (sm_100a); fresh
-    zeros on sm_90a, materialised at the MMA instead of kept live around the chunk loop."""
-    if ENGINE.IS_SM100:
-        out = acc
-    else:
-        out = ENGINE.acc_alloc(acc.shape[0], acc.shape[1])
-    return out
-
-
-@gluon.jit
-def _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
-    """``A = causal(QK (* rk per column) 2^(g_i - g_j))`` -> ``p_smem`` (not fenced).
-
-    The chunk's gates ``g_row`` and k's row norms ``rk`` come in (each is loaded or
-    computed once per chunk and also used elsewhere); the mask is masks.causal_gate's
-    bitmask test with the allowed count ``i + 1`` clamped to the
-    chunk's valid rows (no change for any row that is stored): a mask built from aranges
-    alone is loop-invariant, and the compiler hoists it out of the chunk loop and keeps
-    its words live across it (about 36 registers per thread on sm_90a). Columns come from
-    a layout conversion of the row values, not from 32 more global loads per thread.
-    """
-    s = ENGINE.acc_read(qk)
-    BT: gl.constexpr = s.shape[0]
-    layout: gl.constexpr = s.type.layout
-    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
-    if USE_L2NORM:
-        s = s * gl.expand_dims(gl.convert_layout(rk, gl.SliceLayout(0, layout)), 0)
-    p = gl.map_elementwise(_causal_gate_scalar, s,
-                           gl.expand_dims(gl.convert_layout(g_row, gl.SliceLayout(1, layout)), 1),
-                           gl.expand_dims(gl.convert_layout(g_row, gl.SliceLayout(0, layout)), 0),
-                           gl.expand_dims(gl.minimum(rows + 1, n_valid), 1),
-                           gl.expand_dims(cols & ~15, 0), gl.expand_dims(cols & 15, 0))
-    p_smem.store(p.to(p_smem.dtype))
-
-
-@gluon.jit
-def _state_output_update(S, p, u_tile, u_bar, ready_phase, k_tile, b_d, m_t, vn_smem, vs_smem, s_bar,
-                         ENGINE: gl.constexpr):
-    """``v_new = u - P`` -> ``vn_smem``; its rows scaled by ``b_d`` (0 where not ``m_t``) ->
-    ``vs_smem``; issue ``S += k^T vs``. Returns ``S`` (the MMA in flight)."""
-    mbarrier.wait(u_bar, ready_phase)
-    b_v = u_tile.load(ENGINE.acc_layout(u_tile.shape[0], u_tile.shape[1], gl.num_warps())).to(gl.float32)
-    b_v = b_v - ENGINE.acc_read(p)
-    vn_smem.store(b_v.to(vn_smem.dtype))
-    vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(vs_smem.dtype))
-    # Orders vn/vs writes before the MMAs reading them, and the register reads of u and k
-    # before the TMA refill of this slot at the top of the next chunk.
-    fence_async_shared()
-    return ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
-
-
-@gluon.jit
-def _state_output_pv(o, qk, g_row, rk, n_valid, p_smem, vn_smem, pv_bar,
-                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
-    """``A`` -> ``p_smem`` (:func:`_state_output_scores`); ``O = 2^g O``; issue
-    ``O += A v_new``. Returns ``O`` (the MMA in flight)."""
-    _state_output_scores(qk, g_row, rk, n_valid, p_smem, USE_L2NORM, ENGINE)
-    o = ENGINE.acc_write(o, ENGINE.acc_read(o) * gl.expand_dims(gl.exp2(g_row), 1))
-    fence_async_shared()  # p_smem writes (and this slot's register reads) -> async proxy
-    return ENGINE.mma(p_smem, vn_smem, o, True, pv_bar)
-
-
-@gluon.jit
-def _state_output_epilogue(o, r_scale, o_smem, o_desc, o_rows_desc, o_ptr, row_stride,
-                           row, col_v, n_valid, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr):
-    """``o * r_scale`` per row -> ``o_smem`` -> the chunk's own rows of o."""
-    # The previous chunk's store (or masked store) must have read o_smem.
-    tma.store_wait(0)
-    rows: gl.constexpr = gl.SliceLayout(1, o.type.layout)
-    o_smem.store((o * gl.expand_dims(gl.convert_layout(r_scale, rows), 1)).to(o_smem.dtype))
-    # The TMA store / scatter reads o_smem through the async proxy.
-    fence_async_shared()
-    store_chunk_tile(o_desc, o_rows_desc, o_ptr, row_stride, o_smem, row, col_v, n_valid, HAS_TAILS, ENGINE)
-
-
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "N", "L", "NSEG"])
 def _state_output_fwd_kernel(
     q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr,
@@ -290,7 +200,7 @@ def _state_output_fwd_kernel(
     N, L, NSEG,
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr, CHAIN: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr, CHAIN: gl.constexpr, WS: gl.constexpr,
 ):
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
@@ -321,171 +231,181 @@ def _state_output_fwd_kernel(
     # The block of h0 (the initial states, or the pool) this program reads and writes back.
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
 
-    ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
-    u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
-    h_smem = gl.allocate_shared_memory(dtype, [K, BV], E.smem_layout([K, BV], dtype))
-    vn_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
-    vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [BT, BT], E.smem_layout([BT, BT], dtype))
-    o_smem = gl.allocate_shared_memory(dtype, [BT, BV], o_desc.layout)
-    wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    # One barrier per MMA site: w h, q h, q k^T, k^T vs, A v_new.
-    mma_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    p_bar = mma_bars.index(0)
-    o_bar = mma_bars.index(1)
-    qk_bar = mma_bars.index(2)
-    s_bar = mma_bars.index(3)
-    pv_bar = mma_bars.index(4)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(wkq_ready.index(i), count=1)
-        mbarrier.init(u_ready.index(i), count=1)
-    for i in gl.static_range(5):
-        mbarrier.init(mma_bars.index(i), count=1)
-
-    # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
-    # of every chunk, so the handles stay loop-invariant (the results get other names).
-    if CHAIN:
-        S = chain_state_init(ENGINE.acc_alloc(K, BV), h0, hand, f_start, chain_flags, ring, block, slot, first, i_h,
-                             i_v, HV, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
+    if WS:
+        gl.static_assert(not CHAIN, "chained segments take the one-warpgroup walk")
+        state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, h0, ht,
+                             i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v, block, scale, HV, GROUP, V, USE_H0,
+                             STORE_HT, STATE_VK, USE_L2NORM, HAS_TAILS, ENGINE, USE_POOL, INPLACE, NUM_BUF)
     else:
-        S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
-    P = ENGINE.acc_alloc(BT, BV)
-    O = ENGINE.acc_alloc(BT, BV)
-    QK = ENGINE.acc_alloc(BT, BT)
-    for i in gl.static_range(NUM_BUF - 1):
-        _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                           i, bos + i * BT, col_w, col_k, col_v, i < NT)
-    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
-    i_hk = i_h // GROUP
-    H = HV // GROUP
-    if USE_L2NORM:
-        b_rq, b_rk = _norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
-    else:
-        b_rq, b_rk = b_g, b_g  # unused
-    # DEFER_OUT: the previous chunk's A v_new accumulator and o row scale, stored one chunk late.
-    o_prev = ENGINE.acc_in_flight(ENGINE.acc_alloc(BT, BV))
-    r_prev = gl.full([BT], scale, gl.float32, layout=row_layout)
+        ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
+        u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
+        h_smem = gl.allocate_shared_memory(dtype, [K, BV], E.smem_layout([K, BV], dtype))
+        vn_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
+        vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BT, BT], E.smem_layout([BT, BT], dtype))
+        o_smem = gl.allocate_shared_memory(dtype, [BT, BV], o_desc.layout)
+        wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        # One barrier per MMA site: w h, q h, q k^T, k^T vs, A v_new.
+        mma_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+        p_bar = mma_bars.index(0)
+        o_bar = mma_bars.index(1)
+        qk_bar = mma_bars.index(2)
+        s_bar = mma_bars.index(3)
+        pv_bar = mma_bars.index(4)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(wkq_ready.index(i), count=1)
+            mbarrier.init(u_ready.index(i), count=1)
+        for i in gl.static_range(5):
+            mbarrier.init(mma_bars.index(i), count=1)
 
-    for t in range(NT):
-        buf = t % NUM_BUF
-        ready_phase = (t // NUM_BUF) & 1
-        mma_phase = t & 1
-        row = bos + t * BT
-        # Refill chunk t - 1's slot with chunk t + NUM_BUF - 1 (the module docstring says why
-        # it is free).
-        _state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                           (t + NUM_BUF - 1) % NUM_BUF, row + (NUM_BUF - 1) * BT, col_w, col_k, col_v,
-                           t + NUM_BUF - 1 < NT)
-        w_tile = ring.index(3 * buf)
-        k_tile = ring.index(3 * buf + 1)
-        q_tile = ring.index(3 * buf + 2)
-        if not GATES_EARLY:
-            b_g, g_last = gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
-        if USE_L2NORM and not NORMS_EARLY:
-            b_rq, b_rk = _norm_rows(rnorm, row, eos, i_hk, H, BT, row_layout)
-        g_row = b_g
-        rq = b_rq
-        rk = b_rk
-        m_t, b_d, decay = gate_decays(g_row, g_last, row, eos, BT)
-        if GATES_EARLY:
-            # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
-            # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
-            b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
-        if USE_L2NORM and NORMS_EARLY:
-            b_rq, b_rk = _norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
-
-        # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
-        s_reg = ENGINE.acc_read(S)
-        h_smem.store(s_reg.to(dtype))
-        fence_async_shared()  # generic writes -> MMA reads (async proxy)
-        mbarrier.wait(wkq_ready.index(buf), ready_phase)
-        p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
-        o = ENGINE.mma(q_tile, h_smem, overwrite_acc(O, ENGINE), False, o_bar)
-        if not QK_LATE:
-            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
-        # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
-        S = ENGINE.acc_write(S, s_reg * decay)
-        if USE_L2NORM:
-            # k's reciprocal row norms: the row scale of vs (and QK's column scale below).
-            b_d = b_d * rk
-        if DEFER_OUT:
-            # Chunk t - 1's tail, under this chunk's MMAs: its A v_new (issued before them,
-            # so long done) -> o. vn_smem and p_smem are free for this chunk after the wait.
-            o_done = ENGINE.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING)
-            if t > 0:
-                _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                       HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, ENGINE)
-        p = ENGINE.mma_wait_until(p, p_bar, mma_phase, P_PENDING)  # O (and QK) may still run
-
-        S = _state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
-                                 vn_smem, vs_smem, s_bar, ENGINE)
-        if QK_LATE:
-            qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
-
-        # o's row scale (times q's reciprocal row norms); A -> p_smem; O = 2^g O + A v_new.
-        r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
-        if USE_L2NORM:
-            r_scale = r_scale * rq
-        o = ENGINE.mma_wait_until(o, o_bar, mma_phase, 2)  # QK and S (either order) may run
-        if QK_LATE:
-            S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
-            qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 0)
+        # Accumulator handles: P, O and QK are overwritten (use_acc=False) at their first MMA
+        # of every chunk, so the handles stay loop-invariant (the results get other names).
+        if CHAIN:
+            S = chain_state_init(ENGINE.acc_alloc(K, BV), h0, hand, f_start, chain_flags, ring, block, slot, first, i_h,
+                                 i_v, HV, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
         else:
-            qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 1)  # the state update may run
-        o = _state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem, pv_bar, USE_L2NORM, ENGINE)
-        if not QK_LATE:
-            S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
-        if DEFER_OUT:
-            o_prev = o
-            r_prev = r_scale
+            S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
+        P = ENGINE.acc_alloc(BT, BV)
+        O = ENGINE.acc_alloc(BT, BV)
+        QK = ENGINE.acc_alloc(BT, BT)
+        for i in gl.static_range(NUM_BUF - 1):
+            state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                               i, bos + i * BT, col_w, col_k, col_v, i < NT)
+        b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+        i_hk = i_h // GROUP
+        H = HV // GROUP
+        if USE_L2NORM:
+            b_rq, b_rk = norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
         else:
-            o = ENGINE.mma_wait(o, pv_bar, mma_phase)
-            _state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
-                                   HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+            b_rq, b_rk = b_g, b_g  # unused
+        # DEFER_OUT: the previous chunk's A v_new accumulator and o row scale, stored one chunk late.
+        o_prev = ENGINE.acc_in_flight(ENGINE.acc_alloc(BT, BV))
+        r_prev = gl.full([BT], scale, gl.float32, layout=row_layout)
 
-    if DEFER_OUT:
-        if NT > 0:
-            # The last chunk's tail.
-            row = bos + (NT - 1) * BT
-            o_done = ENGINE.mma_wait(o_prev, pv_bar, (NT - 1) & 1)
-            _state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                   HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+        for t in range(NT):
+            buf = t % NUM_BUF
+            ready_phase = (t // NUM_BUF) & 1
+            mma_phase = t & 1
+            row = bos + t * BT
+            # Refill chunk t - 1's slot with chunk t + NUM_BUF - 1 (the module docstring says why
+            # it is free).
+            state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                               (t + NUM_BUF - 1) % NUM_BUF, row + (NUM_BUF - 1) * BT, col_w, col_k, col_v,
+                               t + NUM_BUF - 1 < NT)
+            w_tile = ring.index(3 * buf)
+            k_tile = ring.index(3 * buf + 1)
+            q_tile = ring.index(3 * buf + 2)
+            if not GATES_EARLY:
+                b_g, g_last = gate_rows(g_cum, row, eos, i_h, HV, BT, row_layout)
+            if USE_L2NORM and not NORMS_EARLY:
+                b_rq, b_rk = norm_rows(rnorm, row, eos, i_hk, H, BT, row_layout)
+            g_row = b_g
+            rq = b_rq
+            rk = b_rk
+            m_t, b_d, decay = gate_decays(g_row, g_last, row, eos, BT)
+            if GATES_EARLY:
+                # Chunk t + 1's gate rows, loaded a chunk early: their global-load latency would
+                # otherwise sit on the serial chain (past the last chunk they read row eos - 1).
+                b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+            if USE_L2NORM and NORMS_EARLY:
+                b_rq, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
-    # The ring is idle: every load landed and every MMA reading it was waited on.
-    if CHAIN:
-        # (the sequence from i_nh, which lives across the walk anyway)
-        chain_state_out(ENGINE.acc_read(S), ht, i_nh, h0, block, hand, f_start, chain_flags, ring, cu_seqlens, L,
-                        slot, i_nh // HV, slot * HV + i_nh % HV, i_v, K, V, BV, STATE_VK, STORE_HT, INPLACE)
-    elif STORE_HT or INPLACE:
-        state_out(ht, i_nh, h0, block, i_v, ENGINE.acc_read(S), ring, K, V, BV, STATE_VK, STORE_HT, INPLACE)
-    tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(wkq_ready.index(i))
-        mbarrier.invalidate(u_ready.index(i))
-    for i in gl.static_range(5):
-        mbarrier.invalidate(mma_bars.index(i))
+            # h_t -> h_smem, the B operand of w h_t and q h_t; then P, O, QK on the engine.
+            s_reg = ENGINE.acc_read(S)
+            h_smem.store(s_reg.to(dtype))
+            fence_async_shared()  # generic writes -> MMA reads (async proxy)
+            mbarrier.wait(wkq_ready.index(buf), ready_phase)
+            p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
+            o = ENGINE.mma(q_tile, h_smem, overwrite_acc(O, ENGINE), False, o_bar)
+            if not QK_LATE:
+                qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
+            # The decayed state becomes the accumulator of k^T vs (overlaps the MMAs).
+            S = ENGINE.acc_write(S, s_reg * decay)
+            if USE_L2NORM:
+                # k's reciprocal row norms: the row scale of vs (and QK's column scale below).
+                b_d = b_d * rk
+            if DEFER_OUT:
+                # Chunk t - 1's tail, under this chunk's MMAs: its A v_new (issued before them,
+                # so long done) -> o. vn_smem and p_smem are free for this chunk after the wait.
+                o_done = ENGINE.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING)
+                if t > 0:
+                    state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                           HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, ENGINE)
+            p = ENGINE.mma_wait_until(p, p_bar, mma_phase, P_PENDING)  # O (and QK) may still run
+
+            S = state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
+                                     vn_smem, vs_smem, s_bar, ENGINE)
+            if QK_LATE:
+                qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
+
+            # o's row scale (times q's reciprocal row norms); A -> p_smem; O = 2^g O + A v_new.
+            r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
+            if USE_L2NORM:
+                r_scale = r_scale * rq
+            o = ENGINE.mma_wait_until(o, o_bar, mma_phase, 2)  # QK and S (either order) may run
+            if QK_LATE:
+                S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
+                qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 0)
+            else:
+                qk = ENGINE.mma_wait_until(qk, qk_bar, mma_phase, 1)  # the state update may run
+            o = state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem, pv_bar, USE_L2NORM, ENGINE)
+            if not QK_LATE:
+                S = ENGINE.mma_wait_until(S, s_bar, mma_phase, 1)
+            if DEFER_OUT:
+                o_prev = o
+                r_prev = r_scale
+            else:
+                o = ENGINE.mma_wait(o, pv_bar, mma_phase)
+                state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
+                                       HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+
+        if DEFER_OUT:
+            if NT > 0:
+                # The last chunk's tail.
+                row = bos + (NT - 1) * BT
+                o_done = ENGINE.mma_wait(o_prev, pv_bar, (NT - 1) & 1)
+                state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
+                                       HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+
+        # The ring is idle: every load landed and every MMA reading it was waited on.
+        if CHAIN:
+            # (the sequence from i_nh, which lives across the walk anyway)
+            chain_state_out(ENGINE.acc_read(S), ht, i_nh, h0, block, hand, f_start, chain_flags, ring, cu_seqlens, L,
+                            slot, i_nh // HV, slot * HV + i_nh % HV, i_v, K, V, BV, STATE_VK, STORE_HT, INPLACE)
+        elif STORE_HT or INPLACE:
+            state_out(ht, i_nh, h0, block, i_v, ENGINE.acc_read(S), ring, K, V, BV, STATE_VK, STORE_HT, INPLACE)
+        tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(wkq_ready.index(i))
+            mbarrier.invalidate(u_ready.index(i))
+        for i in gl.static_range(5):
+            mbarrier.invalidate(mma_bars.index(i))
 
 
 # ----------------------------------------------------------------------------------------
 # Host side: plan (dry run), launch, AOT list
 
 
-def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, slots: int = 2) -> int:
+def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, slots: int = 2,
+                            ws: bool = False) -> int:
     """Shared memory of the fused kernel with ``slots`` ring slots: the w/k/q ring (three
     tiles [BT, K] a slot, which also stages the fp32 initial/final state), the u ring, h,
     v_new, vs, o and A tiles and the barriers (the compiler's layout-conversion scratch
-    comes on top)."""
+    comes on top). ``ws``: the warp-specialized walk (:mod:`.state_output_ws`), with a
+    second h and v_new tile and a third barrier per slot."""
     rings = slots * (3 * BT * K + BT * BV) * elem
     tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
+    if ws:
+        return rings + tiles + (K * BV + BT * BV) * elem + (3 * slots + 4 + 5) * 8
     return rings + tiles + (2 * slots + 5) * 8
 
 
-def _programs_by_smem(K: int, BV: int, elem: int, slots: int, smem_per_block: int) -> int:
+def _programs_by_smem(K: int, BV: int, elem: int, slots: int, smem_per_block: int, ws: bool = False) -> int:
     """Programs with ``slots`` ring slots whose shared memory one SM holds (0: not one): an
     SM holds ``smem_per_block``, the device's opt-in maximum, plus the 1 KB each block
     reserves; a program takes its tiles, the compiler's scratch and that 1 KB."""
-    need = state_output_smem_bytes(K, BV, elem, slots=slots) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+    need = state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
     return (smem_per_block + SMEM_RESERVED_PER_BLOCK) // need
 
 
@@ -508,16 +428,20 @@ def _register_bound(K: int, BV: int, is_sm100: bool, warps: int, l2: bool, tails
 
 
 def state_output_ring_slots(K: int, BV: int, elem: int = 2, warps: int = NUM_WARPS, *,
-                            smem_per_block: int = SMEM_OPTIN[(9, 0)], register_bound: bool = False) -> int:
+                            smem_per_block: int = SMEM_OPTIN[(9, 0)], register_bound: bool = False,
+                            ws: bool = False) -> int:
     """Ring slots (the kernel's ``NUM_BUF``) of a program: the most, up to
     :data:`RING_SLOTS_MAX`, whose shared memory fits ``smem_per_block`` with as many
     programs per SM as two slots allow; two where the build is ``register_bound``
-    (:func:`_register_bound`: a third slot's addresses spilled there)."""
-    if register_bound:
+    (:func:`_register_bound`: a third slot's addresses spilled there). ``ws``: of the
+    warp-specialized walk (its own shared memory, no register bound of the one-warpgroup
+    walk's)."""
+    if register_bound and not ws:
         return 2
-    programs = state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
+    programs = max(1, _programs_by_smem(K, BV, elem, 2, smem_per_block, ws)) if ws else \
+        state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
     return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
-                 if _programs_by_smem(K, BV, elem, slots, smem_per_block) >= programs), 2)
+                 if _programs_by_smem(K, BV, elem, slots, smem_per_block, ws) >= programs), 2)
 
 
 def state_output_warps(K: int, BV: int) -> int:
@@ -592,7 +516,7 @@ def state_constexprs(problem: GDNProblem, engine) -> dict:
 
 
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
-                      defer_out: bool | None = None, engine=None) -> BoundLaunch:
+                      defer_out: bool | None = None, ws: bool | None = None, engine=None) -> BoundLaunch:
     """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor
     read): the shared plan of the call's class in the chosen configuration, seen with the
     call's ``B * T`` and ``N`` (grid: ``N * HV * V / BV`` programs).
@@ -606,6 +530,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     num_warps : 4 or 8 (a state tile ``K * BV`` over 8192 needs 8); default the chosen
         configuration's, or :func:`state_output_warps` for an overridden BV.
     defer_out : override of :func:`state_output_defers` (sm_90a only).
+    ws : walk warp-specialized (:mod:`.state_output_ws`; sm_90a, one warpgroup of state);
+        default :data:`STATE_OUTPUT_WS` where it applies.
     engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
         one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
     """
@@ -625,9 +551,18 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     if warps not in (NUM_WARPS, 2 * NUM_WARPS) or state_tile_per_warpgroup(K, BV, warps) > MAX_STATE_TILE:
         raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BV}] state tile "
                          f"(at most {MAX_STATE_TILE} fp32 per warpgroup), got {warps}")
+    if ws is None:
+        # Not at K = 64, where two one-warpgroup programs share an SM: the walk's two
+        # warpgroups at the launch's registers would take it alone.
+        ws = STATE_OUTPUT_WS and not is_sm100 and warps == NUM_WARPS and K == 128
+    elif ws and (is_sm100 or warps != NUM_WARPS):
+        raise ValueError(f"ws: the warp-specialized walk runs on sm_90a with one warpgroup of state, "
+                         f"not {'sm_100a' if is_sm100 else f'{warps} warps'}")
     defer = state_output_defers(K, BV, is_sm100, warps) if defer_out is None else bool(defer_out)
     if defer and is_sm100:
         raise ValueError("defer_out: sm_90a only (on sm_100a the A v_new accumulator is one TMEM tile)")
+    if ws:
+        defer = False  # the output partition stores o off the chain already
     NV = V // BV
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -639,9 +574,10 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     )
     slots = state_output_ring_slots(
         K, BV, elem, warps, smem_per_block=shared_memory_per_block(info),
-        register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)))
+        register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)), ws=ws)
     descriptors, constexprs = drop_unused_scatter(
-        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots, "CHAIN": False})
+        descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots, "CHAIN": False,
+                      "WS": ws})
     launch = LaunchPlan(
         kernel="state_output_fwd",
         # (sequence, v-head, V-block) programs.
@@ -650,13 +586,14 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
         # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
-                "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=slots),
+                "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws),
                 "tmem_columns": 3 * BV + BT if is_sm100 else 0},
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "V": V},
         notes=(f"BV={BV}, {warps} warps: N x {HV} (sequence, v-head) pairs x {NV} V-blocks on "
-               f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"),
+               f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"
+               f"{'; warp-specialized: chain + output warpgroups' if ws else ''}"),
         # The hardware's cap, stated: uncapped, ptxas traded registers for spills on sm_100a.
         maxnreg=255 if is_sm100 else None,
     )
@@ -954,7 +891,7 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
 
 def chained_plan(launch: LaunchPlan) -> LaunchPlan:
     """``launch`` (a fused-kernel plan of a call) as chained segments' pass 2: the same
-    configuration and flags with ``CHAIN`` on, over the segment slots (its launch's
-    ``num_seqs``), with compiled kernels of its own."""
-    return dataclasses.replace(launch, constexprs={**launch.constexprs, "CHAIN": True},
+    configuration and flags with ``CHAIN`` on (and the one-warpgroup walk: ``WS`` off),
+    over the segment slots (its launch's ``num_seqs``), with compiled kernels of its own."""
+    return dataclasses.replace(launch, constexprs={**launch.constexprs, "CHAIN": True, "WS": False},
                                notes=launch.notes + "; chained segments: NSEG slots taken in slot order", compiled={})

@@ -1,0 +1,240 @@
+"""The state-output walk warp-specialized (sm_90a, one warpgroup of state; the plan's
+``WS``, :data:`.state_output.STATE_OUTPUT_WS`): the serial chain of :mod:`.state_output`
+in one partition, everything that hangs off it in another, so that the chain's chunk step
+no longer queues behind the output's MMAs and elementwise work.
+
+In the one-warpgroup walk every MMA of a chunk (``P = w h``, ``O = q h``, ``QK = q k^T``,
+the state update, ``A v_new``) goes through one warpgroup's wgmma queue, which retires in
+issue order, and the scores, the output's scaling and the store of o run on the same
+warps as the chain. Here:
+
+* **chain** (the default partition, four warps): per chunk ``h_t = S`` -> ``h_smem[t % 2]``;
+  ``P = w h_t``; ``v_new = u - P`` -> ``vn_smem[t % 2]``, its scaled rows -> ``vs_smem``;
+  ``S = 2^g_last S + k^T vs``. Nothing else: the gate rows of the next chunk are loaded a
+  chunk early, and its wgmma queue holds its own two products only.
+* **output** (a worker of four warps): ``QK = q k^T`` as soon as the chunk's tiles land;
+  once the chain has stored h_t and v_new, ``O = q h_t``, ``A = causal(QK 2^(g_i - g_j))``
+  -> ``p_smem``, ``O = 2^g O + A v_new``, the store of o. It also refills the ring: slot
+  ``t % NUM_BUF`` with chunk ``t + NUM_BUF`` once both partitions are done with chunk t.
+
+Barriers (each completes once per use of its slot; chunk t's phase of a ring slot is
+``(t // NUM_BUF) & 1``, of an h / v_new slot ``(t // 2) & 1``):
+
+* ``wkq_ready`` / ``u_ready`` [NUM_BUF]: TMA transactions of the chunk's w, k, q / u
+  (both partitions wait ``wkq_ready``; the chain alone reads u).
+* ``chain_done`` [NUM_BUF]: the chain's last read of the slot (its state update waited;
+  u was read into registers before the update's fence).
+* ``hv_ready`` [2]: h_t and v_new stored and fenced by every chain warp.
+* ``hv_empty`` [2]: the output's MMAs reading h_t and v_new are complete. The chain waits
+  it with the opposite phase before storing h_(t+2) (a fresh barrier's previous phase
+  counts as complete, so chunks 0 and 1 do not wait).
+
+No wait cycle: the chain at chunk t needs the output done with chunk t - 2 (and the
+ring's chunk t, which the output issued when done with chunk t - NUM_BUF <= t - 2); the
+output at chunk j needs the chain done with chunk j. A partition of several warps joins
+its warps (a barrier within the partition) before its one elected arrive or TMA issue.
+
+The initial state is staged through the idle ring before the partitions start, and the
+final state after they return (:mod:`.state_io`), as in the one-warpgroup walk. Shared
+memory: the walk's plus a second h and v_new tile (:func:`.state_output.state_output_smem_bytes`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.compat import thread_barrier
+from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows
+from gdn_dispatch.backends.gluon_common.state_io import state_init, state_out
+from gdn_dispatch.backends.gluon_common.state_output_steps import (
+    norm_rows, overwrite_acc, state_output_epilogue, state_output_load, state_output_pv, state_output_update)
+
+#: Warps of the output partition (one warpgroup: wgmma's M = 64 rows of a chunk).
+OUTPUT_WARPS = gl.constexpr(4)
+#: Registers per thread of the output partition; the chain gets the rest of the register
+#: file. The two warpgroups of a program need far less than the file holds at one program
+#: per SM (K = 128: the ring fills the shared memory), so both keep the launch's count.
+OUTPUT_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
+           p_bar, s_bar, g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
+           NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+    """The serial chain (module docstring); returns the final state."""
+    BT: gl.constexpr = ring.shape[1]
+    BV: gl.constexpr = u_smem.shape[2]
+    dtype: gl.constexpr = ring.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(1, ENGINE.acc_layout(BT, BV, gl.num_warps()))
+    P = ENGINE.acc_alloc(BT, BV)
+    i_hk = i_h // GROUP
+    H = HV // GROUP
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    if USE_L2NORM:
+        _, b_rk = norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
+    for t in range(NT):
+        buf = t % NUM_BUF
+        ready_phase = (t // NUM_BUF) & 1
+        hs = t % 2
+        row = bos + t * BT
+        m_t, b_d, decay = gate_decays(b_g, g_last, row, eos, BT)
+        if USE_L2NORM:
+            # k's reciprocal row norms: the row scale of vs.
+            b_d = b_d * b_rk
+        # The next chunk's rows, a chunk early: their load latency would sit on the chain.
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        if USE_L2NORM:
+            _, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
+
+        s_reg = ENGINE.acc_read(S)
+        # h / v_new slot hs is free once the output partition is done with chunk t - 2.
+        mbarrier.wait(hv_empty.index(hs), ((t // 2) & 1) ^ 1)
+        h_tile = h_smem.index(hs)
+        h_tile.store(s_reg.to(dtype))
+        fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        mbarrier.wait(wkq_ready.index(buf), ready_phase)
+        k_tile = ring.index(3 * buf + 1)
+        p = ENGINE.mma(ring.index(3 * buf), h_tile, overwrite_acc(P, ENGINE), False, p_bar)
+        # The decayed state becomes the accumulator of k^T vs (overlaps P).
+        S = ENGINE.acc_write(S, s_reg * decay)
+        p = ENGINE.mma_wait(p, p_bar, t & 1)
+        S = state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
+                                vn_smem.index(hs), vs_smem, s_bar, ENGINE)
+        # h_t and v_new are stored and fenced by every warp: the update's MMA joined them.
+        mbarrier.arrive(hv_ready.index(hs), count=1)
+        S = ENGINE.mma_wait(S, s_bar, t & 1)
+        # Every warp's update MMA (the last reader of w and k here) is complete.
+        thread_barrier()
+        mbarrier.arrive(chain_done.index(buf), count=1)
+    return (S,)
+
+
+@gluon.jit
+def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
+            qk_bar, o_bar, pv_bar, w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr,
+            g_cum, rnorm, scale, bos, eos, NT, i_h, HV, GROUP, col_w, col_k, col_v,
+            V: gl.constexpr, NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr,
+            ENGINE: gl.constexpr):
+    """Everything off the chain (module docstring), and the ring's refills."""
+    BT: gl.constexpr = ring.shape[1]
+    BV: gl.constexpr = u_smem.shape[2]
+    row_layout: gl.constexpr = gl.SliceLayout(1, ENGINE.acc_layout(BT, BV, gl.num_warps()))
+    O = ENGINE.acc_alloc(BT, BV)
+    QK = ENGINE.acc_alloc(BT, BT)
+    i_hk = i_h // GROUP
+    H = HV // GROUP
+    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    if USE_L2NORM:
+        b_rq, b_rk = norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
+    else:
+        b_rq, b_rk = b_g, b_g  # unused
+    for t in range(NT):
+        buf = t % NUM_BUF
+        ready_phase = (t // NUM_BUF) & 1
+        hs = t % 2
+        row = bos + t * BT
+        g_row = b_g
+        rq = b_rq
+        rk = b_rk
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        if USE_L2NORM:
+            b_rq, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
+
+        mbarrier.wait(wkq_ready.index(buf), ready_phase)
+        q_tile = ring.index(3 * buf + 2)
+        qk = ENGINE.mma(q_tile, ring.index(3 * buf + 1).permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
+        mbarrier.wait(hv_ready.index(hs), (t // 2) & 1)
+        o = ENGINE.mma(q_tile, h_smem.index(hs), overwrite_acc(O, ENGINE), False, o_bar)
+        qk = ENGINE.mma_wait_until(qk, qk_bar, t & 1, 1)  # q h_t may still run
+        o = ENGINE.mma_wait(o, o_bar, t & 1)
+        o = state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem.index(hs), pv_bar, USE_L2NORM, ENGINE)
+        o = ENGINE.mma_wait(o, pv_bar, t & 1)
+        # Every warp's MMAs reading h_t, v_new and the slot's q and k are complete.
+        thread_barrier()
+        mbarrier.arrive(hv_empty.index(hs), count=1)
+        if t + NUM_BUF < NT:
+            # The slot takes chunk t + NUM_BUF once the chain is done with it too.
+            mbarrier.wait(chain_done.index(buf), ready_phase)
+            state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                              buf, row + NUM_BUF * BT, col_w, col_k, col_v, True)
+        r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
+        if USE_L2NORM:
+            r_scale = r_scale * rq
+        state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
+                              HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+    tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
+
+
+@gluon.jit
+def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, h0, ht,
+                         i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v, block, scale, HV, GROUP,
+                         V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
+                         USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr,
+                         USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr):
+    """One program's walk (its sequence, v-head ``i_h`` and V-block ``i_v``, as
+    :func:`.recurrence.walk_program` gives them; ``block`` its initial / final state block)
+    in the two partitions of the module docstring, with the final state stored as the
+    one-warpgroup walk stores it."""
+    gl.static_assert(not ENGINE.IS_SM100, "the warp-specialized walk is built for wgmma (sm_90a)")
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup holds the state")
+    BT: gl.constexpr = w_desc.block_type.shape[0]
+    K: gl.constexpr = w_desc.block_type.shape[1]
+    BV: gl.constexpr = u_desc.block_type.shape[1]
+    dtype: gl.constexpr = w_desc.dtype
+
+    ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
+    u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
+    h_smem = gl.allocate_shared_memory(dtype, [2, K, BV], E.smem_layout([K, BV], dtype))
+    vn_smem = gl.allocate_shared_memory(dtype, [2, BT, BV], u_desc.layout)
+    vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BT, BT], E.smem_layout([BT, BT], dtype))
+    o_smem = gl.allocate_shared_memory(dtype, [BT, BV], o_desc.layout)
+    wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    chain_done = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    hv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    hv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # One barrier per MMA site (the engine contract; wgmma does not read them): w h, k^T vs
+    # in the chain; q k^T, q h, A v_new in the output partition.
+    mma_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(wkq_ready.index(i), count=1)
+        mbarrier.init(u_ready.index(i), count=1)
+        mbarrier.init(chain_done.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(hv_ready.index(i), count=1)
+        mbarrier.init(hv_empty.index(i), count=1)
+    for i in gl.static_range(5):
+        mbarrier.init(mma_bars.index(i), count=1)
+
+    S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
+    # The first NUM_BUF chunks: the output partition issues the rest.
+    for i in gl.static_range(NUM_BUF):
+        state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
+                          i, bos + i * BT, col_w, col_k, col_v, i < NT)
+
+    S = gl.warp_specialize([
+        (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
+                  mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
+                  NUM_BUF, USE_L2NORM, ENGINE)),
+        (_output, (ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, chain_done, hv_ready,
+                   hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4), w_desc, k_desc, q_desc,
+                   u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos, NT, i_h, HV, GROUP,
+                   col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE)),
+    ], [OUTPUT_WARPS], [OUTPUT_REGS])[0]
+
+    # The ring is idle: every load landed and every MMA reading it was waited on.
+    if STORE_HT or INPLACE:
+        state_out(ht, i_nh, h0, block, i_v, ENGINE.acc_read(S), ring, K, V, BV, STATE_VK, STORE_HT, INPLACE)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(wkq_ready.index(i))
+        mbarrier.invalidate(u_ready.index(i))
+        mbarrier.invalidate(chain_done.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(hv_ready.index(i))
+        mbarrier.invalidate(hv_empty.index(i))
+    for i in gl.static_range(5):
+        mbarrier.invalidate(mma_bars.index(i))
