@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows
+from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_init, state_out
 from gdn_dispatch.backends.gluon_common.state_output_steps import (
     norm_rows, overwrite_acc, state_output_epilogue, state_output_load, state_output_pv, state_output_update)
@@ -91,21 +92,29 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
 
         s_reg = ENGINE.acc_read(S)
         # h / v_new slot hs is free once the output partition is done with chunk t - 2.
+        enter("chain.wait_output")
         mbarrier.wait(hv_empty.index(hs), ((t // 2) & 1) ^ 1)
+        leave("chain.wait_output")
         h_tile = h_smem.index(hs)
         h_tile.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        enter("chain.wait_tiles")
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
+        leave("chain.wait_tiles")
+        enter("chain.p")
         k_tile = ring.index(3 * buf + 1)
         p = ENGINE.mma(ring.index(3 * buf), h_tile, overwrite_acc(P, ENGINE), False, p_bar)
         # The decayed state becomes the accumulator of k^T vs (overlaps P).
         S = ENGINE.acc_write(S, s_reg * decay)
         p = ENGINE.mma_wait(p, p_bar, t & 1)
+        leave("chain.p")
+        enter("chain.update")
         S = state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
                                 vn_smem.index(hs), vs_smem, s_bar, ENGINE)
         # h_t and v_new are stored and fenced by every warp: the update's MMA joined them.
         mbarrier.arrive(hv_ready.index(hs), count=1)
         S = ENGINE.mma_wait(S, s_bar, t & 1)
+        leave("chain.update")
         # Every warp's update MMA (the last reader of w and k here) is complete.
         thread_barrier()
         mbarrier.arrive(chain_done.index(buf), count=1)
@@ -143,28 +152,38 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         if USE_L2NORM:
             b_rq, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
+        enter("output.wait_tiles")
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
+        leave("output.wait_tiles")
         q_tile = ring.index(3 * buf + 2)
         qk = ENGINE.mma(q_tile, ring.index(3 * buf + 1).permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
+        enter("output.wait_chain")
         mbarrier.wait(hv_ready.index(hs), (t // 2) & 1)
+        leave("output.wait_chain")
+        enter("output.products")
         o = ENGINE.mma(q_tile, h_smem.index(hs), overwrite_acc(O, ENGINE), False, o_bar)
         qk = ENGINE.mma_wait_until(qk, qk_bar, t & 1, 1)  # q h_t may still run
         o = ENGINE.mma_wait(o, o_bar, t & 1)
         o = state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem.index(hs), pv_bar, USE_L2NORM, ENGINE)
         o = ENGINE.mma_wait(o, pv_bar, t & 1)
+        leave("output.products")
         # Every warp's MMAs reading h_t, v_new and the slot's q and k are complete.
         thread_barrier()
         mbarrier.arrive(hv_empty.index(hs), count=1)
         if t + NUM_BUF < NT:
             # The slot takes chunk t + NUM_BUF once the chain is done with it too.
+            enter("output.refill")
             mbarrier.wait(chain_done.index(buf), ready_phase)
             state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                               buf, row + NUM_BUF * BT, col_w, col_k, col_v, True)
+            leave("output.refill")
+        enter("output.store")
         r_scale = gl.full([BT], scale, gl.float32, layout=row_layout)
         if USE_L2NORM:
             r_scale = r_scale * rq
         state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
                               HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+        leave("output.store")
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
 
 

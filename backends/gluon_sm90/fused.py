@@ -70,6 +70,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
+from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
@@ -230,10 +231,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         sb = gl.convert_layout(S.to(dtype), lhs_s)
         if CHAIN:
             # P^T = S^T k^T: the state's own product; the gate vectors after it.
+            enter("state.wait_tiles")
             mbarrier.wait(kq_ready.index(s), phase)
+            leave("state.wait_tiles")
             p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
+            enter("state.wait_aux")
             mbarrier.wait(wu_ready.index(s), phase)
+            leave("state.wait_aux")
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -242,20 +247,25 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
         b_d = gate_ring.index(NG * s).load(cols_c)
         if CHAIN:
+            enter("state.v_new")
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
                                gate_ring.index(NG * s + 1), phase, acc_c)
+            leave("state.v_new")
         else:
             u = u_ring.index(s).load(acc_c).to(gl.float32)
             p = warpgroup_mma_wait(0, deps=(p,))
             vn = u - p
+        enter("state.update_output")
         S, o = _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready,
                                   phase, not CHAIN)
+        leave("state.update_output")
         if CHAIN:
             # v was read by plain shared loads: ordered before its TMA refill below.
             fence_async_shared()
         # Every warp's MMAs reading the slots are complete (each waited its own).
         thread_barrier()
         mbarrier.arrive(wu_empty.index(s), count=1)
+        enter("state.refill")
         if t + 2 < NT:
             if CHAIN:
                 # The state alone reads v and T: their slot s takes chunk t + 2 now.
@@ -265,7 +275,10 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             # the aux partition is done with chunk t.
             mbarrier.wait(kq_empty.index(s), phase)
             _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
+        leave("state.refill")
+        enter("state.store")
         _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
+        leave("state.store")
     tma.store_wait(0)
     return (S,)
 
@@ -349,7 +362,9 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         s = t % 2
         r = t % RING_S
         row = bos + t * BT
+        enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
+        leave("aux.wait_tiles")
         qk = warpgroup_mma(kq_ring.index(2 * s + 1), kq_ring.index(2 * s).permute((1, 0)),
                            gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False, is_async=True)
         g_row = b_g
@@ -361,7 +376,10 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
             rk = row_rnorm(kq_ring.index(2 * s), half, 2)
         # Slot r of the scores and gate rings is free once the state is done with chunk
         # t - RING_S.
+        enter("aux.wait_state")
         mbarrier.wait(wu_empty.index(r), ((t // RING_S) & 1) ^ 1)
+        leave("aux.wait_state")
+        enter("aux.scores")
         if NG == 4:
             store_gate_vectors(gate_ring, r, g_row, g_end, eos - row, rk, rq)
         else:
@@ -374,6 +392,7 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
                                           gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(dtype))
         fence_async_shared()
         thread_barrier()
+        leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(r), count=1)
 

@@ -1,0 +1,133 @@
+"""The profiling phases of the warp-specialized kernels (backends/gluon_common/scopes.py) and
+benchmarks/partition_profile.py's reading of a profile.
+
+CPU: outside an instrumented compile the scopes emit nothing (no clock reads in the
+kernels); with Proton's instrumentation passes (registered as a Proton session registers
+them, on the Triton release they were verified on) the fused kernel and the warp-specialized
+walk compile with a clock read at every phase boundary; the script's tree walk finds the
+``partition.phase`` nodes of a hatchet tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from gdn_dispatch.device import assumed_device  # noqa: E402
+
+from gdn_dispatch.backends.gluon_common import state_output as so  # noqa: E402
+
+SM90 = (9, 0)
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
+#: The scopes of each kernel, as its source opens them.
+FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
+                "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"}
+WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",
+               "output.wait_chain", "output.products", "output.refill", "output.store"}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("partition_profile_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernels():
+    """The fused kernel (bf16, varlen, initial + final state) and the warp-specialized walk
+    (BV = 32, the same flags) as AOT kernels for sm_90a."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_sm90.fused import fused_kernels_for_aot
+
+    fused = fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[0]
+    flags = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=False, pool=False, inplace=False,
+                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+    launch = so.plan_state_output(so._aot_problem(128, 128, **flags), assumed_device("sm_90"), block_v=32, ws=True)
+    return fused, so.state_output_aot_kernel("gluon_sm90", launch, torch.bfloat16, "ws-32")
+
+
+def test_the_script_reads_the_phases_of_a_hatchet_tree():
+    tree = [{"frame": {"name": "ROOT"}, "metrics": {"cycles": 10}, "children": [
+        {"frame": {"name": "_fused_fwd_kernel"}, "metrics": {"cycles": 9}, "children": [
+            {"frame": {"name": "state.p"}, "metrics": {"cycles": 4.0, "normalized_cycles": 2.0, "note": "x"}},
+            {"frame": {"name": "aux.scores"}, "metrics": {"cycles": 5}, "children": []}]}]},
+        {"device": "meta"}]
+    assert _script().phases(tree) == [("aux.scores", {"cycles": 5}),
+                                      ("state.p", {"cycles": 4.0, "normalized_cycles": 2.0})]
+
+
+@pytest.mark.slow
+def test_scopes_emit_nothing_outside_an_instrumented_compile():
+    from gdn_dispatch.aot import compile_kernel
+
+    for kernel in _kernels():
+        assert "%clock" not in compile_kernel(kernel, SM90).ptx, kernel.kernel
+
+
+@contextlib.contextmanager
+def _instrumented():
+    """Proton's compile-time instrumentation (cycle records into a global buffer), registered
+    as its session registers it, without a GPU."""
+    from triton import knobs
+    from triton._C.libtriton import passes, proton
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.profiler import mode
+    from triton.profiler.flags import flags
+    from triton.profiler.hooks.instrumentation import Instrumentation
+
+    from gdn_dispatch.device import SMEM_OPTIN
+
+    m = mode.Default(buffer_type="global")
+
+    def to_llvmir(pm):
+        proton.add_convert_proton_to_protongpu(pm, m.metric_type, m.sampling_strategy, m.sampling_options,
+                                               m.granularity, m.buffer_strategy, m.buffer_type, m.buffer_size,
+                                               SMEM_OPTIN[SM90], 1, 128, True)
+        passes.common.add_cse(pm)
+        proton.add_allocate_proton_shared_memory(pm)
+
+    def to_llvm(pm):
+        proton.add_allocate_proton_global_scratch_buffer(pm)
+        proton.add_convert_proton_nvidia_gpu_to_llvm(pm)
+
+    kept = (flags.instrumentation_on, CUDABackend.instrumentation, knobs.compilation.instrumentation_mode)
+    flags.instrumentation_on = True
+    CUDABackend.instrumentation = Instrumentation({"ttgpuir_to_llvmir": to_llvmir, "llvmir_to_llvm": to_llvm})
+    knobs.compilation.instrumentation_mode = str(m)
+    try:
+        yield str(m)
+    finally:
+        flags.instrumentation_on, CUDABackend.instrumentation, knobs.compilation.instrumentation_mode = kept
+
+
+@pytest.mark.slow
+def test_instrumented_kernels_record_every_phase():
+    """Under the instrumentation passes each kernel compiles with two clock reads per scope
+    (64-bit clocks: a low and a high half each) and a profile buffer; the scopes its source
+    opens are the phases the script reports."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"Proton's compile hooks are verified on triton 3.6 (this is {triton.__version__})")
+    from gdn_dispatch.aot import _gpu_target
+    from gdn_dispatch.backends.gluon_common.compat import gluon_ast_source
+
+    for kernel, names, source in zip(_kernels(), (FUSED_PHASES, WALK_PHASES),
+                                     ("backends/gluon_sm90/fused.py", "backends/gluon_common/state_output_ws.py")):
+        opened = set(re.findall(r'enter\("([a-z_]+\.[a-z_]+)"\)', (SCRIPT.parents[1] / source).read_text()))
+        assert opened == names, source
+        with _instrumented() as mode_str:
+            compiled = triton.compile(gluon_ast_source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
+                                      target=_gpu_target(SM90),
+                                      options={"num_warps": kernel.num_warps, "instrumentation_mode": mode_str})
+        ptx = compiled.asm["ptx"]
+        assert compiled.metadata.profile_scratch_size > 0, kernel.kernel
+        # Every enter and leave reads the clock (both halves); the kernel reads none itself.
+        assert len(re.findall(r"%clock\b", ptx)) == 2 * len(names), kernel.kernel
