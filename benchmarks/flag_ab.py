@@ -15,6 +15,8 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py bf16_maps    # segment_map.BF16_MAPS: the scan on bf16 parts of M
     python benchmarks/flag_ab.py ring_slots   # state_output.RING_SLOTS_MAX 2 -> 3: loads two chunks ahead
     python benchmarks/flag_ab.py state_output_ws  # state_output.STATE_OUTPUT_WS: chain and output warpgroups
+    python benchmarks/flag_ab.py ws_outputs   # state_output_ws.OUTPUT_PARTITIONS 1 -> 2: alternate chunks
+    python benchmarks/flag_ab.py load_warp    # fused.LOAD_WARP: a load warp refills the fused kernel's slots
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -90,6 +92,14 @@ STUDIES = {
     # in another): the pipeline's calls (BV = 32 and 64) and context parallelism's pass 2.
     "state_output_ws": ("gdn_dispatch.backends.gluon_common.state_output", "STATE_OUTPUT_WS", (False, True), {
         **_WY_SHAPES, "H4-HV8-1x32768": (4, 8, [32768], False), "H16-HV32-1x32768-l2": (16, 32, [32768], True)}),
+    # The warp-specialized walk's output work in two partitions taking alternate chunks.
+    "ws_outputs": ("gdn_dispatch.backends.gluon_common.state_output_ws", "OUTPUT_PARTITIONS",
+                   (gl.constexpr(1), gl.constexpr(2)), {
+                       name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H16-HV64-1x8192",
+                                                           "H2-HV4-1x32768")}),
+    # The fused kernel's slots refilled by a warp of their own instead of the state partition.
+    "load_warp": ("gdn_dispatch.backends.gluon_sm90.fused", "LOAD_WARP", (gl.constexpr(False), gl.constexpr(True)),
+                  {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
 }
 
 

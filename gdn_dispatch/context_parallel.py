@@ -55,8 +55,13 @@ wider one, as the mapped segments take on their slots, would make the serial wal
 than "off": on the H200 a chunk step takes about 3.1 µs at BV = 128 on two warpgroups
 against 1.4 at BV = 32, from the fused kernel's timings behind its configuration rule). So the chain can only gain where one slot's programs at that V-block leave SMs
 idle: below about half the SMs in programs of 64 columns (one sequence of 32 v-heads at
-V = 128 already fills the H200 at BV = 32, and gains nothing). ``chain_fill`` is 0 (the
-band is empty) until the chain is timed against "off"; 0.5 is the band where it can gain.
+V = 128 already fills the H200 at BV = 32, and gains nothing). Timed against "off" on the
+H200 with the band over every program count (``benchmarks/cp_crossover.py gluon_sm90
+--chain-fill 1.0``, benchmarks/RESULTS.md): under the bench's gates, which forget, 1.10x
+and 1.20x where the band gains (24 (sequence, v-head) pairs), 0.82-1.01x elsewhere; under
+gates that never forget 0.37-0.57x where it would engage (a program that waits holds its
+SM while the one before it walks). The host cannot see the gates, so ``chain_fill`` is 0:
+the band is empty, and chained segments run only where a caller's tuning asks for them.
 Every backend with context parallelism runs chained plans (the reference computes their
 results as any segmented call's).
 """

@@ -402,6 +402,48 @@ def test_path_with_a_state_pool(pool_dtype):
     assert torch.equal(pool[untouched.to(pool.device)], before[untouched.to(pool.device)])
 
 
+_LOAD_WARP_BUILD = """
+import json, sys
+from triton.experimental.gluon import language as gl
+from gdn_dispatch.backends.gluon_sm90 import fused
+fused.LOAD_WARP = gl.constexpr(sys.argv[1] == "1")
+from gdn_dispatch.aot import compile_kernel
+from gdn_dispatch.backends import gluon_sm90
+kernels = fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)
+out = []
+for kernel in kernels[::max(1, len(kernels) // 6)]:
+    report = compile_kernel(kernel, (9, 0))
+    out.append([kernel.specialization, report.spill_bytes, kernel.spill_bytes_allowed,
+                report.ptx.count("mbarrier.try_wait")])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_load_warp_build_compiles():
+    """:data:`fused.LOAD_WARP` is read by the kernel at compile time (fixed per process):
+    the setting not shipped builds in a child process, a sample of the AOT list within the
+    kernel's spill allowance; with it on, the state partition's wait for the aux's k / q
+    release moves into the load warp, which also waits for the state's own release
+    (one ``mbarrier.try_wait`` more in all)."""
+    import json
+    import subprocess
+    import sys
+
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    runs = {}
+    for on in (False, True):
+        done = subprocess.run([sys.executable, "-c", _LOAD_WARP_BUILD, "1" if on else "0"], capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[on] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert bool(fused.LOAD_WARP.value) in runs
+    for (name, spills, allowed, waits), (_, spills_on, _, waits_on) in zip(runs[False], runs[True]):
+        assert spills <= allowed and spills_on <= allowed, name
+        assert waits_on == waits + 1, name
+
+
 def test_the_sanitizer_names_the_warp_specialized_kernel():
     """tests/sanitize.py leaves the warp-specialized kernel to memcheck and synccheck while
     racecheck fails its control: the name it excludes must be the kernel's, and the

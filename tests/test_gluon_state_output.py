@@ -24,6 +24,7 @@ from gdn_dispatch.testing import (  # noqa: E402
     PLAN_SHAPES, LaunchRecorder, poison_cuda_allocator, random_problem, rel_rms_error)
 
 from gdn_dispatch.backends.gluon_common import state_output as so  # noqa: E402
+from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import MAX_STATE_TILE, has_tails  # noqa: E402
 
 SM90, SM100 = (9, 0), (10, 0)
@@ -69,12 +70,15 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
     assert launch.blocks["NV"] == V // BV
     assert launch.scalars == {"HV": HV, "GROUP": HV // H, "V": V}
     scatters = capability == SM100 and has_tails(p)
+    # The warp-specialized walk where one warpgroup holds the state at K = 128 on sm_90a.
+    ws = capability == SM90 and K == 128 and launch.num_warps == 4
     assert launch.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": layout == "vk",
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
-                                 "DEFER_OUT": so.state_output_defers(K, BV, capability == SM100, launch.num_warps),
-                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False, "WS": False,
+                                 "DEFER_OUT": not ws and so.state_output_defers(K, BV, capability == SM100,
+                                                                                launch.num_warps),
+                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False, "WS": ws,
                                  "NUM_BUF": so.state_output_ring_slots(K, BV, 2, launch.num_warps,
-                                                                       smem_per_block=SMEM_OPTIN[capability]),
+                                                                       smem_per_block=SMEM_OPTIN[capability], ws=ws),
                                  **({} if scatters else {"o_rows_desc": None})}
     expected = {
         "q_desc": ("q", (rows, H * K), (BT, K)),
@@ -205,7 +209,7 @@ def test_ring_slots_fit_without_fewer_programs(monkeypatch, most, K, BV, warps, 
     many programs per SM as two slots allow; its smem_bytes follow."""
     monkeypatch.setattr(so, "RING_SLOTS_MAX", most)
     assert so.state_output_ring_slots(K, BV, 2, warps) == slots
-    launch = so.plan_state_output(_problem(lengths=[100], K=K, V=128), SM90, block_v=BV, num_warps=warps)
+    launch = so.plan_state_output(_problem(lengths=[100], K=K, V=128), SM90, block_v=BV, num_warps=warps, ws=False)
     assert launch.constexprs["NUM_BUF"] == slots
     assert launch.blocks["smem_bytes"] == so.state_output_smem_bytes(K, BV, 2, slots=slots)
 
@@ -216,7 +220,7 @@ def test_ring_slots_stay_at_two_where_the_registers_are_full(l2, lengths, slots)
     the qk l2 norm and varlen tails (the register-bound build, where a third slot
     spilled); sm_100a's accumulators are not registers: three there."""
     p = _problem(lengths=lengths, K=128, V=128, l2=l2)
-    assert so.plan_state_output(p, SM90, block_v=64).constexprs["NUM_BUF"] == slots
+    assert so.plan_state_output(p, SM90, block_v=64, ws=False).constexprs["NUM_BUF"] == slots
     assert so.plan_state_output(p, SM100, block_v=64).constexprs["NUM_BUF"] == 3
 
 
@@ -229,7 +233,7 @@ def test_three_ring_slots_compile_within_shared_memory():
 
     p = _problem(lengths=[100, 70], K=128, V=128)
     for capability, backend in ((SM90, "gluon_sm90"), (SM100, "gluon_sm100")):
-        launch = so.plan_state_output(p, capability, block_v=64)
+        launch = so.plan_state_output(p, capability, block_v=64, ws=False)
         launch = dataclasses.replace(launch.shared, constexprs={**launch.constexprs, "NUM_BUF": 3})
         report = compile_kernel(so.state_output_aot_kernel(backend, launch, torch.bfloat16, "three-slots"),
                                 capability)
@@ -240,26 +244,32 @@ def test_three_ring_slots_compile_within_shared_memory():
 
 @pytest.mark.parametrize("BV, slots", [(32, 3), (64, 2)])
 def test_warp_specialized_walk_plan(monkeypatch, BV, slots):
-    """With STATE_OUTPUT_WS the sm_90a plans at K = 128 on one warpgroup take the
-    warp-specialized walk: WS on, o not deferred (the output partition stores it), the
+    """With STATE_OUTPUT_WS (the default) the sm_90a plans at K = 128 on one warpgroup take
+    the warp-specialized walk: WS on, o not deferred (the output partition stores it), the
     ring slots that fit its second h and v_new tile; elsewhere (sm_100a, two warpgroups,
-    K = 64, chained segments) the one-warpgroup walk."""
+    K = 64, chained segments, o's deferral asked for) the one-warpgroup walk."""
     p = _problem(lengths=[100, 0, 70], K=128, V=128)
-    assert not so.plan_state_output(p, SM90, block_v=BV).constexprs["WS"]  # off by default
-    monkeypatch.setattr(so, "STATE_OUTPUT_WS", True)
+    assert so.STATE_OUTPUT_WS
     launch = so.plan_state_output(p, SM90, block_v=BV)
     flags = launch.constexprs
     assert flags["WS"] and not flags["DEFER_OUT"] and flags["NUM_BUF"] == slots and launch.num_warps == 4
     smem = so.state_output_smem_bytes(128, BV, 2, slots=slots, ws=True)
     assert launch.blocks["smem_bytes"] == smem <= SMEM_OPTIN[SM90] - 2 * 1024
-    # A second h [K, BV] and v_new [64, BV] tile and a third barrier per slot.
-    assert smem - so.state_output_smem_bytes(128, BV, 2, slots=slots) == 2 * (128 * BV + 64 * BV) + 8 * (slots + 4)
+    # A second h [K, BV] and v_new [64, BV] tile, each further output partition's A [64, 64]
+    # and o [64, BV] tiles, a third barrier per slot and three more MMA-site barriers.
+    more = state_output_ws.OUTPUT_PARTITIONS.value - 1
+    assert smem - so.state_output_smem_bytes(128, BV, 2, slots=slots) == \
+        2 * (128 * BV + 64 * BV + more * (64 * 64 + 64 * BV)) + 8 * (slots + 4 + 3 * more)
     assert "warp-specialized" in launch.notes
     assert not so.chained_plan(launch.shared).constexprs["WS"]
     assert not so.plan_state_output(p, SM90, block_v=128).constexprs["WS"]  # two warpgroups of state
     assert not so.plan_state_output(p, SM100, block_v=BV).constexprs["WS"]
     assert not so.plan_state_output(_problem(lengths=[100], K=64, V=128), SM90, block_v=BV).constexprs["WS"]
+    assert not so.plan_state_output(p, SM90, block_v=BV, defer_out=True).constexprs["WS"]
+    with pytest.raises(ValueError, match="defer_out: the one-warpgroup walk's"):
+        so.plan_state_output(p, SM90, block_v=BV, ws=True, defer_out=True)
     monkeypatch.setattr(so, "STATE_OUTPUT_WS", False)
+    assert not so.plan_state_output(p, SM90, block_v=BV).constexprs["WS"]
     assert so.plan_state_output(p, SM90, block_v=BV, ws=True).constexprs["WS"]
     with pytest.raises(ValueError, match="ws: the warp-specialized walk runs on sm_90a"):
         so.plan_state_output(p, SM100, block_v=BV, ws=True)
@@ -306,9 +316,10 @@ def test_warp_specialized_walk_reaches_the_call_plans(monkeypatch):
 def test_warp_specialized_walk_compiles():
     """The warp-specialized walk builds for sm_90a at K = V = 128, BV = 32 and 64, with
     tails, the qk l2 norm, "vk" states and a pool written in place: no spills, within
-    the shared memory its plan counts (plus the compiler's scratch), two warpgroups
-    (``reqntid 256``) in ``warp_specialize`` partitions, and every MMA of the one-warpgroup
-    walk (36 wgmma instructions at K = 128: P 8, the update 8, q k^T 8, q h 8, A v_new 4)."""
+    the shared memory its plan counts (plus the compiler's scratch), the chain's warpgroup
+    and one per output partition (``reqntid``) in ``warp_specialize`` partitions, and every
+    MMA of the one-warpgroup walk (36 wgmma instructions at K = 128: P 8, the update 8;
+    per output partition q k^T 8, q h 8, A v_new 4)."""
     import re
 
     from gdn_dispatch.aot import compile_kernel
@@ -324,18 +335,55 @@ def test_warp_specialized_walk_compiles():
         assert report.spill_bytes == 0, (BV, more)
         planned = launch.blocks["smem_bytes"]
         assert planned <= report.shared_bytes <= planned + so.SMEM_SCRATCH, (BV, more)
-        assert ".reqntid 256" in report.ptx and "ttg.warp_specialize" in report.ttgir, (BV, more)
-        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 36, (BV, more)
+        threads = 128 * (1 + state_output_ws.OUTPUT_PARTITIONS.value)
+        assert f".reqntid {threads}" in report.ptx and "ttg.warp_specialize" in report.ttgir, (BV, more)
+        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 16 + 20 * state_output_ws.OUTPUT_PARTITIONS.value, (BV, more)
+
+
+_OTHER_BUILD = """
+import json, sys, torch
+from triton.experimental.gluon import language as gl
+from gdn_dispatch.backends.gluon_common import state_output_ws
+state_output_ws.OUTPUT_PARTITIONS = gl.constexpr(int(sys.argv[1]))
+from gdn_dispatch.aot import compile_kernel
+from gdn_dispatch.device import assumed_device
+from gdn_dispatch.backends.gluon_common import state_output as so
+out = []
+for BV, l2 in ((32, False), (64, True)):
+    flags = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=l2, pool=False, inplace=False,
+                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+    launch = so.plan_state_output(so._aot_problem(128, 128, **flags), assumed_device("sm_90"), block_v=BV, ws=True)
+    report = compile_kernel(so.state_output_aot_kernel("gluon_sm90", launch, torch.bfloat16, "ws"), (9, 0))
+    out.append([report.spill_bytes, report.shared_bytes, launch.blocks["smem_bytes"]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_other_output_partition_count_compiles():
+    """:data:`.state_output_ws.OUTPUT_PARTITIONS` is read by the kernel at compile time
+    (fixed per process): the count not shipped builds in a child process, at BV = 32 and
+    (with the qk l2 norm) 64, without spills and within the shared memory its plan counts."""
+    import json
+    import subprocess
+    import sys
+
+    other = 3 - state_output_ws.OUTPUT_PARTITIONS.value
+    done = subprocess.run([sys.executable, "-c", _OTHER_BUILD, str(other)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for spills, shared, planned in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert spills == 0 and planned <= shared <= planned + so.SMEM_SCRATCH <= SMEM_OPTIN[SM90]
 
 
 def test_plan_flags():
     p = _problem(lengths=[5, 70], layout="vk", h0=False, ht=False, l2=True, dtype=torch.float16)
     launch = so.plan_state_output(p, SM90)
+    # The warp-specialized walk (one warpgroup of state at K = 128): o is not deferred there.
     assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
-                                 "HAS_TAILS": True, "ENGINE": _engine(SM90),
-                                 "DEFER_OUT": so.state_output_defers(128, launch.blocks["BV"], False,
-                                                                     launch.num_warps), "o_rows_desc": None,
-                                 "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3, "CHAIN": False, "WS": False}
+                                 "HAS_TAILS": True, "ENGINE": _engine(SM90), "DEFER_OUT": False,
+                                 "o_rows_desc": None, "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3,
+                                 "CHAIN": False, "WS": True}
     assert launch.blocks["BV"] == 32  # not the register-bound BV = 64 build: a third slot
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255
@@ -553,20 +601,23 @@ def test_warp_specialized_walk_matches_reference(shape, H, HV, BV, layout, h0, l
     _check_fused(shape, H, HV, 128, 128, layout, h0, l2, dtype, block_v=BV, ws=True)
 
 
-#: Every launch configuration of the fused kernel: (BV, warps, o stored a chunk late).
-VARIANTS = [(32, 4, False), (32, 4, True), (32, 8, True), (64, 4, False), (64, 8, True), (128, 8, False)]
+#: Every launch configuration of the fused kernel: (BV, warps, o stored a chunk late, the
+#: walk warp-specialized).
+VARIANTS = [(32, 4, False, False), (32, 4, True, False), (32, 8, True, False), (64, 4, False, False),
+            (64, 8, True, False), (128, 8, False, False), (32, 4, False, True), (64, 4, False, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CAPABILITY is None, reason="needs a CUDA GPU of compute capability 9.0 or 10.x (Gluon engines)")
-@pytest.mark.parametrize("BV, warps, defer", VARIANTS, ids=[f"BV{b}-w{w}{'-defer' if d else ''}" for b, w, d in VARIANTS])
+@pytest.mark.parametrize("BV, warps, defer, ws", VARIANTS,
+                         ids=[f"BV{b}-w{w}{'-defer' if d else ''}{'-ws' if ws else ''}" for b, w, d, ws in VARIANTS])
 @pytest.mark.parametrize("l2, layout, dtype", [(True, "vk", torch.bfloat16), (False, "kv", torch.float16)],
                          ids=["l2-vk-bf16", "kv-fp16"])
-def test_fused_launch_variants(BV, warps, defer, l2, layout, dtype):
-    if defer and CAPABILITY[0] != 9:
-        pytest.skip("o stored a chunk late: sm_90a only")
+def test_fused_launch_variants(BV, warps, defer, ws, l2, layout, dtype):
+    if (defer or ws) and CAPABILITY[0] != 9:
+        pytest.skip("o stored a chunk late, the warp-specialized walk: sm_90a only")
     _check_fused(dict(lengths=[1, 63, 64, 65, 130, 0, 700]), 2, 4, 128, 128, layout, True, l2, dtype,
-                 block_v=BV, num_warps=warps, defer_out=defer)
+                 block_v=BV, num_warps=warps, defer_out=defer, ws=ws and CAPABILITY[0] == 9)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch.device import assumed_device  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common import state_output as so  # noqa: E402
+from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
@@ -129,5 +130,7 @@ def test_instrumented_kernels_record_every_phase():
                                       options={"num_warps": kernel.num_warps, "instrumentation_mode": mode_str})
         ptx = compiled.asm["ptx"]
         assert compiled.metadata.profile_scratch_size > 0, kernel.kernel
-        # Every enter and leave reads the clock (both halves); the kernel reads none itself.
-        assert len(re.findall(r"%clock\b", ptx)) == 2 * len(names), kernel.kernel
+        # Every enter and leave reads the clock (both halves) in every partition that runs
+        # it (the walk's output phases in each output partition); the kernel reads none itself.
+        copies = {name: state_output_ws.OUTPUT_PARTITIONS.value if name.startswith("output.") else 1 for name in names}
+        assert len(re.findall(r"%clock\b", ptx)) == 2 * sum(copies.values()), kernel.kernel

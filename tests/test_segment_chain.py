@@ -18,6 +18,7 @@ from gdn_dispatch.device import assumed_device
 from gdn_dispatch.registry import CallSpec, explain
 from gdn_dispatch.testing import padded_pool, random_call, rel_rms_error
 
+from gdn_dispatch.backends.gluon_common import state_output as so
 from gdn_dispatch.backends.gluon_common.state_output import state_output_config
 from gdn_dispatch.backends.triton_generic.configs import state_config
 
@@ -101,9 +102,16 @@ def test_gluon_plan_call_runs_chained_segments(arch, monkeypatch):
     unsegmented = GLUON_FORWARD.plan_call(make_problem(**call, output_final_state=True, state_indices=idx,
                                                        inplace_final_state=True, context_parallel="off"), device)
     base = unsegmented.state_output
-    assert two.blocks == base.blocks and two.num_warps == base.num_warps
+    # The one-warpgroup walk in the call's configuration and ring slots (with its own o
+    # deferral and shared memory where the call's plan walks warp-specialized).
+    assert {**two.blocks, "smem_bytes": 0} == {**base.blocks, "smem_bytes": 0} and two.num_warps == base.num_warps
+    assert two.blocks["smem_bytes"] == so.state_output_smem_bytes(128, two.blocks["BV"], 2,
+                                                                  slots=two.constexprs["NUM_BUF"])
     assert two.grid[0] == cp.num_segments * 32 * two.blocks["NV"]
-    assert two.constexprs == {**base.constexprs, "CHAIN": True}
+    assert two.constexprs == {**base.constexprs, "CHAIN": True, "WS": False,
+                              "DEFER_OUT": so.state_output_defers(128, two.blocks["BV"], arch == "sm_100",
+                                                                  two.num_warps)}
+    assert "warp-specialized" not in two.notes
     flags = two.constexprs
     assert (flags["USE_H0"], flags["STORE_HT"], flags["STATE_VK"], flags["USE_POOL"], flags["INPLACE"]) == \
         (True, True, True, True, True)

@@ -137,6 +137,7 @@ from gdn_dispatch.backends.gluon_common.segment_chain import chain_state_init, c
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_init, state_out
 from gdn_dispatch.backends.gluon_common.state_output_steps import (
     norm_rows, overwrite_acc, state_output_epilogue, state_output_load, state_output_pv, state_output_update)
+from gdn_dispatch.backends.gluon_common import state_output_ws
 from gdn_dispatch.backends.gluon_common.state_output_ws import state_output_ws_walk
 
 #: Most slots of the w/k/q and u rings (the kernel's ``NUM_BUF``: chunk t computes while
@@ -157,10 +158,14 @@ BLOCK_V = (32, 64, 128)
 SMEM_SCRATCH = 1024
 #: Walk the chunks warp-specialized on sm_90a (:mod:`.state_output_ws`: the serial chain
 #: in one warpgroup, the output in another) wherever the state fits one warpgroup at
-#: K = 128 (BV of 32 or 64). Off: compiled (no spills, within shared memory) but not yet run
-#: on a GPU; ``python benchmarks/flag_ab.py state_output_ws`` measures it against the
-#: one-warpgroup walk.
-STATE_OUTPUT_WS = False
+#: K = 128 (BV of 32 or 64). H200, bf16, K = V = 128, ``python benchmarks/flag_ab.py
+#: state_output_ws`` (``logs/h200_state_output_ws.log``; two rounds, alternating
+#: processes, outputs bit-equal): this kernel 0.767 -> 0.723 / 0.742 ms at 16/32 x 32768
+#: (BV = 32), 0.198 -> 0.189 / 0.190 at 16/32 x 8192, 0.244 -> 0.233 / 0.233 at 16/64 x
+#: 8192 (BV = 64), 0.818 -> 0.762 / 0.771 with the qk l2 norm, context parallelism's pass 2
+#: at 2/4 x 32768 (BV = 64) 0.066 -> 0.060 / 0.061; BV = 128 (two warpgroups of state)
+#: unchanged, as it keeps the one-warpgroup walk.
+STATE_OUTPUT_WS = True
 
 
 # ----------------------------------------------------------------------------------------
@@ -393,11 +398,14 @@ def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, sl
     tiles [BT, K] a slot, which also stages the fp32 initial/final state), the u ring, h,
     v_new, vs, o and A tiles and the barriers (the compiler's layout-conversion scratch
     comes on top). ``ws``: the warp-specialized walk (:mod:`.state_output_ws`), with a
-    second h and v_new tile and a third barrier per slot."""
+    second h and v_new tile, an A and o tile per output partition and a third barrier per
+    slot."""
     rings = slots * (3 * BT * K + BT * BV) * elem
     tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
     if ws:
-        return rings + tiles + (K * BV + BT * BV) * elem + (3 * slots + 4 + 5) * 8
+        more = state_output_ws.OUTPUT_PARTITIONS.value - 1
+        return (rings + tiles + (K * BV + BT * BV + more * (BT * BT + BT * BV)) * elem
+                + (3 * slots + 4 + 2 + 3 * (more + 1)) * 8)
     return rings + tiles + (2 * slots + 5) * 8
 
 
@@ -515,6 +523,10 @@ def state_constexprs(problem: GDNProblem, engine) -> dict:
     }
 
 
+#: What a plan's notes say of the warp-specialized walk.
+_WS_NOTE = "warp-specialized: chain + output warpgroups"
+
+
 def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None, num_warps: int | None = None,
                       defer_out: bool | None = None, ws: bool | None = None, engine=None) -> BoundLaunch:
     """Launch plan of :func:`state_output_fwd` for ``problem`` (a dry run: no GPU, no tensor
@@ -531,7 +543,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         configuration's, or :func:`state_output_warps` for an overridden BV.
     defer_out : override of :func:`state_output_defers` (sm_90a only).
     ws : walk warp-specialized (:mod:`.state_output_ws`; sm_90a, one warpgroup of state);
-        default :data:`STATE_OUTPUT_WS` where it applies.
+        default :data:`STATE_OUTPUT_WS` where it applies and ``defer_out`` is not asked for.
     engine : the matrix engine the launching backend passes (its ``ENGINE``); None: the
         one registry.toml admits on the device (:func:`~.launch_plan.resolve_engine`).
     """
@@ -552,17 +564,20 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         raise ValueError(f"num_warps: expected 4 or 8 holding the [{K}, {BV}] state tile "
                          f"(at most {MAX_STATE_TILE} fp32 per warpgroup), got {warps}")
     if ws is None:
-        # Not at K = 64, where two one-warpgroup programs share an SM: the walk's two
-        # warpgroups at the launch's registers would take it alone.
-        ws = STATE_OUTPUT_WS and not is_sm100 and warps == NUM_WARPS and K == 128
+        # Not at K = 64, where two one-warpgroup programs share an SM: the walk's warpgroups
+        # at the launch's registers would take it alone. Not where o's deferral is asked
+        # for: that is the one-warpgroup walk's.
+        ws = STATE_OUTPUT_WS and not is_sm100 and warps == NUM_WARPS and K == 128 and not defer_out
     elif ws and (is_sm100 or warps != NUM_WARPS):
         raise ValueError(f"ws: the warp-specialized walk runs on sm_90a with one warpgroup of state, "
                          f"not {'sm_100a' if is_sm100 else f'{warps} warps'}")
-    defer = state_output_defers(K, BV, is_sm100, warps) if defer_out is None else bool(defer_out)
+    elif ws and defer_out:
+        raise ValueError("defer_out: the one-warpgroup walk's (the warp-specialized walk stores o in its "
+                         "output partition)")
+    # The warp-specialized walk stores o off the chain already.
+    defer = False if ws else state_output_defers(K, BV, is_sm100, warps) if defer_out is None else bool(defer_out)
     if defer and is_sm100:
         raise ValueError("defer_out: sm_90a only (on sm_100a the A v_new accumulator is one TMEM tile)")
-    if ws:
-        defer = False  # the output partition stores o off the chain already
     NV = V // BV
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
@@ -592,8 +607,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H, "V": V},
         notes=(f"BV={BV}, {warps} warps: N x {HV} (sequence, v-head) pairs x {NV} V-blocks on "
-               f"{info.sm_count} SMs; h and v_new stay on chip{'; o stored a chunk late' if defer else ''}"
-               f"{'; warp-specialized: chain + output warpgroups' if ws else ''}"),
+               f"{info.sm_count} SMs; h and v_new stay on chip"
+               f"{'; ' + _WS_NOTE if ws else '; o stored a chunk late' if defer else ''}"),
         # The hardware's cap, stated: uncapped, ptxas traded registers for spills on sm_100a.
         maxnreg=255 if is_sm100 else None,
     )
@@ -893,5 +908,14 @@ def chained_plan(launch: LaunchPlan) -> LaunchPlan:
     """``launch`` (a fused-kernel plan of a call) as chained segments' pass 2: the same
     configuration and flags with ``CHAIN`` on (and the one-warpgroup walk: ``WS`` off),
     over the segment slots (its launch's ``num_seqs``), with compiled kernels of its own."""
-    return dataclasses.replace(launch, constexprs={**launch.constexprs, "CHAIN": True, "WS": False},
-                               notes=launch.notes + "; chained segments: NSEG slots taken in slot order", compiled={})
+    flags, blocks, notes = {**launch.constexprs, "CHAIN": True, "WS": False}, launch.blocks, launch.notes
+    if launch.constexprs["WS"]:
+        # The one-warpgroup walk's own o deferral; the ring slots of the warp-specialized
+        # walk fit it too (it needs less shared memory).
+        K, BV = blocks["K"], blocks["BV"]
+        flags["DEFER_OUT"] = state_output_defers(K, BV, launch.constexprs["ENGINE"].is_sm100, launch.num_warps)
+        elem = launch.desc("u_desc").dtype.itemsize
+        blocks = {**blocks, "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=flags["NUM_BUF"])}
+        notes = notes.replace("; " + _WS_NOTE, "; o stored a chunk late" if flags["DEFER_OUT"] else "")
+    return dataclasses.replace(launch, constexprs=flags, blocks=blocks, compiled={},
+                               notes=notes + "; chained segments: NSEG slots taken in slot order")

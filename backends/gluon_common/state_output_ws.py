@@ -53,12 +53,24 @@ from gdn_dispatch.backends.gluon_common.state_io import state_init, state_out
 from gdn_dispatch.backends.gluon_common.state_output_steps import (
     norm_rows, overwrite_acc, state_output_epilogue, state_output_load, state_output_pv, state_output_update)
 
-#: Warps of the output partition (one warpgroup: wgmma's M = 64 rows of a chunk).
+#: Warps of an output partition (one warpgroup: wgmma's M = 64 rows of a chunk).
 OUTPUT_WARPS = gl.constexpr(4)
-#: Registers per thread of the output partition; the chain gets the rest of the register
-#: file. The two warpgroups of a program need far less than the file holds at one program
-#: per SM (K = 128: the ring fills the shared memory), so both keep the launch's count.
-OUTPUT_REGS = gl.constexpr(240)
+#: Output partitions. One paces the chain on the H200 (16/32 x 32768, BV = 32: the chain
+#: waits for its h / v_new slot 40% of its loop, ``benchmarks/partition_profile.py
+#: --ws-walk``, ``logs/h200_partition_profile.log``). Two take alternate chunks (chunk t's
+#: h / v_new slot t % 2 is then one partition's own, and so are its A and o tiles):
+#: compiled without spills, not yet run on a GPU (``python benchmarks/flag_ab.py
+#: ws_outputs``).
+OUTPUT_PARTITIONS = gl.constexpr(1)
+
+
+@gluon.constexpr_function
+def output_regs(partitions):
+    """Registers per thread of each output partition; the chain gets the rest of the
+    register file (65536 = 128 x (chain + partitions x this) at one program per SM: K =
+    128, where the ring fills the shared memory). With two, 144 (the chain 224): no spills
+    at BV = 64 with the qk l2 norm, where 152 left the chain 16 bytes short."""
+    return 240 if partitions == 1 else 144
 
 
 @gluon.jit
@@ -126,8 +138,9 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
             qk_bar, o_bar, pv_bar, w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr,
             g_cum, rnorm, scale, bos, eos, NT, i_h, HV, GROUP, col_w, col_k, col_v,
             V: gl.constexpr, NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr,
-            ENGINE: gl.constexpr):
-    """Everything off the chain (module docstring), and the ring's refills."""
+            ENGINE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """Everything off the chain (module docstring), and the ring's refills, for chunks
+    ``FIRST, FIRST + STEP, ...`` (``p_smem``, ``o_smem``: this partition's A and o tiles)."""
     BT: gl.constexpr = ring.shape[1]
     BV: gl.constexpr = u_smem.shape[2]
     row_layout: gl.constexpr = gl.SliceLayout(1, ENGINE.acc_layout(BT, BV, gl.num_warps()))
@@ -135,12 +148,12 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
     QK = ENGINE.acc_alloc(BT, BT)
     i_hk = i_h // GROUP
     H = HV // GROUP
-    b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
+    b_g, g_last = gate_rows(g_cum, bos + FIRST * BT, eos, i_h, HV, BT, row_layout)
     if USE_L2NORM:
-        b_rq, b_rk = norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
+        b_rq, b_rk = norm_rows(rnorm, bos + FIRST * BT, eos, i_hk, H, BT, row_layout)
     else:
         b_rq, b_rk = b_g, b_g  # unused
-    for t in range(NT):
+    for t in range(FIRST, NT, STEP):
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
         hs = t % 2
@@ -148,9 +161,10 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         g_row = b_g
         rq = b_rq
         rk = b_rk
-        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, row_layout)
+        # This partition's next chunk's rows, loaded early.
+        b_g, g_last = gate_rows(g_cum, row + STEP * BT, eos, i_h, HV, BT, row_layout)
         if USE_L2NORM:
-            b_rq, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
+            b_rq, b_rk = norm_rows(rnorm, row + STEP * BT, eos, i_hk, H, BT, row_layout)
 
         enter("output.wait_tiles")
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
@@ -209,16 +223,17 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     h_smem = gl.allocate_shared_memory(dtype, [2, K, BV], E.smem_layout([K, BV], dtype))
     vn_smem = gl.allocate_shared_memory(dtype, [2, BT, BV], u_desc.layout)
     vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [BT, BT], E.smem_layout([BT, BT], dtype))
-    o_smem = gl.allocate_shared_memory(dtype, [BT, BV], o_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [OUTPUT_PARTITIONS, BT, BT], E.smem_layout([BT, BT], dtype))
+    o_smem = gl.allocate_shared_memory(dtype, [OUTPUT_PARTITIONS, BT, BV], o_desc.layout)
     wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     chain_done = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     hv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     hv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # One barrier per MMA site (the engine contract; wgmma does not read them): w h, k^T vs
-    # in the chain; q k^T, q h, A v_new in the output partition.
-    mma_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    # in the chain; q k^T, q h, A v_new in each output partition.
+    NBARS: gl.constexpr = 2 + 3 * OUTPUT_PARTITIONS
+    mma_bars = gl.allocate_shared_memory(gl.int64, [NBARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(wkq_ready.index(i), count=1)
         mbarrier.init(u_ready.index(i), count=1)
@@ -226,7 +241,7 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     for i in gl.static_range(2):
         mbarrier.init(hv_ready.index(i), count=1)
         mbarrier.init(hv_empty.index(i), count=1)
-    for i in gl.static_range(5):
+    for i in gl.static_range(NBARS):
         mbarrier.init(mma_bars.index(i), count=1)
 
     S = state_init(ENGINE.acc_alloc(K, BV), h0, ring, block, i_v, K, V, BV, STATE_VK, USE_H0, USE_POOL, ENGINE)
@@ -235,15 +250,31 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
         state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                           i, bos + i * BT, col_w, col_k, col_v, i < NT)
 
-    S = gl.warp_specialize([
-        (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
-                  mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
-                  NUM_BUF, USE_L2NORM, ENGINE)),
-        (_output, (ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, chain_done, hv_ready,
-                   hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4), w_desc, k_desc, q_desc,
-                   u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos, NT, i_h, HV, GROUP,
-                   col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE)),
-    ], [OUTPUT_WARPS], [OUTPUT_REGS])[0]
+    gl.static_assert(OUTPUT_PARTITIONS == 1 or OUTPUT_PARTITIONS == 2, "one or two output partitions")
+    if OUTPUT_PARTITIONS == 2:
+        S = gl.warp_specialize([
+            (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
+                      mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
+                      NUM_BUF, USE_L2NORM, ENGINE)),
+            (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(0), o_smem.index(0), wkq_ready, u_ready,
+                       chain_done, hv_ready, hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4),
+                       w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 0, 2)),
+            (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(1), o_smem.index(1), wkq_ready, u_ready,
+                       chain_done, hv_ready, hv_empty, mma_bars.index(5), mma_bars.index(6), mma_bars.index(7),
+                       w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 1, 2)),
+        ], [OUTPUT_WARPS, OUTPUT_WARPS], [output_regs(2), output_regs(2)])[0]
+    else:
+        S = gl.warp_specialize([
+            (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
+                      mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
+                      NUM_BUF, USE_L2NORM, ENGINE)),
+            (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(0), o_smem.index(0), wkq_ready, u_ready,
+                       chain_done, hv_ready, hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4),
+                       w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 0, 1)),
+        ], [OUTPUT_WARPS], [output_regs(1)])[0]
 
     # The ring is idle: every load landed and every MMA reading it was waited on.
     if STORE_HT or INPLACE:
@@ -255,5 +286,5 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     for i in gl.static_range(2):
         mbarrier.invalidate(hv_ready.index(i))
         mbarrier.invalidate(hv_empty.index(i))
-    for i in gl.static_range(5):
+    for i in gl.static_range(NBARS):
         mbarrier.invalidate(mma_bars.index(i))

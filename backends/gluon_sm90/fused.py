@@ -208,11 +208,13 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 
 @gluon.jit
 def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
-           kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT,
-           col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr):
+           kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
+           eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
+           LOADER: gl.constexpr):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
-    and ``u_ring`` are then unused."""
+    and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
+    and releases each slot on ``slot_free`` instead."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -266,7 +268,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         thread_barrier()
         mbarrier.arrive(wu_empty.index(s), count=1)
         enter("state.refill")
-        if t + 2 < NT:
+        if LOADER:
+            mbarrier.arrive(slot_free.index(s), count=1)
+        elif t + 2 < NT:
             if CHAIN:
                 # The state alone reads v and T: their slot s takes chunk t + 2 now.
                 _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
@@ -397,6 +401,23 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         mbarrier.arrive(wu_ready.index(r), count=1)
 
 
+@gluon.jit
+def _loader(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready, slot_free,
+            bos, NT, col_k, col_v, HV, i_h, slot0):
+    """:data:`LOAD_WARP`: chunk t's k, q, v and T tiles into slot t % 2 once both the state
+    (``slot_free``) and the aux partition (``kq_empty``) are done with chunk t - 2 (the
+    prologue loads chunks 0 and 1)."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    for t in range(2, NT):
+        s = t % 2
+        phase = ((t - 2) // 2) & 1
+        mbarrier.wait(slot_free.index(s), phase)
+        _load_v(v_desc, v_ring, v_ready, s, bos + t * BT, col_v)
+        _load_t(t_desc, t_ring, t_ready, s, slot0 + t, HV, i_h)
+        mbarrier.wait(kq_empty.index(s), phase)
+        _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, bos + t * BT, col_k)
+
+
 @gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
 def _fused_fwd_kernel(
     q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
@@ -434,6 +455,14 @@ def _fused_fwd_kernel(
     wu_ready = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
     wu_empty = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+    # LOAD_WARP: the state's releases of its slots to the load warp.
+    LOADER: gl.constexpr = LOAD_WARP and SINGLE_T and V_SLOTS == 2
+    if LOADER:
+        slot_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(slot_free.index(i), count=1)
+    else:
+        slot_free = kq_empty  # not read
     for i in gl.static_range(2):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
@@ -466,18 +495,31 @@ def _fused_fwd_kernel(
 
     if SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
-        S = gl.warp_specialize([
-            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring,
-                      o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
-                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True)),
-            (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h, bos,
-                           eos, NT)),
-        ], [AUX_WARPS], [AUX_REGS])[0]
+        if LOADER:
+            S = gl.warp_specialize([
+                (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
+                          gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
+                          o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
+                          True, True)),
+                (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h,
+                               bos, eos, NT)),
+                (_loader, (k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready,
+                           t_ready, slot_free, bos, NT, col_k, col_v, HV, i_h, slot0)),
+            ], [AUX_WARPS, 1], [LOAD_WARP_AUX_REGS, LOAD_REGS])[0]
+        else:
+            S = gl.warp_specialize([
+                (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
+                          gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
+                          o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
+                          True, False)),
+                (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h,
+                               bos, eos, NT)),
+            ], [AUX_WARPS], [AUX_REGS])[0]
     else:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
-                      o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V, scale,
-                      bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, False)),
+                      o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr,
+                      HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, False, False)),
             (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
                     kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
                     g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
@@ -517,6 +559,18 @@ MIN_SM_SHARE = 0.75
 #: 8 x 4096, 0.736 -> 0.675 on ragged16, 0.766 -> 0.706 at 4 x 8192 HV 64; the calls
 #: 0.677 -> 0.649, 0.688 -> 0.665, 1.251 -> 1.193, 1.331 -> 1.273 ms.
 V_SLOTS = 2
+
+#: A one-warp partition refills the k/q, v and T slots (with T_u alone and two v slots):
+#: the state partition, which paces the kernel, spent 16% of its loop on the refills
+#: (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200,
+#: ``logs/h200_partition_profile.log``). Compiled, not yet run on a GPU (``python
+#: benchmarks/flag_ab.py load_warp``).
+LOAD_WARP = gl.constexpr(False)
+#: Registers per thread of the load warp (addresses and phases only; Triton gives the
+#: warp a warpgroup of its own), and of the aux partition beside it, so that the state's
+#: two warpgroups keep their 192: 128 x (2 x 192 + 104 + 24) = 65536.
+LOAD_REGS = gl.constexpr(24)
+LOAD_WARP_AUX_REGS = gl.constexpr(104)
 
 #: Calls with the qk l2 norm take the path (on normalized copies of q and k); off, they run
 #: the pipeline with its reciprocal norms. On the H200, 4 x 8192 HV 32: 0.874 ms against
