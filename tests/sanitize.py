@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: slow. extras: "cp" (a forced segment count), "chain" (chained segments: the planner's
 #: band over every program count, :data:`CHAIN_TUNING`), "pool" (the pool's dtype: a pool
 #: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
-#: of one projection), "ws" (gluon_sm90: the state-output walk warp-specialized,
-#: ``state_output.STATE_OUTPUT_WS``; left out of racecheck where it fails its control).
+#: of one projection), "ws" (gluon_sm90: calls whose state-output walk is warp-specialized,
+#: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
+#: they are left out of it and the other calls take the one-warpgroup walk there).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -100,6 +101,8 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
     from gdn_dispatch.testing import fused_projection_views, padded_pool, random_call, rel_rms_error
 
     status = 0
+    if skip_ws:
+        _walk_warp_specialized(False)
     for i, (lengths, H, HV, K, V, dtype, layout, l2, *more) in enumerate(CALLS[backend]):
         extras = more[0] if more else {}
         if extras.get("ws") and skip_ws:
@@ -130,16 +133,12 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
-        if extras.get("ws"):
-            _walk_warp_specialized(True)
         for _ in range(REPEATS):
             if pool is not None:
                 pool.copy_(before)
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
-        if extras.get("ws"):
-            _walk_warp_specialized(False)
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -160,7 +159,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
 
 
 def _walk_warp_specialized(on: bool) -> None:
-    """Plan the state-output walk warp-specialized (or not) from the next call on."""
+    """Plan the state-output walk warp-specialized (the default) or not from the next call on."""
     from gdn_dispatch.backends.gluon_common import state_output
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
@@ -197,8 +196,9 @@ def _run_tool(tool: str, script: list[str], exclude: tuple[str, ...] = ()) -> tu
 
 def sanitize(backend: str, tool: str, exclude: tuple[str, ...] = ()) -> tuple[int | None, int, float, str]:
     """:func:`_run_tool` over the backend's calls (the ``--child`` run); with kernels
-    excluded, without the "ws" calls too (their warp-specialized kernel shares its name
-    with the one-warpgroup walk's)."""
+    excluded, without the warp-specialized state-output walk too (its kernel shares its
+    name with the one-warpgroup walk's): the "ws" calls left out, the others on the
+    one-warpgroup walk."""
     return _run_tool(tool, [str(Path(__file__).resolve()), "--child", backend] + (["--skip-ws"] if exclude else []),
                      exclude)
 

@@ -257,7 +257,7 @@ def test_warp_specialized_walk_plan(monkeypatch, BV, slots):
     assert launch.blocks["smem_bytes"] == smem <= SMEM_OPTIN[SM90] - 2 * 1024
     # A second h [K, BV] and v_new [64, BV] tile, each further output partition's A [64, 64]
     # and o [64, BV] tiles, a third barrier per slot and three more MMA-site barriers.
-    more = state_output_ws.OUTPUT_PARTITIONS.value - 1
+    more = state_output_ws.output_partitions(BV, False) - 1
     assert smem - so.state_output_smem_bytes(128, BV, 2, slots=slots) == \
         2 * (128 * BV + 64 * BV + more * (64 * 64 + 64 * BV)) + 8 * (slots + 4 + 3 * more)
     assert "warp-specialized" in launch.notes
@@ -335,9 +335,9 @@ def test_warp_specialized_walk_compiles():
         assert report.spill_bytes == 0, (BV, more)
         planned = launch.blocks["smem_bytes"]
         assert planned <= report.shared_bytes <= planned + so.SMEM_SCRATCH, (BV, more)
-        threads = 128 * (1 + state_output_ws.OUTPUT_PARTITIONS.value)
-        assert f".reqntid {threads}" in report.ptx and "ttg.warp_specialize" in report.ttgir, (BV, more)
-        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 16 + 20 * state_output_ws.OUTPUT_PARTITIONS.value, (BV, more)
+        parts = state_output_ws.output_partitions(BV, f["l2"])
+        assert f".reqntid {128 * (1 + parts)}" in report.ptx and "ttg.warp_specialize" in report.ttgir, (BV, more)
+        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 16 + 20 * parts, (BV, more)
 
 
 _OTHER_BUILD = """

@@ -132,5 +132,6 @@ def test_instrumented_kernels_record_every_phase():
         assert compiled.metadata.profile_scratch_size > 0, kernel.kernel
         # Every enter and leave reads the clock (both halves) in every partition that runs
         # it (the walk's output phases in each output partition); the kernel reads none itself.
-        copies = {name: state_output_ws.OUTPUT_PARTITIONS.value if name.startswith("output.") else 1 for name in names}
+        parts = state_output_ws.output_partitions(32, False)  # the walk's build here: BV = 32, no norm
+        copies = {name: parts if name.startswith("output.") else 1 for name in names}
         assert len(re.findall(r"%clock\b", ptx)) == 2 * sum(copies.values()), kernel.kernel

@@ -393,27 +393,28 @@ def _state_output_fwd_kernel(
 
 
 def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, slots: int = 2,
-                            ws: bool = False) -> int:
+                            ws: bool = False, l2: bool = False) -> int:
     """Shared memory of the fused kernel with ``slots`` ring slots: the w/k/q ring (three
     tiles [BT, K] a slot, which also stages the fp32 initial/final state), the u ring, h,
     v_new, vs, o and A tiles and the barriers (the compiler's layout-conversion scratch
     comes on top). ``ws``: the warp-specialized walk (:mod:`.state_output_ws`), with a
-    second h and v_new tile, an A and o tile per output partition and a third barrier per
-    slot."""
+    second h and v_new tile, an A and o tile per output partition (their count depends on
+    the qk l2 norm, ``l2``) and a third barrier per slot."""
     rings = slots * (3 * BT * K + BT * BV) * elem
     tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
     if ws:
-        more = state_output_ws.OUTPUT_PARTITIONS.value - 1
+        more = state_output_ws.output_partitions(BV, l2) - 1
         return (rings + tiles + (K * BV + BT * BV + more * (BT * BT + BT * BV)) * elem
                 + (3 * slots + 4 + 2 + 3 * (more + 1)) * 8)
     return rings + tiles + (2 * slots + 5) * 8
 
 
-def _programs_by_smem(K: int, BV: int, elem: int, slots: int, smem_per_block: int, ws: bool = False) -> int:
+def _programs_by_smem(K: int, BV: int, elem: int, slots: int, smem_per_block: int, ws: bool = False,
+                      l2: bool = False) -> int:
     """Programs with ``slots`` ring slots whose shared memory one SM holds (0: not one): an
     SM holds ``smem_per_block``, the device's opt-in maximum, plus the 1 KB each block
     reserves; a program takes its tiles, the compiler's scratch and that 1 KB."""
-    need = state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
+    need = state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws, l2=l2) + SMEM_SCRATCH + SMEM_RESERVED_PER_BLOCK
     return (smem_per_block + SMEM_RESERVED_PER_BLOCK) // need
 
 
@@ -437,19 +438,19 @@ def _register_bound(K: int, BV: int, is_sm100: bool, warps: int, l2: bool, tails
 
 def state_output_ring_slots(K: int, BV: int, elem: int = 2, warps: int = NUM_WARPS, *,
                             smem_per_block: int = SMEM_OPTIN[(9, 0)], register_bound: bool = False,
-                            ws: bool = False) -> int:
+                            ws: bool = False, l2: bool = False) -> int:
     """Ring slots (the kernel's ``NUM_BUF``) of a program: the most, up to
     :data:`RING_SLOTS_MAX`, whose shared memory fits ``smem_per_block`` with as many
     programs per SM as two slots allow; two where the build is ``register_bound``
     (:func:`_register_bound`: a third slot's addresses spilled there). ``ws``: of the
     warp-specialized walk (its own shared memory, no register bound of the one-warpgroup
-    walk's)."""
+    walk's; ``l2``: with the qk l2 norm, which sets its output partitions)."""
     if register_bound and not ws:
         return 2
-    programs = max(1, _programs_by_smem(K, BV, elem, 2, smem_per_block, ws)) if ws else \
+    programs = max(1, _programs_by_smem(K, BV, elem, 2, smem_per_block, ws, l2)) if ws else \
         state_output_programs_per_sm(K, BV, elem, warps, smem_per_block=smem_per_block)
     return next((slots for slots in range(RING_SLOTS_MAX, 2, -1)
-                 if _programs_by_smem(K, BV, elem, slots, smem_per_block, ws) >= programs), 2)
+                 if _programs_by_smem(K, BV, elem, slots, smem_per_block, ws, l2) >= programs), 2)
 
 
 def state_output_warps(K: int, BV: int) -> int:
@@ -589,7 +590,8 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
     )
     slots = state_output_ring_slots(
         K, BV, elem, warps, smem_per_block=shared_memory_per_block(info),
-        register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)), ws=ws)
+        register_bound=_register_bound(K, BV, is_sm100, warps, problem.use_qk_l2norm, has_tails(problem)), ws=ws,
+        l2=problem.use_qk_l2norm)
     descriptors, constexprs = drop_unused_scatter(
         descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots, "CHAIN": False,
                       "WS": ws})
@@ -601,7 +603,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         # TMEM: S [K, BV], P and O [64, BV], QK [64, 64]: at most 3 BV + 64 columns (the
         # compiler may pack M = 64 accumulators side by side in lanes, and take fewer).
         blocks={"BT": BT, "K": K, "BV": BV, "NV": NV,
-                "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws),
+                "smem_bytes": state_output_smem_bytes(K, BV, elem, slots=slots, ws=ws, l2=problem.use_qk_l2norm),
                 "tmem_columns": 3 * BV + BT if is_sm100 else 0},
         constexprs=constexprs,
         descriptors=descriptors,

@@ -1,6 +1,6 @@
 """The state-output walk warp-specialized (sm_90a, one warpgroup of state; the plan's
 ``WS``, :data:`.state_output.STATE_OUTPUT_WS`): the serial chain of :mod:`.state_output`
-in one partition, everything that hangs off it in another, so that the chain's chunk step
+in one partition, everything that hangs off it in others, so that the chain's chunk step
 no longer queues behind the output's MMAs and elementwise work.
 
 In the one-warpgroup walk every MMA of a chunk (``P = w h``, ``O = q h``, ``QK = q k^T``,
@@ -12,31 +12,36 @@ warps as the chain. Here:
   ``P = w h_t``; ``v_new = u - P`` -> ``vn_smem[t % 2]``, its scaled rows -> ``vs_smem``;
   ``S = 2^g_last S + k^T vs``. Nothing else: the gate rows of the next chunk are loaded a
   chunk early, and its wgmma queue holds its own two products only.
-* **output** (a worker of four warps): ``QK = q k^T`` as soon as the chunk's tiles land;
-  once the chain has stored h_t and v_new, ``O = q h_t``, ``A = causal(QK 2^(g_i - g_j))``
-  -> ``p_smem``, ``O = 2^g O + A v_new``, the store of o. It also refills the ring: slot
-  ``t % NUM_BUF`` with chunk ``t + NUM_BUF`` once both partitions are done with chunk t.
+* **output** (:data:`OUTPUT_PARTITIONS` workers of four warps, taking alternate chunks):
+  ``QK = q k^T`` as soon as the chunk's tiles land; once the chain has stored h_t and
+  v_new, ``O = q h_t``, ``A = causal(QK 2^(g_i - g_j))`` -> its own ``p_smem``, ``O = 2^g O
+  + A v_new``, the store of o through its own ``o_smem``. The partition of chunk t also
+  refills the ring: slot ``t % NUM_BUF`` with chunk ``t + NUM_BUF`` once the chain is done
+  with chunk t too.
 
 Barriers (each completes once per use of its slot; chunk t's phase of a ring slot is
 ``(t // NUM_BUF) & 1``, of an h / v_new slot ``(t // 2) & 1``):
 
 * ``wkq_ready`` / ``u_ready`` [NUM_BUF]: TMA transactions of the chunk's w, k, q / u
-  (both partitions wait ``wkq_ready``; the chain alone reads u).
+  (the chain and the chunk's output partition wait ``wkq_ready``; the chain alone reads u).
 * ``chain_done`` [NUM_BUF]: the chain's last read of the slot (its state update waited;
   u was read into registers before the update's fence).
 * ``hv_ready`` [2]: h_t and v_new stored and fenced by every chain warp.
-* ``hv_empty`` [2]: the output's MMAs reading h_t and v_new are complete. The chain waits
+* ``hv_empty`` [2]: the MMAs of chunk t's output partition reading h_t and v_new are
+  complete (slot t % 2: with two output partitions, each its own). The chain waits
   it with the opposite phase before storing h_(t+2) (a fresh barrier's previous phase
   counts as complete, so chunks 0 and 1 do not wait).
 
-No wait cycle: the chain at chunk t needs the output done with chunk t - 2 (and the
-ring's chunk t, which the output issued when done with chunk t - NUM_BUF <= t - 2); the
-output at chunk j needs the chain done with chunk j. A partition of several warps joins
-its warps (a barrier within the partition) before its one elected arrive or TMA issue.
+No wait cycle: the chain at chunk t needs chunk t - 2's output partition done with it
+(and the ring's chunk t, which chunk t - NUM_BUF's output partition issued when done
+with that chunk, t - NUM_BUF <= t - 2); an output partition at chunk j needs the chain
+done with chunk j, and its own chunks go in order. A partition of several warps joins its
+warps (a barrier within the partition) before its one elected arrive or TMA issue.
 
 The initial state is staged through the idle ring before the partitions start, and the
 final state after they return (:mod:`.state_io`), as in the one-warpgroup walk. Shared
-memory: the walk's plus a second h and v_new tile (:func:`.state_output.state_output_smem_bytes`).
+memory: the walk's plus a second h and v_new tile and an A and o tile per further output
+partition (:func:`.state_output.state_output_smem_bytes`).
 """
 
 from __future__ import annotations
@@ -55,13 +60,24 @@ from gdn_dispatch.backends.gluon_common.state_output_steps import (
 
 #: Warps of an output partition (one warpgroup: wgmma's M = 64 rows of a chunk).
 OUTPUT_WARPS = gl.constexpr(4)
-#: Output partitions. One paces the chain on the H200 (16/32 x 32768, BV = 32: the chain
-#: waits for its h / v_new slot 40% of its loop, ``benchmarks/partition_profile.py
-#: --ws-walk``, ``logs/h200_partition_profile.log``). Two take alternate chunks (chunk t's
-#: h / v_new slot t % 2 is then one partition's own, and so are its A and o tiles):
-#: compiled without spills, not yet run on a GPU (``python benchmarks/flag_ab.py
-#: ws_outputs``).
-OUTPUT_PARTITIONS = gl.constexpr(1)
+#: Output partitions; two take alternate chunks (chunk t's h / v_new slot t % 2 is then one
+#: partition's own, and so are its A and o tiles). One paced the chain on the H200 (16/32 x
+#: 32768, BV = 32: the chain waited for its h / v_new slot 40% of its loop,
+#: ``benchmarks/partition_profile.py --ws-walk``, ``logs/h200_partition_profile.log``).
+#: Two against one (``python benchmarks/flag_ab.py ws_outputs``, ``logs/h200_ws_outputs.log``,
+#: three arms): the kernel 0.742 -> 0.644 ms at 16/32 x 32768 (BV = 32), 0.188 -> 0.156 at
+#: 16/32 x 8192, 0.238 -> 0.214 at 16/64 x 8192 (BV = 64), 0.061 -> 0.057 as context
+#: parallelism's pass 2 at 2/4 x 32768.
+OUTPUT_PARTITIONS = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def output_partitions(BV, l2):
+    """Output partitions of a walk of ``BV`` columns with (``l2``) or without the qk l2 norm:
+    :data:`OUTPUT_PARTITIONS`, but one at BV = 64 with the norm, where two left the chain
+    8-16 bytes of registers short (ptxas spilled in the specializations without tails).
+    Callable from the host too."""
+    return 1 if (BV == 64 and l2) else OUTPUT_PARTITIONS.value
 
 
 @gluon.constexpr_function
@@ -223,8 +239,9 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     h_smem = gl.allocate_shared_memory(dtype, [2, K, BV], E.smem_layout([K, BV], dtype))
     vn_smem = gl.allocate_shared_memory(dtype, [2, BT, BV], u_desc.layout)
     vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [OUTPUT_PARTITIONS, BT, BT], E.smem_layout([BT, BT], dtype))
-    o_smem = gl.allocate_shared_memory(dtype, [OUTPUT_PARTITIONS, BT, BV], o_desc.layout)
+    PARTS: gl.constexpr = output_partitions(BV, USE_L2NORM)
+    p_smem = gl.allocate_shared_memory(dtype, [PARTS, BT, BT], E.smem_layout([BT, BT], dtype))
+    o_smem = gl.allocate_shared_memory(dtype, [PARTS, BT, BV], o_desc.layout)
     wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     chain_done = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -232,7 +249,7 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     hv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # One barrier per MMA site (the engine contract; wgmma does not read them): w h, k^T vs
     # in the chain; q k^T, q h, A v_new in each output partition.
-    NBARS: gl.constexpr = 2 + 3 * OUTPUT_PARTITIONS
+    NBARS: gl.constexpr = 2 + 3 * PARTS
     mma_bars = gl.allocate_shared_memory(gl.int64, [NBARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(wkq_ready.index(i), count=1)
@@ -250,8 +267,8 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
         state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
                           i, bos + i * BT, col_w, col_k, col_v, i < NT)
 
-    gl.static_assert(OUTPUT_PARTITIONS == 1 or OUTPUT_PARTITIONS == 2, "one or two output partitions")
-    if OUTPUT_PARTITIONS == 2:
+    gl.static_assert(PARTS == 1 or PARTS == 2, "one or two output partitions")
+    if PARTS == 2:
         S = gl.warp_specialize([
             (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
                       mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,

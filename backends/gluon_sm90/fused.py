@@ -563,8 +563,10 @@ V_SLOTS = 2
 #: A one-warp partition refills the k/q, v and T slots (with T_u alone and two v slots):
 #: the state partition, which paces the kernel, spent 16% of its loop on the refills
 #: (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200,
-#: ``logs/h200_partition_profile.log``). Compiled, not yet run on a GPU (``python
-#: benchmarks/flag_ab.py load_warp``).
+#: ``logs/h200_partition_profile.log``). Off: on the H200 (``python benchmarks/flag_ab.py
+#: load_warp``, ``logs/h200_load_warp.log``, one sample) the kernel 0.362 -> 0.350 ms at
+#: 4 x 8192 HV 32, 0.683 -> 0.679 on ragged16, 0.728 -> 0.702 at HV 64: less than the
+#: refills' share, and not yet through the sanitizer.
 LOAD_WARP = gl.constexpr(False)
 #: Registers per thread of the load warp (addresses and phases only; Triton gives the
 #: warp a warpgroup of its own), and of the aux partition beside it, so that the state's
