@@ -17,6 +17,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py state_output_ws  # state_output.STATE_OUTPUT_WS: chain and output warpgroups
     python benchmarks/flag_ab.py ws_outputs   # state_output_ws.OUTPUT_PARTITIONS 1 -> 2: alternate chunks
     python benchmarks/flag_ab.py load_warp    # fused.LOAD_WARP: a load warp refills the fused kernel's slots
+    python benchmarks/flag_ab.py aux_t        # fused.AUX_T: the inverses in the aux partition, one launch
 
 Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -100,6 +101,10 @@ STUDIES = {
     # The fused kernel's slots refilled by a warp of their own instead of the state partition.
     "load_warp": ("gdn_dispatch.backends.gluon_sm90.fused", "LOAD_WARP", (gl.constexpr(False), gl.constexpr(True)),
                   {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
+    # The chunk inverses formed in the fused kernel's aux partition: no T kernel, one launch
+    # (the qk l2 norm on chip at HV 32; at HV 64 its normalized copies come first).
+    "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
+        **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
 }
 
 

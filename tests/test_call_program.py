@@ -125,8 +125,14 @@ def _labels(records, outputs, inputs):
     return launches, [None if t is None else (label(t.data_ptr()), tuple(t.shape), t.dtype) for t in outputs]
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
-def test_call_programs_launch_what_the_python_path_launches(native_built, capability):
+@pytest.mark.parametrize("capability, aux_t", [((9, 0), False), ((10, 0), False), ((9, 0), True)],
+                         ids=["sm90", "sm100", "sm90-aux-t"])
+def test_call_programs_launch_what_the_python_path_launches(native_built, capability, aux_t, monkeypatch):
+    """With ``aux_t`` the warp-specialized path's fused kernel forms the inverses itself
+    (:data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`): its calls are one launch."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    monkeypatch.setattr(fused_module, "AUX_T", aux_t)
     clear_plan_cache()
     device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
     rng = random.Random(1234 + capability[0])
@@ -143,7 +149,9 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
             assert problem.g.is_contiguous() == call["g"].is_contiguous()
             assert taken == int(takes), f"call {i}: program taken {taken}, expected {takes}"
             if takes:
-                fused = F.plan(problem, device=device, engine=engine).fused
+                launches = F.plan(problem, device=device, engine=engine)
+                fused = launches.fused
+                assert launches.inverses_on_chip == (fused and aux_t)
                 paths["fused" if fused else "pipeline"] += 1
                 paths["pool"] += problem.state_indices is not None
             else:
@@ -152,6 +160,7 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
     # and refusals.
     assert paths["pipeline"] >= 20 and paths["refused"] >= 10 and paths["pool"] >= 3
     assert paths["fused"] >= (5 if capability == (9, 0) else 0)
+    clear_plan_cache()
 
 
 def test_a_refused_check_launches_nothing(native_built):

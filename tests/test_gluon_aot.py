@@ -337,6 +337,37 @@ def test_sm90_qk_norm_on_chip(build_flags):
             assert planned <= report.shared_bytes <= planned + 1024
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("l2", [False, True], ids=["plain", "qk-l2-on-chip"])
+def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
+    """With :data:`fused.AUX_T` the fused kernel forms T_u in its aux partition: the plan
+    has no T descriptor, the aux partition issues k k^T beside q k^T (44 wgmma in all, 8
+    more than the T_u-alone build) and the blocked inverse's 60 tf32 mma.sync, and reads
+    the raw gate and beta rows itself; the state partition refills k / q and v only (no T
+    load anywhere); shared memory as planned (the inverse's 16 KB of tables more), the
+    register budgets as without it, spills within the allowance."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    build_flags((fused, "AUX_T", True), (fused, "QK_NORM_ON_CHIP", True))
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)
+    assert kernel.constexprs["AUX_T"] is True and kernel.constexprs["t_desc"] is None
+    assert kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
+    report = compile_kernel(kernel, SM90)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True)
+    assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
+    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    assert {120, 192} <= budgets, budgets
+    dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
+    ops = _partition_ops(report.ttgir, (dot, load, plain))
+    assert ops["partition0"][dot] == 2 and load not in ops["partition0"] and ops["partition0"][plain] >= 4, ops
+    # k, q and v (T was the fourth), and the prologue's two chunks of them.
+    assert ops["default"][dot] == 5 and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -48,7 +48,8 @@ VARIANTS = [("default", []),
             ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)])]
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
+            ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -56,8 +57,9 @@ def kernel_variant(request, monkeypatch):
     """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
-    off), and with T_u's blocks stored from the inverse's registers instead of sent as
-    16 x 16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off); plans computed afresh."""
+    off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
+    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), and with the inverses formed in the fused
+    kernel's aux partition, one launch (:data:`fused.AUX_T`); plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -100,43 +102,58 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    wy_t, fused = fp.stages
+    on_chip = kernel_variant == "aux-t"
+    assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
-    assert (wy_t.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
-    assert wy_t.grid == (slots * 4,) and fused.grid == (p.N * 4,)
-    assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
-                               "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
-                               "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
-                               "EARLY_ROWS": WY_T_BLOCKED_INVERSE and wy_module.WY_EARLY_ROWS,
-                               "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                               "DIRECT_STORE": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE,
-                               "BLOCK_TMA": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE
-                               and wy_t_module.WY_T_BLOCK_TMA}
-    assert fused.constexprs == {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails,
-                                "ENGINE": sm90, "USE_POOL": False, "INPLACE": False,
-                                "V_SLOTS": fused_module.V_SLOTS, "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
-                                "QK_NORM": False}
+    if on_chip:
+        # One launch: no T kernel, no T tiles.
+        (fused,) = fp.stages
+        assert fused.kernel == "fused_fwd"
+    else:
+        wy_t, fused = fp.stages
+        assert (wy_t.kernel, fused.kernel) == ("wy_t_fwd", "fused_fwd")
+        assert wy_t.grid == (slots * 4,)
+        assert wy_t.constexprs == {"HAS_TAILS": tails, "USE_L2NORM": False, "ENGINE": sm90,
+                                   "F16_INVERSE": WY_T_F16_INVERSE and not WY_T_BLOCKED_INVERSE,
+                                   "BLOCKED_INVERSE": WY_T_BLOCKED_INVERSE,
+                                   "EARLY_ROWS": WY_T_BLOCKED_INVERSE and wy_module.WY_EARLY_ROWS,
+                                   "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE,
+                                   "DIRECT_STORE": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE,
+                                   "BLOCK_TMA": wy_t_module.WY_T_SINGLE_TILE and WY_T_BLOCKED_INVERSE
+                                   and wy_t_module.WY_T_BLOCK_TMA}
+        # The T kernel's descriptor: a [16, 16] box of T_u, or a [64, 64] tile (unused by
+        # the direct stores).
+        assert {d.arg: d.block_shape for d in wy_t.descriptors}["t_desc"] == (
+            (64, 64) if kernel_variant in ("t-pair", "t-u-direct") else (16, 16))
+        # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (64: T_u alone).
+        tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
+        assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
+    assert fused.grid == (p.N * 4,)
+    expected = {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails, "ENGINE": sm90,
+                "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
+                "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip}
+    if on_chip:
+        expected["t_desc"] = None  # no descriptor built or encoded
+    assert fused.constexprs == expected
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
         "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),
         "t-pair": (2, True, False, True), "t-u-direct": (2, True, True, False)}.get(
         kernel_variant, (2, True, True, True))
-    # The T kernel's descriptor: a [16, 16] box of T_u, or a [64, 64] tile (unused by the
-    # direct stores).
-    assert {d.arg: d.block_shape for d in wy_t.descriptors}["t_desc"] == (
-        (64, 64) if kernel_variant in ("t-pair", "t-u-direct") else (16, 16))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
-    assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == {
-        "q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
-        "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
-    # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (64: T_u alone).
-    tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
-    assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
+    descriptors = {"q_desc": ("q", (64, 128)), "k_desc": ("k", (64, 128)), "v_desc": ("v", (64, 128)),
+                   "t_desc": ("t", (64, 64)), "o_desc": ("o", (64, 128))}
+    if on_chip:
+        del descriptors["t_desc"]
+    assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == descriptors
     assert fused.blocks["smem_bytes"] <= 227 * 1024
-    # T_u alone: two T tiles, two w and two u tiles fewer.
+    # T_u alone: two T tiles, two w and two u tiles fewer; on chip, the inverse's 16 KB of
+    # tables and its barrier.
+    tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
-        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2
+        (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
+        (16 * 16 * 16 * 4 + 8 if on_chip else 0)
 
 
 @pytest.mark.parametrize("seed", range(3))

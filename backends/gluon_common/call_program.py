@@ -127,7 +127,9 @@ def run_program(program, launches: ForwardPlan, inputs: tuple, B: int, T: int, c
     call, has_final = program
     N, rows = counts[COUNT_N], counts[COUNT_ROWS]
     # The allocator's fourth and fifth sizes: the T tiles' rows, or NSEG and NSEG + 1.
-    if launches.fused:
+    if launches.inverses_on_chip:
+        sized = (0, 0)
+    elif launches.fused:
         sized = (planned_t_tile_rows(launches.stage("wy_t_fwd").shared, rows, N), 0)
     elif len(counts) > COUNT_NSEG:
         sized = (counts[COUNT_NSEG], counts[COUNT_NSEG] + 1)
@@ -233,11 +235,12 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             norm = launches.stage("qk_l2norm_fwd").shared
             steps.append((norm, norm_launch_args(norm, q, k, buffer_ref(len(specs) - 1), head_rows, H, HK, HK)))
             q, k = Ref("item", len(specs) - 1, 0), Ref("item", len(specs) - 1, 1)
-        wy_t = launches.stage("wy_t_fwd").shared
-        steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
+        if not launches.inverses_on_chip:
+            wy_t = launches.stage("wy_t_fwd").shared
+            steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
         fused = launches.stage("fused_fwd").shared
         steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, indices, cu,
-                                                            SCALE, pool_size)))
+                                                            SCALE, pool_size, g, beta, HV, HV)))
         outputs = [0]
     else:
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)

@@ -123,10 +123,13 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         q, k = problem.q, problem.k
         if norm_copies:
             q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
-        wy_t = launches.stage("wy_t_fwd")
-        o, g_cum, t_tiles, final_state = call_buffers(
-            problem, launches, cp, planned_t_tile_rows(wy_t.shared, problem.B * problem.T, problem.N))
-        t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, wy_t, out=(t_tiles, g_cum))
+        if launches.inverses_on_chip:
+            o, g_cum, t_tiles, final_state = call_buffers(problem, launches, cp, 0)
+        else:
+            wy_t = launches.stage("wy_t_fwd")
+            o, g_cum, t_tiles, final_state = call_buffers(
+                problem, launches, cp, planned_t_tile_rows(wy_t.shared, problem.B * problem.T, problem.N))
+            t_tiles, g_cum = wy_t_fwd(k, problem.g, problem.beta, chunks, wy_t, out=(t_tiles, g_cum))
         return engine.fused.fused_fwd(problem, t_tiles, g_cum, launches.stage("fused_fwd"), q=q, k=k,
                                       out=(o, final_state))
     buffers = call_buffers(problem, launches, cp)

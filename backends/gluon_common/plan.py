@@ -81,6 +81,12 @@ class ForwardPlan:
         return self.launches[-1].kernel == "fused_fwd"
 
     @property
+    def inverses_on_chip(self) -> bool:
+        """Whether the path's fused kernel forms the chunk inverses itself (no wy_t_fwd
+        launch: :data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`)."""
+        return self.fused and all(launch.kernel != "wy_t_fwd" for launch in self.launches)
+
+    @property
     def norm_copies(self) -> bool:
         """Whether the path runs on normalized copies of q and k (qk_l2norm_fwd first)
         rather than folding the qk l2 norm into its kernels (or running without it)."""
@@ -324,8 +330,10 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
         on_chip = getattr(fused_path, "norm_on_chip", None)
         on_chip = on_chip is not None and on_chip(problem, engine)
         plain = dataclasses.replace(problem, use_qk_l2norm=False) if problem.use_qk_l2norm and not on_chip else problem
-        fused = (plan_wy_t(plain, device, engine=engine).shared,
-                 fused_path.plan_fused(plain, device, engine=engine).shared)
+        fused_kernel = fused_path.plan_fused(plain, device, engine=engine).shared
+        # The T kernel first, unless the fused kernel forms the inverses itself.
+        fused = (fused_kernel,) if fused_kernel.constexprs.get("AUX_T") else (
+            plan_wy_t(plain, device, engine=engine).shared, fused_kernel)
         if problem.use_qk_l2norm and not on_chip:
             fused = (plan_qk_l2norm(problem, device, engine=engine).shared, *fused)
         fused_min_programs = math.ceil(fused_path.MIN_SM_SHARE * device.sm_count)

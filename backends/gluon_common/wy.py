@@ -279,6 +279,13 @@ def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr,
 
 
 @gluon.jit
+def gate_cumsum(x):
+    """The chunk-local inclusive cumsum of raw gate rows ``x`` (fp32 [BT] in a plain 1-D
+    layout, 0 past the end) in log2 units: rows past the end repeat the last sum."""
+    return gl.associative_scan(x, 0, add) * LOG2E
+
+
+@gluon.jit
 def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout: gl.constexpr, g_raw=None):
     """The chunk-local inclusive cumsum of the raw gates (token stride ``s_g``; or their
     rows ``g_raw`` as :func:`chunk_rows_early` loaded them) in log2 units, fp32 [BT] in
@@ -291,18 +298,20 @@ def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout
         x = row_vector(g, row0, n_valid, i_h, s_g, BT, flat)
     else:
         x = g_raw
-    c = gl.associative_scan(x, 0, add) * LOG2E
+    c = gate_cumsum(x)
     r = gl.arange(0, BT, layout=flat)
     gl.store(g_cum + (row0 + r).to(gl.int64) * HV + i_h, c, mask=r < n_valid)
     return gl.convert_layout(c, layout)
 
 
 @gluon.jit
-def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr, b_raw=None):
+def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr, b_raw=None, r_k=None):
     """A from the raw ``k k^T`` (fp32 [64, 64] registers) and the rows' gate cumsum ``g_i``
     (in the row slice of kk's layout), and the fp32 [64] column scales of T for w
     (``beta 2^g r``) and for u (``beta``, token stride ``s_beta``; or its rows ``b_raw`` as
-    :func:`chunk_rows_early` loaded them), in the column slice of kk's layout."""
+    :func:`chunk_rows_early` loaded them), in the column slice of kk's layout. With
+    ``USE_L2NORM``, k's reciprocal row norms ``r_k`` (any 1-D layout), or None to reduce
+    them from ``k_smem`` here."""
     BT: gl.constexpr = kk.shape[0]
     layout: gl.constexpr = kk.type.layout
     rows: gl.constexpr = gl.SliceLayout(1, layout)
@@ -315,7 +324,10 @@ def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.c
         b_i = gl.convert_layout(b_raw, rows)
         b_j = gl.convert_layout(b_raw, cols)
     if USE_L2NORM:
-        r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
+        if r_k is None:
+            r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
+        else:
+            r = r_k
         r_i = gl.convert_layout(r, rows)
         r_j = gl.convert_layout(r, cols)
         kk = kk * gl.expand_dims(r_i, 1) * gl.expand_dims(r_j, 0)
@@ -447,6 +459,30 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
+
+
+@gluon.jit
+def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
+                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None):
+    """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
+    accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
+    layout), for a kernel that keeps both on chip: nothing is written to global memory.
+    ``g_raw``, ``b_raw``: the chunk's raw gate and beta rows (:func:`chunk_rows_early`);
+    ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`.blocked_inverse.table_layout`; the first 12)
+    for the blocked inverse (sm_90a, 4 warps), free on entry and exit; ``kk_bar``: the
+    mbarrier of k k^T, at its ``KK_PHASE``-th completion (mod 2); ``r_k``: with
+    ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None)."""
+    BT: gl.constexpr = k_smem.shape[0]
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    c = gate_cumsum(g_raw)
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
+    a, _, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
+                             row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
+    # The scale waits out the inverse in one register.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    u_scale = gl.convert_layout(u_scale, flat)
+    t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
 
 
 @gluon.jit

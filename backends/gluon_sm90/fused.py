@@ -64,16 +64,19 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
+from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, table_layout
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
-from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
+from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc, token_stride
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
+from gdn_dispatch.backends.gluon_common.wy import chunk_rows_early, chunk_t_u_on_chip
+from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
@@ -210,11 +213,12 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
-           LOADER: gl.constexpr):
+           LOADER: gl.constexpr, AUX_T: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
-    and releases each slot on ``slot_free`` instead."""
+    and releases each slot on ``slot_free`` instead. With ``AUX_T`` the aux partition
+    writes the T slots (ready with the scores): it refills v alone."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -251,7 +255,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         if CHAIN:
             enter("state.v_new")
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                               gate_ring.index(NG * s + 1), phase, acc_c)
+                               gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T)
             leave("state.v_new")
         else:
             u = u_ring.index(s).load(acc_c).to(gl.float32)
@@ -274,7 +278,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             if CHAIN:
                 # The state alone reads v and T: their slot s takes chunk t + 2 now.
                 _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
-                _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
+                if not AUX_T:
+                    _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
             # The state is the last reader of k/q slot s: refill it with chunk t + 2 once
             # the aux partition is done with chunk t.
             mbarrier.wait(kq_empty.index(s), phase)
@@ -288,10 +293,11 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
-def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr):
+def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_T: gl.constexpr = True):
     """``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` ([V, 64], fp32 in ``acc_c``, P^T's layout)
     from the chain's ``P^T = S^T k^T`` (in flight), the chunk's v and T_u slots (waited here,
-    at ``phase``) and its row decays ``2^g``: ``u - w S`` regrouped, as T_u (v - 2^g k S)."""
+    at ``phase``; T_u only with ``WAIT_T``, else the caller knows it written) and its row
+    decays ``2^g``: ``u - w S`` regrouped, as T_u (v - 2^g k S)."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
     e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
@@ -299,7 +305,8 @@ def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.co
     vt = v_slot.permute((1, 0)).load(acc_c).to(gl.float32)
     p = warpgroup_mma_wait(0, deps=(p,))
     z = gl.convert_layout((vt - p * gl.expand_dims(e_g, 0)).to(v_slot.dtype), lhs_reg_layout(acc_c, 16))
-    mbarrier.wait(t_bar, phase)
+    if WAIT_T:
+        mbarrier.wait(t_bar, phase)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
     return warpgroup_mma_wait(0, deps=(vn,))
@@ -357,7 +364,6 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
-    dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
@@ -378,27 +384,113 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
             # While q k^T runs: the rows' reciprocal l2 norms, in column halves (registers).
             rq = row_rnorm(kq_ring.index(2 * s + 1), half, 2)
             rk = row_rnorm(kq_ring.index(2 * s), half, 2)
+        else:
+            rq = g_row  # unused
+            rk = g_row
         # Slot r of the scores and gate rings is free once the state is done with chunk
         # t - RING_S.
         enter("aux.wait_state")
         mbarrier.wait(wu_empty.index(r), ((t // RING_S) & 1) ^ 1)
         leave("aux.wait_state")
         enter("aux.scores")
-        if NG == 4:
-            store_gate_vectors(gate_ring, r, g_row, g_end, eos - row, rk, rq)
-        else:
-            store_gate_vectors(gate_ring, r, g_row, g_end, eos - row)
-        qk = warpgroup_mma_wait(0, deps=(qk,))
-        if NG == 4:
-            qk = qk * gl.expand_dims(gl.convert_layout(rq, gl.SliceLayout(1, acc_bt)), 1) \
-                * gl.expand_dims(gl.convert_layout(rk, gl.SliceLayout(0, acc_bt)), 0)
-        s_ring.index(r).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
-                                          gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(dtype))
-        fence_async_shared()
-        thread_barrier()
+        _store_scores_and_gates(qk, s_ring, gate_ring, r, g_row, g_end, eos - row, rq, rk, NG == 4)
         leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(r), count=1)
+
+
+@gluon.jit
+def _store_scores_and_gates(qk, s_ring, gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS: gl.constexpr):
+    """A chunk's gate vectors (:func:`..gluon_common.recurrence.store_gate_vectors`) and
+    causal scores ``q k^T 2^(g_i - g_j)`` into slot ``r`` of their rings, from ``q k^T``
+    (fp32 [64, 64], still in flight: waited after the gate vectors) and the chunk's gate
+    cumsum rows ``g_row`` (``g_end`` its last valid row's); with ``NORMS`` q's row and k's
+    column reciprocal l2 norms ``rq``, ``rk`` scale the scores and the vectors. Fenced for
+    the state's MMAs and joined over the partition's warps: the caller's arrives follow."""
+    if NORMS:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
+    else:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    acc_bt: gl.constexpr = qk.type.layout
+    if NORMS:
+        qk = qk * gl.expand_dims(gl.convert_layout(rq, gl.SliceLayout(1, acc_bt)), 1) \
+            * gl.expand_dims(gl.convert_layout(rk, gl.SliceLayout(0, acc_bt)), 0)
+    s_ring.index(r).store(causal_gate(qk, gl.convert_layout(g_row, gl.SliceLayout(1, acc_bt)),
+                                      gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(s_ring.dtype))
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
+def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
+                 g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr):
+    """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
+    kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
+    cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
+    the state partition reads with the scores (``wu_ready``), so that the call is this one
+    launch. The gate cumsum stays in registers: no ``g_cum`` is written or read. Per chunk:
+    the raw gate and beta rows a chunk early, T_u from the landed k tile, then (once the
+    state is done with the chunk two back) T_u, the gate vectors and the scores into their
+    slots."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    K: gl.constexpr = kq_ring.shape[2]
+    RING_S: gl.constexpr = s_ring.shape[0]
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
+    dtype: gl.constexpr = kq_ring.dtype
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
+    gl.static_assert(RING_S == 2, "the T slots are the scores slots: two")
+    # Row vectors kept across the inverse: one register each.
+    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
+    for t in range(NT):
+        s = t % 2
+        row = bos + t * BT
+        n_valid = eos - row
+        g_raw = rows[0]
+        b_raw = rows[1]
+        # The next chunk's raw rows, loaded under this chunk's inverse.
+        rows = chunk_rows_early(g, s_g, beta, s_beta, row + BT, n_valid - BT, i_h, BT, True)
+        enter("aux.wait_tiles")
+        mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
+        leave("aux.wait_tiles")
+        k_tile = kq_ring.index(2 * s)
+        q_tile = kq_ring.index(2 * s + 1)
+        # Slot s of the T, scores and gate rings is free once the state is done with chunk
+        # t - 2: waited before the inverse, so that T_u goes to its slot as formed (held
+        # across the wait it spilled), while the state works on chunk t - 1.
+        enter("aux.wait_state")
+        mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
+        leave("aux.wait_state")
+        enter("aux.inverse")
+        if NG == 4:
+            # q's and k's reciprocal row norms, in column halves, before the inverse and
+            # kept in a register each (reduced under q k^T's accumulator, or over k's whole
+            # rows inside A's formation, they spilled): k's scales A, both the scores and
+            # the gate vectors.
+            rk = gl.convert_layout(row_rnorm(k_tile, half, 2), c_layout)
+            rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
+        else:
+            rk = None
+        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
+                                   ENGINE, rk)
+        t_ring.index(s).store(t_u.to(dtype))
+        leave("aux.inverse")
+        enter("aux.scores")
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False,
+                           is_async=True)
+        # Rows past the end read 0, as gate_rows loads them; g_last is the last valid row's.
+        r = gl.arange(0, BT, layout=c.type.layout)
+        g_row = gl.where(r < n_valid, c, 0.0)
+        g_end = gl.sum(gl.where(r == gl.minimum(n_valid, BT) - 1, c, 0.0), 0)
+        if NG != 4:
+            rq = g_row  # unused
+            rk = g_row
+        _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+        leave("aux.scores")
+        mbarrier.arrive(kq_empty.index(s), count=1)
+        mbarrier.arrive(wu_ready.index(s), count=1)
 
 
 @gluon.jit
@@ -418,13 +510,13 @@ def _loader(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, k
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, bos + t * BT, col_k)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "s_g", "s_beta"])
 def _fused_fwd_kernel(
-    q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
-    HV, GROUP, pool_size,
+    q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, g, beta, h0, ht, state_indices, cu_seqlens, scale,
+    HV, GROUP, pool_size, s_g, s_beta,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr,
+    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -436,7 +528,15 @@ def _fused_fwd_kernel(
 
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
-    if SINGLE_T:
+    gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
+    if AUX_T:
+        # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
+        t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
+        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
+        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kk_bar.index(0), count=1)
+    elif SINGLE_T:
         # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
     else:
@@ -456,7 +556,7 @@ def _fused_fwd_kernel(
     wu_empty = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     # LOAD_WARP: the state's releases of its slots to the load warp.
-    LOADER: gl.constexpr = LOAD_WARP and SINGLE_T and V_SLOTS == 2
+    LOADER: gl.constexpr = LOAD_WARP and SINGLE_T and V_SLOTS == 2 and not AUX_T
     if LOADER:
         slot_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
@@ -485,15 +585,25 @@ def _fused_fwd_kernel(
     if NT > 0:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 0, bos, col_k)
         _load_v(v_desc, v_ring, v_ready, 0, bos, col_v)
-        _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h)
+        if not AUX_T:
+            _load_t(t_desc, t_ring, t_ready, 0, slot0, HV, i_h)
     if NT > 1:
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, 1, bos + BT, col_k)
         if V_SLOTS > 1:
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
-        if SINGLE_T:
+        if SINGLE_T and not AUX_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    if SINGLE_T:
+    if AUX_T:
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
+                      gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
+                      o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
+                      True, False, True)),
+            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
+                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE)),
+        ], [AUX_WARPS], [AUX_REGS])[0]
+    elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
         if LOADER:
             S = gl.warp_specialize([
@@ -541,6 +651,11 @@ def _fused_fwd_kernel(
 #: reallocation (setmaxnreg), 40-250 bytes by specialization; the chunk loop's speed is
 #: measured on the H200 instead (benchmarks/RESULTS.md).
 SPILL_BYTES = 256
+#: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
+#: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
+#: both spill more): 60-88 bytes per specialization, 312-332 with the qk l2 norm on chip
+#: (triton 3.6.0). Not timed yet.
+AUX_T_SPILL_BYTES = 384
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -573,6 +688,24 @@ LOAD_WARP = gl.constexpr(False)
 #: two warpgroups keep their 192: 128 x (2 x 192 + 104 + 24) = 65536.
 LOAD_REGS = gl.constexpr(24)
 LOAD_WARP_AUX_REGS = gl.constexpr(104)
+
+#: The chunk inverses formed in the aux partition (:func:`_aux_inverse`) instead of by the T
+#: kernel: the call is one launch (with the qk l2 norm on normalized copies, two), T_u
+#: never leaves the SM and the gate cumsum is never written. The profile of the two-launch
+#: path (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200) has the aux
+#: partition waiting 70% of its loop (3,640 of 5,030 cycles a chunk) while the T kernel
+#: takes a third of the call (0.204 of 0.566 ms at H16-HV32 4 x 8192). Off: compiled for
+#: sm_90a, not yet run on a GPU (``python benchmarks/flag_ab.py aux_t``). With T_u alone
+#: and the blocked inverse only (:func:`aux_t_on`).
+AUX_T = False
+
+
+def aux_t_on(engine) -> bool:
+    """Whether ``engine``'s fused kernel forms the chunk inverses itself (:data:`AUX_T`,
+    which needs T_u alone and the blocked inverse: sm_90a)."""
+    return (AUX_T and not engine.is_sm100 and t_tiles_per_chunk(engine) == 1
+            and _wy_t.WY_T_BLOCKED_INVERSE)
+
 
 #: Calls with the qk l2 norm take the path (on normalized copies of q and k); off, they run
 #: the pipeline with its reciprocal norms. On the H200, 4 x 8192 HV 32: 0.874 ms against
@@ -634,6 +767,18 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     # A problem with the norm reaches this plan only when the norm is on chip (else the
     # plan sees the normalized copies: a problem without it).
     constexprs["QK_NORM"] = bool(problem.use_qk_l2norm) and t_tiles == 1
+    on_chip_t = constexprs["AUX_T"] = aux_t_on(engine)
+    descriptors = (
+        tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
+        tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
+        tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
+    )
+    if on_chip_t:
+        # No T tiles to read: the descriptor goes to the kernel as a None constexpr.
+        descriptors = tuple(d for d in descriptors if d.arg != "t_desc")
+        constexprs["t_desc"] = None
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
@@ -641,30 +786,27 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
-                                               qk_norm=constexprs["QK_NORM"])},
+                                               qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t)},
         constexprs=constexprs,
-        descriptors=(
-            tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
-            tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
-            tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
-            tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
-            tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
-        ),
+        descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"N x {HV} (sequence, v-head) programs, warp-specialized: state 2 warpgroups + aux 1",
+        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state 2 warpgroups + aux 1"
+               + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")),
     )
     return launch.bind(problem.B * problem.T, problem.N)
 
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
-                     single_t: bool = False, qk_norm: bool = False) -> int:
+                     single_t: bool = False, qk_norm: bool = False, aux_t: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
-    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot."""
+    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32) and k k^T's barrier."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
+    inverse = 16 * 16 * 16 * 4 + 8 if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + (4 if qk_norm else 3) * 2 * BT * 4 + (10 + v_slots) * 8)
+            + (4 if qk_norm else 3) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
@@ -673,6 +815,8 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
     the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
+    With :data:`AUX_T` in the plan the kernel forms the inverses itself from the problem's
+    g and beta: ``t_tiles`` is not read and ``g_cum`` only stands in for unused pointers.
     ``q``, ``k``: read instead of the problem's (with the qk l2 norm, the normalized copies
     of :func:`~..gluon_common.qk_norm.qk_l2norm_fwd`: the kernel normalizes nothing).
 
@@ -698,19 +842,22 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     tensors, args = fused_launch_args(
         launch, q, k, v, t_tiles, o, g_cum, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, problem.state_indices if use_pool else cu, cu,
-        float(problem.scale), h0.shape[0] if use_pool else 0)
+        float(problem.scale), h0.shape[0] if use_pool else 0, problem.g, problem.beta, token_stride(problem.g),
+        token_stride(problem.beta))
     launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
     return o, final_state
 
 
 def fused_launch_args(launch: LaunchPlan, q, k, v, t_tiles, o, g_cum, h0, ht, state_indices, cu_seqlens, scale,
-                      pool_size) -> tuple[dict, dict]:
+                      pool_size, g, beta, s_g, s_beta) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_fused_fwd_kernel`` launch, the
     unused pointers replaced by a stand-in (what :func:`fused_fwd` launches with;
-    :mod:`..gluon_common.call_program` binds the same lists)."""
+    :mod:`..gluon_common.call_program` binds the same lists). ``g``, ``beta`` (token
+    strides ``s_g``, ``s_beta``): read with :data:`AUX_T` only."""
     return {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
-        o_ptr=o, g_cum=g_cum, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens, scale=scale,
-        HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size)
+        o_ptr=o, g_cum=g_cum, g=g, beta=beta, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens,
+        scale=scale, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size, s_g=s_g,
+        s_beta=s_beta)
 
 
 def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -> list[AotKernel]:
@@ -731,4 +878,4 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
         # Calls with the qk l2 norm run this kernel on raw q and k (QK_NORM).
         cases += [{**case, "l2": True} for case in core_cases()]
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
-                             spill_bytes_allowed=SPILL_BYTES)
+                             spill_bytes_allowed=AUX_T_SPILL_BYTES if aux_t_on(engine) else SPILL_BYTES)
