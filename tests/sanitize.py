@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
 #: of one projection), "ws" (gluon_sm90: calls whose state-output walk is warp-specialized,
 #: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
-#: they are left out of it and the other calls take the one-warpgroup walk there).
+#: they are left out of it and the other calls take the one-warpgroup walk there),
+#: "aux_t" (gluon_sm90: the warp-specialized path's fused kernel forming the chunk
+#: inverses itself, ``fused.AUX_T``, for that call).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -77,6 +79,8 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False, {"ws": True}),
     ([300, 0, 129], 1, 2, 128, 128, "float16", "vk", True, {"ws": True, "pool": "float32"}),
     ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "kv", False, {"ws": True, "cp": 3}),
+    ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False, {"aux_t": True}),
+    ([70, 1, 64], 32, 64, 128, 128, "bfloat16", "kv", True, {"aux_t": True, "pool": "float32"}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -130,6 +134,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         # the tools see those.
         err = 0.0
         kept = context_parallel.TUNING
+        _inverses_in_the_fused_kernel(bool(extras.get("aux_t")))
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
@@ -139,6 +144,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
+        _inverses_in_the_fused_kernel(False)
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -165,6 +171,17 @@ def _walk_warp_specialized(on: bool) -> None:
 
     state_output.STATE_OUTPUT_WS = on
     clear_plan_cache()
+
+
+def _inverses_in_the_fused_kernel(on: bool) -> None:
+    """Plan gluon_sm90's fused kernel with the chunk inverses formed in it (``fused.AUX_T``)
+    or not (the default) from the next call on."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    if fused.AUX_T != on:
+        fused.AUX_T = on
+        clear_plan_cache()
 
 
 def sanitizer_binary() -> str:

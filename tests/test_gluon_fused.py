@@ -481,6 +481,35 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     assert set(sanitize.WARP_SPECIALIZED) <= set(sanitize.CALLS)
 
 
+def test_the_sanitizer_runs_the_fused_kernel_that_forms_the_inverses(monkeypatch):
+    """tests/sanitize.py's "aux_t" calls (one with the qk l2 norm on chip and a pool) take the
+    path as one launch with :data:`fused.AUX_T` set, which its child sets per call and
+    clears after."""
+    import importlib.util
+    from pathlib import Path
+
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    path = Path(__file__).resolve().parent / "sanitize.py"
+    spec = importlib.util.spec_from_file_location("sanitize_under_test", path)
+    sanitize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sanitize)
+    calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and c[8].get("aux_t")]
+    assert len(calls) == 2 and any(c[7] for c in calls) and any("pool" in c[8] for c in calls)
+    sm90, _ = _engines()
+    monkeypatch.setattr(fused, "AUX_T", False)
+    for on in (True, False):
+        sanitize._inverses_in_the_fused_kernel(on)
+        assert fused.AUX_T is on
+        for lengths, H, HV, K, V, dtype, layout, l2, _ in calls:
+            p = random_problem(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), layout=layout,
+                               l2=l2, ht=True)
+            call = plan_call(p, _device(132), engine=sm90)
+            assert call.launches.fused and call.launches.inverses_on_chip is on
+            assert call.kernels == (("fused_fwd",) if on else ("wy_t_fwd", "fused_fwd"))
+    clear_plan_cache()
+
+
 @pytest.mark.parametrize("shape, extra, expected", [
     (dict(batch=(4, 256), HV=32), {}, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
     (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "

@@ -268,6 +268,13 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
                           i, bos + i * BT, col_w, col_k, col_v, i < NT)
 
     gl.static_assert(PARTS == 1 or PARTS == 2, "one or two output partitions")
+    # A partition's waits on a ring slot's barriers may run at most one phase ahead of
+    # them. With two partitions and one slot, partition 1 would wait for chunk 1's phase
+    # while chunk 0's is still open, and pass at once (a fresh barrier's previous phase
+    # counts as complete). From two slots on, the partition of chunk t has waited for
+    # chunk t - 2 (and with it for the chain's chunk t - NUM_BUF) before it waits on the
+    # slot's next phase.
+    gl.static_assert(PARTS == 1 or NUM_BUF >= 2, "two output partitions need two ring slots or more")
     if PARTS == 2:
         S = gl.warp_specialize([
             (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,

@@ -653,8 +653,8 @@ def _fused_fwd_kernel(
 SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
-#: both spill more): 60-88 bytes per specialization, 312-332 with the qk l2 norm on chip
-#: (triton 3.6.0). Not timed yet.
+#: both spill more): 60-88 bytes per specialization, 300-332 with the qk l2 norm on chip
+#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0). Not timed yet.
 AUX_T_SPILL_BYTES = 384
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
