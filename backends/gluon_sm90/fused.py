@@ -7,6 +7,9 @@ Two launches per call::
     t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
+or one, with :data:`AUX_T` (off until timed): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
+the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`).
+
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
 partitions that share the program's shared memory through mbarrier rings:
 
