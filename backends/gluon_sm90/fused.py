@@ -657,7 +657,9 @@ SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
 #: both spill more): 60-88 bytes per specialization, 300-332 with the qk l2 norm on chip
-#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0). Not timed yet.
+#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0). In the SASS of the l2 build (29 STL, 46
+#: LDL) the stores are the aux partition's loop-invariant scalars at its entry, reloaded
+#: a few at a time in its chunk loop. Not timed yet.
 AUX_T_SPILL_BYTES = 384
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
