@@ -18,8 +18,9 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py ws_outputs   # state_output_ws.OUTPUT_PARTITIONS 1 -> 2: alternate chunks
     python benchmarks/flag_ab.py load_warp    # fused.LOAD_WARP: a load warp refills the fused kernel's slots
     python benchmarks/flag_ab.py aux_t        # fused.AUX_T: the inverses in the aux partition, one launch
+    python benchmarks/flag_ab.py small_heads  # fused.SMALL_HEADS: K or V of 64 on the path, not the pipeline
 
-Public calls, bf16, K = V = 128, initial + final state, on the shapes the flag changes:
+Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--with OTHER[,OTHER...]`` turns other studies' flags on in both arms (a flag measured on
 top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py v_slots --with t_inverse``.
@@ -48,7 +49,7 @@ _WS_SHAPES = {
     "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True)}
 
 #: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
-#: qk l2 norm)).
+#: qk l2 norm[, K, V])).
 STUDIES = {
     "t_inverse": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_BLOCKED_INVERSE", (False, True), {
         "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-ragged16": (16, 32, "ragged16", False)}),
@@ -105,6 +106,12 @@ STUDIES = {
     # (the qk l2 norm on chip at HV 32; at HV 64 its normalized copies come first).
     "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
         **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
+    # Head dims of 64 on the path instead of the pipeline (calls that fill the SMs).
+    "small_heads": ("gdn_dispatch.backends.gluon_sm90.fused", "SMALL_HEADS", (False, True), {
+        "H16-HV32-4x8192-K64-V64": (16, 32, (4, 8192), False, 64, 64),
+        "H16-HV32-4x8192-K64-V128": (16, 32, (4, 8192), False, 64, 128),
+        "H16-HV32-4x8192-K128-V64": (16, 32, (4, 8192), False, 128, 64),
+        "H16-HV32-ragged16-K64-V64": (16, 32, "ragged16", False, 64, 64)}),
 }
 
 
@@ -113,10 +120,11 @@ def calls(shapes: dict) -> dict:
     from gdn_dispatch.testing import random_call
 
     out = {}
-    for name, (H, HV, tokens, l2) in shapes.items():
+    for name, (H, HV, tokens, l2, *dims) in shapes.items():
+        K, V = dims or (128, 128)
         shape = (dict(lengths=list(ragged_lengths())) if tokens == "ragged16" else
                  dict(batch=tokens) if isinstance(tokens, tuple) else dict(lengths=tokens))
-        out[name] = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=3,
+        out[name] = random_call(**shape, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, device="cuda", seed=3,
                                 normalize_qk=not l2)
         out[name]["output_final_state"] = True
         out[name]["use_qk_l2norm_in_kernel"] = l2

@@ -125,18 +125,22 @@ def _labels(records, outputs, inputs):
     return launches, [None if t is None else (label(t.data_ptr()), tuple(t.shape), t.dtype) for t in outputs]
 
 
-@pytest.mark.parametrize("capability, aux_t", [((9, 0), False), ((10, 0), False), ((9, 0), True)],
-                         ids=["sm90", "sm100", "sm90-aux-t"])
-def test_call_programs_launch_what_the_python_path_launches(native_built, capability, aux_t, monkeypatch):
+@pytest.mark.parametrize("capability, aux_t, small_heads", [((9, 0), False, False), ((10, 0), False, False),
+                                                            ((9, 0), True, False), ((9, 0), True, True)],
+                         ids=["sm90", "sm100", "sm90-aux-t", "sm90-aux-t-small-heads"])
+def test_call_programs_launch_what_the_python_path_launches(native_built, capability, aux_t, small_heads,
+                                                             monkeypatch):
     """With ``aux_t`` the warp-specialized path's fused kernel forms the inverses itself
-    (:data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`): its calls are one launch."""
+    (:data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`): its calls are one launch; with
+    ``small_heads`` calls with K or V of 64 take the path too (``fused.SMALL_HEADS``)."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     monkeypatch.setattr(fused_module, "AUX_T", aux_t)
+    monkeypatch.setattr(fused_module, "SMALL_HEADS", small_heads)
     clear_plan_cache()
     device, engine = assumed_device(f"sm_{capability[0]}{capability[1]}"), _engine(capability)
     rng = random.Random(1234 + capability[0])
-    paths = {"fused": 0, "pipeline": 0, "refused": 0, "pool": 0}
+    paths = {"fused": 0, "pipeline": 0, "refused": 0, "pool": 0, "small heads": 0}
     with stubbed_launches() as stub:
         for i in range(120):
             call, takes = _random_form(rng)
@@ -153,6 +157,7 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
                 fused = launches.fused
                 assert launches.inverses_on_chip == (fused and aux_t)
                 paths["fused" if fused else "pipeline"] += 1
+                paths["small heads"] += fused and (problem.K, problem.V) != (128, 128)
                 paths["pool"] += problem.state_indices is not None
             else:
                 paths["refused"] += 1
@@ -160,6 +165,7 @@ def test_call_programs_launch_what_the_python_path_launches(native_built, capabi
     # and refusals.
     assert paths["pipeline"] >= 20 and paths["refused"] >= 10 and paths["pool"] >= 3
     assert paths["fused"] >= (5 if capability == (9, 0) else 0)
+    assert (paths["small heads"] >= 3) if small_heads else paths["small heads"] == 0, paths
     clear_plan_cache()
 
 

@@ -368,6 +368,41 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
     assert ops["default"][dot] == 5 and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
+def test_sm90_path_kernels_at_small_heads(aux_t, build_flags):
+    """With :data:`fused.SMALL_HEADS` the backend's AOT list holds the T kernel at K = 64 and
+    the fused kernel at every other pair of K, V in {64, 128}; they compile within their
+    spill allowances (none for the T kernel's K = 64 builds beyond its own), with one state
+    warpgroup and the aux at 232 registers where V = 64 and the usual 120 / 192 where
+    V = 128, shared memory as planned."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    build_flags((fused, "SMALL_HEADS", True), (fused, "AUX_T", aux_t), (fused, "QK_NORM_ON_CHIP", True))
+    kernels = [k for k in gluon_sm90.kernels_for_aot(SM90) if k.kernel in ("wy_t_fwd", "fused_fwd")
+               and re.match(r"K64|K128-V64", k.specialization)]
+    t_kernels = [k for k in kernels if k.kernel == "wy_t_fwd"]
+    fused_kernels = [k for k in kernels if k.kernel == "fused_fwd"]
+    # The T kernel at K = 64, with and without tails, on normalized and raw k (listed with or
+    # without AUX_T, as the K = 128 ones are).
+    assert len(t_kernels) == 4
+    assert {k.specialization.split("-bf16")[0].split("-fp16")[0] for k in fused_kernels} == {
+        "K64-V64", "K64-V128", "K128-V64"}
+    assert len(fused_kernels) == 9
+    for kernel in fused_kernels + t_kernels[:2]:
+        report = compile_kernel(kernel, SM90)
+        assert report.spill_bytes <= kernel.spill_bytes_allowed, kernel.specialization
+        if kernel.kernel != "fused_fwd":
+            continue
+        K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", kernel.specialization).groups())
+        assert kernel.num_warps == (8 if V == 128 else 4)
+        budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+        assert ({120, 192} if V == 128 else {232, 256}) <= budgets, (kernel.specialization, budgets)
+        planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
+                                         qk_norm=kernel.constexprs["QK_NORM"], aux_t=aux_t)
+        assert planned <= report.shared_bytes <= planned + 1024, kernel.specialization
+
+
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """How often each op of ``names`` occurs in each region of the kernel's one
     ``ttg.warp_specialize`` ("default", "partition0", ...; "outside" for the rest)."""

@@ -156,6 +156,40 @@ def test_launches_of_the_path(shape, kernel_variant):
         (16 * 16 * 16 * 4 + 8 if on_chip else 0)
 
 
+@pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
+def test_small_heads_take_the_path_with_their_flag(K, V, monkeypatch):
+    """K or V of 64: the pipeline runs them (the reason names the head dims) unless
+    :data:`fused.SMALL_HEADS` is on; then the T kernel at K and the fused kernel with one
+    state warpgroup per 64 rows of S^T (V), its tiles, shared memory and the aux's
+    registers at that size."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    sm90, _ = _engines()
+    p = random_problem(lengths=[100, 0, 300] * 2, H=16, HV=32, K=K, V=V, ht=True)
+    monkeypatch.setattr(fused_module, "SMALL_HEADS", False)
+    clear_plan_cache()
+    assert fused_module.fused_reason(p) == f"head dims K = V = 128 only, got K = {K}, V = {V}"
+    assert plan_call(p, _device(132), engine=sm90).kernels == ("wy_fwd", "state_output_fwd")
+    monkeypatch.setattr(fused_module, "SMALL_HEADS", True)
+    clear_plan_cache()
+    assert fused_module.fused_reason(p) is None
+    assert fused_module.fused_reason(random_problem(lengths=[64], H=1, HV=2, K=32, V=64)) == \
+        "head dims K, V in (64, 128) only, got K = 32, V = 64"
+    call = plan_call(p, _device(132), engine=sm90)
+    assert call.kernels == ("wy_t_fwd", "fused_fwd")
+    wy_t, fused = call.launches.stages
+    assert {d.arg: d.block_shape for d in wy_t.descriptors}["k_desc"] == (64, K)
+    assert fused.num_warps == fused_module.state_warps(V) == (8 if V == 128 else 4)
+    assert {d.arg: d.block_shape for d in fused.descriptors} == {
+        "q_desc": (64, K), "k_desc": (64, K), "v_desc": (64, V), "t_desc": (64, 64), "o_desc": (64, V)}
+    assert fused.blocks["smem_bytes"] == fused_smem_bytes(K, V, 2, v_slots=fused_module.V_SLOTS, single_t=True)
+    assert fused_module._aux_regs(V) == (120 if V == 128 else 232)
+    # T_w and T_u both (w and u formed in 128-wide halves): K = V = 128 only.
+    monkeypatch.setattr("gdn_dispatch.backends.gluon_common.wy_t.WY_T_SINGLE_TILE", False)
+    assert fused_module.fused_reason(p) is not None
+    clear_plan_cache()
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_kernel_reads_the_slots_the_t_kernel_writes(seed):
     """The fused kernel reads chunk t of sequence n at slot ``cu[n] // 64 + n + t`` (with
@@ -366,6 +400,29 @@ def test_path_with_the_qk_l2_norm(shape, layout, dtype, l2_path_variant):
     call = {**call, "use_qk_l2norm_in_kernel": True, "output_final_state": True}
     _check(call)
     _check({**call, **fused_projection_views(call)})
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
+def test_path_with_small_heads(K, V, layout, aux_t, monkeypatch):
+    """K or V of 64 on the path (:data:`fused.SMALL_HEADS`), with the T kernel or the
+    inverses formed in the fused kernel (:data:`fused.AUX_T`): tails, an empty sequence,
+    grouped heads; the qk l2 norm on chip on the first layout."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    monkeypatch.setattr(fused_module, "SMALL_HEADS", True)
+    monkeypatch.setattr(fused_module, "AUX_T", aux_t)
+    clear_plan_cache()
+    l2 = layout == "kv"
+    call = random_call(lengths=[1, 63, 0, 64, 65, 700, 130, 1], H=32, HV=64, K=K, V=V, device="cuda", seed=K + V,
+                       state_layout=layout, normalize_qk=not l2)
+    try:
+        _check({**call, "output_final_state": True, "use_qk_l2norm_in_kernel": l2})
+    finally:
+        clear_plan_cache()
 
 
 @pytest.mark.gpu

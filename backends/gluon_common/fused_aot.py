@@ -26,8 +26,10 @@ def core_cases() -> list[dict]:
 
 def case_tag(case: dict) -> str:
     """``bf16-varlen-kv-h0-ht``, then the pool (state and index dtypes, in place), a 16-bit
-    initial state, int64 offsets."""
-    parts = [sig_dtype(case["dtype"]), "varlen" if case["tails"] else "dense", "vk" if case["vk"] else "kv"]
+    initial state, int64 offsets; head dims other than K = V = 128 first (``K64-V128-...``)."""
+    dims = (case.get("K", 128), case.get("V", 128))
+    parts = [] if dims == (128, 128) else [f"K{dims[0]}-V{dims[1]}"]
+    parts += [sig_dtype(case["dtype"]), "varlen" if case["tails"] else "dense", "vk" if case["vk"] else "kv"]
     parts += (["h0"] if case["h0"] else []) + (["ht"] if case["ht"] else [])
     if case["pool"]:
         parts.append(f"pool-{sig_dtype(case['state_dtype'])}-{sig_dtype(case['index_dtype'])}"
@@ -44,11 +46,12 @@ def case_tag(case: dict) -> str:
 def fused_aot_kernels(cases: list[dict], capability: tuple[int, int], backend: str, *, engine, plan_fused, fn,
                       spill_bytes_allowed: int = 0) -> list[AotKernel]:
     """One AotKernel of ``fn`` (planned by ``plan_fused(problem, device, engine=)``) per
-    case, K = V = 128."""
+    case, at the case's head dims (``K``, ``V``; 128 where it names none)."""
     device = as_device(capability)
     kernels = []
     for case in cases:
-        problem = _aot_problem(128, 128, **case)
+        flags = {name: value for name, value in case.items() if name not in ("K", "V")}
+        problem = _aot_problem(case.get("K", 128), case.get("V", 128), **flags)
         launch = plan_fused(problem, device, engine=engine)
         sig = {d.arg: d.signature for d in launch.descriptors}
         sig.update(o_ptr="*" + sig_dtype(case["dtype"]), g_cum="*fp32", h0="*" + sig_dtype(case["state_dtype"]),

@@ -357,12 +357,14 @@ def wy_t_launch_args(launch: LaunchPlan, k, t_tiles, g, g_cum, beta, cu_seqlens,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=s_g, s_beta=s_beta)
 
 
-def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l2_on_chip: bool = False) -> list:
+def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l2_on_chip: bool = False,
+                         head_dims: tuple[int, ...] = (128,)) -> list:
     """Every specialization :func:`wy_t_fwd` launches with the fused kernel of ``backend``:
     K = 128, bf16/fp16, tails or not, (g, beta) in (fp32, fp32), (fp32, q's dtype) or
     (q's dtype, q's dtype), int32 cu_seqlens; then bf16 with int64 cu_seqlens; with
     ``l2_on_chip`` all of them again on raw k, the qk l2 norm reduced in the kernel
-    (:data:`..gluon_sm90.fused.QK_NORM_ON_CHIP`)."""
+    (:data:`..gluon_sm90.fused.QK_NORM_ON_CHIP`). Other K of ``head_dims``: the bf16 cases
+    with fp32 gates, with and without tails (and on raw k with ``l2_on_chip``)."""
     from gdn_dispatch.aot import AotKernel
     from gdn_dispatch.backends.gluon_common.wy import aot_problem
 
@@ -372,16 +374,18 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l
     cases.append((torch.bfloat16, torch.float32, torch.float32, torch.int64))
     # With the qk l2 norm on chip the T kernel reduces k's norms itself (USE_L2NORM).
     norms = (False, True) if l2_on_chip else (False,)
+    builds = [(128, case, l2) for l2 in norms for case in cases]
+    builds += [(K, cases[0], l2) for K in head_dims if K != 128 for l2 in norms]
     kernels = []
-    for (dtype, g_dtype, beta_dtype, cu_dtype), l2 in ((case, l2) for l2 in norms for case in cases):
+    for K, (dtype, g_dtype, beta_dtype, cu_dtype), l2 in builds:
         for tails in (False, True):
-            launch = plan_wy_t(aot_problem(128, 128, dtype, tails, l2), device, engine=engine)
+            launch = plan_wy_t(aot_problem(K, 128, dtype, tails, l2), device, engine=engine)
             sig = {d.arg: d.signature for d in launch.descriptors}
             sig.update(t_ptr="*" + sig_dtype(dtype), g="*" + sig_dtype(g_dtype), g_cum="*fp32",
                        beta="*" + sig_dtype(beta_dtype), cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32",
                        GROUP="i32", s_g="i32", s_beta="i32")
             sig.update({name: "constexpr" for name in launch.constexprs})
-            tag = (f"K128-{'varlen' if tails else 'dense'}-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}"
+            tag = (f"K{K}-{'varlen' if tails else 'dense'}-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}"
                    f"-beta{sig_dtype(beta_dtype)}{'-cu64' if cu_dtype == torch.int64 else ''}{'-l2' if l2 else ''}")
             kernels.append(AotKernel(
                 backend=backend, kernel="wy_t_fwd", specialization=tag, fn=_wy_t_fwd_kernel,

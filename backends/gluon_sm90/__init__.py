@@ -79,5 +79,6 @@ def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel
     shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
     capability = tuple(capability or CAPABILITIES[0])
     return (shared + qk_norm_kernels_for_aot(capability, BACKEND, ("qk_l2norm_fwd",))
-            + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE, l2_on_chip=_fused_path.qk_norm_on_chip(ENGINE))
+            + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE, l2_on_chip=_fused_path.qk_norm_on_chip(ENGINE),
+                                   head_dims=_fused_path.head_dims())
             + _fused_path.fused_kernels_for_aot(capability, BACKEND, engine=ENGINE))

@@ -46,7 +46,8 @@ Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
 and w/u are formed in [64, 64] halves so that the aux accumulators stay at 32.
 
 What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs those
-calls): context-parallel segments, K or V other than 128, and the qk l2 norm when
+calls): context-parallel segments, K or V other than 128 (64 too with :data:`SMALL_HEADS`,
+off until timed), and the qk l2 norm when
 :data:`QK_L2NORM` is turned off. With the norm it reads normalized copies of q and k
 (:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
 does; with :data:`QK_NORM_ON_CHIP` it reads raw q and k and reduces their row norms in the
@@ -83,7 +84,8 @@ from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
 
-#: Warps of the state partition (two warpgroups: 64 rows of S^T each) and of the aux one.
+#: Warps of the state partition (two warpgroups: 64 rows of S^T each, at V = 128; one at
+#: V = 64, :func:`state_warps`) and of the aux one.
 STATE_WARPS = 8
 AUX_WARPS = gl.constexpr(4)
 #: Registers per thread asked for the aux partition; the state partition gets the rest
@@ -91,6 +93,16 @@ AUX_WARPS = gl.constexpr(4)
 #: Measured on the H200 at 4 x 8192, HV 32 (fused kernel alone): aux 120 / state 192
 #: 0.400 ms, 136 / 184 0.419, 152 / 176 0.431.
 AUX_REGS = gl.constexpr(120)
+#: The aux partition's registers beside one state warpgroup (V = 64, :data:`SMALL_HEADS`):
+#: the state's 256 leave it this many of the 512 per thread of two warpgroups (at 120 the
+#: inverse of :data:`AUX_T` spilled 124-404 bytes there).
+AUX_REGS_ONE_STATE_WARPGROUP = gl.constexpr(232)
+
+
+@gluon.constexpr_function
+def _aux_regs(V):
+    """Registers of the aux partition beside the state of value head dim ``V``."""
+    return AUX_REGS.value if V == HEAD_DIM else AUX_REGS_ONE_STATE_WARPGROUP.value
 
 
 # ----------------------------------------------------------------------------------------
@@ -605,7 +617,7 @@ def _fused_fwd_kernel(
                       True, False, True)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE)),
-        ], [AUX_WARPS], [AUX_REGS])[0]
+        ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
         if LOADER:
@@ -627,7 +639,7 @@ def _fused_fwd_kernel(
                           True, False)),
                 (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h,
                                bos, eos, NT)),
-            ], [AUX_WARPS], [AUX_REGS])[0]
+            ], [AUX_WARPS], [_aux_regs(V)])[0]
     else:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
@@ -636,7 +648,7 @@ def _fused_fwd_kernel(
             (_aux, (v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
                     kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
                     g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
-        ], [AUX_WARPS], [AUX_REGS])[0]
+        ], [AUX_WARPS], [_aux_regs(V)])[0]
 
     if STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
@@ -657,13 +669,31 @@ SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
 #: both spill more): 60-88 bytes per specialization, 300-332 with the qk l2 norm on chip
-#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0). In the SASS of the l2 build (29 STL, 46
-#: LDL) the stores are the aux partition's loop-invariant scalars at its entry, reloaded
-#: a few at a time in its chunk loop. Not timed yet.
-AUX_T_SPILL_BYTES = 384
+#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0), 132 / 388 at K = 64 (:data:`SMALL_HEADS`),
+#: none at V = 64. In the SASS of the l2 build (29 STL, 46 LDL) the stores are the aux
+#: partition's loop-invariant scalars at its entry, reloaded a few at a time in its chunk
+#: loop. Not timed yet.
+AUX_T_SPILL_BYTES = 448
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
+#: With :data:`SMALL_HEADS`: K and V each 64 or 128 (V = 64: one state warpgroup).
+HEAD_DIMS = (64, 128)
+#: Calls with K or V of 64 take the path too (:data:`HEAD_DIMS`; with T_u alone, whose aux
+#: partition forms no w or u halves). Off: compiled for sm_90a, not yet run or timed on a
+#: GPU; those calls run the pipeline, whose K = 64 programs share an SM two at a time.
+SMALL_HEADS = False
+
+
+def head_dims() -> tuple[int, ...]:
+    """The head dims (each of K and V) the path takes: :data:`HEAD_DIMS` with
+    :data:`SMALL_HEADS` (and T_u alone), else :data:`HEAD_DIM` alone."""
+    return HEAD_DIMS if SMALL_HEADS and _wy_t.WY_T_SINGLE_TILE else (HEAD_DIM,)
+
+
+def state_warps(V: int) -> int:
+    """Warps of the state partition at value head dim ``V``: a warpgroup per 64 rows of S^T."""
+    return STATE_WARPS * V // HEAD_DIM
 #: The fused path runs a call when its (sequence, v-head) programs fill at least this
 #: share of the SMs: it has no V-split, so fewer programs leave SMs idle that the
 #: two-launch pipeline (V-blocks of 32 or 64) fills. Measured on the H200 (132 SMs, bf16,
@@ -750,7 +780,10 @@ def norm_on_chip(problem: GDNProblem, engine) -> bool:
 def fused_reason(problem: GDNProblem) -> str | None:
     """Why the fused path cannot run ``problem`` (it then takes the two-launch pipeline),
     or None."""
-    if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
+    if len(head_dims()) > 1:
+        if problem.K not in HEAD_DIMS or problem.V not in HEAD_DIMS:
+            return f"head dims K, V in {HEAD_DIMS} only, got K = {problem.K}, V = {problem.V}"
+    elif problem.K != HEAD_DIM or problem.V != HEAD_DIM:
         return f"head dims K = V = {HEAD_DIM} only, got K = {problem.K}, V = {problem.V}"
     if problem.use_qk_l2norm and not QK_L2NORM:
         return "the qk l2 norm (fused.QK_L2NORM is off)"
@@ -762,7 +795,7 @@ def fused_reason(problem: GDNProblem) -> str | None:
 
 def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     """Launch plan of :func:`fused_fwd` for ``problem`` (a dry run): one program per
-    (sequence, v-head), 8 warps for the state plus the aux warpgroup."""
+    (sequence, v-head), :func:`state_warps` for the state plus the aux warpgroup."""
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
@@ -787,7 +820,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
-        num_warps=STATE_WARPS,
+        num_warps=state_warps(V),
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
@@ -795,7 +828,8 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state 2 warpgroups + aux 1"
+        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state {state_warps(V) // 4} "
+               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux 1"
                + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")),
     )
     return launch.bind(problem.B * problem.T, problem.N)
@@ -869,7 +903,9 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
     """The kernel at every specialization the forward launches on sm_90a: bf16/fp16 x
     tails or not x "kv"/"vk" with a float32 initial and final state; then without either
     or with one of them; pools (float32 "kv" int32 indices in place, bfloat16 "vk" int64
-    indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens."""
+    indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens. With
+    :data:`SMALL_HEADS`, each other pair of :func:`head_dims` in bf16 with tails ("kv"),
+    fp16 without ("vk") and (with the norm on chip) bf16 with the qk l2 norm."""
     base = BASE_CASE
     cases = core_cases()
     cases += [{**base, **flip} for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True))]
@@ -882,5 +918,11 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
     if qk_norm_on_chip(engine):
         # Calls with the qk l2 norm run this kernel on raw q and k (QK_NORM).
         cases += [{**case, "l2": True} for case in core_cases()]
+    dims = head_dims()
+    for K, V in ((K, V) for K in dims for V in dims if (K, V) != (HEAD_DIM, HEAD_DIM)):
+        cases += [{**base, "K": K, "V": V},
+                  {**base, "K": K, "V": V, "dtype": torch.float16, "tails": False, "vk": True}]
+        if qk_norm_on_chip(engine):
+            cases.append({**base, "K": K, "V": V, "l2": True})
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
                              spill_bytes_allowed=AUX_T_SPILL_BYTES if aux_t_on(engine) else SPILL_BYTES)
