@@ -77,7 +77,8 @@ class ForwardPlan:
 
     @property
     def fused(self) -> bool:
-        """Whether the call runs the warp-specialized path (wy_t_fwd, fused_fwd)."""
+        """Whether the call runs the warp-specialized path (wy_t_fwd, fused_fwd; the fused
+        kernel alone where it forms the inverses itself, :attr:`inverses_on_chip`)."""
         return self.launches[-1].kernel == "fused_fwd"
 
     @property
@@ -283,7 +284,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     -------
     ForwardPlan with the forward's Gluon launches, in order, for this call's ``B * T`` and
     ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd
-    (the norm kernel absent where the path's kernels reduce the norms themselves).
+    (the norm kernel absent where the path's kernels reduce the norms themselves, the T
+    kernel where the fused kernel forms the inverses: ``gluon_sm90.fused.AUX_T``).
     """
     if device is None:
         if capability is not None:
