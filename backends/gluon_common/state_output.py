@@ -157,7 +157,8 @@ BLOCK_V = (32, 64, 128)
 #: Shared memory the compiler adds to a program's own tiles (layout-conversion scratch), bytes.
 SMEM_SCRATCH = 1024
 #: Walk the chunks warp-specialized on sm_90a (:mod:`.state_output_ws`: the serial chain
-#: in one warpgroup, the output in another) wherever the state fits one warpgroup at
+#: in one warpgroup, the output in others: :data:`.state_output_ws.OUTPUT_PARTITIONS`)
+#: wherever the state fits one warpgroup at
 #: K = 128 (BV of 32 or 64). H200, bf16, K = V = 128, ``python benchmarks/flag_ab.py
 #: state_output_ws`` (``logs/h200_state_output_ws.log``; two rounds, alternating
 #: processes, outputs bit-equal): this kernel 0.767 -> 0.723 / 0.742 ms at 16/32 x 32768
