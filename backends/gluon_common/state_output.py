@@ -158,9 +158,9 @@ BLOCK_V = (32, 64, 128)
 SMEM_SCRATCH = 1024
 #: Walk the chunks warp-specialized on sm_90a (:mod:`.state_output_ws`: the serial chain
 #: in one warpgroup, the output in others: :data:`.state_output_ws.OUTPUT_PARTITIONS`)
-#: wherever the state fits one warpgroup at
-#: K = 128 (BV of 32 or 64). H200, bf16, K = V = 128, ``python benchmarks/flag_ab.py
-#: state_output_ws`` (``logs/h200_state_output_ws.log``; two rounds, alternating
+#: wherever the state fits one warpgroup at K = 128 (BV of 32 or 64). H200, bf16, K = V =
+#: 128, one output partition, ``python benchmarks/flag_ab.py state_output_ws``
+#: (``logs/h200_state_output_ws.log``; two rounds, alternating
 #: processes, outputs bit-equal): this kernel 0.767 -> 0.723 / 0.742 ms at 16/32 x 32768
 #: (BV = 32), 0.198 -> 0.189 / 0.190 at 16/32 x 8192, 0.244 -> 0.233 / 0.233 at 16/64 x
 #: 8192 (BV = 64), 0.818 -> 0.762 / 0.771 with the qk l2 norm, context parallelism's pass 2
