@@ -340,6 +340,29 @@ def test_warp_specialized_walk_compiles():
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 16 + 20 * parts, (BV, more)
 
 
+@pytest.mark.slow
+def test_two_output_partitions_refuse_a_one_slot_ring():
+    """Two output partitions sharing one ring slot would let a partition's wait pass a phase
+    that has not opened yet (the walk's static assert): a build with ``NUM_BUF`` 1 fails
+    to compile, naming the slots (the shipped builds compile in
+    :func:`test_warp_specialized_walk_compiles`)."""
+    import dataclasses
+
+    from triton.compiler.errors import CompilationError
+
+    from gdn_dispatch.aot import compile_kernel
+
+    flags = dict(dtype=torch.bfloat16, tails=True, vk=False, h0=True, ht=True, l2=False, pool=False, inplace=False,
+                 state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
+    launch = so.plan_state_output(so._aot_problem(128, 128, **flags), SM90, block_v=64, ws=True).shared
+    assert launch.constexprs["NUM_BUF"] == 2 and state_output_ws.output_partitions(64, False) == 2
+    one = dataclasses.replace(launch, constexprs={**launch.constexprs, "NUM_BUF": 1})
+    with pytest.raises(CompilationError) as refused:
+        compile_kernel(so.state_output_aot_kernel("gluon_sm90", one, torch.bfloat16, "ws-one-slot"), SM90)
+    # The walk's assertion, raised inside the kernel's call of it.
+    assert "two output partitions need two ring slots" in str(refused.value.__cause__)
+
+
 _OTHER_BUILD = """
 import json, sys, torch
 from triton.experimental.gluon import language as gl
