@@ -445,9 +445,9 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
     the state partition reads with the scores (``wu_ready``), so that the call is this one
     launch. The gate cumsum stays in registers: no ``g_cum`` is written or read. Per chunk:
-    the raw gate and beta rows a chunk early, T_u from the landed k tile, then (once the
-    state is done with the chunk two back) T_u, the gate vectors and the scores into their
-    slots."""
+    the raw gate and beta rows a chunk early; once the k / q tiles landed and the state is
+    done with the chunk two back (whose T, scores and gate slots this one takes), T_u from
+    the k tile straight into its slot, then q k^T, the gate vectors and the scores."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
