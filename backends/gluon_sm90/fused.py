@@ -474,7 +474,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         q_tile = kq_ring.index(2 * s + 1)
         # Slot s of the T, scores and gate rings is free once the state is done with chunk
         # t - 2: waited before the inverse, so that T_u goes to its slot as formed (held
-        # across the wait it spilled), while the state works on chunk t - 1.
+        # across the wait it spilled more), while the state works on chunk t - 1.
         enter("aux.wait_state")
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
         leave("aux.wait_state")
