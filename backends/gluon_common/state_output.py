@@ -277,7 +277,7 @@ def _state_output_fwd_kernel(
         QK = ENGINE.acc_alloc(BT, BT)
         for i in gl.static_range(NUM_BUF - 1):
             state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                               i, bos + i * BT, col_w, col_k, col_v, i < NT)
+                              i, bos + i * BT, col_w, col_k, col_v, i < NT)
         b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
         i_hk = i_h // GROUP
         H = HV // GROUP
@@ -297,8 +297,8 @@ def _state_output_fwd_kernel(
             # Refill chunk t - 1's slot with chunk t + NUM_BUF - 1 (the module docstring says why
             # it is free).
             state_output_load(w_desc, k_desc, q_desc, u_desc, ring, u_smem, wkq_ready, u_ready,
-                               (t + NUM_BUF - 1) % NUM_BUF, row + (NUM_BUF - 1) * BT, col_w, col_k, col_v,
-                               t + NUM_BUF - 1 < NT)
+                              (t + NUM_BUF - 1) % NUM_BUF, row + (NUM_BUF - 1) * BT, col_w, col_k, col_v,
+                              t + NUM_BUF - 1 < NT)
             w_tile = ring.index(3 * buf)
             k_tile = ring.index(3 * buf + 1)
             q_tile = ring.index(3 * buf + 2)
@@ -337,11 +337,11 @@ def _state_output_fwd_kernel(
                 o_done = ENGINE.mma_wait_until(o_prev, pv_bar, mma_phase ^ 1, TAIL_PENDING)
                 if t > 0:
                     state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                           HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, ENGINE)
+                                          HV * V, row - BT, col_v, eos - row + BT, HAS_TAILS, ENGINE)
             p = ENGINE.mma_wait_until(p, p_bar, mma_phase, P_PENDING)  # O (and QK) may still run
 
             S = state_output_update(S, p, u_smem.index(buf), u_ready.index(buf), ready_phase, k_tile, b_d, m_t,
-                                     vn_smem, vs_smem, s_bar, ENGINE)
+                                    vn_smem, vs_smem, s_bar, ENGINE)
             if QK_LATE:
                 qk = ENGINE.mma(q_tile, k_tile.permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
 
@@ -364,7 +364,7 @@ def _state_output_fwd_kernel(
             else:
                 o = ENGINE.mma_wait(o, pv_bar, mma_phase)
                 state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
-                                       HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+                                      HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
         if DEFER_OUT:
             if NT > 0:
@@ -372,7 +372,7 @@ def _state_output_fwd_kernel(
                 row = bos + (NT - 1) * BT
                 o_done = ENGINE.mma_wait(o_prev, pv_bar, (NT - 1) & 1)
                 state_output_epilogue(ENGINE.acc_read(o_done), r_prev, o_smem, o_desc, o_rows_desc, o_ptr,
-                                       HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
+                                      HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
 
         # The ring is idle: every load landed and every MMA reading it was waited on.
         if CHAIN:
