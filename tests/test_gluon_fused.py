@@ -518,20 +518,26 @@ def test_the_load_warp_build_compiles():
         assert waits_on == waits + 1, name
 
 
-def test_the_sanitizer_names_the_warp_specialized_kernel():
-    """tests/sanitize.py leaves the warp-specialized kernel to memcheck and synccheck while
-    racecheck fails its control: the name it excludes must be the kernel's, and the
-    control must be there."""
+def _sanitize_module():
+    """tests/sanitize.py as a module (it is a script, not a package module)."""
     import importlib.util
     from pathlib import Path
-
-    from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_sm90 import fused
 
     path = Path(__file__).resolve().parent / "sanitize.py"
     spec = importlib.util.spec_from_file_location("sanitize_under_test", path)
     sanitize = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sanitize)
+    return sanitize
+
+
+def test_the_sanitizer_names_the_warp_specialized_kernel():
+    """tests/sanitize.py leaves the warp-specialized kernel to memcheck and synccheck while
+    racecheck fails its control: the name it excludes must be the kernel's, and the
+    control must be there."""
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    sanitize = _sanitize_module()
     names = {k.fn.__name__ for k in fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)}
     assert set(sanitize.WARP_SPECIALIZED["gluon_sm90"]) == names == {"_fused_fwd_kernel"}
     assert sanitize.CONTROL.is_file()
@@ -542,15 +548,9 @@ def test_the_sanitizer_runs_the_fused_kernel_that_forms_the_inverses(monkeypatch
     """tests/sanitize.py's "aux_t" calls (one with the qk l2 norm on chip and a pool) take the
     path as one launch with :data:`fused.AUX_T` set, which its child sets per call and
     clears after."""
-    import importlib.util
-    from pathlib import Path
-
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    path = Path(__file__).resolve().parent / "sanitize.py"
-    spec = importlib.util.spec_from_file_location("sanitize_under_test", path)
-    sanitize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sanitize)
+    sanitize = _sanitize_module()
     calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and c[8].get("aux_t")]
     assert len(calls) == 2 and any(c[7] for c in calls) and any("pool" in c[8] for c in calls)
     sm90, _ = _engines()
