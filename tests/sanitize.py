@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
 #: they are left out of it and the other calls take the one-warpgroup walk there),
 #: "aux_t" (gluon_sm90: the warp-specialized path's fused kernel forming the chunk
-#: inverses itself, ``fused.AUX_T``, for that call).
+#: inverses itself, ``fused.AUX_T``, for that call), "small_heads" (gluon_sm90: K or V of
+#: 64 on that path, ``fused.SMALL_HEADS``, for that call).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -81,6 +82,8 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "kv", False, {"ws": True, "cp": 3}),
     ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False, {"aux_t": True}),
     ([70, 1, 64], 32, 64, 128, 128, "bfloat16", "kv", True, {"aux_t": True, "pool": "float32"}),
+    ([65, 0, 130], 32, 128, 64, 128, "bfloat16", "vk", False, {"small_heads": True}),
+    ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "aux_t": True}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -134,7 +137,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         # the tools see those.
         err = 0.0
         kept = context_parallel.TUNING
-        _inverses_in_the_fused_kernel(bool(extras.get("aux_t")))
+        _path_builds(bool(extras.get("aux_t")), bool(extras.get("small_heads")))
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
@@ -144,7 +147,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
-        _inverses_in_the_fused_kernel(False)
+        _path_builds(False, False)
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -173,14 +176,15 @@ def _walk_warp_specialized(on: bool) -> None:
     clear_plan_cache()
 
 
-def _inverses_in_the_fused_kernel(on: bool) -> None:
-    """Plan gluon_sm90's fused kernel with the chunk inverses formed in it (``fused.AUX_T``)
-    or not (the default) from the next call on."""
+def _path_builds(aux_t: bool, small_heads: bool) -> None:
+    """Plan gluon_sm90's warp-specialized path with the chunk inverses formed in its fused
+    kernel (``fused.AUX_T``) and with K or V of 64 on it (``fused.SMALL_HEADS``), or not
+    (the defaults), from the next call on."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    if fused.AUX_T != on:
-        fused.AUX_T = on
+    if (fused.AUX_T, fused.SMALL_HEADS) != (aux_t, small_heads):
+        fused.AUX_T, fused.SMALL_HEADS = aux_t, small_heads
         clear_plan_cache()
 
 

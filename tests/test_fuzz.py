@@ -18,7 +18,8 @@ Kernels specialize on the head shape and the feature flags, so a case draws thos
 pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
 calls then cost a few dozen compiles (GPU tier: ``pytest -m gpu tests/test_fuzz.py``,
 300 cases per GPU backend over two seeds; on sm_90 the path's cases again with each of its
-off-by-default builds, :data:`PATH_VARIANTS`). The CPU tier runs triton_generic under
+off-by-default builds, :data:`PATH_VARIANTS`, and at K < V and K > V on the path,
+:data:`SMALL_HEAD_DIMS`). The CPU tier runs triton_generic under
 ``TRITON_INTERPRET=1`` at small sizes, and the reference's chunked form against its
 per-token recurrence.
 """
@@ -345,6 +346,76 @@ def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
         _check(case, "cuda")
     finally:
         clear_plan_cache()
+
+
+#: Head dims the path takes with fused.SMALL_HEADS (K < V and K > V): the seeds' path
+#: cases again at each, with that flag and, on every other case, fused.AUX_T.
+SMALL_HEAD_DIMS = ((64, 128), (128, 64))
+
+
+def small_head_cases(cases) -> list[tuple[FuzzCase, bool]]:
+    """``(case, aux_t)``: each path case of ``cases`` at every pair of :data:`SMALL_HEAD_DIMS`
+    (same lengths, layout, pool, norm and data seed)."""
+    import dataclasses
+
+    out = []
+    for i, case in enumerate(c for c in cases if on_sm90_path(c)):
+        for K, V in SMALL_HEAD_DIMS:
+            out.append((dataclasses.replace(case, spec=dataclasses.replace(case.spec, K=K, V=V)), i % 2 == 1))
+    return out
+
+
+def _small_head_params():
+    if not HAS_GPU or torch.cuda.get_device_capability() != (9, 0):
+        yield pytest.param(None, None, id="gluon_sm90-small-heads")
+        return
+    for seed in SEEDS:
+        pairs = small_head_cases(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED))
+        for i, (case, aux_t) in enumerate(pairs):
+            yield pytest.param(case, aux_t, id=f"gluon_sm90-small-heads-s{seed}-{i:03d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case, aux_t", list(_small_head_params()))
+def test_fuzz_gpu_small_heads(case, aux_t, monkeypatch):
+    """The path at K < V and K > V (fused.SMALL_HEADS; fused.AUX_T on every other case) on
+    the fuzz's path cases against the reference."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    monkeypatch.setattr(fused, "SMALL_HEADS", True)
+    monkeypatch.setattr(fused, "AUX_T", aux_t)
+    clear_plan_cache()
+    try:
+        assert on_sm90_path(case)
+        _check(case, "cuda")
+    finally:
+        clear_plan_cache()
+
+
+def test_small_head_cases_take_the_path_with_their_flag(monkeypatch):
+    """The small-head fuzz cases: K < V and K > V, tails, a pool, both layouts, the norm on
+    and off; on the path with fused.SMALL_HEADS, off it without."""
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    pairs = [p for seed in SEEDS for p in small_head_cases(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED))]
+    cases = [c for c, _ in pairs]
+    assert len(cases) >= 40 and {(c.spec.K, c.spec.V) for c in cases} == set(SMALL_HEAD_DIMS)
+    assert any(aux_t for _, aux_t in pairs) and not all(aux_t for _, aux_t in pairs)
+    assert any(c.spec.pool for c in cases) and {c.spec.layout for c in cases} == {"kv", "vk"}
+    assert {c.spec.l2 for c in cases} == {False, True}
+    assert any(c.lengths and {1, 63, 65} & set(c.lengths) for c in cases)
+    monkeypatch.setattr(fused, "SMALL_HEADS", False)
+    clear_plan_cache()
+    assert not any(on_sm90_path(c) for c in cases[:6])
+    monkeypatch.setattr(fused, "SMALL_HEADS", True)
+    clear_plan_cache()
+    assert all(on_sm90_path(c) for c in cases)
+    clear_plan_cache()
 
 
 def _forced_cases(cases):

@@ -544,26 +544,34 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     assert set(sanitize.WARP_SPECIALIZED) <= set(sanitize.CALLS)
 
 
-def test_the_sanitizer_runs_the_fused_kernel_that_forms_the_inverses(monkeypatch):
-    """tests/sanitize.py's "aux_t" calls (one with the qk l2 norm on chip and a pool) take the
-    path as one launch with :data:`fused.AUX_T` set, which its child sets per call and
-    clears after."""
+def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
+    """tests/sanitize.py's "aux_t" and "small_heads" calls (the norm on chip and a pool among
+    them; K < V and K > V) take the path with the flags their child sets per call and
+    clears after (the inverses formed in the fused kernel: one launch), and the pipeline
+    or two launches without them."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     sanitize = _sanitize_module()
-    calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and c[8].get("aux_t")]
-    assert len(calls) == 2 and any(c[7] for c in calls) and any("pool" in c[8] for c in calls)
+    calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and ({"aux_t", "small_heads"} & set(c[8]))]
+    assert len(calls) == 4 and any(c[7] for c in calls) and any("pool" in c[8] for c in calls)
+    assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64)}
     sm90, _ = _engines()
     monkeypatch.setattr(fused, "AUX_T", False)
+    monkeypatch.setattr(fused, "SMALL_HEADS", False)
     for on in (True, False):
-        sanitize._inverses_in_the_fused_kernel(on)
-        assert fused.AUX_T is on
-        for lengths, H, HV, K, V, dtype, layout, l2, _ in calls:
+        for lengths, H, HV, K, V, dtype, layout, l2, extras in calls:
+            sanitize._path_builds(on and bool(extras.get("aux_t")), on and bool(extras.get("small_heads")))
+            assert (fused.AUX_T, fused.SMALL_HEADS) == (on and bool(extras.get("aux_t")),
+                                                        on and bool(extras.get("small_heads")))
             p = random_problem(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), layout=layout,
                                l2=l2, ht=True)
             call = plan_call(p, _device(132), engine=sm90)
-            assert call.launches.fused and call.launches.inverses_on_chip is on
-            assert call.kernels == (("fused_fwd",) if on else ("wy_t_fwd", "fused_fwd"))
+            if (K, V) != (128, 128) and not on:
+                assert not call.launches.fused
+                continue
+            assert call.launches.fused and call.launches.inverses_on_chip is (on and bool(extras.get("aux_t")))
+            assert call.kernels == (("fused_fwd",) if call.launches.inverses_on_chip else ("wy_t_fwd", "fused_fwd"))
+    sanitize._path_builds(False, False)
     clear_plan_cache()
 
 
