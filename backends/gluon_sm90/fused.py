@@ -878,13 +878,11 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     if B * T == 0 or N * HV == 0:
         return o, fill_final_state_of_empty_call(final_state, h0, use_pool, problem.state_indices)
     cu = problem.chunks.cu_seqlens
-    # g and beta are read only where the kernel forms the inverses (their strides unread else).
-    on_chip = launch.constexprs["AUX_T"]
     tensors, args = fused_launch_args(
         launch, q, k, v, t_tiles, o, g_cum, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, problem.state_indices if use_pool else cu, cu,
-        float(problem.scale), h0.shape[0] if use_pool else 0, problem.g, problem.beta,
-        token_stride(problem.g) if on_chip else 0, token_stride(problem.beta) if on_chip else 0)
+        float(problem.scale), h0.shape[0] if use_pool else 0, problem.g, problem.beta, token_stride(problem.g),
+        token_stride(problem.beta))
     launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
     return o, final_state
 
