@@ -42,6 +42,14 @@ def block_mma_layout():
 
 
 @gluon.constexpr_function
+def inverse_layout():
+    """The fp32 [64, 64] layout :func:`blocked_unit_lower_inverse` takes A in: Hopper's
+    4-warp wgmma accumulator (warp r: rows 16 r .. 16 r + 15, instr N = 64). A tile held in
+    another layout (sm_100a's tensor-memory loads) is converted into it first."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+
+
+@gluon.constexpr_function
 def table_layout(rank=3):
     """Rows g and g + 2 of an mma.sync fragment 8 banks apart (a 32-byte swizzle every two
     rows of a 16 x 16 block): the accumulator's 8-byte stores and the rhs operand's 4-byte

@@ -124,6 +124,16 @@ def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constex
 
 
 @gluon.jit
+def gate_rows_of_cumsum(c, n_valid):
+    """:func:`gate_rows` of a chunk whose gate cumsum ``c`` (fp32 [BT], any 1-D layout; rows
+    past the end repeat the last sum, as :func:`.wy.gate_cumsum` leaves them) a kernel
+    formed itself: ``b_g`` (0 past the end, as loaded) and ``g_last``, the last valid row's."""
+    BT: gl.constexpr = c.shape[0]
+    r = gl.arange(0, BT, layout=c.type.layout)
+    return gl.where(r < n_valid, c, 0.0), gl.sum(gl.where(r == gl.minimum(n_valid, BT) - 1, c, 0.0), 0)
+
+
+@gluon.jit
 def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None):
     """A warp-specialized kernel's three gate vectors of one chunk into gate-ring slot
     ``s`` (rows ``3 s .. 3 s + 2`` of the fp32 ``[6, BT]`` ring), from the chunk's

@@ -79,7 +79,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    blocked_inverse_diagonals, blocked_unit_lower_inverse, table_layout)
+    blocked_inverse_diagonals, blocked_unit_lower_inverse, inverse_layout, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -476,13 +476,29 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
-    a, _, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
-                             row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
-    # The scale waits out the inverse in one register.
+    t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k)
+    return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
+
+
+@gluon.jit
+def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
+                  r_k=None):
+    """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
+    registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
+    which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
+    inverse in ``tables`` (as for :func:`chunk_t_u_on_chip`); with T's column scales for
+    T_w (``beta 2^g r``) and T_u (``beta``), fp32 [64] in a plain 1-D layout, where they
+    wait out the inverse in one register each. ``b_raw``: the chunk's raw beta rows
+    (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
+    :func:`_chunk_a` takes them."""
+    kk = gl.convert_layout(kk, inverse_layout())
+    a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
+                                   row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    w_scale = gl.convert_layout(w_scale, flat)
     u_scale = gl.convert_layout(u_scale, flat)
     t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
-    return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
+    return t, w_scale, u_scale
 
 
 @gluon.jit

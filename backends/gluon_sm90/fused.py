@@ -74,7 +74,8 @@ from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc, token_stride
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
-from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
+from gdn_dispatch.backends.gluon_common.recurrence import (
+    gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
@@ -495,10 +496,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         enter("aux.scores")
         qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False,
                            is_async=True)
-        # Rows past the end read 0, as gate_rows loads them; g_last is the last valid row's.
-        r = gl.arange(0, BT, layout=c.type.layout)
-        g_row = gl.where(r < n_valid, c, 0.0)
-        g_end = gl.sum(gl.where(r == gl.minimum(n_valid, BT) - 1, c, 0.0), 0)
+        g_row, g_end = gate_rows_of_cumsum(c, n_valid)
         if NG != 4:
             rq = g_row  # unused
             rk = g_row
