@@ -468,6 +468,66 @@ def test_sm100_fused_twin_compiles(kernel):
     assert plan(p, device=assumed_device("sm_100")).fused is False
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tails", [True, False], ids=["varlen", "dense"])
+def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
+    """With the twin's :data:`AUX_T` (compiled only, as the whole twin) the call is one
+    launch: the plan has no T descriptor; the MMA partition still issues every tcgen05 MMA
+    and commit: 14 (k k^T, q k^T, both w halves and u^T each before the loop and in it, and
+    the chain's four; the default has 11: its second w half only in the loop); the load
+    partition loads k, q and v alone (no T load anywhere); the aux partition forms the
+    inverse on 60 tf32 mma.sync and reads the raw gate and beta rows; shared memory as the
+    default's (the inverse's tables in the bytes of a w slot), within the opt-in limit, all
+    512 TMEM columns and no more; spills within the build's allowance, none by default."""
+    from gdn_dispatch.backends.gluon_sm100 import fused
+
+    default = next(k for k in fused.fused_kernels_for_aot(SM100, "gluon_sm100", engine=gluon_sm100.ENGINE)
+                   if k.constexprs["HAS_TAILS"] == tails)
+    assert default.constexprs["AUX_T"] is False and default.spill_bytes_allowed == 0
+    build_flags((fused, "AUX_T", True))
+    kernel = next(k for k in fused.fused_kernels_for_aot(SM100, "gluon_sm100", engine=gluon_sm100.ENGINE)
+                  if k.constexprs["HAS_TAILS"] == tails)
+    assert kernel.constexprs["AUX_T"] is True and kernel.constexprs["t_desc"] is None
+    assert kernel.signature["t_desc"] == "constexpr" and {"g", "beta", "s_g", "s_beta"} <= set(kernel.signature)
+    assert kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
+    report = compile_kernel(kernel, SM100)
+    assert report.spill_bytes <= kernel.spill_bytes_allowed
+    planned = fused.fused_smem_bytes(128, 128, 2)
+    assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM100]
+    assert report.tmem_columns == fused.TMEM_COLUMNS == TMEM_COLUMNS
+    assert "trap;" not in report.ptx
+    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    mma, commit, load, plain = ("ttng.tc_gen5_mma", "ttng.tc_gen5_commit", "ttng.async_tma_copy_global_to_local",
+                                "tt.load ")
+    ops = _partition_ops(report.ttgir, (mma, commit, load, plain))
+    assert {region: c[mma] for region, c in ops.items() if mma in c} == {"partition1": 14}, ops
+    assert {region for region, c in ops.items() if commit in c} == {"partition1"}, ops
+    assert {region: c[load] for region, c in ops.items() if load in c} == {"partition2": 3}, ops
+    # The raw gate and beta rows: before the loop and a chunk early in it.
+    assert ops["partition0"][plain] >= 4, ops
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    assert {int(fused.AUX_REGS), int(fused.WARP_REGS)} <= budgets, budgets
+
+
+def test_sm100_twin_plan_of_the_inverses_on_chip(build_flags):
+    """The twin's plan with :data:`AUX_T`: no T descriptor (a None constexpr), the kernel's
+    raw gate / beta arguments in its signature, the note saying where the inverses are
+    formed; the default plan keeps its T descriptor."""
+    from gdn_dispatch.backends.gluon_sm100 import fused
+    from gdn_dispatch.testing import random_problem
+
+    p = random_problem(lengths=[70, 64], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16)
+    device = assumed_device("sm_100")
+    default = fused.plan_fused(p, device, engine=gluon_sm100.ENGINE)
+    assert "t_desc" in {d.arg for d in default.shared.descriptors} and default.shared.constexprs["AUX_T"] is False
+    build_flags((fused, "AUX_T", True))
+    on_chip = fused.plan_fused(p, device, engine=gluon_sm100.ENGINE)
+    assert "t_desc" not in {d.arg for d in on_chip.shared.descriptors}
+    assert on_chip.shared.constexprs["t_desc"] is None and on_chip.shared.constexprs["AUX_T"] is True
+    assert "inverses formed in the aux partition" in on_chip.shared.notes
+    assert on_chip.shared.blocks["smem_bytes"] == default.shared.blocks["smem_bytes"]
+
+
 def test_only_the_warp_specialized_path_may_spill():
     """sm_90a: the fused kernel (register reallocation between partitions), the T kernel
     and the w/u kernel (capped for five and four programs per SM); nothing else, and

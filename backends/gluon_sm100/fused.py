@@ -9,6 +9,9 @@ Two launches per call, as on Hopper::
     t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_w, T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
+or one, with :data:`AUX_T` (off, as its Hopper twin's): ``o, S = fused_fwd(q, k, v, g,
+beta, S0)``, the aux partition forming each chunk's T_w and T_u itself (:func:`_aux_inverse`).
+
 One program per (sequence, v-head), chunks of 64 rows, four partitions on mbarriers:
 
 * **load** (one warp): TMA loads of each chunk's k, q, v, T_w and T_u into a two-slot ring.
@@ -23,6 +26,11 @@ One program per (sequence, v-head), chunks of 64 rows, four partitions on mbarri
 
 * **aux** (one warpgroup), a chunk ahead: the causal scores ``qk 2^(g_i - g_j)`` and
   ``w`` (bf16, from their accumulators into shared-memory rings), and the gate vectors.
+  With :data:`AUX_T` first the chunk's inverse, from ``k k^T`` (an MMA of the mma
+  partition into qk's tensor memory, ahead of q k^T) on mma.sync, T_w and T_u into the T
+  ring; the mma partition then issues chunk t + 1's k k^T between chunk t's two halves of
+  the chain and the rest of its products after them, so that its wait for the inverse
+  holds back no product of the chain.
 * **state** (one warpgroup, the default partition; thread r holds row r of every [V, *]
   tile): ``S^T`` [V, K] fp32 lives in tensor memory. Per chunk it stages bf16 ``S^T`` for
   the MMAs and scales the fp32 state by ``2^g_last`` in place; reads ``P^T`` and ``u^T``
@@ -35,8 +43,9 @@ the two bf16 v_new^T tiles 32 each, qk 64, a w half 64: 512, all of it.
 
 Phases: chunk ``t`` uses ring slot ``t % 2`` (phase ``(t // 2) & 1``); the single-buffered
 tiles (P^T/O2^T, O1^T, u^T, qk, w, the staged S^T, v_new^T) alternate phases per chunk
-(per half for w). "free" barriers are waited with the opposite phase (a fresh barrier's
-previous phase counts as complete). A partition of several warps joins its warps before
+(per half for w; with :data:`AUX_T` per MMA into qk's memory, k k^T then q k^T, and the
+T slot's ``t_ready`` once per chunk). "free" barriers are waited with the opposite phase (a
+fresh barrier's previous phase counts as complete). A partition of several warps joins its warps before
 its one elected arrive, so every warp's reads and writes precede it.
 
 What this kernel does not do, as its Hopper twin: the fused q/k l2 norm, context-parallel
@@ -63,13 +72,16 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load, tmem_reg_layout
+from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, inverse_layout, table_layout
+from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier, tma_load, tmem_reg_layout
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, store_chunk_tile
-from gdn_dispatch.backends.gluon_common.recurrence import gate_rows, store_gate_vectors, walk_program
+from gdn_dispatch.backends.gluon_common.recurrence import (
+    gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import state_constexprs
+from gdn_dispatch.backends.gluon_common.wy import chunk_rows_early, chunk_t_of_kk, gate_cumsum
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot
 
 #: Warps: the state partition (the default; one warpgroup: one thread per row of V = 128),
@@ -82,6 +94,19 @@ AUX_REGS = gl.constexpr(152)
 WARP_REGS = gl.constexpr(24)
 #: Head dims the kernel is built for.
 HEAD_DIM = 128
+#: The chunk inverses formed in the aux partition (:func:`_aux_inverse`, the blocked
+#: inverse of the Hopper twin's :data:`..gluon_sm90.fused.AUX_T` on mma.sync), k k^T
+#: issued by the MMA partition into q k^T's tensor memory, T_w and T_u written into the T
+#: ring in place of the load partition's TMA loads: one launch per call, no T kernel, no
+#: gate cumsum written. Compiled and checked only, as the whole kernel; off, as on Hopper
+#: until timed there.
+AUX_T = False
+#: Spill bytes the :data:`AUX_T` build keeps (the default build keeps none): 8 with triton
+#: 3.6.0 (one register of the aux partition across the inverse, stored and reloaded once
+#: a chunk), 132 with 3.9.0 (the kernel's scalars stored before the partitions' register
+#: reallocation and reloaded in them, as in the Hopper twin), at any aux budget from 152
+#: to 200 registers.
+AUX_T_SPILL_BYTES = 192
 
 
 @gluon.constexpr_function
@@ -102,23 +127,27 @@ def _tmem_b16(M, N):
 
 @gluon.jit
 def _load(k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
-          bos, NT, col_k, col_v, slot0, HV, i_h):
-    """Chunk t's k, q, v, T_w and T_u into ring slot t % 2 once the MMAs of chunk t - 2
-    have read it."""
+          bos, NT, col_k, col_v, slot0, HV, i_h, AUX_T: gl.constexpr):
+    """Chunk t's k, q, v, T_w and T_u (not with ``AUX_T``: the aux partition writes them)
+    into ring slot t % 2 once the MMAs of chunk t - 2 have read it."""
     BT: gl.constexpr = k_desc.block_type.shape[0]
-    nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * t_desc.block_type.nbytes
+    if AUX_T:
+        nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + 2 * t_desc.block_type.nbytes
     for t in range(NT):
         s = t % 2
         mbarrier.wait(in_empty.index(s), ((t // 2) & 1) ^ 1)
         bar = in_ready.index(s)
         row = bos + t * BT
-        base = ((slot0 + t) * HV + i_h) * (2 * BT)
         mbarrier.expect(bar, nbytes)
         tma_load(k_desc, [row, col_k], bar, kq.index(s))
         tma_load(q_desc, [row, col_k], bar, kq.index(2 + s))
         tma_load(v_desc, [row, col_v], bar, v_ring.index(s))
-        tma_load(t_desc, [base, 0], bar, t_ring.index(2 * s))
-        tma_load(t_desc, [base + BT, 0], bar, t_ring.index(2 * s + 1))
+        if not AUX_T:
+            base = ((slot0 + t) * HV + i_h) * (2 * BT)
+            tma_load(t_desc, [base, 0], bar, t_ring.index(2 * s))
+            tma_load(t_desc, [base + BT, 0], bar, t_ring.index(2 * s + 1))
 
 
 @gluon.jit
@@ -146,56 +175,119 @@ def _mma_u(t, v_ring, t_ring, u_tmem, u_ready, u_free):
 
 
 @gluon.jit
+def _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free):
+    """The second half of chunk t's w (w MMA number 2 t + 1), once the aux partition has
+    read the first: the wait before w MMA n is for "free" number n - 1."""
+    HALF: gl.constexpr = w_tmem.shape[1]
+    s = t % 2
+    mbarrier.wait(w_free, 0)
+    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(HALF, HALF, dim=1), w_tmem, use_acc=False)
+    tcgen05_commit(w_ready)
+
+
+@gluon.jit
+def _mma_chain_products(t, kq, w_ring, sb_smem, p_tmem, o1_tmem, aux_ready, sb_ready, o_free, p_ready):
+    """The chain of chunk t, first half: P^T and O1^T from the staged S^T of chunk t - 1,
+    once the aux slot is written (the state has read O1^T and O2^T of chunk t - 1 out of
+    their tensor memory)."""
+    s = t % 2
+    mbarrier.wait(aux_ready.index(s), (t // 2) & 1)
+    mbarrier.wait(sb_ready, t & 1)
+    mbarrier.wait(o_free, (t & 1) ^ 1)
+    tcgen05_mma(sb_smem, w_ring.index(s).permute((1, 0)), p_tmem, use_acc=False)
+    tcgen05_mma(sb_smem, kq.index(2 + s).permute((1, 0)), o1_tmem, use_acc=False)
+    tcgen05_commit(p_ready)
+
+
+@gluon.jit
+def _mma_chain_update(t, kq, sc_ring, s_tmem, p_tmem, vn_tmem, vs_tmem, in_empty, aux_empty, vn_ready, s_ready):
+    """The chain of chunk t, second half: the update and O2^T, once v_new^T is in tensor
+    memory (and S^T scaled); then ring slot t % 2 and aux slot t % 2 released when every
+    MMA that reads them is done."""
+    s = t % 2
+    mbarrier.wait(vn_ready, t & 1)
+    tcgen05_mma(vs_tmem, kq.index(s), s_tmem, use_acc=True)
+    tcgen05_mma(vn_tmem, sc_ring.index(s).permute((1, 0)), p_tmem, use_acc=False)
+    tcgen05_commit(s_ready)
+    tcgen05_commit(in_empty.index(s))
+    tcgen05_commit(aux_empty.index(s))
+
+
+@gluon.jit
+def _mma_kk(t, kq, qk_tmem, in_ready, qk_ready, qk_free):
+    """:data:`AUX_T`: chunk t's k k^T into qk's tensor memory, for the aux partition's
+    inverse: that memory's MMA number 2 t, after "free" number 2 t - 1 (the aux partition
+    read chunk t - 1's q k^T; none before the first)."""
+    s = t % 2
+    mbarrier.wait(in_ready.index(s), (t // 2) & 1)
+    mbarrier.wait(qk_free, 1)
+    tcgen05_mma(kq.index(s), kq.index(s).permute((1, 0)), qk_tmem, use_acc=False)
+    tcgen05_commit(qk_ready)
+
+
+@gluon.jit
+def _mma_after_kk(t, kq, v_ring, t_ring, qk_tmem, w_tmem, u_tmem, qk_ready, qk_free, w_ready, w_free, u_ready,
+                  u_free, t_ready):
+    """:data:`AUX_T`: chunk t's q k^T once the aux partition has read its k k^T (MMA 2 t + 1
+    in that memory); then, once the aux partition has written the chunk's T tiles (its
+    ``t_ready`` arrival number t), w's first half, u^T and w's second half."""
+    HALF: gl.constexpr = w_tmem.shape[1]
+    s = t % 2
+    mbarrier.wait(qk_free, 0)
+    tcgen05_mma(kq.index(2 + s), kq.index(s).permute((1, 0)), qk_tmem, use_acc=False)
+    tcgen05_commit(qk_ready)
+    mbarrier.wait(t_ready, t & 1)
+    mbarrier.wait(w_free, 1)
+    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(0, HALF, dim=1), w_tmem, use_acc=False)
+    tcgen05_commit(w_ready)
+    _mma_u(t, v_ring, t_ring, u_tmem, u_ready, u_free)
+    _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free)
+
+
+@gluon.jit
 def _mma(kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
          vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready, u_free,
-         aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, NT):
-    HALF: gl.constexpr = w_tmem.shape[1]
-    if NT > 0:
-        _mma_ahead(0, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free, w_ready, w_free)
-        _mma_u(0, v_ring, t_ring, u_tmem, u_ready, u_free)
-    for t in range(NT):
-        s = t % 2
-        phase = (t // 2) & 1
-        # The second half of chunk t's w (w MMA number 2 t + 1), once the aux partition
-        # has read the first: the wait before w MMA n is for "free" number n - 1.
-        mbarrier.wait(w_free, 0)
-        tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(HALF, HALF, dim=1), w_tmem, use_acc=False)
-        tcgen05_commit(w_ready)
-        if t + 1 < NT:
-            _mma_ahead(t + 1, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free,
-                       w_ready, w_free)
-        # The chain: P^T and O1^T from the staged S^T of chunk t - 1 (the state has read
-        # O1^T and O2^T of chunk t - 1 out of their tensor memory).
-        mbarrier.wait(aux_ready.index(s), phase)
-        mbarrier.wait(sb_ready, t & 1)
-        mbarrier.wait(o_free, (t & 1) ^ 1)
-        tcgen05_mma(sb_smem, w_ring.index(s).permute((1, 0)), p_tmem, use_acc=False)
-        tcgen05_mma(sb_smem, kq.index(2 + s).permute((1, 0)), o1_tmem, use_acc=False)
-        tcgen05_commit(p_ready)
-        # The update and O2^T, once v_new^T is in tensor memory (and S^T scaled).
-        mbarrier.wait(vn_ready, t & 1)
-        tcgen05_mma(vs_tmem, kq.index(s), s_tmem, use_acc=True)
-        tcgen05_mma(vn_tmem, sc_ring.index(s).permute((1, 0)), p_tmem, use_acc=False)
-        tcgen05_commit(s_ready)
-        # Every MMA that reads ring slot s and the aux slot s is issued: release them when done.
-        tcgen05_commit(in_empty.index(s))
-        tcgen05_commit(aux_empty.index(s))
-        if t + 1 < NT:
-            _mma_u(t + 1, v_ring, t_ring, u_tmem, u_ready, u_free)
+         aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, AUX_T: gl.constexpr):
+    if AUX_T:
+        # Chunk t + 1's k k^T between chunk t's two chain halves (in the tensor pipe while
+        # the state forms v_new), the rest of its products after the second: the wait for
+        # its inverse comes when chunk t's chain is all issued.
+        if NT > 0:
+            _mma_kk(0, kq, qk_tmem, in_ready, qk_ready, qk_free)
+            _mma_after_kk(0, kq, v_ring, t_ring, qk_tmem, w_tmem, u_tmem, qk_ready, qk_free, w_ready, w_free,
+                          u_ready, u_free, t_ready)
+        for t in range(NT):
+            _mma_chain_products(t, kq, w_ring, sb_smem, p_tmem, o1_tmem, aux_ready, sb_ready, o_free, p_ready)
+            if t + 1 < NT:
+                _mma_kk(t + 1, kq, qk_tmem, in_ready, qk_ready, qk_free)
+            _mma_chain_update(t, kq, sc_ring, s_tmem, p_tmem, vn_tmem, vs_tmem, in_empty, aux_empty, vn_ready,
+                              s_ready)
+            if t + 1 < NT:
+                _mma_after_kk(t + 1, kq, v_ring, t_ring, qk_tmem, w_tmem, u_tmem, qk_ready, qk_free, w_ready,
+                              w_free, u_ready, u_free, t_ready)
+    else:
+        if NT > 0:
+            _mma_ahead(0, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free, w_ready, w_free)
+            _mma_u(0, v_ring, t_ring, u_tmem, u_ready, u_free)
+        for t in range(NT):
+            _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free)
+            if t + 1 < NT:
+                _mma_ahead(t + 1, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free,
+                           w_ready, w_free)
+            _mma_chain_products(t, kq, w_ring, sb_smem, p_tmem, o1_tmem, aux_ready, sb_ready, o_free, p_ready)
+            _mma_chain_update(t, kq, sc_ring, s_tmem, p_tmem, vn_tmem, vs_tmem, in_empty, aux_empty, vn_ready,
+                              s_ready)
+            if t + 1 < NT:
+                _mma_u(t + 1, v_ring, t_ring, u_tmem, u_ready, u_free)
 
 
 @gluon.jit
 def _aux(w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready, aux_empty,
          g_cum, HV, i_h, bos, eos, NT):
+    """Per chunk, a chunk ahead of the state: the gate rows (loaded a chunk early from
+    ``g_cum``), then the aux slot (:func:`_aux_slot`)."""
     BT: gl.constexpr = qk_tmem.shape[0]
-    HALF: gl.constexpr = w_tmem.shape[1]
-    dtype: gl.constexpr = w_ring.dtype
-    nw: gl.constexpr = gl.num_warps()
-    acc_qk: gl.constexpr = tmem_reg_layout(gl.float32, [BT, BT], _tmem_f32(BT, BT), nw)
-    acc_w: gl.constexpr = tmem_reg_layout(gl.float32, [BT, HALF], _tmem_f32(BT, HALF), nw)
-    rows: gl.constexpr = gl.SliceLayout(1, acc_qk)
-    cols: gl.constexpr = gl.SliceLayout(0, acc_qk)
-    gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [nw], [0])
+    gate_layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, gate_layout)
     for t in range(NT):
         s = t % 2
@@ -208,23 +300,102 @@ def _aux(w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         # Slot s is free once the MMAs of chunk t - 2 that read it are done.
         mbarrier.wait(aux_empty.index(s), phase ^ 1)
-        # The gate vectors the state partition reads.
-        store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
-        mbarrier.wait(qk_ready, t & 1)
-        qk = qk_tmem.load(acc_qk)
+        _aux_slot(t, w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
+                  g_row, g_end, n_valid, t & 1)
+
+
+@gluon.jit
+def _aux_slot(t, w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
+              g_row, g_end, n_valid, QK_PHASE):
+    """Aux slot t % 2 of chunk t (free): the gate vectors from the chunk's gate rows, the
+    causal scores from q k^T (``qk_ready`` at ``QK_PHASE``) and both halves of w, each read
+    out of tensor memory as it lands; then ``aux_ready``."""
+    BT: gl.constexpr = qk_tmem.shape[0]
+    HALF: gl.constexpr = w_tmem.shape[1]
+    dtype: gl.constexpr = w_ring.dtype
+    nw: gl.constexpr = gl.num_warps()
+    acc_qk: gl.constexpr = tmem_reg_layout(gl.float32, [BT, BT], _tmem_f32(BT, BT), nw)
+    acc_w: gl.constexpr = tmem_reg_layout(gl.float32, [BT, HALF], _tmem_f32(BT, HALF), nw)
+    rows: gl.constexpr = gl.SliceLayout(1, acc_qk)
+    cols: gl.constexpr = gl.SliceLayout(0, acc_qk)
+    s = t % 2
+    # The gate vectors the state partition reads.
+    store_gate_vectors(gate_ring, s, g_row, g_end, n_valid)
+    mbarrier.wait(qk_ready, QK_PHASE)
+    qk = qk_tmem.load(acc_qk)
+    thread_barrier()
+    mbarrier.arrive(qk_free, count=1)
+    sc_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
+    for half in gl.static_range(2):
+        mbarrier.wait(w_ready, (2 * t + half) & 1)
+        w = w_tmem.load(acc_w)
+        thread_barrier()
+        mbarrier.arrive(w_free, count=1)
+        w_ring.index(s).slice(half * HALF, HALF, dim=1).store(w.to(dtype))
+    # The MMAs read the scores and w through the async proxy; the state reads the gates.
+    fence_async_shared()
+    thread_barrier()
+    mbarrier.arrive(aux_ready.index(s), count=1)
+
+
+#: k k^T on its way from tensor memory into the inverse's layout: row r's columns rotated
+#: by r (mod 32), so that the tensor-memory layout's one-row-per-thread stores and the
+#: inverse layout's reads spread over the banks.
+_KK_STAGE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 32, order=[1, 0]))
+
+
+@gluon.jit
+def _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, t_ready,
+                 aux_ready, aux_empty, g, s_g, beta, s_beta, i_h, bos, eos, NT):
+    """:data:`AUX_T`: the aux work of :func:`_aux` plus the chunk's T tiles, which the T
+    kernel would have sent. Per chunk: the raw gate and beta rows a chunk early; once the
+    slot is free, k k^T out of qk's tensor memory (its first MMA of the chunk), the gate
+    cumsum (kept in registers: no g_cum), A and the blocked inverse on mma.sync
+    (:func:`..gluon_common.wy.chunk_t_of_kk`, its tables in the bytes of w slot s, free
+    until this chunk's w), T_w and T_u into the T slot (``t_ready``, which the MMA
+    partition waits for before w and u^T); then the gate vectors, scores and w as
+    :func:`_aux` forms them, q k^T being that memory's second MMA of the chunk."""
+    BT: gl.constexpr = qk_tmem.shape[0]
+    dtype: gl.constexpr = w_ring.dtype
+    nw: gl.constexpr = gl.num_warps()
+    acc_qk: gl.constexpr = tmem_reg_layout(gl.float32, [BT, BT], _tmem_f32(BT, BT), nw)
+    rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
+    for t in range(NT):
+        s = t % 2
+        row = bos + t * BT
+        n_valid = eos - row
+        g_raw = rows[0]
+        b_raw = rows[1]
+        # The next chunk's raw rows, loaded under this chunk's inverse.
+        rows = chunk_rows_early(g, s_g, beta, s_beta, row + BT, n_valid - BT, i_h, BT, True)
+        # Slot s (T tiles, w, scores, gates) is free once the MMAs of chunk t - 2 that read
+        # it are done and the state has read its gates.
+        mbarrier.wait(aux_empty.index(s), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(qk_ready, 0)
+        kk = qk_tmem.load(acc_qk)
         thread_barrier()
         mbarrier.arrive(qk_free, count=1)
-        sc_ring.index(s).store(causal_gate(qk, gl.convert_layout(g_row, rows), gl.convert_layout(g_row, cols)).to(dtype))
-        for half in gl.static_range(2):
-            mbarrier.wait(w_ready, (2 * t + half) & 1)
-            w = w_tmem.load(acc_w)
-            thread_barrier()
-            mbarrier.arrive(w_free, count=1)
-            w_ring.index(s).slice(half * HALF, HALF, dim=1).store(w.to(dtype))
-        # The MMAs read the scores and w through the async proxy; the state reads the gates.
+        c = gate_cumsum(g_raw)
+        # Into the inverse's layout through the bytes of w slot s (a conversion in
+        # registers takes 1.5 KB of scratch, past the 227 KB), which then hold its tables.
+        staged = reinterpret(w_ring.index(s), gl.float32, [BT, BT], _KK_STAGE)
+        staged.store(kk)
+        thread_barrier()
+        kk = staged.load(inverse_layout())
+        thread_barrier()
+        tables = reinterpret(w_ring.index(s), gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables, False)
+        t_cols: gl.constexpr = gl.SliceLayout(0, t_inv.type.layout)
+        t_ring.index(2 * s).store((t_inv * gl.expand_dims(gl.convert_layout(w_scale, t_cols), 0)).to(dtype))
+        t_ring.index(2 * s + 1).store((t_inv * gl.expand_dims(gl.convert_layout(u_scale, t_cols), 0)).to(dtype))
+        # The MMAs read T through the async proxy; every warp is done with the tables
+        # before this chunk's w overwrites their bytes.
         fence_async_shared()
         thread_barrier()
-        mbarrier.arrive(aux_ready.index(s), count=1)
+        mbarrier.arrive(t_ready, count=1)
+        g_row, g_end = gate_rows_of_cumsum(c, n_valid)
+        _aux_slot(t, w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
+                  g_row, g_end, n_valid, 1)
 
 
 @gluon.jit
@@ -290,12 +461,12 @@ def _state(sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "s_g", "s_beta"])
 def _fused_fwd_kernel(
-    q_desc, k_desc, v_desc, t_desc, o_desc, o_rows_desc, o_ptr, g_cum, h0, ht, state_indices, cu_seqlens, scale,
-    HV, GROUP, pool_size,
+    q_desc, k_desc, v_desc, t_desc, o_desc, o_rows_desc, o_ptr, g_cum, g, beta, h0, ht, state_indices, cu_seqlens,
+    scale, HV, GROUP, pool_size, s_g, s_beta,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
-    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr,
+    USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, AUX_T: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -311,7 +482,11 @@ def _fused_fwd_kernel(
     # and out (state_io).
     kq = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [2, BT, V], v_desc.layout)
-    t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
+    if AUX_T:
+        # T_w and T_u written by the aux partition (no T kernel, no t_desc).
+        t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], E.smem_layout([BT, BT], dtype))
+    else:
+        t_ring = gl.allocate_shared_memory(dtype, [4, BT, BT], t_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     sc_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
     sb_smem = gl.allocate_shared_memory(dtype, [V, K], E.smem_layout([V, K], dtype))
@@ -352,6 +527,8 @@ def _fused_fwd_kernel(
     vn_ready = one_bars.index(8)
     s_ready = one_bars.index(9)
     o_free = one_bars.index(10)
+    # AUX_T: the aux partition's T tiles of a chunk written (one arrival per chunk).
+    t_ready = one_bars.index(11)
 
     # S^T [V, K] into tensor memory, staged through the idle k/q bytes.
     acc_s: gl.constexpr = tmem_reg_layout(gl.float32, [V, K], _tmem_f32(V, K), gl.num_warps())
@@ -364,18 +541,32 @@ def _fused_fwd_kernel(
     fence_async_shared()
     thread_barrier()
 
-    gl.warp_specialize([
-        (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
-                  aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
-                  o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
-        (_aux, (w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
-                aux_empty, g_cum, HV, i_h, bos, eos, NT)),
-        (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
-                vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready, u_free,
-                aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, NT)),
-        (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
-                 bos, NT, col_k, col_v, slot0, HV, i_h)),
-    ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
+    if AUX_T:
+        gl.warp_specialize([
+            (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
+                      aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
+                      o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
+            (_aux_inverse, (w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free,
+                            t_ready, aux_ready, aux_empty, g, s_g, beta, s_beta, i_h, bos, eos, NT)),
+            (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
+                    vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready,
+                    u_free, aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, True)),
+            (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
+                     bos, NT, col_k, col_v, slot0, HV, i_h, True)),
+        ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
+    else:
+        gl.warp_specialize([
+            (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
+                      aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
+                      o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
+            (_aux, (w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
+                    aux_empty, g_cum, HV, i_h, bos, eos, NT)),
+            (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
+                    vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready,
+                    u_free, aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, False)),
+            (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
+                     bos, NT, col_k, col_v, slot0, HV, i_h, False)),
+        ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
 
     if STORE_HT or INPLACE:
         # The last update is complete: the state partition waited for it before its last
@@ -395,6 +586,19 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
+    constexprs["AUX_T"] = AUX_T
+    descriptors = (
+        tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
+        tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
+        tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
+        tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
+        tile_desc("o_rows_desc", "o", dtype, HV * V, (1, V), scatter=True),
+    )
+    if AUX_T:
+        # No T tiles to read: the descriptor goes to the kernel as a None constexpr.
+        descriptors = tuple(d for d in descriptors if d.arg != "t_desc")
+        constexprs["t_desc"] = None
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
@@ -402,16 +606,10 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "V": V, "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8),
                 "tmem_columns": TMEM_COLUMNS},
         constexprs=constexprs,
-        descriptors=(
-            tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
-            tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
-            tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
-            tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
-            tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
-            tile_desc("o_rows_desc", "o", dtype, HV * V, (1, V), scatter=True),
-        ),
+        descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=f"N x {HV} (sequence, v-head) programs, warp-specialized: state 1 warpgroup + aux 1 + mma + load warps",
+        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state 1 warpgroup + aux 1 + mma + load warps"
+               + ("; the chunk inverses formed in the aux partition" if AUX_T else "")),
     )
     return launch.bind(problem.B * problem.T, problem.N)
 
@@ -433,4 +631,5 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
     in place; int64 cu_seqlens."""
     cases = core_cases() + [{**BASE_CASE, "h0": False, "ht": False}, {**BASE_CASE, "pool": True, "inplace": True},
                             {**BASE_CASE, "cu_dtype": torch.int64}]
-    return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel)
+    return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
+                             spill_bytes_allowed=AUX_T_SPILL_BYTES if AUX_T else 0)
