@@ -7,6 +7,7 @@ state magnitudes are realistic: k (and q) unit-norm, g = logsigmoid(randn) (a de
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -285,3 +286,24 @@ def triton_shaped_launcher(launch):
     launcher = Launcher()
     launcher.launch = launch
     return launcher
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float, fd: int | None = None):
+    """Ends the process (exit status 1, every thread's Python stack written to file
+    descriptor ``fd``, stderr's by default) if the block is still running after
+    ``seconds``; nothing when it finishes in time, or when ``seconds`` <= 0. A GPU kernel
+    that never finishes (a deadlocked mbarrier protocol) holds its thread in a CUDA wait
+    that no exception reaches, so a test run would stall until its job's limit instead of
+    failing on the stuck test; the watchdog is faulthandler's C thread, which needs no GIL."""
+    if seconds <= 0:
+        yield
+        return
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr if fd is None else fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

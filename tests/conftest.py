@@ -32,6 +32,32 @@ def pytest_configure(config):
     torch.set_num_threads(max(1, cores // int(workers)))
 
 
+#: Seconds a GPU-tier test may run (``GDN_GPU_TEST_TIMEOUT``; 0: no limit) before
+#: :func:`gdn_dispatch.testing.hang_guard` ends its process with the stacks on stderr
+#: (pytest-xdist then names the test its worker crashed in): long enough for the fuzz's
+#: cold compiles, short of a CI job's limit.
+GPU_TEST_TIMEOUT = 900.0
+
+
+@pytest.fixture(autouse=True)
+def _gpu_hang_guard(request):
+    """A stuck GPU test fails its run instead of stalling it (:data:`GPU_TEST_TIMEOUT`)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    from gdn_dispatch.testing import hang_guard
+
+    with hang_guard(float(os.environ.get("GDN_GPU_TEST_TIMEOUT", GPU_TEST_TIMEOUT)), _terminal_fd(request.config)):
+        yield
+
+
+def _terminal_fd(config) -> int | None:
+    """The stderr that pytest's output capture set aside (a dump written into the capture
+    would end with the process, unread), or None where nothing is captured."""
+    capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
+    return getattr(getattr(capture, "err", None), "targetfd_save", None)
+
+
 @pytest.fixture(scope="session")
 def native_built(tmp_path_factory):
     """The native host layer (:mod:`gdn_dispatch.native`) compiled into a temporary cache
