@@ -88,6 +88,9 @@ class CompileReport:
     instructions: dict
     #: Triton's GPU-level IR of the kernel (where warp-specialized partitions are regions).
     ttgir: str = ""
+    #: ptxas serialized the kernel's wgmma (:data:`WGMMA_SERIALIZED`): every 16-deep step
+    #: waited for before the next one issues, in the whole kernel.
+    wgmma_serialized: bool = False
 
     def row(self) -> list[str]:
         k = self.kernel
@@ -101,8 +104,13 @@ def _gpu_target(capability: tuple[int, int]):
     return GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
 
 
-def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill bytes) from Triton's bundled ptxas -v."""
+#: ptxas's performance note (C7512) for a kernel whose wgmma it could not keep in flight
+#: (e.g. too few registers for the operands and accumulators of products issued together).
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int, bool]:
+    """(registers, spill bytes, whether it serialized the wgmma) from Triton's bundled ptxas -v."""
     from gdn_dispatch.backends.gluon_common.compat import ptxas_command
 
     ptxas, gpu_name = ptxas_command(arch)
@@ -121,7 +129,7 @@ def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if regs is None:
         raise RuntimeError(f"ptxas -v printed no register count:\n{log}")
-    return int(regs.group(1)), sum(int(a) + int(b) for a, b in spills)
+    return int(regs.group(1)), sum(int(a) + int(b) for a, b in spills), WGMMA_SERIALIZED in log
 
 
 def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileReport:
@@ -141,14 +149,14 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     compiled = triton.compile(Source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
                               target=target, options=options)
     ptx = compiled.asm["ptx"]
-    registers, spills = _ptxas_resources(ptx, target.arch)
+    registers, spills, serialized = _ptxas_resources(ptx, target.arch)
     found = {name: re.search(pattern, ptx) is not None for name, pattern in INSTRUCTIONS.items()}
     # A kernel asking for more than the 512 TMEM columns of an SM compiles into a trap, so
     # the column count is part of the report, not only the shared memory.
     tmem = int(getattr(compiled.metadata, "tmem_size", 0) or 0)
     return CompileReport(kernel=kernel, target=f"sm_{target.arch}", ptx=ptx, registers=registers,
                          spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), tmem_columns=tmem,
-                         instructions=found, ttgir=compiled.asm.get("ttgir", ""))
+                         instructions=found, ttgir=compiled.asm.get("ttgir", ""), wgmma_serialized=serialized)
 
 
 def backends_for_target(capability: tuple[int, int]) -> list[str]:

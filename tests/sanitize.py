@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: they are left out of it and the other calls take the one-warpgroup walk there),
 #: "aux_t" (gluon_sm90: the warp-specialized path's fused kernel forming the chunk
 #: inverses itself, ``fused.AUX_T``, for that call), "small_heads" (gluon_sm90: K or V of
-#: 64 on that path, ``fused.SMALL_HEADS``, for that call).
+#: 64 on that path, ``fused.SMALL_HEADS``, for that call), "early_o1" (gluon_sm90: that
+#: path's state chain issuing the output's first product with P^T, ``fused.EARLY_O1``).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -84,6 +85,8 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([70, 1, 64], 32, 64, 128, 128, "bfloat16", "kv", True, {"aux_t": True, "pool": "float32"}),
     ([65, 0, 130], 32, 128, 64, 128, "bfloat16", "vk", False, {"small_heads": True}),
     ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "aux_t": True}),
+    ([1, 63, 130, 0], 32, 128, 128, 128, "float16", "vk", False, {"early_o1": True, "pool": "float32"}),
+    ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -137,7 +140,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         # the tools see those.
         err = 0.0
         kept = context_parallel.TUNING
-        _path_builds(bool(extras.get("aux_t")), bool(extras.get("small_heads")))
+        _path_builds(extras)
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
@@ -147,7 +150,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
             o, ht = chunk_gated_delta_rule(**ours, **flags, backend=backend)
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
-        _path_builds(False, False)
+        _path_builds({})
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -176,15 +179,23 @@ def _walk_warp_specialized(on: bool) -> None:
     clear_plan_cache()
 
 
-def _path_builds(aux_t: bool, small_heads: bool) -> None:
-    """Plan gluon_sm90's warp-specialized path with the chunk inverses formed in its fused
-    kernel (``fused.AUX_T``) and with K or V of 64 on it (``fused.SMALL_HEADS``), or not
-    (the defaults), from the next call on."""
+#: A call's extras -> the gluon_sm90.fused build flag each one turns on for it (the
+#: path's builds left off by default).
+PATH_BUILDS = {"aux_t": "AUX_T", "small_heads": "SMALL_HEADS", "early_o1": "EARLY_O1"}
+
+
+def _path_builds(extras: dict) -> None:
+    """Plan gluon_sm90's warp-specialized path with the builds a call's ``extras`` name
+    (:data:`PATH_BUILDS`: the chunk inverses formed in its fused kernel, K or V of 64 on
+    it, the state chain's early output product) and the defaults for the others, from the
+    next call on."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    if (fused.AUX_T, fused.SMALL_HEADS) != (aux_t, small_heads):
-        fused.AUX_T, fused.SMALL_HEADS = aux_t, small_heads
+    wanted = {flag: bool(extras.get(name)) for name, flag in PATH_BUILDS.items()}
+    if any(getattr(fused, flag) != on for flag, on in wanted.items()):
+        for flag, on in wanted.items():
+            setattr(fused, flag, on)
         clear_plan_cache()
 
 

@@ -370,6 +370,32 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
+def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
+    """In its default chain order (the state update and S_old^T q^T in flight together)
+    ptxas serializes every wgmma of the fused kernel; with :data:`fused.EARLY_O1` (S_old^T
+    q^T issued with P^T) none, the same wgmma count and shared memory, the register budgets
+    as before, spills within the kernel's allowance."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    def build(early):
+        build_flags((fused, "AUX_T", aux_t), (fused, "EARLY_O1", early))
+        kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                      if k.constexprs["HAS_TAILS"] and not k.constexprs["QK_NORM"])
+        assert kernel.constexprs["EARLY_O1"] is early and kernel.constexprs["AUX_T"] is aux_t
+        return compile_kernel(kernel, SM90)
+
+    default, early = build(False), build(True)
+    assert default.wgmma_serialized and not early.wgmma_serialized
+    assert max(early.spill_bytes, default.spill_bytes) <= default.kernel.spill_bytes_allowed
+    assert len(re.findall(r"wgmma\.mma_async", early.ptx)) == len(re.findall(r"wgmma\.mma_async", default.ptx)) \
+        == (44 if aux_t else 36)
+    assert early.shared_bytes == default.shared_bytes
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", early.ptx)}
+    assert {120, 192} <= budgets, budgets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
 def test_sm90_path_kernels_at_small_heads(aux_t, build_flags):
     """With :data:`fused.SMALL_HEADS` the backend's AOT list holds the T kernel at K = 64 and
     the fused kernel at every other pair of K, V in {64, 128}; they compile within their

@@ -49,7 +49,8 @@ VARIANTS = [("default", []),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
-            ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)])]
+            ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
+            ("early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -58,8 +59,9 @@ def kernel_variant(request, monkeypatch):
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
     off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
-    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), and with the inverses formed in the fused
-    kernel's aux partition, one launch (:data:`fused.AUX_T`); plans computed afresh."""
+    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
+    kernel's aux partition, one launch (:data:`fused.AUX_T`), and with the state chain's
+    output product issued with P^T (:data:`fused.EARLY_O1`); plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -132,7 +134,8 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert fused.grid == (p.N * 4,)
     expected = {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails, "ENGINE": sm90,
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
-                "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip}
+                "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
+                "EARLY_O1": kernel_variant == "early-o1"}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
@@ -545,33 +548,36 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
 
 
 def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
-    """tests/sanitize.py's "aux_t" and "small_heads" calls (the norm on chip and a pool among
-    them; K < V and K > V) take the path with the flags their child sets per call and
-    clears after (the inverses formed in the fused kernel: one launch), and the pipeline
-    or two launches without them."""
+    """tests/sanitize.py's "aux_t", "small_heads" and "early_o1" calls (the norm on chip and
+    pools among them; K < V and K > V) take the path with the flags their child sets per
+    call and clears after (the inverses formed in the fused kernel: one launch; the chain's
+    early output product in the plan's constexprs), and the pipeline or the default
+    launches without them."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     sanitize = _sanitize_module()
-    calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and ({"aux_t", "small_heads"} & set(c[8]))]
-    assert len(calls) == 4 and any(c[7] for c in calls) and any("pool" in c[8] for c in calls)
+    calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and (set(sanitize.PATH_BUILDS) & set(c[8]))]
+    assert len(calls) == 6 and any(c[7] for c in calls) and sum("pool" in c[8] for c in calls) == 2
     assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64)}
+    assert sum(bool(c[8].get("early_o1")) for c in calls) == 2
     sm90, _ = _engines()
-    monkeypatch.setattr(fused, "AUX_T", False)
-    monkeypatch.setattr(fused, "SMALL_HEADS", False)
+    for flag in sanitize.PATH_BUILDS.values():
+        monkeypatch.setattr(fused, flag, False)
     for on in (True, False):
         for lengths, H, HV, K, V, dtype, layout, l2, extras in calls:
-            sanitize._path_builds(on and bool(extras.get("aux_t")), on and bool(extras.get("small_heads")))
-            assert (fused.AUX_T, fused.SMALL_HEADS) == (on and bool(extras.get("aux_t")),
-                                                        on and bool(extras.get("small_heads")))
+            sanitize._path_builds(extras if on else {})
+            wanted = {name: on and bool(extras.get(name)) for name in sanitize.PATH_BUILDS}
+            assert {name: getattr(fused, flag) for name, flag in sanitize.PATH_BUILDS.items()} == wanted
             p = random_problem(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), layout=layout,
                                l2=l2, ht=True)
             call = plan_call(p, _device(132), engine=sm90)
             if (K, V) != (128, 128) and not on:
                 assert not call.launches.fused
                 continue
-            assert call.launches.fused and call.launches.inverses_on_chip is (on and bool(extras.get("aux_t")))
+            assert call.launches.fused and call.launches.inverses_on_chip is wanted["aux_t"]
             assert call.kernels == (("fused_fwd",) if call.launches.inverses_on_chip else ("wy_t_fwd", "fused_fwd"))
-    sanitize._path_builds(False, False)
+            assert call.launches.stage("fused_fwd").shared.constexprs["EARLY_O1"] is wanted["early_o1"]
+    sanitize._path_builds({})
     clear_plan_cache()
 
 

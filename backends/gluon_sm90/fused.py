@@ -229,12 +229,13 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
-           LOADER: gl.constexpr, AUX_T: gl.constexpr = False):
+           LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
     and releases each slot on ``slot_free`` instead. With ``AUX_T`` the aux partition
-    writes the T slots (ready with the scores): it refills v alone."""
+    writes the T slots (ready with the scores): it refills v alone. With ``EARLY_O1`` (and
+    ``CHAIN``) the output's S_old^T q^T is issued with P^T (:data:`EARLY_O1`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -258,6 +259,12 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             leave("state.wait_tiles")
             p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
+            if EARLY_O1:
+                # The output's S_old^T q^T behind it, from the same left operand.
+                o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                                   use_acc=False, is_async=True)
+            else:
+                o1 = None
             enter("state.wait_aux")
             mbarrier.wait(wu_ready.index(s), phase)
             leave("state.wait_aux")
@@ -267,19 +274,27 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
         decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
-        b_d = gate_ring.index(NG * s).load(cols_c)
+        if not EARLY_O1:
+            b_d = gate_ring.index(NG * s).load(cols_c)
         if CHAIN:
             enter("state.v_new")
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                               gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T)
+                               gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T, EARLY_O1)
             leave("state.v_new")
         else:
             u = u_ring.index(s).load(acc_c).to(gl.float32)
             p = warpgroup_mma_wait(0, deps=(p,))
             vn = u - p
         enter("state.update_output")
-        S, o = _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready,
-                                  phase, not CHAIN)
+        if CHAIN and EARLY_O1:
+            # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
+            o1 = warpgroup_mma_wait(0, deps=(o1,))
+            # Read here, not held through v_new^T beside the products in flight.
+            b_d = gate_ring.index(NG * s).load(cols_c)
+            S, o = _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s)
+        else:
+            S, o = _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready,
+                                      phase, not CHAIN)
         leave("state.update_output")
         if CHAIN:
             # v was read by plain shared loads: ordered before its TMA refill below.
@@ -309,17 +324,25 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
-def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_T: gl.constexpr = True):
+def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_T: gl.constexpr = True,
+                  ONE_BEHIND: gl.constexpr = False):
     """``v_new^T = (v^T - P^T diag(2^g)) T_u^T`` ([V, 64], fp32 in ``acc_c``, P^T's layout)
-    from the chain's ``P^T = S^T k^T`` (in flight), the chunk's v and T_u slots (waited here,
-    at ``phase``; T_u only with ``WAIT_T``, else the caller knows it written) and its row
-    decays ``2^g``: ``u - w S`` regrouped, as T_u (v - 2^g k S)."""
+    from the chain's ``P^T = S^T k^T`` (in flight; with ``ONE_BEHIND`` one more wgmma group
+    was issued after it, waited for with it before v is read), the chunk's v and T_u slots
+    (waited here, at ``phase``; T_u only with ``WAIT_T``, else the caller knows it written)
+    and its row decays ``2^g``: ``u - w S`` regrouped, as T_u (v - 2^g k S)."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
+    if ONE_BEHIND:
+        # Both products done before v^T (and the decays) are loaded: their left operand's
+        # registers (S^T in bf16) are held until then, and beside v^T they were more than
+        # the state has.
+        p = warpgroup_mma_wait(0, deps=(p,))
     e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
     mbarrier.wait(v_bar, phase)
     vt = v_slot.permute((1, 0)).load(acc_c).to(gl.float32)
-    p = warpgroup_mma_wait(0, deps=(p,))
+    if not ONE_BEHIND:
+        p = warpgroup_mma_wait(0, deps=(p,))
     z = gl.convert_layout((vt - p * gl.expand_dims(e_g, 0)).to(v_slot.dtype), lhs_reg_layout(acc_c, 16))
     if WAIT_T:
         mbarrier.wait(t_bar, phase)
@@ -352,6 +375,24 @@ def _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring,
     o = o * gl.expand_dims(e_g, 0)
     o = warpgroup_mma(gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16)), s_ring.index(s).permute((1, 0)), o,
                       use_acc=True, is_async=True)
+    S, o = warpgroup_mma_wait(0, deps=(S, o))
+    return S, o
+
+
+@gluon.jit
+def _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s):
+    """:data:`EARLY_O1`: the state update as :func:`_update_and_output` forms it, and the
+    chunk's ``O^T = 2^g O1^T + v_new^T scores^T`` from ``O1^T = S_old^T q^T`` (done: issued
+    with P^T), the two products in flight together. Returns the new S^T and O^T."""
+    dtype: gl.constexpr = k_tile.dtype
+    acc_c: gl.constexpr = vn.type.layout
+    vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
+    vnb = gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16))
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
+    e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
+    S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+    o = warpgroup_mma(vnb, s_ring.index(s).permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True,
+                      is_async=True)
     S, o = warpgroup_mma_wait(0, deps=(S, o))
     return S, o
 
@@ -529,7 +570,7 @@ def _fused_fwd_kernel(
     HV, GROUP, pool_size, s_g, s_beta,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
-    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr,
+    SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -612,7 +653,7 @@ def _fused_fwd_kernel(
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                       o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                      True, False, True)),
+                      True, False, True, EARLY_O1)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
@@ -623,7 +664,7 @@ def _fused_fwd_kernel(
                 (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                           gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                           o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                          True, True)),
+                          True, True, False, EARLY_O1)),
                 (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h,
                                bos, eos, NT)),
                 (_loader, (k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready,
@@ -634,7 +675,7 @@ def _fused_fwd_kernel(
                 (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                           gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                           o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                          True, False)),
+                          True, False, False, EARLY_O1)),
                 (_aux_scores, (kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_empty, g_cum, HV, i_h,
                                bos, eos, NT)),
             ], [AUX_WARPS], [_aux_regs(V)])[0]
@@ -716,6 +757,21 @@ V_SLOTS = 2
 #: 4 x 8192 HV 32, 0.683 -> 0.679 on ragged16, 0.728 -> 0.702 at HV 64: less than the
 #: refills' share, and not yet through the sanitizer.
 LOAD_WARP = gl.constexpr(False)
+#: With T_u alone (``CHAIN``), the state partition issues the output's ``S_old^T q^T``
+#: right behind the chain's ``P^T = S^T k^T`` (both read the same bf16 S^T registers) and
+#: waits for the two before reading v and the gate vectors, then issues the state update
+#: and ``v_new^T scores^T`` together (:func:`_update_and_output_of_o1`), instead of the
+#: update and ``S_old^T q^T`` together with the bf16 S^T and the fp32 v_new^T held until
+#: then. That pair needs more registers than the state's 192, so ptxas serializes every
+#: wgmma of the kernel, both partitions' (its note C7512, :data:`gdn_dispatch.aot.WGMMA_SERIALIZED`;
+#: in the SASS each of the 36 16-deep steps is waited for before the next issues). In
+#: this order none is (4 waits, at the groups' ends). Spill bytes (stores and loads, five
+#: specializations, triton 3.6.0 / 3.9.0): 0-36 / 0-32 against 0-60 / 0-52 in the default
+#: order; with :data:`AUX_T` 132-388 / 104-384 against 60-300 / 64-324. The same products
+#: in the same order of accumulation: outputs bit-equal. Off: compiled for sm_90a, not yet
+#: run or timed on a GPU (``python benchmarks/flag_ab.py early_o1``).
+EARLY_O1 = False
+
 #: Registers per thread of the load warp (addresses and phases only; Triton gives the
 #: warp a warpgroup of its own), and of the aux partition beside it, so that the state's
 #: two warpgroups keep their 192: 128 x (2 x 192 + 104 + 24) = 65536.
@@ -804,6 +860,8 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     # plan sees the normalized copies: a problem without it).
     constexprs["QK_NORM"] = bool(problem.use_qk_l2norm) and t_tiles == 1
     on_chip_t = constexprs["AUX_T"] = aux_t_on(engine)
+    # The chain order that keeps the wgmma pipelined (T_u alone: the state forms v_new).
+    constexprs["EARLY_O1"] = EARLY_O1 and t_tiles == 1
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
