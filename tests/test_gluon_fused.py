@@ -50,7 +50,9 @@ VARIANTS = [("default", []),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
             ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
-            ("early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)])]
+            ("early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)]),
+            ("aux-t+early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
+                                ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
@@ -60,8 +62,9 @@ def kernel_variant(request, monkeypatch):
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
     off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
     TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
-    kernel's aux partition, one launch (:data:`fused.AUX_T`), and with the state chain's
-    output product issued with P^T (:data:`fused.EARLY_O1`); plans computed afresh."""
+    kernel's aux partition, one launch (:data:`fused.AUX_T`), with the state chain's
+    output product issued with P^T (:data:`fused.EARLY_O1`), and with both of those;
+    plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -104,7 +107,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    on_chip = kernel_variant == "aux-t"
+    on_chip = kernel_variant in ("aux-t", "aux-t+early-o1")
     assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
@@ -135,7 +138,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     expected = {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails, "ENGINE": sm90,
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
-                "EARLY_O1": kernel_variant == "early-o1"}
+                "EARLY_O1": kernel_variant in ("early-o1", "aux-t+early-o1")}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
