@@ -81,7 +81,7 @@ from gdn_dispatch.backends.gluon_common.recurrence import (
     gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import state_constexprs
-from gdn_dispatch.backends.gluon_common.wy import chunk_rows_early, chunk_t_of_kk, gate_cumsum
+from gdn_dispatch.backends.gluon_common.wy import chunk_rows_ahead, chunk_rows_early, chunk_t_of_kk, gate_cumsum
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot
 
 #: Warps: the state partition (the default; one warpgroup: one thread per row of V = 128),
@@ -364,10 +364,8 @@ def _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, 
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
-        g_raw = rows[0]
-        b_raw = rows[1]
         # The next chunk's raw rows, loaded under this chunk's inverse.
-        rows = chunk_rows_early(g, s_g, beta, s_beta, row + BT, n_valid - BT, i_h, BT, True)
+        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT)
         # Slot s (T tiles, w, scores, gates) is free once the MMAs of chunk t - 2 that read
         # it are done and the state has read its gates.
         mbarrier.wait(aux_empty.index(s), ((t // 2) & 1) ^ 1)

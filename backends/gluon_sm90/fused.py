@@ -80,7 +80,7 @@ from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy import chunk_rows_early, chunk_t_u_on_chip
+from gdn_dispatch.backends.gluon_common.wy import chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
@@ -505,10 +505,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
-        g_raw = rows[0]
-        b_raw = rows[1]
         # The next chunk's raw rows, loaded under this chunk's inverse.
-        rows = chunk_rows_early(g, s_g, beta, s_beta, row + BT, n_valid - BT, i_h, BT, True)
+        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT)
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         leave("aux.wait_tiles")
