@@ -94,7 +94,8 @@ class CompileReport:
 
     def row(self) -> list[str]:
         k = self.kernel
-        present = ",".join(name for name, found in self.instructions.items() if found) or "-"
+        present = ",".join([name for name, found in self.instructions.items() if found]
+                           + (["SERIALIZED-WGMMA"] if self.wgmma_serialized else [])) or "-"
         return [f"{k.backend}.{k.kernel}", k.specialization, str(self.registers), str(self.spill_bytes),
                 str(self.shared_bytes), str(self.tmem_columns), present]
 
@@ -240,13 +241,14 @@ def run(args: argparse.Namespace) -> int:
     limit = SMEM_OPTIN.get(capability)
     kernels = kernels_for_target(capability, names)
     widths = _column_widths(kernels)
-    lines, status = [_format_row(HEADER, widths)], 0
+    lines, status, serialized = [_format_row(HEADER, widths)], 0, 0
     print(lines[0], flush=True)
     progress = Progress(len(kernels), f"compiling for sm_{capability[0]}{capability[1]}")
     for kernel in kernels:
         report = compile_kernel(kernel, capability)
         lines.append(_format_row(report.row(), widths))
         print(lines[-1], flush=True)
+        serialized += report.wgmma_serialized
         progress.step(f"{kernel.backend}.{kernel.kernel}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
@@ -257,7 +259,10 @@ def run(args: argparse.Namespace) -> int:
     progress.close()
     if limit is not None:
         lines.append(f"shared memory limit per block: {limit} bytes")
-    lines.append(f"{len(kernels)} kernels compiled" + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED OR TENSOR MEMORY"))
+    lines.append(f"{len(kernels)} kernels compiled"
+                 + (f"; {serialized} with every wgmma serialized by ptxas (C7512: too few registers to keep "
+                    "them in flight)" if serialized else "")
+                 + ("" if status == 0 else "; SOME SPILL OR EXCEED SHARED OR TENSOR MEMORY"))
     print("\n".join(lines[-2 if limit is not None else -1:]))
     if args.output:
         Path(args.output).write_text(f"target sm_{capability[0]}{capability[1]}: backends {', '.join(names) or 'none'}\n"

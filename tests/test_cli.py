@@ -94,6 +94,20 @@ def test_compile_dumps_ptx_and_prints_the_table(tmp_path):
     assert f"{len(dumped)} kernels compiled" in out and "mma.sync" in out
 
 
+def test_compile_rows_name_serialized_wgmma():
+    """A kernel whose wgmma ptxas serialized says so in its row of the compile table."""
+    import dataclasses
+
+    from gdn_dispatch.aot import AotKernel, CompileReport
+
+    kernel = AotKernel(backend="gluon_sm90", kernel="fused_fwd", specialization="bf16", fn=None, signature={},
+                       constexprs={})
+    report = CompileReport(kernel=kernel, target="sm_90a", ptx="", registers=168, spill_bytes=0, shared_bytes=0,
+                           tmem_columns=0, instructions={"wgmma.mma_async": True, "tcgen05.mma": False})
+    assert report.row()[-1] == "wgmma.mma_async"
+    assert dataclasses.replace(report, wgmma_serialized=True).row()[-1] == "wgmma.mma_async,SERIALIZED-WGMMA"
+
+
 def test_compile_target_without_kernel_backends():
     out = cli("compile", "--target", "sm_75").stdout
     assert "target sm_75: backends none" in out and "0 kernels compiled" in out
