@@ -92,7 +92,8 @@ AUX_WARPS = gl.constexpr(4)
 #: Registers per thread asked for the aux partition; the state partition gets the rest
 #: of the register file (65536 / 12 warps = 168 at launch, then 120 aux / 192 state).
 #: Measured on the H200 at 4 x 8192, HV 32 (fused kernel alone): aux 120 / state 192
-#: 0.400 ms, 136 / 184 0.419, 152 / 176 0.431.
+#: 0.400 ms, 136 / 184 0.419, 152 / 176 0.431 (every one of them with its wgmma
+#: serialized by ptxas: see :data:`EARLY_O1`).
 AUX_REGS = gl.constexpr(120)
 #: The aux partition's registers beside one state warpgroup (V = 64, :data:`SMALL_HEADS`):
 #: the state's 256 leave it this many of the 512 per thread of two warpgroups (at 120 the
@@ -766,8 +767,10 @@ LOAD_WARP = gl.constexpr(False)
 #: this order none is (4 waits, at the groups' ends). Spill bytes (stores and loads, five
 #: specializations, triton 3.6.0 / 3.9.0): 0-36 / 0-32 against 0-60 / 0-52 in the default
 #: order; with :data:`AUX_T` 132-388 / 104-384 against 60-300 / 64-324. The same products
-#: in the same order of accumulation: outputs bit-equal. Off: compiled for sm_90a, not yet
-#: run or timed on a GPU (``python benchmarks/flag_ab.py early_o1``).
+#: in the same order of accumulation: outputs bit-equal. It needs the state's 192
+#: registers: with :data:`AUX_REGS` 136 (the state 184) ptxas serializes this order too.
+#: Off: compiled for sm_90a, not yet run or timed on a GPU (``python benchmarks/flag_ab.py
+#: early_o1``).
 EARLY_O1 = False
 
 #: Registers per thread of the load warp (addresses and phases only; Triton gives the
