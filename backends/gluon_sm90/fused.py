@@ -28,6 +28,9 @@ partitions that share the program's shared memory through mbarrier rings:
 
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t, and
   the v (:data:`V_SLOTS`) and T (two) slots it alone reads (:func:`_state` with ``CHAIN``).
+  With :data:`EARLY_O1` (off until timed) ``S_old^T q^T`` is issued right behind P^T and
+  the update beside ``v_new^T scores^T``: in the default order ptxas serializes every
+  wgmma of the kernel for want of registers.
 
 With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` off (T_w and T_u both written) the aux
 partition forms ``w = T_w k`` [64, K] and ``u^T = (T_u v)^T`` [V, 64] too, into a w/u
