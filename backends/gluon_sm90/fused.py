@@ -249,6 +249,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
+    # The early output product is an order of the T_u chain only.
+    EARLY: gl.constexpr = CHAIN and EARLY_O1
     for t in range(NT):
         s = t % 2
         phase = (t // 2) & 1
@@ -263,7 +265,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             leave("state.wait_tiles")
             p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
-            if EARLY_O1:
+            if EARLY:
                 # The output's S_old^T q^T behind it, from the same left operand.
                 o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                                    use_acc=False, is_async=True)
@@ -278,19 +280,19 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
         decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
-        if not EARLY_O1:
+        if not EARLY:
             b_d = gate_ring.index(NG * s).load(cols_c)
         if CHAIN:
             enter("state.v_new")
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
-                               gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T, EARLY_O1)
+                               gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T, EARLY)
             leave("state.v_new")
         else:
             u = u_ring.index(s).load(acc_c).to(gl.float32)
             p = warpgroup_mma_wait(0, deps=(p,))
             vn = u - p
         enter("state.update_output")
-        if CHAIN and EARLY_O1:
+        if EARLY:
             # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
             o1 = warpgroup_mma_wait(0, deps=(o1,))
             # Read here, not held through v_new^T beside the products in flight.
