@@ -153,16 +153,12 @@ def _load(k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty
 @gluon.jit
 def _mma_ahead(t, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free, w_ready, w_free):
     """Chunk t's q k^T and the first half of T_w k (the aux partition's inputs)."""
-    HALF: gl.constexpr = w_tmem.shape[1]
     s = t % 2
     mbarrier.wait(in_ready.index(s), (t // 2) & 1)
     mbarrier.wait(qk_free, (t & 1) ^ 1)
     tcgen05_mma(kq.index(2 + s), kq.index(s).permute((1, 0)), qk_tmem, use_acc=False)
     tcgen05_commit(qk_ready)
-    # w MMA number 2 t: "free" number 2 t - 1 (odd), none before the first.
-    mbarrier.wait(w_free, 1)
-    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(0, HALF, dim=1), w_tmem, use_acc=False)
-    tcgen05_commit(w_ready)
+    _mma_w_half(t, 0, kq, t_ring, w_tmem, w_ready, w_free)
 
 
 @gluon.jit
@@ -175,13 +171,14 @@ def _mma_u(t, v_ring, t_ring, u_tmem, u_ready, u_free):
 
 
 @gluon.jit
-def _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free):
-    """The second half of chunk t's w (w MMA number 2 t + 1), once the aux partition has
-    read the first: the wait before w MMA n is for "free" number n - 1."""
+def _mma_w_half(t, H: gl.constexpr, kq, t_ring, w_tmem, w_ready, w_free):
+    """Half ``H`` of chunk t's w = T_w k (w MMA number 2 t + H) into w's tensor memory,
+    once the aux partition has read the previous one: the wait before w MMA n is for
+    "free" number n - 1 (for the first half an odd one, none before the first chunk)."""
     HALF: gl.constexpr = w_tmem.shape[1]
     s = t % 2
-    mbarrier.wait(w_free, 0)
-    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(HALF, HALF, dim=1), w_tmem, use_acc=False)
+    mbarrier.wait(w_free, H ^ 1)
+    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(H * HALF, HALF, dim=1), w_tmem, use_acc=False)
     tcgen05_commit(w_ready)
 
 
@@ -231,17 +228,14 @@ def _mma_after_kk(t, kq, v_ring, t_ring, qk_tmem, w_tmem, u_tmem, qk_ready, qk_f
     """:data:`AUX_T`: chunk t's q k^T once the aux partition has read its k k^T (MMA 2 t + 1
     in that memory); then, once the aux partition has written the chunk's T tiles (its
     ``t_ready`` arrival number t), w's first half, u^T and w's second half."""
-    HALF: gl.constexpr = w_tmem.shape[1]
     s = t % 2
     mbarrier.wait(qk_free, 0)
     tcgen05_mma(kq.index(2 + s), kq.index(s).permute((1, 0)), qk_tmem, use_acc=False)
     tcgen05_commit(qk_ready)
     mbarrier.wait(t_ready, t & 1)
-    mbarrier.wait(w_free, 1)
-    tcgen05_mma(t_ring.index(2 * s), kq.index(s).slice(0, HALF, dim=1), w_tmem, use_acc=False)
-    tcgen05_commit(w_ready)
+    _mma_w_half(t, 0, kq, t_ring, w_tmem, w_ready, w_free)
     _mma_u(t, v_ring, t_ring, u_tmem, u_ready, u_free)
-    _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free)
+    _mma_w_half(t, 1, kq, t_ring, w_tmem, w_ready, w_free)
 
 
 @gluon.jit
@@ -270,7 +264,7 @@ def _mma(kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, 
             _mma_ahead(0, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free, w_ready, w_free)
             _mma_u(0, v_ring, t_ring, u_tmem, u_ready, u_free)
         for t in range(NT):
-            _mma_w_second_half(t, kq, t_ring, w_tmem, w_ready, w_free)
+            _mma_w_half(t, 1, kq, t_ring, w_tmem, w_ready, w_free)
             if t + 1 < NT:
                 _mma_ahead(t + 1, kq, v_ring, t_ring, qk_tmem, w_tmem, in_ready, qk_ready, qk_free,
                            w_ready, w_free)
