@@ -182,6 +182,9 @@ def _walk_warp_specialized(on: bool) -> None:
 #: A call's extras -> the gluon_sm90.fused build flag each one turns on for it (the
 #: path's builds left off by default).
 PATH_BUILDS = {"aux_t": "AUX_T", "small_heads": "SMALL_HEADS", "early_o1": "EARLY_O1"}
+#: Those flags as the module had them before the first call set any (the shipped builds,
+#: which every other call runs), filled by :func:`_path_builds`.
+_PATH_DEFAULTS: dict = {}
 
 
 def _path_builds(extras: dict) -> None:
@@ -192,7 +195,9 @@ def _path_builds(extras: dict) -> None:
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    wanted = {flag: bool(extras.get(name)) for name, flag in PATH_BUILDS.items()}
+    if not _PATH_DEFAULTS:
+        _PATH_DEFAULTS.update((flag, getattr(fused, flag)) for flag in PATH_BUILDS.values())
+    wanted = {flag: bool(extras.get(name)) or _PATH_DEFAULTS[flag] for name, flag in PATH_BUILDS.items()}
     if any(getattr(fused, flag) != on for flag, on in wanted.items()):
         for flag, on in wanted.items():
             setattr(fused, flag, on)

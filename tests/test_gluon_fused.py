@@ -550,6 +550,21 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
     assert set(sanitize.WARP_SPECIALIZED) <= set(sanitize.CALLS)
 
 
+def test_the_sanitizer_keeps_the_shipped_builds_for_other_calls(monkeypatch):
+    """A build flag on before the sanitizer's first call (as once a build ships) stays on
+    for the calls that do not name it, and after a call that turned others on."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    sanitize = _sanitize_module()
+    for flag in sanitize.PATH_BUILDS.values():
+        monkeypatch.setattr(fused, flag, flag == "EARLY_O1")
+    sanitize._path_builds({"aux_t": True})
+    assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (True, False, True)
+    sanitize._path_builds({})
+    assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (False, False, True)
+    clear_plan_cache()
+
+
 def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
     """tests/sanitize.py's "aux_t", "small_heads" and "early_o1" calls (the norm on chip and
     pools among them; K < V and K > V) take the path with the flags their child sets per
