@@ -218,7 +218,7 @@ def test_gluon_sm90_kernel_compiles(kernel):
     if kernel.kernel == "fused_fwd":
         # Two partitions with their own register budgets: the aux warpgroup's, the
         # state's (the rest), and the 64-row register operand of the chain's MMAs.
-        budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+        budgets = _register_budgets(report.ptx)
         assert {120, 192} <= budgets, budgets
         assert re.search(r"wgmma\.mma_async[^;]*\}, \{%r", report.ptx), "no register left operand"
 
@@ -253,7 +253,7 @@ def test_sm90_fused_kernel_with_two_v_slots(tails, build_flags):
     assert report.spill_bytes <= kernel.spill_bytes_allowed
     planned = fused.fused_smem_bytes(128, 128, 2, v_slots=2)
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
     # The state's P^T (8 k-steps), update (4), O^T (8), v_new^T scores^T (4); the aux's
     # q k^T (8), two w and two u halves (4 each).
@@ -359,7 +359,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
     assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
     dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
     ops = _partition_ops(report.ttgir, (dot, load, plain))
@@ -390,7 +390,7 @@ def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
     assert len(re.findall(r"wgmma\.mma_async", early.ptx)) == len(re.findall(r"wgmma\.mma_async", default.ptx)) \
         == (44 if aux_t else 36)
     assert early.shared_bytes == default.shared_bytes
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", early.ptx)}
+    budgets = _register_budgets(early.ptx)
     assert {120, 192} <= budgets, budgets
 
 
@@ -422,11 +422,17 @@ def test_sm90_path_kernels_at_small_heads(aux_t, build_flags):
             continue
         K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", kernel.specialization).groups())
         assert kernel.num_warps == (8 if V == 128 else 4)
-        budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+        budgets = _register_budgets(report.ptx)
         assert ({120, 192} if V == 128 else {232, 256}) <= budgets, (kernel.specialization, budgets)
         planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
                                          qk_norm=kernel.constexprs["QK_NORM"], aux_t=aux_t)
         assert planned <= report.shared_bytes <= planned + 1024, kernel.specialization
+
+
+def _register_budgets(ptx: str) -> set[int]:
+    """The per-thread register counts a warp-specialized kernel's partitions ask for
+    (setmaxnreg), as a set."""
+    return {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
 
 
 def _partition_ops(ttgir: str, names: tuple[str, ...]) -> dict[str, dict[str, int]]:
@@ -483,7 +489,7 @@ def test_sm100_fused_twin_compiles(kernel):
     assert loads == {"partition2"}, loads
     assert "ttng.tmem_load" in ops["default"] and "ttng.tmem_store" in ops["default"]
     assert "ttng.tmem_load" in ops["partition0"]
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    budgets = _register_budgets(report.ptx)
     assert {int(fused.AUX_REGS), int(fused.WARP_REGS)} <= budgets, budgets
     # A tail chunk's o goes out through the TMA scatter.
     if kernel.constexprs["HAS_TAILS"]:
@@ -531,7 +537,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     assert {region: c[load] for region, c in ops.items() if load in c} == {"partition2": 3}, ops
     # The raw gate and beta rows: before the loop and a chunk early in it.
     assert ops["partition0"][plain] >= 4, ops
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", report.ptx)}
+    budgets = _register_budgets(report.ptx)
     assert {int(fused.AUX_REGS), int(fused.WARP_REGS)} <= budgets, budgets
 
 
