@@ -337,14 +337,23 @@ def _path_variant_params():
 def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
     """The path's off-by-default builds on the fuzz's path cases (tails, pools, both
     layouts, grouped heads, the qk l2 norm), against the reference as the default build."""
+    _check_path_build(case, monkeypatch, {flag: value})
+
+
+def _check_path_build(case, monkeypatch, flags: dict, on_path: bool = False) -> None:
+    """:func:`_check` on the GPU with gluon_sm90.fused's build ``flags`` set (name ->
+    value; plans made afresh under them and after); with ``on_path`` the case must take
+    the warp-specialized path under them."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
-    monkeypatch.setattr(fused, flag, value)
+    for flag, value in flags.items():
+        monkeypatch.setattr(fused, flag, value)
     clear_plan_cache()
     try:
+        assert on_sm90_path(case) or not on_path
         _check(case, "cuda")
     finally:
         clear_plan_cache()
@@ -383,19 +392,7 @@ def _small_head_params():
 def test_fuzz_gpu_small_heads(case, aux_t, monkeypatch):
     """The path at K < V and K > V (fused.SMALL_HEADS; fused.AUX_T on every other case) on
     the fuzz's path cases against the reference."""
-    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("GDN_BACKEND", raising=False)
-    monkeypatch.setattr(fused, "SMALL_HEADS", True)
-    monkeypatch.setattr(fused, "AUX_T", aux_t)
-    clear_plan_cache()
-    try:
-        assert on_sm90_path(case)
-        _check(case, "cuda")
-    finally:
-        clear_plan_cache()
+    _check_path_build(case, monkeypatch, {"SMALL_HEADS": True, "AUX_T": aux_t}, on_path=True)
 
 
 def test_small_head_cases_take_the_path_with_their_flag(monkeypatch):
