@@ -4,9 +4,11 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py t_inverse   # wy_t.WY_T_BLOCKED_INVERSE: T's inverse in 16 x 16 blocks
     python benchmarks/flag_ab.py wy_inverse  # wy.WY_DEFAULT_VARIANT "regs" -> "blocked"
     python benchmarks/flag_ab.py split_wu    # wy.WY_SPLIT_WU: w and u in [64, 64] blocks
-    python benchmarks/flag_ab.py v_slots     # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier
+    python benchmarks/flag_ab.py v_slots --with t_pair  # fused.V_SLOTS 1 -> 2: v loaded a chunk earlier (T_w and T_u:
+                                             # with T_u alone the state refills v itself, in two slots)
     python benchmarks/flag_ab.py early_rows  # wy.WY_EARLY_ROWS: gate / beta rows loaded before k lands
     python benchmarks/flag_ab.py t_u_chain   # wy_t.WY_T_SINGLE_TILE: T_u alone, v_new = T_u (v - 2^g k S)
+    python benchmarks/flag_ab.py t_pair      # the same flag on -> off: T_w and T_u, w and u formed in the aux partition
     python benchmarks/flag_ab.py t_regs      # wy_t.WY_T_MAXNREG_SM90 128 -> 96: five T programs per SM
     python benchmarks/flag_ab.py aux_regs    # fused.AUX_REGS 120 -> 96: the state's warpgroups 192 -> 200
     python benchmarks/flag_ab.py qk_norm_on_chip  # fused.QK_NORM_ON_CHIP: no normalized copies of q, k
@@ -62,6 +64,8 @@ STUDIES = {
         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")},
         **{name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H2-HV4-1x32768")}}),
     "t_u_chain": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (False, True), _WS_SHAPES),
+    # The same flag the other way: for --with (the builds that need T_w and T_u: one v slot).
+    "t_pair": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_SINGLE_TILE", (True, False), _WS_SHAPES),
     # The T kernel's register cap: four programs per SM at 128, five at 96.
     "t_regs": ("gdn_dispatch.backends.gluon_common.wy_t", "WY_T_MAXNREG_SM90", (128, 96), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16")}),

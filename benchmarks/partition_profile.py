@@ -1,7 +1,7 @@
 """Per-partition phase cycles of gluon_sm90's warp-specialized kernels, from Proton's
 intra-kernel profiler.
 
-    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--aux-t] [--early-o1] [--out DIR]
+    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--aux-t] [--late-o1] [--out DIR]
 
 Each shape is one public gluon_sm90 call (bf16, K = V = 128, initial + final state; the
 bench's gates) run once under a Proton session in instrumentation mode. Its kernels then
@@ -10,8 +10,8 @@ warp's cycles in each ``partition.phase`` of the warp-specialized path's fused k
 (``state.*``, ``aux.*``) and of the warp-specialized state-output walk (``chain.*``,
 ``output.*``; taken with ``--ws-walk``, which sets ``state_output.STATE_OUTPUT_WS``; with
 ``--aux-t`` the fused kernel forms the chunk inverses in its aux partition,
-``fused.AUX_T``, and ``aux.inverse`` is one of its phases; with ``--early-o1`` its state
-chain issues the output's first product with P^T, ``fused.EARLY_O1``). The
+``fused.AUX_T``, and ``aux.inverse`` is one of its phases; with ``--late-o1`` its state
+chain issues the output's first product after the update, ``fused.EARLY_O1`` off). The
 profile is written to ``DIR/NAME.hatchet`` and every phase printed with its metrics as
 Proton reports them (its cycle counts are per warp, averaged over warps and programs), and
 per chunk of the program's walk.
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     parser.add_argument("--ws-walk", action="store_true", help="the state-output walk warp-specialized")
     parser.add_argument("--aux-t", action="store_true", help="the fused kernel forms the chunk inverses itself")
-    parser.add_argument("--early-o1", action="store_true", help="the fused kernel's output product issued with P^T")
+    parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
     parser.add_argument("--out", default="partition_profile", help="directory of the hatchet files")
     args = parser.parse_args()
     # Before the first launch (both are read at launch): every launch through the JIT and
@@ -111,18 +111,18 @@ def main() -> None:
         from gdn_dispatch.backends.gluon_common import state_output
 
         state_output.STATE_OUTPUT_WS = True
-    if args.aux_t or args.early_o1:
+    if args.aux_t or args.late_o1:
         from gdn_dispatch.backends.gluon_sm90 import fused
 
         fused.AUX_T = fused.AUX_T or args.aux_t
-        fused.EARLY_O1 = fused.EARLY_O1 or args.early_o1
+        fused.EARLY_O1 = fused.EARLY_O1 and not args.late_o1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shape or list(SHAPES):
         chunks = walk_chunks(name)
         found = profile(name, out_dir)
         flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("aux-t", args.aux_t),
-                                                          ("early-o1", args.early_o1)) if on)
+                                                          ("late-o1", args.late_o1)) if on)
         print(f"\n{name}{flags}: {len(found)} phases, {chunks} chunks per walk")
         if not found:
             print("  (no partition.phase scopes in the profile: was the kernel instrumented?)")

@@ -306,11 +306,11 @@ def test_fuzz_gpu(case, monkeypatch):
 #: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
 #: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); the chunk inverses formed in the fused
-#: kernel (fused.AUX_T) and the state chain's output product issued with P^T
-#: (fused.EARLY_O1), each on every path case.
+#: kernel (fused.AUX_T) and the state chain's output product issued after the chain's
+#: update (fused.EARLY_O1 off), each on every path case.
 PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
                  ("aux-t", "AUX_T", True, lambda c: True),
-                 ("early-o1", "EARLY_O1", True, lambda c: True))
+                 ("late-o1", "EARLY_O1", False, lambda c: True))
 
 
 def _norm_on_chip_group(case) -> bool:

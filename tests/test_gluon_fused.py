@@ -45,26 +45,25 @@ def _engines():
 #: value), ...]).
 _WY_T = "gdn_dispatch.backends.gluon_common.wy_t"
 VARIANTS = [("default", []),
-            ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1)]),
+            ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1), (_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
             ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
-            ("early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)]),
-            ("aux-t+early-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
-                                ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", True)])]
+            ("late-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", False)])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
 def kernel_variant(request, monkeypatch):
-    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`), with the T kernel
+    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`; with T_w and T_u, the
+    form that has it), with the T kernel
     loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
     off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
     TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
-    kernel's aux partition, one launch (:data:`fused.AUX_T`), with the state chain's
-    output product issued with P^T (:data:`fused.EARLY_O1`), and with both of those;
-    plans computed afresh."""
+    kernel's aux partition, one launch (:data:`fused.AUX_T`), and with the state chain's
+    output product issued after the update (:data:`fused.EARLY_O1` off); plans computed
+    afresh."""
     import importlib
 
     name, settings = request.param
@@ -107,7 +106,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    on_chip = kernel_variant in ("aux-t", "aux-t+early-o1")
+    on_chip = kernel_variant == "aux-t"
     assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
@@ -130,7 +129,7 @@ def test_launches_of_the_path(shape, kernel_variant):
         # The T kernel's descriptor: a [16, 16] box of T_u, or a [64, 64] tile (unused by
         # the direct stores).
         assert {d.arg: d.block_shape for d in wy_t.descriptors}["t_desc"] == (
-            (64, 64) if kernel_variant in ("t-pair", "t-u-direct") else (16, 16))
+            (64, 64) if kernel_variant in ("v-1-slot", "t-pair", "t-u-direct") else (16, 16))
         # One program per chunk slot and v-head writes 2 x 64 rows of T tiles (64: T_u alone).
         tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
         assert t_tile_rows(rows, p.N, 4, tails, tiles) == wy_t.grid[0] * tiles * CHUNK_SIZE
@@ -138,13 +137,13 @@ def test_launches_of_the_path(shape, kernel_variant):
     expected = {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails, "ENGINE": sm90,
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
-                "EARLY_O1": kernel_variant in ("early-o1", "aux-t+early-o1")}
+                "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
     assert (fused_module.V_SLOTS, wy_module.WY_EARLY_ROWS, wy_t_module.WY_T_SINGLE_TILE,
             wy_t_module.WY_T_BLOCK_TMA) == {
-        "v-1-slot": (1, True, True, True), "late-rows": (2, False, True, True),
+        "v-1-slot": (1, True, False, True), "late-rows": (2, False, True, True),
         "t-pair": (2, True, False, True), "t-u-direct": (2, True, True, False)}.get(
         kernel_variant, (2, True, True, True))
     assert fused.num_warps == 8 and fused.scalars == {"HV": 4, "GROUP": 2}
@@ -231,8 +230,9 @@ def test_calls_the_path_leaves_to_the_pipeline(monkeypatch):
     sm90, sm100 = _engines()
     many = dict(lengths=[70] * 8, H=4, HV=32)
     device = _device(132)
-    # Other head dims, Blackwell's engine: the two-launch pipeline.
-    assert not plan(random_problem(**many, K=64, V=128), device=device, engine=sm90).fused
+    # Head dims other than 64 and 128, Blackwell's engine: the two-launch pipeline.
+    assert not plan(random_problem(**many, K=32, V=128), device=device, engine=sm90).fused
+    assert plan(random_problem(**many, K=64, V=128), device=device, engine=sm90).fused
     assert not plan(random_problem(**many, K=128, V=128), device=_device(132, SM100), engine=sm100).fused
     assert not plan(random_problem(**many, K=128, V=128), device=device, engine=sm90, fused=False).fused
     from gdn_dispatch.backends.gluon_sm90.fused import fused_reason
@@ -245,6 +245,9 @@ def test_calls_the_path_leaves_to_the_pipeline(monkeypatch):
                         torch.empty(1, 2 ** 24, 64, 128, device="meta"), torch.empty(1, 2 ** 24, 64, device="meta"),
                         torch.empty(1, 2 ** 24, 64, device="meta"))
     assert "past int32" in fused_reason(huge)
+    assert "K, V in (64, 128)" in fused_reason(random_problem(**many, K=128, V=32))
+    # Without fused.SMALL_HEADS, K = V = 128 alone.
+    monkeypatch.setattr("gdn_dispatch.backends.gluon_sm90.fused.SMALL_HEADS", False)
     assert "K = V = 128" in fused_reason(random_problem(**many, K=64, V=64))
 
 
@@ -337,6 +340,28 @@ def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch):
             assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
     finally:
         from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+        clear_plan_cache()
+
+
+def test_one_v_slot_needs_both_t_tiles(monkeypatch):
+    """With T_u alone the state partition reads v slot t % 2 and refills it itself: a
+    one-slot ring is refused by name, not built to read past its end; with T_w and T_u
+    (the aux partition refills v) one slot plans."""
+    from gdn_dispatch.backends.gluon_common import wy_t as wy_t_module
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    sm90, _ = _engines()
+    p = random_problem(lengths=[70] * 4, H=4, HV=32, K=128, V=128, ht=True)
+    monkeypatch.setattr(fused_module, "V_SLOTS", 1)
+    clear_plan_cache()
+    try:
+        with pytest.raises(ValueError, match=r"fused\.V_SLOTS = 1.*needs 2 slots"):
+            plan_call(p, _device(132), engine=sm90)
+        monkeypatch.setattr(wy_t_module, "WY_T_SINGLE_TILE", False)
+        clear_plan_cache()
+        fused = plan_call(p, _device(132), engine=sm90).launches.stage("fused_fwd").shared
+        assert (fused.constexprs["V_SLOTS"], fused.constexprs["SINGLE_T"]) == (1, False)
+    finally:
         clear_plan_cache()
 
 
@@ -552,7 +577,8 @@ def test_the_sanitizer_names_the_warp_specialized_kernel():
 
 def test_the_sanitizer_keeps_the_shipped_builds_for_other_calls(monkeypatch):
     """A build flag on before the sanitizer's first call (as once a build ships) stays on
-    for the calls that do not name it, and after a call that turned others on."""
+    for the calls that do not name it, and after a call that turned others on; a call
+    naming it False turns it off for that call alone."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     sanitize = _sanitize_module()
@@ -560,6 +586,10 @@ def test_the_sanitizer_keeps_the_shipped_builds_for_other_calls(monkeypatch):
         monkeypatch.setattr(fused, flag, flag == "EARLY_O1")
     sanitize._path_builds({"aux_t": True})
     assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (True, False, True)
+    sanitize._path_builds({})
+    assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (False, False, True)
+    sanitize._path_builds({"early_o1": False, "small_heads": True})
+    assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (False, True, False)
     sanitize._path_builds({})
     assert (fused.AUX_T, fused.SMALL_HEADS, fused.EARLY_O1) == (False, False, True)
     clear_plan_cache()
@@ -577,7 +607,8 @@ def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
     calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and (set(sanitize.PATH_BUILDS) & set(c[8]))]
     assert len(calls) == 6 and any(c[7] for c in calls) and sum("pool" in c[8] for c in calls) == 2
     assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64)}
-    assert sum(bool(c[8].get("early_o1")) for c in calls) == 2
+    # The chain in both orders: the shipped one and the one it replaced.
+    assert sorted(c[8]["early_o1"] for c in calls if "early_o1" in c[8]) == [False, True]
     sm90, _ = _engines()
     for flag in sanitize.PATH_BUILDS.values():
         monkeypatch.setattr(fused, flag, False)

@@ -7,7 +7,7 @@ Two launches per call::
     t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
-or one, with :data:`AUX_T` (off until timed): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
+or one, with :data:`AUX_T` (off: slower, see there): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
 the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`).
 
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
@@ -27,14 +27,14 @@ partitions that share the program's shared memory through mbarrier rings:
       O^T = 2^g (S_old^T q^T) + v_new^T scores^T ;  o = scale (O^T)^T  (TMA store)
 
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t, and
-  the v (:data:`V_SLOTS`) and T (two) slots it alone reads (:func:`_state` with ``CHAIN``).
-  With :data:`EARLY_O1` (off until timed) ``S_old^T q^T`` is issued right behind P^T and
-  the update beside ``v_new^T scores^T``: in the default order ptxas serializes every
+  the v (two) and T (two) slots it alone reads (:func:`_state` with ``CHAIN``).
+  ``S_old^T q^T`` is issued right behind P^T and the update beside ``v_new^T scores^T``
+  (:data:`EARLY_O1`): with the update and ``S_old^T q^T`` together ptxas serializes every
   wgmma of the kernel for want of registers.
 
 With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` off (T_w and T_u both written) the aux
 partition forms ``w = T_w k`` [64, K] and ``u^T = (T_u v)^T`` [V, 64] too, into a w/u
-ring, loading v and the T tiles itself, and the state takes ``P^T = S^T w^T``,
+ring, loading v (:data:`V_SLOTS` slots) and the T tiles itself, and the state takes ``P^T = S^T w^T``,
 ``v_new^T = u^T - P^T`` (:func:`_aux`): one product fewer on the chain, 80 KB more
 shared memory.
 
@@ -49,8 +49,8 @@ Registers: 12 warps launch at 168 per thread; the aux warpgroup then asks for
 and w/u are formed in [64, 64] halves so that the aux accumulators stay at 32.
 
 What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs those
-calls): context-parallel segments, K or V other than 128 (64 too with :data:`SMALL_HEADS`,
-off until timed), and the qk l2 norm when
+calls): context-parallel segments, K or V other than 64 and 128 (128 alone with
+:data:`SMALL_HEADS` off), and the qk l2 norm when
 :data:`QK_L2NORM` is turned off. With the norm it reads normalized copies of q and k
 (:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
 does; with :data:`QK_NORM_ON_CHIP` it reads raw q and k and reduces their row norms in the
@@ -587,6 +587,7 @@ def _fused_fwd_kernel(
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
+    gl.static_assert(not SINGLE_T or V_SLOTS == 2, "with T_u alone the state reads v slot t % 2")
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
@@ -723,9 +724,13 @@ HEAD_DIM = 128
 #: With :data:`SMALL_HEADS`: K and V each 64 or 128 (V = 64: one state warpgroup).
 HEAD_DIMS = (64, 128)
 #: Calls with K or V of 64 take the path too (:data:`HEAD_DIMS`; with T_u alone, whose aux
-#: partition forms no w or u halves). Off: compiled for sm_90a, not yet run or timed on a
-#: GPU; those calls run the pipeline, whose K = 64 programs share an SM two at a time.
-SMALL_HEADS = False
+#: partition forms no w or u halves); off, they run the pipeline, whose K = 64 programs
+#: share an SM two at a time. H100 80GB HBM3, triton 3.6.0, bf16, H16-HV32 (``python
+#: benchmarks/flag_ab.py small_heads``, ``logs/h100_small_heads.log``, two rounds): calls
+#: 0.469 -> 0.453 ms at 4 x 8192 K = V = 64, 0.566 -> 0.534 at K 64 / V 128, 0.563 -> 0.499
+#: at K 128 / V 64, 0.863 -> 0.824 on ragged16 K = V = 64; outputs within 1.8e-3 of the
+#: pipeline's.
+SMALL_HEADS = True
 
 
 def head_dims() -> tuple[int, ...]:
@@ -750,7 +755,9 @@ MIN_SM_SHARE = 0.75
 #: 3.6.0, bf16 (``python benchmarks/flag_ab.py v_slots``, ``logs/h200_fused_v_slots.log``,
 #: outputs bit-equal): the kernel 0.388 -> 0.359 ms at 4 x 8192 HV 32, 0.400 -> 0.376 at
 #: 8 x 4096, 0.736 -> 0.675 on ragged16, 0.766 -> 0.706 at 4 x 8192 HV 64; the calls
-#: 0.677 -> 0.649, 0.688 -> 0.665, 1.251 -> 1.193, 1.331 -> 1.273 ms.
+#: 0.677 -> 0.649, 0.688 -> 0.665, 1.251 -> 1.193, 1.331 -> 1.273 ms. With T_u alone
+#: (:data:`.wy_t.WY_T_SINGLE_TILE`) the state partition refills v two chunks ahead itself:
+#: two slots, always (:func:`plan_fused` refuses one).
 V_SLOTS = 2
 
 #: A one-warp partition refills the k/q, v and T slots (with T_u alone and two v slots):
@@ -774,9 +781,11 @@ LOAD_WARP = gl.constexpr(False)
 #: order; with :data:`AUX_T` 132-388 / 104-384 against 60-300 / 64-324. The same products
 #: in the same order of accumulation: outputs bit-equal. It needs the state's 192
 #: registers: with :data:`AUX_REGS` 136 (the state 184) ptxas serializes this order too.
-#: Off: compiled for sm_90a, not yet run or timed on a GPU (``python benchmarks/flag_ab.py
-#: early_o1``).
-EARLY_O1 = False
+#: H100 80GB HBM3, triton 3.6.0, bf16 (``python benchmarks/flag_ab.py early_o1``,
+#: ``logs/h100_early_o1.log``, two rounds, outputs bit-equal): the kernel 0.390 -> 0.370 ms
+#: at H16-HV32 4 x 8192, 0.400 -> 0.380 at 8 x 4096, 0.725 -> 0.683 on ragged16, 0.747 ->
+#: 0.715 at HV 64, 0.438 -> 0.389 with the qk l2 norm on chip.
+EARLY_O1 = True
 
 #: Registers per thread of the load warp (addresses and phases only; Triton gives the
 #: warp a warpgroup of its own), and of the aux partition beside it, so that the state's
@@ -789,9 +798,15 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: never leaves the SM and the gate cumsum is never written. The profile of the two-launch
 #: path (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200) has the aux
 #: partition waiting 70% of its loop (3,640 of 5,030 cycles a chunk) while the T kernel
-#: takes a third of the call (0.204 of 0.566 ms at H16-HV32 4 x 8192). Off: compiled for
-#: sm_90a, not yet run on a GPU (``python benchmarks/flag_ab.py aux_t``). With T_u alone
-#: and the blocked inverse only (:func:`aux_t_on`).
+#: takes a third of the call (0.204 of 0.566 ms at H16-HV32 4 x 8192). With T_u alone and
+#: the blocked inverse only (:func:`aux_t_on`). Off: exact, but slower. H100 80GB HBM3,
+#: triton 3.6.0, with :data:`EARLY_O1` (``python benchmarks/flag_ab.py aux_t --with
+#: early_o1``, ``logs/h100_aux_t.log``, two rounds): calls 0.576 -> 0.701 ms at H16-HV32
+#: 4 x 8192, 1.077 -> 1.237 on ragged16, 1.108 -> 1.357 at HV 64, 0.625 -> 1.094 with the
+#: norm on chip. The single warpgroup forms the inverse slower than the state consumes
+#: it: per chunk the aux partition spends 2.5e5 of its normalized cycles in
+#: ``aux.inverse`` while the state waits 4.7e5 for it (``partition_profile.py --aux-t``,
+#: ``logs/h100_partition_profile_aux_t.log``).
 AUX_T = False
 
 
@@ -861,6 +876,9 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
     constexprs["V_SLOTS"] = V_SLOTS
     t_tiles = t_tiles_per_chunk(engine)
+    if t_tiles == 1 and V_SLOTS != 2:
+        raise ValueError(f"fused.V_SLOTS = {V_SLOTS}: with T_u alone (wy_t.WY_T_SINGLE_TILE) the state "
+                         "partition reads v slot t % 2 and refills it two chunks ahead; it needs 2 slots")
     constexprs["SINGLE_T"] = t_tiles == 1
     # A problem with the norm reaches this plan only when the norm is on chip (else the
     # plan sees the normalized copies: a problem without it).
