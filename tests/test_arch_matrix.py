@@ -52,12 +52,9 @@ def test_matrix(arch, backend, kernel, instruction):
         return
     report = compile_kernel(kernel, device.capability)
     assert report.spill_bytes <= kernel.spill_bytes_allowed, f"{report.spill_bytes} bytes of spills"
-    if report.wgmma_serialized:
-        # Known and switchable: gluon_sm90's fused kernel in its default chain order
-        # (gluon_sm90.fused.EARLY_O1 off); no other kernel may lose its wgmma pipelining.
-        from gdn_dispatch.backends.gluon_sm90 import fused
-
-        assert kernel.kernel == "fused_fwd" and not fused.EARLY_O1, "ptxas serialized the kernel's wgmma"
+    # ptxas's note C7512: every wgmma waited for alone (gluon_sm90's fused kernel with
+    # fused.EARLY_O1 off, the order test_gluon_aot pins, ran 4-11% slower so).
+    assert not report.wgmma_serialized, "ptxas serialized the kernel's wgmma"
     assert report.shared_bytes <= SMEM_OPTIN[device.capability]
     assert report.tmem_columns <= TMEM_COLUMNS
     if kernel.kernel not in NO_MATRIX_PRODUCT:

@@ -215,6 +215,8 @@ def test_gluon_sm90_kernel_compiles(kernel):
         return
     assert "wgmma.mma_async" in report.ptx
     assert "tcgen05" not in report.ptx
+    # ptxas keeps every shipped build's wgmma in flight (no note C7512).
+    assert not report.wgmma_serialized, "ptxas serialized the kernel's wgmma"
     if kernel.kernel == "fused_fwd":
         # Two partitions with their own register budgets: the aux warpgroup's, the
         # state's (the rest; one state warpgroup at V = 64), and the 64-row register
