@@ -804,8 +804,8 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: early_o1``, ``logs/h100_aux_t.log``, two rounds): calls 0.576 -> 0.701 ms at H16-HV32
 #: 4 x 8192, 1.077 -> 1.237 on ragged16, 1.108 -> 1.357 at HV 64, 0.625 -> 1.094 with the
 #: norm on chip. The single warpgroup forms the inverse slower than the state consumes
-#: it: per chunk the aux partition spends 2.5e5 of its normalized cycles in
-#: ``aux.inverse`` while the state waits 4.7e5 for it (``partition_profile.py --aux-t``,
+#: it: Proton's normalized cycles read 2.5e5 in ``aux.inverse`` against 4.7e5 of the
+#: state's in ``state.wait_aux`` (``partition_profile.py --aux-t``,
 #: ``logs/h100_partition_profile_aux_t.log``).
 AUX_T = False
 
