@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from gdn_dispatch import bench_cp
+from gdn_dispatch import bench_cp, native
 from gdn_dispatch.bench_ceiling import COPY_BYTES, MATMUL_N, measure_copy_bandwidth, measure_matmul_rate
 from gdn_dispatch.bench_report import (
     FLA,
@@ -271,8 +271,10 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
     if args.check:
         check_against = (FLA, callers[FLA]) if FLA in callers else (REFERENCE, ours_caller(REFERENCE))
 
+    # Our calls' host time depends on it (the launch paths' Python launchers otherwise).
+    native_status = native.status()
     _print_header(out, info, versions, bandwidth, matmul_rate, args, skipped, want_fla, fla_reason,
-                  check_against)
+                  check_against, native_status)
     results = bench_all(shapes, callers, device, bandwidth=bandwidth, matmul_rate=matmul_rate,
                         timer=cuda_event_timer, warmup=args.warmup, iters=args.iters, seed=args.seed,
                         qk_l2norm=args.qk_l2norm, l2_bytes=l2_bytes, check_against=check_against,
@@ -285,7 +287,8 @@ def _run_on_device(args, shapes, names, want_fla, probe, out) -> int:
         versions=versions, ceilings=ceilings,
         settings={"iters": args.iters, "warmup": args.warmup, "seed": args.seed, "qk_l2norm": args.qk_l2norm,
                   "check_against": None if check_against is None else check_against[0],
-                  "skipped": skipped, "fla_unavailable": fla_reason if fla_fn is None else None},
+                  "skipped": skipped, "fla_unavailable": fla_reason if fla_fn is None else None,
+                  "native_host_layer": native_status},
         command=command_line(sys.argv),
     )
     report["settings"]["context_parallel"] = cp_mode
@@ -367,9 +370,10 @@ def finish_run(args: argparse.Namespace, results: list[ShapeResult], report: dic
 
 
 def _print_header(out, info, versions, bandwidth, matmul_rate, args, skipped, want_fla, fla_reason,
-                  check_against) -> None:
+                  check_against, native_status: str) -> None:
     print(f"gdn-dispatch bench on {info.name} ({info.arch}, {info.sm_count} SMs); "
           + ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None), file=out)
+    print(f"native host layer: {native_status}", file=out)
     print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s ({COPY_BYTES >> 20} MiB device-to-device, "
           f"read + written), bf16 matmul {matmul_rate / 1e12:.1f} TFLOP/s ({MATMUL_N}^3 torch.matmul)", file=out)
     print(f"FLOPs {FLOP_FORMULA}; {BOUND_FORMULA}", file=out)

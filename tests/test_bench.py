@@ -502,6 +502,17 @@ def test_list_shapes_needs_no_gpu():
     assert "16 seqs" in lines[0]
 
 
+def test_header_names_the_native_host_layer():
+    """Our calls' host time depends on whether the native host layer is on: the table's
+    header says which, on its second line."""
+    out = io.StringIO()
+    bench._print_header(out, assumed_device("sm_90"), {"torch": torch.__version__}, 3.0e12, 8.0e14, parse(), {},
+                        False, None, None, "not built (python -m gdn_dispatch warmup builds it)")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("gdn-dispatch bench on ")
+    assert lines[1] == "native host layer: not built (python -m gdn_dispatch warmup builds it)"
+
+
 def test_discover_backends_reports_why_not():
     runnable, skipped = bench.discover_backends(assumed_device("sm_90"), ["gluon_sm100"], qk_l2norm=False)
     assert runnable == []
@@ -523,7 +534,11 @@ def test_bench_smoke_on_gpu(tmp_path):
     text = out.getvalue()
     assert code == 0, text
     assert "ceilings: copy" in text and "H16-HV32-1x8192:" in text
+    from gdn_dispatch import native
+
+    assert f"native host layer: {native.status()}" in text
     report = json.loads(path.read_text())
+    assert report["settings"]["native_host_layer"] == native.status()
     assert report["ceilings"]["copy_bandwidth_GBps"] > 0 and report["ceilings"]["matmul_bf16_TFLOPs"] > 0
     rows = report["shapes"][0]["results"]
     timed = [m for m in rows if m["ms"] is not None]
