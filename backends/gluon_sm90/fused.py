@@ -39,7 +39,8 @@ ring, loading v (:data:`V_SLOTS` slots) and the T tiles itself, and the state ta
 shared memory.
 
 Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
-and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``). "empty" barriers are waited with the opposite phase (a
+and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``; T_u alone: two slots, as k/q).
+"empty" barriers are waited with the opposite phase (a
 fresh barrier's previous phase counts as complete), so the first use of a slot does not
 wait. A partition of several warps joins its warps (a barrier within the partition)
 before its one elected arrive or TMA issue, so every warp's reads and writes precede it.
