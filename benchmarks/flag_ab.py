@@ -111,7 +111,7 @@ STUDIES = {
     # (the qk l2 norm on chip at HV 32; at HV 64 its normalized copies come first).
     "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
         **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
-    # The fused kernel's state chain in the order ptxas keeps pipelined (the default order's
+    # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),
     # Head dims of 64 on the path instead of the pipeline (calls that fill the SMs).

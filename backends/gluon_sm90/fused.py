@@ -778,7 +778,7 @@ LOAD_WARP = gl.constexpr(False)
 #: wgmma of the kernel, both partitions' (its note C7512, :data:`gdn_dispatch.aot.WGMMA_SERIALIZED`;
 #: in the SASS each of the 36 16-deep steps is waited for before the next issues). In
 #: this order none is (4 waits, at the groups' ends). Spill bytes (stores and loads, five
-#: specializations, triton 3.6.0 / 3.9.0): 0-36 / 0-32 against 0-60 / 0-52 in the default
+#: specializations, triton 3.6.0 / 3.9.0): 0-36 / 0-32 against 0-60 / 0-52 in the other
 #: order; with :data:`AUX_T` 132-388 / 104-384 against 60-300 / 64-324. The same products
 #: in the same order of accumulation: outputs bit-equal. It needs the state's 192
 #: registers: with :data:`AUX_REGS` 136 (the state 184) ptxas serializes this order too.
