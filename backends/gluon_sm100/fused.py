@@ -339,6 +339,19 @@ _KK_STAGE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 32, order=[1, 0]))
 
 
 @gluon.jit
+def _aux_partition(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, t_ready,
+                   aux_ready, aux_empty, g_cum, g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, AUX_T: gl.constexpr):
+    """The aux partition: :func:`_aux_inverse` with :data:`AUX_T` (raw gate and beta rows,
+    the T tiles formed here), else :func:`_aux` (gate rows from ``g_cum``)."""
+    if AUX_T:
+        _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free,
+                     t_ready, aux_ready, aux_empty, g, s_g, beta, s_beta, i_h, bos, eos, NT)
+    else:
+        _aux(w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
+             aux_empty, g_cum, HV, i_h, bos, eos, NT)
+
+
+@gluon.jit
 def _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, t_ready,
                  aux_ready, aux_empty, g, s_g, beta, s_beta, i_h, bos, eos, NT):
     """:data:`AUX_T`: the aux work of :func:`_aux` plus the chunk's T tiles, which the T
@@ -533,32 +546,19 @@ def _fused_fwd_kernel(
     fence_async_shared()
     thread_barrier()
 
-    if AUX_T:
-        gl.warp_specialize([
-            (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
-                      aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
-                      o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
-            (_aux_inverse, (w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free,
-                            t_ready, aux_ready, aux_empty, g, s_g, beta, s_beta, i_h, bos, eos, NT)),
-            (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
-                    vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready,
-                    u_free, aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, True)),
-            (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
-                     bos, NT, col_k, col_v, slot0, HV, i_h, True)),
-        ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
-    else:
-        gl.warp_specialize([
-            (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
-                      aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
-                      o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
-            (_aux, (w_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free, aux_ready,
-                    aux_empty, g_cum, HV, i_h, bos, eos, NT)),
-            (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
-                    vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready,
-                    u_free, aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, False)),
-            (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
-                     bos, NT, col_k, col_v, slot0, HV, i_h, False)),
-        ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
+    gl.warp_specialize([
+        (_state, (sb_smem, o_smem, gate_ring, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem, vs_tmem,
+                  aux_ready, aux_empty, u_ready, u_free, sb_ready, p_ready, vn_ready, s_ready, o_free,
+                  o_desc, o_rows_desc, o_ptr, HV * V, scale, bos, eos, NT, col_v, HAS_TAILS, ENGINE)),
+        (_aux_partition, (w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, qk_free, w_ready, w_free,
+                          t_ready, aux_ready, aux_empty, g_cum, g, s_g, beta, s_beta, HV, i_h, bos, eos, NT,
+                          AUX_T)),
+        (_mma, (kq, v_ring, t_ring, w_ring, sc_ring, sb_smem, s_tmem, p_tmem, o1_tmem, u_tmem, vn_tmem,
+                vs_tmem, qk_tmem, w_tmem, in_ready, in_empty, qk_ready, qk_free, w_ready, w_free, u_ready,
+                u_free, aux_ready, aux_empty, sb_ready, p_ready, vn_ready, s_ready, o_free, t_ready, NT, AUX_T)),
+        (_load, (k_desc, q_desc, v_desc, t_desc, kq, v_ring, t_ring, in_ready, in_empty,
+                 bos, NT, col_k, col_v, slot0, HV, i_h, AUX_T)),
+    ], [AUX_WARPS, 1, 1], [AUX_REGS, WARP_REGS, WARP_REGS])
 
     if STORE_HT or INPLACE:
         # The last update is complete: the state partition waited for it before its last
