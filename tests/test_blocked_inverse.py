@@ -59,10 +59,15 @@ def model(A: torch.Tensor, rnd=lambda x: x) -> torch.Tensor:
     T = torch.zeros(64, 64, dtype=A.dtype)
     for r in range(4):
         T[16 * r:16 * r + 16, 16 * r:16 * r + 16] = X[r]
+    # M[r][d] = -X_r A[r, r - d]; T[r, c] = sum over m of M[r][r - m] T[m, c], its
+    # terms added from m = c up.
+    M = [{d: mm(-X[r], blk(A, r, r - d)) for d in range(1, r + 1)} for r in range(4)]
     for dd in (1, 2, 3):
         for r in range(dd, 4):
-            acc = sum(mm(blk(A, r, m), blk(T, m, r - dd)) for m in range(r - dd, r))
-            T[16 * r:16 * r + 16, 16 * (r - dd):16 * (r - dd) + 16] = -mm(X[r], acc)
+            acc = mm(M[r][dd], blk(T, r - dd, r - dd))
+            for m in range(r - dd + 1, r):
+                acc = acc + mm(M[r][r - m], blk(T, m, r - dd))
+            T[16 * r:16 * r + 16, 16 * (r - dd):16 * (r - dd) + 16] = acc
     return T
 
 

@@ -15,10 +15,15 @@ threads; T goes back the same way. Per warp:
   C(14, 7) for correlated keys and loses T to tf32 cancellation).
 * the blocks below the diagonal by diagonals, from ``(I + A) T = I``::
 
-      T[r, c] = -X_r sum_{m = c .. r - 1} A[r, m] T[m, c]        (c = r - 1, r - 2, r - 3)
+      T[r, c] = -sum_{m = c .. r - 1} M[r, r - m] T[m, c]       (c = r - 1, r - 2, r - 3)
+      M[r, d] = X_r A[r, r - d]
 
-  each diagonal's blocks exchanged through a shared-memory table (slot = block row) and
-  read back by the warp below. Nine products.
+  The three products ``M[r, d]`` read only the warp's own blocks, so they run beside the
+  first table's barrier; then each diagonal waits on one product of the diagonal above
+  it (its other terms are issued a barrier earlier), the diagonal's blocks exchanged
+  through a shared-memory table (slot = block row) and read back by the warp below. Nine
+  products: ten dependent ones per warp in all, where ``-X_r (sum_m A[r, m] T[m, c])``
+  chained fifteen.
 
 Fifteen 16 x 16 x 16 tf32 products per warp (60 mma.sync), three CTA barriers.
 """
@@ -172,23 +177,30 @@ def blocked_inverse_diagonals(a, xs, ys, ws):
     S3 = _diagonal(a4, 3)
     X = _diagonal_block_inverse(D, zero)
 
+    # The warp's own factors of the three diagonals while the other warps reach the
+    # table; X itself is read back from it at the end, not held across the products.
     xs.store(X)
+    M1 = _mm(X, S1, zero)
+    M2 = _mm(X, S2, zero)
+    M3 = _mm(X, S3, zero)
     thread_barrier()
-    # T[r, r-1] = -X_r A[r, r-1] X_{r-1}
-    Y = -_mm(X, _mm(S1, _shifted(xs, 1), zero), zero)
+    # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
+    Y = -_mm(M1, _shifted(xs, 1), zero)
+    W = _mm(M2, _shifted(xs, 2), zero)
+    Vb = _mm(M3, _shifted(xs, 3), zero)
     ys.store(Y)
     thread_barrier()
-    # T[r, r-2] = -X_r (A[r, r-2] X_{r-2} + A[r, r-1] T[r-1, r-2])
-    P = _mm(S2, _shifted(xs, 2), zero)
-    P = _mm(S1, _shifted(ys, 1), P)
-    W = -_mm(X, P, zero)
+    # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
+    W = -_mm(M1, _shifted(ys, 1), W)
+    Vb = _mm(M2, _shifted(ys, 2), Vb)
     ws.store(W)
     thread_barrier()
-    # T[r, r-3] = -X_r (A[r, r-3] X_{r-3} + A[r, r-2] T[r-2, r-3] + A[r, r-1] T[r-1, r-3])
-    P = _mm(S3, _shifted(xs, 3), zero)
-    P = _mm(S2, _shifted(ys, 2), P)
-    P = _mm(S1, _shifted(ws, 1), P)
-    Vb = -_mm(X, P, zero)
+    # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
+    Vb = -_mm(M1, _shifted(ws, 1), Vb)
+    MMA: gl.constexpr = block_mma_layout()
+    X = xs.load(MMA)
+    Y = ys.load(MMA)
+    W = ws.load(MMA)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()
     return X, Y, W, Vb
