@@ -22,6 +22,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py aux_t        # fused.AUX_T: the inverses in the aux partition, one launch
     python benchmarks/flag_ab.py small_heads  # fused.SMALL_HEADS: K or V of 64 on the path, not the pipeline
     python benchmarks/flag_ab.py early_o1     # fused.EARLY_O1: S_old q^T issued with P^T; wgmma not serialized
+    python benchmarks/flag_ab.py state_scores --with aux_t  # fused.STATE_SCORES: q k^T in the state, not the aux
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -111,6 +112,10 @@ STUDIES = {
     # (the qk l2 norm on chip at HV 32; at HV 64 its normalized copies come first).
     "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
         **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
+    # With aux_t: the causal scores formed by the state partition, not the aux (--with aux_t).
+    "state_scores": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", (False, True), {
+        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
+                                            "H16-HV32-4x8192-l2")}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

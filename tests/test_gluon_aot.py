@@ -342,24 +342,28 @@ def test_sm90_qk_norm_on_chip(build_flags):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("state_scores", [False, True], ids=["aux-scores", "state-scores"])
 @pytest.mark.parametrize("l2", [False, True], ids=["plain", "qk-l2-on-chip"])
-def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
+def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_flags):
     """With :data:`fused.AUX_T` the fused kernel forms T_u in its aux partition: the plan
     has no T descriptor, the aux partition issues k k^T beside q k^T (44 wgmma in all, 8
-    more than the T_u-alone build) and the blocked inverse's 60 tf32 mma.sync, and reads
+    more than the T_u-alone build; q k^T in the state partition with
+    :data:`fused.STATE_SCORES`) and the blocked inverse's 60 tf32 mma.sync, and reads
     the raw gate and beta rows itself; the state partition refills k / q and v only (no T
     load anywhere); shared memory as planned (the inverse's 16 KB of tables more), the
     register budgets as without it, spills within the allowance."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    build_flags((fused, "AUX_T", True), (fused, "QK_NORM_ON_CHIP", True))
+    build_flags((fused, "AUX_T", True), (fused, "QK_NORM_ON_CHIP", True), (fused, "STATE_SCORES", state_scores))
     kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)
     assert kernel.constexprs["AUX_T"] is True and kernel.constexprs["t_desc"] is None
+    assert kernel.constexprs["STATE_SCORES"] is state_scores
     assert kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
     report = compile_kernel(kernel, SM90)
     assert report.spill_bytes <= kernel.spill_bytes_allowed
-    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True)
+    planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True,
+                                     state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
     assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
@@ -367,9 +371,10 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, build_flags):
     assert {120, 192} <= budgets, budgets
     dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
     ops = _partition_ops(report.ttgir, (dot, load, plain))
-    assert ops["partition0"][dot] == 2 and load not in ops["partition0"] and ops["partition0"][plain] >= 4, ops
+    aux_dots = 1 if state_scores else 2
+    assert ops["partition0"][dot] == aux_dots and load not in ops["partition0"] and ops["partition0"][plain] >= 4, ops
     # k, q and v (T was the fourth), and the prologue's two chunks of them.
-    assert ops["default"][dot] == 5 and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
+    assert ops["default"][dot] == 7 - aux_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
 @pytest.mark.slow
@@ -382,7 +387,8 @@ def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     def build(early):
-        build_flags((fused, "AUX_T", aux_t), (fused, "EARLY_O1", early))
+        # The chain orders alone: the state's scores (fused.STATE_SCORES) need EARLY_O1.
+        build_flags((fused, "AUX_T", aux_t), (fused, "EARLY_O1", early), (fused, "STATE_SCORES", False))
         kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                       if k.constexprs["HAS_TAILS"] and not k.constexprs["QK_NORM"])
         assert kernel.constexprs["EARLY_O1"] is early and kernel.constexprs["AUX_T"] is aux_t
@@ -396,6 +402,39 @@ def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
     assert early.shared_bytes == late.shared_bytes
     budgets = _register_budgets(early.ptx)
     assert {120, 192} <= budgets, budgets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["bf16-varlen-kv-h0-ht", "bf16-varlen-kv-h0-ht-l2", "K128-V64-bf16-varlen-kv-h0-ht"])
+def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
+    """:data:`fused.STATE_SCORES` (under AUX_T): the same wgmma count as the aux-scores
+    build, one product fewer in the aux partition and one more in the state (q k^T moves),
+    not serialized, 1 KB more shared memory (the gate rows), as planned, and the spills
+    within the allowance."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    def build(state_scores):
+        build_flags((fused, "AUX_T", True), (fused, "SMALL_HEADS", True), (fused, "STATE_SCORES", state_scores))
+        kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                      if k.specialization == spec)
+        assert kernel.constexprs["STATE_SCORES"] is state_scores
+        return compile_kernel(kernel, SM90)
+
+    aux, state = build(False), build(True)
+    assert not aux.wgmma_serialized and not state.wgmma_serialized
+    count = lambda ptx: len(re.findall(r"wgmma\.mma_async", ptx))  # noqa: E731
+    assert count(aux.ptx) == count(state.ptx)
+    assert state.shared_bytes - aux.shared_bytes == 2 * 2 * 64 * 4
+    K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", spec).groups()) if spec.startswith("K") else (128, 128)
+    planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=spec.endswith("l2"),
+                                     aux_t=True, state_scores=True)
+    assert planned <= state.shared_bytes <= planned + 1024
+    assert max(aux.spill_bytes, state.spill_bytes) <= state.kernel.spill_bytes_allowed
+    # q k^T: the wgmma reading two shared tiles in the state partition's code, not the aux's.
+    def partition_products(ptx):
+        parts = re.split(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", ptx)
+        return [count(part) for part in parts]
+    assert partition_products(aux.ptx) != partition_products(state.ptx)
 
 
 @pytest.mark.slow
@@ -429,7 +468,8 @@ def test_sm90_path_kernels_at_small_heads(aux_t, build_flags):
         budgets = _register_budgets(report.ptx)
         assert _fused_budgets(kernel) <= budgets, (kernel.specialization, budgets)
         planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
-                                         qk_norm=kernel.constexprs["QK_NORM"], aux_t=aux_t)
+                                         qk_norm=kernel.constexprs["QK_NORM"], aux_t=aux_t,
+                                         state_scores=kernel.constexprs["STATE_SCORES"])
         assert planned <= report.shared_bytes <= planned + 1024, kernel.specialization
 
 

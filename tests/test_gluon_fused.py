@@ -50,6 +50,8 @@ VARIANTS = [("default", []),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
             ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
+            ("aux-t-aux-scores", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
+                                  ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", False)]),
             ("late-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", False)])]
 
 
@@ -61,7 +63,8 @@ def kernel_variant(request, monkeypatch):
     and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
     off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
     TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
-    kernel's aux partition, one launch (:data:`fused.AUX_T`), and with the state chain's
+    kernel's aux partition, one launch (:data:`fused.AUX_T`; its causal scores formed in
+    the state partition, :data:`fused.STATE_SCORES`, or in the aux), and with the state chain's
     output product issued after the update (:data:`fused.EARLY_O1` off); plans computed
     afresh."""
     import importlib
@@ -106,7 +109,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    on_chip = kernel_variant == "aux-t"
+    on_chip = kernel_variant in ("aux-t", "aux-t-aux-scores")
     assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
@@ -137,7 +140,8 @@ def test_launches_of_the_path(shape, kernel_variant):
     expected = {"USE_H0": True, "STORE_HT": True, "STATE_VK": True, "HAS_TAILS": tails, "ENGINE": sm90,
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
-                "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE}
+                "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE,
+                "STATE_SCORES": kernel_variant == "aux-t"}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
@@ -154,11 +158,11 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == descriptors
     assert fused.blocks["smem_bytes"] <= 227 * 1024
     # T_u alone: two T tiles, two w and two u tiles fewer; on chip, the inverse's 16 KB of
-    # tables and its barrier.
+    # tables and its barrier (and, with the scores in the state, two slots' gate rows).
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
         (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
-        (16 * 16 * 16 * 4 + 8 if on_chip else 0)
+        (16 * 16 * 16 * 4 + 8 if on_chip else 0) + (2 * 2 * 64 * 4 if kernel_variant == "aux-t" else 0)
 
 
 @pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])

@@ -27,10 +27,11 @@ from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
-#: The scopes of each kernel, as its source opens them (``aux.inverse``: the fused kernel
-#: built with ``fused.AUX_T`` only).
+#: The scopes of each kernel, as its source opens them (``aux.inverse`` and ``state.scores``:
+#: the fused kernel built with ``fused.AUX_T`` only, the second with its ``STATE_SCORES``).
+AUX_T_PHASES = {"aux.inverse", "state.scores"}
 FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
-                "state.store", "aux.wait_tiles", "aux.wait_state", "aux.inverse", "aux.scores"}
+                "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
 WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",
                "output.wait_chain", "output.products", "output.refill", "output.store"}
 
@@ -114,7 +115,7 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
     """Under the instrumentation passes each kernel compiles with two clock reads per scope
     (64-bit clocks: a low and a high half each) and a profile buffer; the scopes its source
     opens are the phases the script reports (the fused kernel's ``aux.inverse`` in its
-    ``fused.AUX_T`` build, compiled third)."""
+    ``fused.AUX_T`` build, compiled third, with ``state.scores``)."""
     import triton
 
     from gdn_dispatch.backends import gluon_sm90
@@ -131,13 +132,13 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
     clear_plan_cache()
     aux_t = fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[0]
     clear_plan_cache()
-    assert aux_t.constexprs["AUX_T"] and not shipped[0].constexprs["AUX_T"]
-    builds = zip((*shipped, aux_t), (FUSED_PHASES - {"aux.inverse"}, WALK_PHASES, FUSED_PHASES),
+    assert aux_t.constexprs["AUX_T"] and aux_t.constexprs["STATE_SCORES"] and not shipped[0].constexprs["AUX_T"]
+    builds = zip((*shipped, aux_t), (FUSED_PHASES - AUX_T_PHASES, WALK_PHASES, FUSED_PHASES),
                  ("backends/gluon_sm90/fused.py", "backends/gluon_common/state_output_ws.py",
                   "backends/gluon_sm90/fused.py"))
     for kernel, names, source in builds:
         opened = set(re.findall(r'enter\("([a-z_]+\.[a-z_]+)"\)', (SCRIPT.parents[1] / source).read_text()))
-        assert names <= opened and opened - names <= {"aux.inverse"}, source
+        assert names <= opened and opened - names <= AUX_T_PHASES, source
         with _instrumented() as mode_str:
             compiled = triton.compile(gluon_ast_source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
                                       target=_gpu_target(SM90),

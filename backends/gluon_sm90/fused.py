@@ -8,7 +8,8 @@ Two launches per call::
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
 or one, with :data:`AUX_T` (off: slower, see there): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
-the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`).
+the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`) and the state
+partition the causal scores (:data:`STATE_SCORES`).
 
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
 partitions that share the program's shared memory through mbarrier rings:
@@ -234,13 +235,17 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
 def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring, o_smem,
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
-           LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False):
+           LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False, graw_ring=None,
+           SCORES: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
     and releases each slot on ``slot_free`` instead. With ``AUX_T`` the aux partition
     writes the T slots (ready with the scores): it refills v alone. With ``EARLY_O1`` (and
-    ``CHAIN``) the output's S_old^T q^T is issued with P^T (:data:`EARLY_O1`)."""
+    ``CHAIN``) the output's S_old^T q^T is issued with P^T (:data:`EARLY_O1`). With
+    ``SCORES`` (:data:`STATE_SCORES`) it forms the chunk's causal scores itself into its
+    scores slot, issued behind those two, from the gate rows the aux partition leaves in
+    ``graw_ring``."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -248,6 +253,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T, u^T [V, 64]
     lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, nw)    # q k^T [64, 64] (SCORES)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     # The early output product is an order of the T_u chain only.
@@ -275,6 +281,15 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             enter("state.wait_aux")
             mbarrier.wait(wu_ready.index(s), phase)
             leave("state.wait_aux")
+            if SCORES:
+                enter("state.scores")
+                # q k^T once P^T and S_old^T q^T are done (in flight beside them and S^T's
+                # bf16 operand, ptxas serialized every wgmma of the kernel).
+                p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+                qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                                   use_acc=False, is_async=True)
+                _store_state_scores(qk, s_ring.index(s), graw_ring, s)
+                leave("state.scores")
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -487,8 +502,45 @@ def _store_scores_and_gates(qk, s_ring, gate_ring, r, g_row, g_end, n_valid, rq,
 
 
 @gluon.jit
+def _store_state_scores(qk, s_slot, graw_ring, r):
+    """:data:`STATE_SCORES`: the causal scores ``q k^T 2^(g_i - g_j)`` into the state's
+    scores slot ``s_slot`` from ``q k^T`` (in flight) and slot ``r``'s gate rows (the
+    row and the column exponents, :func:`_store_gates_and_rows`); fenced for the output's
+    wgmma and joined over the state's warps, each of which wrote a part of the slot."""
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    acc_bt: gl.constexpr = qk.type.layout
+    g_i = graw_ring.index(2 * r).load(gl.SliceLayout(1, acc_bt))
+    g_j = graw_ring.index(2 * r + 1).load(gl.SliceLayout(0, acc_bt))
+    s_slot.store(causal_gate(qk, g_i, g_j).to(s_slot.dtype))
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
+def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk, NORMS: gl.constexpr):
+    """:data:`STATE_SCORES`: the chunk's gate vectors as :func:`_store_scores_and_gates`
+    writes them, and, for the state's causal scores, the rows' exponent ``g_i`` and the
+    columns' ``g_j`` into rows ``2 r``, ``2 r + 1`` of ``graw_ring``; with ``NORMS`` q's and
+    k's reciprocal row norms go into the exponents (``g + log2 rq``, ``g - log2 rk``), so
+    that the state's one exp2 per score scales it by both."""
+    if NORMS:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
+        layout: gl.constexpr = g_row.type.layout
+        graw_ring.index(2 * r).store(g_row + gl.log2(gl.convert_layout(rq, layout)))
+        graw_ring.index(2 * r + 1).store(g_row - gl.log2(gl.convert_layout(rk, layout)))
+    else:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
+        graw_ring.index(2 * r).store(g_row)
+        graw_ring.index(2 * r + 1).store(g_row)
+    # T_u (written before) is read by the state's wgmma.
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
-                 g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr):
+                 g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
+                 STATE_SCORES: gl.constexpr):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -496,7 +548,9 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     launch. The gate cumsum stays in registers: no ``g_cum`` is written or read. Per chunk:
     the raw gate and beta rows a chunk early; once the k / q tiles landed and the state is
     done with the chunk two back (whose T, scores and gate slots this one takes), T_u from
-    the k tile straight into its slot, then q k^T, the gate vectors and the scores."""
+    the k tile straight into its slot, then q k^T, the gate vectors and the scores. With
+    ``STATE_SCORES`` the state forms the scores: the aux leaves it the gate rows instead
+    (:func:`_store_gates_and_rows`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -540,13 +594,16 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.inverse")
         enter("aux.scores")
-        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False,
-                           is_async=True)
         g_row, g_end = gate_rows_of_cumsum(c, n_valid)
         if NG != 4:
             rq = g_row  # unused
             rk = g_row
-        _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+        if STATE_SCORES:
+            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+        else:
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                               use_acc=False, is_async=True)
+            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
         leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
@@ -576,6 +633,7 @@ def _fused_fwd_kernel(
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
     SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
+    STATE_SCORES: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -588,6 +646,7 @@ def _fused_fwd_kernel(
     kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
+    gl.static_assert(not STATE_SCORES or (AUX_T and EARLY_O1), "the state forms the scores under AUX_T alone")
     gl.static_assert(not SINGLE_T or V_SLOTS == 2, "with T_u alone the state reads v slot t % 2")
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
@@ -608,6 +667,11 @@ def _fused_fwd_kernel(
     # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
     NG: gl.constexpr = 4 if QK_NORM else 3
     gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if STATE_SCORES:
+        # The state's causal-gate exponents of each scores slot: rows, then columns.
+        graw_ring = gl.allocate_shared_memory(gl.float32, [2 * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        graw_ring = gate_ring  # not read
     o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
     kq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -659,9 +723,10 @@ def _fused_fwd_kernel(
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                       o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                      True, False, True, EARLY_O1)),
+                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
-                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE)),
+                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
+                            STATE_SCORES)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -713,12 +778,13 @@ def _fused_fwd_kernel(
 SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
-#: both spill more): 60-88 bytes per specialization, 300-332 with the qk l2 norm on chip
-#: (triton 3.6.0; 96-116 and 304-324 with 3.9.0), 132 / 388 at K = 64 (:data:`SMALL_HEADS`),
-#: none at V = 64. In the SASS of the l2 build (29 STL, 46 LDL) the stores are the aux
-#: partition's loop-invariant scalars at its entry, reloaded a few at a time in its chunk
-#: loop. Not timed yet.
-AUX_T_SPILL_BYTES = 448
+#: both spill more). With :data:`STATE_SCORES` (its default) 80-220 bytes per
+#: specialization at V = 128 (triton 3.6.0 and 3.9.0), 0-56 at K = 64
+#: (:data:`SMALL_HEADS`), none at V = 64; with the scores in the aux 104-136, 424-456 with
+#: the qk l2 norm on chip, up to 104 / 452 at K = 64. In the SASS of the aux-scores l2
+#: build (29 STL, 46 LDL) the stores are the aux partition's loop-invariant scalars at its
+#: entry, reloaded a few at a time in its chunk loop.
+AUX_T_SPILL_BYTES = 464
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -810,6 +876,13 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: ``logs/h100_partition_profile_aux_t.log``).
 AUX_T = False
 
+#: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
+#: partition (``q k^T`` issued once P^T and S_old^T q^T are done and the aux's chunk is
+#: in), which waits on the aux partition most of its loop there, instead of by the aux,
+#: whose inverse sets the pace (``aux.scores`` a fifth of its loop in the profile above);
+#: the aux hands the state its gate rows instead (:func:`_store_gates_and_rows`).
+STATE_SCORES = True
+
 
 def aux_t_on(engine) -> bool:
     """Whether ``engine``'s fused kernel forms the chunk inverses itself (:data:`AUX_T`,
@@ -887,6 +960,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     on_chip_t = constexprs["AUX_T"] = aux_t_on(engine)
     # The chain order that keeps the wgmma pipelined (T_u alone: the state forms v_new).
     constexprs["EARLY_O1"] = EARLY_O1 and t_tiles == 1
+    state_scores = constexprs["STATE_SCORES"] = on_chip_t and constexprs["EARLY_O1"] and STATE_SCORES
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
@@ -905,28 +979,33 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
-                                               qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t)},
+                                               qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t,
+                                               state_scores=state_scores)},
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state {state_warps(V) // 4} "
                f"warpgroup{'s' if V == HEAD_DIM else ''} + aux 1"
-               + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")),
+               + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")
+               + ("; the scores in the state partition" if state_scores else "")),
     )
     return launch.bind(problem.B * problem.T, problem.N)
 
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
-                     single_t: bool = False, qk_norm: bool = False, aux_t: bool = False) -> int:
+                     single_t: bool = False, qk_norm: bool = False, aux_t: bool = False,
+                     state_scores: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
-    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32) and k k^T's barrier."""
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32) and k k^T's barrier; with
+    ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32
+    vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     inverse = 16 * 16 * 16 * 4 + 8 if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + (4 if qk_norm else 3) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
+            + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
