@@ -26,6 +26,7 @@ kernel's constexpr globals are fixed at its first compile).
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
+``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 ``--with OTHER[,OTHER...]`` turns other studies' flags on in both arms (a flag measured on
 top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py v_slots --with t_inverse``.
 """
@@ -154,12 +155,19 @@ if __name__ == "__main__":
     parser.add_argument("study", choices=sorted(STUDIES))
     parser.add_argument("arm", nargs="?", choices=("off", "on"), help="run one arm in this process")
     parser.add_argument("--with", dest="also", default="", help="studies whose flags are on in both arms")
+    parser.add_argument("--shapes", default="", help="comma-separated: time these of the study's shapes only")
     args = parser.parse_args()
     also = [name for name in args.also.split(",") if name]
     for name in also:
         if name not in STUDIES or name == args.study:
             parser.error(f"--with: {name!r} is not another study")
     _, flag, _, shapes = STUDIES[args.study]
+    if args.shapes:
+        picked = args.shapes.split(",")
+        unknown = [name for name in picked if name not in shapes]
+        if unknown:
+            parser.error(f"--shapes: {unknown} not among {args.study}'s shapes {sorted(shapes)}")
+        shapes = {name: shapes[name] for name in picked}
     tag = "_".join([args.study] + also)
     if args.arm:
         for name in also:
@@ -169,8 +177,8 @@ if __name__ == "__main__":
         sys.exit(0)
     print(f"| {flag}{' (with ' + ', '.join(also) + ' on)' if also else ''} | shape | call ms | enqueue µs | kernels ms |")
     for arm in ("off", "on", "off", "on"):
-        run = subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else []),
-                             stderr=subprocess.PIPE, text=True)
+        run = subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else [])
+                             + (["--shapes", args.shapes] if args.shapes else []), stderr=subprocess.PIPE, text=True)
         if run.returncode:
             sys.exit(f"the {arm} arm failed:\n" + "\n".join(run.stderr.splitlines()[-25:]))
     compare_outputs(f"flag_ab_{tag}", list(shapes), "off", "on")

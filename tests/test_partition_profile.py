@@ -27,9 +27,10 @@ from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
-#: The scopes of each kernel, as its source opens them (``aux.inverse`` and ``state.scores``:
-#: the fused kernel built with ``fused.AUX_T`` only, the second with its ``STATE_SCORES``).
-AUX_T_PHASES = {"aux.inverse", "state.scores"}
+#: The scopes of each kernel, as its sources open them (``aux.inverse``, the phases within
+#: it, the last three in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
+#: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``).
+AUX_T_PHASES = {"aux.inverse", "aux.store_t", "aux.kk", "aux.a", "aux.blocks", "state.scores"}
 FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
                 "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
 WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",
@@ -134,10 +135,13 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
     clear_plan_cache()
     assert aux_t.constexprs["AUX_T"] and aux_t.constexprs["STATE_SCORES"] and not shipped[0].constexprs["AUX_T"]
     builds = zip((*shipped, aux_t), (FUSED_PHASES - AUX_T_PHASES, WALK_PHASES, FUSED_PHASES),
-                 ("backends/gluon_sm90/fused.py", "backends/gluon_common/state_output_ws.py",
-                  "backends/gluon_sm90/fused.py"))
-    for kernel, names, source in builds:
-        opened = set(re.findall(r'enter\("([a-z_]+\.[a-z_]+)"\)', (SCRIPT.parents[1] / source).read_text()))
+                 (("backends/gluon_sm90/fused.py", "backends/gluon_common/wy.py"),
+                  ("backends/gluon_common/state_output_ws.py",),
+                  ("backends/gluon_sm90/fused.py", "backends/gluon_common/wy.py")))
+    for kernel, names, sources in builds:
+        opened = {name for source in sources for name in
+                  re.findall(r'enter\("([a-z_]+\.[a-z_]+)"\)', (SCRIPT.parents[1] / source).read_text())}
+        source = sources[0]
         assert names <= opened and opened - names <= AUX_T_PHASES, source
         with _instrumented() as mode_str:
             compiled = triton.compile(gluon_ast_source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),

@@ -85,6 +85,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
     has_tails, pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.masks import (
     add, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
 
@@ -484,7 +485,10 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
+    # Profile phases (the fused kernel's aux partition): k k^T's wait, A, the blocks.
+    enter("aux.kk")
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
+    leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k)
     return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
 
@@ -500,13 +504,17 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     wait out the inverse in one register each. ``b_raw``: the chunk's raw beta rows
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
     :func:`_chunk_a` takes them."""
+    enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
                                    row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     w_scale = gl.convert_layout(w_scale, flat)
     u_scale = gl.convert_layout(u_scale, flat)
+    leave("aux.a")
+    enter("aux.blocks")
     t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    leave("aux.blocks")
     return t, w_scale, u_scale
 
 

@@ -591,7 +591,9 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rk = None
         t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
                                    ENGINE, rk)
+        enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
+        leave("aux.store_t")
         leave("aux.inverse")
         enter("aux.scores")
         g_row, g_end = gate_rows_of_cumsum(c, n_valid)
