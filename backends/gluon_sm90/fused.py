@@ -875,7 +875,10 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: norm on chip. The single warpgroup forms the inverse slower than the state consumes
 #: it: Proton's normalized cycles read 2.5e5 in ``aux.inverse`` against 4.7e5 of the
 #: state's in ``state.wait_aux`` (``partition_profile.py --aux-t``,
-#: ``logs/h100_partition_profile_aux_t.log``).
+#: ``logs/h100_partition_profile_aux_t.log``). With the blocked inverse's factors formed
+#: first (ten dependent products per warp, not fifteen; ``benchmarks/tree_ab.py``, the
+#: scores still in the aux): 0.697 -> 0.623 ms at 4 x 8192, 1.238 -> 1.118 on ragged16,
+#: 1.353 -> 1.226 at HV 64, against the two kernels' 0.576, 1.075 and 1.106.
 AUX_T = False
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
