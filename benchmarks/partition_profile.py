@@ -1,7 +1,8 @@
 """Per-partition phase cycles of gluon_sm90's warp-specialized kernels, from Proton's
 intra-kernel profiler.
 
-    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--aux-t] [--late-o1] [--out DIR]
+    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--aux-t [--state-scores]] [--late-o1]
+                                           [--out DIR]
 
 Each shape is one public gluon_sm90 call (bf16, K = V = 128, initial + final state; the
 bench's gates) run once under a Proton session in instrumentation mode. Its kernels then
@@ -10,7 +11,8 @@ warp's cycles in each ``partition.phase`` of the warp-specialized path's fused k
 (``state.*``, ``aux.*``) and of the warp-specialized state-output walk (``chain.*``,
 ``output.*``; taken with ``--ws-walk``, which sets ``state_output.STATE_OUTPUT_WS``; with
 ``--aux-t`` the fused kernel forms the chunk inverses in its aux partition,
-``fused.AUX_T``, and ``aux.inverse`` is one of its phases; with ``--late-o1`` its state
+``fused.AUX_T``, and ``aux.inverse`` is one of its phases, and with ``--state-scores`` as
+well its state partition forms the causal scores, ``fused.STATE_SCORES``; with ``--late-o1`` its state
 chain issues the output's first product after the update, ``fused.EARLY_O1`` off). The
 profile is written to ``DIR/NAME.hatchet`` and every phase printed with its metrics as
 Proton reports them (its cycle counts are per warp, averaged over warps and programs), and
@@ -100,9 +102,12 @@ def main() -> None:
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     parser.add_argument("--ws-walk", action="store_true", help="the state-output walk warp-specialized")
     parser.add_argument("--aux-t", action="store_true", help="the fused kernel forms the chunk inverses itself")
+    parser.add_argument("--state-scores", action="store_true", help="with --aux-t: the scores in the state partition")
     parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
     parser.add_argument("--out", default="partition_profile", help="directory of the hatchet files")
     args = parser.parse_args()
+    if args.state_scores and not args.aux_t:
+        parser.error("--state-scores: the state forms the scores under --aux-t only")
     # Before the first launch (both are read at launch): every launch through the JIT and
     # its hooks.
     os.environ["GDN_DISPATCH_JIT_LAUNCH"] = "1"
@@ -116,12 +121,14 @@ def main() -> None:
 
         fused.AUX_T = fused.AUX_T or args.aux_t
         fused.EARLY_O1 = fused.EARLY_O1 and not args.late_o1
+        fused.STATE_SCORES = fused.STATE_SCORES or args.state_scores
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shape or list(SHAPES):
         chunks = walk_chunks(name)
         found = profile(name, out_dir)
         flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("aux-t", args.aux_t),
+                                                          ("state-scores", args.state_scores),
                                                           ("late-o1", args.late_o1)) if on)
         print(f"\n{name}{flags}: {len(found)} phases, {chunks} chunks per walk")
         if not found:

@@ -48,7 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: inverses itself, ``fused.AUX_T``, for that call), "small_heads" (gluon_sm90: K or V of
 #: 64 on that path, ``fused.SMALL_HEADS``, for that call), "early_o1" (gluon_sm90: that
 #: path's state chain issuing the output's first product with P^T or, False, after the
-#: chain's update, ``fused.EARLY_O1``, for that call).
+#: chain's update, ``fused.EARLY_O1``, for that call), "state_scores" (gluon_sm90: with
+#: "aux_t", the causal scores formed by that kernel's state partition,
+#: ``fused.STATE_SCORES``, for that call).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -87,7 +89,7 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 130], 32, 128, 64, 128, "bfloat16", "vk", False, {"small_heads": True}),
     ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "aux_t": True}),
     ([1, 63, 130, 0], 32, 128, 128, 128, "float16", "vk", False, {"early_o1": False, "pool": "float32"}),
-    ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True}),
+    ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True, "state_scores": True}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -182,7 +184,7 @@ def _walk_warp_specialized(on: bool) -> None:
 
 #: A call's extras -> the gluon_sm90.fused build flag each one sets for it (on, or off
 #: where the extra is False: the path's builds besides the shipped one).
-PATH_BUILDS = {"aux_t": "AUX_T", "small_heads": "SMALL_HEADS", "early_o1": "EARLY_O1"}
+PATH_BUILDS = {"aux_t": "AUX_T", "small_heads": "SMALL_HEADS", "early_o1": "EARLY_O1", "state_scores": "STATE_SCORES"}
 #: Those flags as the module had them before the first call set any (the shipped builds,
 #: which every other call runs), filled by :func:`_path_builds`.
 _PATH_DEFAULTS: dict = {}
@@ -191,8 +193,8 @@ _PATH_DEFAULTS: dict = {}
 def _path_builds(extras: dict) -> None:
     """Plan gluon_sm90's warp-specialized path with the builds a call's ``extras`` name,
     as they name them (:data:`PATH_BUILDS`: the chunk inverses formed in its fused kernel,
-    K or V of 64 on it, the state chain's early output product) and the defaults for the
-    others, from the next call on."""
+    K or V of 64 on it, the state chain's early output product, the state's scores) and
+    the defaults for the others, from the next call on."""
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
     from gdn_dispatch.backends.gluon_sm90 import fused
 

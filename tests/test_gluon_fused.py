@@ -50,8 +50,8 @@ VARIANTS = [("default", []),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
             ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
             ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
-            ("aux-t-aux-scores", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
-                                  ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", False)]),
+            ("aux-t-state-scores", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
+                                    ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", True)]),
             ("late-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", False)])]
 
 
@@ -64,7 +64,7 @@ def kernel_variant(request, monkeypatch):
     off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
     TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
     kernel's aux partition, one launch (:data:`fused.AUX_T`; its causal scores formed in
-    the state partition, :data:`fused.STATE_SCORES`, or in the aux), and with the state chain's
+    the aux partition or in the state's, :data:`fused.STATE_SCORES`), and with the state chain's
     output product issued after the update (:data:`fused.EARLY_O1` off); plans computed
     afresh."""
     import importlib
@@ -109,7 +109,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    on_chip = kernel_variant in ("aux-t", "aux-t-aux-scores")
+    on_chip = kernel_variant in ("aux-t", "aux-t-state-scores")
     assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
@@ -141,7 +141,7 @@ def test_launches_of_the_path(shape, kernel_variant):
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
                 "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE,
-                "STATE_SCORES": kernel_variant == "aux-t"}
+                "STATE_SCORES": kernel_variant == "aux-t-state-scores"}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
@@ -162,7 +162,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
         (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
-        (16 * 16 * 16 * 4 + 8 if on_chip else 0) + (2 * 2 * 64 * 4 if kernel_variant == "aux-t" else 0)
+        (16 * 16 * 16 * 4 + 8 if on_chip else 0) + (2 * 2 * 64 * 4 if kernel_variant == "aux-t-state-scores" else 0)
 
 
 @pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
@@ -600,19 +600,21 @@ def test_the_sanitizer_keeps_the_shipped_builds_for_other_calls(monkeypatch):
 
 
 def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
-    """tests/sanitize.py's "aux_t", "small_heads" and "early_o1" calls (the norm on chip and
-    pools among them; K < V and K > V) take the path with the flags their child sets per
-    call and clears after (the inverses formed in the fused kernel: one launch; the chain's
-    early output product in the plan's constexprs), and the pipeline or the default
-    launches without them."""
+    """tests/sanitize.py's "aux_t", "small_heads", "early_o1" and "state_scores" calls (the
+    norm on chip and pools among them; K < V and K > V) take the path with the flags their
+    child sets per call and clears after (the inverses formed in the fused kernel: one
+    launch; the chain's early output product in the plan's constexprs), and the pipeline or
+    the default launches without them."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     sanitize = _sanitize_module()
     calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and (set(sanitize.PATH_BUILDS) & set(c[8]))]
     assert len(calls) == 6 and any(c[7] for c in calls) and sum("pool" in c[8] for c in calls) == 2
     assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64)}
-    # The chain in both orders: the shipped one and the one it replaced.
+    # The chain in both orders: the shipped one and the one it replaced; the state's scores
+    # in the one-kernel build with the norm on chip.
     assert sorted(c[8]["early_o1"] for c in calls if "early_o1" in c[8]) == [False, True]
+    assert [(c[7], c[8]["aux_t"]) for c in calls if c[8].get("state_scores")] == [(True, True)]
     sm90, _ = _engines()
     for flag in sanitize.PATH_BUILDS.values():
         monkeypatch.setattr(fused, flag, False)
@@ -629,7 +631,9 @@ def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
                 continue
             assert call.launches.fused and call.launches.inverses_on_chip is wanted["aux_t"]
             assert call.kernels == (("fused_fwd",) if call.launches.inverses_on_chip else ("wy_t_fwd", "fused_fwd"))
-            assert call.launches.stage("fused_fwd").shared.constexprs["EARLY_O1"] is wanted["early_o1"]
+            constexprs = call.launches.stage("fused_fwd").shared.constexprs
+            assert constexprs["EARLY_O1"] is wanted["early_o1"]
+            assert constexprs["STATE_SCORES"] is wanted["state_scores"]
     sanitize._path_builds({})
     clear_plan_cache()
 

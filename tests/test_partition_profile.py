@@ -130,6 +130,7 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
 
     shipped = _kernels()
     monkeypatch.setattr(fused, "AUX_T", True)
+    monkeypatch.setattr(fused, "STATE_SCORES", True)
     clear_plan_cache()
     aux_t = fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[0]
     clear_plan_cache()

@@ -8,8 +8,8 @@ Two launches per call::
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
 or one, with :data:`AUX_T` (off: slower, see there): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
-the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`) and the state
-partition the causal scores (:data:`STATE_SCORES`).
+the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`; with
+:data:`STATE_SCORES` the state partition forms the causal scores).
 
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
 partitions that share the program's shared memory through mbarrier rings:
@@ -780,7 +780,7 @@ def _fused_fwd_kernel(
 SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
-#: both spill more). With :data:`STATE_SCORES` (its default) 80-220 bytes per
+#: both spill more). With :data:`STATE_SCORES` 80-220 bytes per
 #: specialization at V = 128 (triton 3.6.0 and 3.9.0), 0-56 at K = 64
 #: (:data:`SMALL_HEADS`), none at V = 64; with the scores in the aux 104-136, 424-456 with
 #: the qk l2 norm on chip, up to 104 / 452 at K = 64. In the SASS of the aux-scores l2
@@ -886,7 +886,10 @@ AUX_T = False
 #: in), which waits on the aux partition most of its loop there, instead of by the aux,
 #: whose inverse sets the pace (``aux.scores`` a fifth of its loop in the profile above);
 #: the aux hands the state its gate rows instead (:func:`_store_gates_and_rows`).
-STATE_SCORES = True
+#: Compiled and checked only (not serialized, 44 wgmma as without it): not yet run on a
+#: GPU, so off until it has (``python benchmarks/flag_ab.py state_scores --with aux_t``,
+#: the GPU tests' ``aux-t-state-scores`` variant).
+STATE_SCORES = False
 
 
 def aux_t_on(engine) -> bool:
