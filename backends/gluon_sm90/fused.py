@@ -244,8 +244,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     writes the T slots (ready with the scores): it refills v alone. With ``EARLY_O1`` (and
     ``CHAIN``) the output's S_old^T q^T is issued with P^T (:data:`EARLY_O1`). With
     ``SCORES`` (:data:`STATE_SCORES`) it forms the chunk's causal scores itself into its
-    scores slot, issued behind those two, from the gate rows the aux partition leaves in
-    ``graw_ring``."""
+    scores slot, ``q k^T`` issued once those two products are done, gated with the rows
+    the aux partition leaves in ``graw_ring``."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
