@@ -872,13 +872,13 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: triton 3.6.0, with :data:`EARLY_O1` (``python benchmarks/flag_ab.py aux_t --with
 #: early_o1``, ``logs/h100_aux_t.log``, two rounds): calls 0.576 -> 0.701 ms at H16-HV32
 #: 4 x 8192, 1.077 -> 1.237 on ragged16, 1.108 -> 1.357 at HV 64, 0.625 -> 1.094 with the
-#: norm on chip. The single warpgroup forms the inverse slower than the state consumes
-#: it: Proton's normalized cycles read 2.5e5 in ``aux.inverse`` against 4.7e5 of the
-#: state's in ``state.wait_aux`` (``partition_profile.py --aux-t``,
-#: ``logs/h100_partition_profile_aux_t.log``). With the blocked inverse's factors formed
-#: first (ten dependent products per warp, not fifteen; ``benchmarks/tree_ab.py``, the
-#: scores still in the aux): 0.697 -> 0.623 ms at 4 x 8192, 1.238 -> 1.118 on ragged16,
-#: 1.353 -> 1.226 at HV 64, against the two kernels' 0.576, 1.075 and 1.106.
+#: norm on chip. With the blocked inverse's factors formed first (ten dependent products
+#: per warp, not fifteen; ``benchmarks/tree_ab.py``): 0.697 -> 0.623 ms at 4 x 8192,
+#: 1.238 -> 1.118 on ragged16, 1.353 -> 1.226 at HV 64, against the two kernels' 0.576,
+#: 1.075 and 1.106. The single warpgroup still forms the inverse slower than the state
+#: consumes it: Proton's cycles read 2.25e5 in ``aux.inverse`` (75% of the aux's loop)
+#: against 4.18e5 in the state's ``state.wait_aux`` (62% of its loop;
+#: ``partition_profile.py --aux-t``, ``logs/h100_partition_profile_aux_t.log``).
 AUX_T = False
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
