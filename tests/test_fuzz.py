@@ -303,14 +303,16 @@ def test_fuzz_gpu(case, monkeypatch):
 
 
 #: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
-#: run on the seeds' path cases: (name, flag, value, which cases it changes). The qk l2
+#: run on the seeds' path cases: (name, {flag: value}, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
 #: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); the chunk inverses formed in the fused
-#: kernel (fused.AUX_T) and the state chain's output product issued after the chain's
+#: kernel (fused.AUX_T), with its causal scores formed in the state partition as well
+#: (fused.STATE_SCORES), and the state chain's output product issued after the chain's
 #: update (fused.EARLY_O1 off), each on every path case.
-PATH_VARIANTS = (("norm-copies", "QK_NORM_ON_CHIP", False, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
-                 ("aux-t", "AUX_T", True, lambda c: True),
-                 ("late-o1", "EARLY_O1", False, lambda c: True))
+PATH_VARIANTS = (("norm-copies", {"QK_NORM_ON_CHIP": False}, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
+                 ("aux-t", {"AUX_T": True}, lambda c: True),
+                 ("aux-t-state-scores", {"AUX_T": True, "STATE_SCORES": True}, lambda c: True),
+                 ("late-o1", {"EARLY_O1": False}, lambda c: True))
 
 
 def _norm_on_chip_group(case) -> bool:
@@ -322,22 +324,22 @@ def _norm_on_chip_group(case) -> bool:
 
 def _path_variant_params():
     if not HAS_GPU or torch.cuda.get_device_capability() != (9, 0):
-        yield pytest.param(None, None, None, id="gluon_sm90-path-variants")
+        yield pytest.param(None, None, id="gluon_sm90-path-variants")
         return
-    for name, flag, value, changes in PATH_VARIANTS:
+    for name, flags, changes in PATH_VARIANTS:
         for seed in SEEDS:
             for i, case in enumerate(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED)):
                 if on_sm90_path(case) and changes(case):
-                    yield pytest.param(case, flag, value, id=f"gluon_sm90-{name}-s{seed}-{i:03d}")
+                    yield pytest.param(case, flags, id=f"gluon_sm90-{name}-s{seed}-{i:03d}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case, flag, value", list(_path_variant_params()))
-def test_fuzz_gpu_path_variants(case, flag, value, monkeypatch):
+@pytest.mark.parametrize("case, flags", list(_path_variant_params()))
+def test_fuzz_gpu_path_variants(case, flags, monkeypatch):
     """The path's off-by-default builds on the fuzz's path cases (tails, pools, both
     layouts, grouped heads, the qk l2 norm), against the reference as the default build."""
-    _check_path_build(case, monkeypatch, {flag: value})
+    _check_path_build(case, monkeypatch, flags)
 
 
 def _check_path_build(case, monkeypatch, flags: dict, on_path: bool = False) -> None:
@@ -360,19 +362,22 @@ def _check_path_build(case, monkeypatch, flags: dict, on_path: bool = False) -> 
 
 
 #: Head dims the path takes with fused.SMALL_HEADS (K < V and K > V): the seeds' path
-#: cases again at each, with that flag and, on every other case, fused.AUX_T.
+#: cases again at each, with that flag and, on every other case, fused.AUX_T (every
+#: other one of those with fused.STATE_SCORES too).
 SMALL_HEAD_DIMS = ((64, 128), (128, 64))
 
 
-def small_head_cases(cases) -> list[tuple[FuzzCase, bool]]:
-    """``(case, aux_t)``: each path case of ``cases`` at every pair of :data:`SMALL_HEAD_DIMS`
-    (same lengths, layout, pool, norm and data seed)."""
+def small_head_cases(cases) -> list[tuple[FuzzCase, dict]]:
+    """``(case, flags)``: each path case of ``cases`` at every pair of :data:`SMALL_HEAD_DIMS`
+    (same lengths, layout, pool, norm and data seed), with the gluon_sm90.fused build
+    flags it runs under."""
     import dataclasses
 
     out = []
     for i, case in enumerate(c for c in cases if on_sm90_path(c)):
+        flags = {"SMALL_HEADS": True, "AUX_T": i % 2 == 1, "STATE_SCORES": i % 4 == 3}
         for K, V in SMALL_HEAD_DIMS:
-            out.append((dataclasses.replace(case, spec=dataclasses.replace(case.spec, K=K, V=V)), i % 2 == 1))
+            out.append((dataclasses.replace(case, spec=dataclasses.replace(case.spec, K=K, V=V)), flags))
     return out
 
 
@@ -382,17 +387,18 @@ def _small_head_params():
         return
     for seed in SEEDS:
         pairs = small_head_cases(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED))
-        for i, (case, aux_t) in enumerate(pairs):
-            yield pytest.param(case, aux_t, id=f"gluon_sm90-small-heads-s{seed}-{i:03d}")
+        for i, (case, flags) in enumerate(pairs):
+            yield pytest.param(case, flags, id=f"gluon_sm90-small-heads-s{seed}-{i:03d}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case, aux_t", list(_small_head_params()))
-def test_fuzz_gpu_small_heads(case, aux_t, monkeypatch):
-    """The path at K < V and K > V (fused.SMALL_HEADS; fused.AUX_T on every other case) on
-    the fuzz's path cases against the reference."""
-    _check_path_build(case, monkeypatch, {"SMALL_HEADS": True, "AUX_T": aux_t}, on_path=True)
+@pytest.mark.parametrize("case, flags", list(_small_head_params()))
+def test_fuzz_gpu_small_heads(case, flags, monkeypatch):
+    """The path at K < V and K > V (fused.SMALL_HEADS; fused.AUX_T on every other case,
+    fused.STATE_SCORES on every other one of those) on the fuzz's path cases against the
+    reference."""
+    _check_path_build(case, monkeypatch, flags, on_path=True)
 
 
 def test_small_head_cases_take_the_path_with_their_flag(monkeypatch):
@@ -404,7 +410,10 @@ def test_small_head_cases_take_the_path_with_their_flag(monkeypatch):
     pairs = [p for seed in SEEDS for p in small_head_cases(draw_cases("gluon_sm90", seed, GPU_CASES_PER_SEED))]
     cases = [c for c, _ in pairs]
     assert len(cases) >= 40 and {(c.spec.K, c.spec.V) for c in cases} == set(SMALL_HEAD_DIMS)
-    assert any(aux_t for _, aux_t in pairs) and not all(aux_t for _, aux_t in pairs)
+    assert any(f["AUX_T"] for _, f in pairs) and not all(f["AUX_T"] for _, f in pairs)
+    assert any(f["STATE_SCORES"] for _, f in pairs) and all(f["AUX_T"] for _, f in pairs if f["STATE_SCORES"])
+    assert not all(f["STATE_SCORES"] for _, f in pairs if f["AUX_T"])
+    assert {(c.spec.K, c.spec.V) for c, f in pairs if f["STATE_SCORES"]} == set(SMALL_HEAD_DIMS)
     assert any(c.spec.pool for c in cases) and {c.spec.layout for c in cases} == {"kv", "vk"}
     assert {c.spec.l2 for c in cases} == {False, True}
     assert any(c.lengths and {1, 63, 65} & set(c.lengths) for c in cases)
