@@ -178,7 +178,8 @@ def blocked_inverse_diagonals(a, xs, ys, ws):
     X = _diagonal_block_inverse(D, zero)
 
     # The warp's own factors of the three diagonals while the other warps reach the
-    # table; X itself is read back from it at the end, not held across the products.
+    # table; X, Y and W are read back from the tables at the end, not held across the
+    # products.
     xs.store(X)
     M1 = _mm(X, S1, zero)
     M2 = _mm(X, S2, zero)

@@ -486,10 +486,7 @@ def _store_scores_and_gates(qk, s_ring, gate_ring, r, g_row, g_end, n_valid, rq,
     cumsum rows ``g_row`` (``g_end`` its last valid row's); with ``NORMS`` q's row and k's
     column reciprocal l2 norms ``rq``, ``rk`` scale the scores and the vectors. Fenced for
     the state's MMAs and joined over the partition's warps: the caller's arrives follow."""
-    if NORMS:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
-    else:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
+    _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS)
     qk = warpgroup_mma_wait(0, deps=(qk,))
     acc_bt: gl.constexpr = qk.type.layout
     if NORMS:
@@ -499,6 +496,16 @@ def _store_scores_and_gates(qk, s_ring, gate_ring, r, g_row, g_end, n_valid, rq,
                                       gl.convert_layout(g_row, gl.SliceLayout(0, acc_bt))).to(s_ring.dtype))
     fence_async_shared()
     thread_barrier()
+
+
+@gluon.jit
+def _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS: gl.constexpr):
+    """The chunk's gate vectors into slot ``r`` (:func:`..gluon_common.recurrence.store_gate_vectors`),
+    scaled by q's and k's reciprocal row norms ``rq``, ``rk`` with ``NORMS`` (else unread)."""
+    if NORMS:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
+    else:
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
 
 
 @gluon.jit
@@ -523,13 +530,12 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
     columns' ``g_j`` into rows ``2 r``, ``2 r + 1`` of ``graw_ring``; with ``NORMS`` q's and
     k's reciprocal row norms go into the exponents (``g + log2 rq``, ``g - log2 rk``), so
     that the state's one exp2 per score scales it by both."""
+    _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS)
     if NORMS:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
         layout: gl.constexpr = g_row.type.layout
         graw_ring.index(2 * r).store(g_row + gl.log2(gl.convert_layout(rq, layout)))
         graw_ring.index(2 * r + 1).store(g_row - gl.log2(gl.convert_layout(rk, layout)))
     else:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
         graw_ring.index(2 * r).store(g_row)
         graw_ring.index(2 * r + 1).store(g_row)
     # T_u (written before) is read by the state's wgmma.
