@@ -23,6 +23,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py small_heads  # fused.SMALL_HEADS: K or V of 64 on the path, not the pipeline
     python benchmarks/flag_ab.py early_o1     # fused.EARLY_O1: S_old q^T issued with P^T; wgmma not serialized
     python benchmarks/flag_ab.py state_scores --with aux_t  # fused.STATE_SCORES: q k^T in the state, not the aux
+    python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -117,6 +118,12 @@ STUDIES = {
     "state_scores": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
                                             "H16-HV32-4x8192-l2")}),
+    # The chunk inverse's block products on fp16 operands, not tf32: the T kernel (with
+    # --with aux_t,state_scores: the fused kernel's aux partition).
+    "f16_inverse": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "F16_OPERANDS",
+                    (gl.constexpr(False), gl.constexpr(True)), {
+                        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
+                                                            "H16-HV32-4x8192-l2")}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

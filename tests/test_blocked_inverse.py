@@ -3,11 +3,16 @@
 CPU: its algebra, step for step in float64 torch (the same masks and block products),
 against ``torch.linalg.inv`` on A tiles of random and strongly correlated keys, and the
 same algebra with every product's inputs rounded to tf32 against the power product the
-module rejects. GPU (sm_90 / sm_100): the kernel on one tile per program against float64,
-every element written (NaN-poisoned output).
+module rejects, and rounded to fp16 (:data:`F16_OPERANDS`) against tf32. GPU (sm_90 /
+sm_100): the kernel (both operand types) on one tile per program against float64, every
+element written (NaN-poisoned output).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +105,23 @@ def test_the_algebra_inverts_i_plus_a(cosine):
         assert _rel(model(A[t]), ref) < 1e-12
 
 
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.half().to(x.dtype)
+
+
+@pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99])
+def test_f16_products_round_as_tf32_ones(cosine):
+    """:data:`F16_OPERANDS`: fp16 inputs carry tf32's mantissa, so the algebra's error is
+    tf32's (within 10%) and near the rounding; the tiles' entries stay inside fp16's range."""
+    A = chunk_a(8, cosine, seed=6)
+    eye = torch.eye(64, dtype=torch.float64)
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        err16, err32 = _rel(model(A[t], _f16), ref), _rel(model(A[t], _tf32), ref)
+        assert err16 < 2e-3 and err16 <= 1.1 * err32, (err16, err32)
+        assert float(ref.abs().max()) < 1e3 and float(A[t].abs().max()) <= 1.0
+
+
 def test_tf32_products_keep_correlated_keys_accurate():
     """At key cosine 0.9, tf32 inputs: the doubling stays near tf32's rounding; the power
     product (what this module does not use) loses T to cancellation."""
@@ -114,16 +136,18 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
-                    reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
-@pytest.mark.parametrize("cosine", [0.0, 0.9])
-def test_kernel_matches_float64(cosine):
+def kernel_error(cosine: float, f16: bool) -> tuple[int, float]:
+    """(unwritten elements, relative error against float64) of the kernel on 512 tiles,
+    :data:`F16_OPERANDS` set to ``f16`` first: in a process that has compiled no kernel
+    reading the flag (a jit function's globals are fixed at its first compile)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
+    from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
+
+    blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
 
     @gluon.jit
     def tile_kernel(a_ptr, t_ptr):
@@ -141,5 +165,19 @@ def test_kernel_matches_float64(cosine):
     a = A.float().cuda()
     t = torch.full_like(a, float("nan"))
     tile_kernel[(A.shape[0],)](a, t, num_warps=4)
-    assert not bool(torch.isnan(t).any()), "elements left unwritten"
-    assert _rel(t.double().cpu(), ref) < (2e-4 if cosine == 0.0 else 2e-3)
+    return int(torch.isnan(t).sum()), _rel(t.double().cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
+                    reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
+@pytest.mark.parametrize("f16", [False, True], ids=["tf32", "f16"])
+@pytest.mark.parametrize("cosine", [0.0, 0.9])
+def test_kernel_matches_float64(cosine, f16):
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_blocked_inverse as t; "
+            f"print(*t.kernel_error({cosine}, {f16}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    unwritten, err = run.stdout.split()[-2:]
+    assert int(unwritten) == 0, "elements left unwritten"
+    assert float(err) < (2e-4 if cosine == 0.0 else 2e-3)

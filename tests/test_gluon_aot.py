@@ -30,6 +30,13 @@ from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
+
+
+def inverse_products(ptx: str) -> int:
+    """The blocked inverse's mma.sync in ``ptx``: fp16 ones (m16n8k16,
+    :data:`.blocked_inverse.F16_OPERANDS`), none left on tf32 (m16n8k8)."""
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
+    return ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 TMEM_COLUMNS = 512
 
 
@@ -348,7 +355,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     """With :data:`fused.AUX_T` the fused kernel forms T_u in its aux partition: the plan
     has no T descriptor, the aux partition issues k k^T beside q k^T (44 wgmma in all, 8
     more than the T_u-alone build; q k^T in the state partition with
-    :data:`fused.STATE_SCORES`) and the blocked inverse's 60 tf32 mma.sync, and reads
+    :data:`fused.STATE_SCORES`) and the blocked inverse's 30 fp16 mma.sync, and reads
     the raw gate and beta rows itself; the state partition refills k / q and v only (no T
     load anywhere); shared memory as planned (the inverse's 16 KB of tables more), the
     register budgets as without it, spills within the allowance."""
@@ -366,7 +373,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
                                      state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    assert inverse_products(report.ptx) == 30
     budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
     dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
@@ -563,7 +570,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     and commit: 14 (k k^T, q k^T, both w halves and u^T each before the loop and in it, and
     the chain's four; the default has 11: its second w half only in the loop); the load
     partition loads k, q and v alone (no T load anywhere); the aux partition forms the
-    inverse on 60 tf32 mma.sync and reads the raw gate and beta rows; shared memory as the
+    inverse on 30 fp16 mma.sync and reads the raw gate and beta rows; shared memory as the
     default's (the inverse's tables in the bytes of a w slot), within the opt-in limit, all
     512 TMEM columns and no more; spills within the build's allowance, none by default."""
     from gdn_dispatch.backends.gluon_sm100 import fused
@@ -583,7 +590,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM100]
     assert report.tmem_columns == fused.TMEM_COLUMNS == TMEM_COLUMNS
     assert "trap;" not in report.ptx
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    assert inverse_products(report.ptx) == 30
     mma, commit, load, plain = ("ttng.tc_gen5_mma", "ttng.tc_gen5_commit", "ttng.async_tma_copy_global_to_local",
                                 "tt.load ")
     ops = _partition_ops(report.ttgir, (mma, commit, load, plain))

@@ -26,6 +26,13 @@ from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 SM100, SM90 = (10, 0), (9, 0)
 
 
+def inverse_products(ptx: str) -> int:
+    """The blocked inverse's mma.sync in ``ptx``: fp16 ones (m16n8k16,
+    :data:`.blocked_inverse.F16_OPERANDS`), none left on tf32 (m16n8k8)."""
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
+    return ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+
+
 def _engine(capability):
     """The matrix engine of the backend that runs ``capability`` (the plans' ``ENGINE``)."""
     from gdn_dispatch.backends import gluon_sm90, gluon_sm100
@@ -122,7 +129,7 @@ def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
     K, V = 128, (128 if "V128" in spec else 64)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", report.ptx)
     assert set(wgmma) == {"m64n64k16"} and len(wgmma) == K // 16 + 4 * (K // 64 + V // 64)
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    assert inverse_products(report.ptx) == 30
     budget = 64 * (K + V) * 2 + 64 * 64 * 4
     assert budget <= report.shared_bytes <= budget + 1024
 
@@ -131,7 +138,7 @@ def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
 def test_early_rows_compile_without_spills(tails, monkeypatch):
     """With :data:`wy.WY_EARLY_ROWS` the T kernel and the w/u kernel load the gate and beta
-    rows before waiting for k: the same 60 mma.sync and wgmma counts, registers under each
+    rows before waiting for k: the same 30 mma.sync and wgmma counts, registers under each
     kernel's cap, no spill bytes in the w/u kernel and no more than the T kernel's
     allowance (its cap of five programs per SM keeps up to 16 bytes in local memory)."""
     from gdn_dispatch.backends import gluon_sm90
@@ -147,8 +154,54 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         report = compile_kernel(kernel, SM90)
         assert report.registers <= kernel.maxnreg
         assert report.spill_bytes <= (wy_t.WY_T_SPILL_BYTES_SM90 if kernel is t_kernel else 0)
-        assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+        assert inverse_products(report.ptx) == 30
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
+
+
+def t_kernel_build(f16: bool) -> dict:
+    """The varlen bf16 T kernel's compile report in numbers, with
+    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16`` first (in a process that has
+    compiled none: a jit function's globals are fixed at its first compile)."""
+    from triton.experimental.gluon import language as gl
+
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common import blocked_inverse, wy_t
+
+    blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
+    kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
+    report = compile_kernel(kernel, SM90)
+    return {"f16_mma": report.ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+            "tf32_mma": report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+            "shfl": report.ptx.count("shfl.sync"), "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)),
+            "registers": report.registers, "maxnreg": kernel.maxnreg, "spills": report.spill_bytes}
+
+
+@pytest.mark.slow
+def test_f16_inverse_compiles_to_half_the_products():
+    """With :data:`.blocked_inverse.F16_OPERANDS` the T kernel's inverse is 30 fp16
+    mma.sync (m16n8k16: one k-step per product) and no tf32 one, with fewer shuffles than
+    the tf32 build (no lhs conversions between products); the same 8 wgmma, registers under
+    the cap, spills within the T kernel's allowance."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    builds = {}
+    for f16 in (False, True):
+        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_wy as t; "
+                f"print(json.dumps(t.t_kernel_build({f16})))")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        builds[f16] = json.loads(run.stdout.splitlines()[-1])
+    tf32, f16 = builds[False], builds[True]
+    assert (f16["f16_mma"], f16["tf32_mma"], tf32["f16_mma"], tf32["tf32_mma"]) == (30, 0, 0, 60)
+    assert f16["shfl"] < tf32["shfl"], (f16, tf32)
+    assert f16["wgmma"] == tf32["wgmma"] == 8
+    assert f16["registers"] <= f16["maxnreg"] and f16["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, f16
 
 
 @pytest.mark.gpu
@@ -239,7 +292,7 @@ def test_regs_variant_compiles_to_register_operands(capability):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K64-V64-dense-fp16-gfp32-betafp32"])
 def test_blocked_variant_inverts_on_mma_sync(spec, monkeypatch):
-    """The w/u kernel's default sm_90a inverse: 60 tf32 mma.sync (fifteen 16 x 16 x 16
+    """The w/u kernel's default sm_90a inverse: 30 fp16 mma.sync (fifteen 16 x 16 x 16
     products per warp), the 64 x 64 wgmmas left to k k^T, w and u (here as whole tiles,
     :data:`wy.WY_SPLIT_WU` off: the test below takes them in blocks), no spills at the
     168-register cap, and one fp32 tile of shared memory beside k and v (the tables, then
@@ -253,7 +306,7 @@ def test_blocked_variant_inverts_on_mma_sync(spec, monkeypatch):
     budget = 64 * (K + V) * 2 + 64 * 64 * 4
     assert report.spill_bytes == 0 and report.registers <= wy.WY_MAXNREG_SM90
     assert budget <= report.shared_bytes <= budget + 1024
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
+    assert inverse_products(report.ptx) == 30
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.", report.ptx)
     # k k^T (n = 64, K / 16 steps), w = T k (n = K) and u = T v (n = V), 64 / 16 steps each.
     assert sorted(map(int, wgmma)) == sorted([64] * (K // 16) + [K] * 4 + [V] * 4)
@@ -286,10 +339,10 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_t_kernel_inverts_in_blocks_on_tf32_mma_sync(tails):
-    """The T kernel's default sm_90a inverse: fifteen 16 x 16 x 16 tf32 products per warp
-    (60 mma.sync m16n8k8), no fp16 operands, no tf32 redo, the 64 x 64 wgmmas left to K K^T
-    alone, and at its register cap (five programs per SM) no more spill bytes than the
+def test_t_kernel_inverts_in_blocks_on_mma_sync(tails):
+    """The T kernel's default sm_90a inverse: fifteen 16 x 16 x 16 fp16 products per warp
+    (30 mma.sync m16n8k16), no fp16 wgmma operands, no tf32 redo, the 64 x 64 wgmmas left to
+    K K^T alone, and at its register cap (five programs per SM) no more spill bytes than the
     allowance."""
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common import wy_t
@@ -302,8 +355,8 @@ def test_t_kernel_inverts_in_blocks_on_tf32_mma_sync(tails):
     assert (kernel.maxnreg, kernel.spill_bytes_allowed) == (wy_t.WY_T_MAXNREG_SM90, wy_t.WY_T_SPILL_BYTES_SM90)
     report = compile_kernel(kernel, SM90)
     assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
-    assert report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 60
-    assert "f16.f16" not in report.ptx
+    assert inverse_products(report.ptx) == 30
+    assert not re.search(r"wgmma\S*\.f16\.f16", report.ptx)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)
     assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 128 // 16
 

@@ -1,6 +1,6 @@
 """The chunk inverse ``T = (I + A)^-1`` of a strictly lower fp32 [64, 64] tile in 16 x 16
-blocks, one warp per block row, on tf32 ``mma_v2`` (mma.sync) instead of ten 64 x 64
-products.
+blocks, one warp per block row, on ``mma_v2`` (mma.sync; fp16 operands, :data:`F16_OPERANDS`)
+instead of ten 64 x 64 products.
 
 A 4-warp program holds A as a wgmma accumulator, where warp ``r`` owns rows ``16 r .. 16 r
 + 15``: its blocks ``A[r, r - d]`` come out into a rank-3 ``[4, 16, 16]`` mma.sync layout
@@ -25,7 +25,8 @@ threads; T goes back the same way. Per warp:
   products: ten dependent ones per warp in all, where ``-X_r (sum_m A[r, m] T[m, c])``
   chained fifteen.
 
-Fifteen 16 x 16 x 16 tf32 products per warp (60 mma.sync), three CTA barriers.
+Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16 on fp16
+operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off).
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrie
 
 BLOCKS = gl.constexpr(4)
 BLOCK = gl.constexpr(16)
+#: The block products' operands in fp16 (m16n8k16 mma.sync, fp32 accumulators) instead of
+#: tf32 (m16n8k8). fp16 keeps tf32's 10-bit mantissa, so each product rounds its inputs
+#: alike (the CPU model's error is tf32's at key cosines 0 to 0.99); a product's fp32
+#: accumulator becomes the next one's lhs by packing pairs in place (tf32's lhs fragment is
+#: not the accumulator's: the T kernel's inverse had 128 shuffles, 24 now), and each product
+#: is one k-step where tf32 chained two. Its range is fp16's: the entries of A and T must
+#: stay under 65504, which unit keys with beta in [0, 1] keep (|A| <= 1, and |T| <= 1 at key
+#: cosines up to 0.999 in the CPU model). H100, triton 3.6.0, `flag_ab.py f16_inverse`: the
+#: T kernel 0.392-0.402 -> 0.365 ms on ragged16, 0.203-0.205 -> 0.206 at 4 x 8192; the
+#: one-kernel build (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x
+#: 8192, 1.121-1.139 -> 1.014-1.020 on ragged16; outputs within 2.2e-4 of tf32's. The
+#: tables' slots are rounded to fp16 as loaded, before :func:`_shifted` selects among them
+#: (the same operands; the timed build rounded after, and its T kernel spilled 56-96 bytes
+#: at the 96-register cap, over the 64 allowed in the qk l2 norm's builds: 40-48 now).
+F16_OPERANDS = gl.constexpr(True)
 
 
 @gluon.constexpr_function
@@ -65,16 +81,22 @@ def table_layout(rank=3):
 
 
 @gluon.constexpr_function
-def _rhs_layout():
-    return gl.DotOperandLayout(operand_index=1, parent=block_mma_layout(), k_width=1)
+def _operand_layout(index, f16):
+    """A block product's operand ``index`` (0: lhs, 1: rhs): fp16 pairs or tf32 singles."""
+    return gl.DotOperandLayout(operand_index=index, parent=block_mma_layout(), k_width=2 if f16 else 1)
 
 
 @gluon.jit
 def _mm(x, y, acc):
-    """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, tf32 mma.sync."""
-    MMA: gl.constexpr = block_mma_layout()
-    lhs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    return mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, _rhs_layout()), acc, input_precision="tf32")
+    """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, mma.sync on fp16 operands
+    (tf32 with :data:`F16_OPERANDS` off)."""
+    lhs: gl.constexpr = _operand_layout(0, F16_OPERANDS)
+    rhs: gl.constexpr = _operand_layout(1, F16_OPERANDS)
+    if F16_OPERANDS:
+        out = mma_v2(gl.convert_layout(x.to(gl.float16), lhs), gl.convert_layout(y.to(gl.float16), rhs), acc)
+    else:
+        out = mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, rhs), acc, input_precision="tf32")
+    return out
 
 
 @gluon.jit
@@ -110,16 +132,17 @@ def _diagonal(a4, d: gl.constexpr):
 @gluon.jit
 def _shifted(table, s: gl.constexpr):
     """The batch whose block r is ``table``'s slot r - s (zeros for r < s), as the rhs
-    operand of :func:`_mm`: each warp reads the slots in the operand's layout (a load
+    operand of :func:`_mm` (in fp16 with :data:`F16_OPERANDS`): each warp reads the slots in the operand's layout (a load
     replicated over the warps), then keeps its own, so that no layout conversion follows.
     (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple
     of its size.)"""
-    RHS: gl.constexpr = _rhs_layout()
+    RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
     b, _, _ = block_ids(RHS)
     rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))
-    out = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, RHS)
+    dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
+    out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
     for k in gl.static_range(BLOCKS - s):
-        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS))
+        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
         out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
     return out
 

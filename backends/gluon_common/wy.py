@@ -46,7 +46,7 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   bound by instruction issue (masks, conversions, stores), not by the tensor cores.
 * "blocked" (sm_90a, the default; elsewhere as "regs"): no 64 x 64 products at all: A's
   16 x 16 blocks are taken out of the k k^T accumulator and inverted one warp per block
-  row on tf32 mma.sync (:mod:`.blocked_inverse`: fifteen 16 x 16 x 16 products per warp,
+  row on mma.sync (:mod:`.blocked_inverse`: fifteen 16 x 16 x 16 products per warp,
   tables in one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared
   memory, no spills at 168 registers). On the H200 the w/u kernel 12-14% faster than
   "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
@@ -454,7 +454,7 @@ def _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV
 @gluon.jit
 def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, x_smem, kk_bar,
                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early=None):
-    """:func:`chunk_t` with the inverse in 16 x 16 blocks on tf32 mma.sync
+    """:func:`chunk_t` with the inverse in 16 x 16 blocks on mma.sync
     (:func:`.blocked_inverse.blocked_unit_lower_inverse`; sm_90a, 4 warps), its three
     tables in the first 12 KB of the fp32 [64, 64] tile ``x_smem``, which is free again on
     return. ``rows_early``: what :func:`chunk_rows_early` returned."""

@@ -10,7 +10,7 @@ kernel then needs 8 KB per chunk and head from here (T_u alone; 16 KB with T_w) 
 of w and u (32 KB each at K = V = 128): the inverse is a chain of ten dependent
 products, which many small programs per SM run side by side here, while the fused
 kernel's one aux warpgroup per SM would take them one chunk at a time. On sm_90a the
-inverse runs in 16 x 16 blocks on tf32 mma.sync (:mod:`.blocked_inverse`,
+inverse runs in 16 x 16 blocks on mma.sync (:mod:`.blocked_inverse`,
 :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16 operands with a tf32 redo where T
 leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
@@ -211,7 +211,7 @@ def t_tiles_per_chunk(engine) -> int:
 #: equal to 3e-5).
 WY_T_F16_INVERSE = True
 
-#: The inverse in 16 x 16 blocks on tf32 mma.sync (:mod:`.blocked_inverse`; sm_90a, 4 warps)
+#: The inverse in 16 x 16 blocks on mma.sync (:mod:`.blocked_inverse`; sm_90a, 4 warps)
 #: instead of ten 64 x 64 wgmma products on fp16 operands with a tf32 redo. H200, triton
 #: 3.6.0, H16-HV32: the T kernel 0.314 -> 0.286 ms at 4 x 8192, 0.632 -> 0.520 on ragged16
 #: (outputs within 2.2e-4 of each other). The sm_100a build keeps the 64 x 64 inverse: its

@@ -884,7 +884,13 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: 1.075 and 1.106. The single warpgroup still forms the inverse slower than the state
 #: consumes it: Proton's cycles read 2.25e5 in ``aux.inverse`` (75% of the aux's loop)
 #: against 4.18e5 in the state's ``state.wait_aux`` (62% of its loop;
-#: ``partition_profile.py --aux-t``, ``logs/h100_partition_profile_aux_t.log``).
+#: ``partition_profile.py --aux-t``, ``logs/h100_partition_profile_aux_t.log``). With
+#: :data:`STATE_SCORES` and the inverse on fp16 operands
+#: (:data:`.blocked_inverse.F16_OPERANDS`, on) it is the faster build on the H100: 0.553
+#: ms at 4 x 8192 against the two kernels' 0.579, 1.014 against 1.046 on ragged16, 1.094
+#: against 1.107 at HV 64 (``flag_ab.py f16_inverse [--with aux_t,state_scores]``,
+#: ``logs/h100_f16_inverse*.log``). Off until the GPU tier and the bench have run with
+#: both on (the tests' ``aux-t-state-scores`` variant ran; no bench yet).
 AUX_T = False
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
@@ -892,9 +898,12 @@ AUX_T = False
 #: in), which waits on the aux partition most of its loop there, instead of by the aux,
 #: whose inverse sets the pace (``aux.scores`` a fifth of its loop in the profile above);
 #: the aux hands the state its gate rows instead (:func:`_store_gates_and_rows`).
-#: Compiled and checked only (not serialized, 44 wgmma as without it): not yet run on a
-#: GPU, so off until it has (``python benchmarks/flag_ab.py state_scores --with aux_t``,
-#: the GPU tests' ``aux-t-state-scores`` variant).
+#: Not serialized, 44 wgmma as without it. H100 80GB HBM3, triton 3.6.0 (``python
+#: benchmarks/flag_ab.py state_scores --with aux_t``, ``logs/h100_state_scores_ab.log``,
+#: two rounds, outputs bit-equal): the fused kernel 0.631 -> 0.603 ms at H16-HV32 4 x
+#: 8192, 1.141 -> 1.144 on ragged16, 1.256 -> 1.191 at HV 64; the GPU tests' aux-t
+#: variants and fuzz cases pass with it, the sanitizers are clean. Off with AUX_T: the
+#: form AUX_T should ship with.
 STATE_SCORES = False
 
 
