@@ -119,11 +119,13 @@ STUDIES = {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
                                             "H16-HV32-4x8192-l2")}),
     # The chunk inverse's block products on fp16 operands, not tf32: the T kernel (with
-    # --with aux_t,state_scores: the fused kernel's aux partition).
+    # --with aux_t,state_scores: the fused kernel's aux partition), and the w/u kernel of the
+    # pipeline's calls and of context parallelism's segmented ones (the 1 x 32768 shards).
     "f16_inverse": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "F16_OPERANDS",
                     (gl.constexpr(False), gl.constexpr(True)), {
-                        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
-                                                            "H16-HV32-4x8192-l2")}),
+                        **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                               "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
+                        **_WY_SHAPES}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),
