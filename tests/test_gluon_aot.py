@@ -30,6 +30,7 @@ from gdn_dispatch.backends import gluon_sm90, gluon_sm100  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
+TMEM_COLUMNS = 512
 
 
 def inverse_products(ptx: str) -> int:
@@ -37,7 +38,6 @@ def inverse_products(ptx: str) -> int:
     :data:`.blocked_inverse.F16_OPERANDS`), none left on tf32 (m16n8k8)."""
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
     return ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
-TMEM_COLUMNS = 512
 
 
 @gluon.jit

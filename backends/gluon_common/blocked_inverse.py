@@ -132,10 +132,10 @@ def _diagonal(a4, d: gl.constexpr):
 @gluon.jit
 def _shifted(table, s: gl.constexpr):
     """The batch whose block r is ``table``'s slot r - s (zeros for r < s), as the rhs
-    operand of :func:`_mm` (in fp16 with :data:`F16_OPERANDS`): each warp reads the slots in the operand's layout (a load
-    replicated over the warps), then keeps its own, so that no layout conversion follows.
-    (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple
-    of its size.)"""
+    operand of :func:`_mm` (in fp16 with :data:`F16_OPERANDS`): each warp reads the slots
+    in the operand's layout (a load replicated over the warps), then keeps its own, so
+    that no layout conversion follows. (A view of the slots shifted by s is not one: a
+    sub-view's offset must be a multiple of its size.)"""
     RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
     b, _, _ = block_ids(RHS)
     rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))

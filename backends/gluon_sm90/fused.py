@@ -786,12 +786,13 @@ def _fused_fwd_kernel(
 SPILL_BYTES = 256
 #: Spill bytes with :data:`AUX_T`: the blocked inverse beside the aux partition's loop
 #: scalars at 120 registers (the state keeps its 192; at 128 Triton gives the state 184 and
-#: both spill more). With :data:`STATE_SCORES` 80-220 bytes per
-#: specialization at V = 128 (triton 3.6.0 and 3.9.0), 0-56 at K = 64
-#: (:data:`SMALL_HEADS`), none at V = 64; with the scores in the aux 104-136, 424-456 with
-#: the qk l2 norm on chip, up to 104 / 452 at K = 64. In the SASS of the aux-scores l2
-#: build (29 STL, 46 LDL) the stores are the aux partition's loop-invariant scalars at its
-#: entry, reloaded a few at a time in its chunk loop.
+#: both spill more). With the inverse on fp16 operands (triton 3.6.0): with
+#: :data:`STATE_SCORES` 72-188 bytes per specialization at V = 128, 0-40 at K = 64
+#: (:data:`SMALL_HEADS`), none at V = 64; with the scores in the aux 16-24, 324-332 with
+#: the qk l2 norm on chip, 24 / 320 at K = 64 (on tf32, under 3.6.0 and 3.9.0: 80-220 and
+#: 0-56; 104-136, 424-456, up to 104 / 452). In the SASS of the aux-scores l2 build (tf32:
+#: 29 STL, 46 LDL) the stores are the aux partition's loop-invariant scalars at its entry,
+#: reloaded a few at a time in its chunk loop.
 AUX_T_SPILL_BYTES = 464
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
