@@ -21,7 +21,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 
-from gdn_dispatch.backends.gluon_common import engine as E  # noqa: E402
+from gdn_dispatch.backends.gluon_common import blocked_inverse, engine as E  # noqa: E402
 from gdn_dispatch.backends.gluon_common.compat import tma_load, tma_store  # noqa: E402
 from gdn_dispatch.aot import AotKernel, compile_kernel  # noqa: E402
 from gdn_dispatch.device import SMEM_OPTIN, assumed_device  # noqa: E402
@@ -32,12 +32,6 @@ from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # no
 SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
 
-
-def inverse_products(ptx: str) -> int:
-    """The blocked inverse's mma.sync in ``ptx``: fp16 ones (m16n8k16,
-    :data:`.blocked_inverse.F16_OPERANDS`), none left on tf32 (m16n8k8)."""
-    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
-    return ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
 
 @gluon.jit
@@ -373,7 +367,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
                                      state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
-    assert inverse_products(report.ptx) == 30
+    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
     budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
     dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
@@ -590,7 +584,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM100]
     assert report.tmem_columns == fused.TMEM_COLUMNS == TMEM_COLUMNS
     assert "trap;" not in report.ptx
-    assert inverse_products(report.ptx) == 30
+    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
     mma, commit, load, plain = ("ttng.tc_gen5_mma", "ttng.tc_gen5_commit", "ttng.async_tma_copy_global_to_local",
                                 "tt.load ")
     ops = _partition_ops(report.ttgir, (mma, commit, load, plain))

@@ -19,18 +19,12 @@ from gdn_dispatch.aot import compile_kernel  # noqa: E402
 from gdn_dispatch.device import SMEM_OPTIN, SMEM_RESERVED_PER_BLOCK, assumed_device  # noqa: E402
 from gdn_dispatch.testing import random_problem  # noqa: E402
 
-from gdn_dispatch.backends.gluon_common import wy  # noqa: E402
+from gdn_dispatch.backends.gluon_common import blocked_inverse, wy  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 
 SM100, SM90 = (10, 0), (9, 0)
 
-
-def inverse_products(ptx: str) -> int:
-    """The blocked inverse's mma.sync in ``ptx``: fp16 ones (m16n8k16,
-    :data:`.blocked_inverse.F16_OPERANDS`), none left on tf32 (m16n8k8)."""
-    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" not in ptx
-    return ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
 
 def _engine(capability):
@@ -129,7 +123,7 @@ def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
     K, V = 128, (128 if "V128" in spec else 64)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", report.ptx)
     assert set(wgmma) == {"m64n64k16"} and len(wgmma) == K // 16 + 4 * (K // 64 + V // 64)
-    assert inverse_products(report.ptx) == 30
+    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
     budget = 64 * (K + V) * 2 + 64 * 64 * 4
     assert budget <= report.shared_bytes <= budget + 1024
 
@@ -154,7 +148,7 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         report = compile_kernel(kernel, SM90)
         assert report.registers <= kernel.maxnreg
         assert report.spill_bytes <= (wy_t.WY_T_SPILL_BYTES_SM90 if kernel is t_kernel else 0)
-        assert inverse_products(report.ptx) == 30
+        assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
 
 
@@ -165,16 +159,16 @@ def t_kernel_build(f16: bool) -> dict:
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_common import blocked_inverse, wy_t
+    from gdn_dispatch.backends.gluon_common import wy_t
 
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
-    return {"f16_mma": report.ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
-            "tf32_mma": report.ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
-            "shfl": report.ptx.count("shfl.sync"), "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)),
-            "registers": report.registers, "maxnreg": kernel.maxnreg, "spills": report.spill_bytes}
+    products = blocked_inverse.ptx_products(report.ptx)
+    return {"f16_mma": products["f16"], "tf32_mma": products["tf32"], "shfl": report.ptx.count("shfl.sync"),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)), "registers": report.registers,
+            "maxnreg": kernel.maxnreg, "spills": report.spill_bytes}
 
 
 @pytest.mark.slow
@@ -306,7 +300,7 @@ def test_blocked_variant_inverts_on_mma_sync(spec, monkeypatch):
     budget = 64 * (K + V) * 2 + 64 * 64 * 4
     assert report.spill_bytes == 0 and report.registers <= wy.WY_MAXNREG_SM90
     assert budget <= report.shared_bytes <= budget + 1024
-    assert inverse_products(report.ptx) == 30
+    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.", report.ptx)
     # k k^T (n = 64, K / 16 steps), w = T k (n = K) and u = T v (n = V), 64 / 16 steps each.
     assert sorted(map(int, wgmma)) == sorted([64] * (K // 16) + [K] * 4 + [V] * 4)
@@ -355,7 +349,7 @@ def test_t_kernel_inverts_in_blocks_on_mma_sync(tails):
     assert (kernel.maxnreg, kernel.spill_bytes_allowed) == (wy_t.WY_T_MAXNREG_SM90, wy_t.WY_T_SPILL_BYTES_SM90)
     report = compile_kernel(kernel, SM90)
     assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
-    assert inverse_products(report.ptx) == 30
+    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
     assert not re.search(r"wgmma\S*\.f16\.f16", report.ptx)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)
     assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 128 // 16

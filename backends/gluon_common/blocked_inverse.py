@@ -55,6 +55,17 @@ BLOCK = gl.constexpr(16)
 #: at the 96-register cap, over the 64 allowed in the qk l2 norm's builds: 40-48 now).
 F16_OPERANDS = gl.constexpr(True)
 
+#: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
+#: mma.sync of the kernels that run the inverse; compile checks count them).
+PRODUCT_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+               "tf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}
+
+
+def ptx_products(ptx: str) -> dict:
+    """Block products in ``ptx`` by operand type: ``{"f16": n, "tf32": m}`` (one inverse
+    is 30 fp16 ones, or 60 tf32 ones with :data:`F16_OPERANDS` off)."""
+    return {kind: ptx.count(spelling) for kind, spelling in PRODUCT_PTX.items()}
+
 
 @gluon.constexpr_function
 def block_mma_layout():
