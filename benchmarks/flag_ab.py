@@ -24,6 +24,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py early_o1     # fused.EARLY_O1: S_old q^T issued with P^T; wgmma not serialized
     python benchmarks/flag_ab.py state_scores --with aux_t  # fused.STATE_SCORES: q k^T in the state, not the aux
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
+    python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: its tables in fp16, ldmatrix reads
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -122,6 +123,12 @@ STUDIES = {
     # --with aux_t,state_scores: the fused kernel's aux partition), and the w/u kernel of the
     # pipeline's calls and of context parallelism's segmented ones (the 1 x 32768 shards).
     "f16_inverse": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "F16_OPERANDS",
+                    (gl.constexpr(False), gl.constexpr(True)), {
+                        **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                               "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
+                        **_WY_SHAPES}),
+    # The inverse's tables in fp16: each warp's shifted read one ldmatrix (the same shapes).
+    "half_tables": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "HALF_TABLES",
                     (gl.constexpr(False), gl.constexpr(True)), {
                         **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
                                                                "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},

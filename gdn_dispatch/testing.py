@@ -307,3 +307,45 @@ def hang_guard(seconds: float, fd: int | None = None):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+#: Values a build flag setting may read as a boolean (:func:`set_build_flags`).
+_FLAG_WORDS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
+def set_build_flags(settings: list[str]) -> dict:
+    """Sets kernel build flags (module globals such as
+    ``gluon_common.blocked_inverse.HALF_TABLES``) from ``MODULE.NAME=VALUE`` strings,
+    MODULE under ``gdn_dispatch.backends``; VALUE 1/0, true/false, on/off or an integer.
+    A flag held as a ``gl.constexpr`` stays one. For whole test or sanitizer runs on a build
+    not shipped: call it before any kernel compiles (a jit function's globals are fixed at
+    its first compile). Returns ``{setting's name: value set}``; raises ``ValueError``
+    naming the setting on a malformed one, an unknown module or flag, or a value of
+    another type than the flag's."""
+    import importlib
+
+    done = {}
+    for setting in settings:
+        name, sep, raw = setting.partition("=")
+        module_name, _, flag = name.strip().rpartition(".")
+        if not sep or not module_name or not flag:
+            raise ValueError(f"build flag {setting!r}: expected MODULE.NAME=VALUE")
+        try:
+            module = importlib.import_module(f"gdn_dispatch.backends.{module_name}")
+        except ModuleNotFoundError as err:
+            raise ValueError(f"build flag {setting!r}: no module gdn_dispatch.backends.{module_name}") from err
+        if not hasattr(module, flag):
+            raise ValueError(f"build flag {setting!r}: {module.__name__} has no flag {flag}")
+        current = getattr(module, flag)
+        held = getattr(current, "value", current) if type(current).__name__ == "constexpr" else current
+        word = raw.strip().lower()
+        if isinstance(held, bool) and word in _FLAG_WORDS:
+            value = _FLAG_WORDS[word]
+        elif isinstance(held, int) and not isinstance(held, bool) and word.lstrip("-").isdigit():
+            value = int(word)
+        else:
+            raise ValueError(f"build flag {setting!r}: {module.__name__}.{flag} holds {held!r}, "
+                             f"which {raw.strip()!r} does not replace")
+        setattr(module, flag, type(current)(value) if current is not held else value)
+        done[name.strip()] = value
+    return done

@@ -7,7 +7,19 @@ import os
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                     help="set a kernel build flag under gdn_dispatch.backends for the whole run, e.g. "
+                          "gluon_common.blocked_inverse.HALF_TABLES=1 (gdn_dispatch.testing.set_build_flags)")
+
+
 def pytest_configure(config):
+    # Build flags first, in every process (pytest-xdist's workers parse the same options):
+    # a jit function's globals are fixed at its first compile.
+    if config.getoption("--build-flag"):
+        from gdn_dispatch.testing import set_build_flags
+
+        set_build_flags(config.getoption("--build-flag"))
     # The run reads no cache of the user's (self-test verdicts, the native host layer a
     # warmup built): tests that assume neither would take other paths where one exists.
     # A cache named in the environment is kept (GPU runs name the one holding their build).

@@ -1,6 +1,6 @@
 """compute-sanitizer over a fixed set of calls per GPU backend (the sanitizer tier).
 
-    python tests/sanitize.py [--tools memcheck,racecheck,synccheck] [--backends NAMES]
+    python tests/sanitize.py [--tools memcheck,racecheck,synccheck] [--backends NAMES] [--build-flag M.NAME=V ...]
 
 For every (backend, tool) pair a child process runs the calls below under
 ``compute-sanitizer --tool TOOL --report-api-errors no`` (the cuda-python probe's lookups of
@@ -235,13 +235,15 @@ def _run_tool(tool: str, script: list[str], exclude: tuple[str, ...] = ()) -> tu
     return (int(found.group(1)) if found else None), done.returncode, seconds, out
 
 
-def sanitize(backend: str, tool: str, exclude: tuple[str, ...] = ()) -> tuple[int | None, int, float, str]:
-    """:func:`_run_tool` over the backend's calls (the ``--child`` run); with kernels
-    excluded, without the warp-specialized state-output walk too (its kernel shares its
-    name with the one-warpgroup walk's): the "ws" calls left out, the others on the
-    one-warpgroup walk."""
-    return _run_tool(tool, [str(Path(__file__).resolve()), "--child", backend] + (["--skip-ws"] if exclude else []),
-                     exclude)
+def sanitize(backend: str, tool: str, exclude: tuple[str, ...] = (),
+             build_flags: tuple[str, ...] = ()) -> tuple[int | None, int, float, str]:
+    """:func:`_run_tool` over the backend's calls (the ``--child`` run, with
+    ``build_flags`` set in it); with kernels excluded, without the warp-specialized
+    state-output walk too (its kernel shares its name with the one-warpgroup walk's): the
+    "ws" calls left out, the others on the one-warpgroup walk."""
+    flags = [arg for flag in build_flags for arg in ("--build-flag", flag)]
+    return _run_tool(tool, [str(Path(__file__).resolve()), "--child", backend, *flags]
+                     + (["--skip-ws"] if exclude else []), exclude)
 
 
 def racecheck_orders_partitions() -> bool:
@@ -260,8 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default=None, help="comma-separated GPU backends (default: those this GPU runs)")
     parser.add_argument("--child", metavar="BACKEND", help=argparse.SUPPRESS)
     parser.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel build flag under gdn_dispatch.backends set in every child, e.g. "
+                             "gluon_common.blocked_inverse.HALF_TABLES=1")
     args = parser.parse_args(argv)
     if args.child:
+        if args.build_flag:
+            from gdn_dispatch.testing import set_build_flags
+
+            set_build_flags(args.build_flag)
         return run_calls(args.child, args.skip_ws)
 
     tools = [t for t in args.tools.split(",") if t]
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         for tool in tools:
             exclude = WARP_SPECIALIZED.get(backend, ()) if tool == "racecheck" and unjudged else ()
-            errors, code, seconds, out = sanitize(backend, tool, exclude)
+            errors, code, seconds, out = sanitize(backend, tool, exclude, tuple(args.build_flag))
             clean = errors == 0 and code == 0
             status |= not clean
             rows.append((backend, tool + ("*" if exclude else ""), len(CALLS[backend]),

@@ -3,9 +3,10 @@
 CPU: its algebra, step for step in float64 torch (the same masks and block products),
 against ``torch.linalg.inv`` on A tiles of random and strongly correlated keys, and the
 same algebra with every product's inputs rounded to tf32 against the power product the
-module rejects, and rounded to fp16 (:data:`F16_OPERANDS`) against tf32. GPU (sm_90 /
-sm_100): the kernel (both operand types) on one tile per program against float64, every
-element written (NaN-poisoned output).
+module rejects, and rounded to fp16 (:data:`F16_OPERANDS`) against tf32, with the fp16
+tables (:data:`HALF_TABLES`) against fp32 ones. GPU (sm_90 / sm_100): the kernel (both
+operand types, both table types) on one tile per program against float64, every element
+written (NaN-poisoned output and tables).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ def _tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & -0x2000).view(torch.float32).to(x.dtype)
 
 
-def model(A: torch.Tensor, rnd=lambda x: x) -> torch.Tensor:
-    """The module's algorithm on one [64, 64] tile; ``rnd`` rounds every product's inputs."""
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    return x.half().to(x.dtype)
+
+
+def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False) -> torch.Tensor:
+    """The module's algorithm on one [64, 64] tile; ``rnd`` rounds every product's inputs;
+    ``half_tables``: T's block diagonals 0 to 2 come back through fp16 tables
+    (:data:`HALF_TABLES`)."""
     mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
     blk = lambda M, r, c: M[16 * r:16 * r + 16, 16 * c:16 * c + 16]  # noqa: E731
     i = torch.arange(16)[:, None]
@@ -73,6 +80,9 @@ def model(A: torch.Tensor, rnd=lambda x: x) -> torch.Tensor:
             for m in range(r - dd + 1, r):
                 acc = acc + mm(M[r][r - m], blk(T, m, r - dd))
             T[16 * r:16 * r + 16, 16 * (r - dd):16 * (r - dd) + 16] = acc
+    if half_tables:
+        r, c = torch.arange(64)[:, None] // 16, torch.arange(64)[None, :] // 16
+        T = torch.where(r - c < 3, _f16(T), T)
     return T
 
 
@@ -105,10 +115,6 @@ def test_the_algebra_inverts_i_plus_a(cosine):
         assert _rel(model(A[t]), ref) < 1e-12
 
 
-def _f16(x: torch.Tensor) -> torch.Tensor:
-    return x.half().to(x.dtype)
-
-
 @pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99])
 def test_f16_products_round_as_tf32_ones(cosine):
     """:data:`F16_OPERANDS`: fp16 inputs carry tf32's mantissa, so the algebra's error is
@@ -120,6 +126,24 @@ def test_f16_products_round_as_tf32_ones(cosine):
         err16, err32 = _rel(model(A[t], _f16), ref), _rel(model(A[t], _tf32), ref)
         assert err16 < 2e-3 and err16 <= 1.1 * err32, (err16, err32)
         assert float(ref.abs().max()) < 1e3 and float(A[t].abs().max()) <= 1.0
+
+
+@pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99])
+def test_half_tables_round_three_diagonals_of_t_once_more(cosine):
+    """:data:`HALF_TABLES`: the products read the same fp16 operands, so T differs from the
+    fp32 tables' only in its block diagonals 0 to 2, by their fp16 rounding (2^-11 of each
+    entry, 2^-25 below fp16's normal range), and stays as accurate (T leaves every kernel as bf16 / fp16)."""
+    A = chunk_a(8, cosine, seed=7)
+    eye = torch.eye(64, dtype=torch.float64)
+    r, c = torch.arange(64)[:, None] // 16, torch.arange(64)[None, :] // 16
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        full, half = model(A[t], _f16), model(A[t], _f16, half_tables=True)
+        assert torch.equal(half[r - c == 3], full[r - c == 3])
+        # fp16's unit roundoff, and half its smallest subnormal below its normal range.
+        assert bool(((half - full).abs() <= torch.clamp(full.abs() * 2.0 ** -11, min=2.0 ** -25)).all())
+        assert not torch.equal(half, full)
+        assert _rel(half, ref) <= 1.05 * _rel(full, ref) + 2.0 ** -11
 
 
 def test_tf32_products_keep_correlated_keys_accurate():
@@ -136,18 +160,22 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-def kernel_error(cosine: float, f16: bool) -> tuple[int, float]:
+def kernel_error(cosine: float, f16: bool, half: bool = False) -> tuple[int, float]:
     """(unwritten elements, relative error against float64) of the kernel on 512 tiles,
-    :data:`F16_OPERANDS` set to ``f16`` first: in a process that has compiled no kernel
-    reading the flag (a jit function's globals are fixed at its first compile)."""
+    :data:`F16_OPERANDS` set to ``f16`` and :data:`HALF_TABLES` to ``half`` first: in a
+    process that has compiled no kernel reading the flags (a jit function's globals are
+    fixed at its first compile). The tables' buffer is NaN on entry, so that a read of a
+    slot the inverse did not write this call shows in T."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
+    from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
 
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
+    blocked_inverse.HALF_TABLES = gl.constexpr(half)
 
     @gluon.jit
     def tile_kernel(a_ptr, t_ptr):
@@ -155,10 +183,12 @@ def kernel_error(cosine: float, f16: bool) -> tuple[int, float]:
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
         off = gl.program_id(0).to(gl.int64) * 4096 + gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
-        xs = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
-        ys = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
-        ws = gl.allocate_shared_memory(gl.float32, [4, 16, 16], table_layout())
-        gl.store(t_ptr + off, blocked_unit_lower_inverse(gl.load(a_ptr + off), xs, ys, ws))
+        tables = gl.allocate_shared_memory(gl.float32, [16, 16, 16], table_layout())
+        nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
+        for q in gl.static_range(4):
+            tables.slice(4 * q, 4).store(nan)
+        thread_barrier()
+        gl.store(t_ptr + off, blocked_unit_lower_inverse(gl.load(a_ptr + off), tables))
 
     A = chunk_a(512, cosine, seed=5)
     ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
@@ -171,11 +201,12 @@ def kernel_error(cosine: float, f16: bool) -> tuple[int, float]:
 @pytest.mark.gpu
 @pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
                     reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
-@pytest.mark.parametrize("f16", [False, True], ids=["tf32", "f16"])
+@pytest.mark.parametrize("f16, half", [(False, False), (True, False), (True, True)],
+                         ids=["tf32", "f16", "f16-half-tables"])
 @pytest.mark.parametrize("cosine", [0.0, 0.9])
-def test_kernel_matches_float64(cosine, f16):
+def test_kernel_matches_float64(cosine, f16, half):
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_blocked_inverse as t; "
-            f"print(*t.kernel_error({cosine}, {f16}))")
+            f"print(*t.kernel_error({cosine}, {f16}, {half}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     unwritten, err = run.stdout.split()[-2:]

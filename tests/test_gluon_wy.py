@@ -152,23 +152,43 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
 
 
-def t_kernel_build(f16: bool) -> dict:
+def t_kernel_build(f16: bool, half: bool = False) -> dict:
     """The varlen bf16 T kernel's compile report in numbers, with
-    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16`` first (in a process that has
-    compiled none: a jit function's globals are fixed at its first compile)."""
+    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16`` and
+    :data:`.blocked_inverse.HALF_TABLES` to ``half`` first (in a process that has compiled
+    none: a jit function's globals are fixed at its first compile)."""
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common import wy_t
 
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
+    blocked_inverse.HALF_TABLES = gl.constexpr(half)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
     products = blocked_inverse.ptx_products(report.ptx)
     return {"f16_mma": products["f16"], "tf32_mma": products["tf32"], "shfl": report.ptx.count("shfl.sync"),
             "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)), "registers": report.registers,
-            "maxnreg": kernel.maxnreg, "spills": report.spill_bytes}
+            "maxnreg": kernel.maxnreg, "spills": report.spill_bytes, "ldmatrix": report.ptx.count("ldmatrix"),
+            "ld_shared": len(re.findall(r"\bld\.shared", report.ptx))}
+
+
+def _t_kernel_builds(*flags) -> list[dict]:
+    """:func:`t_kernel_build` of each ``(f16, half)`` in ``flags``, each in a process of its own."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    builds = []
+    for f16, half in flags:
+        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_wy as t; "
+                f"print(json.dumps(t.t_kernel_build({f16}, {half})))")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        builds.append(json.loads(run.stdout.splitlines()[-1]))
+    return builds
 
 
 @pytest.mark.slow
@@ -177,25 +197,26 @@ def test_f16_inverse_compiles_to_half_the_products():
     mma.sync (m16n8k16: one k-step per product) and no tf32 one, with fewer shuffles than
     the tf32 build (no lhs conversions between products); the same 8 wgmma, registers under
     the cap, spills within the T kernel's allowance."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from gdn_dispatch.backends.gluon_common import wy_t
 
-    builds = {}
-    for f16 in (False, True):
-        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_wy as t; "
-                f"print(json.dumps(t.t_kernel_build({f16})))")
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stderr[-3000:]
-        builds[f16] = json.loads(run.stdout.splitlines()[-1])
-    tf32, f16 = builds[False], builds[True]
+    tf32, f16 = _t_kernel_builds((False, False), (True, False))
     assert (f16["f16_mma"], f16["tf32_mma"], tf32["f16_mma"], tf32["tf32_mma"]) == (30, 0, 0, 60)
     assert f16["shfl"] < tf32["shfl"], (f16, tf32)
     assert f16["wgmma"] == tf32["wgmma"] == 8
     assert f16["registers"] <= f16["maxnreg"] and f16["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, f16
+
+
+@pytest.mark.slow
+def test_half_tables_read_each_warps_slot_by_ldmatrix():
+    """With :data:`.blocked_inverse.HALF_TABLES` the T kernel's inverse reads its tables by
+    ldmatrix, one a shifted read (six) and one a block read back (three), where the fp32
+    tables' replicated reads took tens of scalar shared loads; the same 30 fp16 products and
+    8 wgmma, registers under the cap, no more spills than the fp32 tables' build."""
+    fp32, half = _t_kernel_builds((True, False), (True, True))
+    assert (half["f16_mma"], half["tf32_mma"], half["wgmma"]) == (30, 0, 8), half
+    assert half["ldmatrix"] == fp32["ldmatrix"] + 9, (half, fp32)
+    assert half["ld_shared"] < fp32["ld_shared"] // 4, (half, fp32)
+    assert half["registers"] <= half["maxnreg"] and half["spills"] <= fp32["spills"], (half, fp32)
 
 
 @pytest.mark.gpu

@@ -54,6 +54,14 @@ BLOCK = gl.constexpr(16)
 #: (the same operands; the timed build rounded after, and its T kernel spilled 56-96 bytes
 #: at the 96-register cap, over the 64 allowed in the qk l2 norm's builds: 40-48 now).
 F16_OPERANDS = gl.constexpr(True)
+#: The tables the warps hand T's block diagonals down through hold fp16 (with
+#: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 8 KB: a block goes in by one
+#: stmatrix and comes out as the next product's rhs by one ldmatrix, each warp reading its
+#: own slot ``r - s`` through a one-slot view widened to four (:func:`_shifted`), where the
+#: fp32 tables take every warp's load of every slot (replicated), a conversion to fp16 per
+#: element and a select per slot. X, Y and W come back rounded to fp16 before T is
+#: assembled (T leaves as bf16 / fp16 in every caller). Off until run on a GPU.
+HALF_TABLES = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -89,6 +97,22 @@ def table_layout(rank=3):
     a third of the T kernel's shared-memory traffic). ``rank`` 2: the same bytes as [64,
     16] rows, where the swizzle's phase is the row's within its block."""
     return gl.SwizzledSharedLayout(8, 2, 2, list(range(rank - 1, -1, -1)))
+
+
+@gluon.constexpr_function
+def half_table_layout():
+    """fp16 slots (:data:`HALF_TABLES`): 32-byte rows, four to a 128-byte line, their two
+    16-byte halves swapped every four rows, so that the eight rows one ldmatrix / stmatrix
+    phase touches fall in distinct banks."""
+    return gl.SwizzledSharedLayout(8, 4, 2, [2, 1, 0])
+
+
+@gluon.constexpr_function
+def table_slots(half):
+    """First slot of the X, Y and W tables in the tables buffer: fp32 slots 0, 4, 8 of
+    ``[16, 16, 16]``; fp16 slots 4, 8, 12 of the same bytes as ``[32, 16, 16]``
+    (:data:`HALF_TABLES`), so that a read of slot ``first - s`` (s <= 3) stays in the buffer."""
+    return (4, 8, 12) if half else (0, 4, 8)
 
 
 @gluon.constexpr_function
@@ -141,21 +165,43 @@ def _diagonal(a4, d: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(table, s: gl.constexpr):
-    """The batch whose block r is ``table``'s slot r - s (zeros for r < s), as the rhs
-    operand of :func:`_mm` (in fp16 with :data:`F16_OPERANDS`): each warp reads the slots
-    in the operand's layout (a load replicated over the warps), then keeps its own, so
-    that no layout conversion follows. (A view of the slots shifted by s is not one: a
-    sub-view's offset must be a multiple of its size.)"""
+def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
+    """The batch whose block r is the table at slot ``first`` of ``slots``' slot r - s
+    (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with
+    :data:`F16_OPERANDS`). A view of four slots at slot ``first - s`` is not one (a
+    sub-view's offset must be a multiple of its size): with :data:`HALF_TABLES` the
+    one-slot view there, widened to four, is (each warp loads its own slot, by one
+    ldmatrix). Its rows r < s are the slots before the table: zeros before X's (slots 0 to
+    3, written with X), blocks of the table above before Y's and W's, which every caller
+    multiplies by an lhs whose blocks r < s are exact zeros (``M_d = X A[r, r - d]``, A's
+    blocks r < d zero), so that they add nothing. With fp32 tables each warp reads the
+    table's slots in the operand's layout (a load replicated over the warps) and keeps its
+    own."""
     RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
-    b, _, _ = block_ids(RHS)
-    rows = reinterpret(table, gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))
-    dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
-    out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
-    for k in gl.static_range(BLOCKS - s):
-        blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
-        out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
+    if HALF_TABLES:
+        view = reinterpret(slots.slice(first - s, 1), gl.float16, [BLOCKS, BLOCK, BLOCK], half_table_layout())
+        out = view.load(RHS)
+    else:
+        b, _, _ = block_ids(RHS)
+        rows = reinterpret(slots.slice(first, BLOCKS), gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))
+        dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
+        out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
+        for k in gl.static_range(BLOCKS - s):
+            blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
+            out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
     return out
+
+
+@gluon.jit
+def _table_slots(tables):
+    """``tables`` (fp32 ``[16, 16, 16]``) as the slots the three tables live in: itself,
+    or its bytes as fp16 ``[32, 16, 16]`` with :data:`HALF_TABLES`."""
+    if HALF_TABLES:
+        gl.static_assert(F16_OPERANDS, "fp16 tables feed fp16 products")
+        slots = reinterpret(tables, gl.float16, [2 * BLOCKS * BLOCKS, BLOCK, BLOCK], half_table_layout())
+    else:
+        slots = tables
+    return slots
 
 
 @gluon.jit
@@ -178,14 +224,15 @@ def _diagonal_block_inverse(D, zero):
 
 
 @gluon.jit
-def blocked_unit_lower_inverse(a, xs, ys, ws):
+def blocked_unit_lower_inverse(a, tables):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
-    ``xs``, ``ys``, ``ws``: fp32 shared memory ``[4, 16, 16]`` (:func:`table_layout`; 4 KB
-    each, free on entry and exit) for the diagonals of T the warps hand down.
+    ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
+    and exit; the first 12 KB used, 8 KB with :data:`HALF_TABLES`) for the diagonals of T
+    the warps hand down.
     """
-    X, Y, W, Vb = blocked_inverse_diagonals(a, xs, ys, ws)
+    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
     # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
     L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
     r, c = _column_ids(L4)
@@ -198,8 +245,8 @@ def blocked_unit_lower_inverse(a, xs, ys, ws):
 
 
 @gluon.jit
-def blocked_inverse_diagonals(a, xs, ys, ws):
-    """The four block diagonals of ``(I + a)^-1`` (``a`` and the tables as for
+def blocked_inverse_diagonals(a, tables):
+    """The four block diagonals of ``(I + a)^-1`` (``a`` and ``tables`` as for
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
     whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
@@ -211,31 +258,41 @@ def blocked_inverse_diagonals(a, xs, ys, ws):
     S3 = _diagonal(a4, 3)
     X = _diagonal_block_inverse(D, zero)
 
+    slots = _table_slots(tables)
+    XS: gl.constexpr = table_slots(HALF_TABLES)[0]
+    YS: gl.constexpr = table_slots(HALF_TABLES)[1]
+    WS: gl.constexpr = table_slots(HALF_TABLES)[2]
+    xs = slots.slice(XS, BLOCKS)
+    ys = slots.slice(YS, BLOCKS)
+    ws = slots.slice(WS, BLOCKS)
     # The warp's own factors of the three diagonals while the other warps reach the
     # table; X, Y and W are read back from the tables at the end, not held across the
     # products.
-    xs.store(X)
+    xs.store(X.to(slots.dtype))
+    if HALF_TABLES:
+        # The rows r < s of X's shifted reads (:func:`_shifted`).
+        slots.slice(0, BLOCKS).store(zero.to(gl.float16))
     M1 = _mm(X, S1, zero)
     M2 = _mm(X, S2, zero)
     M3 = _mm(X, S3, zero)
     thread_barrier()
     # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
-    Y = -_mm(M1, _shifted(xs, 1), zero)
-    W = _mm(M2, _shifted(xs, 2), zero)
-    Vb = _mm(M3, _shifted(xs, 3), zero)
-    ys.store(Y)
+    Y = -_mm(M1, _shifted(slots, XS, 1), zero)
+    W = _mm(M2, _shifted(slots, XS, 2), zero)
+    Vb = _mm(M3, _shifted(slots, XS, 3), zero)
+    ys.store(Y.to(slots.dtype))
     thread_barrier()
     # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
-    W = -_mm(M1, _shifted(ys, 1), W)
-    Vb = _mm(M2, _shifted(ys, 2), Vb)
-    ws.store(W)
+    W = -_mm(M1, _shifted(slots, YS, 1), W)
+    Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
+    ws.store(W.to(slots.dtype))
     thread_barrier()
     # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
-    Vb = -_mm(M1, _shifted(ws, 1), Vb)
+    Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
     MMA: gl.constexpr = block_mma_layout()
-    X = xs.load(MMA)
-    Y = ys.load(MMA)
-    W = ws.load(MMA)
+    X = xs.load(MMA).to(gl.float32)
+    Y = ys.load(MMA).to(gl.float32)
+    W = ws.load(MMA).to(gl.float32)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()
     return X, Y, W, Vb

@@ -465,7 +465,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     w_scale = gl.convert_layout(w_scale, flat)
     u_scale = gl.convert_layout(u_scale, flat)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
-    t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    t = blocked_unit_lower_inverse(a, tables)
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
@@ -513,7 +513,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     u_scale = gl.convert_layout(u_scale, flat)
     leave("aux.a")
     enter("aux.blocks")
-    t = blocked_unit_lower_inverse(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    t = blocked_unit_lower_inverse(a, tables)
     leave("aux.blocks")
     return t, w_scale, u_scale
 
@@ -527,7 +527,7 @@ def chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, H
     a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                            USE_L2NORM, ENGINE, rows_early)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
-    return blocked_inverse_diagonals(a, tables.slice(0, 4), tables.slice(4, 4), tables.slice(8, 4))
+    return blocked_inverse_diagonals(a, tables)
 
 
 @gluon.jit
