@@ -378,6 +378,58 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     assert ops["default"][dot] == 7 - aux_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
+def one_kernel_half_table_builds() -> list[dict]:
+    """The one-kernel fused builds (``AUX_T``; sm_90a with and without ``STATE_SCORES`` and
+    with the qk l2 norm on chip, sm_100a) with :data:`.blocked_inverse.HALF_TABLES`, each
+    compile report in numbers: in a process that has compiled no kernel (the flag is a jit
+    global, fixed at its first compile)."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused90
+    from gdn_dispatch.backends.gluon_sm100 import fused as fused100
+
+    blocked_inverse.HALF_TABLES = gl.constexpr(True)
+    fused90.AUX_T, fused90.QK_NORM_ON_CHIP, fused100.AUX_T = True, True, True
+    picks = []
+    for state_scores, l2 in ((False, False), (True, False), (True, True)):
+        fused90.STATE_SCORES = state_scores
+        clear_plan_cache()
+        kernels = fused90.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+        picks.append(("sm90", SM90, next(k for k in kernels
+                                         if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)))
+    picks.append(("sm100", SM100, next(k for k in fused100.fused_kernels_for_aot(SM100, "gluon_sm100",
+                                                                                 engine=gluon_sm100.ENGINE)
+                                       if k.constexprs["HAS_TAILS"])))
+    builds = []
+    for arch, capability, kernel in picks:
+        report = compile_kernel(kernel, capability)
+        builds.append({"arch": arch, "spec": kernel.specialization, "spills": report.spill_bytes,
+                       "allowed": kernel.spill_bytes_allowed, "serialized": report.wgmma_serialized,
+                       "products": blocked_inverse.ptx_products(report.ptx), "ldmatrix": report.ptx.count("ldmatrix"),
+                       "trap": "trap;" in report.ptx, "aux_t": kernel.constexprs["AUX_T"]})
+    return builds
+
+
+@pytest.mark.slow
+def test_one_kernel_builds_compile_with_half_tables():
+    """:data:`.blocked_inverse.HALF_TABLES` in the one-kernel fused builds (sm_90a and
+    sm_100a): the inverse's 30 fp16 products reading the tables by ldmatrix (twelve more
+    than their other ldmatrix at least), spills within the builds' allowance, sm_90a's
+    wgmma in flight, no trap."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_aot as t; "
+            f"print(json.dumps(t.one_kernel_half_table_builds()))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    builds = json.loads(run.stdout.splitlines()[-1])
+    assert [b["arch"] for b in builds] == ["sm90", "sm90", "sm90", "sm100"] and all(b["aux_t"] for b in builds)
+    for b in builds:
+        assert b["products"] == {"f16": 30, "tf32": 0} and b["ldmatrix"] >= 12, b
+        assert b["spills"] <= b["allowed"] and not b["serialized"] and not b["trap"], b
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
 def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
