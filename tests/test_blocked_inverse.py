@@ -4,9 +4,10 @@ CPU: its algebra, step for step in float64 torch (the same masks and block produ
 against ``torch.linalg.inv`` on A tiles of random and strongly correlated keys, and the
 same algebra with every product's inputs rounded to tf32 against the power product the
 module rejects, and rounded to fp16 (:data:`F16_OPERANDS`) against tf32, with the fp16
-tables (:data:`HALF_TABLES`) against fp32 ones. GPU (sm_90 / sm_100): the kernel (both
-operand types, both table types) on one tile per program against float64, every element
-written (NaN-poisoned output and tables).
+tables (:data:`HALF_TABLES`) against fp32 ones, and the diagonal blocks by the series
+(:data:`DIAGONAL_SERIES`) against the doubling. GPU (sm_90 / sm_100): the kernel (each
+operand type, table type and diagonal form) on one tile per program against float64,
+every element written (NaN-poisoned output and tables).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.half().to(x.dtype)
 
 
-def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False) -> torch.Tensor:
+def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False, series=False) -> torch.Tensor:
     """The module's algorithm on one [64, 64] tile; ``rnd`` rounds every product's inputs;
     ``half_tables``: T's block diagonals 0 to 2 come back through fp16 tables
-    (:data:`HALF_TABLES`)."""
+    (:data:`HALF_TABLES`); ``series``: the diagonal blocks' inverses by the series in 4 x 4
+    blocks (:data:`DIAGONAL_SERIES`)."""
     mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
     blk = lambda M, r, c: M[16 * r:16 * r + 16, 16 * c:16 * c + 16]  # noqa: E731
     i = torch.arange(16)[:, None]
@@ -63,10 +65,15 @@ def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False) -> torch.Tensor:
         p = torch.where(four, mm(d, D), 0.0)
         q = torch.where(four, mm(p, D), 0.0)
         x = torch.eye(16, dtype=A.dtype) - d + p - q
-        for level in (2, 3):
-            below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
-            y = torch.where(below, mm(x, D), 0.0)
-            x = x - mm(y, x)
+        if series:
+            L = torch.where(four, 0.0, mm(x, D))
+            Lx, L2 = mm(L, x), mm(L, L)
+            x = x - Lx + mm(L2, x) - mm(L2, Lx)
+        else:
+            for level in (2, 3):
+                below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
+                y = torch.where(below, mm(x, D), 0.0)
+                x = x - mm(y, x)
         X.append(x)
     T = torch.zeros(64, 64, dtype=A.dtype)
     for r in range(4):
@@ -106,13 +113,38 @@ def _rel(x, ref):
     return float((x - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("series", [False, True], ids=["doubling", "series"])
 @pytest.mark.parametrize("cosine", [0.0, 0.5, 0.9])
-def test_the_algebra_inverts_i_plus_a(cosine):
+def test_the_algebra_inverts_i_plus_a(cosine, series):
     A = chunk_a(8, cosine, seed=3)
     eye = torch.eye(64, dtype=torch.float64)
     for t in range(A.shape[0]):
         ref = torch.linalg.inv(eye + A[t])
-        assert _rel(model(A[t]), ref) < 1e-12
+        assert _rel(model(A[t], series=series), ref) < 1e-12
+
+
+def unit_key_a(n: int, cosine: float, seed: int) -> torch.Tensor:
+    """A tiles at the hard end: beta = 1 and no decay, unit keys of pairwise cosine about
+    ``cosine`` (every entry of A near ``cosine``)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.nn.functional.normalize(torch.randn(n, 1, 128, generator=gen, dtype=torch.float64), dim=-1)
+    own = torch.nn.functional.normalize(torch.randn(n, 64, 128, generator=gen, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(cosine ** 0.5 * shared + (1 - cosine) ** 0.5 * own, dim=-1)
+    return torch.tril(k @ k.transpose(1, 2), -1)
+
+
+@pytest.mark.parametrize("tiles", ["decayed", "unit-beta"])
+@pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99, 0.999])
+def test_series_diagonal_blocks_are_as_accurate_as_doubling(cosine, tiles):
+    """:data:`DIAGONAL_SERIES`: with fp16 inputs the series' terms (L^2, L^3 of a block
+    strictly lower in 4 x 4 blocks) stay small enough that T's error is the doubling's
+    within 10%, at decayed tiles and at beta = 1 with no decay."""
+    A = chunk_a(8, cosine, seed=8) if tiles == "decayed" else unit_key_a(8, cosine, seed=8)
+    eye = torch.eye(64, dtype=torch.float64)
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        doubling, series = _rel(model(A[t], _f16), ref), _rel(model(A[t], _f16, series=True), ref)
+        assert series <= 1.1 * doubling and series < 2e-3, (series, doubling)
 
 
 @pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99])
@@ -160,12 +192,13 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-def kernel_error(cosine: float, f16: bool, half: bool = False) -> tuple[int, float]:
+def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = False) -> tuple[int, float]:
     """(unwritten elements, relative error against float64) of the kernel on 512 tiles,
-    :data:`F16_OPERANDS` set to ``f16`` and :data:`HALF_TABLES` to ``half`` first: in a
-    process that has compiled no kernel reading the flags (a jit function's globals are
-    fixed at its first compile). The tables' buffer is NaN on entry, so that a read of a
-    slot the inverse did not write this call shows in T."""
+    :data:`F16_OPERANDS` set to ``f16``, :data:`HALF_TABLES` to ``half`` and
+    :data:`DIAGONAL_SERIES` to ``series`` first: in a process that has compiled no kernel
+    reading the flags (a jit function's globals are fixed at its first compile). The
+    tables' buffer is NaN on entry, so that a read of a slot the inverse did not write this
+    call shows in T."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
@@ -176,6 +209,7 @@ def kernel_error(cosine: float, f16: bool, half: bool = False) -> tuple[int, flo
 
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
     blocked_inverse.HALF_TABLES = gl.constexpr(half)
+    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
 
     @gluon.jit
     def tile_kernel(a_ptr, t_ptr):
@@ -201,12 +235,13 @@ def kernel_error(cosine: float, f16: bool, half: bool = False) -> tuple[int, flo
 @pytest.mark.gpu
 @pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
                     reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
-@pytest.mark.parametrize("f16, half", [(False, False), (True, False), (True, True)],
-                         ids=["tf32", "f16", "f16-half-tables"])
+@pytest.mark.parametrize("f16, half, series", [(False, False, False), (True, False, False), (True, True, False),
+                                               (True, False, True), (True, True, True)],
+                         ids=["tf32", "f16", "f16-half-tables", "f16-series", "f16-half-tables-series"])
 @pytest.mark.parametrize("cosine", [0.0, 0.9])
-def test_kernel_matches_float64(cosine, f16, half):
+def test_kernel_matches_float64(cosine, f16, half, series):
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_blocked_inverse as t; "
-            f"print(*t.kernel_error({cosine}, {f16}, {half}))")
+            f"print(*t.kernel_error({cosine}, {f16}, {half}, {series}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     unwritten, err = run.stdout.split()[-2:]

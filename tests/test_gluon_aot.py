@@ -378,15 +378,17 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     assert ops["default"][dot] == 7 - aux_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
-def one_kernel_half_table_builds() -> list[dict]:
+def one_kernel_builds(half: bool, series: bool) -> list[dict]:
     """The one-kernel fused builds (``AUX_T``; sm_90a with and without ``STATE_SCORES`` and
-    with the qk l2 norm on chip, sm_100a) with :data:`.blocked_inverse.HALF_TABLES`, each
-    compile report in numbers: in a process that has compiled no kernel (the flag is a jit
-    global, fixed at its first compile)."""
+    with the qk l2 norm on chip, sm_100a) with :data:`.blocked_inverse.HALF_TABLES` set to
+    ``half`` and :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series``, each compile
+    report in numbers: in a process that has compiled no kernel (the flags are jit
+    globals, fixed at their first compile)."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused90
     from gdn_dispatch.backends.gluon_sm100 import fused as fused100
 
-    blocked_inverse.HALF_TABLES = gl.constexpr(True)
+    blocked_inverse.HALF_TABLES = gl.constexpr(half)
+    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
     fused90.AUX_T, fused90.QK_NORM_ON_CHIP, fused100.AUX_T = True, True, True
     picks = []
     for state_scores, l2 in ((False, False), (True, False), (True, True)):
@@ -409,24 +411,26 @@ def one_kernel_half_table_builds() -> list[dict]:
 
 
 @pytest.mark.slow
-def test_one_kernel_builds_compile_with_half_tables():
+@pytest.mark.parametrize("series", [False, True], ids=["doubling", "series"])
+def test_one_kernel_builds_compile_with_half_tables(series):
     """:data:`.blocked_inverse.HALF_TABLES` in the one-kernel fused builds (sm_90a and
-    sm_100a): the inverse's 30 fp16 products reading the tables by ldmatrix (twelve more
-    than their other ldmatrix at least), spills within the builds' allowance, sm_90a's
-    wgmma in flight, no trap."""
+    sm_100a), with the diagonal blocks by doubling or by the series
+    (:data:`.blocked_inverse.DIAGONAL_SERIES`): the inverse's 30 (32) fp16 products
+    reading the tables by ldmatrix (twelve more than their other ldmatrix at least), spills
+    within the builds' allowance, sm_90a's wgmma in flight, no trap."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_aot as t; "
-            f"print(json.dumps(t.one_kernel_half_table_builds()))")
+            f"print(json.dumps(t.one_kernel_builds(True, {series})))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = json.loads(run.stdout.splitlines()[-1])
     assert [b["arch"] for b in builds] == ["sm90", "sm90", "sm90", "sm100"] and all(b["aux_t"] for b in builds)
     for b in builds:
-        assert b["products"] == {"f16": 30, "tf32": 0} and b["ldmatrix"] >= 12, b
+        assert b["products"] == {"f16": 32 if series else 30, "tf32": 0} and b["ldmatrix"] >= 12, b
         assert b["spills"] <= b["allowed"] and not b["serialized"] and not b["trap"], b
 
 

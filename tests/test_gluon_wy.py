@@ -152,11 +152,12 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
 
 
-def t_kernel_build(f16: bool, half: bool = False) -> dict:
+def t_kernel_build(f16: bool, half: bool = False, series: bool = False) -> dict:
     """The varlen bf16 T kernel's compile report in numbers, with
-    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16`` and
-    :data:`.blocked_inverse.HALF_TABLES` to ``half`` first (in a process that has compiled
-    none: a jit function's globals are fixed at its first compile)."""
+    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16``,
+    :data:`.blocked_inverse.HALF_TABLES` to ``half`` and
+    :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series`` first (in a process that has
+    compiled none: a jit function's globals are fixed at its first compile)."""
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends import gluon_sm90
@@ -164,6 +165,7 @@ def t_kernel_build(f16: bool, half: bool = False) -> dict:
 
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
     blocked_inverse.HALF_TABLES = gl.constexpr(half)
+    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
@@ -175,16 +177,17 @@ def t_kernel_build(f16: bool, half: bool = False) -> dict:
 
 
 def _t_kernel_builds(*flags) -> list[dict]:
-    """:func:`t_kernel_build` of each ``(f16, half)`` in ``flags``, each in a process of its own."""
+    """:func:`t_kernel_build` of each ``(f16, half[, series])`` in ``flags``, each in a
+    process of its own."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     builds = []
-    for f16, half in flags:
+    for flag in flags:
         code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_wy as t; "
-                f"print(json.dumps(t.t_kernel_build({f16}, {half})))")
+                f"print(json.dumps(t.t_kernel_build(*{tuple(flag)!r})))")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
         builds.append(json.loads(run.stdout.splitlines()[-1]))
@@ -400,3 +403,16 @@ def test_aot_list_covers_every_flag():
     assert len({k.specialization for k in kernels}) == len(kernels)
     cap = wy.WY_SPLIT_MAXNREG_SM90 if wy.WY_SPLIT_WU else wy.WY_MAXNREG_SM90
     assert all(k.maxnreg == cap for k in kernels)
+
+
+@pytest.mark.slow
+def test_series_diagonal_blocks_compile_to_two_more_products():
+    """With :data:`.blocked_inverse.DIAGONAL_SERIES` the T kernel's inverse is 32 fp16
+    mma.sync (one 16 x 16 product more: L x, L^2, L^2 x and L^2 (L x) where doubling took
+    two levels of two), the same 8 wgmma, registers under the cap, spills within the T
+    kernel's allowance, with fp32 and with fp16 tables."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    for build in _t_kernel_builds((True, False, True), (True, True, True)):
+        assert (build["f16_mma"], build["tf32_mma"], build["wgmma"]) == (32, 0, 8), build
+        assert build["registers"] <= build["maxnreg"] and build["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, build

@@ -26,7 +26,9 @@ threads; T goes back the same way. Per warp:
   chained fifteen.
 
 Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16 on fp16
-operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off).
+operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off). With :data:`DIAGONAL_SERIES`
+the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
+sixteen products, nine dependent ones.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ F16_OPERANDS = gl.constexpr(True)
 #: instructions and spills 40 -> 0 bytes; the one-kernel fused build's inverse 666 -> 571
 #: SASS instructions per warp and chunk. Off until run on a GPU.
 HALF_TABLES = gl.constexpr(False)
+#: Each diagonal block's inverse from its 4 x 4 blocks' by the series of
+#: :func:`_diagonal_block_inverse` (``(I - L + L^2 - L^3) x``: L x and L^2 side by side,
+#: then L^2 x and L^2 (L x)) instead of doubling to 8 and 16: five dependent products
+#: instead of six (seven products instead of six), so ten dependent ones per warp become
+#: nine. The terms stay small: in the CPU model (fp16 inputs) its error is the doubling's
+#: within 10% up to key cosine 0.999 with beta = 1 and no decay. Off until run on a GPU.
+DIAGONAL_SERIES = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -202,17 +211,26 @@ def _diagonal_block_inverse(D, zero):
     """``(I + D)^-1`` of every block of the batch D (strictly lower [16, 16] blocks)."""
     MMA: gl.constexpr = block_mma_layout()
     _, i, j = block_ids(MMA)
-    d = gl.where(i // 4 == j // 4, D, 0.0)
+    four = i // 4 == j // 4
+    d = gl.where(four, D, 0.0)
     # On the 4 x 4 diagonal blocks (d D) = d^2 and (d^2 D) = d^3, and d^4 = 0.
-    p = gl.where(i // 4 == j // 4, _mm(d, D, zero), 0.0)
-    q = gl.where(i // 4 == j // 4, _mm(p, D, zero), 0.0)
+    p = gl.where(four, _mm(d, D, zero), 0.0)
+    q = gl.where(four, _mm(p, D, zero), 0.0)
     x = gl.where(i == j, 1.0, 0.0) - d + p - q
-    # 4 -> 8 -> 16: x is block diagonal at size b; (x D) on the blocks just below its
-    # diagonal blocks inside each pair is x n exactly.
-    for level in gl.static_range(2, 4):
-        below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
-        y = gl.where(below, _mm(x, D, zero), 0.0)
-        x = x - _mm(y, x, zero)
+    if DIAGONAL_SERIES:
+        # I + D = (I + d)(I + L), L = x (D - d) strictly lower in 4 x 4 blocks (L^4 = 0):
+        # (I + D)^-1 = (I - L + L^2 - L^3) x, its two last terms from L^2 and L x.
+        L = gl.where(four, 0.0, _mm(x, D, zero))
+        Lx = _mm(L, x, zero)
+        L2 = _mm(L, L, zero)
+        x = x - Lx + _mm(L2, x, zero) - _mm(L2, Lx, zero)
+    else:
+        # 4 -> 8 -> 16: x is block diagonal at size b; (x D) on the blocks just below its
+        # diagonal blocks inside each pair is x n exactly.
+        for level in gl.static_range(2, 4):
+            below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
+            y = gl.where(below, _mm(x, D, zero), 0.0)
+            x = x - _mm(y, x, zero)
     return x
 
 
