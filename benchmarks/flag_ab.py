@@ -26,6 +26,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
     python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: its tables in fp16, ldmatrix reads
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
+    python benchmarks/flag_ab.py path_products  # blocked_inverse.PATH_PRODUCTS: 9 (8 with the series), 2 barriers
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -55,6 +56,12 @@ _WS_SHAPES = {
     "H16-HV32-4x8192": (16, 32, (4, 8192), False), "H16-HV32-8x4096": (16, 32, (8, 4096), False),
     "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False),
     "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True)}
+
+#: The blocked chunk inverse's calls: the path's (the T kernel, or the fused kernel's aux
+#: partition in the one-kernel build) and the w/u kernel's.
+_INVERSE_SHAPES = {**{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                         "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
+                   **_WY_SHAPES}
 
 #: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
 #: qk l2 norm[, K, V])).
@@ -124,22 +131,16 @@ STUDIES = {
     # --with aux_t,state_scores: the fused kernel's aux partition), and the w/u kernel of the
     # pipeline's calls and of context parallelism's segmented ones (the 1 x 32768 shards).
     "f16_inverse": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "F16_OPERANDS",
-                    (gl.constexpr(False), gl.constexpr(True)), {
-                        **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                               "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
-                        **_WY_SHAPES}),
+                    (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The inverse's tables in fp16: each warp's shifted read one ldmatrix (the same shapes).
     "half_tables": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "HALF_TABLES",
-                    (gl.constexpr(False), gl.constexpr(True)), {
-                        **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                               "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
-                        **_WY_SHAPES}),
+                    (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The diagonal blocks' inverses by a series in 4 x 4 blocks: nine dependent products, not ten.
     "diagonal_series": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "DIAGONAL_SERIES",
-                        (gl.constexpr(False), gl.constexpr(True)), {
-                            **{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                                   "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
-                            **_WY_SHAPES}),
+                        (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
+    # The off-diagonal blocks from the factors' path products: two barriers on the chain, not three.
+    "path_products": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "PATH_PRODUCTS",
+                      (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -5,7 +5,8 @@ against ``torch.linalg.inv`` on A tiles of random and strongly correlated keys, 
 same algebra with every product's inputs rounded to tf32 against the power product the
 module rejects, and rounded to fp16 (:data:`F16_OPERANDS`) against tf32, with the fp16
 tables (:data:`HALF_TABLES`) against fp32 ones, and the diagonal blocks by the series
-(:data:`DIAGONAL_SERIES`) against the doubling. GPU (sm_90 / sm_100): the kernel (each
+(:data:`DIAGONAL_SERIES`) against the doubling, and the off-diagonal blocks by path
+products (:data:`PATH_PRODUCTS`) against the chain. GPU (sm_90 / sm_100): the kernel (each
 operand type, table type and diagonal form) on one tile per program against float64,
 every element written (NaN-poisoned output and tables).
 """
@@ -48,11 +49,12 @@ def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.half().to(x.dtype)
 
 
-def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False, series=False) -> torch.Tensor:
+def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False, series=False, paths=False) -> torch.Tensor:
     """The module's algorithm on one [64, 64] tile; ``rnd`` rounds every product's inputs;
     ``half_tables``: T's block diagonals 0 to 2 come back through fp16 tables
     (:data:`HALF_TABLES`); ``series``: the diagonal blocks' inverses by the series in 4 x 4
-    blocks (:data:`DIAGONAL_SERIES`)."""
+    blocks (:data:`DIAGONAL_SERIES`); ``paths``: the off-diagonal blocks from the factors'
+    two-step path products (:data:`PATH_PRODUCTS`)."""
     mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
     blk = lambda M, r, c: M[16 * r:16 * r + 16, 16 * c:16 * c + 16]  # noqa: E731
     i = torch.arange(16)[:, None]
@@ -78,6 +80,8 @@ def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False, series=False) -> 
     T = torch.zeros(64, 64, dtype=A.dtype)
     for r in range(4):
         T[16 * r:16 * r + 16, 16 * r:16 * r + 16] = X[r]
+    if paths:
+        return _by_paths(A, T, X, mm, blk, half_tables)
     # M[r][d] = -X_r A[r, r - d]; T[r, c] = sum over m of M[r][r - m] T[m, c], its
     # terms added from m = c up.
     M = [{d: mm(-X[r], blk(A, r, r - d)) for d in range(1, r + 1)} for r in range(4)]
@@ -90,6 +94,28 @@ def model(A: torch.Tensor, rnd=lambda x: x, half_tables=False, series=False) -> 
     if half_tables:
         r, c = torch.arange(64)[:, None] // 16, torch.arange(64)[None, :] // 16
         T = torch.where(r - c < 3, _f16(T), T)
+    return T
+
+
+def _by_paths(A, T, X, mm, blk, half_tables):
+    """:func:`model`'s off-diagonal blocks as :data:`PATH_PRODUCTS` forms them: factors
+    ``M_d = X_r A[r, r - d]``, ``U = M1 M1_{r-1}``, ``V = M1 M2_{r-1}``; T[r, r-1] = -M1
+    X_{r-1}, T[r, r-2] = (U - M2) X_{r-2}, T[r, r-3] = (V - M3) X_{r-3} + (U - M2) T[r-2, r-3]."""
+    zero = torch.zeros(16, 16, dtype=A.dtype)
+    M = [[zero] + [mm(X[r], blk(A, r, r - d)) if r >= d else zero for d in (1, 2, 3)] for r in range(4)]
+    Y = [zero] + [-mm(M[r][1], X[r - 1]) for r in range(1, 4)]
+    for r in range(1, 4):
+        T[16 * r:16 * r + 16, 16 * (r - 1):16 * r] = Y[r]
+        UM2 = mm(M[r][1], M[r - 1][1]) - M[r][2]
+        if r >= 2:
+            T[16 * r:16 * r + 16, 16 * (r - 2):16 * (r - 1)] = mm(UM2, X[r - 2])
+        if r >= 3:
+            VM3 = mm(M[r][1], M[r - 1][2]) - M[r][3]
+            T[16 * r:16 * r + 16, 0:16] = mm(VM3, X[0]) + mm(UM2, Y[1])
+    if half_tables:
+        # X and Y come back through the fp16 tables; W is never handed down.
+        r, c = torch.arange(64)[:, None] // 16, torch.arange(64)[None, :] // 16
+        T = torch.where(r - c < 2, _f16(T), T)
     return T
 
 
@@ -113,14 +139,15 @@ def _rel(x, ref):
     return float((x - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("series", [False, True], ids=["doubling", "series"])
+@pytest.mark.parametrize("series, paths", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["doubling-chain", "series-chain", "doubling-paths", "series-paths"])
 @pytest.mark.parametrize("cosine", [0.0, 0.5, 0.9])
-def test_the_algebra_inverts_i_plus_a(cosine, series):
+def test_the_algebra_inverts_i_plus_a(cosine, series, paths):
     A = chunk_a(8, cosine, seed=3)
     eye = torch.eye(64, dtype=torch.float64)
     for t in range(A.shape[0]):
         ref = torch.linalg.inv(eye + A[t])
-        assert _rel(model(A[t], series=series), ref) < 1e-12
+        assert _rel(model(A[t], series=series, paths=paths), ref) < 1e-12
 
 
 def unit_key_a(n: int, cosine: float, seed: int) -> torch.Tensor:
@@ -178,6 +205,22 @@ def test_half_tables_round_three_diagonals_of_t_once_more(cosine):
         assert _rel(half, ref) <= 1.05 * _rel(full, ref) + 2.0 ** -11
 
 
+@pytest.mark.parametrize("tiles", ["decayed", "unit-beta"])
+@pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99, 0.999])
+def test_path_products_are_as_accurate_as_the_chain(cosine, tiles):
+    """:data:`PATH_PRODUCTS`: with fp16 inputs the two-step path products (U - M2, V - M3
+    summed before their product with X) keep T's error the chain's within 10%, with fp32
+    and with fp16 tables."""
+    A = chunk_a(8, cosine, seed=9) if tiles == "decayed" else unit_key_a(8, cosine, seed=9)
+    eye = torch.eye(64, dtype=torch.float64)
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        for half in (False, True):
+            chain = _rel(model(A[t], _f16, half_tables=half), ref)
+            paths = _rel(model(A[t], _f16, half_tables=half, paths=True), ref)
+            assert paths <= 1.1 * chain and paths < 2e-3, (paths, chain, half)
+
+
 def test_tf32_products_keep_correlated_keys_accurate():
     """At key cosine 0.9, tf32 inputs: the doubling stays near tf32's rounding; the power
     product (what this module does not use) loses T to cancellation."""
@@ -192,10 +235,12 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = False) -> tuple[int, float]:
+def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = False,
+                 paths: bool = False) -> tuple[int, float]:
     """(unwritten elements, relative error against float64) of the kernel on 512 tiles,
-    :data:`F16_OPERANDS` set to ``f16``, :data:`HALF_TABLES` to ``half`` and
-    :data:`DIAGONAL_SERIES` to ``series`` first: in a process that has compiled no kernel
+    :data:`F16_OPERANDS` set to ``f16``, :data:`HALF_TABLES` to ``half``,
+    :data:`DIAGONAL_SERIES` to ``series`` and :data:`PATH_PRODUCTS` to ``paths`` first:
+    in a process that has compiled no kernel
     reading the flags (a jit function's globals are fixed at its first compile). The
     tables' buffer is NaN on entry, so that a read of a slot the inverse did not write this
     call shows in T."""
@@ -210,6 +255,7 @@ def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = Fa
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
     blocked_inverse.HALF_TABLES = gl.constexpr(half)
     blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
+    blocked_inverse.PATH_PRODUCTS = gl.constexpr(paths)
 
     @gluon.jit
     def tile_kernel(a_ptr, t_ptr):
@@ -232,16 +278,21 @@ def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = Fa
     return int(torch.isnan(t).sum()), _rel(t.double().cpu(), ref)
 
 
+#: The kernel's builds the GPU test runs: (F16_OPERANDS, HALF_TABLES, DIAGONAL_SERIES,
+#: PATH_PRODUCTS) by name.
+KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, False, False),
+                 "f16-half-tables": (True, True, False, False), "f16-series": (True, False, True, False),
+                 "f16-paths": (True, False, False, True), "f16-all": (True, True, True, True)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(CAPABILITY is None or CAPABILITY[0] not in (9, 10),
                     reason="needs a CUDA GPU of compute capability 9.0 or 10.x")
-@pytest.mark.parametrize("f16, half, series", [(False, False, False), (True, False, False), (True, True, False),
-                                               (True, False, True), (True, True, True)],
-                         ids=["tf32", "f16", "f16-half-tables", "f16-series", "f16-half-tables-series"])
+@pytest.mark.parametrize("build", list(KERNEL_BUILDS))
 @pytest.mark.parametrize("cosine", [0.0, 0.9])
-def test_kernel_matches_float64(cosine, f16, half, series):
+def test_kernel_matches_float64(cosine, build):
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_blocked_inverse as t; "
-            f"print(*t.kernel_error({cosine}, {f16}, {half}, {series}))")
+            f"print(*t.kernel_error({cosine}, *{KERNEL_BUILDS[build]!r}))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     unwritten, err = run.stdout.split()[-2:]

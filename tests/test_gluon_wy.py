@@ -152,11 +152,12 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
 
 
-def t_kernel_build(f16: bool, half: bool = False, series: bool = False) -> dict:
+def t_kernel_build(f16: bool, half: bool = False, series: bool = False, paths: bool = False) -> dict:
     """The varlen bf16 T kernel's compile report in numbers, with
     :data:`.blocked_inverse.F16_OPERANDS` set to ``f16``,
-    :data:`.blocked_inverse.HALF_TABLES` to ``half`` and
-    :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series`` first (in a process that has
+    :data:`.blocked_inverse.HALF_TABLES` to ``half``,
+    :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series`` and
+    :data:`.blocked_inverse.PATH_PRODUCTS` to ``paths`` first (in a process that has
     compiled none: a jit function's globals are fixed at its first compile)."""
     from triton.experimental.gluon import language as gl
 
@@ -166,6 +167,7 @@ def t_kernel_build(f16: bool, half: bool = False, series: bool = False) -> dict:
     blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
     blocked_inverse.HALF_TABLES = gl.constexpr(half)
     blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
+    blocked_inverse.PATH_PRODUCTS = gl.constexpr(paths)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
@@ -177,8 +179,8 @@ def t_kernel_build(f16: bool, half: bool = False, series: bool = False) -> dict:
 
 
 def _t_kernel_builds(*flags) -> list[dict]:
-    """:func:`t_kernel_build` of each ``(f16, half[, series])`` in ``flags``, each in a
-    process of its own."""
+    """:func:`t_kernel_build` of each ``(f16, half[, series[, paths]])`` in ``flags``, each
+    in a process of its own."""
     import json
     import subprocess
     import sys
@@ -406,13 +408,16 @@ def test_aot_list_covers_every_flag():
 
 
 @pytest.mark.slow
-def test_series_diagonal_blocks_compile_to_two_more_products():
+def test_shorter_inverse_chains_compile():
     """With :data:`.blocked_inverse.DIAGONAL_SERIES` the T kernel's inverse is 32 fp16
     mma.sync (one 16 x 16 product more: L x, L^2, L^2 x and L^2 (L x) where doubling took
-    two levels of two), the same 8 wgmma, registers under the cap, spills within the T
-    kernel's allowance, with fp32 and with fp16 tables."""
+    two levels of two); with :data:`.blocked_inverse.PATH_PRODUCTS` alone 30 (the same
+    nine after the diagonal blocks); each with fp32 and fp16 tables, the same 8 wgmma,
+    registers under the cap, spills within the T kernel's allowance."""
     from gdn_dispatch.backends.gluon_common import wy_t
 
-    for build in _t_kernel_builds((True, False, True), (True, True, True)):
-        assert (build["f16_mma"], build["tf32_mma"], build["wgmma"]) == (32, 0, 8), build
+    flags = [(True, False, True, False), (True, True, True, False), (True, False, False, True),
+             (True, True, True, True)]
+    for (_, _, series, _), build in zip(flags, _t_kernel_builds(*flags)):
+        assert (build["f16_mma"], build["tf32_mma"], build["wgmma"]) == (32 if series else 30, 0, 8), build
         assert build["registers"] <= build["maxnreg"] and build["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, build

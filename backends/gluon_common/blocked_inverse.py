@@ -28,7 +28,9 @@ threads; T goes back the same way. Per warp:
 Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16 on fp16
 operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off). With :data:`DIAGONAL_SERIES`
 the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
-sixteen products, nine dependent ones.
+sixteen products, nine dependent ones; with :data:`PATH_PRODUCTS` the blocks below the
+diagonal come from the factors and their two-step path products
+(:func:`_off_diagonals_by_paths`): two barriers on the chain, one dependent product fewer.
 """
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ HALF_TABLES = gl.constexpr(False)
 #: nine. The terms stay small: in the CPU model (fp16 inputs) its error is the doubling's
 #: within 10% up to key cosine 0.999 with beta = 1 and no decay. Off until run on a GPU.
 DIAGONAL_SERIES = gl.constexpr(False)
+#: The off-diagonal blocks from the factors and their two-step path products
+#: (:func:`_off_diagonals_by_paths`) instead of each diagonal from the one above: every
+#: diagonal two products after the factors, where the chain takes three, at two barriers
+#: on the way instead of three (nine products as before; the tables take all 16 slots).
+#: Ten dependent products per warp become nine (eight with :data:`DIAGONAL_SERIES`); in
+#: the CPU model its fp16 error is the chain's. It holds two more factors across the
+#: products: sm_100a's one-kernel twin spills 204 bytes under triton 3.9.0 with it (192
+#: allowed; 8 under 3.6.0). Off until run on a GPU.
+PATH_PRODUCTS = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -256,6 +267,43 @@ def blocked_unit_lower_inverse(a, tables):
 
 
 @gluon.jit
+def _off_diagonals_by_paths(X, S1, S2, S3, slots, zero):
+    """:data:`PATH_PRODUCTS`: T's diagonals from the factors ``M_d = X_r A[r, r - d]`` and
+    their products along paths of two steps, ``U = M1 M1_{r-1}`` and ``V = M1 M2_{r-1}``::
+
+        T[r, r-1] = -M1 X_{r-1}
+        T[r, r-2] = (U - M2) X_{r-2}
+        T[r, r-3] = (V - M3) X_{r-3} + (U - M2) T[r-2, r-3]
+
+    (the chain's ``-(M2 X_{r-2} + M1 T[r-1, r-2])`` and its like with T[r-1, r-2] = -M1_{r-1}
+    X_{r-2} put in). X, M1 and M2 go through the tables at one barrier, T[r, r-1] at the
+    next: every diagonal two products after the factors, where the chain takes three, and
+    W is never handed down. Returns ``(X, Y, W, Vb)`` as :func:`blocked_inverse_diagonals`;
+    the tables, 16 slots (all of fp32 ``[16, 16, 16]``; 8 KB with :data:`HALF_TABLES`),
+    still read by other warps until the caller's barrier."""
+    MMA: gl.constexpr = block_mma_layout()
+    slots.slice(0, BLOCKS).store(X.to(slots.dtype))
+    M1 = _mm(X, S1, zero)
+    slots.slice(BLOCKS, BLOCKS).store(M1.to(slots.dtype))
+    M2 = _mm(X, S2, zero)
+    slots.slice(2 * BLOCKS, BLOCKS).store(M2.to(slots.dtype))
+    M3 = _mm(X, S3, zero)
+    thread_barrier()
+    Y = -_mm(M1, _shifted(slots, 0, 1), zero)
+    slots.slice(3 * BLOCKS, BLOCKS).store(Y.to(slots.dtype))
+    # Rows r < 2 (r < 3) of U - M2 (V - M3) are zero: M1's row 0, M2's rows 0 and 1 are.
+    UM2 = _mm(M1, _shifted(slots, BLOCKS, 1), zero) - M2
+    VM3 = _mm(M1, _shifted(slots, 2 * BLOCKS, 1), zero) - M3
+    W = _mm(UM2, _shifted(slots, 0, 2), zero)
+    Vb = _mm(VM3, _shifted(slots, 0, 3), zero)
+    thread_barrier()
+    Vb = _mm(UM2, _shifted(slots, 3 * BLOCKS, 2), Vb)
+    X = slots.slice(0, BLOCKS).load(MMA).to(gl.float32)
+    Y = slots.slice(3 * BLOCKS, BLOCKS).load(MMA).to(gl.float32)
+    return X, Y, W, Vb
+
+
+@gluon.jit
 def blocked_inverse_diagonals(a, tables):
     """The four block diagonals of ``(I + a)^-1`` (``a`` and ``tables`` as for
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
@@ -270,37 +318,40 @@ def blocked_inverse_diagonals(a, tables):
     X = _diagonal_block_inverse(D, zero)
 
     slots = _table_slots(tables)
-    XS: gl.constexpr = 0
-    YS: gl.constexpr = BLOCKS
-    WS: gl.constexpr = 2 * BLOCKS
-    xs = slots.slice(XS, BLOCKS)
-    ys = slots.slice(YS, BLOCKS)
-    ws = slots.slice(WS, BLOCKS)
-    # The warp's own factors of the three diagonals while the other warps reach the
-    # table; X, Y and W are read back from the tables at the end, not held across the
-    # products.
-    xs.store(X.to(slots.dtype))
-    M1 = _mm(X, S1, zero)
-    M2 = _mm(X, S2, zero)
-    M3 = _mm(X, S3, zero)
-    thread_barrier()
-    # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
-    Y = -_mm(M1, _shifted(slots, XS, 1), zero)
-    W = _mm(M2, _shifted(slots, XS, 2), zero)
-    Vb = _mm(M3, _shifted(slots, XS, 3), zero)
-    ys.store(Y.to(slots.dtype))
-    thread_barrier()
-    # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
-    W = -_mm(M1, _shifted(slots, YS, 1), W)
-    Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
-    ws.store(W.to(slots.dtype))
-    thread_barrier()
-    # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
-    Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
     MMA: gl.constexpr = block_mma_layout()
-    X = xs.load(MMA).to(gl.float32)
-    Y = ys.load(MMA).to(gl.float32)
-    W = ws.load(MMA).to(gl.float32)
+    if PATH_PRODUCTS:
+        X, Y, W, Vb = _off_diagonals_by_paths(X, S1, S2, S3, slots, zero)
+    else:
+        XS: gl.constexpr = 0
+        YS: gl.constexpr = BLOCKS
+        WS: gl.constexpr = 2 * BLOCKS
+        xs = slots.slice(XS, BLOCKS)
+        ys = slots.slice(YS, BLOCKS)
+        ws = slots.slice(WS, BLOCKS)
+        # The warp's own factors of the three diagonals while the other warps reach the
+        # table; X, Y and W are read back from the tables at the end, not held across the
+        # products.
+        xs.store(X.to(slots.dtype))
+        M1 = _mm(X, S1, zero)
+        M2 = _mm(X, S2, zero)
+        M3 = _mm(X, S3, zero)
+        thread_barrier()
+        # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
+        Y = -_mm(M1, _shifted(slots, XS, 1), zero)
+        W = _mm(M2, _shifted(slots, XS, 2), zero)
+        Vb = _mm(M3, _shifted(slots, XS, 3), zero)
+        ys.store(Y.to(slots.dtype))
+        thread_barrier()
+        # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
+        W = -_mm(M1, _shifted(slots, YS, 1), W)
+        Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
+        ws.store(W.to(slots.dtype))
+        thread_barrier()
+        # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
+        Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
+        X = xs.load(MMA).to(gl.float32)
+        Y = ys.load(MMA).to(gl.float32)
+        W = ws.load(MMA).to(gl.float32)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()
     return X, Y, W, Vb
