@@ -349,3 +349,26 @@ def set_build_flags(settings: list[str]) -> dict:
         setattr(module, flag, type(current)(value) if current is not held else value)
         done[name.strip()] = value
     return done
+
+
+def call_in_fresh_process(path, call: str, build_flags=(), timeout: float = 900.0):
+    """The value of ``call``, a Python expression over the module at ``path`` (named ``m``
+    in it), evaluated in a new interpreter with ``build_flags`` set first
+    (:func:`set_build_flags`) and passed back as JSON (tuples come back as lists): the
+    way to compile or run a build whose flags are jit globals, fixed in a process at its
+    first compile. Raises ``RuntimeError`` with the child's stderr tail when it fails."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, json\n"
+            "from gdn_dispatch.testing import set_build_flags\n"
+            f"set_build_flags({list(build_flags)!r})\n"
+            f"spec = importlib.util.spec_from_file_location('m', {str(path)!r})\n"
+            "m = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(m)\n"
+            f"print(json.dumps({call}))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"{call} in a fresh process (flags {list(build_flags)}) failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.splitlines()[-1])

@@ -13,12 +13,12 @@ every element written (NaN-poisoned output and tables).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from gdn_dispatch.testing import call_in_fresh_process
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -235,15 +235,11 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = False,
-                 paths: bool = False) -> tuple[int, float]:
-    """(unwritten elements, relative error against float64) of the kernel on 512 tiles,
-    :data:`F16_OPERANDS` set to ``f16``, :data:`HALF_TABLES` to ``half``,
-    :data:`DIAGONAL_SERIES` to ``series`` and :data:`PATH_PRODUCTS` to ``paths`` first:
-    in a process that has compiled no kernel
-    reading the flags (a jit function's globals are fixed at its first compile). The
-    tables' buffer is NaN on entry, so that a read of a slot the inverse did not write this
-    call shows in T."""
+def kernel_error(cosine: float) -> tuple[int, float]:
+    """(unwritten elements, relative error against float64) of the kernel on 512 tiles, in
+    a process of its own with the build's flags set (:data:`KERNEL_BUILDS`; they are jit
+    globals, fixed at their first compile). The tables' buffer is NaN on entry, so that a
+    read of a slot the inverse did not write this call shows in T."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
@@ -251,11 +247,6 @@ def kernel_error(cosine: float, f16: bool, half: bool = False, series: bool = Fa
     from gdn_dispatch.backends.gluon_common.blocked_inverse import blocked_unit_lower_inverse, table_layout
     from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
-
-    blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
-    blocked_inverse.HALF_TABLES = gl.constexpr(half)
-    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
-    blocked_inverse.PATH_PRODUCTS = gl.constexpr(paths)
 
     @gluon.jit
     def tile_kernel(a_ptr, t_ptr):
@@ -291,10 +282,9 @@ KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, Fals
 @pytest.mark.parametrize("build", list(KERNEL_BUILDS))
 @pytest.mark.parametrize("cosine", [0.0, 0.9])
 def test_kernel_matches_float64(cosine, build):
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_blocked_inverse as t; "
-            f"print(*t.kernel_error({cosine}, *{KERNEL_BUILDS[build]!r}))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    unwritten, err = run.stdout.split()[-2:]
-    assert int(unwritten) == 0, "elements left unwritten"
-    assert float(err) < (2e-4 if cosine == 0.0 else 2e-3)
+    flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
+             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES", "PATH_PRODUCTS"),
+                                    KERNEL_BUILDS[build])]
+    unwritten, err = call_in_fresh_process(Path(__file__), f"m.kernel_error({cosine})", flags, timeout=600)
+    assert unwritten == 0, "elements left unwritten"
+    assert err < (2e-4 if cosine == 0.0 else 2e-3)

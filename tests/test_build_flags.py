@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_dispatch.testing import set_build_flags
+from gdn_dispatch.testing import call_in_fresh_process, set_build_flags
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -61,6 +61,18 @@ def test_the_option_sets_flags_in_every_worker():
                          cwd=tests.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "4 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_a_fresh_process_sees_the_flags():
+    """:func:`call_in_fresh_process`: the flags set before the module loads, the value back
+    through JSON, a failing call raised with its stderr."""
+    here = Path(__file__)
+    flag = "gluon_common.blocked_inverse.HALF_TABLES"
+    assert call_in_fresh_process(here, "m.blocked_inverse.HALF_TABLES.value", [f"{flag}=1"]) is True
+    assert call_in_fresh_process(here, "m.blocked_inverse.HALF_TABLES.value", [f"{flag}=0"]) is False
+    assert call_in_fresh_process(here, "(m.PROBE, 2)") == ["GDN_BUILD_FLAG_PROBE", 2]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        call_in_fresh_process(here, "1 / 0")
 
 
 if os.environ.get(PROBE):

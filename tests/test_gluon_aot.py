@@ -33,7 +33,6 @@ SM100, SM90 = (10, 0), (9, 0)
 TMEM_COLUMNS = 512
 
 
-
 @gluon.jit
 def _engine_probe_kernel(a_desc, b_desc, c_desc, ENGINE: gl.constexpr):
     """c = a^T b + 0.5 (a b): one overwrite MMA, a register round trip, one accumulate MMA."""
@@ -378,19 +377,14 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     assert ops["default"][dot] == 7 - aux_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
-def one_kernel_builds(half: bool, series: bool, paths: bool = False) -> list[dict]:
+def one_kernel_builds() -> list[dict]:
     """The one-kernel fused builds (``AUX_T``; sm_90a with and without ``STATE_SCORES`` and
-    with the qk l2 norm on chip, sm_100a) with :data:`.blocked_inverse.HALF_TABLES` set to
-    ``half``, :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series`` and
-    :data:`.blocked_inverse.PATH_PRODUCTS` to ``paths``, each compile report in numbers:
-    in a process that has compiled no kernel (the flags are jit globals, fixed at their
+    with the qk l2 norm on chip, sm_100a), each compile report in numbers: in a process of
+    its own with the blocked inverse's flags set (they are jit globals, fixed at their
     first compile)."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused90
     from gdn_dispatch.backends.gluon_sm100 import fused as fused100
 
-    blocked_inverse.HALF_TABLES = gl.constexpr(half)
-    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
-    blocked_inverse.PATH_PRODUCTS = gl.constexpr(paths)
     fused90.AUX_T, fused90.QK_NORM_ON_CHIP, fused100.AUX_T = True, True, True
     picks = []
     for state_scores, l2 in ((False, False), (True, False), (True, True)):
@@ -424,16 +418,13 @@ def test_one_kernel_builds_compile_with_half_tables(series, paths):
     least), sm_90a's wgmma in flight, no trap; spills within the builds' allowance, but for
     sm_100a's twin with path products, which triton 3.9.0 spills 12 bytes past (204 of 192;
     8 under 3.6.0): the flag is timed for sm_90a first."""
-    import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_aot as t; "
-            f"print(json.dumps(t.one_kernel_builds(True, {series}, {paths})))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    assert run.returncode == 0, run.stderr[-3000:]
-    builds = json.loads(run.stdout.splitlines()[-1])
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
+             for name, value in (("HALF_TABLES", True), ("DIAGONAL_SERIES", series), ("PATH_PRODUCTS", paths))]
+    builds = call_in_fresh_process(Path(__file__), "m.one_kernel_builds()", flags, timeout=1800)
     assert [b["arch"] for b in builds] == ["sm90", "sm90", "sm90", "sm100"] and all(b["aux_t"] for b in builds)
     for b in builds:
         assert b["products"] == {"f16": 32 if series else 30, "tf32": 0} and b["ldmatrix"] >= 12, b

@@ -26,7 +26,6 @@ from gdn_dispatch.backends.gluon_common.plan import plan  # noqa: E402
 SM100, SM90 = (10, 0), (9, 0)
 
 
-
 def _engine(capability):
     """The matrix engine of the backend that runs ``capability`` (the plans' ``ENGINE``)."""
     from gdn_dispatch.backends import gluon_sm90, gluon_sm100
@@ -152,22 +151,12 @@ def test_early_rows_compile_without_spills(tails, monkeypatch):
         assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
 
 
-def t_kernel_build(f16: bool, half: bool = False, series: bool = False, paths: bool = False) -> dict:
-    """The varlen bf16 T kernel's compile report in numbers, with
-    :data:`.blocked_inverse.F16_OPERANDS` set to ``f16``,
-    :data:`.blocked_inverse.HALF_TABLES` to ``half``,
-    :data:`.blocked_inverse.DIAGONAL_SERIES` to ``series`` and
-    :data:`.blocked_inverse.PATH_PRODUCTS` to ``paths`` first (in a process that has
-    compiled none: a jit function's globals are fixed at its first compile)."""
-    from triton.experimental.gluon import language as gl
-
+def t_kernel_build() -> dict:
+    """The varlen bf16 T kernel's compile report in numbers (in a process of its own with
+    the build's flags set: :func:`_t_kernel_builds`)."""
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common import wy_t
 
-    blocked_inverse.F16_OPERANDS = gl.constexpr(f16)
-    blocked_inverse.HALF_TABLES = gl.constexpr(half)
-    blocked_inverse.DIAGONAL_SERIES = gl.constexpr(series)
-    blocked_inverse.PATH_PRODUCTS = gl.constexpr(paths)
     kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.specialization == "K128-varlen-bf16-gfp32-betafp32")
     report = compile_kernel(kernel, SM90)
@@ -178,22 +167,22 @@ def t_kernel_build(f16: bool, half: bool = False, series: bool = False, paths: b
             "ld_shared": len(re.findall(r"\bld\.shared", report.ptx))}
 
 
-def _t_kernel_builds(*flags) -> list[dict]:
-    """:func:`t_kernel_build` of each ``(f16, half[, series[, paths]])`` in ``flags``, each
-    in a process of its own."""
-    import json
-    import subprocess
-    import sys
+#: The blocked inverse's flags a T kernel build of :func:`_t_kernel_builds` sets, in order.
+_INVERSE_FLAGS = ("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES", "PATH_PRODUCTS")
+
+
+def _t_kernel_builds(*builds) -> list[dict]:
+    """:func:`t_kernel_build` of each build in ``builds``, the values of
+    :data:`_INVERSE_FLAGS` in order (those left out off), each in a process of its own (the
+    flags are jit globals, fixed at their first compile)."""
     from pathlib import Path
 
-    builds = []
-    for flag in flags:
-        code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gluon_wy as t; "
-                f"print(json.dumps(t.t_kernel_build(*{tuple(flag)!r})))")
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stderr[-3000:]
-        builds.append(json.loads(run.stdout.splitlines()[-1]))
-    return builds
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    return [call_in_fresh_process(Path(__file__), "m.t_kernel_build()",
+                                  [f"gluon_common.blocked_inverse.{name}={int(value)}"
+                                   for name, value in zip(_INVERSE_FLAGS, build + (False,) * 4)])
+            for build in builds]
 
 
 @pytest.mark.slow
@@ -225,6 +214,22 @@ def test_half_tables_read_each_warps_slot_by_ldmatrix():
     assert half["ldmatrix"] == fp32["ldmatrix"] + 12, (half, fp32)
     assert half["ld_shared"] < fp32["ld_shared"] // 4, (half, fp32)
     assert half["registers"] <= half["maxnreg"] and half["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, half
+
+
+@pytest.mark.slow
+def test_shorter_inverse_chains_compile():
+    """With :data:`.blocked_inverse.DIAGONAL_SERIES` the T kernel's inverse is 32 fp16
+    mma.sync (one 16 x 16 product more: L x, L^2, L^2 x and L^2 (L x) where doubling took
+    two levels of two); with :data:`.blocked_inverse.PATH_PRODUCTS` alone 30 (the same
+    nine after the diagonal blocks); each with fp32 and fp16 tables, the same 8 wgmma,
+    registers under the cap, spills within the T kernel's allowance."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+
+    flags = [(True, False, True, False), (True, True, True, False), (True, False, False, True),
+             (True, True, True, True)]
+    for (_, _, series, _), build in zip(flags, _t_kernel_builds(*flags)):
+        assert (build["f16_mma"], build["tf32_mma"], build["wgmma"]) == (32 if series else 30, 0, 8), build
+        assert build["registers"] <= build["maxnreg"] and build["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, build
 
 
 @pytest.mark.gpu
@@ -405,19 +410,3 @@ def test_aot_list_covers_every_flag():
     assert len({k.specialization for k in kernels}) == len(kernels)
     cap = wy.WY_SPLIT_MAXNREG_SM90 if wy.WY_SPLIT_WU else wy.WY_MAXNREG_SM90
     assert all(k.maxnreg == cap for k in kernels)
-
-
-@pytest.mark.slow
-def test_shorter_inverse_chains_compile():
-    """With :data:`.blocked_inverse.DIAGONAL_SERIES` the T kernel's inverse is 32 fp16
-    mma.sync (one 16 x 16 product more: L x, L^2, L^2 x and L^2 (L x) where doubling took
-    two levels of two); with :data:`.blocked_inverse.PATH_PRODUCTS` alone 30 (the same
-    nine after the diagonal blocks); each with fp32 and fp16 tables, the same 8 wgmma,
-    registers under the cap, spills within the T kernel's allowance."""
-    from gdn_dispatch.backends.gluon_common import wy_t
-
-    flags = [(True, False, True, False), (True, True, True, False), (True, False, False, True),
-             (True, True, True, True)]
-    for (_, _, series, _), build in zip(flags, _t_kernel_builds(*flags)):
-        assert (build["f16_mma"], build["tf32_mma"], build["wgmma"]) == (32 if series else 30, 0, 8), build
-        assert build["registers"] <= build["maxnreg"] and build["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90, build
