@@ -191,17 +191,15 @@ def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
     RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
     b, _, _ = block_ids(RHS)
     dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
+    ROWS: gl.constexpr = half_table_layout(2) if HALF_TABLES else table_layout(2)
+    rows = reinterpret(slots, slots.dtype, [slots.shape[0] * BLOCK, BLOCK], ROWS)
     out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
-    if HALF_TABLES:
-        rows = reinterpret(slots, gl.float16, [2 * BLOCKS * BLOCKS * BLOCK, BLOCK], half_table_layout(2))
-        for k in gl.static_range(BLOCKS - s):
-            blk = rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS))
-            out = out + gl.expand_dims(blk, 0) * (b == k + s).to(gl.float16)
-    else:
-        rows = reinterpret(slots, gl.float32, [BLOCKS * BLOCKS * BLOCK, BLOCK], table_layout(2))
-        for k in gl.static_range(BLOCKS - s):
-            blk = rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype)
-            out = gl.where(b == k + s, gl.expand_dims(blk, 0), out)
+    for k in gl.static_range(BLOCKS - s):
+        blk = gl.expand_dims(rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype), 0)
+        if HALF_TABLES:
+            out = out + blk * (b == k + s).to(gl.float16)
+        else:
+            out = gl.where(b == k + s, blk, out)
     return out
 
 
