@@ -7,10 +7,11 @@ more: each partition's chunk loop) with the functions it spends the most instruc
 The kernel is compiled for sm_90a at its first AOT specialization of that kind (bf16, "kv",
 initial and final state, varlen unless ``--dense``; with the qk l2 norm on chip under
 ``--l2``) with the build flags set first (:func:`gdn_dispatch.testing.set_build_flags`, e.g.
-``gluon_sm90.fused.AUX_T=1 gluon_sm90.fused.STATE_SCORES=1`` for the one-kernel build),
-then Triton's bundled nvdisasm prints the cubin with line info: each instruction counts for
-the innermost source line ptxas gives it (inlined helpers count as themselves). Static
-counts say how much a partition issues per chunk, not how long it takes.
+``gluon_sm90.fused.AUX_T=1 gluon_sm90.fused.STATE_SCORES=1`` for the one-kernel build)
+by :func:`gdn_dispatch.aot.compile_kernel`, then Triton's bundled nvdisasm prints its cubin
+with line info: each instruction counts for the innermost source line ptxas gives it
+(inlined helpers count as themselves). Static counts say how much a partition issues per
+chunk, not how long it takes.
 """
 import argparse
 import ast
@@ -88,23 +89,21 @@ def main() -> None:
     set_build_flags(args.build_flag)
     import triton
 
-    from gdn_dispatch.aot import _gpu_target
+    from gdn_dispatch.aot import compile_kernel
     from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_common.compat import gluon_ast_source
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     kernel = next(k for k in fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.constexprs["HAS_TAILS"] != args.dense and bool(k.constexprs.get("QK_NORM")) == args.l2)
-    options = {"num_warps": kernel.num_warps, **({"maxnreg": kernel.maxnreg} if kernel.maxnreg else {})}
-    compiled = triton.compile(gluon_ast_source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
-                              target=_gpu_target((9, 0)), options=options)
+    report = compile_kernel(kernel, (9, 0))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
+        cubin.write(report.cubin)
         cubin.flush()
         sass = subprocess.run([nvdisasm, "-c", "-g", cubin.name], capture_output=True, text=True, check=True).stdout
     instructions = attribute(sass)
-    print(f"fused {kernel.specialization}, flags {args.build_flag or 'as shipped'}: {len(instructions)} instructions")
+    print(f"fused {kernel.specialization}, flags {args.build_flag or 'as shipped'}: {len(instructions)} instructions, "
+          f"{report.registers} registers, {report.spill_bytes} spill bytes")
     by_function = collections.Counter(owner for _, owner, _ in instructions)
     opcodes = collections.defaultdict(collections.Counter)
     for _, owner, opcode in instructions:

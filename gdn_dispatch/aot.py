@@ -91,6 +91,8 @@ class CompileReport:
     #: ptxas serialized the kernel's wgmma (:data:`WGMMA_SERIALIZED`): every 16-deep step
     #: waited for before the next one issues, in the whole kernel.
     wgmma_serialized: bool = False
+    #: The compiled binary (what nvdisasm reads; empty where the target produced none).
+    cubin: bytes = b""
 
     def row(self) -> list[str]:
         k = self.kernel
@@ -157,7 +159,8 @@ def compile_kernel(kernel: AotKernel, capability: tuple[int, int]) -> CompileRep
     tmem = int(getattr(compiled.metadata, "tmem_size", 0) or 0)
     return CompileReport(kernel=kernel, target=f"sm_{target.arch}", ptx=ptx, registers=registers,
                          spill_bytes=spills, shared_bytes=int(compiled.metadata.shared), tmem_columns=tmem,
-                         instructions=found, ttgir=compiled.asm.get("ttgir", ""), wgmma_serialized=serialized)
+                         instructions=found, ttgir=compiled.asm.get("ttgir", ""), wgmma_serialized=serialized,
+                         cubin=compiled.asm.get("cubin", b""))
 
 
 def backends_for_target(capability: tuple[int, int]) -> list[str]:
