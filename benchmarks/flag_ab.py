@@ -26,7 +26,6 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
     python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: its tables in fp16, ldmatrix reads
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
-    python benchmarks/flag_ab.py path_products  # blocked_inverse.PATH_PRODUCTS: 9 (8 with the series), 2 barriers
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -138,9 +137,6 @@ STUDIES = {
     # The diagonal blocks' inverses by a series in 4 x 4 blocks: nine dependent products, not ten.
     "diagonal_series": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "DIAGONAL_SERIES",
                         (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
-    # The off-diagonal blocks from the factors' path products: two barriers on the chain, not three.
-    "path_products": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "PATH_PRODUCTS",
-                      (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

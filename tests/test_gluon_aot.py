@@ -366,7 +366,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
                                      state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
-    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
+    assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
     budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
     dot, load, plain = "ttng.warp_group_dot ", "ttng.async_tma_copy_global_to_local", "tt.load "
@@ -407,29 +407,33 @@ def one_kernel_builds() -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("series, paths", [(False, False), (True, False), (True, True)],
-                         ids=["doubling-chain", "series-chain", "series-paths"])
-def test_one_kernel_builds_compile_with_half_tables(series, paths):
-    """:data:`.blocked_inverse.HALF_TABLES` in the one-kernel fused builds (sm_90a and
-    sm_100a), with the diagonal blocks by doubling or by the series
-    (:data:`.blocked_inverse.DIAGONAL_SERIES`), the off-diagonal ones by the chain or by
-    path products (:data:`.blocked_inverse.PATH_PRODUCTS`): the inverse's 30 (32) fp16
+@pytest.mark.parametrize("series", [False, True], ids=["doubling", "series"])
+def test_one_kernel_builds_compile_with_half_tables(series):
+    """:data:`.blocked_inverse.HALF_TABLES` (with :data:`.blocked_inverse.F16_OPERANDS`) in
+    the one-kernel fused builds (sm_90a and sm_100a), with the diagonal blocks by doubling
+    or by the series (:data:`.blocked_inverse.DIAGONAL_SERIES`): the inverse's 30 (32) fp16
     products reading the tables by ldmatrix (twelve more than their other ldmatrix at
-    least), sm_90a's wgmma in flight, no trap; spills within the builds' allowance, but for
-    sm_100a's twin with path products, which triton 3.9.0 spills 12 bytes past (204 of 192;
-    8 under 3.6.0): the flag is timed for sm_90a first."""
+    least) beside the 60 (64) tf32 ones of the redo, sm_90a's wgmma in flight, no trap;
+    spills within :data:`F16_REDO_SPILL_BYTES` (the redo's tf32 inverse in the aux
+    partition's loop)."""
     from pathlib import Path
 
     from gdn_dispatch.testing import call_in_fresh_process
 
     flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
-             for name, value in (("HALF_TABLES", True), ("DIAGONAL_SERIES", series), ("PATH_PRODUCTS", paths))]
+             for name, value in (("F16_OPERANDS", True), ("HALF_TABLES", True), ("DIAGONAL_SERIES", series))]
     builds = call_in_fresh_process(Path(__file__), "m.one_kernel_builds()", flags, timeout=1800)
     assert [b["arch"] for b in builds] == ["sm90", "sm90", "sm90", "sm100"] and all(b["aux_t"] for b in builds)
     for b in builds:
-        assert b["products"] == {"f16": 32 if series else 30, "tf32": 0} and b["ldmatrix"] >= 12, b
-        assert not b["serialized"] and not b["trap"], b
-        assert b["spills"] <= b["allowed"] or (paths and b["arch"] == "sm100"), b
+        assert b["products"] == {"f16": 32 if series else 30, "tf32": 64 if series else 60}, b
+        assert b["ldmatrix"] >= 12 and not b["serialized"] and not b["trap"], b
+        assert b["spills"] <= F16_REDO_SPILL_BYTES[b["arch"]], b
+
+
+#: Spill bytes of the one-kernel builds on the fp16 inverse with its tf32 redo (triton
+#: 3.6.0, fp16 tables with the series: sm_90a 420, 656 with the norm on chip; sm_100a 104),
+#: past the shipped builds' allowances: one reason the fp16 inverse is off.
+F16_REDO_SPILL_BYTES = {"sm90": 1024, "sm100": 512}
 
 
 @pytest.mark.slow
@@ -638,7 +642,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM100]
     assert report.tmem_columns == fused.TMEM_COLUMNS == TMEM_COLUMNS
     assert "trap;" not in report.ptx
-    assert blocked_inverse.ptx_products(report.ptx) == {"f16": 30, "tf32": 0}
+    assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
     mma, commit, load, plain = ("ttng.tc_gen5_mma", "ttng.tc_gen5_commit", "ttng.async_tma_copy_global_to_local",
                                 "tt.load ")
     ops = _partition_ops(report.ttgir, (mma, commit, load, plain))

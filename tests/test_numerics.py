@@ -191,3 +191,37 @@ def test_gluon_t_tiles_against_float64(device, case, store, monkeypatch):
     assert torch.isfinite(got).all()
     # T_u is rounded to bf16 (2^-9 relative); the inverse's own error is about 1e-3.
     assert rel_rms_error(got, ref) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("route", ["pipeline", "path"])
+def test_keys_beyond_fp16_range_through_the_public_call(route):
+    """A call whose A and T leave fp16's range in a few chunks (keys 300 times unit length
+    in the first two sequences and the last): the inverse on fp16 operands
+    (:data:`.blocked_inverse.F16_OPERANDS`) must redo those chunks in tf32 in every kernel
+    that forms T, the pipeline's w/u kernel (H 1, HV 2: too few programs for the path) and
+    the warp-specialized path's fused kernel (H 16, HV 32). Outputs start as NaN."""
+    from gdn_dispatch import chunk_gated_delta_rule
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common.forward import plan_call
+    from gdn_dispatch.device import default_probe
+    from gdn_dispatch.testing import poison_cuda_allocator
+
+    H, HV = (1, 2) if route == "pipeline" else (16, 32)
+    lengths = [3, 2, 130, 700, 64, 3] if route == "pipeline" else [3, 2, 130, 700, 64, 3] * 8
+    call = random_call(lengths=lengths, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=5,
+                       key_cosine=0.9)
+    call["output_final_state"] = True
+    k = call["k"]
+    k[0, :5] *= 300.0
+    k[0, -3:] *= 300.0
+    p = make_problem(**call)
+    device = default_probe().for_torch_device(p.device)
+    assert bool(plan_call(p, device, engine=gluon_sm90.ENGINE).launches.fused) == (route == "path")
+    expected = chunk_gated_delta_rule(**{n: v.cpu() if torch.is_tensor(v) else v for n, v in call.items()},
+                                      backend="reference")
+    poison_cuda_allocator()
+    o, ht = chunk_gated_delta_rule(**call, backend="gluon_sm90")
+    assert rel_rms_error(o.float().cpu(), expected[0].float()) < 5e-3
+    assert rel_rms_error(ht.float().cpu(), expected[1].float()) < 5e-3

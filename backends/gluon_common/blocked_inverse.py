@@ -28,9 +28,8 @@ threads; T goes back the same way. Per warp:
 Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16 on fp16
 operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off). With :data:`DIAGONAL_SERIES`
 the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
-sixteen products, nine dependent ones; with :data:`PATH_PRODUCTS` the blocks below the
-diagonal come from the factors and their two-step path products
-(:func:`_off_diagonals_by_paths`): two barriers on the chain, one dependent product fewer.
+sixteen products, nine dependent ones. On fp16 operands a result past fp16's range is
+redone in tf32 by the caller (:func:`lost_half_range`).
 """
 
 from __future__ import annotations
@@ -48,16 +47,22 @@ BLOCK = gl.constexpr(16)
 #: alike (the CPU model's error is tf32's at key cosines 0 to 0.99); a product's fp32
 #: accumulator becomes the next one's lhs by packing pairs in place (tf32's lhs fragment is
 #: not the accumulator's: the T kernel's inverse had 128 shuffles, 24 now), and each product
-#: is one k-step where tf32 chained two. Its range is fp16's: the entries of A and T must
-#: stay under 65504, which unit keys with beta in [0, 1] keep (|A| <= 1, and |T| <= 1 at key
-#: cosines up to 0.999 in the CPU model). H100, triton 3.6.0, `flag_ab.py f16_inverse`: the
-#: T kernel 0.392-0.402 -> 0.365 ms on ragged16, 0.203-0.205 -> 0.206 at 4 x 8192; the
+#: is one k-step where tf32 chained two. Its range is fp16's: unit keys with beta in [0, 1]
+#: keep A and T inside it (|A| <= 1, and |T| <= 1 at key cosines up to 0.999 in the CPU
+#: model), but the contract takes any keys, so every kernel checks T
+#: (:func:`lost_half_range`) and redoes a chunk that left the range in tf32, from A formed
+#: again (tests/test_numerics.py: keys 300 times unit length). H100, triton 3.6.0, `flag_ab.py
+#: f16_inverse` without that redo: the T kernel 0.392-0.402 -> 0.365 ms on ragged16; the
 #: one-kernel build (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x
-#: 8192, 1.121-1.139 -> 1.014-1.020 on ragged16; outputs within 2.2e-4 of tf32's. The
-#: tables' slots are rounded to fp16 as loaded, before :func:`_shifted` selects among them
-#: (the same operands; the timed build rounded after, and its T kernel spilled 56-96 bytes
-#: at the 96-register cap, over the 64 allowed in the qk l2 norm's builds: 40-48 now).
-F16_OPERANDS = gl.constexpr(True)
+#: 8192; outputs within 2.2e-4 of tf32's. With :data:`HALF_TABLES` and
+#: :data:`DIAGONAL_SERIES` too that build ran 0.499 ms at 4 x 8192, 0.918 on ragged16 and
+#: 0.966 at HV 64 (``python -m gdn_dispatch bench``, ``logs/h100_bench_one_kernel_f16.log``),
+#: but the redo's tf32 inverse in the aux partition's loop raises its spills (sm_90a: 172
+#: -> 420 bytes, 196 -> 656 with the norm on chip) and the same build with it ran 0.674,
+#: 1.206 and 1.344 ms (``logs/h100_bench_f16_redo.log``), slower than this off (tf32, no
+#: redo needed: the two-kernel path 0.577 / 1.075 / 1.110 ms). Off until the redo costs the
+#: loop nothing (a chunk's redo outside the partition's registers).
+F16_OPERANDS = gl.constexpr(False)
 #: The tables the warps hand T's block diagonals down through hold fp16 (with
 #: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 6 KB: a block goes in by one
 #: stmatrix and each slot a warp reads as the next product's rhs comes out by one ldmatrix
@@ -65,24 +70,23 @@ F16_OPERANDS = gl.constexpr(True)
 #: element. X, Y and W come back rounded to fp16 before T is assembled (T leaves as bf16 /
 #: fp16 in every caller). sm_90a, triton 3.6.0: the T kernel's shared loads 91 -> 7 PTX
 #: instructions and spills 40 -> 0 bytes; the one-kernel fused build's inverse 666 -> 571
-#: SASS instructions per warp and chunk. Off until run on a GPU.
+#: SASS instructions per warp and chunk. H100, the one-kernel build with the fp16 inverse
+#: (``flag_ab.py half_tables --with aux_t,state_scores``, ``logs/h100_half_tables_ab.log``):
+#: the fused kernel 0.581 -> 0.509 ms at 4 x 8192, 1.059-1.061 -> 0.928-0.930 on ragged16, 1.151-1.153
+#: -> 1.016-1.019 at HV 64. Needs :data:`F16_OPERANDS`: off with it.
 HALF_TABLES = gl.constexpr(False)
 #: Each diagonal block's inverse from its 4 x 4 blocks' by the series of
 #: :func:`_diagonal_block_inverse` (``(I - L + L^2 - L^3) x``: L x and L^2 side by side,
 #: then L^2 x and L^2 (L x)) instead of doubling to 8 and 16: five dependent products
 #: instead of six (seven products instead of six), so ten dependent ones per warp become
 #: nine. The terms stay small: in the CPU model (fp16 inputs) its error is the doubling's
-#: within 10% up to key cosine 0.999 with beta = 1 and no decay. Off until run on a GPU.
+#: within 10% up to key cosine 0.999 with beta = 1 and no decay. H100, the one-kernel build
+#: with the fp16 inverse and :data:`HALF_TABLES` (``flag_ab.py diagonal_series --with
+#: aux_t,state_scores,half_tables``, ``logs/h100_diagonal_series_ab.log``): the fused kernel
+#: 0.503-0.509 -> 0.506 ms at 4 x 8192, 0.927-0.937 -> 0.922-0.923 on ragged16, 0.983-1.001
+#: -> 0.992-0.997 at HV 64: within noise but for ragged16. Off with :data:`F16_OPERANDS`
+#: (not timed on tf32 products).
 DIAGONAL_SERIES = gl.constexpr(False)
-#: The off-diagonal blocks from the factors and their two-step path products
-#: (:func:`_off_diagonals_by_paths`) instead of each diagonal from the one above: every
-#: diagonal two products after the factors, where the chain takes three, at two barriers
-#: on the way instead of three (nine products as before; the tables take all 16 slots).
-#: Ten dependent products per warp become nine (eight with :data:`DIAGONAL_SERIES`); in
-#: the CPU model its fp16 error is the chain's. It holds two more factors across the
-#: products: sm_100a's one-kernel twin spills 204 bytes under triton 3.9.0 with it (192
-#: allowed; 8 under 3.6.0). Off until run on a GPU.
-PATH_PRODUCTS = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -94,6 +98,16 @@ def ptx_products(ptx: str) -> dict:
     """Block products in ``ptx`` by operand type: ``{"f16": n, "tf32": m}`` (one inverse
     is 30 fp16 ones, or 60 tf32 ones with :data:`F16_OPERANDS` off)."""
     return {kind: ptx.count(spelling) for kind, spelling in PRODUCT_PTX.items()}
+
+
+def inverse_products() -> dict:
+    """:func:`ptx_products` of a kernel that forms one inverse with the flags as set: 15
+    products per warp (16 with :data:`DIAGONAL_SERIES`), two mma.sync each on fp16, four
+    on tf32; with :data:`F16_OPERANDS` the tf32 redo of :func:`lost_half_range` beside
+    them."""
+    per_warp = 16 if DIAGONAL_SERIES else 15
+    f16 = 2 * per_warp if F16_OPERANDS else 0
+    return {"f16": f16, "tf32": 4 * per_warp}
 
 
 @gluon.constexpr_function
@@ -135,12 +149,12 @@ def _operand_layout(index, f16):
 
 
 @gluon.jit
-def _mm(x, y, acc):
+def _mm(x, y, acc, F16: gl.constexpr):
     """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, mma.sync on fp16 operands
-    (tf32 with :data:`F16_OPERANDS` off)."""
-    lhs: gl.constexpr = _operand_layout(0, F16_OPERANDS)
-    rhs: gl.constexpr = _operand_layout(1, F16_OPERANDS)
-    if F16_OPERANDS:
+    with ``F16``, else tf32."""
+    lhs: gl.constexpr = _operand_layout(0, F16)
+    rhs: gl.constexpr = _operand_layout(1, F16)
+    if F16:
         out = mma_v2(gl.convert_layout(x.to(gl.float16), lhs), gl.convert_layout(y.to(gl.float16), rhs), acc)
     else:
         out = mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, rhs), acc, input_precision="tf32")
@@ -178,25 +192,25 @@ def _diagonal(a4, d: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
+def _shifted(slots, first: gl.constexpr, s: gl.constexpr, F16: gl.constexpr):
     """The batch whose block r is the table at slot ``first`` of ``slots``' slot r - s
-    (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with
-    :data:`F16_OPERANDS`): each warp reads the slots in the operand's layout (a load
+    (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with ``F16``): each warp reads the slots in the operand's layout (a load
     replicated over the warps), then keeps its own, so that no layout conversion follows.
     (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple of
     its size, and Triton 3.9 rejects a one-slot view widened to four.) From fp16 tables
     (:data:`HALF_TABLES`) a slot is one ldmatrix, kept by a packed fp16 multiply-add with
     the warp's 0 / 1 weight (exact on the finite entries the tables hold; a select of fp16
     halves took twice the instructions)."""
-    RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
+    RHS: gl.constexpr = _operand_layout(1, F16)
     b, _, _ = block_ids(RHS)
-    dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
-    ROWS: gl.constexpr = half_table_layout(2) if HALF_TABLES else table_layout(2)
+    dtype: gl.constexpr = gl.float16 if F16 else gl.float32
+    HALF: gl.constexpr = slots.dtype == gl.float16
+    ROWS: gl.constexpr = half_table_layout(2) if HALF else table_layout(2)
     rows = reinterpret(slots, slots.dtype, [slots.shape[0] * BLOCK, BLOCK], ROWS)
     out = gl.zeros([BLOCKS, BLOCK, BLOCK], dtype, RHS)
     for k in gl.static_range(BLOCKS - s):
         blk = gl.expand_dims(rows.slice(BLOCK * (first + k), BLOCK).load(gl.SliceLayout(0, RHS)).to(dtype), 0)
-        if HALF_TABLES:
+        if HALF:
             out = out + blk * (b == k + s).to(gl.float16)
         else:
             out = gl.where(b == k + s, blk, out)
@@ -204,11 +218,10 @@ def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
 
 
 @gluon.jit
-def _table_slots(tables):
+def _table_slots(tables, F16: gl.constexpr):
     """``tables`` (fp32 ``[16, 16, 16]``) as the slots the three tables live in: itself,
-    or its bytes as fp16 ``[32, 16, 16]`` with :data:`HALF_TABLES`."""
-    if HALF_TABLES:
-        gl.static_assert(F16_OPERANDS, "fp16 tables feed fp16 products")
+    or its bytes as fp16 ``[32, 16, 16]`` with :data:`HALF_TABLES` (fp16 products only)."""
+    if HALF_TABLES and F16:
         slots = reinterpret(tables, gl.float16, [2 * BLOCKS * BLOCKS, BLOCK, BLOCK], half_table_layout())
     else:
         slots = tables
@@ -216,43 +229,44 @@ def _table_slots(tables):
 
 
 @gluon.jit
-def _diagonal_block_inverse(D, zero):
+def _diagonal_block_inverse(D, zero, F16: gl.constexpr):
     """``(I + D)^-1`` of every block of the batch D (strictly lower [16, 16] blocks)."""
     MMA: gl.constexpr = block_mma_layout()
     _, i, j = block_ids(MMA)
     four = i // 4 == j // 4
     d = gl.where(four, D, 0.0)
     # On the 4 x 4 diagonal blocks (d D) = d^2 and (d^2 D) = d^3, and d^4 = 0.
-    p = gl.where(four, _mm(d, D, zero), 0.0)
-    q = gl.where(four, _mm(p, D, zero), 0.0)
+    p = gl.where(four, _mm(d, D, zero, F16), 0.0)
+    q = gl.where(four, _mm(p, D, zero, F16), 0.0)
     x = gl.where(i == j, 1.0, 0.0) - d + p - q
     if DIAGONAL_SERIES:
         # I + D = (I + d)(I + L), L = x (D - d) strictly lower in 4 x 4 blocks (L^4 = 0):
         # (I + D)^-1 = (I - L + L^2 - L^3) x, its two last terms from L^2 and L x.
-        L = gl.where(four, 0.0, _mm(x, D, zero))
-        Lx = _mm(L, x, zero)
-        L2 = _mm(L, L, zero)
-        x = x - Lx + _mm(L2, x, zero) - _mm(L2, Lx, zero)
+        L = gl.where(four, 0.0, _mm(x, D, zero, F16))
+        Lx = _mm(L, x, zero, F16)
+        L2 = _mm(L, L, zero, F16)
+        x = x - Lx + _mm(L2, x, zero, F16) - _mm(L2, Lx, zero, F16)
     else:
         # 4 -> 8 -> 16: x is block diagonal at size b; (x D) on the blocks just below its
         # diagonal blocks inside each pair is x n exactly.
         for level in gl.static_range(2, 4):
             below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
-            y = gl.where(below, _mm(x, D, zero), 0.0)
-            x = x - _mm(y, x, zero)
+            y = gl.where(below, _mm(x, D, zero, F16), 0.0)
+            x = x - _mm(y, x, zero, F16)
     return x
 
 
 @gluon.jit
-def blocked_unit_lower_inverse(a, tables):
+def blocked_unit_lower_inverse(a, tables, TF32: gl.constexpr = False):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
     and exit; the first 12 KB used, 6 KB with :data:`HALF_TABLES`) for the diagonals of T
-    the warps hand down.
+    the warps hand down. ``TF32``: tf32 products and fp32 tables whatever
+    :data:`F16_OPERANDS` says (the redo of a result :func:`lost_half_range`).
     """
-    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
+    X, Y, W, Vb = blocked_inverse_diagonals(a, tables, TF32)
     # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
     L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
     r, c = _column_ids(L4)
@@ -265,91 +279,89 @@ def blocked_unit_lower_inverse(a, tables):
 
 
 @gluon.jit
-def _off_diagonals_by_paths(X, S1, S2, S3, slots, zero):
-    """:data:`PATH_PRODUCTS`: T's diagonals from the factors ``M_d = X_r A[r, r - d]`` and
-    their products along paths of two steps, ``U = M1 M1_{r-1}`` and ``V = M1 M2_{r-1}``::
-
-        T[r, r-1] = -M1 X_{r-1}
-        T[r, r-2] = (U - M2) X_{r-2}
-        T[r, r-3] = (V - M3) X_{r-3} + (U - M2) T[r-2, r-3]
-
-    (the chain's ``-(M2 X_{r-2} + M1 T[r-1, r-2])`` and its like with T[r-1, r-2] = -M1_{r-1}
-    X_{r-2} put in). X, M1 and M2 go through the tables at one barrier, T[r, r-1] at the
-    next: every diagonal two products after the factors, where the chain takes three, and
-    W is never handed down. Returns ``(X, Y, W, Vb)`` as :func:`blocked_inverse_diagonals`;
-    the tables, 16 slots (all of fp32 ``[16, 16, 16]``; 8 KB with :data:`HALF_TABLES`),
-    still read by other warps until the caller's barrier."""
-    MMA: gl.constexpr = block_mma_layout()
-    slots.slice(0, BLOCKS).store(X.to(slots.dtype))
-    M1 = _mm(X, S1, zero)
-    slots.slice(BLOCKS, BLOCKS).store(M1.to(slots.dtype))
-    M2 = _mm(X, S2, zero)
-    slots.slice(2 * BLOCKS, BLOCKS).store(M2.to(slots.dtype))
-    M3 = _mm(X, S3, zero)
-    thread_barrier()
-    Y = -_mm(M1, _shifted(slots, 0, 1), zero)
-    slots.slice(3 * BLOCKS, BLOCKS).store(Y.to(slots.dtype))
-    # Rows r < 2 (r < 3) of U - M2 (V - M3) are zero: M1's row 0, M2's rows 0 and 1 are.
-    UM2 = _mm(M1, _shifted(slots, BLOCKS, 1), zero) - M2
-    VM3 = _mm(M1, _shifted(slots, 2 * BLOCKS, 1), zero) - M3
-    W = _mm(UM2, _shifted(slots, 0, 2), zero)
-    Vb = _mm(VM3, _shifted(slots, 0, 3), zero)
-    thread_barrier()
-    Vb = _mm(UM2, _shifted(slots, 3 * BLOCKS, 2), Vb)
-    X = slots.slice(0, BLOCKS).load(MMA).to(gl.float32)
-    Y = slots.slice(3 * BLOCKS, BLOCKS).load(MMA).to(gl.float32)
-    return X, Y, W, Vb
-
-
-@gluon.jit
-def blocked_inverse_diagonals(a, tables):
-    """The four block diagonals of ``(I + a)^-1`` (``a`` and ``tables`` as for
+def blocked_inverse_diagonals(a, tables, TF32: gl.constexpr = False):
+    """The four block diagonals of ``(I + a)^-1`` (``a``, ``tables`` and ``TF32`` as for
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
     whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
+    F16: gl.constexpr = F16_OPERANDS and not TF32
     a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
     zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
     D = _diagonal(a4, 0)
     S1 = _diagonal(a4, 1)
     S2 = _diagonal(a4, 2)
     S3 = _diagonal(a4, 3)
-    X = _diagonal_block_inverse(D, zero)
+    X = _diagonal_block_inverse(D, zero, F16)
 
-    slots = _table_slots(tables)
+    slots = _table_slots(tables, F16)
     MMA: gl.constexpr = block_mma_layout()
-    if PATH_PRODUCTS:
-        X, Y, W, Vb = _off_diagonals_by_paths(X, S1, S2, S3, slots, zero)
-    else:
-        XS: gl.constexpr = 0
-        YS: gl.constexpr = BLOCKS
-        WS: gl.constexpr = 2 * BLOCKS
-        xs = slots.slice(XS, BLOCKS)
-        ys = slots.slice(YS, BLOCKS)
-        ws = slots.slice(WS, BLOCKS)
-        # The warp's own factors of the three diagonals while the other warps reach the
-        # table; X, Y and W are read back from the tables at the end, not held across the
-        # products.
-        xs.store(X.to(slots.dtype))
-        M1 = _mm(X, S1, zero)
-        M2 = _mm(X, S2, zero)
-        M3 = _mm(X, S3, zero)
-        thread_barrier()
-        # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
-        Y = -_mm(M1, _shifted(slots, XS, 1), zero)
-        W = _mm(M2, _shifted(slots, XS, 2), zero)
-        Vb = _mm(M3, _shifted(slots, XS, 3), zero)
-        ys.store(Y.to(slots.dtype))
-        thread_barrier()
-        # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
-        W = -_mm(M1, _shifted(slots, YS, 1), W)
-        Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
-        ws.store(W.to(slots.dtype))
-        thread_barrier()
-        # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
-        Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
-        X = xs.load(MMA).to(gl.float32)
-        Y = ys.load(MMA).to(gl.float32)
-        W = ws.load(MMA).to(gl.float32)
+    XS: gl.constexpr = 0
+    YS: gl.constexpr = BLOCKS
+    WS: gl.constexpr = 2 * BLOCKS
+    xs = slots.slice(XS, BLOCKS)
+    ys = slots.slice(YS, BLOCKS)
+    ws = slots.slice(WS, BLOCKS)
+    # The warp's own factors of the three diagonals while the other warps reach the table;
+    # X, Y and W are read back from the tables at the end, not held across the products.
+    xs.store(X.to(slots.dtype))
+    M1 = _mm(X, S1, zero, F16)
+    M2 = _mm(X, S2, zero, F16)
+    M3 = _mm(X, S3, zero, F16)
+    thread_barrier()
+    # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
+    Y = -_mm(M1, _shifted(slots, XS, 1, F16), zero, F16)
+    W = _mm(M2, _shifted(slots, XS, 2, F16), zero, F16)
+    Vb = _mm(M3, _shifted(slots, XS, 3, F16), zero, F16)
+    ys.store(Y.to(slots.dtype))
+    thread_barrier()
+    # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
+    W = -_mm(M1, _shifted(slots, YS, 1, F16), W, F16)
+    Vb = _mm(M2, _shifted(slots, YS, 2, F16), Vb, F16)
+    ws.store(W.to(slots.dtype))
+    thread_barrier()
+    # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
+    Vb = -_mm(M1, _shifted(slots, WS, 1, F16), Vb, F16)
+    X = xs.load(MMA).to(gl.float32)
+    Y = ys.load(MMA).to(gl.float32)
+    W = ws.load(MMA).to(gl.float32)
     # The tables are read above by other warps: free only after every warp is past them.
     thread_barrier()
     return X, Y, W, Vb
+
+
+#: Largest |T| entry kept from fp16 products (:func:`lost_half_range`): half fp16's
+#: range, so that an entry that only grew near its top is redone too.
+HALF_RANGE = gl.constexpr(32768.0)
+
+
+@gluon.jit
+def _in_half_range(x):
+    return gl.abs(x) < HALF_RANGE
+
+
+@gluon.jit
+def lost_half_range(t):
+    """Whether the inverse on fp16 operands (:data:`F16_OPERANDS`) lost fp16's range: an
+    entry of its [64, 64] result ``t`` is not finite or reaches :data:`HALF_RANGE` (NaN
+    compares false). Entries of A or T past 65504 become inf on the way, which reaches the
+    result: each product's rhs carries an identity block or a T block (x's diagonal is 1),
+    so an inf meets a 1 (inf) or a 0 (NaN) in every column it enters, and no select drops
+    a column of T. The caller then forms A again and redoes the inverse with ``TF32``.
+    A constexpr False without :data:`F16_OPERANDS`."""
+    if F16_OPERANDS:
+        lost = gl.sum(gl.sum(gl.where(_in_half_range(t), 0, 1), 1), 0) > 0
+    else:
+        lost = False
+    return lost
+
+
+@gluon.jit
+def diagonals_lost_half_range(X, Y, W, Vb):
+    """:func:`lost_half_range` of the four diagonals :func:`blocked_inverse_diagonals`
+    returns."""
+    if F16_OPERANDS:
+        ok = _in_half_range(X) & _in_half_range(Y) & _in_half_range(W) & _in_half_range(Vb)
+        lost = gl.sum(gl.sum(gl.sum(gl.where(ok, 0, 1), 2), 1), 0) > 0
+    else:
+        lost = False
+    return lost

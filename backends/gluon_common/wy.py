@@ -79,7 +79,8 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    blocked_inverse_diagonals, blocked_unit_lower_inverse, inverse_layout, table_layout)
+    blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, inverse_layout, lost_half_range,
+    table_layout)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -439,15 +440,16 @@ def regs_inverse_smem(x_smem, dtype: gl.constexpr, t_layout: gl.constexpr, ENGIN
 
 @gluon.jit
 def _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
-                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early):
-    """:func:`_chunk_a_of_k` with the rows :func:`chunk_rows_early` loaded (or None)."""
+                     USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, rows_early, KK_PHASE: gl.constexpr = 0):
+    """:func:`_chunk_a_of_k` with the rows :func:`chunk_rows_early` loaded (or None), at
+    ``kk_bar``'s ``KK_PHASE``-th completion."""
     if rows_early is None:
         g_raw = None
         b_raw = None
     else:
         g_raw = rows_early[0]
         b_raw = rows_early[1]
-    return _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, 0,
+    return _chunk_a_of_k(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar, KK_PHASE,
                          USE_L2NORM, ENGINE, g_raw, b_raw)
 
 
@@ -466,6 +468,12 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     u_scale = gl.convert_layout(u_scale, flat)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
     t = blocked_unit_lower_inverse(a, tables)
+    if lost_half_range(t):
+        # Rare (entries of A or T past fp16's range): A formed again (k k^T's second
+        # completion of ``kk_bar``) rather than kept across the inverse, and T in tf32.
+        a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                         USE_L2NORM, ENGINE, rows_early, 1)
+        t = blocked_unit_lower_inverse(a_again, tables, True)
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
@@ -490,12 +498,21 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k)
+    if lost_half_range(t):
+        # Rare: k k^T again from the tile (the caller holds it until this returns) rather
+        # than kept across the inverse, and T in tf32. sm_90a's wgmma waits ignore
+        # ``kk_bar``; a tcgen05 caller would find its phase moved on.
+        gl.static_assert(not ENGINE.IS_SM100, "the redo's k k^T completes kk_bar once more")
+        kk_again = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+        kk_again = ENGINE.acc_read(ENGINE.mma_wait(kk_again, kk_bar, 1 - KK_PHASE))
+        t, _, u_scale = chunk_t_of_kk(kk_again, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM,
+                                      k_smem, r_k, True)
     return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
 
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None):
+                  r_k=None, TF32: gl.constexpr = False):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -503,7 +520,8 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     T_w (``beta 2^g r``) and T_u (``beta``), fp32 [64] in a plain 1-D layout, where they
     wait out the inverse in one register each. ``b_raw``: the chunk's raw beta rows
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
-    :func:`_chunk_a` takes them."""
+    :func:`_chunk_a` takes them; ``TF32``: the inverse's redo
+    (:func:`.blocked_inverse.lost_half_range`)."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
@@ -513,7 +531,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     u_scale = gl.convert_layout(u_scale, flat)
     leave("aux.a")
     enter("aux.blocks")
-    t = blocked_unit_lower_inverse(a, tables)
+    t = blocked_unit_lower_inverse(a, tables, TF32)
     leave("aux.blocks")
     return t, w_scale, u_scale
 
@@ -527,7 +545,13 @@ def chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, H
     a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                            USE_L2NORM, ENGINE, rows_early)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
-    return blocked_inverse_diagonals(a, tables)
+    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
+    if diagonals_lost_half_range(X, Y, W, Vb):
+        # As in :func:`chunk_t_blocked`.
+        a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                         USE_L2NORM, ENGINE, rows_early, 1)
+        X, Y, W, Vb = blocked_inverse_diagonals(a_again, tables, True)
+    return X, Y, W, Vb
 
 
 @gluon.jit

@@ -890,8 +890,10 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: (:data:`.blocked_inverse.F16_OPERANDS`, on) it is the faster build on the H100: 0.553
 #: ms at 4 x 8192 against the two kernels' 0.579, 1.014 against 1.046 on ragged16, 1.094
 #: against 1.107 at HV 64 (``flag_ab.py f16_inverse [--with aux_t,state_scores]``,
-#: ``logs/h100_f16_inverse*.log``). Off until the GPU tier and the bench have run with
-#: both on (the tests' ``aux-t-state-scores`` variant ran; no bench yet).
+#: ``logs/h100_f16_inverse*.log``), and 0.499 ms with the fp16 tables and the series too
+#: (1,339 GPU tests passed with all of them on). Off with the fp16 inverse, whose redo of
+#: chunks past fp16's range costs this build 35% (:data:`.blocked_inverse.F16_OPERANDS`):
+#: on tf32 products the two kernels are the faster (0.577 against 0.601 ms).
 AUX_T = False
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
