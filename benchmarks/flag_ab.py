@@ -24,7 +24,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py early_o1     # fused.EARLY_O1: S_old q^T issued with P^T; wgmma not serialized
     python benchmarks/flag_ab.py state_scores --with aux_t  # fused.STATE_SCORES: q k^T in the state, not the aux
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
-    python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: its tables in fp16, ldmatrix reads
+    python benchmarks/flag_ab.py half_tables --with f16_inverse  # blocked_inverse.HALF_TABLES: fp16 tables, ldmatrix
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
@@ -181,6 +181,8 @@ if __name__ == "__main__":
     for name in also:
         if name not in STUDIES or name == args.study:
             parser.error(f"--with: {name!r} is not another study")
+    if "half_tables" in [args.study] + also and "f16_inverse" not in [args.study] + also:
+        parser.error("half_tables: the fp16 tables need the fp16 products; add --with f16_inverse")
     _, flag, _, shapes = STUDIES[args.study]
     if args.shapes:
         picked = args.shapes.split(",")

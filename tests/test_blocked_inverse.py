@@ -8,7 +8,7 @@ tables (:data:`HALF_TABLES`) against fp32 ones, and the diagonal blocks by the s
 (:data:`DIAGONAL_SERIES`) against the doubling. GPU (sm_90 / sm_100): the kernel (each
 operand type, table type and diagonal form) on one tile per program against float64,
 every element written (NaN-poisoned output and tables), and with A past fp16's range
-(the tf32 redo of :func:`lost_half_range`).
+(the redo by rows of :func:`lost_half_range`).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_tf32_products_keep_correlated_keys_accurate():
 def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
     """(unwritten elements, relative error against float64) of the kernel on 512 tiles, in
     a process of its own with the build's flags set (:data:`KERNEL_BUILDS`; they are jit
-    globals, fixed at their first compile), redone in tf32 where the result lost fp16's
+    globals, fixed at their first compile), redone by rows where the result lost fp16's
     range (:func:`lost_half_range`, as the kernels that run it do). The tables' buffer is
     NaN on entry, so that a read of a slot the inverse did not write this call shows in T.
     ``scale``: A's row 1 multiplied by it (its key and beta that much larger)."""

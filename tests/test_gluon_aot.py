@@ -413,9 +413,9 @@ def test_one_kernel_builds_compile_with_half_tables(series):
     the one-kernel fused builds (sm_90a and sm_100a), with the diagonal blocks by doubling
     or by the series (:data:`.blocked_inverse.DIAGONAL_SERIES`): the inverse's 30 (32) fp16
     products reading the tables by ldmatrix (twelve more than their other ldmatrix at
-    least) beside the 60 (64) tf32 ones of the redo, sm_90a's wgmma in flight, no trap;
-    spills within :data:`F16_REDO_SPILL_BYTES` (the redo's tf32 inverse in the aux
-    partition's loop)."""
+    least), its redo by rows on the CUDA cores (no tf32 product), sm_90a's wgmma in flight,
+    no trap, spills within the builds' allowance (sm_90a's aux keeps A for the redo in
+    shared memory, where forming it again spilled 276-612 bytes)."""
     from pathlib import Path
 
     from gdn_dispatch.testing import call_in_fresh_process
@@ -425,15 +425,9 @@ def test_one_kernel_builds_compile_with_half_tables(series):
     builds = call_in_fresh_process(Path(__file__), "m.one_kernel_builds()", flags, timeout=1800)
     assert [b["arch"] for b in builds] == ["sm90", "sm90", "sm90", "sm100"] and all(b["aux_t"] for b in builds)
     for b in builds:
-        assert b["products"] == {"f16": 32 if series else 30, "tf32": 64 if series else 60}, b
+        assert b["products"] == {"f16": 32 if series else 30, "tf32": 0}, b
         assert b["ldmatrix"] >= 12 and not b["serialized"] and not b["trap"], b
-        assert b["spills"] <= F16_REDO_SPILL_BYTES[b["arch"]], b
-
-
-#: Spill bytes of the one-kernel builds on the fp16 inverse with its tf32 redo (triton
-#: 3.6.0, fp16 tables with the series: sm_90a 420, 656 with the norm on chip; sm_100a 104),
-#: past the shipped builds' allowances: one reason the fp16 inverse is off.
-F16_REDO_SPILL_BYTES = {"sm90": 1024, "sm100": 512}
+        assert b["spills"] <= b["allowed"], b
 
 
 @pytest.mark.slow

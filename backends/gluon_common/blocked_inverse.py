@@ -29,7 +29,7 @@ Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16
 operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off). With :data:`DIAGONAL_SERIES`
 the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
 sixteen products, nine dependent ones. On fp16 operands a result past fp16's range is
-redone in tf32 by the caller (:func:`lost_half_range`).
+redone in fp32 by the caller (:func:`lost_half_range`).
 """
 
 from __future__ import annotations
@@ -50,18 +50,21 @@ BLOCK = gl.constexpr(16)
 #: is one k-step where tf32 chained two. Its range is fp16's: unit keys with beta in [0, 1]
 #: keep A and T inside it (|A| <= 1, and |T| <= 1 at key cosines up to 0.999 in the CPU
 #: model), but the contract takes any keys, so every kernel checks T
-#: (:func:`lost_half_range`) and redoes a chunk that left the range in tf32, from A formed
-#: again (tests/test_numerics.py: keys 300 times unit length). H100, triton 3.6.0, `flag_ab.py
-#: f16_inverse` without that redo: the T kernel 0.392-0.402 -> 0.365 ms on ragged16; the
-#: one-kernel build (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x
-#: 8192; outputs within 2.2e-4 of tf32's. With :data:`HALF_TABLES` and
-#: :data:`DIAGONAL_SERIES` too that build ran 0.499 ms at 4 x 8192, 0.918 on ragged16 and
-#: 0.966 at HV 64 (``python -m gdn_dispatch bench``, ``logs/h100_bench_one_kernel_f16.log``),
-#: but the redo's tf32 inverse in the aux partition's loop raises its spills (sm_90a: 172
-#: -> 420 bytes, 196 -> 656 with the norm on chip) and the same build with it ran 0.674,
-#: 1.206 and 1.344 ms (``logs/h100_bench_f16_redo.log``), slower than this off (tf32, no
-#: redo needed: the two-kernel path 0.577 / 1.075 / 1.110 ms). Off until the redo costs the
-#: loop nothing (a chunk's redo outside the partition's registers).
+#: (:func:`lost_half_range`) and redoes a chunk that left the range in fp32 by rows
+#: (:func:`inverse_by_rows`) from A formed again, or, in sm_90a's one-kernel fused build,
+#: from A kept in 16 KB of shared memory (:func:`redo_buffer`; tests/test_numerics.py:
+#: keys 300 times unit length). H100, triton 3.6.0, `flag_ab.py f16_inverse` without a
+#: redo: the T kernel 0.392-0.402 -> 0.365 ms on ragged16; the one-kernel build
+#: (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x 8192; outputs
+#: within 2.2e-4 of tf32's. With :data:`HALF_TABLES` and :data:`DIAGONAL_SERIES` too that
+#: build ran 0.499 ms at 4 x 8192, 0.918 on ragged16 and 0.966 at HV 64 (``python -m
+#: gdn_dispatch bench``, ``logs/h100_bench_one_kernel_f16.log``); with a first redo, A
+#: formed again and inverted by the blocked inverse in tf32, the aux partition's loop
+#: spilled (sm_90a 172 -> 420 bytes, 196 -> 656 with the norm on chip) and the build ran
+#: 0.674, 1.206 and 1.344 ms (``logs/h100_bench_f16_redo.log``), slower than tf32 products
+#: (no redo needed: the two-kernel path 0.577 / 1.075 / 1.110 ms). The redo by rows from
+#: the kept A spills 164 bytes there (328 with the norm on chip): not yet run on a GPU, so
+#: off.
 F16_OPERANDS = gl.constexpr(False)
 #: The tables the warps hand T's block diagonals down through hold fp16 (with
 #: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 6 KB: a block goes in by one
@@ -103,11 +106,9 @@ def ptx_products(ptx: str) -> dict:
 def inverse_products() -> dict:
     """:func:`ptx_products` of a kernel that forms one inverse with the flags as set: 15
     products per warp (16 with :data:`DIAGONAL_SERIES`), two mma.sync each on fp16, four
-    on tf32; with :data:`F16_OPERANDS` the tf32 redo of :func:`lost_half_range` beside
-    them."""
+    on tf32 (the redo of :func:`lost_half_range` runs on the CUDA cores)."""
     per_warp = 16 if DIAGONAL_SERIES else 15
-    f16 = 2 * per_warp if F16_OPERANDS else 0
-    return {"f16": f16, "tf32": 4 * per_warp}
+    return {"f16": 2 * per_warp, "tf32": 0} if F16_OPERANDS else {"f16": 0, "tf32": 4 * per_warp}
 
 
 @gluon.constexpr_function
@@ -257,34 +258,113 @@ def _diagonal_block_inverse(D, zero, F16: gl.constexpr):
 
 
 @gluon.jit
-def blocked_unit_lower_inverse(a, tables, TF32: gl.constexpr = False):
+def blocked_unit_lower_inverse(a, tables, REDO: gl.constexpr = False):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
     and exit; the first 12 KB used, 6 KB with :data:`HALF_TABLES`) for the diagonals of T
-    the warps hand down. ``TF32``: tf32 products and fp32 tables whatever
-    :data:`F16_OPERANDS` says (the redo of a result :func:`lost_half_range`).
+    the warps hand down. ``REDO``: the redo of a result that :func:`lost_half_range`, by
+    :func:`_inverse_by_rows` in the tables' 16 KB.
     """
-    X, Y, W, Vb = blocked_inverse_diagonals(a, tables, TF32)
-    # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
-    L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
-    r, c = _column_ids(L4)
-    blk: gl.constexpr = gl.SliceLayout(2, L4)
-    t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
-    t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
-    t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
-    t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
-    return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
+    if REDO:
+        t = _inverse_by_rows(a, tables)
+    else:
+        X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
+        # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
+        L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
+        r, c = _column_ids(L4)
+        blk: gl.constexpr = gl.SliceLayout(2, L4)
+        t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
+        t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
+        t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
+        t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
+        t = gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
+    return t
+
+
+#: :func:`_inverse_by_rows`' rows of A read per step (and rows of T with them).
+ROW_STEP = gl.constexpr(8)
+
+
+@gluon.constexpr_function
+def row_major_layout(rank=2):
+    """Unswizzled row-major shared memory: the layout :func:`inverse_by_rows` works in."""
+    return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
 
 @gluon.jit
-def blocked_inverse_diagonals(a, tables, TF32: gl.constexpr = False):
-    """The four block diagonals of ``(I + a)^-1`` (``a``, ``tables`` and ``TF32`` as for
+def redo_buffer(BT: gl.constexpr):
+    """A row-major fp32 [BT, BT] buffer (16 KB) a loop keeps each chunk's A in
+    (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for :func:`inverse_by_rows`, so that a chunk
+    the fp16 inverse lost (:func:`fp16_products`) needs A formed again no more."""
+    return gl.allocate_shared_memory(gl.float32, [BT, BT], row_major_layout())
+
+
+@gluon.jit
+def _inverse_by_rows(a, tables):
+    """:func:`inverse_by_rows` of ``a`` (as for :func:`blocked_unit_lower_inverse`), A
+    stored first into the tables' 16 KB."""
+    BT: gl.constexpr = a.shape[0]
+    buffer = reinterpret(tables, gl.float32, [BT, BT], row_major_layout())
+    thread_barrier()
+    buffer.store(a)
+    layout: gl.constexpr = a.type.layout
+    return inverse_by_rows(buffer, layout)
+
+
+@gluon.jit
+def inverse_by_rows(buffer, layout: gl.constexpr):
+    """``(I + A)^-1`` of the strictly lower A held in ``buffer`` (row-major fp32 [64, 64],
+    :func:`row_major_layout`) by forward substitution in fp32 on the CUDA cores, ``T[i] =
+    e_i - sum_{j < i} A[i, j] T[j]``, a row at a time in place: row i of T overwrites row i
+    of A (later rows read A's rows below i only). The fp16 inverse's redo
+    (:func:`lost_half_range`): a few registers per thread matter more than its 64 steps
+    (held beside a partition's loop, the blocked inverse in tf32 spilled that loop's
+    registers: the one-kernel fused build 0.499 -> 0.674 ms on the H100). Returns T in
+    ``layout``; the buffer is free again."""
+    BT: gl.constexpr = buffer.shape[0]
+    STEPS: gl.constexpr = BT // ROW_STEP
+    # Views of the same bytes; a leading dim that is indexed stays out of the layout.
+    rows = reinterpret(buffer, gl.float32, [BT, BT], row_major_layout(1))
+    a_steps = reinterpret(buffer, gl.float32, [BT * STEPS, ROW_STEP], row_major_layout(1))
+    t_steps = reinterpret(buffer, gl.float32, [STEPS, ROW_STEP, BT], row_major_layout(2))
+    # Each thread one column of an [8, 64] step, its 8 rows in registers (two threads a column).
+    STEP: gl.constexpr = gl.BlockedLayout([ROW_STEP, 1], [1, 32], [1, gl.num_warps()], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(0, STEP)
+    thread_barrier()
+    col = gl.arange(0, BT, layout=ROW)
+    for i in range(BT):
+        acc = gl.zeros([BT], gl.float32, ROW)
+        for step in range(0, (i + ROW_STEP - 1) // ROW_STEP):
+            # A[i, j] is 0 for j >= i, so the rows of the step not yet T add nothing.
+            a_ij = a_steps.index(i * STEPS + step).load(gl.SliceLayout(1, STEP))
+            acc += gl.sum(gl.expand_dims(a_ij, 1) * t_steps.index(step).load(STEP), axis=0)
+        t_i = gl.where(col == i, 1.0, 0.0) - acc
+        # Every thread has read A's row i before it becomes T's.
+        thread_barrier()
+        rows.index(i).store(t_i)
+        thread_barrier()
+    t = buffer.load(layout)
+    thread_barrier()
+    return t
+
+
+@gluon.jit
+def redone_diagonals(a, tables):
+    """The four block diagonals of :func:`blocked_inverse_diagonals` from
+    :func:`_inverse_by_rows` (its redo)."""
+    t4 = gl.reshape(_inverse_by_rows(a, tables), [BLOCKS, BLOCK, BLOCKS, BLOCK])
+    return _diagonal(t4, 0), _diagonal(t4, 1), _diagonal(t4, 2), _diagonal(t4, 3)
+
+
+@gluon.jit
+def blocked_inverse_diagonals(a, tables):
+    """The four block diagonals of ``(I + a)^-1`` (``a`` and ``tables`` as for
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
     whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
-    F16: gl.constexpr = F16_OPERANDS and not TF32
+    F16: gl.constexpr = F16_OPERANDS
     a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
     zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
     D = _diagonal(a4, 0)
@@ -334,6 +414,13 @@ def blocked_inverse_diagonals(a, tables, TF32: gl.constexpr = False):
 HALF_RANGE = gl.constexpr(32768.0)
 
 
+@gluon.constexpr_function
+def fp16_products():
+    """Whether the inverse runs on fp16 products (:data:`F16_OPERANDS`, as set when the
+    kernel compiles), so that its callers check its result and redo (:func:`lost_half_range`)."""
+    return bool(F16_OPERANDS)
+
+
 @gluon.jit
 def _in_half_range(x):
     return gl.abs(x) < HALF_RANGE
@@ -346,7 +433,7 @@ def lost_half_range(t):
     compares false). Entries of A or T past 65504 become inf on the way, which reaches the
     result: each product's rhs carries an identity block or a T block (x's diagonal is 1),
     so an inf meets a 1 (inf) or a 0 (NaN) in every column it enters, and no select drops
-    a column of T. The caller then forms A again and redoes the inverse with ``TF32``.
+    a column of T. The caller then forms A again and redoes the inverse with ``REDO``.
     A constexpr False without :data:`F16_OPERANDS`."""
     if F16_OPERANDS:
         lost = gl.sum(gl.sum(gl.where(_in_half_range(t), 0, 1), 1), 0) > 0

@@ -79,8 +79,9 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, inverse_layout, lost_half_range,
-    table_layout)
+    blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_layout,
+    lost_half_range,
+    inverse_by_rows, redone_diagonals, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -470,7 +471,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     t = blocked_unit_lower_inverse(a, tables)
     if lost_half_range(t):
         # Rare (entries of A or T past fp16's range): A formed again (k k^T's second
-        # completion of ``kk_bar``) rather than kept across the inverse, and T in tf32.
+        # completion of ``kk_bar``) rather than kept across the inverse, and T in fp32.
         a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                          USE_L2NORM, ENGINE, rows_early, 1)
         t = blocked_unit_lower_inverse(a_again, tables, True)
@@ -481,7 +482,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
 
 @gluon.jit
 def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
-                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None):
+                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None):
     """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
     accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
     layout), for a kernel that keeps both on chip: nothing is written to global memory.
@@ -489,7 +490,9 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`.blocked_inverse.table_layout`; the first 12)
     for the blocked inverse (sm_90a, 4 warps), free on entry and exit; ``kk_bar``: the
     mbarrier of k k^T, at its ``KK_PHASE``-th completion (mod 2); ``r_k``: with
-    ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None)."""
+    ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None);
+    ``a_save``: :func:`.blocked_inverse.redo_buffer`, where A waits for a redo (or None:
+    the redo forms it again)."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
@@ -497,10 +500,16 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     enter("aux.kk")
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
-    t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k)
-    if lost_half_range(t):
+    t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
+                                  False, a_save)
+    if a_save is not None:
+        if lost_half_range(t):
+            # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
+            t_layout: gl.constexpr = t.type.layout
+            t = inverse_by_rows(a_save, t_layout)
+    elif lost_half_range(t):
         # Rare: k k^T again from the tile (the caller holds it until this returns) rather
-        # than kept across the inverse, and T in tf32. sm_90a's wgmma waits ignore
+        # than kept across the inverse, and T in fp32. sm_90a's wgmma waits ignore
         # ``kk_bar``; a tcgen05 caller would find its phase moved on.
         gl.static_assert(not ENGINE.IS_SM100, "the redo's k k^T completes kk_bar once more")
         kk_again = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
@@ -512,7 +521,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None, TF32: gl.constexpr = False):
+                  r_k=None, REDO: gl.constexpr = False, a_save=None):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -520,8 +529,9 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     T_w (``beta 2^g r``) and T_u (``beta``), fp32 [64] in a plain 1-D layout, where they
     wait out the inverse in one register each. ``b_raw``: the chunk's raw beta rows
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
-    :func:`_chunk_a` takes them; ``TF32``: the inverse's redo
-    (:func:`.blocked_inverse.lost_half_range`)."""
+    :func:`_chunk_a` takes them; ``REDO``: the inverse's redo
+    (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
+    before the inverse (:func:`.blocked_inverse.redo_buffer`), or None."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
@@ -530,8 +540,10 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     w_scale = gl.convert_layout(w_scale, flat)
     u_scale = gl.convert_layout(u_scale, flat)
     leave("aux.a")
+    if a_save is not None:
+        a_save.store(a)
     enter("aux.blocks")
-    t = blocked_unit_lower_inverse(a, tables, TF32)
+    t = blocked_unit_lower_inverse(a, tables, REDO)
     leave("aux.blocks")
     return t, w_scale, u_scale
 
@@ -545,13 +557,17 @@ def chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, H
     a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                            USE_L2NORM, ENGINE, rows_early)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
-    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
-    if diagonals_lost_half_range(X, Y, W, Vb):
-        # As in :func:`chunk_t_blocked`.
-        a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
-                                         USE_L2NORM, ENGINE, rows_early, 1)
-        X, Y, W, Vb = blocked_inverse_diagonals(a_again, tables, True)
-    return X, Y, W, Vb
+    if fp16_products():
+        X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
+        if diagonals_lost_half_range(X, Y, W, Vb):
+            # As in :func:`chunk_t_blocked`.
+            a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                             USE_L2NORM, ENGINE, rows_early, 1)
+            X, Y, W, Vb = redone_diagonals(a_again, tables)
+        diagonals = (X, Y, W, Vb)
+    else:
+        diagonals = blocked_inverse_diagonals(a, tables)
+    return diagonals
 
 
 @gluon.jit

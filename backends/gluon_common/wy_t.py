@@ -231,9 +231,9 @@ WY_T_MAXNREG_SM90 = 96
 #: unchanged by it, outputs within 7e-5).
 WY_T_SPILL_BYTES_SM90 = 64
 #: Spill bytes of the varlen bf16 build with the fp16 inverse
-#: (:data:`.blocked_inverse.F16_OPERANDS`, off), whose tf32 redo of chunks past fp16's
-#: range sits beside it: 144-232 with triton 3.6.0 (fp16 or fp32 tables, series or
-#: doubling); the compile tests' bound for those builds.
+#: (:data:`.blocked_inverse.F16_OPERANDS`, off), whose redo of chunks past fp16's range
+#: (A formed again, T by rows) sits beside it: 120-192 with triton 3.6.0 (fp16 or fp32
+#: tables, series or doubling); the compile tests' bound for those builds.
 WY_T_F16_SPILL_BYTES_SM90 = 320
 #: The cap of the other sm_90a builds (the wgmma inverse, or T_w and T_u both): four
 #: programs per SM. With the wgmma inverse (49 KB of shared memory) ptxas keeps some bytes

@@ -392,7 +392,7 @@ def _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, 
         tables = reinterpret(w_ring.index(s), gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
         t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables, False)
         if lost_half_range(t_inv):
-            # Rare (entries of A or T past fp16's range): T in tf32 from k k^T, which stays
+            # Rare (entries of A or T past fp16's range): T in fp32 from k k^T, which stays
             # in registers across the inverse (its tensor memory holds q k^T by now).
             t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables, False,
                                                     None, None, True)

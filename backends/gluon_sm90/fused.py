@@ -73,7 +73,9 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, table_layout
+from gdn_dispatch.backends.gluon_common import blocked_inverse as _blocked_inverse
+from gdn_dispatch.backends.gluon_common.blocked_inverse import (
+    BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -546,7 +548,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -556,7 +558,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     done with the chunk two back (whose T, scores and gate slots this one takes), T_u from
     the k tile straight into its slot, then q k^T, the gate vectors and the scores. With
     ``STATE_SCORES`` the state forms the scores: the aux leaves it the gate rows instead
-    (:func:`_store_gates_and_rows`)."""
+    (:func:`_store_gates_and_rows`). With ``SAVE_A`` (the fp16 inverse), ``a_save`` is where
+    A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -595,8 +598,12 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
         else:
             rk = None
-        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
-                                   ENGINE, rk)
+        if SAVE_A:
+            t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0,
+                                       NG == 4, ENGINE, rk, a_save)
+        else:
+            t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0,
+                                       NG == 4, ENGINE, rk)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.store_t")
@@ -661,6 +668,12 @@ def _fused_fwd_kernel(
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
         # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
         tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
+        SAVE_A: gl.constexpr = fp16_products()
+        if SAVE_A:
+            a_save = redo_buffer(BT)
+        else:
+            a_save = tables
         kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kk_bar.index(0), count=1)
     elif SINGLE_T:
@@ -734,7 +747,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES)),
+                            STATE_SCORES, a_save, SAVE_A)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -891,9 +904,10 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: ms at 4 x 8192 against the two kernels' 0.579, 1.014 against 1.046 on ragged16, 1.094
 #: against 1.107 at HV 64 (``flag_ab.py f16_inverse [--with aux_t,state_scores]``,
 #: ``logs/h100_f16_inverse*.log``), and 0.499 ms with the fp16 tables and the series too
-#: (1,339 GPU tests passed with all of them on). Off with the fp16 inverse, whose redo of
-#: chunks past fp16's range costs this build 35% (:data:`.blocked_inverse.F16_OPERANDS`):
-#: on tf32 products the two kernels are the faster (0.577 against 0.601 ms).
+#: (1,339 GPU tests passed with all of them on). Off with the fp16 inverse, which needs a
+#: redo of chunks past fp16's range (:data:`.blocked_inverse.F16_OPERANDS`; a tf32 one
+#: cost this build 35%, the one by rows from A kept in shared memory is not yet run): on
+#: tf32 products the two kernels are the faster (0.577 against 0.601 ms).
 AUX_T = False
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
@@ -1025,11 +1039,13 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
-    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32) and k k^T's barrier; with
-    ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32
-    vectors)."""
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
+    the fp16 inverse, the 16 KB A waits in for its redo
+    (:func:`..gluon_common.blocked_inverse.redo_buffer`); with ``state_scores``
+    (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32 vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    inverse = 16 * 16 * 16 * 4 + 8 if aux_t else 0
+    redo = BT * BT * 4 if _blocked_inverse.F16_OPERANDS.value else 0
+    inverse = 16 * 16 * 16 * 4 + 8 + redo if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
