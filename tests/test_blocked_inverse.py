@@ -179,6 +179,35 @@ def test_half_tables_round_three_diagonals_of_t_once_more(cosine):
         assert _rel(half, ref) <= 1.05 * _rel(full, ref) + 2.0 ** -11
 
 
+def rows_model(A: torch.Tensor, step: int = 8) -> torch.Tensor:
+    """:func:`inverse_by_rows` step for step on one tile: in place, row i of T over row i
+    of A, A's row i and the buffer's rows read 8 at a time (rows i and up still hold A,
+    multiplied by A's zeros at j >= i)."""
+    buf = A.clone()
+    n = buf.shape[0]
+    for i in range(n):
+        acc = torch.zeros(n, dtype=A.dtype)
+        for j0 in range(0, -(-i // step) * step, step):
+            acc += buf[i, j0:j0 + step] @ buf[j0:j0 + step, :]
+        buf[i] = (torch.arange(n) == i).to(A.dtype) - acc
+    return buf
+
+
+@pytest.mark.parametrize("scale", [1.0, 2e5], ids=["unit", "past-fp16-range"])
+@pytest.mark.parametrize("cosine", [0.0, 0.9])
+def test_rows_redo_inverts_i_plus_a_in_place(cosine, scale):
+    """The redo's forward substitution (:func:`inverse_by_rows`), in place and in steps of
+    8 rows, is ``(I + A)^-1``: to 1e-12 in float64, to 1e-5 in float32 (its arithmetic)
+    with A's row 1 past fp16's range."""
+    A = chunk_a(8, cosine, seed=11)
+    A[:, 1] *= scale
+    eye = torch.eye(64, dtype=torch.float64)
+    for t in range(A.shape[0]):
+        ref = torch.linalg.inv(eye + A[t])
+        assert _rel(rows_model(A[t]), ref) < 1e-12
+        assert _rel(rows_model(A[t].float()).double(), ref) < 1e-5
+
+
 def test_tf32_products_keep_correlated_keys_accurate():
     """At key cosine 0.9, tf32 inputs: the doubling stays near tf32's rounding; the power
     product (what this module does not use) loses T to cancellation."""

@@ -348,7 +348,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     """With :data:`fused.AUX_T` the fused kernel forms T_u in its aux partition: the plan
     has no T descriptor, the aux partition issues k k^T beside q k^T (44 wgmma in all, 8
     more than the T_u-alone build; q k^T in the state partition with
-    :data:`fused.STATE_SCORES`) and the blocked inverse's 30 fp16 mma.sync, and reads
+    :data:`fused.STATE_SCORES`) and the blocked inverse's block products (:func:`.blocked_inverse.inverse_products`), and reads
     the raw gate and beta rows itself; the state partition refills k / q and v only (no T
     load anywhere); shared memory as planned (the inverse's 16 KB of tables more), the
     register budgets as without it, spills within the allowance."""
@@ -616,7 +616,7 @@ def test_sm100_fused_twin_forms_the_inverses_itself(tails, build_flags):
     and commit: 14 (k k^T, q k^T, both w halves and u^T each before the loop and in it, and
     the chain's four; the default has 11: its second w half only in the loop); the load
     partition loads k, q and v alone (no T load anywhere); the aux partition forms the
-    inverse on 30 fp16 mma.sync and reads the raw gate and beta rows; shared memory as the
+    inverse's block products (:func:`.blocked_inverse.inverse_products`) and reads the raw gate and beta rows; shared memory as the
     default's (the inverse's tables in the bytes of a w slot), within the opt-in limit, all
     512 TMEM columns and no more; spills within the build's allowance, none by default."""
     from gdn_dispatch.backends.gluon_sm100 import fused

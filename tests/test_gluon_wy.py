@@ -131,7 +131,7 @@ def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
 def test_early_rows_compile_without_spills(tails, monkeypatch):
     """With :data:`wy.WY_EARLY_ROWS` the T kernel and the w/u kernel load the gate and beta
-    rows before waiting for k: the same 30 mma.sync and wgmma counts, registers under each
+    rows before waiting for k: the same mma.sync and wgmma counts, registers under each
     kernel's cap, no spill bytes in the w/u kernel and no more than the T kernel's
     allowance (its cap of five programs per SM keeps up to 16 bytes in local memory)."""
     from gdn_dispatch.backends import gluon_sm90
@@ -319,8 +319,8 @@ def test_regs_variant_compiles_to_register_operands(capability):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K64-V64-dense-fp16-gfp32-betafp32"])
 def test_blocked_variant_inverts_on_mma_sync(spec, monkeypatch):
-    """The w/u kernel's default sm_90a inverse: 30 fp16 mma.sync (fifteen 16 x 16 x 16
-    products per warp), the 64 x 64 wgmmas left to k k^T, w and u (here as whole tiles,
+    """The w/u kernel's default sm_90a inverse: fifteen 16 x 16 x 16 products per warp on
+    mma.sync (:func:`.blocked_inverse.inverse_products`: 60 tf32 m16n8k8 as shipped), the 64 x 64 wgmmas left to k k^T, w and u (here as whole tiles,
     :data:`wy.WY_SPLIT_WU` off: the test below takes them in blocks), no spills at the
     168-register cap, and one fp32 tile of shared memory beside k and v (the tables, then
     the T tiles)."""
@@ -368,7 +368,8 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails, monkeypatch):
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
 def test_t_kernel_inverts_in_blocks_on_mma_sync(tails):
     """The T kernel's default sm_90a inverse: fifteen 16 x 16 x 16 fp16 products per warp
-    (30 mma.sync m16n8k16), no fp16 wgmma operands, no tf32 redo, the 64 x 64 wgmmas left to
+    (:func:`.blocked_inverse.inverse_products`: 60 tf32 mma.sync m16n8k8 as shipped), no fp16
+    wgmma operands, no redo, the 64 x 64 wgmmas left to
     K K^T alone, and at its register cap (five programs per SM) no more spill bytes than the
     allowance."""
     from gdn_dispatch.backends import gluon_sm90

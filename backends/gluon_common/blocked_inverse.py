@@ -1,6 +1,6 @@
 """The chunk inverse ``T = (I + A)^-1`` of a strictly lower fp32 [64, 64] tile in 16 x 16
-blocks, one warp per block row, on ``mma_v2`` (mma.sync; fp16 operands, :data:`F16_OPERANDS`)
-instead of ten 64 x 64 products.
+blocks, one warp per block row, on ``mma_v2`` (mma.sync; tf32 operands, fp16 ones with
+:data:`F16_OPERANDS`) instead of ten 64 x 64 products.
 
 A 4-warp program holds A as a wgmma accumulator, where warp ``r`` owns rows ``16 r .. 16 r
 + 15``: its blocks ``A[r, r - d]`` come out into a rank-3 ``[4, 16, 16]`` mma.sync layout
@@ -25,8 +25,8 @@ threads; T goes back the same way. Per warp:
   products: ten dependent ones per warp in all, where ``-X_r (sum_m A[r, m] T[m, c])``
   chained fifteen.
 
-Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 30 mma.sync m16n8k16 on fp16
-operands (60 m16n8k8 on tf32 with :data:`F16_OPERANDS` off). With :data:`DIAGONAL_SERIES`
+Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 60 mma.sync m16n8k8 on tf32
+operands (30 m16n8k16 on fp16 with :data:`F16_OPERANDS`). With :data:`DIAGONAL_SERIES`
 the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
 sixteen products, nine dependent ones. On fp16 operands a result past fp16's range is
 redone in fp32 by the caller (:func:`lost_half_range`).
@@ -99,7 +99,7 @@ PRODUCT_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
 
 def ptx_products(ptx: str) -> dict:
     """Block products in ``ptx`` by operand type: ``{"f16": n, "tf32": m}`` (one inverse
-    is 30 fp16 ones, or 60 tf32 ones with :data:`F16_OPERANDS` off)."""
+    is 60 tf32 ones, or 30 fp16 ones with :data:`F16_OPERANDS`)."""
     return {kind: ptx.count(spelling) for kind, spelling in PRODUCT_PTX.items()}
 
 
