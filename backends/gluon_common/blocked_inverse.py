@@ -63,8 +63,8 @@ BLOCK = gl.constexpr(16)
 #: spilled (sm_90a 172 -> 420 bytes, 196 -> 656 with the norm on chip) and the build ran
 #: 0.674, 1.206 and 1.344 ms (``logs/h100_bench_f16_redo.log``), slower than tf32 products
 #: (no redo needed: the two-kernel path 0.577 / 1.075 / 1.110 ms). The redo by rows from
-#: the kept A spills 164 bytes there (328 with the norm on chip): not yet run on a GPU, so
-#: off.
+#: the kept A spills 172 bytes there, as before any redo (320 with the norm on chip, 196
+#: before): not yet run on a GPU, so off.
 F16_OPERANDS = gl.constexpr(False)
 #: The tables the warps hand T's block diagonals down through hold fp16 (with
 #: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 6 KB: a block goes in by one
@@ -422,21 +422,25 @@ def fp16_products():
 
 
 @gluon.jit
-def _in_half_range(x):
-    return gl.abs(x) < HALF_RANGE
+def _squares_in_range(total):
+    """Whether a sum of squares stays under :data:`HALF_RANGE` squared: false where an
+    entry reached it, and where one was inf or NaN (the sum is then inf or NaN, which
+    compares false); true sums past it with every entry under it only redo a chunk."""
+    return total < HALF_RANGE * HALF_RANGE
 
 
 @gluon.jit
 def lost_half_range(t):
     """Whether the inverse on fp16 operands (:data:`F16_OPERANDS`) lost fp16's range: an
-    entry of its [64, 64] result ``t`` is not finite or reaches :data:`HALF_RANGE` (NaN
-    compares false). Entries of A or T past 65504 become inf on the way, which reaches the
-    result: each product's rhs carries an identity block or a T block (x's diagonal is 1),
-    so an inf meets a 1 (inf) or a 0 (NaN) in every column it enters, and no select drops
-    a column of T. The caller then forms A again and redoes the inverse with ``REDO``.
-    A constexpr False without :data:`F16_OPERANDS`."""
+    entry of its [64, 64] result ``t`` is not finite or reaches :data:`HALF_RANGE`, read
+    off the sum of t's squares (one multiply-add an entry, one reduction; T of unit keys
+    has ||T||^2 <= 4096, far under the bound). Entries of A or T past 65504 become inf on
+    the way, which reaches the result: each product's rhs carries an identity block or a
+    T block (x's diagonal is 1), so an inf meets a 1 (inf) or a 0 (NaN) in every column it
+    enters, and no select drops a column of T. The caller then redoes the inverse
+    (``REDO``). A constexpr False without :data:`F16_OPERANDS`."""
     if F16_OPERANDS:
-        lost = gl.sum(gl.sum(gl.where(_in_half_range(t), 0, 1), 1), 0) > 0
+        lost = not _squares_in_range(gl.sum(gl.sum(t * t, 1), 0))
     else:
         lost = False
     return lost
@@ -447,8 +451,8 @@ def diagonals_lost_half_range(X, Y, W, Vb):
     """:func:`lost_half_range` of the four diagonals :func:`blocked_inverse_diagonals`
     returns."""
     if F16_OPERANDS:
-        ok = _in_half_range(X) & _in_half_range(Y) & _in_half_range(W) & _in_half_range(Vb)
-        lost = gl.sum(gl.sum(gl.sum(gl.where(ok, 0, 1), 2), 1), 0) > 0
+        squares = X * X + Y * Y + W * W + Vb * Vb
+        lost = not _squares_in_range(gl.sum(gl.sum(gl.sum(squares, 2), 1), 0))
     else:
         lost = False
     return lost
