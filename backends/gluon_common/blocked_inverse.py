@@ -431,28 +431,20 @@ def _squares_in_range(total):
 
 @gluon.jit
 def lost_half_range(t):
-    """Whether the inverse on fp16 operands (:data:`F16_OPERANDS`) lost fp16's range: an
-    entry of its [64, 64] result ``t`` is not finite or reaches :data:`HALF_RANGE`, read
-    off the sum of t's squares (one multiply-add an entry, one reduction; T of unit keys
-    has ||T||^2 <= 4096, far under the bound). Entries of A or T past 65504 become inf on
-    the way, which reaches the result: each product's rhs carries an identity block or a
-    T block (x's diagonal is 1), so an inf meets a 1 (inf) or a 0 (NaN) in every column it
-    enters, and no select drops a column of T. The caller then redoes the inverse
-    (``REDO``). A constexpr False without :data:`F16_OPERANDS`."""
-    if F16_OPERANDS:
-        lost = not _squares_in_range(gl.sum(gl.sum(t * t, 1), 0))
-    else:
-        lost = False
-    return lost
+    """Whether the inverse on fp16 operands (:func:`fp16_products`; callers check that
+    first, at compile time) lost fp16's range: an entry of its [64, 64] result ``t`` is not
+    finite or reaches :data:`HALF_RANGE`, read off the sum of t's squares (one multiply-add
+    an entry, one reduction; T of unit keys has ||T||^2 <= 4096, far under the bound).
+    Entries of A or T past 65504 become inf on the way, which reaches the result: each
+    product's rhs carries an identity block or a T block (x's diagonal is 1), so an inf
+    meets a 1 (inf) or a 0 (NaN) in every column it enters, and no select drops a column
+    of T. The caller then redoes the inverse (``REDO``, :func:`inverse_by_rows`)."""
+    return not _squares_in_range(gl.sum(gl.sum(t * t, 1), 0))
 
 
 @gluon.jit
 def diagonals_lost_half_range(X, Y, W, Vb):
     """:func:`lost_half_range` of the four diagonals :func:`blocked_inverse_diagonals`
     returns."""
-    if F16_OPERANDS:
-        squares = X * X + Y * Y + W * W + Vb * Vb
-        lost = not _squares_in_range(gl.sum(gl.sum(gl.sum(squares, 2), 1), 0))
-    else:
-        lost = False
-    return lost
+    squares = X * X + Y * Y + W * W + Vb * Vb
+    return not _squares_in_range(gl.sum(gl.sum(gl.sum(squares, 2), 1), 0))

@@ -469,12 +469,13 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
     u_scale = gl.convert_layout(u_scale, flat)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
     t = blocked_unit_lower_inverse(a, tables)
-    if lost_half_range(t):
-        # Rare (entries of A or T past fp16's range): A formed again (k k^T's second
-        # completion of ``kk_bar``) rather than kept across the inverse, and T in fp32.
-        a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
-                                         USE_L2NORM, ENGINE, rows_early, 1)
-        t = blocked_unit_lower_inverse(a_again, tables, True)
+    if fp16_products():
+        if lost_half_range(t):
+            # Rare (entries of A or T past fp16's range): A formed again (k k^T's second
+            # completion of ``kk_bar``) rather than kept across the inverse, and T in fp32.
+            a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
+                                             USE_L2NORM, ENGINE, rows_early, 1)
+            t = blocked_unit_lower_inverse(a_again, tables, True)
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
@@ -491,8 +492,8 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     for the blocked inverse (sm_90a, 4 warps), free on entry and exit; ``kk_bar``: the
     mbarrier of k k^T, at its ``KK_PHASE``-th completion (mod 2); ``r_k``: with
     ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None);
-    ``a_save``: :func:`.blocked_inverse.redo_buffer`, where A waits for a redo (or None:
-    the redo forms it again)."""
+    ``a_save``: with the fp16 inverse (:func:`.blocked_inverse.fp16_products`), the
+    :func:`.blocked_inverse.redo_buffer` A waits in for a redo."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
@@ -502,20 +503,11 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
                                   False, a_save)
-    if a_save is not None:
+    if fp16_products():
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
             t_layout: gl.constexpr = t.type.layout
             t = inverse_by_rows(a_save, t_layout)
-    elif lost_half_range(t):
-        # Rare: k k^T again from the tile (the caller holds it until this returns) rather
-        # than kept across the inverse, and T in fp32. sm_90a's wgmma waits ignore
-        # ``kk_bar``; a tcgen05 caller would find its phase moved on.
-        gl.static_assert(not ENGINE.IS_SM100, "the redo's k k^T completes kk_bar once more")
-        kk_again = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-        kk_again = ENGINE.acc_read(ENGINE.mma_wait(kk_again, kk_bar, 1 - KK_PHASE))
-        t, _, u_scale = chunk_t_of_kk(kk_again, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM,
-                                      k_smem, r_k, True)
     return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
 
 

@@ -73,7 +73,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, inverse_layout, lost_half_range, table_layout)
+    BLOCK, BLOCKS, fp16_products, inverse_layout, lost_half_range, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier, tma_load, tmem_reg_layout
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc
@@ -391,11 +391,12 @@ def _aux_inverse(w_ring, t_ring, sc_ring, gate_ring, qk_tmem, w_tmem, qk_ready, 
         thread_barrier()
         tables = reinterpret(w_ring.index(s), gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
         t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables, False)
-        if lost_half_range(t_inv):
-            # Rare (entries of A or T past fp16's range): T in fp32 from k k^T, which stays
-            # in registers across the inverse (its tensor memory holds q k^T by now).
-            t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables, False,
-                                                    None, None, True)
+        if fp16_products():
+            if lost_half_range(t_inv):
+                # Rare (entries of A or T past fp16's range): T in fp32 from k k^T, which
+                # stays in registers across the inverse (its tensor memory holds q k^T by now).
+                t_inv, w_scale, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row, n_valid, i_h, b_raw, tables,
+                                                        False, None, None, True)
         t_cols: gl.constexpr = gl.SliceLayout(0, t_inv.type.layout)
         t_ring.index(2 * s).store((t_inv * gl.expand_dims(gl.convert_layout(w_scale, t_cols), 0)).to(dtype))
         t_ring.index(2 * s + 1).store((t_inv * gl.expand_dims(gl.convert_layout(u_scale, t_cols), 0)).to(dtype))
