@@ -79,9 +79,8 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_layout,
-    lost_half_range,
-    inverse_by_rows, redone_diagonals, table_layout)
+    blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_by_rows,
+    inverse_layout, lost_half_range, redone_diagonals, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
