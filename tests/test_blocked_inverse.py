@@ -234,7 +234,7 @@ def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
 
     from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-        blocked_unit_lower_inverse, fp16_products, lost_half_range, table_layout)
+        blocked_unit_lower_inverse, fp16_products, lost_half_range, table_layout, unit_lower_inverse_by_rows)
     from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
 
@@ -252,7 +252,7 @@ def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
         t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
         if fp16_products():
             if lost_half_range(t):
-                t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables, True)
+                t = unit_lower_inverse_by_rows(gl.load(a_ptr + off), tables)
         gl.store(t_ptr + off, t)
 
     A = chunk_a(512, cosine, seed=5)

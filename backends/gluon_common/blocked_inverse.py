@@ -150,12 +150,12 @@ def _operand_layout(index, f16):
 
 
 @gluon.jit
-def _mm(x, y, acc, F16: gl.constexpr):
-    """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, mma.sync on fp16 operands
-    with ``F16``, else tf32."""
-    lhs: gl.constexpr = _operand_layout(0, F16)
-    rhs: gl.constexpr = _operand_layout(1, F16)
-    if F16:
+def _mm(x, y, acc):
+    """``acc + x @ y`` over the batch of [16, 16] fp32 blocks, mma.sync on tf32 operands
+    (fp16 with :data:`F16_OPERANDS`)."""
+    lhs: gl.constexpr = _operand_layout(0, F16_OPERANDS)
+    rhs: gl.constexpr = _operand_layout(1, F16_OPERANDS)
+    if F16_OPERANDS:
         out = mma_v2(gl.convert_layout(x.to(gl.float16), lhs), gl.convert_layout(y.to(gl.float16), rhs), acc)
     else:
         out = mma_v2(gl.convert_layout(x, lhs), gl.convert_layout(y, rhs), acc, input_precision="tf32")
@@ -193,18 +193,18 @@ def _diagonal(a4, d: gl.constexpr):
 
 
 @gluon.jit
-def _shifted(slots, first: gl.constexpr, s: gl.constexpr, F16: gl.constexpr):
+def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
     """The batch whose block r is the table at slot ``first`` of ``slots``' slot r - s
-    (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with ``F16``): each warp reads the slots in the operand's layout (a load
+    (zeros for r < s), as the rhs operand of :func:`_mm` (in fp16 with :data:`F16_OPERANDS`): each warp reads the slots in the operand's layout (a load
     replicated over the warps), then keeps its own, so that no layout conversion follows.
     (A view of the slots shifted by s is not one: a sub-view's offset must be a multiple of
     its size, and Triton 3.9 rejects a one-slot view widened to four.) From fp16 tables
     (:data:`HALF_TABLES`) a slot is one ldmatrix, kept by a packed fp16 multiply-add with
     the warp's 0 / 1 weight (exact on the finite entries the tables hold; a select of fp16
     halves took twice the instructions)."""
-    RHS: gl.constexpr = _operand_layout(1, F16)
+    RHS: gl.constexpr = _operand_layout(1, F16_OPERANDS)
     b, _, _ = block_ids(RHS)
-    dtype: gl.constexpr = gl.float16 if F16 else gl.float32
+    dtype: gl.constexpr = gl.float16 if F16_OPERANDS else gl.float32
     HALF: gl.constexpr = slots.dtype == gl.float16
     ROWS: gl.constexpr = half_table_layout(2) if HALF else table_layout(2)
     rows = reinterpret(slots, slots.dtype, [slots.shape[0] * BLOCK, BLOCK], ROWS)
@@ -219,10 +219,10 @@ def _shifted(slots, first: gl.constexpr, s: gl.constexpr, F16: gl.constexpr):
 
 
 @gluon.jit
-def _table_slots(tables, F16: gl.constexpr):
+def _table_slots(tables):
     """``tables`` (fp32 ``[16, 16, 16]``) as the slots the three tables live in: itself,
     or its bytes as fp16 ``[32, 16, 16]`` with :data:`HALF_TABLES` (fp16 products only)."""
-    if HALF_TABLES and F16:
+    if HALF_TABLES and F16_OPERANDS:
         slots = reinterpret(tables, gl.float16, [2 * BLOCKS * BLOCKS, BLOCK, BLOCK], half_table_layout())
     else:
         slots = tables
@@ -230,60 +230,55 @@ def _table_slots(tables, F16: gl.constexpr):
 
 
 @gluon.jit
-def _diagonal_block_inverse(D, zero, F16: gl.constexpr):
+def _diagonal_block_inverse(D, zero):
     """``(I + D)^-1`` of every block of the batch D (strictly lower [16, 16] blocks)."""
     MMA: gl.constexpr = block_mma_layout()
     _, i, j = block_ids(MMA)
     four = i // 4 == j // 4
     d = gl.where(four, D, 0.0)
     # On the 4 x 4 diagonal blocks (d D) = d^2 and (d^2 D) = d^3, and d^4 = 0.
-    p = gl.where(four, _mm(d, D, zero, F16), 0.0)
-    q = gl.where(four, _mm(p, D, zero, F16), 0.0)
+    p = gl.where(four, _mm(d, D, zero), 0.0)
+    q = gl.where(four, _mm(p, D, zero), 0.0)
     x = gl.where(i == j, 1.0, 0.0) - d + p - q
     if DIAGONAL_SERIES:
         # I + D = (I + d)(I + L), L = x (D - d) strictly lower in 4 x 4 blocks (L^4 = 0):
         # (I + D)^-1 = (I - L + L^2 - L^3) x, its two last terms from L^2 and L x.
-        L = gl.where(four, 0.0, _mm(x, D, zero, F16))
-        Lx = _mm(L, x, zero, F16)
-        L2 = _mm(L, L, zero, F16)
-        x = x - Lx + _mm(L2, x, zero, F16) - _mm(L2, Lx, zero, F16)
+        L = gl.where(four, 0.0, _mm(x, D, zero))
+        Lx = _mm(L, x, zero)
+        L2 = _mm(L, L, zero)
+        x = x - Lx + _mm(L2, x, zero) - _mm(L2, Lx, zero)
     else:
         # 4 -> 8 -> 16: x is block diagonal at size b; (x D) on the blocks just below its
         # diagonal blocks inside each pair is x n exactly.
         for level in gl.static_range(2, 4):
             below = (i // (2 << level) == j // (2 << level)) & (i // (1 << level) != j // (1 << level))
-            y = gl.where(below, _mm(x, D, zero, F16), 0.0)
-            x = x - _mm(y, x, zero, F16)
+            y = gl.where(below, _mm(x, D, zero), 0.0)
+            x = x - _mm(y, x, zero)
     return x
 
 
 @gluon.jit
-def blocked_unit_lower_inverse(a, tables, REDO: gl.constexpr = False):
+def blocked_unit_lower_inverse(a, tables):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
     and exit; the first 12 KB used, 6 KB with :data:`HALF_TABLES`) for the diagonals of T
-    the warps hand down. ``REDO``: the redo of a result that :func:`lost_half_range`, by
-    :func:`_inverse_by_rows` in the tables' 16 KB.
+    the warps hand down.
     """
-    if REDO:
-        t = _inverse_by_rows(a, tables)
-    else:
-        X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
-        # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
-        L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
-        r, c = _column_ids(L4)
-        blk: gl.constexpr = gl.SliceLayout(2, L4)
-        t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
-        t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
-        t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
-        t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
-        t = gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
-    return t
+    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
+    # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
+    L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
+    r, c = _column_ids(L4)
+    blk: gl.constexpr = gl.SliceLayout(2, L4)
+    t4 = gl.where(r == c, gl.expand_dims(gl.convert_layout(X, blk), 2), 0.0)
+    t4 = gl.where(r - 1 == c, gl.expand_dims(gl.convert_layout(Y, blk), 2), t4)
+    t4 = gl.where(r - 2 == c, gl.expand_dims(gl.convert_layout(W, blk), 2), t4)
+    t4 = gl.where(r - 3 == c, gl.expand_dims(gl.convert_layout(Vb, blk), 2), t4)
+    return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
 
 
-#: :func:`_inverse_by_rows`' rows of A read per step (and rows of T with them).
+#: :func:`inverse_by_rows`' rows of A read per step (and rows of T with them).
 ROW_STEP = gl.constexpr(8)
 
 
@@ -302,9 +297,10 @@ def redo_buffer(BT: gl.constexpr):
 
 
 @gluon.jit
-def _inverse_by_rows(a, tables):
-    """:func:`inverse_by_rows` of ``a`` (as for :func:`blocked_unit_lower_inverse`), A
-    stored first into the tables' 16 KB."""
+def unit_lower_inverse_by_rows(a, tables):
+    """:func:`inverse_by_rows` of ``a`` (``a`` and ``tables`` as for
+    :func:`blocked_unit_lower_inverse`), A stored first into the tables' 16 KB: the redo
+    of a result that :func:`lost_half_range`, for a caller that holds A in registers."""
     BT: gl.constexpr = a.shape[0]
     buffer = reinterpret(tables, gl.float32, [BT, BT], row_major_layout())
     thread_barrier()
@@ -353,8 +349,8 @@ def inverse_by_rows(buffer, layout: gl.constexpr):
 @gluon.jit
 def redone_diagonals(a, tables):
     """The four block diagonals of :func:`blocked_inverse_diagonals` from
-    :func:`_inverse_by_rows` (its redo)."""
-    t4 = gl.reshape(_inverse_by_rows(a, tables), [BLOCKS, BLOCK, BLOCKS, BLOCK])
+    :func:`unit_lower_inverse_by_rows` (its redo)."""
+    t4 = gl.reshape(unit_lower_inverse_by_rows(a, tables), [BLOCKS, BLOCK, BLOCKS, BLOCK])
     return _diagonal(t4, 0), _diagonal(t4, 1), _diagonal(t4, 2), _diagonal(t4, 3)
 
 
@@ -364,16 +360,15 @@ def blocked_inverse_diagonals(a, tables):
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
     whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
-    F16: gl.constexpr = F16_OPERANDS
     a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
     zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
     D = _diagonal(a4, 0)
     S1 = _diagonal(a4, 1)
     S2 = _diagonal(a4, 2)
     S3 = _diagonal(a4, 3)
-    X = _diagonal_block_inverse(D, zero, F16)
+    X = _diagonal_block_inverse(D, zero)
 
-    slots = _table_slots(tables, F16)
+    slots = _table_slots(tables)
     MMA: gl.constexpr = block_mma_layout()
     XS: gl.constexpr = 0
     YS: gl.constexpr = BLOCKS
@@ -384,23 +379,23 @@ def blocked_inverse_diagonals(a, tables):
     # The warp's own factors of the three diagonals while the other warps reach the table;
     # X, Y and W are read back from the tables at the end, not held across the products.
     xs.store(X.to(slots.dtype))
-    M1 = _mm(X, S1, zero, F16)
-    M2 = _mm(X, S2, zero, F16)
-    M3 = _mm(X, S3, zero, F16)
+    M1 = _mm(X, S1, zero)
+    M2 = _mm(X, S2, zero)
+    M3 = _mm(X, S3, zero)
     thread_barrier()
     # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
-    Y = -_mm(M1, _shifted(slots, XS, 1, F16), zero, F16)
-    W = _mm(M2, _shifted(slots, XS, 2, F16), zero, F16)
-    Vb = _mm(M3, _shifted(slots, XS, 3, F16), zero, F16)
+    Y = -_mm(M1, _shifted(slots, XS, 1), zero)
+    W = _mm(M2, _shifted(slots, XS, 2), zero)
+    Vb = _mm(M3, _shifted(slots, XS, 3), zero)
     ys.store(Y.to(slots.dtype))
     thread_barrier()
     # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
-    W = -_mm(M1, _shifted(slots, YS, 1, F16), W, F16)
-    Vb = _mm(M2, _shifted(slots, YS, 2, F16), Vb, F16)
+    W = -_mm(M1, _shifted(slots, YS, 1), W)
+    Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
     ws.store(W.to(slots.dtype))
     thread_barrier()
     # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
-    Vb = -_mm(M1, _shifted(slots, WS, 1, F16), Vb, F16)
+    Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
     X = xs.load(MMA).to(gl.float32)
     Y = ys.load(MMA).to(gl.float32)
     W = ws.load(MMA).to(gl.float32)
@@ -438,7 +433,7 @@ def lost_half_range(t):
     Entries of A or T past 65504 become inf on the way, which reaches the result: each
     product's rhs carries an identity block or a T block (x's diagonal is 1), so an inf
     meets a 1 (inf) or a 0 (NaN) in every column it enters, and no select drops a column
-    of T. The caller then redoes the inverse (``REDO``, :func:`inverse_by_rows`)."""
+    of T. The caller then redoes the inverse by rows (:func:`inverse_by_rows`)."""
     return not _squares_in_range(gl.sum(gl.sum(t * t, 1), 0))
 
 

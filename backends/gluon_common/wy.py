@@ -80,7 +80,7 @@ from gdn_dispatch.varlen import ChunkTable
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
     blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_by_rows,
-    inverse_layout, lost_half_range, redone_diagonals, table_layout)
+    inverse_layout, lost_half_range, redone_diagonals, table_layout, unit_lower_inverse_by_rows)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -474,7 +474,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
             # completion of ``kk_bar``) rather than kept across the inverse, and T in fp32.
             a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                              USE_L2NORM, ENGINE, rows_early, 1)
-            t = blocked_unit_lower_inverse(a_again, tables, True)
+            t = unit_lower_inverse_by_rows(a_again, tables)
     w_scale = gl.convert_layout(w_scale, gl.SliceLayout(0, t.type.layout))
     u_scale = gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout))
     return t, w_scale, u_scale
@@ -520,7 +520,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     T_w (``beta 2^g r``) and T_u (``beta``), fp32 [64] in a plain 1-D layout, where they
     wait out the inverse in one register each. ``b_raw``: the chunk's raw beta rows
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
-    :func:`_chunk_a` takes them; ``REDO``: the inverse's redo
+    :func:`_chunk_a` takes them; ``REDO``: the inverse's redo by rows
     (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
     before the inverse (:func:`.blocked_inverse.redo_buffer`), or None."""
     enter("aux.a")
@@ -534,7 +534,10 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     if a_save is not None:
         a_save.store(a)
     enter("aux.blocks")
-    t = blocked_unit_lower_inverse(a, tables, REDO)
+    if REDO:
+        t = unit_lower_inverse_by_rows(a, tables)
+    else:
+        t = blocked_unit_lower_inverse(a, tables)
     leave("aux.blocks")
     return t, w_scale, u_scale
 
@@ -548,16 +551,13 @@ def chunk_t_diagonals(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, H
     a, w_scale, u_scale = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                            USE_L2NORM, ENGINE, rows_early)
     tables = reinterpret(x_smem, gl.float32, [16, 16, 16], table_layout())
+    diagonals = blocked_inverse_diagonals(a, tables)
     if fp16_products():
-        X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
-        if diagonals_lost_half_range(X, Y, W, Vb):
+        if diagonals_lost_half_range(*diagonals):
             # As in :func:`chunk_t_blocked`.
             a_again, _, _ = _chunk_a_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV, kk_bar,
                                              USE_L2NORM, ENGINE, rows_early, 1)
-            X, Y, W, Vb = redone_diagonals(a_again, tables)
-        diagonals = (X, Y, W, Vb)
-    else:
-        diagonals = blocked_inverse_diagonals(a, tables)
+            diagonals = redone_diagonals(a_again, tables)
     return diagonals
 
 

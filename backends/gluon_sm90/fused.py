@@ -73,7 +73,6 @@ from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
-from gdn_dispatch.backends.gluon_common import blocked_inverse as _blocked_inverse
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
     BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
@@ -598,12 +597,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
         else:
             rk = None
-        if SAVE_A:
-            t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0,
-                                       NG == 4, ENGINE, rk, a_save)
-        else:
-            t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0,
-                                       NG == 4, ENGINE, rk)
+        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
+                                   ENGINE, rk, a_save if SAVE_A else None)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.store_t")
@@ -1044,7 +1039,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     (:func:`..gluon_common.blocked_inverse.redo_buffer`); with ``state_scores``
     (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32 vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    redo = BT * BT * 4 if _blocked_inverse.F16_OPERANDS.value else 0
+    redo = BT * BT * 4 if fp16_products() else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
