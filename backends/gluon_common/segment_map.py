@@ -241,6 +241,57 @@ def _store_map(s, k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K: gl.constexpr, 
         gl.store(n_out + i_sh.to(gl.int64) * (K * V) + k_idx * V + c_idx, s)
 
 
+@gluon.jit
+def _segment_map_walk(S, P, w_desc, k_desc, u_desc, ring, u_smem, h_smem, vs_smem, wk_ready, u_ready, p_bar, s_bar,
+                      g_cum, rnorm, b_g, g_last, b_rk, row0, eos, NT, i_h, i_hk, HV, GROUP, col_w, col_k, col_u,
+                      is_n, is_m, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, NUM_BUF: gl.constexpr):
+    """The program's walk over its NT chunks from row ``row0`` (chunks 0 .. NUM_BUF - 2
+    already loading, ``b_g`` / ``g_last`` / ``b_rk`` chunk 0's rows): per chunk ``P = w S``,
+    ``v = u - P`` (``-P`` for M's columns), ``S = 2^g_last S + k^T vs``; returns S."""
+    BT: gl.constexpr = w_desc.block_type.shape[0]
+    BC: gl.constexpr = u_desc.block_type.shape[1]
+    dtype: gl.constexpr = w_desc.dtype
+    p_layout: gl.constexpr = ENGINE.acc_layout(BT, BC, gl.num_warps())
+    tok_layout: gl.constexpr = gl.SliceLayout(1, p_layout)
+    for t in range(NT):
+        buf = t % NUM_BUF
+        ready_phase = (t // NUM_BUF) & 1
+        mma_phase = t & 1
+        row = row0 + t * BT
+        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, (t + NUM_BUF - 1) % NUM_BUF,
+                          row + (NUM_BUF - 1) * BT, col_w, col_k, col_u, t + NUM_BUF - 1 < NT, is_n)
+        w_tile = ring.index(2 * buf)
+        k_tile = ring.index(2 * buf + 1)
+        m_t, b_d, decay = gate_decays(b_g, g_last, row, eos, BT)
+        if USE_L2NORM:
+            b_d = b_d * b_rk
+        # Chunk t + 1's gate rows (and k's norms): their global-load latency would otherwise
+        # sit on the chain (past the last chunk they read row eos - 1).
+        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, tok_layout)
+        if USE_L2NORM:
+            b_rk = _k_rnorm_rows(rnorm, row + BT, eos, i_hk, HV // GROUP, BT, tok_layout)
+
+        s_reg = ENGINE.acc_read(S)
+        h_smem.store(s_reg.to(dtype))
+        fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        mbarrier.wait(wk_ready.index(buf), ready_phase)
+        p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
+        # The decayed state becomes the accumulator of k^T vs (overlaps the MMA).
+        S = ENGINE.acc_write(S, s_reg * decay)
+        mbarrier.wait(u_ready.index(buf), ready_phase, pred=is_n)
+        b_u = u_smem.index(buf).load(p_layout).to(gl.float32)
+        p = ENGINE.mma_wait(p, p_bar, mma_phase)
+        # M's blocks load no u: their slot holds whatever was there, selected away.
+        b_v = gl.where(is_m, 0.0, b_u) - ENGINE.acc_read(p)
+        vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
+        # Orders the vs writes before the MMA reading them, and the register reads of u
+        # before the TMA refill of this slot at the top of the next chunk.
+        fence_async_shared()
+        S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
+        S = ENGINE.mma_wait(S, s_bar, mma_phase)
+    return S
+
+
 @gluon.jit(do_not_specialize=["N", "NSEG", "L", "HV", "GROUP", "s_beta"])
 def _segment_map_fwd_kernel(
     k_desc, w_desc, u_desc, g_cum, rnorm, beta, cu_seqlens, seg_cu, m_hi, m_lo, n_out, f_start, chain_flags, N, NSEG,
@@ -337,42 +388,9 @@ def _segment_map_fwd_kernel(
     else:
         b_rk = b_g  # unused
 
-    for t in range(NT):
-        buf = t % NUM_BUF
-        ready_phase = (t // NUM_BUF) & 1
-        mma_phase = t & 1
-        row = row0 + t * BT
-        _segment_map_load(w_desc, k_desc, u_desc, ring, u_smem, wk_ready, u_ready, (t + NUM_BUF - 1) % NUM_BUF,
-                          row + (NUM_BUF - 1) * BT, col_w, col_k, col_u, t + NUM_BUF - 1 < NT, is_n)
-        w_tile = ring.index(2 * buf)
-        k_tile = ring.index(2 * buf + 1)
-        m_t, b_d, decay = gate_decays(b_g, g_last, row, eos, BT)
-        if USE_L2NORM:
-            b_d = b_d * b_rk
-        # Chunk t + 1's gate rows (and k's norms): their global-load latency would otherwise
-        # sit on the chain (past the last chunk they read row eos - 1).
-        b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, tok_layout)
-        if USE_L2NORM:
-            b_rk = _k_rnorm_rows(rnorm, row + BT, eos, i_hk, HV // GROUP, BT, tok_layout)
-
-        s_reg = ENGINE.acc_read(S)
-        h_smem.store(s_reg.to(dtype))
-        fence_async_shared()  # generic writes -> MMA reads (async proxy)
-        mbarrier.wait(wk_ready.index(buf), ready_phase)
-        p = ENGINE.mma(w_tile, h_smem, overwrite_acc(P, ENGINE), False, p_bar)
-        # The decayed state becomes the accumulator of k^T vs (overlaps the MMA).
-        S = ENGINE.acc_write(S, s_reg * decay)
-        mbarrier.wait(u_ready.index(buf), ready_phase, pred=is_n)
-        b_u = u_smem.index(buf).load(p_layout).to(gl.float32)
-        p = ENGINE.mma_wait(p, p_bar, mma_phase)
-        # M's blocks load no u: their slot holds whatever was there, selected away.
-        b_v = gl.where(is_m, 0.0, b_u) - ENGINE.acc_read(p)
-        vs_smem.store(state_vs(b_v, b_d, m_t, k_tile, False).to(dtype))
-        # Orders the vs writes before the MMA reading them, and the register reads of u
-        # before the TMA refill of this slot at the top of the next chunk.
-        fence_async_shared()
-        S = ENGINE.mma(k_tile.permute((1, 0)), vs_smem, S, True, s_bar)
-        S = ENGINE.mma_wait(S, s_bar, mma_phase)
+    S = _segment_map_walk(S, P, w_desc, k_desc, u_desc, ring, u_smem, h_smem, vs_smem, wk_ready, u_ready, p_bar, s_bar,
+                          g_cum, rnorm, b_g, g_last, b_rk, row0, eos, NT, i_h, i_hk, HV, GROUP, col_w, col_k, col_u,
+                          is_n, is_m, USE_L2NORM, ENGINE, NUM_BUF)
 
     _store_map(gl.convert_layout(ENGINE.acc_read(S), s_layout), k_idx, c_idx, is_m, i_sh, m_hi, m_lo, n_out, K, V)
     for i in gl.static_range(NUM_BUF):
