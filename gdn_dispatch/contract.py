@@ -22,6 +22,8 @@ import functools
 import enum
 import logging
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,12 @@ from gdn_dispatch.varlen import ChunkTable, build_chunk_table
 
 MAX_HEAD_DIM = 256
 CHUNK_SIZE = 64
+#: Gates (log decays) below this count as this, in every backend. exp(g) rounds to 0 in
+#: float32 for both, so the token recurrence is the same; but the chunked form takes
+#: differences of chunk-local gate sums, and a gate of -1e30 would swallow every smaller
+#: gate after it in its chunk's sum (their decays would all come out 1; past -2.4e38, the
+#: log2 scaling overflows to -inf and the differences to NaN).
+GATE_FLOOR = -110.0
 
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
@@ -592,8 +600,15 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
 
     if scale is None:
         scale = K ** -0.5
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    elif type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            hint = " (reading a tensor's value would synchronize with its device: pass float(scale))" \
+                if isinstance(scale, torch.Tensor) else ""
+            raise GDNInputError(f"scale: expected a real number (float, int, NumPy scalar) or None, "
+                                f"got {type(scale).__name__}{hint}")
+        scale = float(scale)
+    if not math.isfinite(scale):
+        raise GDNInputError(f"scale: expected a finite number, got {scale!r}")
     cp_reason = None if context_parallel == "auto" else context_parallel_reason(context_parallel)
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")
@@ -601,7 +616,7 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
         raise GDNInputError(f"backend: expected one of {backend_names()} or None, got {backend!r}")
 
     return _new_problem(
-        q=q, k=k, v=v, g=g, beta=beta, scale=float(scale),
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale,
         initial_state=initial_state, output_final_state=bool(output_final_state),
         state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens, chunks=chunks, backend=backend,

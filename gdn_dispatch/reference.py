@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from gdn_dispatch.context_parallel import plan_for_problem
-from gdn_dispatch.contract import GDNProblem, StateLayout
+from gdn_dispatch.contract import GATE_FLOOR, GDNProblem, StateLayout
 
 L2NORM_EPS = 1e-6
 
@@ -52,6 +52,7 @@ def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int, slot: int 
 
     group = problem.HV // problem.H
     q, k = rows(problem.q), rows(problem.k)
+    g = rows(problem.g).clamp_min(GATE_FLOOR)
     if problem.use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     q = q.repeat_interleave(group, dim=1)
@@ -63,7 +64,7 @@ def _sequence_inputs(problem: GDNProblem, n: int, bos: int, eos: int, slot: int 
         s0 = problem.initial_state[row].float()
         if problem.state_layout is StateLayout.VK:
             s0 = s0.transpose(-1, -2)
-    return q, k, rows(problem.v), rows(problem.g), rows(problem.beta), s0.clone()
+    return q, k, rows(problem.v), g, rows(problem.beta), s0.clone()
 
 
 def _recurrent_sequence(q, k, v, g, beta, s, scale: float):

@@ -1,5 +1,8 @@
 """Every broken rule of the call contract raises GDNInputError naming what came."""
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 
@@ -58,7 +61,13 @@ BAD_CALLS = [
     pytest.param(lambda c: c.update(backend="cutlass"), r"backend: expected one of \[.*'reference'\] or None, got 'cutlass'", id="backend-unknown"),
     pytest.param(lambda c: c.update(head_first=True), r"head_first: .* not supported; pass q, k as \[B, T, H, K\]", id="head-first"),
     pytest.param(lambda c: c.update(cu_seqlens=_int([0, 5, 20])), r"cu_seqlens: requires B == 1 .* got q with B = 2", id="cu-B"),
-    pytest.param(lambda c: c.update(scale="1"), r"scale: expected a float or None, got str", id="scale-type"),
+    pytest.param(lambda c: c.update(scale="1"), r"scale: expected a real number \(float, int, NumPy scalar\) or None, got str",
+                 id="scale-type"),
+    pytest.param(lambda c: c.update(scale=True), r"scale: expected a real number .* or None, got bool", id="scale-bool"),
+    pytest.param(lambda c: c.update(scale=torch.tensor(0.5)),
+                 r"scale: expected a real number .* got Tensor \(reading a tensor's value would synchronize", id="scale-tensor"),
+    pytest.param(lambda c: c.update(scale=float("nan")), r"scale: expected a finite number, got nan", id="scale-nan"),
+    pytest.param(lambda c: c.update(scale=np.float32("inf")), r"scale: expected a finite number, got inf", id="scale-inf"),
 ]
 
 BAD_VARLEN = [
@@ -97,6 +106,13 @@ def test_bad_varlen_call_raises(mutate, message):
     mutate(call)
     with pytest.raises(GDNInputError, match=message):
         chunk_gated_delta_rule(**call)
+
+
+@pytest.mark.parametrize("scale", [0.25, 1, np.float32(0.25), np.float64(0.25), np.int64(1), fractions.Fraction(1, 4)],
+                         ids=["float", "int", "np-float32", "np-float64", "np-int64", "fraction"])
+def test_scale_takes_any_real_number(scale):
+    problem = make_problem(**base_call(scale=scale))
+    assert type(problem.scale) is float and problem.scale == float(scale)
 
 
 def test_input_error_is_value_error():

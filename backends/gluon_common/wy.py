@@ -73,7 +73,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
+from gdn_dispatch.contract import CHUNK_SIZE, GATE_FLOOR as _GATE_FLOOR, GDNProblem
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.varlen import ChunkTable
 
@@ -93,6 +93,8 @@ from gdn_dispatch.backends.gluon_common.masks import (
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
 LOG2E = gl.constexpr(1.4426950408889634)
+#: :data:`gdn_dispatch.contract.GATE_FLOOR` inside the kernels (gates below it count as it).
+GATE_FLOOR = gl.constexpr(_GATE_FLOOR)
 
 
 # ----------------------------------------------------------------------------------------
@@ -292,8 +294,9 @@ def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.cons
 @gluon.jit
 def gate_cumsum(x):
     """The chunk-local inclusive cumsum of raw gate rows ``x`` (fp32 [BT] in a plain 1-D
-    layout, 0 past the end) in log2 units: rows past the end repeat the last sum."""
-    return gl.associative_scan(x, 0, add) * LOG2E
+    layout, 0 past the end) in log2 units: rows past the end repeat the last sum. Gates
+    below :data:`GATE_FLOOR` count as it (its docstring says why)."""
+    return gl.associative_scan(gl.maximum(x, GATE_FLOOR), 0, add) * LOG2E
 
 
 @gluon.jit

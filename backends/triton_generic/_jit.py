@@ -44,7 +44,11 @@ from triton import knobs
 from triton.runtime import interpreter as _interp
 from triton.runtime.jit import JITFunction
 
+from gdn_dispatch.contract import GATE_FLOOR as _contract_gate_floor
+
 LOG2E = 1.4426950408889634
+#: :data:`gdn_dispatch.contract.GATE_FLOOR` inside the kernels (gates below it count as it).
+GATE_FLOOR = tl.constexpr(_contract_gate_floor)
 #: eps of the fused q/k l2-normalization, as gdn_dispatch.reference.L2NORM_EPS.
 L2NORM_EPS = tl.constexpr(1e-6)
 _lang_core = tl.core  # makes triton.language.core visible to _patch_lang(_patch_anchor)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import _slot_rows, jit
+from gdn_dispatch.backends.triton_generic._jit import GATE_FLOOR, _slot_rows, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import cumsum_config, launch
 
@@ -44,7 +44,7 @@ def _chunk_cumsum_fwd_kernel(
     o_h = i_hb * BH + tl.arange(0, BH)
     m_g = (o_i < n_t)[:, None] & (o_h < HV)[None, :]
     b_g = tl.load(g + t0 * s_g + o_i[:, None] * s_g + o_h[None, :], mask=m_g, other=0.0).to(tl.float32)
-    b_g = tl.cumsum(b_g, axis=0) * scale
+    b_g = tl.cumsum(tl.maximum(b_g, GATE_FLOOR), axis=0) * scale
     tl.store(g_cum + t0 * HV + o_i[:, None] * HV + o_h[None, :], b_g, mask=m_g)
 
 

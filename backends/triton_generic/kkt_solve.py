@@ -27,7 +27,7 @@ import triton.language as tl
 
 from gdn_dispatch.varlen import ChunkTable
 
-from gdn_dispatch.backends.triton_generic._jit import LOG2E, L2NORM_EPS, _cast, _dot, _slot_rows, interpreting, jit
+from gdn_dispatch.backends.triton_generic._jit import GATE_FLOOR, LOG2E, L2NORM_EPS, _cast, _dot, _slot_rows, interpreting, jit
 from gdn_dispatch.backends.triton_generic.strides import token_stride
 from gdn_dispatch.backends.triton_generic.configs import device_facts, intra_config, launch
 
@@ -114,7 +114,7 @@ def _kkt_solve_tile(k, g, g_cum, beta, s_k: tl.constexpr, s_g: tl.constexpr, s_b
     if FORM_G_CUM:
         # Before the [BT, BT] product is live: the scan's temporaries would spill beside it.
         b_g = tl.load(g + t0 * s_g + i_h + o_i * s_g, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.where(m_t, tl.cumsum(b_g, axis=0) * _LOG2E, 0.0)
+        b_g = tl.where(m_t, tl.cumsum(tl.maximum(b_g, GATE_FLOOR), axis=0) * _LOG2E, 0.0)
         tl.store(g_cum + t0 * HV + i_h + o_i * HV, b_g, mask=m_t)
     else:
         b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)

@@ -88,18 +88,20 @@ def _output_fwd_kernel(
         b_rk = _row_rnorm(k + t0 * s_k + o_hk + o_i[:, None] * s_k, m_t, K, BT, BK, USE_L2NORM)
     b_g = tl.load(g_cum + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
-    b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
-    b_o = b_o * tl.exp2(b_g)[:, None]
+    # o's row scale (scale / ||q_i||) and k's column norms go into the scores before they are
+    # rounded to v_new's dtype: the raw q k^T of a call with the norm on can leave fp16's range.
+    b_scale = b_rq * scale
+    b_s = tl.where(m_s, b_s * tl.exp2(b_g[:, None] - b_g[None, :]) * b_scale[:, None], 0.0)
+    b_o = b_o * (tl.exp2(b_g) * b_scale)[:, None]
     if USE_L2NORM:
         b_s = b_s * b_rk[None, :]
-    b_scale = b_rq * scale
 
     o_vo = (t0 * HV + i_h) * V
     p_vo = o_i[:, None] * (HV * V) + o_v[None, :]
     m_vo = m_t[:, None] & m_v[None, :]
     b_v = tl.load(v_new + o_vo + p_vo, mask=m_vo, other=0.0)
     b_o = _dot(_cast(b_s, v_new.dtype.element_ty, INTERP_BF16), b_v, b_o, DOT_PREC, INTERP_BF16)
-    tl.store(o + o_vo + p_vo, _cast(b_o * b_scale[:, None], o.dtype.element_ty, INTERP_BF16), mask=m_vo)
+    tl.store(o + o_vo + p_vo, _cast(b_o, o.dtype.element_ty, INTERP_BF16), mask=m_vo)
 
 
 def output_fwd(

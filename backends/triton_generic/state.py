@@ -200,10 +200,16 @@ def _chunk_step(k, w, u, g_cum, k_rnorm, h, v_new, b_s, s_k: tl.constexpr, t0, n
     p_k = k + t0 * s_k + (i_h // (HV // H)) * K + o_i[None, :] * s_k + o_k[:, None]
     b_kt = tl.load(p_k, mask=m_k[:, None] & m_t[None, :], other=0.0)
     if LOAD_RNORM:
-        b_d = b_d * tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
+        b_rk = tl.load(k_rnorm + t0 * HV + i_h + o_i * HV, mask=m_t, other=0.0)
     elif USE_L2NORM:
         b_kf = b_kt.to(tl.float32)
-        b_d = b_d * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
+        b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)
+    if (LOAD_RNORM or USE_L2NORM) and k.dtype.element_ty == tl.float16:
+        # fp16: k's columns normalized, not v_new's rows scaled by 1/||k||, which for long
+        # keys fall into fp16's subnormals when rounded (bf16 has float32's range).
+        b_kt = _cast(b_kt.to(tl.float32) * b_rk[None, :], k.dtype.element_ty, INTERP_BF16)
+    elif LOAD_RNORM or USE_L2NORM:
+        b_d = b_d * b_rk
     b_v = _cast(b_v * b_d[:, None], k.dtype.element_ty, INTERP_BF16)
     return _dot(b_kt, b_v, b_s * tl.exp2(b_g_last), DOT_PREC, INTERP_BF16)
 
