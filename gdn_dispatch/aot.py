@@ -15,6 +15,7 @@ import importlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,12 +231,52 @@ def _check_backends(names: list[str], capability: tuple[int, int]) -> None:
                              f"valid there: {', '.join(admitted) or 'none'}")
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """UsageError naming ``--output`` or ``--dump`` where the table or the PTX could not be
+    written: found before the compile, which takes minutes, not after it. Makes the
+    ``--dump`` directory."""
+    from gdn_dispatch.usage import UsageError
+
+    if args.output is not None:
+        output = Path(args.output)
+        if output.is_dir():
+            raise UsageError(f"argument --output: expected a file, got the directory {str(output)!r}")
+        if not output.parent.is_dir():
+            raise UsageError(f"argument --output: the directory of {str(output)!r} does not exist")
+        if not os.access(output if output.exists() else output.parent, os.W_OK):
+            raise UsageError(f"argument --output: {str(output)!r} is not writable")
+    if args.dump is not None:
+        dump = Path(args.dump)
+        if dump.exists() and not dump.is_dir():
+            raise UsageError(f"argument --dump: expected a directory, got the file {str(dump)!r}")
+        try:
+            dump.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"argument --dump: cannot make the directory {str(dump)!r} ({exc.strerror})") from None
+
+
+def triton_missing_reason() -> str | None:
+    """Why Triton does not import here (compile has nothing to compile with), or None."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return " ".join(f"{type(exc).__name__}: {exc}".split())
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m gdn_dispatch compile``: compile, print each kernel's row as it finishes
-    (a counter on stderr), exit 1 on spills or smem overflow. ``args.target`` is a
-    capability (major, minor), as ``--target`` parses it."""
+    (a counter on stderr), exit 1 on spills or smem overflow, 2 without Triton or with a
+    ``--dump`` or ``--output`` that cannot be written. ``args.target`` is a capability
+    (major, minor), as ``--target`` parses it."""
     from gdn_dispatch.progress import Progress
 
+    reason = triton_missing_reason()
+    if reason is not None:
+        print(f"python -m gdn_dispatch compile: error: needs Triton, which does not import here ({reason})",
+              file=sys.stderr)
+        return 2
+    _check_paths(args)
     capability = tuple(args.target)
     if args.backend:
         _check_backends(args.backend, capability)
@@ -254,7 +295,6 @@ def run(args: argparse.Namespace) -> int:
         serialized += report.wgmma_serialized
         progress.step(f"{kernel.backend}.{kernel.kernel}")
         if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
             Path(args.dump, f"{kernel.backend}.{kernel.kernel}.{kernel.specialization}.ptx").write_text(report.ptx)
         if (report.spill_bytes > kernel.spill_bytes_allowed or (limit is not None and report.shared_bytes > limit)
                 or report.tmem_columns > TMEM_COLUMNS):

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from gdn_dispatch.contract import GDNInputError, StateLayout, make_problem
+from gdn_dispatch.contract import GDNInputError, StateLayout, checked_scale, make_problem
 from gdn_dispatch.context_parallel import context_parallel_reason
-from gdn_dispatch.op import (chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op, context_parallel_str,
-                             run_problem)
+from gdn_dispatch.forward_only import run_forward_only
+from gdn_dispatch.op import (INPLACE_OP_NAME, chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op,
+                             context_parallel_str, run_problem)
 from gdn_dispatch.routes import routed_call
 
 #: Keyword arguments that model code passes along to every ``chunk_gated_delta_rule`` it
@@ -42,9 +43,17 @@ def _check_client_kwargs(client_kwargs: dict) -> None:
 
 
 def _is_traced(q) -> bool:
-    """True under torch.compile / export, or for a tensor subclass (fake, functional,
-    proxied): those calls must be the custom op."""
-    return torch.compiler.is_compiling() or (isinstance(q, torch.Tensor) and type(q) not in _PLAIN_TENSORS)
+    """True under torch.compile / export, for a tensor subclass (fake, functional,
+    proxied) or a meta tensor: those calls must be the custom op, whose fake
+    implementation gives the output shapes without reading a value."""
+    if torch.compiler.is_compiling():
+        return True
+    return isinstance(q, torch.Tensor) and (type(q) not in _PLAIN_TENSORS or q.is_meta)
+
+
+def _grad_inputs(*tensors) -> tuple:
+    """The tensors among ``tensors`` that require grad (anything else is left to the contract)."""
+    return tuple(t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def chunk_gated_delta_rule(
@@ -130,7 +139,14 @@ def chunk_gated_delta_rule(
     -----
     Under ``torch.compile`` (fullgraph, dynamic ``T``) the call is the custom op
     ``torch.ops.gdn_dispatch.chunk_gated_delta_rule`` (``..._inplace`` with
-    ``inplace_final_state``); tensor checks then run when the compiled program runs.
+    ``inplace_final_state``); tensor checks then run when the compiled program runs. So
+    is a call on meta tensors: it returns the outputs' shapes and dtypes.
+
+    Gradients: only the reference backend, called eagerly, has a backward. The kernel
+    backends and the custom op are forward-only: when grad mode is on and an input
+    requires grad, their outputs carry a grad_fn whose backward raises RuntimeError
+    saying so (run under ``torch.no_grad()`` / ``torch.inference_mode()``, or pass
+    ``backend="reference"`` / ``GDN_BACKEND=reference`` for gradients).
     """
     if client_kwargs:
         _check_client_kwargs(client_kwargs)
@@ -138,7 +154,8 @@ def chunk_gated_delta_rule(
         return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                             cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
                             state_v_first, head_first, state_indices, inplace_final_state, context_parallel)
-    if not head_first and state_v_first is None:
+    grad_inputs = _grad_inputs(q, k, v, g, beta, initial_state) if torch.is_grad_enabled() else ()
+    if not grad_inputs and not head_first and state_v_first is None:
         # A recurring common form goes from the native checks to its call program (routes).
         done = routed_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                            use_qk_l2norm_in_kernel, state_layout, backend, context_parallel, state_indices,
@@ -153,7 +170,7 @@ def chunk_gated_delta_rule(
         state_indices=state_indices, inplace_final_state=inplace_final_state,
         context_parallel=context_parallel,
     )
-    return run_problem(problem)
+    return run_problem(problem, grad_inputs)
 
 
 def _layout_name(state_layout, state_v_first) -> str:
@@ -178,8 +195,8 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     if head_first:
         make_problem(q, k, v, g, beta, head_first=head_first)  # raises the contract's message
     layout = _layout_name(state_layout, state_v_first)
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
-        raise GDNInputError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if scale is not None:
+        scale = checked_scale(scale)
     cp_reason = context_parallel_reason(context_parallel)
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")
@@ -194,13 +211,16 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
                                 "pass one of them")
         cu_seqlens_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
         cu_seqlens = cu_seqlens_cpu.to(q.device)
-    # The op is forward only (so are the kernel backends in eager mode): detached inputs
-    # keep AOTAutograd from tracing a backward the op does not have.
-    q, k, v, g, beta, initial_state = (t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
-                                       for t in (q, k, v, g, beta, initial_state))
-    args = (q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
+    args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state),
             cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices,
             context_parallel_str(context_parallel))
-    op = chunk_gated_delta_rule_inplace_op if inplace_final_state else chunk_gated_delta_rule_op
-    o, final_state = op(*args)
+    grad_inputs = _grad_inputs(q, k, v, g, beta, initial_state) if torch.is_grad_enabled() else ()
+    if inplace_final_state and grad_inputs:
+        # torch.library registers no backward for an op that mutates an argument: the call
+        # becomes a node of its own whose backward refuses, as the functional op's does.
+        o, final_state = run_forward_only(f"custom op {INPLACE_OP_NAME} (the torch.compile path)",
+                                          lambda: chunk_gated_delta_rule_inplace_op(*args), grad_inputs)
+    else:
+        op = chunk_gated_delta_rule_inplace_op if inplace_final_state else chunk_gated_delta_rule_op
+        o, final_state = op(*args)
     return o, (final_state if output_final_state else None)

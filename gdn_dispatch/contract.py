@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch.context_parallel import context_parallel_reason
-from gdn_dispatch.envvars import getenv
+from gdn_dispatch.envvars import flag
 from gdn_dispatch.native import admission as native_admission
 from gdn_dispatch.registry import backend_names
 from gdn_dispatch.varlen import ChunkTable, build_chunk_table
@@ -350,8 +350,8 @@ def _backend_name_set() -> frozenset:
 
 def debug_checks_enabled() -> bool:
     """``GDN_DEBUG_CHECKS=1``: also run the checks that synchronize with the device (read
-    at every call)."""
-    return getenv("GDN_DEBUG_CHECKS") == "1"
+    at every call; a value other than 1, 0 or unset raises ValueError)."""
+    return flag("GDN_DEBUG_CHECKS")
 
 
 def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host, T: int) -> None:
@@ -424,6 +424,29 @@ def _resolve_layout(state_layout, state_v_first) -> StateLayout:
             f"state_v_first: {state_v_first} contradicts state_layout={layout.value!r}; pass one of them"
         )
     return layout
+
+
+def checked_scale(scale) -> float:
+    """``scale`` as a float: any finite real number (float, int, NumPy scalar, Fraction);
+    GDNInputError for anything else (bool, tensors, NaN, inf). The eager contract and the
+    traced call (:mod:`gdn_dispatch.api`) both apply this rule."""
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            hint = ""
+            if isinstance(scale, torch.Tensor):
+                hint = " (reading a tensor's value would synchronize with its device: pass float(scale))"
+            elif torch.compiler.is_compiling() and type(scale).__name__ == "ndarray":
+                # dynamo traces a NumPy scalar as a 0-d array: its value is unknown while tracing.
+                hint = (" (torch.compile traces a NumPy scalar as an array whose value is unknown while tracing: "
+                        "pass a Python float, converted outside the compiled function)")
+            raise GDNInputError(f"scale: expected a real number (float, int, NumPy scalar) or None, "
+                                f"got {type(scale).__name__}{hint}")
+        scale = float(scale)
+    # A comparison rather than math.isfinite: dynamo traces a float that changed between
+    # compilations as a symbolic float, which math.isfinite does not take (NaN fails it too).
+    if not abs(scale) < math.inf:
+        raise GDNInputError(f"scale: expected a finite number, got {scale!r}")
+    return scale
 
 
 def make_problem(
@@ -598,17 +621,7 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
     if state_indices is not None and debug_checks_enabled():
         _debug_check_indices(state_indices, initial_state.shape[0])
 
-    if scale is None:
-        scale = K ** -0.5
-    elif type(scale) is not float:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            hint = " (reading a tensor's value would synchronize with its device: pass float(scale))" \
-                if isinstance(scale, torch.Tensor) else ""
-            raise GDNInputError(f"scale: expected a real number (float, int, NumPy scalar) or None, "
-                                f"got {type(scale).__name__}{hint}")
-        scale = float(scale)
-    if not math.isfinite(scale):
-        raise GDNInputError(f"scale: expected a finite number, got {scale!r}")
+    scale = K ** -0.5 if scale is None else checked_scale(scale)
     cp_reason = None if context_parallel == "auto" else context_parallel_reason(context_parallel)
     if cp_reason is not None:
         raise GDNInputError(f"context_parallel: {cp_reason}")

@@ -82,6 +82,7 @@ _ASSUMED = {
     75: ("Tesla T4 (assumed)", 40),
     80: ("A100 (assumed)", 108),
     86: ("RTX A6000 (assumed)", 84),
+    87: ("Jetson AGX Orin (assumed)", 16),
     89: ("L40S (assumed)", 142),
     90: ("H100/H200 (assumed)", 132),
     100: ("B200 (assumed)", 148),
@@ -91,16 +92,37 @@ _ASSUMED = {
 }
 
 
-def assumed_device(arch: str) -> DeviceInfo:
-    """A hypothetical device for "sm_90", "sm_100a", "90", "cpu"...: no hardware needed."""
-    text = arch.strip().lower()
-    if text == "cpu":
-        return CPU
-    m = re.fullmatch(r"(?:sm_?)?(\d+)a?", text)
+#: Compute capabilities a name may give (``info --assume``, ``compile --target``): those
+#: whose limits :data:`SMEM_OPTIN` knows.
+KNOWN_CAPABILITIES = tuple(sorted(SMEM_OPTIN))
+
+
+def known_archs() -> str:
+    """:data:`KNOWN_CAPABILITIES` as names, for messages: "sm_75, sm_80, ..."."""
+    return ", ".join(f"sm_{major}{minor}" for major, minor in KNOWN_CAPABILITIES)
+
+
+def parse_arch(arch: str) -> tuple[int, int]:
+    """(major, minor) that an architecture's name spells ("sm_90", "sm_100a", "90");
+    ValueError for text that spells none. Whether a part has it: :data:`KNOWN_CAPABILITIES`."""
+    m = re.fullmatch(r"(?:sm_?)?(\d+)a?", arch.strip().lower())
     if m is None:
-        raise ValueError(f"--assume: expected 'cpu' or an architecture like sm_90 or sm_100, got {arch!r}")
-    number = int(m.group(1))
-    major, minor = divmod(number, 10)
+        raise ValueError(f"expected an architecture like sm_90 or sm_100, got {arch!r}")
+    return divmod(int(m.group(1)), 10)
+
+
+def assumed_device(arch: str) -> DeviceInfo:
+    """A hypothetical device for "sm_90", "sm_100a", "90", "cpu"...: no hardware needed.
+    ValueError for any other text, or an architecture outside :data:`KNOWN_CAPABILITIES`."""
+    if arch.strip().lower() == "cpu":
+        return CPU
+    try:
+        major, minor = parse_arch(arch)
+    except ValueError:
+        raise ValueError(f"expected 'cpu' or an architecture like sm_90 or sm_100, got {arch!r}") from None
+    if (major, minor) not in KNOWN_CAPABILITIES:
+        raise ValueError(f"unknown architecture {arch!r}; valid: cpu, {known_archs()}")
+    number = major * 10 + minor
     name, sms = _ASSUMED.get(number, (f"sm_{number} (assumed)", 0))
     return DeviceInfo(kind="cuda", index=0, name=name, capability=(major, minor), sm_count=sms,
                       smem_optin=SMEM_OPTIN.get((major, minor), 0))

@@ -14,6 +14,10 @@ comes back as an empty float32 tensor ``[0]``; :func:`gdn_dispatch.api.chunk_gat
 turns it back into None. Nothing in a fake implementation depends on tensor values, so a
 symbolic ``T`` (and a symbolic number of sequences) traces once.
 
+Both ops are forward-only: a backward through them raises, when it runs
+(:mod:`gdn_dispatch.forward_only`), so a compiled forward whose inputs require grad still
+compiles.
+
 Every real call validates its arguments with :func:`gdn_dispatch.contract.make_problem`
 (GDNInputError, as in eager mode) and runs :func:`run_problem`, the one place that selects
 a backend and runs it.
@@ -28,16 +32,24 @@ import torch
 
 from gdn_dispatch.contract import GDNProblem, make_problem
 from gdn_dispatch.device import default_probe
+from gdn_dispatch.forward_only import DIFFERENTIABLE_BACKENDS, forward_only_message, refused_grads, run_forward_only
 from gdn_dispatch.registry import select
 
 OP_NAME = "gdn_dispatch::chunk_gated_delta_rule"
 INPLACE_OP_NAME = "gdn_dispatch::chunk_gated_delta_rule_inplace"
 
 
-def run_problem(problem: GDNProblem) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Select the backend for a validated call and run it (eager path and op body alike)."""
+def run_problem(problem: GDNProblem, grad_inputs: tuple = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Select the backend for a validated call and run it (eager path and op body alike).
+
+    ``grad_inputs``: the call's tensors that require grad, under grad mode (eager calls
+    only). A forward-only backend's outputs then carry a backward that raises
+    (:mod:`gdn_dispatch.forward_only`); the reference backend's keep their gradients."""
     device = default_probe().for_torch_device(problem.device)
     selection = select(device, problem)
+    if grad_inputs and selection.spec.name not in DIFFERENTIABLE_BACKENDS:
+        return run_forward_only(f"{selection.spec.name} backend",
+                                lambda: selection.module.forward(problem, selection), grad_inputs)
     return selection.module.forward(problem, selection)
 
 
@@ -125,6 +137,25 @@ def _chunk_gated_delta_rule_fake(q, k, v, g, beta, scale, initial_state, output_
                                  cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend, state_indices,
                                  context_parallel="auto"):
     return _fake(q, v, output_final_state, cu_seqlens, state_layout)
+
+
+#: Positions of the op's floating-point tensor arguments (q, k, v, g, beta, initial_state).
+_DIFFERENTIABLE_ARGS = (0, 1, 2, 3, 4, 6)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.specs = tuple((t.shape, t.dtype) if i in _DIFFERENTIABLE_ARGS and isinstance(t, torch.Tensor) else None
+                      for i, t in enumerate(inputs))
+
+
+def _backward(ctx, grad_o, grad_final_state):
+    specs = tuple(spec if wanted else None for spec, wanted in zip(ctx.specs, ctx.needs_input_grad))
+    return refused_grads(grad_o, specs, forward_only_message(f"custom op {OP_NAME} (the torch.compile path)"))
+
+
+# The op's body runs below autograd, where no backend records a graph (the reference
+# included), so its backward refuses; it raises when it runs, not when AOTAutograd traces it.
+chunk_gated_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op(INPLACE_OP_NAME, mutates_args=("initial_state",))

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from gdn_dispatch import gate
 from gdn_dispatch.context_parallel import plan_for_problem
-from gdn_dispatch.device import DeviceInfo
+from gdn_dispatch.device import DeviceInfo, default_probe
 from gdn_dispatch.envvars import getenv
 
 if sys.version_info >= (3, 11):
@@ -318,12 +319,32 @@ def override_for(device: DeviceInfo, env: dict[str, str] | None = None,
     return entries.get(device.label) or entries.get(device.kind) or entries.get("*")
 
 
-def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
+def device_info(device) -> DeviceInfo:
+    """``device`` as the registry sees it: a DeviceInfo as is; a torch.device or its string
+    ("cpu", "cuda", "cuda:1") through the device probe. ValueError for a device the probe
+    does not know; TypeError for anything else."""
+    if isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({exc})") from None
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device: expected a DeviceInfo, a torch.device or a device string like 'cuda:0', "
+                        f"got {type(device).__name__}")
+    return default_probe().for_torch_device(device)
+
+
+def explain(device: DeviceInfo | torch.device | str, call: CallSpec | None = None, *, problem=None,
             backend: str | None = None, env: dict[str, str] | None = None,
             versions: dict[str, str | None] | None = None,
             rows: tuple[BackendSpec, ...] | None = None, run_selftest: bool = False) -> Explanation:
     """Every row's verdict for ``device`` and ``call``, and the one chosen.
 
+    ``device``: a DeviceInfo, a torch.device or a device string (:func:`device_info`).
+    ``call``: by default ``problem``'s (:meth:`CallSpec.from_problem`), or
+    :data:`QWEN35_CALL` without a problem; given with a problem, it must be the problem's.
     ``backend`` (a call's explicit choice) wins over ``GDN_BACKEND`` in ``env``. Rows are
     imported only as far as needed to find the winner; ``problem`` (a GDNProblem), when
     given, is also offered to a backend module's ``unsupported_reason(problem)``. A row
@@ -332,6 +353,13 @@ def explain(device: DeviceInfo, call: CallSpec = QWEN35_CALL, *, problem=None,
     (what :func:`select` does), otherwise the row is chosen with a note that its first
     call will test it.
     """
+    device = device_info(device)
+    if problem is None:
+        call = QWEN35_CALL if call is None else call
+    elif call is None:
+        call = CallSpec.from_problem(problem)
+    elif call != CallSpec.from_problem(problem):
+        raise ValueError(f"call: {call} is not the problem's {CallSpec.from_problem(problem)}; pass one of them")
     rows = rows or load_registry()
     names = backend_names(rows)
     env = os.environ if env is None else env

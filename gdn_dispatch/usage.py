@@ -21,22 +21,32 @@ class UsageError(ValueError):
 
 
 def arch_arg(text: str):
-    """``--assume``: 'cpu' or an architecture ("sm_90", "sm_100a", "90") -> DeviceInfo."""
-    from gdn_dispatch.device import assumed_device
+    """``--assume``: 'cpu' or a known architecture ("sm_90", "sm_100a", "90") -> DeviceInfo."""
+    from gdn_dispatch.device import CPU, assumed_device
 
-    try:
-        return assumed_device(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'cpu' or an architecture like {ARCH_EXAMPLES}, got {text!r}") from None
+    if text.strip().lower() == "cpu":
+        return CPU
+    _known_capability(text, f"expected 'cpu' or an architecture like {ARCH_EXAMPLES}", "cpu, ")
+    return assumed_device(text)
 
 
 def target_arg(text: str) -> tuple[int, int]:
-    """``--target``: a CUDA architecture ("sm_100a", "sm_90", "100") -> (major, minor)."""
-    if text.strip().lower() != "cpu" and re.fullmatch(r"(?:sm_?)?\d{2,3}a?", text.strip().lower()):
-        number = int(re.sub(r"\D", "", text))
-        return divmod(number, 10)
-    raise argparse.ArgumentTypeError(f"expected a CUDA architecture like {ARCH_EXAMPLES}, got {text!r}")
+    """``--target``: a known CUDA architecture ("sm_100a", "sm_90", "100") -> (major, minor)."""
+    return _known_capability(text, f"expected a CUDA architecture like {ARCH_EXAMPLES}")
+
+
+def _known_capability(text: str, expected: str, also_valid: str = "") -> tuple[int, int]:
+    """The capability ``text`` names; ArgumentTypeError with ``expected`` for text that names
+    none, and with the valid names for one no known part has (sm_130, sm_12)."""
+    from gdn_dispatch.device import KNOWN_CAPABILITIES, known_archs, parse_arch
+
+    try:
+        capability = parse_arch(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+    if capability not in KNOWN_CAPABILITIES:
+        raise argparse.ArgumentTypeError(f"unknown architecture {text!r}; valid: {also_valid}{known_archs()}")
+    return capability
 
 
 def device_arg(text: str) -> str:
@@ -76,6 +86,22 @@ def cuda_index(label: str, probe) -> int | None:
         raise UsageError(f"argument --device: {label} asked, but this machine has {count} CUDA "
                          f"device{'s' if count > 1 else ''}; valid: {valid}")
     return index
+
+
+def int_arg(low: int = 1, high: int | None = None):
+    """A ``type=`` for an integer flag in ``[low, high]`` (``high`` None: no upper bound)."""
+    expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    parse.__name__ = "int"
+    return parse
 
 
 def seconds_arg(text: str) -> float:

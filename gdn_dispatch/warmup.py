@@ -216,45 +216,48 @@ _INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 _HOST_OFFSETS = {"both": (True, False), "given": (True,), "absent": (False,)}
 
 
-def _name_list(choices):
-    """argparse type: a comma-separated list of names from ``choices`` ("none": empty)."""
+def _name_list(choices, allow_none: bool = True):
+    """argparse type: a comma-separated list of names from ``choices`` ("none": empty,
+    where ``allow_none``)."""
     import argparse
 
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if names == ("none",):
+        if names == ("none",) and allow_none:
             return ()
         unknown = [n for n in names if n not in choices]
         if unknown or not names:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(choices)} or 'none', "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(choices)}"
+                                             f"{' or ' + repr('none') if allow_none else ''}, got {text!r}")
         return names
 
     return parse
 
 
 def add_arguments(parser) -> None:
+    from gdn_dispatch.contract import MAX_HEAD_DIM
     from gdn_dispatch.registry import backend_names
-    from gdn_dispatch.usage import backend_arg, device_arg
+    from gdn_dispatch.usage import backend_arg, device_arg, int_arg
 
-    parser.add_argument("--heads", type=int, required=True, help="H, q/k heads (per device)")
-    parser.add_argument("--v-heads", type=int, required=True, help="HV, value heads (per device)")
-    parser.add_argument("--head-k-dim", type=int, default=128, help="K (default 128)")
-    parser.add_argument("--head-v-dim", type=int, default=128, help="V (default 128)")
+    parser.add_argument("--heads", type=int_arg(1), required=True, help="H, q/k heads (per device)")
+    parser.add_argument("--v-heads", type=int_arg(1), required=True,
+                        help="HV, value heads (per device), a multiple of H")
+    parser.add_argument("--head-k-dim", type=int_arg(1, MAX_HEAD_DIM), default=128, help="K (default 128)")
+    parser.add_argument("--head-v-dim", type=int_arg(1, MAX_HEAD_DIM), default=128, help="V (default 128)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q/k/v dtype (default bf16)")
     parser.add_argument("--g-dtype", choices=sorted(_DTYPES), default="fp32", help="gate dtype (default fp32)")
     parser.add_argument("--beta-dtype", choices=sorted(_DTYPES), default=None, help="beta dtype (default: --dtype)")
     parser.add_argument("--state-layout", choices=["kv", "vk"], default="kv")
     parser.add_argument("--no-qk-l2norm", action="store_true", help="calls pass use_qk_l2norm_in_kernel=False")
-    parser.add_argument("--max-seqs", type=int, default=64, help="most sequences per call (default 64)")
+    parser.add_argument("--max-seqs", type=int_arg(1), default=64, help="most sequences per call (default 64)")
     parser.add_argument("--pool-dtypes", type=_name_list(("fp32", "bf16")), default=("fp32", "bf16"),
                         help="dtypes of the state pools passed with state_indices, e.g. bf16, or none "
                              "(default fp32,bf16)")
-    parser.add_argument("--pool-size", type=int, default=None,
+    parser.add_argument("--pool-size", type=int_arg(1), default=None,
                         help="rows P of the state pool (default: warm P divisible by 16 and not)")
     parser.add_argument("--index-dtype", choices=sorted(_INDEX_DTYPES), default="int32",
                         help="dtype of state_indices (default int32)")
-    parser.add_argument("--layouts", type=_name_list(INPUT_LAYOUTS), default=INPUT_LAYOUTS,
+    parser.add_argument("--layouts", type=_name_list(INPUT_LAYOUTS, allow_none=False), default=INPUT_LAYOUTS,
                         help=f"input layouts: {', '.join(INPUT_LAYOUTS)} (default both)")
     parser.add_argument("--host-offsets", choices=sorted(_HOST_OFFSETS), default="both",
                         help="varlen calls pass cu_seqlens_cpu (given), do not (absent), or both (default)")
@@ -266,11 +269,19 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from gdn_dispatch.usage import UsageError, cuda_index
+
+    if args.v_heads % args.heads:
+        raise UsageError(f"argument --v-heads: expected a multiple of --heads {args.heads}, got {args.v_heads}")
+    device = args.device
+    if device is not None:
+        index = cuda_index(device, default_probe())
+        device = "cpu" if index is None else f"cuda:{index}"
     report = warmup(
         num_heads=args.heads, num_v_heads=args.v_heads, head_k_dim=args.head_k_dim, head_v_dim=args.head_v_dim,
         dtype=_DTYPES[args.dtype], g_dtype=_DTYPES[args.g_dtype],
         beta_dtype=_DTYPES[args.beta_dtype] if args.beta_dtype else None, state_layout=args.state_layout,
-        use_qk_l2norm=not args.no_qk_l2norm, max_num_seqs=args.max_seqs, device=args.device, backend=args.backend,
+        use_qk_l2norm=not args.no_qk_l2norm, max_num_seqs=args.max_seqs, device=device, backend=args.backend,
         pool_dtypes=tuple(_DTYPES[d] for d in args.pool_dtypes), pool_size=args.pool_size,
         index_dtype=_INDEX_DTYPES[args.index_dtype], input_layouts=args.layouts,
         host_offsets=_HOST_OFFSETS[args.host_offsets], progress=not args.quiet,

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from gdn_dispatch.context_parallel import COUNTED_BV, CPPlan, plan_context_parallel, plan_for_problem
-from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem, StateLayout, make_problem, token_rows_stride
+from gdn_dispatch.contract import (
+    CHUNK_SIZE, MAX_HEAD_DIM, GDNInputError, GDNProblem, StateLayout, make_problem, token_rows_stride,
+)
 from gdn_dispatch.device import DeviceInfo
 from gdn_dispatch.registry import CallSpec, GDNDispatchError, explain, load_registry, select
 
@@ -79,6 +81,9 @@ class WarmupSpec:
     input_layouts : names from :data:`INPUT_LAYOUTS`.
     host_offsets : with ``cu_seqlens``, whether ``cu_seqlens_cpu`` is passed too (True,
         False or both).
+
+    Raises GDNInputError naming the field for dims outside the contract's ranges (``HV``
+    a multiple of ``H``) and for a variant list that leaves no call to warm.
     """
 
     H: int
@@ -102,11 +107,34 @@ class WarmupSpec:
     host_offsets: tuple[bool, ...] = (True, False)
 
     def __post_init__(self):
+        # Checked here, not left to the calls made from the spec: a bad dim would fail deep
+        # in the plan, and an empty variant list plans no calls (a warm-up that reports
+        # success having compiled nothing).
+        for name, value, high in (("H (num_heads)", self.H, None), ("HV (num_v_heads)", self.HV, None),
+                                  ("K (head_k_dim)", self.K, MAX_HEAD_DIM), ("V (head_v_dim)", self.V, MAX_HEAD_DIM),
+                                  ("max_num_seqs", self.max_num_seqs, None)):
+            if not _is_int(value) or value < 1 or (high is not None and value > high):
+                expected = "an int >= 1" if high is None else f"an int in [1, {high}]"
+                raise GDNInputError(f"{name}: expected {expected}, got {value!r}")
+        if self.HV % self.H:
+            raise GDNInputError(f"HV (num_v_heads): expected a multiple of H (num_heads) = {self.H}, got {self.HV}")
         unknown = sorted(set(self.input_layouts) - set(INPUT_LAYOUTS))
-        if unknown:
-            raise ValueError(f"input_layouts: expected names from {INPUT_LAYOUTS}, got {unknown}")
-        if self.pool_size is not None and self.pool_size < 1:
-            raise ValueError(f"pool_size: expected a row count >= 1, got {self.pool_size}")
+        if unknown or not self.input_layouts:
+            raise GDNInputError(f"input_layouts: expected names from {INPUT_LAYOUTS}, got {unknown or '()'}")
+        # Pools are a state source of their own: without them, calls need initial_states.
+        needed = {"host_offsets": (True, ""), "final_states": (True, ""),
+                  "initial_states": (not self.pool_dtypes, " where pool_dtypes is empty"),
+                  "pool_inplace": (bool(self.pool_dtypes), " where pool_dtypes names pools")}
+        for name, (required, where) in needed.items():
+            values = getattr(self, name)
+            if not set(values) <= {True, False} or (required and not values):
+                raise GDNInputError(f"{name}: expected True, False or both{where}, got {tuple(values)!r}")
+        if self.pool_size is not None and (not _is_int(self.pool_size) or self.pool_size < 1):
+            raise GDNInputError(f"pool_size: expected a row count >= 1, got {self.pool_size}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from gdn_dispatch.registry import load_registry
 from gdn_dispatch.testing import StandInProbe
 
 ARCHS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
+#: The architectures --target and --assume accept, as their messages list them.
+KNOWN = "sm_75, sm_80, sm_86, sm_87, sm_89, sm_90, sm_100, sm_103, sm_120, sm_121"
 
 
 def cli(*args, env=None, check=True):
@@ -123,6 +125,12 @@ def test_compile_target_without_kernel_backends():
          "argument --target: expected a CUDA architecture like sm_80, sm_86, sm_89, sm_90a, sm_100a, "
          "sm_103a, sm_120, got 'banana'"),
         (["compile", "--target", "cpu"], 0, "argument --target: expected a CUDA architecture like"),
+        (["compile", "--target", "sm_130"], 0, f"argument --target: unknown architecture 'sm_130'; valid: {KNOWN}"),
+        (["compile", "--target", "sm_999"], 0, f"argument --target: unknown architecture 'sm_999'; valid: {KNOWN}"),
+        (["info", "--assume", "sm_12"], 0, f"argument --assume: unknown architecture 'sm_12'; valid: cpu, {KNOWN}"),
+        (["info", "--assume", "sm_1000"], 0,
+         f"argument --assume: unknown architecture 'sm_1000'; valid: cpu, {KNOWN}"),
+        (["info", "--assume", "9"], 0, f"argument --assume: unknown architecture '9'; valid: cpu, {KNOWN}"),
         (["compile", "--target", "sm_90a", "--backend", "bogus"], 0,
          "argument --backend: expected a backend with kernels (gluon_sm100, gluon_sm90, triton_generic), "
          "got 'bogus'"),
@@ -134,6 +142,10 @@ def test_compile_target_without_kernel_backends():
          "argument --device: cuda asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
         (["run", "--device", "cuda:3"], 1,
          "argument --device: cuda:3 asked, but this machine has 1 CUDA device; valid: cpu, cuda:0"),
+        (["warmup", "--heads", "2", "--v-heads", "4", "--device", "cuda:0"], 0,
+         "argument --device: cuda:0 asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
+        (["warmup", "--heads", "2", "--v-heads", "4", "--device", "cuda:1"], 1,
+         "argument --device: cuda:1 asked, but this machine has 1 CUDA device; valid: cpu, cuda:0"),
         (["selftest", "--device", "cuda"], 0,
          "argument --device: cuda asked, but this machine has no CUDA device (no CUDA driver); valid: cpu"),
         (["selftest", "--timeout", "-5"], 0, "argument --timeout: expected a positive number of seconds, got '-5'"),
@@ -162,6 +174,47 @@ def test_usage_error_in_a_subprocess():
     assert done.stderr.strip().splitlines()[-1].endswith("error: argument --target: expected a CUDA "
                                                           "architecture like sm_80, sm_86, sm_89, sm_90a, sm_100a, "
                                                           "sm_103a, sm_120, got 'banana'")
+
+
+@pytest.mark.parametrize("flag, kind", [("--dump", "file"), ("--output", "missing-parent"),
+                                        ("--output", "directory"), ("--dump", "below-a-file")])
+def test_compile_checks_its_paths_before_compiling(flag, kind, tmp_path, monkeypatch, capsys):
+    """A --dump or --output that cannot be written is a usage error before the first
+    kernel compiles (from a cold cache the compile takes minutes)."""
+    from gdn_dispatch import aot
+    from gdn_dispatch.__main__ import main
+
+    def no_compile(kernel, capability):
+        raise AssertionError(f"compiled {kernel.backend}.{kernel.kernel} before checking {flag}")
+
+    monkeypatch.setattr(aot, "compile_kernel", no_compile)
+    (tmp_path / "table.txt").write_text("")
+    path = {"file": tmp_path / "table.txt", "missing-parent": tmp_path / "missing" / "table.txt",
+            "directory": tmp_path, "below-a-file": tmp_path / "table.txt" / "ptx"}[kind]
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "--target", "sm_80", flag, str(path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    expected = {"file": f"argument --dump: expected a directory, got the file {str(path)!r}",
+                "missing-parent": f"argument --output: the directory of {str(path)!r} does not exist",
+                "directory": f"argument --output: expected a file, got the directory {str(path)!r}",
+                "below-a-file": f"argument --dump: cannot make the directory {str(path)!r} (Not a directory)"}[kind]
+    assert err.strip().splitlines()[-1] == f"python -m gdn_dispatch compile: error: {expected}"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_compile_without_triton_is_one_line():
+    """Where Triton does not import, compile says so in one line (exit 2), no traceback."""
+    program = ("import runpy, sys; sys.modules['triton'] = None; "
+               "sys.argv = ['gdn_dispatch', 'compile', '--target', 'sm_90a']; "
+               "runpy.run_module('gdn_dispatch', run_name='__main__', alter_sys=True)")
+    env = {k: v for k, v in os.environ.items() if k not in ("GDN_BACKEND", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "python -m gdn_dispatch compile: error: needs Triton, which does not import here "
+        "(ModuleNotFoundError: import of triton halted; None in sys.modules)"]
+    assert done.stdout == ""
 
 
 def test_version():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,25 @@ def test_switch_and_status(monkeypatch, tmp_path):
     monkeypatch.setenv(native.NATIVE_ENV, "1")
     with pytest.raises(RuntimeError, match="GDN_DISPATCH_NATIVE=1 but the native host layer is not built"):
         native.load()
+
+
+def test_not_built_says_how_to_build_it_here(monkeypatch, tmp_path):
+    """The not-built reason names a way to build the layer that works on this machine:
+    warmup builds it only where it has a CUDA device to warm, native.build() anywhere (the
+    slow tier's ``native_built`` runs it on CPU-only machines)."""
+    monkeypatch.setenv("GDN_SELFTEST_CACHE", str(tmp_path))
+    monkeypatch.setenv(native.NATIVE_ENV, "1")
+    with pytest.raises(RuntimeError) as raised:
+        native.load()
+    message = str(raised.value)
+    assert "warmup builds it on a CUDA device" in message
+    snippet = re.search(r"python -c '([^']+)'", message).group(1)
+    assert snippet == "from gdn_dispatch import native; native.build()"
+    compile(snippet, "<hint>", "exec")
+    from gdn_dispatch.warmup import warmup
+
+    report = warmup(num_heads=1, num_v_heads=1, head_k_dim=8, head_v_dim=8, dtype=torch.float32, device="cpu")
+    assert report.native == "" and native.built_path() is None
 
 
 @pytest.mark.slow

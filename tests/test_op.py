@@ -1,6 +1,7 @@
 """The custom op behind chunk_gated_delta_rule: schema, fake shapes, torch.compile (fullgraph,
 dynamic T, one compilation), errors under compile, and CUDA-graph capture on a GPU."""
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -124,15 +125,18 @@ def test_compiled_model_traces_fullgraph_once_for_two_lengths():
 
 
 def test_compiled_model_with_parameters_that_require_grad_runs_forward_only():
-    """The op is forward only: under compile its outputs carry no autograd history, and
-    parameters that require grad do not make AOTAutograd look for a backward."""
+    """The op is forward only: parameters that require grad compile (AOTAutograd traces
+    the op's refusing backward, which raises only when it runs) and the forward matches
+    eager; a backward through the call raises."""
     torch.manual_seed(0)
     layer = TinyGDNLayer()
     inputs = _layer_inputs([3, 70, 0, 9], 1)
-    _, ht = torch.compile(layer, fullgraph=True, backend="aot_eager")(*inputs)
+    y, ht = torch.compile(layer, fullgraph=True, backend="aot_eager")(*inputs)
     _, ht_eager = layer(*inputs)
-    assert not ht.requires_grad
     assert rel_rms_error(ht, ht_eager) <= TOL
+    assert ht.requires_grad and ht.grad_fn is not None
+    with pytest.raises(RuntimeError, match=r"custom op gdn_dispatch::chunk_gated_delta_rule .* is forward-only"):
+        y.sum().backward()
 
 
 @torch.no_grad()
@@ -178,6 +182,100 @@ def test_bad_input_raises_the_contract_error_under_compile():
         torch.compile(lambda c: chunk_gated_delta_rule(**c), backend="aot_eager")(bad_layout)
     with pytest.raises(Exception, match=message):
         fn(bad_layout)
+
+
+def _fake_call(mode, call):
+    return {name: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for name, t in call.items()}
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1), 2], ids=str)
+def test_traced_call_takes_any_real_scale_as_eager_does(scale):
+    call = varlen([5, 0, 70], seed=3)
+    o, _ = chunk_gated_delta_rule(**call, scale=scale)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        o_fake, _ = chunk_gated_delta_rule(**_fake_call(mode, call), scale=scale)
+    assert (o_fake.shape, o_fake.dtype) == (o.shape, o.dtype)
+    as_float = float(scale)
+    with torch.no_grad():
+        o_compiled, _ = torch.compile(lambda c: chunk_gated_delta_rule(**c, scale=as_float), fullgraph=True,
+                                      backend="aot_eager")(call)
+    assert rel_rms_error(o_compiled, o) <= TOL
+
+
+@pytest.mark.parametrize("scale, message", [
+    pytest.param(True, r"scale: expected a real number \(float, int, NumPy scalar\) or None, got bool", id="bool"),
+    pytest.param(float("nan"), r"scale: expected a finite number, got nan", id="nan"),
+    pytest.param(np.float32("inf"), r"scale: expected a finite number, got inf", id="np-inf"),
+    pytest.param(torch.tensor(0.5), r"scale: .* got Tensor \(reading a tensor's value would synchronize", id="tensor"),
+])
+def test_traced_call_refuses_the_scales_eager_refuses(scale, message):
+    call = varlen([5, 0, 70], seed=4)
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call, scale=scale)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**_fake_call(mode, call), scale=scale)
+
+
+@torch.no_grad()
+def test_compiled_call_takes_a_scale_that_changes_between_calls():
+    """A float argument that changes between calls is traced symbolically on the
+    recompile; the scale check must take it."""
+    call = varlen([5, 0, 70], seed=8)
+    fn = torch.compile(lambda c, s: chunk_gated_delta_rule(**c, scale=s), fullgraph=True, backend="aot_eager")
+    for scale in (0.5, 0.25, 0.125):
+        assert rel_rms_error(fn(call, scale)[0], chunk_gated_delta_rule(**call, scale=scale)[0]) <= TOL
+
+
+@torch.no_grad()
+def test_numpy_scale_under_fullgraph_compile_says_how_to_pass_it():
+    """dynamo traces a NumPy scalar argument as a 0-d array with no known value; without
+    fullgraph the frame falls back to eager, which takes it."""
+    call = varlen([5, 0, 70], seed=5)
+    o, _ = chunk_gated_delta_rule(**call, scale=np.float32(0.3))
+    fn = lambda c, s: chunk_gated_delta_rule(**c, scale=s)  # noqa: E731
+    with pytest.raises(Exception, match=r"scale: .* got ndarray \(torch.compile traces a NumPy scalar as an array"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(call, np.float32(0.3))
+    o_compiled, _ = torch.compile(fn, backend="aot_eager")(call, np.float32(0.3))
+    assert rel_rms_error(o_compiled, o) <= TOL
+
+
+def _meta(t):
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+@pytest.mark.parametrize("lengths, batch, offsets, layout, final, pool", [
+    pytest.param([5, 0, 70], None, "device", "kv", True, None, id="varlen-kv-ht"),
+    pytest.param([5, 0, 70], None, "host-copy", "vk", False, None, id="varlen-host-copy-vk-no-ht"),
+    pytest.param([5, 0, 70], None, "list", "vk", True, None, id="varlen-list-vk-ht"),
+    pytest.param(None, (3, 31), None, "vk", True, None, id="uniform-vk-ht"),
+    pytest.param([9, 64, 1], None, "device", "kv", True, (torch.float32, True), id="pool-f32-inplace-ht"),
+    pytest.param([9, 64, 1], None, "host-copy", "vk", False, (torch.bfloat16, True), id="pool-bf16-inplace-no-ht"),
+    pytest.param([9, 64, 1], None, "list", "kv", True, (torch.bfloat16, True), id="pool-list-bf16-inplace-ht"),
+    pytest.param(None, (3, 31), None, "vk", True, (torch.bfloat16, False), id="pool-bf16-read-only-ht"),
+])
+def test_meta_tensors_give_the_outputs_shapes_and_dtypes(lengths, batch, offsets, layout, final, pool):
+    call = random_call(lengths=lengths, batch=batch, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, seed=6,
+                       state_layout=layout)
+    if lengths is not None:
+        call["cu_seqlens_cpu"] = {"device": None, "host-copy": call["cu_seqlens_cpu"], "list": None}[offsets]
+        if offsets == "list":
+            call["cu_seqlens"] = call["cu_seqlens"].tolist()
+    if pool is not None:
+        dtype, inplace = pool
+        gen = torch.Generator().manual_seed(7)
+        rows = torch.randn(7, HV, *((K, V) if layout == "kv" else (V, K)), generator=gen).to(dtype)
+        N = len(lengths) if lengths is not None else batch[0]
+        call.update(initial_state=rows, state_indices=torch.tensor([4, -1, 0, 2][:N]), inplace_final_state=inplace)
+    meta = {name: (t if name == "cu_seqlens_cpu" else _meta(t)) for name, t in call.items()}
+    o_meta, ht_meta = chunk_gated_delta_rule(**meta, output_final_state=final)
+    o, ht = chunk_gated_delta_rule(**call, output_final_state=final)
+    assert o_meta.is_meta and (o_meta.shape, o_meta.dtype, o_meta.stride()) == (o.shape, o.dtype, o.stride())
+    if final:
+        assert ht_meta.is_meta and (ht_meta.shape, ht_meta.dtype, ht_meta.stride()) == (ht.shape, ht.dtype, ht.stride())
+    else:
+        assert ht_meta is None and ht is None
+    if pool is not None:
+        assert (meta["initial_state"].shape, meta["initial_state"].dtype) == (call["initial_state"].shape, pool[0])
 
 
 def test_pass_through_keywords_are_ignored_and_others_raise():

@@ -18,6 +18,7 @@ from gdn_dispatch.registry import (
     select,
     version_reason,
 )
+from gdn_dispatch.device import use_probe
 from gdn_dispatch.testing import StandInProbe, padded_pool, random_call
 
 NAMES = [r.name for r in load_registry()]
@@ -231,6 +232,35 @@ def test_the_selection_cache_key_tells_apart_every_call_spec():
         assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
         specs.add(spec)
     assert len(specs) >= 40 and any(spec.state_pool for spec in specs)
+
+
+def test_explain_takes_the_call_from_the_problem():
+    problem = make_problem(**random_call(lengths=[5, 70], H=2, HV=4, K=8, V=16, dtype=torch.float32, seed=5,
+                                         state_layout="vk"), output_final_state=False)
+    explanation = explain(assumed_device("sm_90"), problem=problem, env={})
+    assert explanation.call == CallSpec.from_problem(problem) != QWEN35_CALL
+    assert _verdict(explanation, "gluon_sm90").reason == "q/k/v dtype float32 not in ['bfloat16', 'float16']"
+    assert explain(assumed_device("sm_90"), env={}).call == QWEN35_CALL
+    mismatch = r"call: CallSpec\(dtype='bfloat16'.* is not the problem's CallSpec\(dtype='float32'"
+    with pytest.raises(ValueError, match=mismatch):
+        explain(assumed_device("sm_90"), QWEN35_CALL, problem=problem, env={})
+
+
+def test_explain_takes_device_strings_and_torch_devices():
+    with use_probe(StandInProbe("sm_90", "sm_100")):
+        for device in ("cpu", torch.device("cpu")):
+            explanation = explain(device, env={})
+            assert explanation.device == CPU and explanation.selected == "reference"
+        for device, arch, chosen in (("cuda:1", "sm_100", "gluon_sm100"),
+                                     (torch.device("cuda", 0), "sm_90", "gluon_sm90")):
+            explanation = explain(device, env={})
+            assert explanation.device.arch == arch and explanation.selected == chosen
+        with pytest.raises(TypeError, match=r"device: expected a DeviceInfo, a torch.device or a device string .*got int"):
+            explain(0, env={})
+        with pytest.raises(ValueError, match=r"device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu:0'"):
+            explain("gpu:0", env={})
+    with pytest.raises(ValueError, match=r"device meta: only cuda and cpu devices are supported"):
+        explain("meta", env={})
 
 
 def test_registry_rows_are_sorted_and_complete():

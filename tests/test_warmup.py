@@ -5,12 +5,14 @@ calls its kernels specialize apart (its launches recorded on the CPU); and on a 
 warmup(), 60 random ragged batches compile nothing."""
 
 import dataclasses
+import random
+import re
 import types
 
 import pytest
 import torch
 
-from gdn_dispatch.contract import make_problem
+from gdn_dispatch.contract import GDNInputError, make_problem
 from gdn_dispatch.device import CPU, assumed_device
 from gdn_dispatch.testing import runnable_gpu_backends
 from gdn_dispatch.warmup import CompileCounter, warmup
@@ -208,7 +210,18 @@ def test_cli_warmup_on_cpu(capsys):
     (["--pool-dtypes", "fp64"], "--pool-dtypes: expected a comma-separated list"),
     (["--layouts", "packed"], "--layouts: expected a comma-separated list"),
     (["--host-offsets", "sometimes"], "--host-offsets: invalid choice"),
-])
+    (["--v-heads", "3"], "argument --v-heads: expected a multiple of --heads 2, got 3"),
+    (["--heads", "0"], "argument --heads: expected an integer >= 1, got '0'"),
+    (["--v-heads", "-4"], "argument --v-heads: expected an integer >= 1, got '-4'"),
+    (["--head-k-dim", "512"], "argument --head-k-dim: expected an integer in [1, 256], got '512'"),
+    (["--head-v-dim", "0"], "argument --head-v-dim: expected an integer in [1, 256], got '0'"),
+    (["--pool-size", "-3"], "argument --pool-size: expected an integer >= 1, got '-3'"),
+    (["--max-seqs", "0"], "argument --max-seqs: expected an integer >= 1, got '0'"),
+    (["--max-seqs", "-2"], "argument --max-seqs: expected an integer >= 1, got '-2'"),
+    (["--max-seqs", "many"], "argument --max-seqs: expected an integer >= 1, got 'many'"),
+    (["--layouts", "none"],
+     "argument --layouts: expected a comma-separated list of ['contiguous', 'fused_qkv'], got 'none'"),
+], ids=lambda x: "-".join(x) if isinstance(x, list) else None)
 def test_cli_warmup_rejects_bad_variants(argv, message, capsys):
     from gdn_dispatch.__main__ import main
 
@@ -222,6 +235,64 @@ def test_spec_rejects_unknown_layouts_and_pool_sizes():
         WarmupSpec(**SMALL, input_layouts=("packed",))
     with pytest.raises(ValueError, match="pool_size: expected a row count >= 1, got 0"):
         WarmupSpec(**SMALL, pool_size=0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    pytest.param(dict(H=0), "H (num_heads): expected an int >= 1, got 0", id="H0"),
+    pytest.param(dict(HV=-4), "HV (num_v_heads): expected an int >= 1, got -4", id="HV-neg"),
+    pytest.param(dict(H=2.0), "H (num_heads): expected an int >= 1, got 2.0", id="H-float"),
+    pytest.param(dict(K=512), "K (head_k_dim): expected an int in [1, 256], got 512", id="K512"),
+    pytest.param(dict(V=0), "V (head_v_dim): expected an int in [1, 256], got 0", id="V0"),
+    pytest.param(dict(max_num_seqs=0), "max_num_seqs: expected an int >= 1, got 0", id="N0"),
+    pytest.param(dict(max_num_seqs=-3), "max_num_seqs: expected an int >= 1, got -3", id="N-neg"),
+    pytest.param(dict(H=2, HV=3), "HV (num_v_heads): expected a multiple of H (num_heads) = 2, got 3", id="H2-HV3"),
+    pytest.param(dict(input_layouts=()), "input_layouts: expected names from ('contiguous', 'fused_qkv'), got ()",
+                 id="no-layouts"),
+    pytest.param(dict(host_offsets=()), "host_offsets: expected True, False or both, got ()", id="no-host-offsets"),
+    pytest.param(dict(host_offsets=("yes",)), "host_offsets: expected True, False or both, got ('yes',)",
+                 id="host-offsets-yes"),
+    pytest.param(dict(final_states=()), "final_states: expected True, False or both, got ()", id="no-final"),
+    pytest.param(dict(initial_states=(), pool_dtypes=()),
+                 "initial_states: expected True, False or both where pool_dtypes is empty, got ()", id="no-state"),
+    pytest.param(dict(pool_inplace=()),
+                 "pool_inplace: expected True, False or both where pool_dtypes names pools, got ()",
+                 id="pools-no-inplace"),
+    pytest.param(dict(pool_size=-3), "pool_size: expected a row count >= 1, got -3", id="P-neg"),
+])
+def test_spec_rejects_what_leaves_nothing_to_warm(fields, message):
+    """Dims outside the contract and empty variant lists are errors naming the field, at
+    the spec (a plan from them would fail deep inside, or plan no calls and report success)."""
+    with pytest.raises(GDNInputError, match=re.escape(message) + "$"):
+        WarmupSpec(**{**SMALL, **fields})
+
+
+def test_spec_takes_every_multiple_of_the_heads_and_no_other():
+    rng = random.Random(11)
+    for _ in range(40):
+        H, groups = rng.randint(1, 8), rng.randint(1, 4)
+        assert WarmupSpec(H=H, HV=H * groups, K=rng.randint(1, 256), V=rng.randint(1, 256)).HV == H * groups
+        if H > 1:
+            HV = H * groups + rng.randint(1, H - 1)
+            with pytest.raises(GDNInputError, match=re.escape(f"got {HV}") + "$"):
+                WarmupSpec(H=H, HV=HV, K=64, V=64)
+    # Pool-only and pool-free servers are specs of their own.
+    assert WarmupSpec(**SMALL, initial_states=(), pool_dtypes=(torch.bfloat16,)).initial_states == ()
+    assert WarmupSpec(**SMALL, pool_dtypes=(), pool_inplace=()).pool_inplace == ()
+
+
+@pytest.mark.parametrize("fields, message", [
+    pytest.param(dict(host_offsets=()), "host_offsets: expected True, False or both, got ()", id="no-host-offsets"),
+    pytest.param(dict(num_v_heads=3), "HV (num_v_heads): expected a multiple of H (num_heads) = 2, got 3",
+                 id="H2-HV3"),
+    pytest.param(dict(max_num_seqs=0), "max_num_seqs: expected an int >= 1, got 0", id="N0"),
+    pytest.param(dict(input_layouts=()), "input_layouts: expected names from", id="no-layouts"),
+])
+def test_warmup_function_checks_its_arguments(fields, message):
+    """The Python function gets the spec's checks, on any device (here the CPU, where it
+    would otherwise return at once having planned nothing)."""
+    with pytest.raises(GDNInputError, match=re.escape(message)):
+        warmup(**{**dict(num_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, dtype=torch.float32,
+                         device="cpu"), **fields})
 
 
 # --- triton_generic's key model against its real launches ---------------------------------

@@ -8,12 +8,12 @@ argument checks and the same C launch, with the tensors read on ``at::Tensor`` i
 through torch's Python attributes (on the H200's host one tensor's metadata costs about
 1 µs from Python, 0.1 µs from C++: ``benchmarks/native_host_probe.py``).
 
-It is compiled once per machine, never on a call: ``python -m gdn_dispatch warmup`` (or
-:func:`build`) compiles it into the cache directory (``$GDN_SELFTEST_CACHE`` or
-``~/.cache/gdn_dispatch``, under ``native/``), with torch's C++ extension builder (a C++
-compiler and ninja; about 20 s on a 16-core host, a few minutes on 2 cores). A process
-loads it at its first launch when it is there for this torch, Python and source; otherwise
-the launch paths use their Python launchers, with the same results. ``GDN_DISPATCH_NATIVE=0``
+It is compiled once per machine, never on a call: ``python -m gdn_dispatch warmup`` on a
+CUDA device (or :func:`build`, on any machine) compiles it into the cache directory
+(``$GDN_SELFTEST_CACHE`` or ``~/.cache/gdn_dispatch``, under ``native/``), with torch's C++
+extension builder (a C++ compiler and ninja; about 20 s on a 16-core host, a few minutes on
+2 cores). A process loads it at its first launch when it is there for this torch, Python
+and source; otherwise the launch paths use their Python launchers, with the same results. ``GDN_DISPATCH_NATIVE=0``
 turns it off, ``=1`` requires it (a launch raises where it is not built); read where a
 launcher or allocator is made (a kernel's first direct launch, a call class's first
 call). ``python -m gdn_dispatch info`` says which it is.
@@ -47,6 +47,10 @@ from gdn_dispatch.gate import cache_dir
 #: "0" turns the native host layer off, "1" requires it.
 NATIVE_ENV = "GDN_DISPATCH_NATIVE"
 SOURCE = Path(__file__).with_name("host_layer.cpp")
+#: How to build it, for the messages: warmup builds it only where it has a CUDA device to
+#: warm (it returns early on the CPU); :func:`build` needs no GPU.
+BUILD_HINT = ("python -m gdn_dispatch warmup builds it on a CUDA device; "
+              "python -c 'from gdn_dispatch import native; native.build()' on any machine")
 #: Release flags: without NDEBUG, pybind11 asks whether the GIL is held at every reference
 #: count change (a third of a call program's host time on a CPU stub).
 CFLAGS = ("-O2", "-DNDEBUG")
@@ -114,7 +118,7 @@ def _load_once():
 def _load_built():
     path = built_path()
     if path is None:
-        return "not built (python -m gdn_dispatch warmup builds it)"
+        return f"not built ({BUILD_HINT})"
     if module_name() in sys.modules:  # loaded by the builder in this process
         return sys.modules[module_name()]
     try:
