@@ -254,7 +254,6 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     acc_c: gl.constexpr = wgmma_layout(BV, BT, nw)     # P^T, O^T, u^T [V, 64]
     lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
-    acc_bt: gl.constexpr = wgmma_layout(BT, BT, nw)    # q k^T [64, 64] (SCORES)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     # The early output product is an order of the T_u chain only.
@@ -267,30 +266,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         q_tile = kq_ring.index(2 * s + 1)
         sb = gl.convert_layout(S.to(dtype), lhs_s)
         if CHAIN:
-            # P^T = S^T k^T: the state's own product; the gate vectors after it.
-            enter("state.wait_tiles")
-            mbarrier.wait(kq_ready.index(s), phase)
-            leave("state.wait_tiles")
-            p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                              use_acc=False, is_async=True)
-            if EARLY:
-                # The output's S_old^T q^T behind it, from the same left operand.
-                o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                                   use_acc=False, is_async=True)
-            else:
-                o1 = None
-            enter("state.wait_aux")
-            mbarrier.wait(wu_ready.index(s), phase)
-            leave("state.wait_aux")
-            if SCORES:
-                enter("state.scores")
-                # q k^T once P^T and S_old^T q^T are done (in flight beside them and S^T's
-                # bf16 operand, ptxas serialized every wgmma of the kernel).
-                p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
-                qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                                   use_acc=False, is_async=True)
-                _store_state_scores(qk, s_ring.index(s), graw_ring, s)
-                leave("state.scores")
+            p, o1 = _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring,
+                                        graw_ring, s, acc_c, EARLY, SCORES)
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -329,21 +306,65 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         if LOADER:
             mbarrier.arrive(slot_free.index(s), count=1)
         elif t + 2 < NT:
-            if CHAIN:
-                # The state alone reads v and T: their slot s takes chunk t + 2 now.
-                _load_v(v_desc, v_ring, v_ready, s, row + 2 * BT, col_v)
-                if not AUX_T:
-                    _load_t(t_desc, t_ring, t_ready, s, slot0 + t + 2, HV, i_h)
-            # The state is the last reader of k/q slot s: refill it with chunk t + 2 once
-            # the aux partition is done with chunk t.
-            mbarrier.wait(kq_empty.index(s), phase)
-            _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + 2 * BT, col_k)
+            _refill(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready,
+                    s, phase, row + 2 * BT, slot0 + t + 2, col_k, col_v, HV, i_h, CHAIN, AUX_T)
         leave("state.refill")
         enter("state.store")
         _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
         leave("state.store")
     tma.store_wait(0)
     return (S,)
+
+
+@gluon.jit
+def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, graw_ring, s, acc_c: gl.constexpr,
+                        EARLY: gl.constexpr, SCORES: gl.constexpr):
+    """The T_u chain's products of one chunk, issued from S^T's operand ``sb`` once its k/q
+    tiles of slot ``s`` landed: ``P^T = S^T k^T`` (the state's own product), with ``EARLY`` the output's
+    ``S_old^T q^T`` behind it (else None); then the wait for the aux partition's slot and,
+    with ``SCORES``, the chunk's causal scores into slot ``s`` of ``s_ring``. Returns the two products
+    (in flight unless ``SCORES`` waited them)."""
+    BT: gl.constexpr = k_tile.shape[0]
+    BV: gl.constexpr = sb.shape[0]
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    enter("state.wait_tiles")
+    mbarrier.wait(kq_ready.index(s), phase)
+    leave("state.wait_tiles")
+    p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                      use_acc=False, is_async=True)
+    if EARLY:
+        # The output's S_old^T q^T behind it, from the same left operand.
+        o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                           use_acc=False, is_async=True)
+    else:
+        o1 = None
+    enter("state.wait_aux")
+    mbarrier.wait(wu_ready.index(s), phase)
+    leave("state.wait_aux")
+    if SCORES:
+        enter("state.scores")
+        # q k^T once P^T and S_old^T q^T are done (in flight beside them and S^T's
+        # bf16 operand, ptxas serialized every wgmma of the kernel).
+        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                           use_acc=False, is_async=True)
+        _store_state_scores(qk, s_ring.index(s), graw_ring, s)
+        leave("state.scores")
+    return p, o1
+
+
+@gluon.jit
+def _refill(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready, s, phase,
+            row, t_slot, col_k, col_v, HV, i_h, CHAIN: gl.constexpr, AUX_T: gl.constexpr):
+    """The state's refill of slot ``s`` with the chunk at ``row`` (two ahead): with ``CHAIN``
+    its v and (unless ``AUX_T``) its T_u (``t_slot``), which the state alone reads; then
+    k/q, once the aux partition is done with the slot (the state is its last reader)."""
+    if CHAIN:
+        _load_v(v_desc, v_ring, v_ready, s, row, col_v)
+        if not AUX_T:
+            _load_t(t_desc, t_ring, t_ready, s, t_slot, HV, i_h)
+    mbarrier.wait(kq_empty.index(s), phase)
+    _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row, col_k)
 
 
 @gluon.jit
