@@ -321,7 +321,7 @@ def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, g
                         EARLY: gl.constexpr, SCORES: gl.constexpr):
     """The T_u chain's products of one chunk, issued from S^T's operand ``sb`` once its k/q
     tiles of slot ``s`` landed: ``P^T = S^T k^T`` (the state's own product), with ``EARLY`` the output's
-    ``S_old^T q^T`` behind it (else None); then the wait for the aux partition's slot and,
+    ``S_old^T q^T`` behind it (else ``P^T`` again, unread); then the wait for the aux partition's slot and,
     with ``SCORES``, the chunk's causal scores into slot ``s`` of ``s_ring``. Returns the two products
     (in flight unless ``SCORES`` waited them)."""
     BT: gl.constexpr = k_tile.shape[0]
@@ -336,8 +336,6 @@ def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, g
         # The output's S_old^T q^T behind it, from the same left operand.
         o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                            use_acc=False, is_async=True)
-    else:
-        o1 = None
     enter("state.wait_aux")
     mbarrier.wait(wu_ready.index(s), phase)
     leave("state.wait_aux")
@@ -345,11 +343,17 @@ def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, g
         enter("state.scores")
         # q k^T once P^T and S_old^T q^T are done (in flight beside them and S^T's
         # bf16 operand, ptxas serialized every wgmma of the kernel).
-        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+        if EARLY:
+            p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+        else:
+            p = warpgroup_mma_wait(0, deps=(p,))
         qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                            use_acc=False, is_async=True)
         _store_state_scores(qk, s_ring.index(s), graw_ring, s)
         leave("state.scores")
+    if not EARLY:
+        # A jit function returns no None: the caller reads no early output product then.
+        o1 = p
     return p, o1
 
 
