@@ -12,11 +12,13 @@ MATRIX = {
     "sm_75": ("reference", None),
     "sm_80": ("triton_generic", "mma.sync"),
     "sm_86": ("triton_generic", "mma.sync"),
+    "sm_87": ("triton_generic", "mma.sync"),
     "sm_89": ("triton_generic", "mma.sync"),
     "sm_90": ("gluon_sm90", "wgmma.mma_async"),
     "sm_100": ("gluon_sm100", "tcgen05.mma"),
     "sm_103": ("gluon_sm100", "tcgen05.mma"),
     "sm_120": ("triton_generic", "mma.sync"),
+    "sm_121": ("triton_generic", "mma.sync"),
 }
 
 
