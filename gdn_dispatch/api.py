@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_dispatch.contract import GDNInputError, StateLayout, checked_scale, make_problem
+from gdn_dispatch.contract import GDNInputError, StateLayout, checked_flag, checked_scale, make_problem
 from gdn_dispatch.context_parallel import context_parallel_reason
 from gdn_dispatch.forward_only import run_forward_only
 from gdn_dispatch.op import (INPLACE_OP_NAME, chunk_gated_delta_rule_inplace_op, chunk_gated_delta_rule_op,
@@ -49,6 +49,13 @@ def _is_traced(q) -> bool:
     if torch.compiler.is_compiling():
         return True
     return isinstance(q, torch.Tensor) and (type(q) not in _PLAIN_TENSORS or q.is_meta)
+
+
+def _flags(output_final_state, use_qk_l2norm_in_kernel, inplace_final_state) -> tuple[bool, bool, bool]:
+    """The call's three boolean arguments, checked (:func:`gdn_dispatch.contract.checked_flag`)."""
+    return (checked_flag("output_final_state", output_final_state),
+            checked_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+            checked_flag("inplace_final_state", inplace_final_state))
 
 
 def _grad_inputs(*tensors) -> tuple:
@@ -154,6 +161,10 @@ def chunk_gated_delta_rule(
         return _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                             cu_seqlens_cpu, use_qk_l2norm_in_kernel, state_layout, backend,
                             state_v_first, head_first, state_indices, inplace_final_state, context_parallel)
+    if not (type(output_final_state) is bool and type(use_qk_l2norm_in_kernel) is bool
+            and type(inplace_final_state) is bool):
+        output_final_state, use_qk_l2norm_in_kernel, inplace_final_state = _flags(
+            output_final_state, use_qk_l2norm_in_kernel, inplace_final_state)
     grad_inputs = _grad_inputs(q, k, v, g, beta, initial_state) if torch.is_grad_enabled() else ()
     if not grad_inputs and not head_first and state_v_first is None:
         # A recurring common form goes from the native checks to its call program (routes).
@@ -194,6 +205,8 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     ``head_first``, a host list of offsets) are resolved here, with the eager messages."""
     if head_first:
         make_problem(q, k, v, g, beta, head_first=head_first)  # raises the contract's message
+    output_final_state, use_qk_l2norm_in_kernel, inplace_final_state = _flags(
+        output_final_state, use_qk_l2norm_in_kernel, inplace_final_state)
     layout = _layout_name(state_layout, state_v_first)
     if scale is not None:
         scale = checked_scale(scale)
@@ -209,10 +222,12 @@ def _traced_call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
         if cu_seqlens_cpu is not None:
             raise GDNInputError("cu_seqlens_cpu: not needed when cu_seqlens is a list (the list is the host copy); "
                                 "pass one of them")
-        cu_seqlens_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
+        # int32, as the eager contract makes a list of offsets that fit it (the kernels warm-up
+        # compiles); a traced call's T never reaches 2^31 tokens.
+        cu_seqlens_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int32)
         cu_seqlens = cu_seqlens_cpu.to(q.device)
-    args = (q, k, v, g, beta, scale, initial_state, bool(output_final_state),
-            cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm_in_kernel), layout, backend, state_indices,
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state,
+            cu_seqlens, cu_seqlens_cpu, use_qk_l2norm_in_kernel, layout, backend, state_indices,
             context_parallel_str(context_parallel))
     grad_inputs = _grad_inputs(q, k, v, g, beta, initial_state) if torch.is_grad_enabled() else ()
     if inplace_final_state and grad_inputs:

@@ -334,12 +334,29 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
     return longest, not misaligned
 
 
-def _host_offsets(value) -> torch.Tensor:
-    """A Python list/tuple of ints as an int64 CPU tensor, for ``cu_seqlens`` given on the host."""
+def host_offsets(value) -> torch.Tensor:
+    """A Python list/tuple of ints as a CPU tensor, for ``cu_seqlens`` given on the host:
+    int32 (the offsets' dtype servers pass, so that a list call runs the kernels a tensor
+    call of int32 offsets runs) unless a value needs int64."""
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         kinds = sorted({type(x).__name__ for x in value})
         raise GDNInputError(f"cu_seqlens: expected a list of ints [N + 1], got elements of type {kinds}")
-    return torch.tensor(list(value), dtype=torch.int64)
+    values = list(value)
+    wide = any(x > _INT32_MAX or x < -_INT32_MAX - 1 for x in values)
+    return torch.tensor(values, dtype=torch.int64 if wide else torch.int32)
+
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def checked_flag(name: str, value) -> bool:
+    """A boolean argument: True/False, or an int 0 / 1. GDNInputError for anything else: a
+    string such as "no" is truthy and would silently mean on."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise GDNInputError(f"{name}: expected True or False, got {value!r}")
 
 
 @functools.cache
@@ -548,7 +565,7 @@ def make_problem(
                 "cu_seqlens_cpu: not needed when cu_seqlens is a list (the list is the host copy); "
                 "pass one of them"
             )
-        cu_host = _host_offsets(cu_seqlens)
+        cu_host = host_offsets(cu_seqlens)
         cu_seqlens = cu_host.to(device)
     elif cu_seqlens is not None:
         cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens, 1, "[N + 1]")
@@ -630,9 +647,9 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
 
     return _new_problem(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale,
-        initial_state=initial_state, output_final_state=bool(output_final_state),
-        state_layout=layout, use_qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        initial_state=initial_state, output_final_state=checked_flag("output_final_state", output_final_state),
+        state_layout=layout, use_qk_l2norm=checked_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
         cu_seqlens=cu_seqlens, chunks=chunks, backend=backend,
-        state_indices=state_indices, inplace_final_state=bool(inplace_final_state),
+        state_indices=state_indices, inplace_final_state=checked_flag("inplace_final_state", inplace_final_state),
         context_parallel=context_parallel,
     )

@@ -206,6 +206,9 @@ class DeviceProbe:
         index = device.index
         if index is None:
             import torch  # the current device is torch's notion, asked only for "cuda" without index
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device}: no CUDA device here (torch {torch.__version__}, "
+                                 f"CUDA {torch.version.cuda or 'not built in'})")
             index = torch.cuda.current_device()
         return self.info(index)
 

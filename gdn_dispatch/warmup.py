@@ -151,7 +151,7 @@ def warmup(
     started = time.perf_counter()
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", default_probe().for_torch_device(device).index)
     spec = WarmupSpec(num_heads, num_v_heads, head_k_dim, head_v_dim, dtype, StateLayout.parse(state_layout).value,
                       use_qk_l2norm, g_dtype, beta_dtype, state_dtype, max_num_seqs,
                       pool_dtypes=tuple(pool_dtypes), pool_inplace=tuple(pool_inplace), pool_size=pool_size,

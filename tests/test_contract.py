@@ -403,3 +403,38 @@ def test_replace_fields_equals_dataclasses_replace():
         fast.backend = "reference"
     with pytest.raises(TypeError, match="chunk_size"):
         replace_fields(p, chunk_size=32)
+
+
+@pytest.mark.parametrize("name", ["output_final_state", "use_qk_l2norm_in_kernel", "inplace_final_state"])
+@pytest.mark.parametrize("value", ["no", "false", "", 2, -1, 0.0, None])
+def test_boolean_arguments_take_bools_alone(name, value):
+    # A truthy string would silently mean on; a float, None or another int means nothing.
+    call = varlen_call()
+    if name == "inplace_final_state":
+        call["state_indices"] = torch.randperm(5, generator=torch.Generator().manual_seed(3))[:3].to(torch.int32)
+        call["initial_state"] = torch.randn(5, 4, 8, 12, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(GDNInputError, match=f"{name}: expected True or False, got {value!r}"):
+        chunk_gated_delta_rule(**call, **{name: value})
+
+
+@pytest.mark.parametrize("value", [0, 1, True, False, np.int64(1)])
+def test_boolean_arguments_take_ints_zero_and_one(value):
+    call = varlen_call()
+    o, ht = chunk_gated_delta_rule(**call, output_final_state=value)
+    assert (ht is not None) == bool(value)
+    expected, _ = chunk_gated_delta_rule(**call, output_final_state=bool(value))
+    torch.testing.assert_close(o, expected, rtol=0, atol=0)
+
+
+def test_list_offsets_are_int32_unless_a_value_needs_int64():
+    from gdn_dispatch.contract import host_offsets
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 500, (7,), generator=gen).tolist()
+    offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    assert host_offsets(offsets).dtype == torch.int32 and host_offsets(offsets).tolist() == offsets
+    assert host_offsets(tuple(offsets)).dtype == torch.int32
+    wide = offsets[:-1] + [2 ** 31]
+    assert host_offsets(wide).dtype == torch.int64 and host_offsets(wide).tolist() == wide
+    problem = make_problem(**varlen_call(cu_seqlens=[0, 3, 3, 10], cu_seqlens_cpu=None))
+    assert problem.cu_seqlens.dtype == torch.int32

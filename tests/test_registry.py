@@ -263,6 +263,17 @@ def test_explain_takes_device_strings_and_torch_devices():
         explain("meta", env={})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")
+def test_current_cuda_device_without_cuda_is_a_value_error():
+    # "cuda" with no index asks torch for its current device, which asserts without CUDA.
+    with pytest.raises(ValueError, match=r"device cuda: no CUDA device here"):
+        explain("cuda", env={})
+    from gdn_dispatch.warmup import warmup
+
+    with pytest.raises(ValueError, match=r"device cuda: no CUDA device here"):
+        warmup(num_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, device="cuda", progress=False)
+
+
 def test_registry_rows_are_sorted_and_complete():
     rows = load_registry()
     assert [r.priority for r in rows] == sorted((r.priority for r in rows), reverse=True)
