@@ -23,7 +23,7 @@ from gdn_dispatch.envvars import getenv
 from gdn_dispatch.device import default_probe
 from gdn_dispatch.progress import Progress
 from gdn_dispatch.warmup_plan import (
-    INPUT_LAYOUTS, WarmupCall, WarmupPlan, WarmupSpec, make_call, plan_warmup,
+    INPUT_LAYOUTS, OFFSET_DTYPES, WarmupCall, WarmupPlan, WarmupSpec, make_call, plan_warmup,
 )
 
 
@@ -118,6 +118,7 @@ def warmup(
     index_dtype: torch.dtype = torch.int32,
     input_layouts: tuple[str, ...] = INPUT_LAYOUTS,
     host_offsets: tuple[bool, ...] = (True, False),
+    offset_dtypes: tuple[torch.dtype, ...] = OFFSET_DTYPES,
     example: dict | None = None,
     progress: bool = True,
 ) -> WarmupReport:
@@ -140,6 +141,8 @@ def warmup(
     input_layouts : "contiguous" and/or "fused_qkv" (q, k, v views of one
         ``[B, T, 2 H K + HV V]`` projection, in that order).
     host_offsets : varlen calls with ``cu_seqlens_cpu`` (True), without it (False), or both.
+    offset_dtypes : dtypes of ``cu_seqlens`` the server passes (int32 and/or int64; each is
+        a compile of every kernel a varlen call runs).
     example : optional keyword arguments of one real call (any other layout or argument):
         run once after the plan, on the backend the registry picks for it.
     progress : progress on stderr.
@@ -155,7 +158,8 @@ def warmup(
     spec = WarmupSpec(num_heads, num_v_heads, head_k_dim, head_v_dim, dtype, StateLayout.parse(state_layout).value,
                       use_qk_l2norm, g_dtype, beta_dtype, state_dtype, max_num_seqs,
                       pool_dtypes=tuple(pool_dtypes), pool_inplace=tuple(pool_inplace), pool_size=pool_size,
-                      index_dtype=index_dtype, input_layouts=tuple(input_layouts), host_offsets=tuple(host_offsets))
+                      index_dtype=index_dtype, input_layouts=tuple(input_layouts), host_offsets=tuple(host_offsets),
+                      offset_dtypes=tuple(offset_dtypes))
     info = default_probe().for_torch_device(device)
     if device.type != "cuda":
         from gdn_dispatch.warmup_plan import call_keys
@@ -261,6 +265,8 @@ def add_arguments(parser) -> None:
                         help=f"input layouts: {', '.join(INPUT_LAYOUTS)} (default both)")
     parser.add_argument("--host-offsets", choices=sorted(_HOST_OFFSETS), default="both",
                         help="varlen calls pass cu_seqlens_cpu (given), do not (absent), or both (default)")
+    parser.add_argument("--offset-dtypes", type=_name_list(tuple(_INDEX_DTYPES), allow_none=False),
+                        default=tuple(_INDEX_DTYPES), help="dtypes of cu_seqlens, e.g. int32 (default int32,int64)")
     parser.add_argument("--device", type=device_arg, default=None,
                         help="cuda or cuda:N (default: the current CUDA device; cpu has nothing to compile)")
     parser.add_argument("--backend", type=backend_arg(backend_names), default=None,
@@ -284,7 +290,8 @@ def run(args) -> int:
         use_qk_l2norm=not args.no_qk_l2norm, max_num_seqs=args.max_seqs, device=device, backend=args.backend,
         pool_dtypes=tuple(_DTYPES[d] for d in args.pool_dtypes), pool_size=args.pool_size,
         index_dtype=_INDEX_DTYPES[args.index_dtype], input_layouts=args.layouts,
-        host_offsets=_HOST_OFFSETS[args.host_offsets], progress=not args.quiet,
+        host_offsets=_HOST_OFFSETS[args.host_offsets],
+        offset_dtypes=tuple(_INDEX_DTYPES[d] for d in args.offset_dtypes), progress=not args.quiet,
     )
     print(report.format())
     return 0

@@ -10,9 +10,9 @@ segment length, pool rows). For fixed dims and dtypes, what varies from call to 
 
 * the batch: the number of sequences ``N`` (tile and pipeline choices depend on how many
   programs fill the SMs), whether some sequence ends inside a chunk (tails), the token
-  count ``T``, uniform batch or ``cu_seqlens`` (with or without its host copy), and
-  whether context parallelism cuts a long sequence into segments (then how many segments
-  the pass over them has: its tile choice depends on them as on ``N``);
+  count ``T``, uniform batch or ``cu_seqlens`` (int32 or int64, with or without its
+  host copy), and whether context parallelism cuts a long sequence into segments (then
+  how many segments the pass over them has: its tile choice depends on them as on ``N``);
 * the state: none, an initial state, or a state pool (its dtype, written back in place or
   not), and whether a final state is asked;
 * the input layout: contiguous tensors, or views of one fused q|k|v projection (a token
@@ -56,6 +56,9 @@ LONG_LENGTH = 32 * CHUNK_SIZE + 17
 #: ``[B, T, 2 H K + HV V]`` projection in that order (g and beta contiguous), as servers
 #: split their projection (or convolution) output.
 INPUT_LAYOUTS = ("contiguous", "fused_qkv")
+#: Dtypes a spec's ``cu_seqlens`` may have (the contract's): every kernel takes the offsets
+#: as a pointer, and Triton compiles one variant per pointer dtype.
+OFFSET_DTYPES = (torch.int32, torch.int64)
 #: Pool row counts warmed when the spec names none. No kernel specializes on the row count
 #: (``do_not_specialize``), so one stands for every size.
 DEFAULT_POOL_SIZES = (17,)
@@ -81,6 +84,8 @@ class WarmupSpec:
     input_layouts : names from :data:`INPUT_LAYOUTS`.
     host_offsets : with ``cu_seqlens``, whether ``cu_seqlens_cpu`` is passed too (True,
         False or both).
+    offset_dtypes : dtypes of ``cu_seqlens`` (and of its host copy), from
+        :data:`OFFSET_DTYPES`.
 
     Raises GDNInputError naming the field for dims outside the contract's ranges (``HV``
     a multiple of ``H``) and for a variant list that leaves no call to warm.
@@ -105,6 +110,7 @@ class WarmupSpec:
     index_dtype: torch.dtype = torch.int32
     input_layouts: tuple[str, ...] = INPUT_LAYOUTS
     host_offsets: tuple[bool, ...] = (True, False)
+    offset_dtypes: tuple[torch.dtype, ...] = OFFSET_DTYPES
 
     def __post_init__(self):
         # Checked here, not left to the calls made from the spec: a bad dim would fail deep
@@ -121,6 +127,9 @@ class WarmupSpec:
         unknown = sorted(set(self.input_layouts) - set(INPUT_LAYOUTS))
         if unknown or not self.input_layouts:
             raise GDNInputError(f"input_layouts: expected names from {INPUT_LAYOUTS}, got {unknown or '()'}")
+        if not self.offset_dtypes or not set(self.offset_dtypes) <= set(OFFSET_DTYPES):
+            raise GDNInputError(f"offset_dtypes: expected dtypes from {OFFSET_DTYPES}, "
+                                f"got {tuple(self.offset_dtypes)!r}")
         # Pools are a state source of their own: without them, calls need initial_states.
         needed = {"host_offsets": (True, ""), "final_states": (True, ""),
                   "initial_states": (not self.pool_dtypes, " where pool_dtypes is empty"),
@@ -144,7 +153,8 @@ class WarmupCall:
     ``lengths`` (varlen, B = 1) or ``batch`` = (B, T) (uniform); ``initial_state``: a state
     is given, which is a pool of ``pool_size`` rows of ``pool_dtype`` when that is set
     (row ``n`` for sequence ``n < pool_size``, -1 for the rest), written back when
-    ``inplace``; ``host_offsets``: varlen with ``cu_seqlens_cpu``; ``layout``: one of
+    ``inplace``; ``host_offsets``: varlen with ``cu_seqlens_cpu``; ``offset_dtype``: the
+    dtype of ``cu_seqlens`` (and its host copy); ``layout``: one of
     :data:`INPUT_LAYOUTS`; ``context_parallel``: the call's argument ("auto", or a forced
     segment count).
     """
@@ -157,6 +167,7 @@ class WarmupCall:
     pool_size: int = 0
     inplace: bool = False
     host_offsets: bool = True
+    offset_dtype: torch.dtype = torch.int32
     layout: str = "contiguous"
     context_parallel: str | int = "auto"
 
@@ -170,7 +181,8 @@ class WarmupCall:
 
     def label(self) -> str:
         if self.lengths is not None:
-            shape = f"varlen N={self.N} T={self.tokens}{'' if self.host_offsets else ' (no host offsets)'}"
+            offsets = "" if self.offset_dtype == torch.int32 else f" {str(self.offset_dtype).removeprefix('torch.')}"
+            shape = f"varlen N={self.N} T={self.tokens}{offsets}{'' if self.host_offsets else ' (no host offsets)'}"
         else:
             shape = f"B={self.batch[0]} T={self.batch[1]}"
         state = " h0" if self.initial_state else ""
@@ -221,7 +233,7 @@ def make_call(spec: WarmupSpec, call: WarmupCall, device: torch.device | str = "
     elif call.initial_state:
         kwargs["initial_state"] = tensor(call.N, spec.HV, *per_head, dtype=spec.state_dtype)
     if call.lengths is not None:
-        offsets = torch.tensor([0, *torch.tensor(call.lengths).cumsum(0).tolist()], dtype=torch.int32)
+        offsets = torch.tensor([0, *torch.tensor(call.lengths).cumsum(0).tolist()], dtype=call.offset_dtype)
         kwargs["cu_seqlens"] = offsets.to(device)
         if call.host_offsets:
             kwargs["cu_seqlens_cpu"] = offsets
@@ -252,10 +264,13 @@ def _hashable(value):
 
 def call_facts(problem: GDNProblem) -> tuple:
     """What the binder specializes on that no launch planner states: the class
-    (:func:`triton_arg_class`) of every tensor the call hands the kernels. (The pool's row
-    count is a ``do_not_specialize`` argument of every kernel that takes one.)"""
+    (:func:`triton_arg_class`) of every tensor the call hands the kernels, the sequence
+    offsets as the kernels get them (the caller's ``cu_seqlens``, or the int32 table of a
+    uniform batch; without a pool they fill the ``state_indices`` slot too). (The pool's
+    row count is a ``do_not_specialize`` argument of every kernel that takes one.)"""
     names = ("q", "k", "v", "g", "beta", "initial_state", "state_indices")
-    return tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
+    facts = tuple((name, triton_arg_class(getattr(problem, name))) for name in names)
+    return (*facts, ("cu_seqlens", triton_arg_class(problem.chunks.cu_seqlens)))
 
 
 def _launch_key(launch) -> tuple:
@@ -481,22 +496,22 @@ def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tenso
 def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo, backend: str | None = None,
                     tensor_device: torch.device | str = "cpu") -> list[WarmupCall]:
     """Every representative call: each N of ``seq_counts``; varlen (with and without host
-    offsets, as ``spec.host_offsets`` says) and uniform; each last length of
-    :data:`LAST_LENGTHS`; each state source, final-state flag and input layout of
-    ``spec``; and, where context parallelism can cut N sequences, the segmented calls of
+    offsets, as ``spec.host_offsets`` says, in each of ``spec.offset_dtypes``) and uniform;
+    each last length of :data:`LAST_LENGTHS`; each state source, final-state flag and input
+    layout of ``spec``; and, where context parallelism can cut N sequences, the segmented calls of
     :func:`segment_counts` with each of those, their long sequence with and without a tail."""
     calls = []
     variants = [dict(**state, output_final_state=ht, layout=layout) for state in state_variants(spec)
                 for ht in spec.final_states for layout in spec.input_layouts]
     for n in seq_counts:
         for last in LAST_LENGTHS:
-            shapes = [dict(lengths=(CHUNK_SIZE,) * (n - 1) + (last,), batch=None, host_offsets=host)
-                      for host in spec.host_offsets]
+            shapes = [dict(lengths=(CHUNK_SIZE,) * (n - 1) + (last,), batch=None, host_offsets=host, offset_dtype=dtype)
+                      for host in spec.host_offsets for dtype in spec.offset_dtypes]
             shapes.append(dict(lengths=None, batch=(n, last)))
             calls += [WarmupCall(**shape, **flags) for shape in shapes for flags in variants]
         for nseg in segment_counts(spec, n, device, backend, str(tensor_device)):
-            calls += [segmented_call(n, nseg, tail, host_offsets=spec.host_offsets[0], **flags)
-                      for tail in (True, False) for flags in variants]
+            calls += [segmented_call(n, nseg, tail, host_offsets=spec.host_offsets[0], offset_dtype=dtype, **flags)
+                      for tail in (True, False) for dtype in spec.offset_dtypes for flags in variants]
     return calls
 
 
@@ -559,7 +574,7 @@ def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int =
     sequences of 0..max_len tokens (some whole chunks, some empty; in a ``long_share`` of
     the ragged batches one long prompt of ``long_len[0]..long_len[1]`` tokens), a few
     uniform batches; any state source of ``spec`` (pools of a random size, -1 rows past it),
-    final-state flag, input layout and varlen form."""
+    final-state flag, input layout and varlen form (host copy or not, offsets' dtype)."""
     rng = random.Random(seed)
     calls = []
     for _ in range(count):
@@ -575,11 +590,12 @@ def random_ragged_stream(count: int, seed: int, spec: WarmupSpec, max_len: int =
         lengths[0] = max(lengths[0], 1)
         if rng.random() < long_share:
             lengths[rng.randrange(n)] = rng.randint(*long_len)
-        calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets), **flags))
+        calls.append(WarmupCall(tuple(lengths), None, host_offsets=rng.choice(spec.host_offsets),
+                                offset_dtype=rng.choice(spec.offset_dtypes), **flags))
     return calls
 
 
-__all__ = ["DEFAULT_POOL_SIZES", "INPUT_LAYOUTS", "LAST_LENGTHS", "LONG_LENGTH", "WarmupCall", "WarmupPlan",
+__all__ = ["DEFAULT_POOL_SIZES", "INPUT_LAYOUTS", "LAST_LENGTHS", "LONG_LENGTH", "OFFSET_DTYPES", "WarmupCall", "WarmupPlan",
            "WarmupSpec", "call_facts", "call_keys", "candidate_calls", "choose_backend", "make_call", "plan_warmup",
            "random_ragged_stream", "segment_counts", "segmented_call", "specialization_keys", "state_variants",
            "triton_arg_class"]

@@ -84,7 +84,8 @@ def test_forced_backend_lists_what_it_cannot_run():
         assert plan.unadmitted and all(c.pool_dtype is not None for c in plan.unadmitted)
 
 
-@pytest.mark.parametrize("dropped, arch", [("final_state", "sm_90"), ("pool_bf16", "sm_90"), ("fused_qkv", "sm_80")])
+@pytest.mark.parametrize("dropped, arch", [("final_state", "sm_90"), ("pool_bf16", "sm_90"), ("fused_qkv", "sm_80"),
+                                           ("offsets_int64", "sm_90")])
 def test_a_narrower_plan_misses_what_it_left_out(dropped, arch):
     """Negative control: a plan without one variant does not cover a stream that uses it
     (token strides on triton_generic, the backend sm_80 gets, whose kernels take them as
@@ -95,6 +96,7 @@ def test_a_narrower_plan_misses_what_it_left_out(dropped, arch):
         "final_state": dict(final_states=(False,)),
         "pool_bf16": dict(pool_dtypes=(torch.float32,)),
         "fused_qkv": dict(input_layouts=("contiguous",)),
+        "offsets_int64": dict(offset_dtypes=(torch.int32,)),
     }[dropped]
     spec = WarmupSpec(**{**SMALL, "max_num_seqs": 8, **narrow})
     plan = plan_warmup(spec, device)
@@ -103,6 +105,7 @@ def test_a_narrower_plan_misses_what_it_left_out(dropped, arch):
         "final_state": lambda c: c.output_final_state,
         "pool_bf16": lambda c: c.pool_dtype == torch.bfloat16,
         "fused_qkv": lambda c: c.layout == "fused_qkv",
+        "offsets_int64": lambda c: c.lengths is not None and c.offset_dtype == torch.int64,
     }[dropped]
     stream = [c for c in stream if uses(c)]
     assert stream
@@ -115,6 +118,7 @@ def test_candidates_span_tails_layouts_and_state_sources():
     calls = candidate_calls(spec, [1, 5], device)
     assert {c.lengths is None for c in calls} == {True, False}
     assert {c.host_offsets for c in calls if c.lengths is not None} == {True, False}
+    assert {c.offset_dtype for c in calls if c.lengths is not None} == {torch.int32, torch.int64}
     assert {(c.initial_state, c.output_final_state) for c in calls} == {(a, b) for a in (0, 1) for b in (0, 1)}
     assert {c.pool_dtype for c in calls} == {None, torch.float32, torch.bfloat16}
     # One pool size: no kernel specializes on the row count (test_no_kernel_specializes_on_per_call_counts).
@@ -184,6 +188,10 @@ def test_make_call_builds_valid_calls():
     o, ht = chunk_gated_delta_rule(**kwargs, backend="reference")
     assert ht is None and bool(torch.isfinite(o).all()) and not torch.equal(pool, before)
 
+    wide = make_call(spec, WarmupCall((5, 70), None, True, True, offset_dtype=torch.int64), random=True)
+    assert wide["cu_seqlens"].dtype == wide["cu_seqlens_cpu"].dtype == torch.int64
+    assert chunk_gated_delta_rule(**wide, backend="reference")[0].shape == (1, 75, 4, 12)
+
 
 def test_choose_backend_on_cpu_is_the_reference():
     spec = WarmupSpec(H=2, HV=4, K=8, V=12, dtype=torch.float32)
@@ -202,7 +210,7 @@ def test_cli_warmup_on_cpu(capsys):
 
     assert main(["warmup", "--heads", "2", "--v-heads", "4", "--head-k-dim", "8", "--head-v-dim", "12",
                  "--dtype", "fp32", "--device", "cpu", "--pool-dtypes", "bf16", "--layouts", "fused_qkv",
-                 "--host-offsets", "absent", "--index-dtype", "int64", "--quiet"]) == 0
+                 "--host-offsets", "absent", "--index-dtype", "int64", "--offset-dtypes", "int64", "--quiet"]) == 0
     assert "warmup: reference on cpu: 0 calls" in capsys.readouterr().out
 
 
@@ -210,6 +218,9 @@ def test_cli_warmup_on_cpu(capsys):
     (["--pool-dtypes", "fp64"], "--pool-dtypes: expected a comma-separated list"),
     (["--layouts", "packed"], "--layouts: expected a comma-separated list"),
     (["--host-offsets", "sometimes"], "--host-offsets: invalid choice"),
+    (["--offset-dtypes", "int16"], "--offset-dtypes: expected a comma-separated list"),
+    (["--offset-dtypes", "none"],
+     "argument --offset-dtypes: expected a comma-separated list of ['int32', 'int64'], got 'none'"),
     (["--v-heads", "3"], "argument --v-heads: expected a multiple of --heads 2, got 3"),
     (["--heads", "0"], "argument --heads: expected an integer >= 1, got '0'"),
     (["--v-heads", "-4"], "argument --v-heads: expected an integer >= 1, got '-4'"),
@@ -258,6 +269,11 @@ def test_spec_rejects_unknown_layouts_and_pool_sizes():
                  "pool_inplace: expected True, False or both where pool_dtypes names pools, got ()",
                  id="pools-no-inplace"),
     pytest.param(dict(pool_size=-3), "pool_size: expected a row count >= 1, got -3", id="P-neg"),
+    pytest.param(dict(offset_dtypes=()), "offset_dtypes: expected dtypes from (torch.int32, torch.int64), got ()",
+                 id="no-offset-dtypes"),
+    pytest.param(dict(offset_dtypes=(torch.int16,)),
+                 "offset_dtypes: expected dtypes from (torch.int32, torch.int64), got (torch.int16,)",
+                 id="offsets-int16"),
 ])
 def test_spec_rejects_what_leaves_nothing_to_warm(fields, message):
     """Dims outside the contract and empty variant lists are errors naming the field, at
@@ -386,6 +402,56 @@ def test_key_model_check_catches_a_blind_model(blind_to, monkeypatch):
             for param in kernel.params:
                 monkeypatch.setattr(param, "do_not_specialize", False)
     assert uncovered_launches(MODEL_SPEC, monkeypatch)
+
+
+def with_offsets(kwargs: dict, dtype: torch.dtype) -> dict:
+    """``kwargs`` with ``cu_seqlens`` (and its host copy, where given) of ``dtype``."""
+    return {**kwargs, **{name: kwargs[name].to(dtype) for name in ("cu_seqlens", "cu_seqlens_cpu") if name in kwargs}}
+
+
+def test_triton_generic_warmup_plan_covers_int64_offsets(monkeypatch):
+    """Every kernel takes cu_seqlens as a pointer (without a pool, in the state_indices slot
+    too), and Triton compiles one variant per pointer dtype: the launches of random varlen
+    calls with int64 offsets, plain, pooled and segmented, are all among the launches of
+    the default plan's calls."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = WarmupSpec(H=1, HV=2, K=16, V=32, max_num_seqs=8)
+    plan = plan_warmup(spec, MODEL_DEVICE, "triton_generic")
+
+    def launches(kwargs):
+        return recorded_launches(make_problem(**kwargs), monkeypatch)
+
+    covered = frozenset().union(*(launches(make_call(spec, call)) for call, _ in plan.calls))
+    stream = [c for c in random_stream(60, seed=17, spec=spec, max_len=150, long_len=MODEL_LONG) if c.lengths]
+    assert {c.pool_dtype is None for c in stream} == {True, False} and {c.host_offsets for c in stream} == {True, False}
+    missing = []
+    for i, call in enumerate(stream):
+        kwargs = with_offsets(make_call(spec, call), torch.int64)
+        missing += [f"batch {i} ({call.label()}): {launch[0]}" for launch in launches(kwargs) - covered]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("backend, arch", [("triton_generic", None), ("gluon_sm90", "sm_90")])
+def test_key_model_tells_offset_dtypes_apart(backend, arch, monkeypatch):
+    """int32 and int64 cu_seqlens are different specializations in the key model, the plan
+    warms both (make_call builds the int64 ones), and offsets given as a list take the
+    int32 keys."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = MODEL_DEVICE if arch is None else assumed_device(arch)
+    spec = WarmupSpec(H=2, HV=4, K=128, V=128, max_num_seqs=4)
+    plan = plan_warmup(spec, device, backend)
+    for call in (WarmupCall((64, 17), None, True, True),
+                 WarmupCall((5, 70), None, True, False, pool_dtype=torch.bfloat16, pool_size=17, inplace=True)):
+        kwargs = make_call(spec, call)
+        keys32 = specialization_keys(backend, make_problem(**kwargs), device)
+        keys64 = specialization_keys(backend, make_problem(**with_offsets(kwargs, torch.int64)), device)
+        built64 = make_call(spec, dataclasses.replace(call, offset_dtype=torch.int64))
+        assert keys32 and keys32 != keys64
+        assert specialization_keys(backend, make_problem(**built64), device) == keys64
+        assert keys32 | keys64 <= plan.keys
+        listed = {**kwargs, "cu_seqlens": kwargs["cu_seqlens"].tolist()}
+        del listed["cu_seqlens_cpu"]
+        assert specialization_keys(backend, make_problem(**listed), device) == keys32
 
 
 def _triton_generic_kernels():
