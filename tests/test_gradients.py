@@ -89,6 +89,9 @@ def kernel_backend(monkeypatch):
     real = select(CPU, make_problem(**random_call(batch=(1, 8), K=8, V=8, dtype=torch.float32)), env={})
     selection = dataclasses.replace(real, spec=spec, module=stand_in)
     monkeypatch.setattr(op, "select", lambda device, problem: selection)
+    # Routes keep their own registry choice (once the native layer is built, as the slow
+    # tier builds it): every call must reach the stand-in.
+    monkeypatch.setenv("GDN_DISPATCH_ROUTES", "0")
     return calls
 
 
