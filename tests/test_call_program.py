@@ -260,7 +260,7 @@ def stubbed_segmented_launches():
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
 def test_segmented_call_programs_launch_what_the_python_path_launches(native_built, monkeypatch, capability):
-    """Calls with a forced segment count: wy, [qk rnorm,] pass 1, the scan and pass 2 in
+    """Calls with a forced segment count: [qk l2norm,] wy, [qk rnorm,] pass 1, the scan and pass 2 in
     one program, the segment kernels through their plain-Triton launch sites; a ragged batch
     with a host copy of its offsets too (pass 2's plan reads the segment offsets it gives)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -277,7 +277,10 @@ def test_segmented_call_programs_launch_what_the_python_path_launches(native_bui
             expected, got, taken = _both_paths(F, "run_segmented_call",
                                                lambda: F.forward(problem, device, engine=engine), stub.runs, problem)
             launched = [name for name, *_ in got[0]]
-            assert launched == ["_wy_fwd_kernel"] + (["_qk_rnorm_fwd_kernel"] if problem.use_qk_l2norm else []) + [
+            # The qk l2 norm: bf16's reciprocal norms after wy, fp16's normalized copies first.
+            l2, half = problem.use_qk_l2norm, problem.q.dtype == torch.float16
+            assert launched == (["_qk_l2norm_fwd_kernel"] if l2 and half else []) + ["_wy_fwd_kernel"] + (
+                ["_qk_rnorm_fwd_kernel"] if l2 and not half else []) + [
                 "_segment_map_fwd_kernel", "_segment_scan_fwd_kernel", "_state_output_fwd_kernel"], f"call {i}"
             assert got == expected, f"call {i}: {call.keys()}"
             assert taken == int(takes), f"call {i}: program taken {taken}, expected {takes}"

@@ -683,19 +683,27 @@ def test_only_the_warp_specialized_path_may_spill():
 def test_kernel_lists_cover_both_layouts_and_tails():
     for module, cap in ((gluon_sm100, SM100), (gluon_sm90, SM90)):
         kernels = module.kernels_for_aot(cap)
-        # What the forward launches; on sm_90a also the warp-specialized path.
-        extra = {"qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
-        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "state_output_fwd", "segment_map_fwd"} | extra
-        # Context parallelism's pass 1 at every head dim pair, dtype and norm flag, both offset dtypes.
+        # What the forward launches (fp16 calls with the qk l2 norm on normalized copies);
+        # on sm_90a also the warp-specialized path.
+        extra = {"wy_t_fwd", "fused_fwd"} if cap == SM90 else set()
+        assert {k.kernel for k in kernels} == {"wy_fwd", "qk_rnorm_fwd", "qk_l2norm_fwd", "state_output_fwd",
+                                               "segment_map_fwd"} | extra
+        # Context parallelism's pass 1 at every head dim pair, dtype and norm flag (the norm
+        # in bf16 alone), both offset dtypes.
         maps = [k for k in kernels if k.kernel == "segment_map_fwd"]
         assert {(k.signature["k_desc"].split("[")[0], k.constexprs["V"], k.constexprs["USE_L2NORM"],
                  k.signature["cu_seqlens"]) for k in maps} >= {
-            (f"tensordesc<{d}", V, l2, "*i32") for d in ("bf16", "fp16") for V in (64, 128) for l2 in (False, True)}
+            (f"tensordesc<{d}", V, l2, "*i32") for d in ("bf16", "fp16") for V in (64, 128) for l2 in (False, True)
+            if d == "bf16" or not l2}
         assert {k.signature["cu_seqlens"] for k in maps} == {"*i32", "*i64"}
-        for name in {"qk_rnorm_fwd", "qk_l2norm_fwd"} & {k.kernel for k in kernels}:
-            norms = [k for k in kernels if k.kernel == name]
-            assert {(k.constexprs["K"], k.signature["q"]) for k in norms} == {
-                (K, f"*{d}") for K in (64, 128) for d in ("bf16", "fp16")}
+        # The reciprocal norms of bf16 calls, the normalized copies of fp16's (and of bf16's
+        # on the warp-specialized path).
+        rnorms = {(k.constexprs["K"], k.signature["q"]) for k in kernels if k.kernel == "qk_rnorm_fwd"}
+        assert rnorms == {(K, "*bf16") for K in (64, 128)}
+        copies = {(k.constexprs["K"], k.signature["q"]) for k in kernels if k.kernel == "qk_l2norm_fwd"}
+        assert copies == {(K, f"*{d}") for K in (64, 128) for d in (("bf16", "fp16") if cap == SM90 else ("fp16",))}
+        # No stage after the norm is built for fp16 with the norm: those calls never reach one.
+        assert not [k for k in kernels if k.constexprs.get("USE_L2NORM") and "fp16" in k.specialization], cap
         wy = [k for k in kernels if k.kernel == "wy_fwd"]
         assert {(k.constexprs["HAS_TAILS"], k.constexprs["USE_L2NORM"]) for k in wy} == {
             (False, False), (False, True), (True, False), (True, True)}

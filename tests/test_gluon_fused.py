@@ -347,6 +347,44 @@ def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch):
         clear_plan_cache()
 
 
+@pytest.mark.parametrize("on_chip", [True, False], ids=["norm-on-chip", "norm-copies"])
+def test_fp16_calls_with_the_qk_l2_norm_run_on_normalized_copies(monkeypatch, on_chip):
+    """fp16 calls with the qk l2 norm normalize q and k first on every path (products of
+    raw rows can leave fp16's range: tests/test_extreme_inputs.py): the warp-specialized
+    path (even where bf16 folds the norm in on chip), the pipeline and both kinds of
+    context parallelism launch qk_l2norm_fwd first, then the launches of the same call
+    without the norm; bf16 keeps the norm in its kernels."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
+    sm90, _ = _engines()
+    monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP", on_chip)
+    _set_l2_switch(monkeypatch, True)
+    device = _device(132)
+    try:
+        for lengths, fused, cp in (([70, 300, 1] * 3, True, "off"), ([70, 300, 1], False, "off"),
+                                   ([3000, 700], False, 4)):
+            shape = dict(lengths=lengths, H=16, HV=32, K=128, V=128)
+            calls = {(dtype, l2): make_problem(**random_call(**shape, dtype=dtype, seed=5, normalize_qk=not l2,
+                                                             initial_state=True),
+                                               output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                                               context_parallel=cp)
+                     for dtype in (torch.float16, torch.bfloat16) for l2 in (False, True)}
+            half, half_plain = (plan_call(calls[torch.float16, l2], device, engine=sm90) for l2 in (True, False))
+            assert half.launches.fused == fused and half.context_parallel.enabled == (cp != "off"), lengths
+            assert half.launches.norm_copies
+            assert half.kernels == ("qk_l2norm_fwd", *half_plain.kernels), lengths
+            assert half.launches.stages[1:] == half_plain.launches.stages, lengths
+            assert half.state_output == half_plain.state_output
+            assert half.segment_map == half_plain.segment_map
+            assert all(not s.constexprs.get("USE_L2NORM") and not s.constexprs.get("QK_NORM")
+                       for s in half.launches.stages)
+            brain = plan_call(calls[torch.bfloat16, True], device, engine=sm90)
+            norm = ("wy_t_fwd" if on_chip else "qk_l2norm_fwd") if fused else "qk_rnorm_fwd"
+            assert norm in brain.kernels and brain.launches.norm_copies == (fused and not on_chip), lengths
+    finally:
+        clear_plan_cache()
+
+
 def test_one_v_slot_needs_both_t_tiles(monkeypatch):
     """With T_u alone the state partition reads v slot t % 2 and refills it itself: a
     one-slot ring is refused by name, not built to read past its end; with T_w and T_u
@@ -651,6 +689,12 @@ def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_map_fwd, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
+    (dict(batch=(4, 256), HV=32, dtype=torch.float16), dict(use_qk_l2norm_in_kernel=True),
+     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
+     "l2 norm on normalized copies (fp16))"),
+    (dict(batch=(1, 256), HV=32, dtype=torch.float16), dict(use_qk_l2norm_in_kernel=True),
+     "qk_l2norm_fwd, wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; the qk l2 norm on "
+     "normalized copies (fp16); not the warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
 ])
 def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch):
     """``explain`` with a call says what gluon_sm90 launches for it and why it takes (or
@@ -659,7 +703,7 @@ def test_explain_names_the_launches_and_why(shape, extra, expected, monkeypatch)
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.registry import CallSpec, explain
 
-    call = random_call(**shape, H=16, K=128, V=128, dtype=torch.bfloat16, seed=1)
+    call = random_call(**{"dtype": torch.bfloat16, **shape}, H=16, K=128, V=128, seed=1)
     p = make_problem(**call, output_final_state=True, **extra)
     assert gluon_sm90.describe_launches(p, _device(132)) == expected
     monkeypatch.setattr(gluon_sm90, "unsupported_reason", lambda problem: None)

@@ -420,8 +420,9 @@ def test_plan_flags():
 def test_aot_list(capability):
     backend = "gluon_sm100" if capability == SM100 else "gluon_sm90"
     kernels = so.state_output_kernels_for_aot(capability, backend)
-    # Every (K, V) x every configuration whose warps hold the state tile (10), x dtype x
-    # tails x layout x l2 (16); then three initial/final state flips; two pools per
+    # Every (K, V) x every configuration whose warps hold the state tile (10), x tails x
+    # layout x (bf16 with and without l2, fp16 without: its calls with the norm run on
+    # normalized copies) (12); then three initial/final state flips; two pools per
     # configuration, a pool only read and a bfloat16 initial state; int64 cu_seqlens at
     # K = V = 128 (3 configurations), and there context parallelism's second pass (tails x
     # l2, one of them already among the flips); chained segments' pass 2 at K = V = 128 (3
@@ -429,7 +430,8 @@ def test_aot_list(capability):
     configs = [(K, V, BV, w) for K in (64, 128) for V in (64, 128) for BV, w in so.CONFIGS
                if V % BV == 0 and K * BV * 4 <= MAX_STATE_TILE * w]
     assert len(configs) == 10
-    assert len(kernels) == len(configs) * 16 + 3 + len(configs) * 2 + 2 + 3 + 3 * 4 - 1 + 3 * 2
+    assert len(kernels) == len(configs) * 12 + 3 + len(configs) * 2 + 2 + 3 + 3 * 4 - 1 + 3 * 2
+    assert not [k for k in kernels if k.constexprs["USE_L2NORM"] and k.signature["o_ptr"] == "*fp16"]
     chained = [k for k in kernels if k.constexprs["CHAIN"]]
     assert len(chained) == 6 and all(k.specialization.endswith("-chain") for k in chained)
     assert {(k.signature["f_start"], k.signature["chain_flags"], k.signature["hand"]) for k in chained} == \

@@ -403,9 +403,11 @@ def test_empty_call_launches_nothing():
 
 def test_aot_list_covers_every_flag():
     kernels = wy.wy_kernels_for_aot(SM90)
-    # dtype x (g, beta) dtypes x K x V x tails x l2 with int32 offsets; bf16, fp32 gates,
+    # (g, beta) dtypes x K x V x tails x (bf16 with and without l2, fp16 without: its
+    # calls with the norm run on normalized copies) with int32 offsets; bf16, fp32 gates,
     # int64 offsets x K x V x tails x l2.
-    assert len(kernels) == 2 * 3 * 2 * 2 * 2 * 2 + 2 * 2 * 2 * 2
+    assert len(kernels) == 3 * 2 * 2 * 2 * 3 + 2 * 2 * 2 * 2
+    assert not [k for k in kernels if k.constexprs["USE_L2NORM"] and "fp16" in k.specialization]
     assert {k.signature["cu_seqlens"] for k in kernels} == {"*i32", "*i64"}
     assert len({k.specialization for k in kernels}) == len(kernels)
     cap = wy.WY_SPLIT_MAXNREG_SM90 if wy.WY_SPLIT_WU else wy.WY_MAXNREG_SM90

@@ -228,13 +228,11 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     indices, pool_size = (input_ref(INDICES), count_ref(COUNT_POOL)) if pool else (cu, 0)
     # q's and k's token stride is H * K, g's and beta's HV: the program takes contiguous inputs only.
     steps = []
+    if launches.norm_copies:
+        norm, args, q, k = _norm_copies(problem, launches, specs, q, k, head_rows)
+        steps.append((norm, args))
     if launches.fused:
         o, t_tiles = buffer_ref(0), buffer_ref(2)
-        if launches.norm_copies:
-            specs.append(((2, -1, -2, H, problem.K), None, INTERMEDIATES))  # qk_l2norm_fwd's [2, B, T, H, K]
-            norm = launches.stage("qk_l2norm_fwd").shared
-            steps.append((norm, norm_launch_args(norm, q, k, buffer_ref(len(specs) - 1), head_rows, H, HK, HK)))
-            q, k = Ref("item", len(specs) - 1, 0), Ref("item", len(specs) - 1, 1)
         if not launches.inverses_on_chip:
             wy_t = launches.stage("wy_t_fwd").shared
             steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
@@ -246,8 +244,8 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)
         wy = launches.stage("wy_fwd").shared
         steps.append((wy, wy_launch_args(wy, k, v, w, u, g, g_cum, beta, cu, n, HV, HV)))
-        rnorm = g_cum  # not read without the qk l2 norm
-        if problem.use_qk_l2norm:
+        rnorm = g_cum  # not read without the qk l2 norm, nor on the normalized copies
+        if problem.use_qk_l2norm and not launches.norm_copies:
             specs.append(((-6, H, 2), torch.float32, INTERMEDIATES))  # qk_rnorm_fwd's [B * T, H, 2]
             rnorm = buffer_ref(len(specs) - 1)
             norm = launches.stage("qk_rnorm_fwd").shared
@@ -266,6 +264,18 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
     return program, final is not None
 
 
+def _norm_copies(problem: GDNProblem, launches: ForwardPlan, specs: list, q: Ref, k: Ref, head_rows: Ref):
+    """The qk_l2norm_fwd launch of a call on normalized copies (``launches.norm_copies``):
+    its ``[2, B, T, H, K]`` buffer appended to ``specs``; (launch plan, its launch
+    arguments, the copies of q and of k as later steps read them)."""
+    HK = problem.H * problem.K
+    specs.append(((2, -1, -2, problem.H, problem.K), None, INTERMEDIATES))
+    copies = buffer_ref(len(specs) - 1)
+    norm = launches.stage("qk_l2norm_fwd").shared
+    args = norm_launch_args(norm, q, k, copies, head_rows, problem.H, HK, HK)
+    return norm, args, Ref("item", len(specs) - 1, 0), Ref("item", len(specs) - 1, 1)
+
+
 def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: ForwardPlan, scan, module):
     """The call program of a segmented call of ``problem``'s form (:func:`.forward.segmented_fwd`'s
     launches: wy, [qk rnorm,] pass 1 (the class's ``segment_map`` plan), the scan
@@ -273,7 +283,9 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
     2 as ``pass_two`` plans it; the scan in configuration ``scan``): (the native
     CallProgram, whether it returns a final state). Pass 1 and pass 2 run over the segment
     slots (count ``COUNT_NSEG``), the scan over the sequences."""
-    H, HK, HV, Kd, Vd, l2 = problem.H, problem.H * problem.K, problem.HV, problem.K, problem.V, problem.use_qk_l2norm
+    H, HK, HV, Kd, Vd = problem.H, problem.H * problem.K, problem.HV, problem.K, problem.V
+    # On normalized copies the stages after the norm see a call without it.
+    l2 = problem.use_qk_l2norm and not launches.norm_copies
     specs = buffer_specs(problem, ("segmented", problem.chunks.cu_seqlens.dtype, maps_dtype(problem.q.dtype)))
     final = len(specs) - 1 if problem.output_final_state else None
     w, u, g_cum, o, seg_cu, m_hi, m_lo, n_map, seg_h0 = (buffer_ref(i) for i in range(9))
@@ -293,6 +305,9 @@ def build_segmented(problem: GDNProblem, launches: ForwardPlan, pass_two: Forwar
         site = vars(direct_launch.call_site(kernel, tuple(args)))
         steps.append((site, args, {}, (0, False, per_seq, 1, 0), -1, seqs_count, (cfg.num_warps, cfg.num_stages)))
 
+    if launches.norm_copies:
+        norm, (tensors, args), q, k = _norm_copies(problem, launches, specs, q, k, count_ref(COUNT_HEAD_ROWS))
+        gluon_step(norm, tensors, args, COUNT_HEAD_ROWS, -1)
     wy = launches.stage("wy_fwd").shared
     gluon_step(wy, *wy_launch_args(wy, k, v, w, u, g, g_cum, beta, cu, n, HV, HV), COUNT_ROWS, COUNT_N)
     rnorm = g_cum  # not read without the qk l2 norm

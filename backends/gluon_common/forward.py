@@ -37,6 +37,8 @@ pipeline: wy reduces k's rows itself; the fused kernel reads q's and k's recipro
 norms (8 bytes per token and head) and folds them into row and column scales in registers
 (no normalized copy of q or k is written). The warp-specialized path reads normalized
 copies instead: there the norms would add to the aux partition, which paces that kernel.
+fp16 calls read the copies on every path (:func:`.qk_norm.needs_norm_copies`: products of
+raw rows leave fp16's range), a call without the norm from the first stage on.
 Nothing here reads a device value back to the host. Every launch goes through
 :func:`.launch.launch_planned` (Triton's binder only on a plan's first launch), or, for a
 call of the common forms once its kernels are kept (segmented or not), the call's program
@@ -66,7 +68,7 @@ from gdn_dispatch.backends.gluon_common.buffers import call_buffers
 from gdn_dispatch.backends.gluon_common.call_program import run_call, run_segmented_call
 from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, tma_rows_reason
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
-from gdn_dispatch.backends.gluon_common.qk_norm import qk_l2norm_fwd, qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.qk_norm import needs_norm_copies, qk_l2norm_fwd, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.segment_map import segment_map_fwd
 from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
@@ -118,11 +120,12 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     # the TMA reads its normalized copies: only v must be TMA-readable.
     norm_copies = launches.norm_copies
     problem = tma_readable(problem, ("v",) if norm_copies else ("q", "k", "v"))
+    if norm_copies:
+        q, k = qk_l2norm_fwd(problem.q, problem.k, launches.stage("qk_l2norm_fwd"))
+        problem = replace_fields(problem, q=q, k=k, use_qk_l2norm=False)
     chunks = problem.chunks
     if launches.fused:
         q, k = problem.q, problem.k
-        if norm_copies:
-            q, k = qk_l2norm_fwd(q, k, launches.stage("qk_l2norm_fwd"))
         if launches.inverses_on_chip:
             o, g_cum, t_tiles, final_state = call_buffers(problem, launches, cp, 0)
         else:
@@ -333,7 +336,7 @@ class CallPlan:
     Attributes
     ----------
     context_parallel : CPPlan, the planner's decision on the device's SM count.
-    launches : ForwardPlan of the call (wy_fwd, [qk_rnorm_fwd,] state_output_fwd).
+    launches : ForwardPlan of the call ([qk_l2norm_fwd,] wy_fwd, [qk_rnorm_fwd,] state_output_fwd).
     segments : ForwardPlan of the call over its segments (its state_output_fwd stage is
         pass 2), or None when the call runs unsegmented.
     """
@@ -384,15 +387,19 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
     why it takes the warp-specialized path or the pipeline (what ``explain`` shows)."""
     call = plan_call(problem, device, engine=engine)
     text = ", ".join(call.kernels)
+    norm = ""
+    if call.launches.norm_copies:
+        why = "fp16" if needs_norm_copies(problem) else f"{problem.HV // problem.H} v-heads per q/k head"
+        norm = f"; the qk l2 norm on normalized copies ({why})"
+    elif problem.use_qk_l2norm:
+        norm = "; the qk l2 norm reduced in its kernels"
     if call.launches.fused:
-        norm = ""
-        if problem.use_qk_l2norm:
-            norm = (f"; the qk l2 norm on normalized copies ({problem.HV // problem.H} v-heads per q/k head)"
-                    if call.launches.norm_copies else "; the qk l2 norm reduced in its kernels")
         return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
                f"{device.sm_count} SMs{norm})"
     so = call.state_output
-    config = f"state kernel V-blocks of {so.blocks['BV']} on {so.num_warps} warps"
+    # The pipeline's launches name its reciprocal norms; normalized copies say why.
+    norm = norm if call.launches.norm_copies else ""
+    config = f"state kernel V-blocks of {so.blocks['BV']} on {so.num_warps} warps{norm}"
     fused_path = getattr(engine, "fused", None)
     if fused_path is None:
         return f"{text} ({config})"

@@ -32,7 +32,8 @@ from gdn_dispatch.device import DeviceInfo, assumed_device, shared_memory_per_bl
 
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     PLAN_CACHE_SIZE, BoundLaunch, LaunchPlan, LruCache, has_tails, resolve_engine)
-from gdn_dispatch.backends.gluon_common.qk_norm import clear_norm_plans, plan_qk_l2norm, plan_qk_rnorm
+from gdn_dispatch.backends.gluon_common.qk_norm import (
+    clear_norm_plans, needs_norm_copies, plan_qk_l2norm, plan_qk_rnorm)
 from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map, segment_map_supported
 from gdn_dispatch.backends.gluon_common.state_output import (
     chained_plan, plan_state_output, state_output_config, state_output_configs)
@@ -45,8 +46,8 @@ NORM_KERNELS = frozenset({"qk_rnorm_fwd", "qk_l2norm_fwd"})
 
 
 class ForwardPlan:
-    """Every Gluon launch of one call, in order (wy, [qk_rnorm with the qk l2 norm,]
-    state_output), for one device and engine: the call class's shared launch plans
+    """Every Gluon launch of one call, in order ([qk_l2norm with the qk l2 norm in fp16,]
+    wy, [qk_rnorm with the qk l2 norm in bf16,] state_output), for one device and engine: the call class's shared launch plans
     (``launches``) with the call's token rows ``rows = B * T`` and sequence count
     ``num_seqs`` (``stages``: :class:`~.launch_plan.BoundLaunch` views, as a dry run shows them).
     """
@@ -89,9 +90,10 @@ class ForwardPlan:
 
     @property
     def norm_copies(self) -> bool:
-        """Whether the path runs on normalized copies of q and k (qk_l2norm_fwd first)
-        rather than folding the qk l2 norm into its kernels (or running without it)."""
-        return self.fused and self.launches[0].kernel == "qk_l2norm_fwd"
+        """Whether the call runs on normalized copies of q and k (qk_l2norm_fwd first: the
+        warp-specialized path's, and every fp16 call's with the qk l2 norm) rather than
+        folding the qk l2 norm into its kernels (or running without it)."""
+        return self.launches[0].kernel == "qk_l2norm_fwd"
 
     @property
     def stages(self) -> tuple[BoundLaunch, ...]:
@@ -130,7 +132,8 @@ class ClassPlan:
     capability, is_sm100, state_layout, has_tails : the class's device, engine and flags.
     H, HV, K, V, elem : head counts, head dims and q's element size in bytes.
     sm_count, smem_per_block : the device figures the fused kernel's V-block is chosen on.
-    front : the launches before the fused kernel (wy, and the norms with the qk l2 norm).
+    front : the launches before the fused kernel (wy, and the norms with the qk l2 norm:
+        the reciprocal norms after wy, or the normalized copies before it for fp16).
     state_outputs : the fused kernel's plan per configuration (BV, warps) it may run in.
     fused : the warp-specialized path's launches (wy_t, fused) where the engine offers one
         and the class can run it (``engine.fused.fused_reason``), else None.
@@ -283,7 +286,7 @@ def plan(problem: GDNProblem, capability: tuple[int, int] | None = None, device:
     Returns
     -------
     ForwardPlan with the forward's Gluon launches, in order, for this call's ``B * T`` and
-    ``N``: wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd
+    ``N``: [qk_l2norm_fwd,] wy_fwd, [qk_rnorm_fwd,] state_output_fwd; or [qk_l2norm_fwd,] wy_t_fwd, fused_fwd
     (the norm kernel absent where the path's kernels reduce the norms themselves, the T
     kernel where the fused kernel forms the inverses: ``gluon_sm90.fused.AUX_T``).
     """
@@ -315,12 +318,18 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     in, and context parallelism's pass 1."""
     PLAN_COUNTS["computed"] += 1
     engine = resolve_engine(device, engine)
-    # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel.
-    front = [plan_wy(problem, device, engine=engine).shared]
-    if problem.use_qk_l2norm:
+    # With the qk l2 norm, q's and k's row norms are reduced once before the fused kernel;
+    # fp16 calls run on normalized copies instead (qk_l2norm_fwd first, every later stage
+    # seeing a call without the norm: :func:`.qk_norm.needs_norm_copies`).
+    copies = needs_norm_copies(problem)
+    plain = dataclasses.replace(problem, use_qk_l2norm=False) if copies else problem
+    front = [plan_wy(plain, device, engine=engine).shared]
+    if copies:
+        front.insert(0, plan_qk_l2norm(problem, device, engine=engine).shared)
+    elif problem.use_qk_l2norm:
         front.append(plan_qk_rnorm(problem, device, engine=engine).shared)
     elem = problem.q.element_size()
-    state_outputs = {config: plan_state_output(problem, device, block_v=config[0], num_warps=config[1],
+    state_outputs = {config: plan_state_output(plain, device, block_v=config[0], num_warps=config[1],
                                                engine=engine).shared
                      for config in state_output_configs(problem.K, problem.V)}
     fused, fused_min_programs = None, 0
@@ -328,9 +337,9 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     if fused_path is not None and fused_path.fused_reason(problem) is None:
         # With the qk l2 norm the path runs on normalized copies of q and k (qk_l2norm_fwd
         # first), its two kernels seeing a call without the norm, unless its kernels fold
-        # the norm in themselves (the engine's norm_on_chip).
+        # the norm in themselves (the engine's norm_on_chip; never for fp16).
         on_chip = getattr(fused_path, "norm_on_chip", None)
-        on_chip = on_chip is not None and on_chip(problem, engine)
+        on_chip = on_chip is not None and not copies and on_chip(problem, engine)
         plain = dataclasses.replace(problem, use_qk_l2norm=False) if problem.use_qk_l2norm and not on_chip else problem
         fused_kernel = fused_path.plan_fused(plain, device, engine=engine).shared
         # The T kernel first, unless the fused kernel forms the inverses itself.
@@ -344,7 +353,7 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
                      state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs,
-                     **_segment_maps(problem, device, engine))
+                     **_segment_maps(plain, device, engine))
 
 
 def _segment_maps(problem: GDNProblem, device: DeviceInfo, engine) -> dict:

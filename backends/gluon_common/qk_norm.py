@@ -17,7 +17,8 @@ runtime argument that Triton specializes only by its divisibility by 16 (which k
 :func:`qk_l2norm_fwd` writes the normalized rows themselves instead (``x * rnorm`` in q's
 dtype, one contiguous ``[2, B, T, H, K]`` buffer): the warp-specialized path
 (:mod:`..gluon_sm90.fused`) runs on those copies, as fla does, so that its aux partition,
-which paces that kernel, folds no norm into its scores and gate vectors.
+which paces that kernel, folds no norm into its scores and gate vectors; every fp16 call
+with the norm does (:func:`needs_norm_copies`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def _qk_l2norm_fwd_kernel(q, k, out, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_R
     # out [2, rows, K]: q's normalized rows, then k's.
     at = gl.expand_dims((r.to(gl.int64) + which.to(gl.int64) * rows) * K, 1) + gl.expand_dims(c, 0)
     gl.store(out + at, (x * gl.expand_dims(norm, 1)).to(out.dtype.element_ty), mask=mask)
+
+
+def needs_norm_copies(problem: GDNProblem) -> bool:
+    """Whether ``problem`` runs on normalized copies of q and k on every path: fp16 calls
+    with the qk l2 norm. Kernels that take raw q and k round products of them to fp16
+    before the row norms scale them (the scores ``q k^T``, ``v_new / ||k||``); rows far
+    from unit length put those past 65504 or into fp16's subnormals, where the copies'
+    rows of length at most 1 keep them in range. bf16's exponent range holds them."""
+    return problem.use_qk_l2norm and problem.q.dtype == torch.float16
+
+
+def l2_flags(dtype: torch.dtype) -> tuple[bool, ...]:
+    """The qk l2 norm flags the stages after the norm compile for at ``dtype``: fp16 calls
+    with the norm reach them as calls without it (:func:`needs_norm_copies`)."""
+    return (False,) if dtype == torch.float16 else (False, True)
 
 
 def _norm_kernel(name: str):
@@ -200,27 +216,31 @@ def norm_launch_args(launch: LaunchPlan, q, k, out, rows, H, s_q, s_k) -> tuple[
     return {}, {"q": q, "k": k, _norm_kernel(launch.kernel)[1]: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k}
 
 
-def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str, names: tuple[str, ...] = ("qk_rnorm_fwd",)
-                            ) -> list:
-    """The norm kernels ``names`` (the pipeline's reciprocal norms by default; the
-    warp-specialized path adds the normalized rows) at K in {64, 128} x bf16/fp16."""
+#: The pipeline's norm kernels: the reciprocal norms of bf16 calls, fp16's normalized copies.
+PIPELINE_NORMS = (("qk_rnorm_fwd", torch.bfloat16), ("qk_l2norm_fwd", torch.float16))
+
+
+def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str,
+                            kernels_dtypes: tuple[tuple[str, torch.dtype], ...] = PIPELINE_NORMS) -> list:
+    """The norm kernels ``kernels_dtypes`` (kernel name, q's dtype) at K in {64, 128}: the
+    pipeline's (:data:`PIPELINE_NORMS`) by default; the warp-specialized path adds bf16's
+    normalized rows."""
     from gdn_dispatch.aot import AotKernel
 
     kernels = []
-    for name in names:
+    for name, dtype in kernels_dtypes:
         fn, out_name = _norm_kernel(name)
-        for dtype in (torch.bfloat16, torch.float16):
-            for K in (64, 128):
-                ptr = "*" + sig_dtype(dtype)
-                out_type = "*fp32" if out_name == "rnorm" else ptr
-                signature = {"q": ptr, "k": ptr, out_name: out_type, "rows": "i32", "H": "i32", "s_q": "i32",
-                             "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
-                kernels.append(AotKernel(
-                    backend=backend, kernel=name, specialization=f"K{K}-{sig_dtype(dtype)}",
-                    fn=fn, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
-                    dialect="gluon", num_warps=NUM_WARPS,
-                    # Token strides H * K of contiguous inputs, and of most fused projections, are
-                    # multiples of 16, as a launch specializes them.
-                    attrs=pointer_attrs(fn, ["q", "k", out_name, "s_q", "s_k"]),
-                ))
+        for K in (64, 128):
+            ptr = "*" + sig_dtype(dtype)
+            out_type = "*fp32" if out_name == "rnorm" else ptr
+            signature = {"q": ptr, "k": ptr, out_name: out_type, "rows": "i32", "H": "i32", "s_q": "i32",
+                         "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
+            kernels.append(AotKernel(
+                backend=backend, kernel=name, specialization=f"K{K}-{sig_dtype(dtype)}",
+                fn=fn, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+                dialect="gluon", num_warps=NUM_WARPS,
+                # Token strides H * K of contiguous inputs, and of most fused projections, are
+                # multiples of 16, as a launch specializes them.
+                attrs=pointer_attrs(fn, ["q", "k", out_name, "s_q", "s_k"]),
+            ))
     return kernels

@@ -75,6 +75,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common.masks import add, tile_layout
+from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import gate_decays, gate_rows, slot_sequence, state_vs
 from gdn_dispatch.backends.gluon_common.state_output import (
     _aot_problem, state_output_warps, state_tile_per_warpgroup)
@@ -608,11 +609,11 @@ def segment_map_aot_kernel(backend: str, launch: LaunchPlan | BoundLaunch, dtype
 
 def segment_map_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine=None) -> list[AotKernel]:
     """Pass 1 at every specialization the forward can launch on ``capability``: every
-    (K, V) in {64, 128}^2 x bf16/fp16 x qk l2 norm on/off with int32 offsets, and int64
+    (K, V) in {64, 128}^2 x bf16/fp16 x qk l2 norm on/off (bf16 only: :func:`.qk_norm.l2_flags`) with int32 offsets, and int64
     offsets at K = V = 128 (the plan's configuration; the tail flag is no constexpr here)."""
     device = assumed_device(f"sm_{capability[0]}{capability[1]}")
     cases = [(K, V, dtype, l2, torch.int32) for K in (64, 128) for V in (64, 128)
-             for dtype in (torch.bfloat16, torch.float16) for l2 in (False, True)]
+             for dtype in (torch.bfloat16, torch.float16) for l2 in l2_flags(dtype)]
     cases += [(128, 128, torch.bfloat16, l2, torch.int64) for l2 in (False, True)]
     kernels = []
     for K, V, dtype, l2, cu_dtype in cases:

@@ -31,7 +31,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, drop_unused_scatter, has_tails,
     pointer_attrs, resolve_engine, sig_dtype, tile_desc)
-from gdn_dispatch.backends.gluon_common.qk_norm import plan_qk_rnorm_rows, qk_rnorm_fwd
+from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags, plan_qk_rnorm_rows, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.recurrence import walk_program
 from gdn_dispatch.backends.gluon_common.segment_chain import chain_walk
 from gdn_dispatch.backends.gluon_common.state_io import state_block
@@ -561,7 +561,8 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
 
     Every (K, V) in {64, 128}^2 at every configuration of :data:`CONFIGS` that holds its
     state tile (o stored a chunk late where :func:`state_output_defers`) x bf16/fp16 x
-    varlen tails or not x "kv"/"vk" x qk l2 norm on/off (with a float32 initial state and
+    varlen tails or not x "kv"/"vk" x qk l2 norm on/off (bf16 only:
+    :func:`.qk_norm.l2_flags`; with a float32 initial state and
     the final state); then K = V = 128 at BV = 128 without initial or final state, or with
     only one of them. State pools, at every configuration with tails and the l2 norm: a
     float32 "kv" pool with int32 indices written back in place (and the final state
@@ -583,7 +584,7 @@ def state_output_kernels_for_aot(capability: tuple[int, int], backend: str, *,
         for dtype in (torch.bfloat16, torch.float16):
             for tails in (True, False):
                 for vk in (False, True):
-                    for l2 in (True, False):
+                    for l2 in l2_flags(dtype):
                         cases.append((K, V, BV, warps, {**base, "dtype": dtype, "tails": tails, "vk": vk, "l2": l2}))
     for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True)):
         cases.append((128, 128, 128, 8, {**base, **flip}))

@@ -86,6 +86,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
     has_tails, pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.masks import (
     add, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
@@ -933,7 +934,7 @@ def aot_problem(K: int, V: int, dtype: torch.dtype, tails: bool, l2: bool, H: in
 def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, variant: str | None = None,
                        *, engine=None) -> list:
     """Every specialization launchable on ``capability``: K, V in {64, 128}, tails (varlen)
-    on/off, qk l2norm on/off, bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
+    on/off, qk l2norm on/off (bf16 only: :func:`.qk_norm.l2_flags`), bf16/fp16, and (g, beta) in (fp32, fp32), (fp32, q's dtype) or
     (q's dtype, q's dtype), the gate dtypes models pass, with int32 cu_seqlens; then bf16
     with fp32 gates and int64 cu_seqlens (the caller's offsets are read as they come); of
     the inverse ``variant`` (None: the one plan_wy picks by default), on ``engine`` (None:
@@ -951,7 +952,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
         for K in (64, 128):
             for V in (64, 128):
                 for tails in (False, True):
-                    for l2 in (False, True):
+                    for l2 in l2_flags(dtype):
                         launch = plan_wy(aot_problem(K, V, dtype, tails, l2), device, variant, engine=engine)
                         tag = (f"K{K}-V{V}-{'varlen' if tails else 'dense'}{'-l2' if l2 else ''}"
                                f"-{sig_dtype(dtype)}-g{sig_dtype(g_dtype)}-beta{sig_dtype(beta_dtype)}"

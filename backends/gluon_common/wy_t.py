@@ -369,7 +369,7 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l
     """Every specialization :func:`wy_t_fwd` launches with the fused kernel of ``backend``:
     K = 128, bf16/fp16, tails or not, (g, beta) in (fp32, fp32), (fp32, q's dtype) or
     (q's dtype, q's dtype), int32 cu_seqlens; then bf16 with int64 cu_seqlens; with
-    ``l2_on_chip`` all of them again on raw k, the qk l2 norm reduced in the kernel
+    ``l2_on_chip`` the bf16 ones again on raw k, the qk l2 norm reduced in the kernel
     (:data:`..gluon_sm90.fused.QK_NORM_ON_CHIP`). Other K of ``head_dims``: the bf16 cases
     with fp32 gates, with and without tails (and on raw k with ``l2_on_chip``)."""
     from gdn_dispatch.aot import AotKernel
@@ -381,7 +381,8 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l
     cases.append((torch.bfloat16, torch.float32, torch.float32, torch.int64))
     # With the qk l2 norm on chip the T kernel reduces k's norms itself (USE_L2NORM).
     norms = (False, True) if l2_on_chip else (False,)
-    builds = [(128, case, l2) for l2 in norms for case in cases]
+    # fp16 calls with the norm run on normalized copies (qk_norm.needs_norm_copies).
+    builds = [(128, case, l2) for l2 in norms for case in cases if not (l2 and case[0] == torch.float16)]
     builds += [(K, cases[0], l2) for K in head_dims if K != 128 for l2 in norms]
     kernels = []
     for K, (dtype, g_dtype, beta_dtype, cu_dtype), l2 in builds:

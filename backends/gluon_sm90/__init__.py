@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from gdn_dispatch.aot import AotKernel
 from gdn_dispatch.contract import GDNProblem
 from gdn_dispatch.device import DeviceInfo, default_probe
@@ -78,7 +80,7 @@ def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel
     and the warp-specialized path's (the T kernel and the fused kernel)."""
     shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
     capability = tuple(capability or CAPABILITIES[0])
-    return (shared + qk_norm_kernels_for_aot(capability, BACKEND, ("qk_l2norm_fwd",))
+    return (shared + qk_norm_kernels_for_aot(capability, BACKEND, (("qk_l2norm_fwd", torch.bfloat16),))
             + wy_t_kernels_for_aot(capability, BACKEND, engine=ENGINE, l2_on_chip=_fused_path.qk_norm_on_chip(ENGINE),
                                    head_dims=_fused_path.head_dims())
             + _fused_path.fused_kernels_for_aot(capability, BACKEND, engine=ENGINE))

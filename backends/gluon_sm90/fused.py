@@ -1127,7 +1127,8 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
     or with one of them; pools (float32 "kv" int32 indices in place, bfloat16 "vk" int64
     indices in place, bfloat16 only read); a bfloat16 initial state; int64 cu_seqlens. With
     :data:`SMALL_HEADS`, each other pair of :func:`head_dims` in bf16 with tails ("kv"),
-    fp16 without ("vk") and (with the norm on chip) bf16 with the qk l2 norm."""
+    fp16 without ("vk") and (with the norm on chip) bf16 with the qk l2 norm (fp16 calls
+    with the norm run on normalized copies)."""
     base = BASE_CASE
     cases = core_cases()
     cases += [{**base, **flip} for flip in (dict(h0=False, ht=False), dict(h0=True, ht=False), dict(h0=False, ht=True))]
@@ -1138,8 +1139,9 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "state_dtype": torch.bfloat16},
               {**base, "cu_dtype": torch.int64}]
     if qk_norm_on_chip(engine):
-        # Calls with the qk l2 norm run this kernel on raw q and k (QK_NORM).
-        cases += [{**case, "l2": True} for case in core_cases()]
+        # bf16 calls with the qk l2 norm run this kernel on raw q and k (QK_NORM); fp16
+        # calls on normalized copies (qk_norm.needs_norm_copies).
+        cases += [{**case, "l2": True} for case in core_cases() if case["dtype"] == torch.bfloat16]
     dims = head_dims()
     for K, V in ((K, V) for K in dims for V in dims if (K, V) != (HEAD_DIM, HEAD_DIM)):
         cases += [{**base, "K": K, "V": V},
