@@ -4,8 +4,9 @@ A :class:`GDNProblem` is what every backend receives. Building one is the only p
 input is validated, so a backend may rely on everything stated here: shapes agree, tensors
 share one device and are in token rows, and the chunk slots are sized (see
 :mod:`gdn_dispatch.varlen`). ``cu_seqlens`` values are checked against the partition rules
-on a host copy when the caller gives one, else only under ``GDN_DEBUG_CHECKS=1``: reading
-them back would cost a device sync on every call.
+on a host copy: the caller's (``cu_seqlens_cpu`` or a list), or ``cu_seqlens`` itself when
+it lies in host memory (a CPU call). A device ``cu_seqlens`` without one is checked only
+under ``GDN_DEBUG_CHECKS=1``: reading it back would cost a device sync on every call.
 
 Derived dimensions, used with these meanings everywhere in the package:
 
@@ -334,6 +335,12 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
     return longest, not misaligned
 
 
+def _in_host_memory(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device sync: a CPU tensor, which is then
+    its own host copy."""
+    return t.is_cpu
+
+
 def host_offsets(value) -> torch.Tensor:
     """A Python list/tuple of ints as a CPU tensor, for ``cu_seqlens`` given on the host:
     int32 (the offsets' dtype servers pass, so that a list call runs the kernels a tensor
@@ -493,7 +500,8 @@ def make_problem(
     ``cu_seqlens`` is checked for dtype, shape and device, its values only against the
     partition rules when a host copy (``cu_seqlens_cpu`` or a list) is given. Without one,
     no backend needs its values on the host (kernels map chunk slots from the device copy,
-    :mod:`gdn_dispatch.varlen`).
+    :mod:`gdn_dispatch.varlen`). A ``cu_seqlens`` in host memory (a CPU call) is its own
+    host copy: its values are always checked, as ``cu_seqlens``.
 
     Where the native host layer is loaded (:func:`gdn_dispatch.native.admission`), the
     tensor checks of the common call (contiguous inputs, a state pool or not) run there first, in
@@ -507,16 +515,21 @@ def make_problem(
         )
     layout = _resolve_layout(state_layout, state_v_first)
     admit = native_admission()
-    facts = None if admit is None else admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                             layout is StateLayout.VK, state_indices)
-    if facts is not None:
-        # The native layer found every tensor rule of the common call kept (contiguous
-        # inputs; a state pool and its indices, if any): the scalars are left to check.
-        B, T, _, K, HV, V, _, longest, aligned = facts
-        return _finish_problem(
-            q, k, v, g, beta, B, T, K, HV, V, cu_seqlens, cu_seqlens_cpu, cu_seqlens_cpu, longest, aligned,
-            initial_state, state_indices, True, layout, scale, output_final_state, use_qk_l2norm_in_kernel, backend,
-            inplace_final_state, context_parallel)
+    if admit is not None:
+        cu_host = cu_seqlens_cpu
+        if cu_host is None and isinstance(cu_seqlens, torch.Tensor) and _in_host_memory(cu_seqlens):
+            # admit checks the values of a host copy only: given cu_seqlens as its own, it
+            # refuses offsets that break a rule (the Python path below then names cu_seqlens).
+            cu_host = cu_seqlens
+        facts = admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_host, layout is StateLayout.VK, state_indices)
+        if facts is not None:
+            # The native layer found every tensor rule of the common call kept (contiguous
+            # inputs; a state pool and its indices, if any): the scalars are left to check.
+            B, T, _, K, HV, V, _, longest, aligned = facts
+            return _finish_problem(
+                q, k, v, g, beta, B, T, K, HV, V, cu_seqlens, cu_seqlens_cpu, cu_host, longest, aligned,
+                initial_state, state_indices, True, layout, scale, output_final_state, use_qk_l2norm_in_kernel,
+                backend, inplace_final_state, context_parallel)
     q = _require_tensor("q", q, 4, "[B, T, H, K]")
     k = _require_tensor("k", k, 4, "[B, T, H, K]")
     v = _require_tensor("v", v, 4, "[B, T, HV, V]")
@@ -576,6 +589,8 @@ def make_problem(
             raise GDNInputError(f"cu_seqlens: expected at least 2 entries [N + 1], got {cu_seqlens.shape[0]}")
         if not cu_seqlens.is_contiguous():  # the kernels read offset n at cu_seqlens + n
             cu_seqlens = _counted_copy("cu_seqlens", cu_seqlens)
+        if cu_seqlens_cpu is None and _in_host_memory(cu_seqlens):
+            cu_host = cu_seqlens
     if cu_seqlens is not None:
         if B != 1:
             raise GDNInputError(
@@ -593,7 +608,7 @@ def make_problem(
                 )
             cu_host = cu_seqlens_cpu
             longest, aligned = _check_cu_seqlens(cu_host, T, "cu_seqlens_cpu")
-        elif cu_host is not None:  # the offsets came as a list
+        elif cu_host is not None:  # the offsets came as a list, or lie in host memory
             longest, aligned = _check_cu_seqlens(cu_host, T)
     elif cu_seqlens_cpu is not None:
         raise GDNInputError("cu_seqlens_cpu: given without cu_seqlens; pass both or neither")

@@ -10,6 +10,7 @@ import torch
 from gdn_dispatch import GDNInputError, chunk_gated_delta_rule, reference
 from gdn_dispatch.context_parallel import (CPTuning, auto_segment_chunks, context_parallel_reason,
                                            plan_context_parallel, plan_for_problem)
+from gdn_dispatch import contract
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.op import context_parallel_arg, context_parallel_str
@@ -816,7 +817,8 @@ def test_a_routes_segment_facts_are_the_segment_offsets():
         assert segments.ragged_segment_facts(offsets, L) == segments.segment_facts(host), (offsets, L)
 
 
-def test_slots_with_tokens_need_host_offsets():
+def test_slots_with_tokens_need_host_offsets(monkeypatch):
+    monkeypatch.setattr(contract, "_in_host_memory", lambda t: False)  # the CPU offsets stand for device ones
     call = random_call(lengths=[4096, 100], H=1, HV=1, K=8, V=8, dtype=torch.float32)
     call.pop("cu_seqlens_cpu")
     chunks = make_problem(**call).chunks
@@ -824,7 +826,7 @@ def test_slots_with_tokens_need_host_offsets():
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host-offsets", "device-offsets-only"])
-def test_pass_two_picks_its_v_block_on_the_slots_with_tokens(host):
+def test_pass_two_picks_its_v_block_on_the_slots_with_tokens(host, monkeypatch):
     """16 segments of one 32768-token sequence on 4 v-heads fill 17 slots on the H200's
     132 SMs: the 128 programs with tokens fit one wave at BV 64, where counting the empty
     slot (136 programs) took BV 128 (0.297 ms against 0.266 forced at BV 64,
@@ -832,6 +834,7 @@ def test_pass_two_picks_its_v_block_on_the_slots_with_tokens(host):
     call = random_call(lengths=[32768], H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=2)
     if not host:
         call.pop("cu_seqlens_cpu")
+        monkeypatch.setattr(contract, "_in_host_memory", lambda t: False)  # the CPU offsets stand for device ones
     planned = GLUON_FORWARD.plan_call(make_problem(**call, output_final_state=True, context_parallel=16),
                                       assumed_device("sm_90"))
     assert planned.context_parallel.num_segments == 17
@@ -861,6 +864,7 @@ def test_segment_host_offsets_equal_the_table_kernel(lengths, L, monkeypatch):
     assert host.tolist() == _segment_starts(chunks.cu_seqlens_host.tolist(), L)
     uniform = make_problem(**random_call(batch=(3, 700), H=1, HV=1, K=16, V=16, dtype=torch.float32)).chunks
     assert GLUON_FORWARD.segment_host_offsets(uniform, L).offsets.tolist() == _segment_starts([0, 700, 1400, 2100], L)
+    monkeypatch.setattr(contract, "_in_host_memory", lambda t: False)  # the CPU offsets stand for device ones
     no_host = make_problem(**{**call, "cu_seqlens_cpu": None}).chunks
     assert GLUON_FORWARD.segment_host_offsets(no_host, L) is None
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule
+from gdn_dispatch import GDNInputError, StateLayout, chunk_gated_delta_rule, contract
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.testing import fused_projection_views, random_call
 from gdn_dispatch.varlen import build_chunk_table, slot_starts
@@ -26,6 +26,13 @@ def varlen_call(**over):
 
 def _int(values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype)
+
+
+def _offsets_stand_for_device_memory(monkeypatch):
+    """Let this test's CPU cu_seqlens stand for a device tensor: the contract then treats it
+    as it treats offsets in GPU memory (never read without GDN_DEBUG_CHECKS), so the
+    device rules are tested without a GPU."""
+    monkeypatch.setattr(contract, "_in_host_memory", lambda t: False)
 
 
 BAD_CALLS = [
@@ -197,6 +204,7 @@ DEBUG_FAILURES = [
 
 @pytest.mark.parametrize("mutate, message", DEBUG_FAILURES)
 def test_debug_checks_catch_what_needs_a_sync(mutate, message, monkeypatch):
+    _offsets_stand_for_device_memory(monkeypatch)
     call = varlen_call()
     mutate(call)
     monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
@@ -211,6 +219,7 @@ def test_debug_checks_catch_what_needs_a_sync(mutate, message, monkeypatch):
 ])
 def test_debug_checks_are_off_by_default(mutate, monkeypatch):
     # Without GDN_DEBUG_CHECKS the call trusts the host copy and reads no values back.
+    _offsets_stand_for_device_memory(monkeypatch)
     call = varlen_call()
     mutate(call)
     monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
@@ -235,6 +244,7 @@ class _NoReadBack(torch.Tensor):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_device_cu_seqlens_is_never_read_back(dtype, monkeypatch):
     monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    _offsets_stand_for_device_memory(monkeypatch)
     call = varlen_call(cu_seqlens_cpu=None)
     guarded = call["cu_seqlens"].to(dtype).as_subclass(_NoReadBack)
     problem = make_problem(**{**call, "cu_seqlens": guarded})
@@ -243,14 +253,109 @@ def test_device_cu_seqlens_is_never_read_back(dtype, monkeypatch):
 
 
 def test_the_read_back_guard_can_fail(monkeypatch):
-    """Negative control: the guard trips on a read, and the debug checks (which read the
-    values back on purpose) trip it."""
+    """Negative control: the guard trips on a read; the contract reads a CPU cu_seqlens (host
+    memory, its own host copy), so the test above trips it unless its offsets stand for
+    device memory; and the debug checks (which read device values back on purpose) trip it."""
     guarded = _int([0, 3, 3, 10]).as_subclass(_NoReadBack)
     with pytest.raises(AssertionError, match="read back through cpu"):
         guarded.cpu()
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    with pytest.raises(AssertionError, match="read back through tolist"):
+        make_problem(**varlen_call(cu_seqlens=guarded, cu_seqlens_cpu=None))
+    _offsets_stand_for_device_memory(monkeypatch)
     monkeypatch.setenv("GDN_DEBUG_CHECKS", "1")
     with pytest.raises(AssertionError, match="read back"):
         make_problem(**varlen_call(cu_seqlens=guarded, cu_seqlens_cpu=None))
+
+
+def _broken_cpu_offsets(break_rule, seed):
+    """A CPU call of random lengths (the last one non-empty) whose cu_seqlens tensor, with
+    no host copy, breaks one partition rule; with the message that names it."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 80, (int(torch.randint(2, 7, (), generator=gen)),), generator=gen).tolist()
+    lengths[-1] += 1
+    call = random_call(lengths=lengths, H=1, HV=2, K=8, V=8, dtype=torch.float32, seed=seed)
+    call.pop("cu_seqlens_cpu")
+    offsets, message = break_rule(call["cu_seqlens"].tolist(), call["q"].shape[1])
+    return call, offsets, message
+
+
+CPU_OFFSET_BREAKS = [
+    pytest.param(lambda cu, T: ([1, *cu[1:]], r"cu_seqlens: expected to start at 0, got 1"), id="start"),
+    pytest.param(lambda cu, T: ([-3, *cu[1:]], r"cu_seqlens: expected to start at 0, got -3"), id="negative-start"),
+    pytest.param(lambda cu, T: ([0, cu[2] + 1, *cu[2:]],
+                                rf"cu_seqlens: expected non-decreasing values, got {cu[2] + 1} then {cu[2]} "
+                                r"at positions 1, 2"), id="decreasing"),
+    pytest.param(lambda cu, T: ([*cu[:-1], T - 1], rf"cu_seqlens: expected to end at T = {T} \(q.shape\[1\]\), "
+                                rf"got {T - 1}$"), id="ends-before-T"),
+    pytest.param(lambda cu, T: ([*cu[:-1], T + 5], rf"cu_seqlens: expected to end at T = {T} \(q.shape\[1\]\), "
+                                rf"got {T + 5}$"), id="ends-past-T"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("break_rule", CPU_OFFSET_BREAKS)
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_cu_seqlens_is_checked_without_debug_checks(break_rule, dtype, seed, monkeypatch):
+    """On the CPU reading the offsets costs no sync: a cu_seqlens tensor there is its own
+    host copy, checked on every call (unchecked offsets that end before T leave rows of the
+    reference backend's o unwritten; past T, the interpreted Triton kernels write out of
+    bounds)."""
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    call, offsets, message = _broken_cpu_offsets(break_rule, seed)
+    call["cu_seqlens"] = torch.tensor(offsets, dtype=dtype)
+    with pytest.raises(GDNInputError, match=message):
+        make_problem(**call)
+    with pytest.raises(GDNInputError, match=message):
+        chunk_gated_delta_rule(**call, output_final_state=True)
+    strided = torch.tensor([x for offset in offsets for x in (offset, -1)], dtype=dtype)[::2]
+    with pytest.raises(GDNInputError, match=message):
+        make_problem(**{**call, "cu_seqlens": strided})
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_cu_seqlens_is_its_own_host_copy(dtype, seed, monkeypatch):
+    """A valid CPU cu_seqlens without cu_seqlens_cpu gives the chunk table the host facts a
+    host copy gives, and the call the same results."""
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(0, 3, (int(torch.randint(1, 6, (), generator=gen)),), generator=gen) * 64).tolist()
+    if seed % 2:  # some sequence ends inside a chunk
+        lengths[int(torch.randint(0, len(lengths), (), generator=gen))] += int(torch.randint(1, 64, (), generator=gen))
+    with_copy = random_call(lengths=lengths, H=1, HV=2, K=8, V=8, dtype=torch.float32, seed=seed)
+    with_copy["cu_seqlens"] = with_copy["cu_seqlens"].to(dtype)
+    alone = {**with_copy, "cu_seqlens_cpu": None}
+    chunks = make_problem(**alone).chunks
+    assert chunks.cu_seqlens_host is alone["cu_seqlens"]
+    assert (chunks.longest, chunks.aligned) == (max(lengths), all(length % 64 == 0 for length in lengths))
+    assert chunks.nonempty_seqs() == sum(length > 0 for length in lengths)
+    o, ht = chunk_gated_delta_rule(**alone, output_final_state=True)
+    o_ref, ht_ref = chunk_gated_delta_rule(**with_copy, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+def test_native_admission_gets_cpu_offsets_as_their_host_copy(monkeypatch):
+    """The native admission checks the values of the host copy it is handed and no others:
+    the contract hands it a CPU cu_seqlens as its own host copy (a device one, none)."""
+    handed = []
+
+    def admit(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, vk, state_indices):
+        handed.append(cu_seqlens_cpu)
+        return None  # refused: the Python contract decides
+
+    monkeypatch.setattr(contract, "native_admission", lambda: admit)
+    call = varlen_call(cu_seqlens_cpu=None)
+    make_problem(**call)
+    assert handed[-1] is call["cu_seqlens"]
+    with pytest.raises(GDNInputError, match="cu_seqlens: expected to end at T = 10"):
+        make_problem(**{**call, "cu_seqlens": _int([0, 3, 3, 9])})
+    make_problem(**varlen_call())
+    assert handed[-1] is not None and handed[-1] is not call["cu_seqlens"]
+    _offsets_stand_for_device_memory(monkeypatch)
+    make_problem(**call)
+    assert handed[-1] is None
 
 
 @pytest.mark.parametrize("make", [base_call, varlen_call], ids=["uniform", "varlen"])
@@ -335,7 +440,7 @@ def test_debug_checks_catch_bad_pool_indices(idx, message, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_host_copy(seed):
+def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_host_copy(seed, monkeypatch):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(10):
         n = int(torch.randint(1, 12, (1,), generator=gen))
@@ -352,7 +457,13 @@ def test_chunk_table_knows_the_longest_sequence_and_chunk_alignment_from_the_hos
         assert unread.longest is None and unread.aligned is None
         assert (unread.longest_length(), unread.chunk_aligned()) == (chunks.longest, chunks.aligned)
         call.pop("cu_seqlens_cpu")
-        chunks = make_problem(**call).chunks  # no host copy: unknown, never read back
+        chunks = make_problem(**call).chunks  # CPU offsets: their own host copy
+        assert chunks.cu_seqlens_host is call["cu_seqlens"]
+        assert (chunks.longest, chunks.aligned) == (max(lengths), all(length % 64 == 0 for length in lengths))
+        with monkeypatch.context() as patch:
+            _offsets_stand_for_device_memory(patch)
+            chunks = make_problem(**call).chunks  # device offsets, no host copy: unknown, never read back
+        assert chunks.cu_seqlens_host is None
         assert chunks.longest is None and chunks.aligned is None
         assert chunks.longest_length() is None and chunks.chunk_aligned() is None
     uniform = make_problem(**random_call(batch=(2, 100), H=1, HV=1, K=8, V=8, dtype=torch.float32)).chunks

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gdn_dispatch import native
+from gdn_dispatch import contract
 from gdn_dispatch.contract import GDNProblem, make_problem
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,14 @@ def _restride(t: torch.Tensor) -> torch.Tensor:
     wide = torch.empty(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype)
     wide[..., : t.shape[-1]] = t
     return wide[..., : t.shape[-1]]
+
+
+def _host_offsets_alone(call, change):
+    """``call`` with its CPU cu_seqlens changed by ``change`` and no cu_seqlens_cpu: the
+    offsets are their own host copy, checked on every call."""
+    if "cu_seqlens" not in call:
+        return call
+    return {**{n: t for n, t in call.items() if n != "cu_seqlens_cpu"}, "cu_seqlens": _offsets(call, change)}
 
 
 def _with(name, make):
@@ -146,6 +155,10 @@ MUTATIONS = [
     ("cu decreasing", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(
         c, lambda x: x[:1] + [x[-1] + 1] + x[1:] if len(x) > 1 else x))),
     ("cu end", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(c, lambda x: x[:-1] + [x[-1] + 3]))),
+    ("cu start, no host copy", True, lambda rng, c: _host_offsets_alone(c, lambda x: [1] + x[1:])),
+    ("cu decreasing, no host copy", True, lambda rng, c: _host_offsets_alone(
+        c, lambda x: x[:1] + [x[-1] + 1] + x[1:] if len(x) > 1 else x)),
+    ("cu end, no host copy", True, lambda rng, c: _host_offsets_alone(c, lambda x: x[:-1] + [x[-1] + 3])),
     ("cu_cpu entries", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(c, lambda x: x + [x[-1]]))),
     ("cu_cpu strided", True, _with("cu_seqlens_cpu", lambda rng, c: _offsets(
         c, lambda x: [v for v in x for _ in (0, 1)])[::2] if "cu_seqlens" in c else _DROP)),
@@ -224,10 +237,13 @@ def _same_problem(a: GDNProblem, b: GDNProblem) -> bool:
 
 
 def _admit(call: dict):
+    """``admit`` asked as make_problem asks it: CPU offsets without a host copy are their own."""
     admit = native.admission()
+    cu, host = call.get("cu_seqlens"), call.get("cu_seqlens_cpu")
+    if host is None and isinstance(cu, torch.Tensor) and contract._in_host_memory(cu):
+        host = cu
     return admit(call.get("q"), call.get("k"), call.get("v"), call.get("g"), call.get("beta"),
-                 call.get("initial_state"), call.get("cu_seqlens"), call.get("cu_seqlens_cpu"),
-                 call.get("state_layout") == "vk", call.get("state_indices"))
+                 call.get("initial_state"), cu, host, call.get("state_layout") == "vk", call.get("state_indices"))
 
 
 def test_admission_agrees_with_the_python_contract(native_built, monkeypatch):

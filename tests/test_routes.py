@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from gdn_dispatch import api, op, routes  # noqa: E402
+from gdn_dispatch import api, contract, op, routes  # noqa: E402
 from gdn_dispatch.context_parallel import plan_for_problem  # noqa: E402
 from gdn_dispatch.contract import GDNInputError, make_problem  # noqa: E402
 from gdn_dispatch.device import assumed_device  # noqa: E402
@@ -45,7 +45,8 @@ TG = importlib.import_module("gdn_dispatch.backends.triton_generic.forward")
 
 @contextlib.contextmanager
 def public_calls(backend: str, device):
-    """The public call with ``backend`` forced on CPU tensors taken for ``device``'s."""
+    """The public call with ``backend`` forced on CPU tensors taken for ``device``'s (offsets
+    in device memory included: no host copy unless the call gives one)."""
     module = importlib.import_module(f"gdn_dispatch.backends.{backend}")
 
     class Probe:
@@ -53,7 +54,8 @@ def public_calls(backend: str, device):
             return device
 
     routes.clear()
-    with mock.patch.object(op, "default_probe", Probe), mock.patch.object(module, "unsupported_reason", lambda p: None):
+    with mock.patch.object(op, "default_probe", Probe), mock.patch.object(module, "unsupported_reason", lambda p: None), \
+            mock.patch.object(contract, "_in_host_memory", lambda t: False):
         yield
     routes.clear()
 
