@@ -335,6 +335,17 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
     return longest, not misaligned
 
 
+def _check_host_copy(values: torch.Tensor, cu_host: torch.Tensor) -> None:
+    """``cu_seqlens_cpu`` (``cu_host``) holds ``values``, cu_seqlens's own (read on the host)."""
+    values = values.to(torch.int64)
+    if not torch.equal(values, cu_host.to(torch.int64)):
+        i = int(torch.nonzero(values != cu_host.to(torch.int64))[0])
+        raise GDNInputError(
+            f"cu_seqlens_cpu: expected the values of cu_seqlens, got {int(cu_host[i])} where "
+            f"cu_seqlens holds {int(values[i])} (position {i})"
+        )
+
+
 def _in_host_memory(t: torch.Tensor) -> bool:
     """Whether reading ``t``'s values costs no device sync: a CPU tensor, which is then
     its own host copy."""
@@ -385,13 +396,7 @@ def _debug_checks(tensors: dict[str, torch.Tensor | None], cu_seqlens, cu_host, 
     if cu_seqlens is not None and cu_host is None:
         _check_cu_seqlens(cu_seqlens.cpu(), T)
     elif cu_seqlens is not None:
-        device_values = cu_seqlens.cpu().to(torch.int64)
-        if not torch.equal(device_values, cu_host.to(torch.int64)):
-            i = int(torch.nonzero(device_values != cu_host.to(torch.int64))[0])
-            raise GDNInputError(
-                f"cu_seqlens_cpu: expected the values of cu_seqlens, got {int(cu_host[i])} where the "
-                f"device copy holds {int(device_values[i])} (position {i})"
-            )
+        _check_host_copy(cu_seqlens.cpu(), cu_host)
     for name, t in tensors.items():
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
@@ -627,6 +632,9 @@ def _finish_problem(q, k, v, g, beta, B: int, T: int, K: int, HV: int, V: int, c
     the debug checks, the chunk table, the state or the state pool and its indices (unless
     ``state_admitted``: the native admission checked them), the scalars."""
     device = q.device
+    if cu_seqlens_cpu is not None and _in_host_memory(cu_seqlens):
+        # Both copies on the host (a CPU call): comparing them costs no sync.
+        _check_host_copy(cu_seqlens, cu_seqlens_cpu)
     if debug_checks_enabled():
         _debug_checks({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state if isinstance(initial_state, torch.Tensor) else None},
                       cu_seqlens, cu_seqlens_cpu, T)

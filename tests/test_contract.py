@@ -191,7 +191,7 @@ DEBUG_FAILURES = [
                  r"cu_seqlens: expected non-decreasing values, got 6 then 3 at positions 1, 2", id="cu-decreasing"),
     pytest.param(lambda c: c.update(cu_seqlens=_int([0, 3, 9]), cu_seqlens_cpu=None), r"cu_seqlens: expected to end at T = 10 \(q.shape\[1\]\), got 9", id="cu-end"),
     pytest.param(lambda c: c.update(cu_seqlens_cpu=_int([0, 2, 3, 10])),
-                 r"cu_seqlens_cpu: expected the values of cu_seqlens, got 2 where the device copy holds 3 \(position 1\)",
+                 r"cu_seqlens_cpu: expected the values of cu_seqlens, got 2 where cu_seqlens holds 3 \(position 1\)",
                  id="host-copy-differs"),
     pytest.param(lambda c: c["g"].view(-1)[5].fill_(float("nan")), r"g: expected finite values, got 1 NaN/inf entries", id="g-nan"),
     pytest.param(lambda c: c["beta"].view(-1)[0].fill_(float("inf")), r"beta: expected finite values, got 1", id="beta-inf"),
@@ -334,6 +334,25 @@ def test_cpu_cu_seqlens_is_its_own_host_copy(dtype, seed, monkeypatch):
     o_ref, ht_ref = chunk_gated_delta_rule(**with_copy, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_cu_seqlens_and_a_host_copy_that_differs(seed, monkeypatch):
+    """Both offsets on the host (a CPU call): a cu_seqlens_cpu that is no copy of
+    cu_seqlens is refused on every call, naming the first position they differ at; both
+    copies keep the partition rules, so without the comparison the kernels would read the
+    device offsets while the planners read the other."""
+    monkeypatch.delenv("GDN_DEBUG_CHECKS", raising=False)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(1, 90, (3,), generator=gen)).tolist()
+    call = random_call(lengths=lengths, H=1, HV=2, K=8, V=8, dtype=torch.float32, seed=seed)
+    moved = call["cu_seqlens"].clone()
+    moved[1] += 1 if lengths[1] > 1 else -1
+    with pytest.raises(GDNInputError, match=rf"cu_seqlens_cpu: expected the values of cu_seqlens, got "
+                                            rf"{int(moved[1])} where cu_seqlens holds {int(call['cu_seqlens'][1])} "
+                                            r"\(position 1\)"):
+        make_problem(**{**call, "cu_seqlens_cpu": moved})
+    make_problem(**{**call, "cu_seqlens_cpu": call["cu_seqlens"].clone()})
 
 
 def test_native_admission_gets_cpu_offsets_as_their_host_copy(monkeypatch):
