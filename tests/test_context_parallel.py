@@ -1017,12 +1017,6 @@ GLUON_CP_CASES = [
                  "kv", True, False, None, id="B1-T32768-H2-HV4-K128-kv-h0-bf16-auto"),
     pytest.param(torch.bfloat16, dict(lengths=[12000, 3], H=1, HV=2, K=64, V=64, n="auto"),
                  "vk", True, True, None, id="varlen-12000.3-H1-HV2-K64-vk-h0-l2-bf16-auto"),
-    # Groups of four with the norm at K = 128 (the tensor-parallel shard 2/8 of Qwen3.5's
-    # 16/64 heads), the neighbours of the form the kernels refuse in segments.
-    pytest.param(torch.bfloat16, dict(lengths=[20000, 65], H=2, HV=8, K=128, V=128, n="auto"),
-                 "vk", True, True, None, id="varlen-20000.65-H2-HV8-K128-vk-h0-l2-bf16-auto"),
-    pytest.param(torch.bfloat16, dict(lengths=[2049, 65, 63], H=1, HV=4, K=128, V=64, n=5),
-                 "vk", True, True, None, id="varlen-2049.65.63-H1-HV4-K128-V64-vk-h0-l2-bf16-n5"),
 ]
 
 
@@ -1148,28 +1142,3 @@ def test_segment_kernels_compile_for_the_gluon_parts(arch, kernel):
         assert "cp.async" in report.ptx
         engines = ("wgmma.mma_async",) if kernel.constexprs["BV"] >= 16 else ("wgmma.mma_async", "mma.sync")
         assert any(engine in report.ptx for engine in engines), engines
-
-
-@pytest.mark.parametrize("dtype, K, H, HV, l2, cp, refused", [
-    (torch.bfloat16, 64, 1, 4, True, 5, True),
-    (torch.bfloat16, 64, 1, 3, True, "auto", True),
-    (torch.bfloat16, 64, 1, 4, True, "off", False),
-    (torch.bfloat16, 64, 1, 2, True, 5, False),
-    (torch.bfloat16, 64, 1, 4, False, 5, False),
-    (torch.bfloat16, 128, 1, 4, True, 5, False),
-    (torch.float16, 64, 1, 4, True, 5, False),
-])
-def test_gluon_refuses_the_form_it_does_not_run_in_segments(dtype, K, H, HV, l2, cp, refused):
-    """bf16 with the qk l2 norm at K = 64 in groups above two: the Gluon backends refuse
-    such a call where the planner cuts it into segments (the GPU fuzz measured it wrong
-    there), naming why; unsegmented, in groups of two, without the norm, at K = 128 or in
-    fp16 (normalized copies) they take it."""
-    lengths = [12000, 3] if cp == "auto" else [65, 2049, 65, 63]
-    call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=64, dtype=dtype, seed=HV + K,
-                       normalize_qk=not l2)
-    problem = make_problem(**call, use_qk_l2norm_in_kernel=l2, output_final_state=True, context_parallel=cp)
-    assert GLUON_FORWARD.plan_for_problem(problem, 132).enabled == (cp != "off")
-    reason = GLUON_FORWARD.segmented_call_reason(problem, 132)
-    assert (reason is not None) == refused
-    if refused:
-        assert "not run in segments" in reason and "K = 64" in reason

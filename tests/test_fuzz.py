@@ -177,18 +177,9 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
         call = {**call, "initial_state": pool_args.pop("pool")}
         if pool_ref is not None:
             flags["output_final_state"] = True
-    backend = case.backend
-    if device == "cuda" and _refused_in_segments(case, call, {**flags, **cp_flag}, pool_args):
-        # The backend refuses this form in segments: an explicit call says so, and the
-        # registry's choice runs it instead, measured like any other.
-        from gdn_dispatch.registry import GDNDispatchError
-
-        with pytest.raises(GDNDispatchError, match="not run in segments"):
-            _call_backend(call, {**flags, **cp_flag}, pool_args, backend)
-        backend = None
     if device == "cuda":
         poison_cuda_allocator()
-    o, ht = _call_backend(call, {**flags, **cp_flag}, pool_args, backend)
+    o, ht = _call_backend(call, {**flags, **cp_flag}, pool_args, case.backend)
     o_ref, ht_ref = reference.oracle(make_problem(**ref_call, **flags))
     errors = {"o": rel_rms_error(o, o_ref)}
     if pool_ref is not None:
@@ -204,19 +195,6 @@ def run_case(case: FuzzCase, device: str) -> dict[str, float]:
     else:
         assert ht is None, case.describe()
     return errors
-
-
-def _refused_in_segments(case: FuzzCase, call: dict, flags: dict, pool_args: dict) -> bool:
-    """Whether a Gluon backend refuses ``case`` because its planner would cut it into
-    segments of a form the kernels do not run segmented
-    (``gluon_common.forward.segmented_call_reason``)."""
-    if not case.backend.startswith("gluon"):
-        return False
-    from gdn_dispatch.backends.gluon_common.forward import segmented_call_reason
-    from gdn_dispatch.device import default_probe
-
-    problem = make_problem(**call, **flags, **{n: v for n, v in pool_args.items() if n != "pool"})
-    return segmented_call_reason(problem, default_probe().for_torch_device(problem.device).sm_count) is not None
 
 
 def _pool_dtype(seed: int) -> torch.dtype:

@@ -56,7 +56,7 @@ from gdn_dispatch.backends.gluon_common.plan import NORM_KERNELS, ForwardPlan, p
 from gdn_dispatch.backends.gluon_common.qk_norm import norm_launch_args
 from gdn_dispatch.backends.gluon_common.segment_map import segment_map_launch_args
 from gdn_dispatch.backends.gluon_common.segments import (
-    ragged_segment_facts, segment_facts, segmenting_reason, uniform_segment_facts)
+    ragged_segment_facts, segment_facts, uniform_segment_facts)
 from gdn_dispatch.backends.gluon_common.state_output import state_output_launch_args
 from gdn_dispatch.backends.gluon_common.wy import wy_launch_args
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_launch_args
@@ -159,9 +159,6 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
     index, request, sm_count = problem.device.index, problem.context_parallel, device.sm_count
     H, Kd, HV, V, no_h0 = problem.H, problem.K, problem.HV, problem.V, problem.initial_state is None
     uniform, device_index, dtype = problem.chunks.uniform, problem.device, problem.q.dtype
-    # A form the kernels do not run in segments: its segmented calls go back to the registry
-    # (the backend's unsupported_reason refuses them).
-    unsegmented = segmenting_reason(dtype, Kd, HV // H, problem.use_qk_l2norm) is not None
 
     def run(q, k, v, g, beta, cu, h0, indices, B, T, N, longest, scale, cu_host=None):
         if index != torch.cuda.current_device():
@@ -170,8 +167,6 @@ def route_runner(problem: GDNProblem, device: DeviceInfo, engine):
         if decided is None:
             return None
         offsets, cp = decided
-        if cp.enabled and unsegmented:
-            return None
         if cp.chained:
             return None  # no program for chained segments: the forward launches them
         rows = B * T

@@ -62,7 +62,7 @@ import torch
 from gdn_dispatch import native
 from gdn_dispatch.context_parallel import CPPlan, plan_for_problem
 from gdn_dispatch.contract import GDNProblem, StateLayout, _counted_copy, replace_fields
-from gdn_dispatch.device import DeviceInfo, default_probe
+from gdn_dispatch.device import DeviceInfo
 
 from gdn_dispatch.backends.gluon_common.buffers import call_buffers
 from gdn_dispatch.backends.gluon_common.call_program import run_call, run_segmented_call
@@ -70,8 +70,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import index_limits_reason, 
 from gdn_dispatch.backends.gluon_common.plan import ForwardPlan, plan
 from gdn_dispatch.backends.gluon_common.qk_norm import needs_norm_copies, qk_l2norm_fwd, qk_rnorm_fwd
 from gdn_dispatch.backends.gluon_common.segment_map import segment_map_fwd
-from gdn_dispatch.backends.gluon_common.segments import (
-    SegmentOffsets, segment_facts, segment_host_offsets, segmenting_reason)
+from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
@@ -171,27 +170,12 @@ def unsupported_reason(problem: GDNProblem) -> str | None:
 
     registry.toml states dtypes, head dims and compute capabilities (the registry checks
     them before it asks here); this adds what it cannot express: CUDA tensors and int32
-    TMA coordinates; and calls of a form the kernels do not run in segments that the
-    context-parallel planner would cut into segments (:func:`segmented_call_reason`). (Inputs
-    TMA cannot address in place are copied once by :func:`tma_readable`, not refused.)
+    TMA coordinates. (Inputs TMA cannot address in place are copied once by
+    :func:`tma_readable`, not refused.)
     """
     if problem.device.type != "cuda":
         return f"needs CUDA tensors, got device {problem.device}"
-    reason = index_limits_reason(problem)
-    if reason is None and segmenting_reason(problem.q.dtype, problem.K, problem.HV // problem.H,
-                                            problem.use_qk_l2norm) is not None:
-        reason = segmented_call_reason(problem, default_probe().for_torch_device(problem.device).sm_count)
-    return reason
-
-
-def segmented_call_reason(problem: GDNProblem, sm_count: int) -> str | None:
-    """Why the Gluon kernels refuse ``problem`` as the context-parallel planner decides it on
-    ``sm_count`` SMs: a call of a form they do not run in segments
-    (:func:`.segments.segmenting_reason`) that would be cut into segments; else None."""
-    reason = segmenting_reason(problem.q.dtype, problem.K, problem.HV // problem.H, problem.use_qk_l2norm)
-    if reason is not None and plan_for_problem(problem, sm_count).enabled:
-        return reason
-    return None
+    return index_limits_reason(problem)
 
 
 # ----------------------------------------------------------------------------------------

@@ -94,18 +94,3 @@ def ragged_segment_facts(offsets: list[int], seg_len: int) -> tuple[bool, int]:
     and ``ceil(len_n / L)`` of its slots hold tokens."""
     return (any(offset % CHUNK_SIZE for offset in offsets),
             sum(-(-(b - a) // seg_len) for a, b in zip(offsets, offsets[1:])))
-
-
-def segmenting_reason(dtype: torch.dtype, K: int, group: int, use_qk_l2norm: bool) -> str | None:
-    """Why the Gluon kernels do not run a call of this form cut into segments (context
-    parallelism), or None; ``group``: v-heads per q/k head. bf16 calls with the qk l2 norm
-    at K = 64 and groups above two: segmented, they fail the GPU fuzz on the H100
-    (``tests/test_fuzz.py``, H = 1, HV = 4, K = V = 64: o 0.10-0.21 and the final state 7.3
-    relative RMS from the reference), while the same calls unsegmented, in groups of two
-    (``tests/test_context_parallel.py``), at K = 128 in groups of up to two, without the
-    norm, or in fp16 (on normalized copies) pass. Until the segmented kernels are exact
-    there, such calls go to a backend whose segments are (the registry's next choice)."""
-    if use_qk_l2norm and K == 64 and group > 2 and dtype == torch.bfloat16:
-        return ("bf16 with the qk l2 norm at K = 64 and more than two v-heads per q/k head is not run in "
-                "segments (context parallelism) here")
-    return None
