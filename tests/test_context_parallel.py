@@ -853,6 +853,29 @@ def test_gluon_plan_call_stays_unsegmented_when_the_heads_fill_the_device():
     assert l2.segment_map.constexprs["USE_L2NORM"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("H, HV", [(2, 2), (1, 2), (1, 4), (2, 8)])
+def test_gluon_segmented_stages_agree_on_the_qk_l2_norm(H, HV, K, dtype):
+    """Every stage of a segmented l2 call is planned for the same norm: bf16 reads raw q
+    and k (wy, pass 1 plain and chained, pass 2 with the reciprocal norms), fp16 the
+    normalized copies (none of them normalizes). Groups above two, where the warp-
+    specialized path plans its own call without the norm, once planned pass 1 without it
+    too: k's rows unscaled, final states off by about ||k|| (7.3 relative RMS on the H100
+    at K = 64)."""
+    call = random_call(lengths=[4096, 65], H=H, HV=HV, K=K, V=128, dtype=dtype, seed=HV + K, normalize_qk=False)
+    problem = make_problem(**call, use_qk_l2norm_in_kernel=True, output_final_state=True, context_parallel=4)
+    planned = GLUON_FORWARD.plan_call(problem, assumed_device("sm_90"))
+    in_kernels = dtype == torch.bfloat16
+    assert planned.kernels[0] == ("wy_fwd" if in_kernels else "qk_l2norm_fwd")
+    cls = planned.launches.cls
+    flags = {"wy": planned.launches.stage("wy_fwd").constexprs["USE_L2NORM"],
+             "pass 1": cls.segment_map.constexprs["USE_L2NORM"],
+             "pass 1 chained": cls.segment_map_chain.constexprs["USE_L2NORM"],
+             "pass 2": planned.state_output.constexprs["USE_L2NORM"]}
+    assert flags == dict.fromkeys(flags, in_kernels), flags
+
+
 @pytest.mark.parametrize("lengths, L", [([300, 0, 1, 64, 128, 129, 700], 128), ([0, 0], 64), ([5], 64),
                                         ([1000, 3, 2000], 256), ([4100], 1024)])
 def test_segment_host_offsets_equal_the_table_kernel(lengths, L, monkeypatch):
@@ -1017,6 +1040,12 @@ GLUON_CP_CASES = [
                  "kv", True, False, None, id="B1-T32768-H2-HV4-K128-kv-h0-bf16-auto"),
     pytest.param(torch.bfloat16, dict(lengths=[12000, 3], H=1, HV=2, K=64, V=64, n="auto"),
                  "vk", True, True, None, id="varlen-12000.3-H1-HV2-K64-vk-h0-l2-bf16-auto"),
+    # Groups of four with the norm (the tensor-parallel shard 2/8 of Qwen3.5's 16/64 heads):
+    # the warp-specialized path runs them on copies, the segmented pipeline on raw q and k.
+    pytest.param(torch.bfloat16, dict(lengths=[20000, 65], H=2, HV=8, K=128, V=128, n="auto"),
+                 "vk", True, True, None, id="varlen-20000.65-H2-HV8-K128-vk-h0-l2-bf16-auto"),
+    pytest.param(torch.bfloat16, dict(lengths=[2049, 65, 63], H=1, HV=4, K=64, V=64, n=5),
+                 "vk", True, True, None, id="varlen-2049.65.63-H1-HV4-K64-vk-h0-l2-bf16-n5"),
 ]
 
 

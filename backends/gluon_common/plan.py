@@ -322,14 +322,16 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
     # fp16 calls run on normalized copies instead (qk_l2norm_fwd first, every later stage
     # seeing a call without the norm: :func:`.qk_norm.needs_norm_copies`).
     copies = needs_norm_copies(problem)
-    plain = dataclasses.replace(problem, use_qk_l2norm=False) if copies else problem
-    front = [plan_wy(plain, device, engine=engine).shared]
+    # What the pipeline's stages and context parallelism's pass 1 are planned for (the
+    # warp-specialized path below plans its own).
+    staged = dataclasses.replace(problem, use_qk_l2norm=False) if copies else problem
+    front = [plan_wy(staged, device, engine=engine).shared]
     if copies:
         front.insert(0, plan_qk_l2norm(problem, device, engine=engine).shared)
     elif problem.use_qk_l2norm:
         front.append(plan_qk_rnorm(problem, device, engine=engine).shared)
     elem = problem.q.element_size()
-    state_outputs = {config: plan_state_output(plain, device, block_v=config[0], num_warps=config[1],
+    state_outputs = {config: plan_state_output(staged, device, block_v=config[0], num_warps=config[1],
                                                engine=engine).shared
                      for config in state_output_configs(problem.K, problem.V)}
     fused, fused_min_programs = None, 0
@@ -353,7 +355,7 @@ def compute_class_plan(problem: GDNProblem, device: DeviceInfo, *, engine=None) 
                      K=problem.K, V=problem.V, elem=elem, sm_count=device.sm_count,
                      smem_per_block=shared_memory_per_block(device), front=tuple(front),
                      state_outputs=state_outputs, fused=fused, fused_min_programs=fused_min_programs,
-                     **_segment_maps(plain, device, engine))
+                     **_segment_maps(staged, device, engine))
 
 
 def _segment_maps(problem: GDNProblem, device: DeviceInfo, engine) -> dict:
