@@ -39,6 +39,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common import wy
 from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, block_ids, block_mma_layout
+from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.wy import (
     _f32_layout, chunk_program, chunk_rows_early, chunk_t, chunk_t_blocked, chunk_t_diagonals, regs_inverse_smem,
     t_tile_pair, wy_chunks)
@@ -381,8 +382,8 @@ def wy_t_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine, l
     cases.append((torch.bfloat16, torch.float32, torch.float32, torch.int64))
     # With the qk l2 norm on chip the T kernel reduces k's norms itself (USE_L2NORM).
     norms = (False, True) if l2_on_chip else (False,)
-    # fp16 calls with the norm run on normalized copies (qk_norm.needs_norm_copies).
-    builds = [(128, case, l2) for l2 in norms for case in cases if not (l2 and case[0] == torch.float16)]
+    # fp16 calls with the norm run on normalized copies (qk_norm.l2_flags).
+    builds = [(128, case, l2) for l2 in norms for case in cases if l2 in l2_flags(case[0])]
     builds += [(K, cases[0], l2) for K in head_dims if K != 128 for l2 in norms]
     kernels = []
     for K, (dtype, g_dtype, beta_dtype, cu_dtype), l2 in builds:

@@ -80,6 +80,7 @@ from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc, token_stride
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import (
     gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
@@ -1140,8 +1141,8 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
               {**base, "cu_dtype": torch.int64}]
     if qk_norm_on_chip(engine):
         # bf16 calls with the qk l2 norm run this kernel on raw q and k (QK_NORM); fp16
-        # calls on normalized copies (qk_norm.needs_norm_copies).
-        cases += [{**case, "l2": True} for case in core_cases() if case["dtype"] == torch.bfloat16]
+        # calls on normalized copies (qk_norm.l2_flags).
+        cases += [{**case, "l2": True} for case in core_cases() if True in l2_flags(case["dtype"])]
     dims = head_dims()
     for K, V in ((K, V) for K in dims for V in dims if (K, V) != (HEAD_DIM, HEAD_DIM)):
         cases += [{**base, "K": K, "V": V},
