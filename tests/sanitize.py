@@ -76,7 +76,8 @@ CALLS = {
 }
 #: gluon_sm90: the same calls, and three with enough (sequence, v-head) pairs (3 x 128) to
 #: take its warp-specialized path (the T kernel and the fused kernel; with the qk l2 norm,
-#: the normalized-rows kernel first).
+#: the normalized-rows kernel first; in fp16, normalized copies of q and k first), and
+#: segments at four value heads per key head with the norm (each stage's own norm flag).
 CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False),
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
@@ -90,6 +91,8 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "aux_t": True}),
     ([1, 63, 130, 0], 32, 128, 128, 128, "float16", "vk", False, {"early_o1": False, "pool": "float32"}),
     ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True, "state_scores": True}),
+    ([63, 1, 129], 32, 128, 128, 128, "float16", "vk", True),
+    ([300, 0, 129], 1, 4, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
