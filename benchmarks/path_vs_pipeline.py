@@ -6,10 +6,11 @@ calls take the path when forced).
 Usage (an sm_90 GPU, repository root): ``python benchmarks/path_vs_pipeline.py
 [--qk-l2norm] [--aux-t] [--shapes N]`` (the first N shapes; ``--aux-t``: the path with
 ``fused.AUX_T``, one launch forming the chunk inverses itself, which moves the crossover:
-the shapes with 64 and 32 (sequence, v-head) programs are there for it). Inputs: ``testing.random_call(seed=1)``,
-bf16, H = 16, K = V = 128, initial and final state; varlen shapes with a host copy of
-cu_seqlens. Times: ``triton.testing.do_bench`` medians (L2 flushed between calls), host
-time included. Each shape first checks that the plan takes the path when forced.
+the shapes with 64 and 32 (sequence, v-head) programs are there for it, at 8192 tokens and
+at 32768). Inputs: ``testing.random_call(seed=1)``, bf16, H = 16, K = V = 128, initial and
+final state, context parallelism off; varlen shapes with a host copy of cu_seqlens. Times:
+``triton.testing.do_bench`` medians (L2 flushed between calls), host time included. Each
+shape first checks that the plan takes the path when forced.
 """
 import argparse
 
@@ -34,6 +35,10 @@ SHAPES = [
                                         900, 5500, 4000], HV=32)),
     ("H16-HV32-2x8192", dict(batch=(2, 8192), HV=32)),
     ("H16-HV32-1x8192", dict(batch=(1, 8192), HV=32)),
+    # One long prompt on 32 and 64 (sequence, v-head) programs: the chain of 512 chunks,
+    # where the pipeline splits V into blocks and the path does not.
+    ("H16-HV32-1x32768", dict(batch=(1, 32768), HV=32)),
+    ("H16-HV64-1x32768", dict(batch=(1, 32768), HV=64)),
 ]
 
 
@@ -60,7 +65,9 @@ def main() -> None:
     try:
         for name, shape in SHAPES[:args.shapes]:
             call = random_call(**shape, H=16, K=128, V=128, device="cuda", seed=1, normalize_qk=not args.qk_l2norm)
-            kwargs = {**call, "output_final_state": True, "use_qk_l2norm_in_kernel": args.qk_l2norm}
+            # Unsegmented: context parallelism would keep both arms on the pipeline's kernels.
+            kwargs = {**call, "output_final_state": True, "use_qk_l2norm_in_kernel": args.qk_l2norm,
+                      "context_parallel": "off"}
             t_path, on_path = timed(kwargs, 0.0)
             t_pipe, off_path = timed(kwargs, 1e9)
             assert on_path and not off_path, name
