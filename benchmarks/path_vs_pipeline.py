@@ -14,7 +14,6 @@ shape first checks that the plan takes the path when forced.
 """
 import argparse
 
-import torch
 from triton.testing import do_bench
 
 from gdn_dispatch import chunk_gated_delta_rule
