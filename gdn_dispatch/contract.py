@@ -337,9 +337,9 @@ def _check_cu_seqlens(cu_host: torch.Tensor, T: int, name: str = "cu_seqlens") -
 
 def _check_host_copy(values: torch.Tensor, cu_host: torch.Tensor) -> None:
     """``cu_seqlens_cpu`` (``cu_host``) holds ``values``, cu_seqlens's own (read on the host)."""
-    values = values.to(torch.int64)
-    if not torch.equal(values, cu_host.to(torch.int64)):
-        i = int(torch.nonzero(values != cu_host.to(torch.int64))[0])
+    values, host = values.to(torch.int64), cu_host.to(torch.int64)
+    if not torch.equal(values, host):
+        i = int(torch.nonzero(values != host)[0])
         raise GDNInputError(
             f"cu_seqlens_cpu: expected the values of cu_seqlens, got {int(cu_host[i])} where "
             f"cu_seqlens holds {int(values[i])} (position {i})"
