@@ -736,9 +736,20 @@ WY_EARLY_ROWS = True
 
 #: Register cap with :data:`WY_SPLIT_WU`: 65536 / (4 programs x 128 threads).
 WY_SPLIT_MAXNREG_SM90 = 128
-#: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``): 0-16 by
-#: specialization with triton 3.6.0.
+#: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``) with the tf32 inverse:
+#: 0-16 by specialization with triton 3.6.0.
 WY_SPLIT_SPILL_BYTES_SM90 = 32
+#: The same with the fp16 inverse (:data:`.blocked_inverse.F16_OPERANDS`), whose check and
+#: redo of chunks past fp16's range (A formed again, T by rows) sit beside the products:
+#: 40-80 bytes by specialization with triton 3.6.0 (none at :data:`WY_MAXNREG_SM90` without
+#: :data:`WY_SPLIT_WU`). Not timed on a GPU.
+WY_SPLIT_F16_SPILL_BYTES_SM90 = 96
+
+
+def split_spill_bytes() -> int:
+    """The spill bytes the :data:`WY_SPLIT_WU` build keeps with the inverse as set
+    (:func:`.blocked_inverse.fp16_products`)."""
+    return WY_SPLIT_F16_SPILL_BYTES_SM90 if fp16_products() else WY_SPLIT_SPILL_BYTES_SM90
 
 
 def wy_descriptors(H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> tuple:
@@ -963,6 +974,6 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                             constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
                             maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
                                 "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens"]),
-                            spill_bytes_allowed=WY_SPLIT_SPILL_BYTES_SM90 if launch.constexprs["SPLIT_WU"] else 0,
+                            spill_bytes_allowed=split_spill_bytes() if launch.constexprs["SPLIT_WU"] else 0,
                         ))
     return kernels

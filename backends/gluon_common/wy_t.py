@@ -38,7 +38,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, has_tails, pointer_attrs, resolve_engine, sig_dtype,
     tile_desc, token_stride)
 from gdn_dispatch.backends.gluon_common import wy
-from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, block_ids, block_mma_layout
+from gdn_dispatch.backends.gluon_common.blocked_inverse import BLOCK, BLOCKS, block_ids, block_mma_layout, fp16_products
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.wy import (
     _f32_layout, chunk_program, chunk_rows_early, chunk_t, chunk_t_blocked, chunk_t_diagonals, regs_inverse_smem,
@@ -226,15 +226,16 @@ WY_T_BLOCKED_INVERSE = True
 #: ragged16; outputs bit-equal. (Before the inverse's table was swizzled the two caps
 #: measured equal; at 80 registers, six programs, 0.321 against 0.290 ms.)
 WY_T_MAXNREG_SM90 = 96
-#: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90` (``AotKernel.spill_bytes_allowed``):
-#: 16-64 per specialization with triton 3.6.0, none with 3.9.0 (0-16 with 3.6.0 before
-#: the inverse formed its off-diagonal factors first: the kernel's time on the H100
-#: unchanged by it, outputs within 7e-5).
+#: Spill bytes the sm_90a build keeps at :data:`WY_T_MAXNREG_SM90`
+#: (``AotKernel.spill_bytes_allowed``) with the tf32 inverse: 16-64 per specialization with
+#: triton 3.6.0, none with 3.9.0 (0-16 with 3.6.0 before the inverse formed its off-diagonal
+#: factors first: the kernel's time on the H100 unchanged by it, outputs within 7e-5).
 WY_T_SPILL_BYTES_SM90 = 64
-#: Spill bytes of the varlen bf16 build with the fp16 inverse
+#: Spill bytes the same build keeps with the fp16 inverse
 #: (:data:`.blocked_inverse.F16_OPERANDS`, off), whose redo of chunks past fp16's range
-#: (A formed again, T by rows) sits beside it: 120-192 with triton 3.6.0 (fp16 or fp32
-#: tables, series or doubling); the compile tests' bound for those builds.
+#: (A formed again, T by rows) sits beside it: 96-160 by specialization with triton 3.6.0
+#: with fp16 tables and the series (the varlen bf16 build 120-192 over fp16 or fp32 tables,
+#: series or doubling).
 WY_T_F16_SPILL_BYTES_SM90 = 320
 #: The cap of the other sm_90a builds (the wgmma inverse, or T_w and T_u both): four
 #: programs per SM. With the wgmma inverse (49 KB of shared memory) ptxas keeps some bytes
@@ -253,7 +254,7 @@ def t_kernel_caps(engine, blocked: bool, single: bool) -> tuple[int, int]:
     if engine.is_sm100:
         return 255, 0
     if blocked and single:
-        return WY_T_MAXNREG_SM90, WY_T_SPILL_BYTES_SM90
+        return WY_T_MAXNREG_SM90, WY_T_F16_SPILL_BYTES_SM90 if fp16_products() else WY_T_SPILL_BYTES_SM90
     return WY_T_PAIR_MAXNREG_SM90, WY_T_PAIR_SPILL_BYTES_SM90
 
 #: The T kernel writes T_u alone, and sm_90a's fused kernel takes its state partition's
