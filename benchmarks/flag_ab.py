@@ -22,16 +22,23 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py aux_t        # fused.AUX_T: the inverses in the aux partition, one launch
     python benchmarks/flag_ab.py small_heads  # fused.SMALL_HEADS: K or V of 64 on the path, not the pipeline
     python benchmarks/flag_ab.py early_o1     # fused.EARLY_O1: S_old q^T issued with P^T; wgmma not serialized
-    python benchmarks/flag_ab.py state_scores --with aux_t  # fused.STATE_SCORES: q k^T in the state, not the aux
+    python benchmarks/flag_ab.py state_scores  # fused.STATE_SCORES: q k^T in the state, not the aux (under aux_t)
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
-    python benchmarks/flag_ab.py half_tables --with f16_inverse  # blocked_inverse.HALF_TABLES: fp16 tables, ldmatrix
+    python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: fp16 tables, ldmatrix (fp16 products)
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
-``--with OTHER[,OTHER...]`` turns other studies' flags on in both arms (a flag measured on
-top of another one not yet shipped), e.g. ``python benchmarks/flag_ab.py v_slots --with t_inverse``.
+Every other flag keeps its default in both arms: the studies of the one-kernel build
+(``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``) measure a
+flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
+studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
+``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
+them off in both arms (a flag measured on top of a build without another), e.g. ``python
+benchmarks/flag_ab.py aux_t --without f16_inverse,half_tables,diagonal_series``: the chunk
+inverses in the fused kernel or in the T kernel, both on tf32 products. The studies of the
+two-launch build (:data:`TWO_LAUNCH_STUDIES`) add ``--without aux_t`` themselves.
 """
 import argparse
 import importlib
@@ -122,13 +129,13 @@ STUDIES = {
     # (the qk l2 norm on chip at HV 32; at HV 64 its normalized copies come first).
     "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
         **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
-    # With aux_t: the causal scores formed by the state partition, not the aux (--with aux_t).
+    # Under aux_t: the causal scores formed by the state partition, not the aux.
     "state_scores": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", (False, True), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
                                             "H16-HV32-4x8192-l2")}),
-    # The chunk inverse's block products on fp16 operands, not tf32: the T kernel (with
-    # --with aux_t,state_scores: the fused kernel's aux partition), and the w/u kernel of the
-    # pipeline's calls and of context parallelism's segmented ones (the 1 x 32768 shards).
+    # The chunk inverse's block products on fp16 operands, not tf32: the fused kernel's aux
+    # partition (with --without aux_t: the T kernel), and the w/u kernel of the pipeline's
+    # calls and of context parallelism's segmented ones (the 1 x 32768 shards).
     "f16_inverse": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "F16_OPERANDS",
                     (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The inverse's tables in fp16: each warp's shifted read one ldmatrix (the same shapes).
@@ -147,6 +154,15 @@ STUDIES = {
         "H16-HV32-4x8192-K128-V64": (16, 32, (4, 8192), False, 128, 64),
         "H16-HV32-ragged16-K64-V64": (16, 32, "ragged16", False, 64, 64)}),
 }
+
+
+#: Studies of the path's two-launch build (the T kernel's inverse, rows, stores, register
+#: cap and tiles, the load warp, and the fused kernel's chain order and aux registers as
+#: they were measured there): they run with ``aux_t`` off in both arms unless ``--with
+#: aux_t`` (with the chunk inverses in the fused kernel, as shipped, the T kernel's flags
+#: change nothing on the path's shapes).
+TWO_LAUNCH_STUDIES = {"t_inverse", "early_rows", "t_u_chain", "t_pair", "t_regs", "t_block_tma", "load_warp",
+                      "early_o1", "aux_regs"}
 
 
 def calls(shapes: dict) -> dict:
@@ -170,19 +186,34 @@ def set_flag(study: str, arm: str) -> None:
     setattr(importlib.import_module(module), flag, values[arm == "on"])
 
 
+def shipped_on(study: str) -> bool:
+    """Whether the study's flag holds its on value as shipped."""
+    module, flag, values, _ = STUDIES[study]
+    shipped = getattr(importlib.import_module(module), flag)
+    return getattr(shipped, "value", shipped) == getattr(values[1], "value", values[1])
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study", choices=sorted(STUDIES))
     parser.add_argument("arm", nargs="?", choices=("off", "on"), help="run one arm in this process")
     parser.add_argument("--with", dest="also", default="", help="studies whose flags are on in both arms")
+    parser.add_argument("--without", default="", help="studies whose flags are off in both arms")
     parser.add_argument("--shapes", default="", help="comma-separated: time these of the study's shapes only")
     args = parser.parse_args()
     also = [name for name in args.also.split(",") if name]
-    for name in also:
-        if name not in STUDIES or name == args.study:
-            parser.error(f"--with: {name!r} is not another study")
-    if "half_tables" in [args.study] + also and "f16_inverse" not in [args.study] + also:
-        parser.error("half_tables: the fp16 tables need the fp16 products; add --with f16_inverse")
+    without = [name for name in args.without.split(",") if name]
+    for option, names in (("--with", also), ("--without", without)):
+        for name in names:
+            if name not in STUDIES or name == args.study:
+                parser.error(f"{option}: {name!r} is not another study")
+    if set(also) & set(without):
+        parser.error(f"--with and --without both name {sorted(set(also) & set(without))}")
+    if args.study in TWO_LAUNCH_STUDIES and "aux_t" not in also + without:
+        without.append("aux_t")
+    f16_products = "f16_inverse" in [args.study] + also or (shipped_on("f16_inverse") and "f16_inverse" not in without)
+    if "half_tables" in [args.study] + also and not f16_products:
+        parser.error("half_tables: the fp16 tables need the fp16 products (f16_inverse on in both arms)")
     _, flag, _, shapes = STUDIES[args.study]
     if args.shapes:
         picked = args.shapes.split(",")
@@ -190,16 +221,20 @@ if __name__ == "__main__":
         if unknown:
             parser.error(f"--shapes: {unknown} not among {args.study}'s shapes {sorted(shapes)}")
         shapes = {name: shapes[name] for name in picked}
-    tag = "_".join([args.study] + also)
+    tag = "_".join([args.study] + also + [f"no_{name}" for name in without])
     if args.arm:
         for name in also:
             set_flag(name, "on")
+        for name in without:
+            set_flag(name, "off")
         set_flag(args.study, args.arm)
         run_variant(f"flag_ab_{tag}", args.arm, calls(shapes))
         sys.exit(0)
-    print(f"| {flag}{' (with ' + ', '.join(also) + ' on)' if also else ''} | shape | call ms | enqueue µs | kernels ms |")
+    print(f"| {flag}{' (with ' + ', '.join(also) + ' on)' if also else ''}"
+          f"{' (with ' + ', '.join(without) + ' off)' if without else ''} | shape | call ms | enqueue µs | kernels ms |")
     for arm in ("off", "on", "off", "on"):
         run = subprocess.run([sys.executable, __file__, args.study, arm] + (["--with", args.also] if also else [])
+                             + (["--without", ",".join(without)] if without else [])
                              + (["--shapes", args.shapes] if args.shapes else []), stderr=subprocess.PIPE, text=True)
         if run.returncode:
             sys.exit(f"the {arm} arm failed:\n" + "\n".join(run.stderr.splitlines()[-25:]))

@@ -1,7 +1,7 @@
 """Per-partition phase cycles of gluon_sm90's warp-specialized kernels, from Proton's
 intra-kernel profiler.
 
-    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--aux-t [--state-scores]] [--late-o1]
+    python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--t-kernel | --aux-scores] [--late-o1]
                                            [--out DIR]
 
 Each shape is one public gluon_sm90 call (bf16, K = V = 128, initial + final state; the
@@ -9,11 +9,13 @@ bench's gates) run once under a Proton session in instrumentation mode. Its kern
 compile with the phases of ``gdn_dispatch.backends.gluon_common.scopes`` recorded: every
 warp's cycles in each ``partition.phase`` of the warp-specialized path's fused kernel
 (``state.*``, ``aux.*``) and of the warp-specialized state-output walk (``chain.*``,
-``output.*``; taken with ``--ws-walk``, which sets ``state_output.STATE_OUTPUT_WS``; with
-``--aux-t`` the fused kernel forms the chunk inverses in its aux partition,
-``fused.AUX_T``, and ``aux.inverse`` is one of its phases, and with ``--state-scores`` as
-well its state partition forms the causal scores, ``fused.STATE_SCORES``; with ``--late-o1`` its state
-chain issues the output's first product after the update, ``fused.EARLY_O1`` off). The
+``output.*``; taken with ``--ws-walk``, which sets ``state_output.STATE_OUTPUT_WS``). As
+shipped the fused kernel forms the chunk inverses in its aux partition (``fused.AUX_T``;
+``aux.inverse`` is one of its phases) and its state partition the causal scores
+(``fused.STATE_SCORES``, ``state.scores``); with ``--t-kernel`` the T kernel forms the
+inverses in a launch of its own (``fused.AUX_T`` off), with ``--aux-scores`` the aux
+partition forms the scores (``fused.STATE_SCORES`` off), with ``--late-o1`` the state chain
+issues the output's first product after the update (``fused.EARLY_O1`` off). The
 profile is written to ``DIR/NAME.hatchet`` and every phase printed with its metrics as
 Proton reports them (its cycle counts are per warp, averaged over warps and programs), and
 per chunk of the program's walk.
@@ -101,13 +103,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     parser.add_argument("--ws-walk", action="store_true", help="the state-output walk warp-specialized")
-    parser.add_argument("--aux-t", action="store_true", help="the fused kernel forms the chunk inverses itself")
-    parser.add_argument("--state-scores", action="store_true", help="with --aux-t: the scores in the state partition")
+    parser.add_argument("--t-kernel", action="store_true", help="the T kernel forms the chunk inverses (two launches)")
+    parser.add_argument("--aux-scores", action="store_true", help="the aux partition forms the causal scores")
     parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
     parser.add_argument("--out", default="partition_profile", help="directory of the hatchet files")
     args = parser.parse_args()
-    if args.state_scores and not args.aux_t:
-        parser.error("--state-scores: the state forms the scores under --aux-t only")
+    if args.aux_scores and args.t_kernel:
+        parser.error("--aux-scores: the state forms the scores in the one-launch build only (not with --t-kernel)")
     # Before the first launch (both are read at launch): every launch through the JIT and
     # its hooks.
     os.environ["GDN_DISPATCH_JIT_LAUNCH"] = "1"
@@ -116,19 +118,19 @@ def main() -> None:
         from gdn_dispatch.backends.gluon_common import state_output
 
         state_output.STATE_OUTPUT_WS = True
-    if args.aux_t or args.late_o1:
+    if args.t_kernel or args.aux_scores or args.late_o1:
         from gdn_dispatch.backends.gluon_sm90 import fused
 
-        fused.AUX_T = fused.AUX_T or args.aux_t
+        fused.AUX_T = fused.AUX_T and not args.t_kernel
         fused.EARLY_O1 = fused.EARLY_O1 and not args.late_o1
-        fused.STATE_SCORES = fused.STATE_SCORES or args.state_scores
+        fused.STATE_SCORES = fused.STATE_SCORES and not args.aux_scores
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shape or list(SHAPES):
         chunks = walk_chunks(name)
         found = profile(name, out_dir)
-        flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("aux-t", args.aux_t),
-                                                          ("state-scores", args.state_scores),
+        flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("t-kernel", args.t_kernel),
+                                                          ("aux-scores", args.aux_scores),
                                                           ("late-o1", args.late_o1)) if on)
         print(f"\n{name}{flags}: {len(found)} phases, {chunks} chunks per walk")
         if not found:

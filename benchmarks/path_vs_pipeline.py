@@ -3,14 +3,15 @@ process, each shape timed on both (the plan's threshold ``fused.MIN_SM_SHARE`` m
 force each, and ``fused.QK_L2NORM`` held on whatever its default, so that ``--qk-l2norm``
 calls take the path when forced).
 
-Usage (an sm_90 GPU, repository root): ``python benchmarks/path_vs_pipeline.py
-[--qk-l2norm] [--aux-t] [--shapes N]`` (the first N shapes; ``--aux-t``: the path with
-``fused.AUX_T``, one launch forming the chunk inverses itself, which moves the crossover:
-the shapes with 64 and 32 (sequence, v-head) programs are there for it, at 8192 tokens and
-at 32768). Inputs: ``testing.random_call(seed=1)``, bf16, H = 16, K = V = 128, initial and
-final state, context parallelism off; varlen shapes with a host copy of cu_seqlens. Times:
-``triton.testing.do_bench`` medians (L2 flushed between calls), host time included. Each
-shape first checks that the plan takes the path when forced.
+Usage (an sm_90 GPU, repository root): ``python benchmarks/path_vs_pipeline.py [--qk-l2norm]
+[--t-kernel] [--shapes N]`` (the first N shapes; the path as shipped is one launch forming
+the chunk inverses itself, ``fused.AUX_T``; ``--t-kernel``: the path with the T kernel
+forming them in a launch of its own, ``fused.AUX_T`` off; the shapes with 64 and 32
+(sequence, v-head) programs, at 8192 tokens and at 32768, are there for the crossover the
+one launch moves). Inputs: ``testing.random_call(seed=1)``, bf16, H = 16, K = V = 128,
+initial and final state, context parallelism off; varlen shapes with a host copy of
+cu_seqlens. Times: ``triton.testing.do_bench`` medians (L2 flushed between calls), host
+time included. Each shape first checks that the plan takes the path when forced.
 """
 import argparse
 
@@ -55,12 +56,12 @@ def timed(kwargs: dict, share: float) -> tuple[float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--qk-l2norm", action="store_true", help="raw q and k, use_qk_l2norm_in_kernel=True")
-    parser.add_argument("--aux-t", action="store_true", help="the path with fused.AUX_T (one launch)")
+    parser.add_argument("--t-kernel", action="store_true", help="the path with fused.AUX_T off (two launches)")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes")
     args = parser.parse_args()
     share, l2_switch, aux_t = fused.MIN_SM_SHARE, fused.QK_L2NORM, fused.AUX_T
     fused.QK_L2NORM = True
-    fused.AUX_T = args.aux_t
+    fused.AUX_T = aux_t and not args.t_kernel
     try:
         for name, shape in SHAPES[:args.shapes]:
             call = random_call(**shape, H=16, K=128, V=128, device="cuda", seed=1, normalize_qk=not args.qk_l2norm)

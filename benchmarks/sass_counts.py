@@ -7,8 +7,8 @@ more: each partition's chunk loop) with the functions it spends the most instruc
 The kernel is compiled for sm_90a at its first AOT specialization of that kind (bf16, "kv",
 initial and final state, varlen unless ``--dense``; with the qk l2 norm on chip under
 ``--l2``) with the build flags set first (:func:`gdn_dispatch.testing.set_build_flags`, e.g.
-``gluon_sm90.fused.AUX_T=1 gluon_sm90.fused.STATE_SCORES=1`` for the one-kernel build)
-by :func:`gdn_dispatch.aot.compile_kernel`, then Triton's bundled nvdisasm prints its cubin
+``gluon_sm90.fused.AUX_T=0`` for the two-launch build's fused kernel; the one-kernel build
+on fp16 products as shipped) by :func:`gdn_dispatch.aot.compile_kernel`, then Triton's bundled nvdisasm prints its cubin
 with line info: each instruction counts for the innermost source line ptxas gives it
 (inlined helpers count as themselves). Static counts say how much a partition issues per
 chunk, not how long it takes.

@@ -10,7 +10,7 @@ import pytest
 def pytest_addoption(parser):
     parser.addoption("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
                      help="set a kernel build flag under gdn_dispatch.backends for the whole run, e.g. "
-                          "gluon_common.blocked_inverse.HALF_TABLES=1 (gdn_dispatch.testing.set_build_flags)")
+                          "gluon_common.blocked_inverse.F16_OPERANDS=0 (gdn_dispatch.testing.set_build_flags)")
 
 
 def pytest_configure(config):

@@ -21,6 +21,11 @@ handoff: where it reports hazards there (the racecheck of the H200 image does: i
 model mbarriers between ``gl.warp_specialize`` partitions), the warp-specialized kernels of
 :data:`WARP_SPECIALIZED` are excluded from racecheck (named in the output) and left to
 memcheck and synccheck; once racecheck passes the control, it checks them too.
+
+The blocked chunk inverse's flags (``gluon_common.blocked_inverse.F16_OPERANDS``,
+``HALF_TABLES``, ``DIAGONAL_SERIES``) are read by the kernels as globals, fixed in a process
+at its first compile: every call runs them as shipped (fp16 products, fp16 tables, the
+series); the tf32 inverse is sanitized by a run with ``--build-flag`` setting all three to 0.
 """
 
 from __future__ import annotations
@@ -45,12 +50,13 @@ ROOT = Path(__file__).resolve().parents[1]
 #: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
 #: they are left out of it and the other calls take the one-warpgroup walk there),
 #: "aux_t" (gluon_sm90: the warp-specialized path's fused kernel forming the chunk
-#: inverses itself, ``fused.AUX_T``, for that call), "small_heads" (gluon_sm90: K or V of
-#: 64 on that path, ``fused.SMALL_HEADS``, for that call), "early_o1" (gluon_sm90: that
-#: path's state chain issuing the output's first product with P^T or, False, after the
-#: chain's update, ``fused.EARLY_O1``, for that call), "state_scores" (gluon_sm90: with
-#: "aux_t", the causal scores formed by that kernel's state partition,
-#: ``fused.STATE_SCORES``, for that call).
+#: inverses itself, ``fused.AUX_T``, as shipped, or, False, the T kernel forming them in a
+#: launch of its own, for that call), "small_heads" (gluon_sm90: K or V of 64 on that path,
+#: ``fused.SMALL_HEADS``, for that call), "early_o1" (gluon_sm90: that path's state chain
+#: issuing the output's first product with P^T or, False, after the chain's update,
+#: ``fused.EARLY_O1``, for that call), "state_scores" (gluon_sm90: under "aux_t", the
+#: causal scores formed by that kernel's state partition, ``fused.STATE_SCORES``, as
+#: shipped, or, False, by its aux partition, for that call).
 CALLS = {
     "triton_generic": [
         ([1, 63, 65, 130, 0], 2, 4, 32, 48, "bfloat16", "kv", False),
@@ -75,9 +81,10 @@ CALLS = {
     ],
 }
 #: gluon_sm90: the same calls, and three with enough (sequence, v-head) pairs (3 x 128) to
-#: take its warp-specialized path (the T kernel and the fused kernel; with the qk l2 norm,
-#: the normalized-rows kernel first; in fp16, normalized copies of q and k first), and
-#: segments at four value heads per key head with the norm (each stage's own norm flag).
+#: take its warp-specialized path (the fused kernel forming the chunk inverses itself; with
+#: the qk l2 norm, the normalized-rows kernel first; in fp16, normalized copies of q and k
+#: first), that path's other builds (the extras), and segments at four value heads per key
+#: head with the norm (each stage's own norm flag).
 CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False),
     ([70, 1, 64], 32, 128, 128, 128, "float16", "kv", False, {"pool": "bfloat16"}),
@@ -85,11 +92,13 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([1, 63, 65, 130, 0], 2, 4, 128, 128, "bfloat16", "kv", False, {"ws": True}),
     ([300, 0, 129], 1, 2, 128, 128, "float16", "vk", True, {"ws": True, "pool": "float32"}),
     ([300, 0, 129], 1, 2, 128, 128, "bfloat16", "kv", False, {"ws": True, "cp": 3}),
-    ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False, {"aux_t": True}),
-    ([70, 1, 64], 32, 64, 128, 128, "bfloat16", "kv", True, {"aux_t": True, "pool": "float32"}),
-    ([65, 0, 130], 32, 128, 64, 128, "bfloat16", "vk", False, {"small_heads": True}),
-    ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "aux_t": True}),
-    ([1, 63, 130, 0], 32, 128, 128, 128, "float16", "vk", False, {"early_o1": False, "pool": "float32"}),
+    ([65, 0, 130], 32, 128, 128, 128, "bfloat16", "vk", False, {"aux_t": False}),
+    ([70, 1, 64], 32, 64, 128, 128, "bfloat16", "kv", True, {"state_scores": False, "pool": "float32"}),
+    ([65, 0, 130], 32, 128, 64, 128, "bfloat16", "vk", False, {"small_heads": True, "aux_t": False}),
+    ([63, 1, 129], 32, 64, 128, 64, "bfloat16", "kv", True, {"small_heads": True, "state_scores": False}),
+    ([65, 1, 130], 32, 64, 64, 64, "bfloat16", "vk", True, {"small_heads": True}),
+    ([1, 63, 130, 0], 32, 128, 128, 128, "float16", "vk", False, {"early_o1": False, "aux_t": False,
+                                                                  "pool": "float32"}),
     ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True, "state_scores": True}),
     ([63, 1, 129], 32, 128, 128, 128, "float16", "vk", True),
     ([300, 0, 129], 1, 4, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-ws", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="a kernel build flag under gdn_dispatch.backends set in every child, e.g. "
-                             "gluon_common.blocked_inverse.HALF_TABLES=1")
+                             "gluon_common.blocked_inverse.F16_OPERANDS=0")
     args = parser.parse_args(argv)
     if args.child:
         if args.build_flag:

@@ -1088,7 +1088,7 @@ def test_bench_rows_name_their_launches(monkeypatch):
     describe = bench.launch_describer("cpu", assumed_device("sm_90"))
     many = BenchShape(name="ws", B=4, T=128, H=16, HV=32, K=128, V=128)
     few = BenchShape(name="pipe", B=1, T=128, H=16, HV=32, K=128, V=128)
-    assert describe("gluon_sm90", bench_timing.make_input_sets(many, 1, "cpu", 0)[0]) == "wy_t_fwd, fused_fwd"
+    assert describe("gluon_sm90", bench_timing.make_input_sets(many, 1, "cpu", 0)[0]) == "fused_fwd"
     assert describe("gluon_sm90", bench_timing.make_input_sets(few, 1, "cpu", 0)[0]) == "wy_fwd, state_output_fwd"
     assert describe("gluon_sm90[cp=off]", bench_timing.make_input_sets(few, 1, "cpu", 0)[0]) == ""
     forced = bench.launch_describer("cpu", assumed_device("sm_90"), context_parallel=2)

@@ -25,15 +25,15 @@ PROBE = "GDN_BUILD_FLAG_PROBE"
 def test_flags_keep_their_type(monkeypatch):
     for module, name in ((blocked_inverse, "HALF_TABLES"), (fused, "AUX_T"), (fused, "AUX_REGS")):
         monkeypatch.setattr(module, name, getattr(module, name))
-    done = set_build_flags(["gluon_common.blocked_inverse.HALF_TABLES=1", "gluon_sm90.fused.AUX_T = on",
+    done = set_build_flags(["gluon_common.blocked_inverse.HALF_TABLES=0", "gluon_sm90.fused.AUX_T = off",
                             "gluon_sm90.fused.AUX_REGS=96"])
-    assert done == {"gluon_common.blocked_inverse.HALF_TABLES": True, "gluon_sm90.fused.AUX_T": True,
+    assert done == {"gluon_common.blocked_inverse.HALF_TABLES": False, "gluon_sm90.fused.AUX_T": False,
                     "gluon_sm90.fused.AUX_REGS": 96}
-    assert type(blocked_inverse.HALF_TABLES).__name__ == "constexpr" and blocked_inverse.HALF_TABLES.value is True
-    assert fused.AUX_T is True
+    assert type(blocked_inverse.HALF_TABLES).__name__ == "constexpr" and blocked_inverse.HALF_TABLES.value is False
+    assert fused.AUX_T is False
     assert type(fused.AUX_REGS).__name__ == "constexpr" and fused.AUX_REGS.value == 96
-    set_build_flags(["gluon_common.blocked_inverse.HALF_TABLES=false"])
-    assert blocked_inverse.HALF_TABLES.value is False
+    set_build_flags(["gluon_common.blocked_inverse.HALF_TABLES=true"])
+    assert blocked_inverse.HALF_TABLES.value is True
 
 
 @pytest.mark.parametrize("setting, words", [
@@ -52,10 +52,11 @@ def test_bad_settings_are_named(setting, words, monkeypatch):
 
 
 def test_the_option_sets_flags_in_every_worker():
-    """``pytest --build-flag`` with pytest-xdist: each worker process sees the flag."""
+    """``pytest --build-flag`` with pytest-xdist: each worker process sees the flag (set off:
+    it ships on)."""
     tests = Path(__file__).resolve().parent
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                          "--build-flag", "gluon_common.blocked_inverse.HALF_TABLES=1",
+                          "--build-flag", "gluon_common.blocked_inverse.HALF_TABLES=0",
                           str(tests / "test_build_flags.py"), "-k", "probe"],
                          capture_output=True, text=True, timeout=600, env={**os.environ, PROBE: "1"},
                          cwd=tests.parent)
@@ -78,4 +79,4 @@ def test_a_fresh_process_sees_the_flags():
 if os.environ.get(PROBE):
     @pytest.mark.parametrize("i", range(4))
     def test_probe(i):
-        assert blocked_inverse.HALF_TABLES.value is True
+        assert blocked_inverse.HALF_TABLES.value is False

@@ -131,7 +131,8 @@ def _labels(records, outputs, inputs):
 def test_call_programs_launch_what_the_python_path_launches(native_built, capability, aux_t, small_heads,
                                                              monkeypatch):
     """With ``aux_t`` the warp-specialized path's fused kernel forms the inverses itself
-    (:data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`): its calls are one launch; with
+    (:data:`gdn_dispatch.backends.gluon_sm90.fused.AUX_T`, as shipped): its calls are one
+    launch, else the T kernel's and the fused kernel's; with
     ``small_heads`` calls with K or V of 64 take the path too (``fused.SMALL_HEADS``)."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 

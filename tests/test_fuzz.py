@@ -305,14 +305,14 @@ def test_fuzz_gpu(case, monkeypatch):
 #: The warp-specialized path's builds that its defaults leave out (gluon_sm90.fused flags),
 #: run on the seeds' path cases: (name, {flag: value}, which cases it changes). The qk l2
 #: norm on normalized copies of q and k where the default folds it in (groups of up to
-#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); the chunk inverses formed in the fused
-#: kernel (fused.AUX_T), with its causal scores formed in the state partition as well
-#: (fused.STATE_SCORES), and the state chain's output product issued after the chain's
-#: update (fused.EARLY_O1 off), each on every path case.
+#: fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads); the chunk inverses formed by the T kernel in a
+#: launch of its own (fused.AUX_T off), alone and with the state chain's output product
+#: issued after the chain's update (fused.EARLY_O1 off); the one launch with its causal
+#: scores formed in the aux partition (fused.STATE_SCORES off), each on every path case.
 PATH_VARIANTS = (("norm-copies", {"QK_NORM_ON_CHIP": False}, lambda c: c.spec.l2 and _norm_on_chip_group(c)),
-                 ("aux-t", {"AUX_T": True}, lambda c: True),
-                 ("aux-t-state-scores", {"AUX_T": True, "STATE_SCORES": True}, lambda c: True),
-                 ("late-o1", {"EARLY_O1": False}, lambda c: True))
+                 ("t-kernel", {"AUX_T": False}, lambda c: True),
+                 ("aux-scores", {"STATE_SCORES": False}, lambda c: True),
+                 ("late-o1", {"EARLY_O1": False, "AUX_T": False}, lambda c: True))
 
 
 def _norm_on_chip_group(case) -> bool:
@@ -363,7 +363,8 @@ def _check_path_build(case, monkeypatch, flags: dict, on_path: bool = False) -> 
 
 #: Head dims the path takes with fused.SMALL_HEADS (K < V and K > V): the seeds' path
 #: cases again at each, with that flag and, on every other case, fused.AUX_T (every
-#: other one of those with fused.STATE_SCORES too).
+#: other one of those with fused.STATE_SCORES too, as shipped; the others with the T
+#: kernel, or the scores in the aux partition).
 SMALL_HEAD_DIMS = ((64, 128), (128, 64))
 
 

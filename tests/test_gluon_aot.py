@@ -271,11 +271,11 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(build_flags):
     state partition: 36 wgmma (the state's P^T 8, v_new^T 4, update 4, O^T 8 + 4; the aux's q k^T
     8), the aux partition left with q k^T alone and no TMA load (the state partition refills
     v and T), T ring, w and u rings gone from shared memory as planned; within the spill
-    allowances."""
+    allowances. (The two-launch build: :data:`fused.AUX_T` off.)"""
     from gdn_dispatch.backends.gluon_common import wy_t
     from gdn_dispatch.backends.gluon_sm90 import fused
 
-    build_flags((wy_t, "WY_T_SINGLE_TILE", True), (wy_t, "WY_T_BLOCK_TMA", False))
+    build_flags((wy_t, "WY_T_SINGLE_TILE", True), (wy_t, "WY_T_BLOCK_TMA", False), (fused, "AUX_T", False))
     t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                     if k.constexprs["HAS_TAILS"])
     assert t_kernel.constexprs["SINGLE_T"] is True and t_kernel.constexprs["DIRECT_STORE"] is True
@@ -287,7 +287,7 @@ def test_sm90_t_u_alone_and_the_chain_that_forms_v_new(build_flags):
 
     kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
                   if k.constexprs["HAS_TAILS"])
-    assert kernel.constexprs["SINGLE_T"] is True
+    assert kernel.constexprs["SINGLE_T"] is True and kernel.constexprs["AUX_T"] is False
     report = compile_kernel(kernel, SM90)
     assert report.spill_bytes <= kernel.spill_bytes_allowed
     planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True)
@@ -318,28 +318,33 @@ def test_sm90_t_u_in_sixteen_tma_boxes(build_flags):
 
 
 @pytest.mark.slow
-def test_sm90_qk_norm_on_chip(build_flags):
+@pytest.mark.parametrize("aux_t", [True, False], ids=["one-launch", "t-kernel"])
+def test_sm90_qk_norm_on_chip(aux_t, build_flags):
     """With :data:`fused.QK_NORM_ON_CHIP` the backend's AOT list holds the T kernel on raw k
     (USE_L2NORM) and the fused kernel with QK_NORM for every bf16 core case (fp16 calls with
-    the norm run on normalized copies); they compile within
+    the norm run on normalized copies), the fused kernel forming the chunk inverses itself
+    (:data:`fused.AUX_T`) or not; they compile within
     their spill allowances, the fused kernel's shared memory as planned (four gate vectors
     a slot), and its reciprocal norms are reduced in the kernel (rsqrt)."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     # K = V = 128 (test_sm90_path_kernels_at_small_heads takes the K or V = 64 builds).
-    build_flags((fused, "QK_NORM_ON_CHIP", True))
+    build_flags((fused, "QK_NORM_ON_CHIP", True), (fused, "AUX_T", aux_t))
     l2 = [k for k in gluon_sm90.kernels_for_aot(SM90) if k.specialization.endswith("-l2") and not _small_heads(k)]
     t_kernels = [k for k in l2 if k.kernel == "wy_t_fwd"]
     fused_kernels = [k for k in l2 if k.kernel == "fused_fwd"]
     assert len(fused_kernels) == 4 and len(t_kernels) == 8
     assert all("bf16" in k.specialization for k in l2)
     assert all(k.constexprs["USE_L2NORM"] for k in t_kernels) and all(k.constexprs["QK_NORM"] for k in fused_kernels)
+    assert all(k.constexprs["AUX_T"] is aux_t for k in fused_kernels)
     for kernel in t_kernels[:2] + fused_kernels[:2]:
         report = compile_kernel(kernel, SM90)
         assert report.spill_bytes <= kernel.spill_bytes_allowed
         assert "rsqrt.approx" in report.ptx
         if kernel.kernel == "fused_fwd":
-            planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=True)
+            planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=True,
+                                             aux_t=kernel.constexprs["AUX_T"],
+                                             state_scores=kernel.constexprs["STATE_SCORES"])
             assert planned <= report.shared_bytes <= planned + 1024
 
 

@@ -1,5 +1,6 @@
-"""gluon_sm90's warp-specialized path: the T kernel (backends/gluon_common/wy_t.py) and the
-fused recurrence + output kernel (backends/gluon_sm90/fused.py).
+"""gluon_sm90's warp-specialized path: the fused recurrence + output kernel
+(backends/gluon_sm90/fused.py), forming the chunk inverses itself as shipped, or fed by the
+T kernel (backends/gluon_common/wy_t.py) in its two-launch build (``fused.AUX_T`` off).
 
 CPU: when the planner takes the path (programs against the SM count, head dims, context
 parallelism, the engine; with the l2 norm, on normalized copies of q and k), its launches as dry runs (grids over chunk slots
@@ -26,6 +27,7 @@ from gdn_dispatch.testing import (  # noqa: E402
     fused_projection_views, padded_pool, poison_cuda_allocator, random_call, random_problem, rel_rms_error)
 from gdn_dispatch.varlen import slot_starts  # noqa: E402
 
+from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products  # noqa: E402
 from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
@@ -44,29 +46,32 @@ def _engines():
 #: The path's build variants the tests run besides the default: (name, [(module, constant,
 #: value), ...]).
 _WY_T = "gdn_dispatch.backends.gluon_common.wy_t"
+_FUSED = "gdn_dispatch.backends.gluon_sm90.fused"
+#: The two-launch build: the T kernel forms the chunk inverses.
+_T_KERNEL = (_FUSED, "AUX_T", False)
 VARIANTS = [("default", []),
-            ("v-1-slot", [("gdn_dispatch.backends.gluon_sm90.fused", "V_SLOTS", 1), (_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False)]),
+            ("v-1-slot", [(_FUSED, "V_SLOTS", 1), (_WY_T, "WY_T_SINGLE_TILE", False)]),
+            ("late-rows", [("gdn_dispatch.backends.gluon_common.wy", "WY_EARLY_ROWS", False), _T_KERNEL]),
             ("t-pair", [(_WY_T, "WY_T_SINGLE_TILE", False)]),
-            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False)]),
-            ("aux-t", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True)]),
-            ("aux-t-state-scores", [("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", True),
-                                    ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", True)]),
-            ("late-o1", [("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", False)])]
+            ("t-u-direct", [(_WY_T, "WY_T_SINGLE_TILE", True), (_WY_T, "WY_T_BLOCK_TMA", False), _T_KERNEL]),
+            ("t-kernel", [_T_KERNEL]),
+            ("aux-scores", [(_FUSED, "STATE_SCORES", False)]),
+            ("late-o1", [(_FUSED, "EARLY_O1", False), _T_KERNEL])]
 
 
 @pytest.fixture(params=VARIANTS, ids=[name for name, _ in VARIANTS])
 def kernel_variant(request, monkeypatch):
-    """The path as shipped, with one v slot (:data:`fused.V_SLOTS`; with T_w and T_u, the
-    form that has it), with the T kernel
-    loading its gate and beta rows after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_w
-    and T_u both written and w, u formed in the aux partition (:data:`wy_t.WY_T_SINGLE_TILE`
-    off), with T_u's blocks stored from the inverse's registers instead of sent as 16 x 16
-    TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA` off), with the inverses formed in the fused
-    kernel's aux partition, one launch (:data:`fused.AUX_T`; its causal scores formed in
-    the aux partition or in the state's, :data:`fused.STATE_SCORES`), and with the state chain's
-    output product issued after the update (:data:`fused.EARLY_O1` off); plans computed
-    afresh."""
+    """The path as shipped (one launch: the chunk inverses formed in the fused kernel's aux
+    partition, :data:`fused.AUX_T`, its causal scores in the state partition,
+    :data:`fused.STATE_SCORES`), and its builds left off: with the T kernel forming the
+    inverses, two launches (:data:`fused.AUX_T` off), alone, with its gate and beta rows
+    loaded after k k^T (:data:`wy.WY_EARLY_ROWS` off), with T_u's blocks stored from the
+    inverse's registers instead of sent as 16 x 16 TMA boxes (:data:`wy_t.WY_T_BLOCK_TMA`
+    off), and with the state chain's output product issued after the update
+    (:data:`fused.EARLY_O1` off); with T_w and T_u both written and w, u formed in the aux
+    partition (:data:`wy_t.WY_T_SINGLE_TILE` off: the T kernel), also with one v slot
+    (:data:`fused.V_SLOTS`, the form that has it); and the one launch with its scores formed
+    in the aux partition (:data:`fused.STATE_SCORES` off); plans computed afresh."""
     import importlib
 
     name, settings = request.param
@@ -94,7 +99,7 @@ def test_the_path_is_taken_where_the_programs_fill_the_sms(N, taken):
     sm90, _ = _engines()
     p = random_problem(lengths=[70] * N, H=4, HV=32, K=128, V=128, ht=True)
     call = plan_call(p, _device(132), engine=sm90)
-    assert call.kernels == (("wy_t_fwd", "fused_fwd") if taken else ("wy_fwd", "state_output_fwd"))
+    assert call.kernels == (("fused_fwd",) if taken else ("wy_fwd", "state_output_fwd"))
     assert call.launches.fused == taken
 
 
@@ -109,7 +114,7 @@ def test_launches_of_the_path(shape, kernel_variant):
     sm90, _ = _engines()
     p = random_problem(**shape, H=2, HV=4, K=128, V=128, ht=True, layout="vk")
     fp = plan(p, device=_device(4), engine=sm90)  # 4 SMs: N * HV >= 3 programs
-    on_chip = kernel_variant in ("aux-t", "aux-t-state-scores")
+    on_chip = kernel_variant in ("default", "aux-scores")
     assert fp.fused and fp.inverses_on_chip == on_chip
     rows, tails = p.B * p.T, has_tails(p)
     slots = rows // CHUNK_SIZE + (p.N if tails else 0)
@@ -141,7 +146,7 @@ def test_launches_of_the_path(shape, kernel_variant):
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
                 "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE,
-                "STATE_SCORES": kernel_variant == "aux-t-state-scores"}
+                "STATE_SCORES": kernel_variant == "default"}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected
@@ -158,19 +163,21 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert {d.arg: (d.tensor, d.block_shape) for d in fused.descriptors} == descriptors
     assert fused.blocks["smem_bytes"] <= 227 * 1024
     # T_u alone: two T tiles, two w and two u tiles fewer; on chip, the inverse's 16 KB of
-    # tables and its barrier (and, with the scores in the state, two slots' gate rows).
+    # tables and its barrier (with the fp16 inverse, the 16 KB A waits in for a redo; with
+    # the scores in the state, two slots' gate rows).
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
         (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
-        (16 * 16 * 16 * 4 + 8 if on_chip else 0) + (2 * 2 * 64 * 4 if kernel_variant == "aux-t-state-scores" else 0)
+        (16 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0) if on_chip else 0) + \
+        (2 * 2 * 64 * 4 if kernel_variant == "default" else 0)
 
 
 @pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
 def test_small_heads_take_the_path_with_their_flag(K, V, monkeypatch):
     """K or V of 64: the pipeline runs them (the reason names the head dims) unless
-    :data:`fused.SMALL_HEADS` is on; then the T kernel at K and the fused kernel with one
-    state warpgroup per 64 rows of S^T (V), its tiles, shared memory and the aux's
-    registers at that size."""
+    :data:`fused.SMALL_HEADS` is on; then the fused kernel with one state warpgroup per 64
+    rows of S^T (V), its tiles, shared memory and the aux's registers at that size, and
+    in the two-launch build (:data:`fused.AUX_T` off) the T kernel at K before it."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     sm90, _ = _engines()
@@ -185,14 +192,24 @@ def test_small_heads_take_the_path_with_their_flag(K, V, monkeypatch):
     assert fused_module.fused_reason(random_problem(lengths=[64], H=1, HV=2, K=32, V=64)) == \
         "head dims K, V in (64, 128) only, got K = 32, V = 64"
     call = plan_call(p, _device(132), engine=sm90)
+    assert call.kernels == ("fused_fwd",)
+    (fused,) = call.launches.stages
+    assert fused.num_warps == fused_module.state_warps(V) == (8 if V == 128 else 4)
+    assert {d.arg: d.block_shape for d in fused.descriptors} == {
+        "q_desc": (64, K), "k_desc": (64, K), "v_desc": (64, V), "o_desc": (64, V)}
+    assert fused.blocks["smem_bytes"] == fused_smem_bytes(K, V, 2, v_slots=fused_module.V_SLOTS, single_t=True,
+                                                          aux_t=True, state_scores=True)
+    assert fused_module._aux_regs(V) == (120 if V == 128 else 232)
+    monkeypatch.setattr(fused_module, "AUX_T", False)
+    clear_plan_cache()
+    call = plan_call(p, _device(132), engine=sm90)
     assert call.kernels == ("wy_t_fwd", "fused_fwd")
     wy_t, fused = call.launches.stages
     assert {d.arg: d.block_shape for d in wy_t.descriptors}["k_desc"] == (64, K)
-    assert fused.num_warps == fused_module.state_warps(V) == (8 if V == 128 else 4)
+    assert fused.num_warps == fused_module.state_warps(V)
     assert {d.arg: d.block_shape for d in fused.descriptors} == {
         "q_desc": (64, K), "k_desc": (64, K), "v_desc": (64, V), "t_desc": (64, 64), "o_desc": (64, V)}
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(K, V, 2, v_slots=fused_module.V_SLOTS, single_t=True)
-    assert fused_module._aux_regs(V) == (120 if V == 128 else 232)
     # T_w and T_u both (w and u formed in 128-wide halves): K = V = 128 only.
     monkeypatch.setattr("gdn_dispatch.backends.gluon_common.wy_t.WY_T_SINGLE_TILE", False)
     assert fused_module.fused_reason(p) is not None
@@ -291,19 +308,27 @@ def l2_path_variant(request, monkeypatch):
     clear_plan_cache()
 
 
-def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path):
+@pytest.mark.parametrize("aux_t", [True, False], ids=["one-launch", "t-kernel"])
+def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path, aux_t, monkeypatch):
     """With the qk l2 norm the path launches the row norms first (normalized q and k rows)
-    and plans its T and fused kernels as for a call without the norm: they read the copies
-    and normalize nothing."""
+    and plans its kernels (the fused kernel, and the T kernel before it with
+    :data:`fused.AUX_T` off) as for a call without the norm: they read the copies and
+    normalize nothing."""
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
+
     sm90, _ = _engines()
+    monkeypatch.setattr(fused_module, "AUX_T", aux_t)
+    clear_plan_cache()
     p = random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, l2=True, ht=True)
     launches = plan(p, device=_device(132), engine=sm90)
-    assert launches.fused
-    assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"]
+    assert launches.fused and launches.inverses_on_chip is aux_t
+    assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd"] + ([] if aux_t else ["wy_t_fwd"]) + ["fused_fwd"]
     plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=4, HV=32, K=128, V=128, ht=True), device=_device(132),
                  engine=sm90)
     assert launches.stages[1:] == plain.stages
-    assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
+    assert launches.stage("fused_fwd").constexprs["QK_NORM"] is False
+    if not aux_t:
+        assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
     norms = launches.stage("qk_l2norm_fwd")
     # (token, head) rows of q and of k: B * T * H rows, 64 per program, two grid columns.
     assert norms.grid == (-(-p.B * p.T * p.H // 64), 2)
@@ -312,30 +337,37 @@ def test_the_qk_l2_norm_runs_the_path_on_normalized_copies(l2_on_path):
     assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
 
 
-def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch):
-    """With fused.QK_NORM_ON_CHIP the path runs the T and fused kernels alone on raw q and
-    k for groups of up to fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads: the T kernel reduces k's
-    norms (USE_L2NORM), the fused kernel's aux partition q's and k's (QK_NORM: four gate
-    vectors a slot, 64 x 4 bytes more per scores slot). Larger groups, whose v-heads would
-    each reduce the same norms again, run on normalized copies."""
+@pytest.mark.parametrize("aux_t", [True, False], ids=["one-launch", "t-kernel"])
+def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch, aux_t):
+    """With fused.QK_NORM_ON_CHIP the path runs its kernels alone on raw q and k for groups
+    of up to fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads: the fused kernel's aux partition
+    reduces q's and k's norms (QK_NORM: four gate vectors a slot, 64 x 4 bytes more per
+    scores slot), and in the two-launch build (:data:`fused.AUX_T` off) the T kernel k's
+    (USE_L2NORM). Larger groups, whose v-heads would each reduce the same norms again, run
+    on normalized copies."""
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     sm90, _ = _engines()
     monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP", True)
     monkeypatch.setattr(fused_module, "QK_NORM_ON_CHIP_MAX_GROUP", 2)
+    monkeypatch.setattr(fused_module, "AUX_T", aux_t)
     _set_l2_switch(monkeypatch, True)
+    t_kernel = [] if aux_t else ["wy_t_fwd"]
     try:
         for H, on_chip in ((32, True), (16, True), (8, False)):
             p = random_problem(lengths=[70, 300, 1] * 3, H=H, HV=32, K=128, V=128, l2=True, ht=True)
             launches = plan(p, device=_device(132), engine=sm90)
             if not on_chip:
-                assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd", "wy_t_fwd", "fused_fwd"], H
-                assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
+                assert [s.kernel for s in launches.stages] == ["qk_l2norm_fwd", *t_kernel, "fused_fwd"], H
+                if not aux_t:
+                    assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is False
                 assert launches.stage("fused_fwd").constexprs["QK_NORM"] is False
                 continue
-            assert [s.kernel for s in launches.stages] == ["wy_t_fwd", "fused_fwd"], H
-            wy_t, fused = launches.stages
-            assert wy_t.constexprs["USE_L2NORM"] is True and fused.constexprs["QK_NORM"] is True
+            assert [s.kernel for s in launches.stages] == [*t_kernel, "fused_fwd"], H
+            fused = launches.stage("fused_fwd")
+            assert fused.constexprs["QK_NORM"] is True
+            if not aux_t:
+                assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is True
             plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=H, HV=32, K=128, V=128, ht=True),
                          device=_device(132), engine=sm90).stage("fused_fwd")
             assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4
@@ -379,8 +411,13 @@ def test_fp16_calls_with_the_qk_l2_norm_run_on_normalized_copies(monkeypatch, on
             assert all(not s.constexprs.get("USE_L2NORM") and not s.constexprs.get("QK_NORM")
                        for s in half.launches.stages)
             brain = plan_call(calls[torch.bfloat16, True], device, engine=sm90)
-            norm = ("wy_t_fwd" if on_chip else "qk_l2norm_fwd") if fused else "qk_rnorm_fwd"
-            assert norm in brain.kernels and brain.launches.norm_copies == (fused and not on_chip), lengths
+            if fused and on_chip:
+                # The norm folded into the path's kernels: no norm kernel.
+                assert brain.launches.stage("fused_fwd").constexprs["QK_NORM"] is True, lengths
+                assert not {"qk_l2norm_fwd", "qk_rnorm_fwd"} & set(brain.kernels), lengths
+            else:
+                assert ("qk_l2norm_fwd" if fused else "qk_rnorm_fwd") in brain.kernels, lengths
+            assert brain.launches.norm_copies == (fused and not on_chip), lengths
     finally:
         clear_plan_cache()
 
@@ -554,6 +591,7 @@ import json, sys
 from triton.experimental.gluon import language as gl
 from gdn_dispatch.backends.gluon_sm90 import fused
 fused.LOAD_WARP = gl.constexpr(sys.argv[1] == "1")
+fused.AUX_T = False  # the load warp refills the T slots of the two-launch build
 from gdn_dispatch.aot import compile_kernel
 from gdn_dispatch.backends import gluon_sm90
 kernels = fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)
@@ -570,9 +608,10 @@ print(json.dumps(out))
 def test_the_load_warp_build_compiles():
     """:data:`fused.LOAD_WARP` is read by the kernel at compile time (fixed per process):
     the setting not shipped builds in a child process, a sample of the AOT list within the
-    kernel's spill allowance; with it on, the state partition's wait for the aux's k / q
-    release moves into the load warp, which also waits for the state's own release
-    (one ``mbarrier.try_wait`` more in all)."""
+    kernel's spill allowance, in the two-launch build (:data:`fused.AUX_T` off: the load
+    warp refills k / q, v and the T slots there); with it on, the state partition's wait
+    for the aux's k / q release moves into the load warp, which also waits for the state's
+    own release (one ``mbarrier.try_wait`` more in all)."""
     import json
     import subprocess
     import sys
@@ -637,60 +676,68 @@ def test_the_sanitizer_keeps_the_shipped_builds_for_other_calls(monkeypatch):
     clear_plan_cache()
 
 
-def test_the_sanitizer_runs_the_path_builds_left_off(monkeypatch):
+def test_the_sanitizer_runs_the_path_builds_left_off():
     """tests/sanitize.py's "aux_t", "small_heads", "early_o1" and "state_scores" calls (the
     norm on chip and pools among them; K < V and K > V) take the path with the flags their
-    child sets per call and clears after (the inverses formed in the fused kernel: one
-    launch; the chain's early output product in the plan's constexprs), and the pipeline or
-    the default launches without them."""
+    child sets per call and clears after: between them, at K = V = 128 and at a head dim of
+    64, the one launch with the scores in the state (as shipped) or in the aux partition
+    and the two launches with the T kernel; the chain's early output product and the
+    state's scores in the plan's constexprs; without their flags, the shipped builds."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     sanitize = _sanitize_module()
+    shipped = {name: getattr(fused, flag) for name, flag in sanitize.PATH_BUILDS.items()}
     calls = [c for c in sanitize.CALLS["gluon_sm90"] if len(c) > 8 and (set(sanitize.PATH_BUILDS) & set(c[8]))]
-    assert len(calls) == 6 and any(c[7] for c in calls) and sum("pool" in c[8] for c in calls) == 2
-    assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64)}
-    # The chain in both orders: the shipped one and the one it replaced; the state's scores
-    # in the one-kernel build with the norm on chip.
+    assert len(calls) == 7 and any(c[7] for c in calls) and sum("pool" in c[8] for c in calls) == 2
+    assert {(c[3], c[4]) for c in calls if c[8].get("small_heads")} == {(64, 128), (128, 64), (64, 64)}
+    # The chain in both orders: the shipped one and the one it replaced.
     assert sorted(c[8]["early_o1"] for c in calls if "early_o1" in c[8]) == [False, True]
-    assert [(c[7], c[8]["aux_t"]) for c in calls if c[8].get("state_scores")] == [(True, True)]
     sm90, _ = _engines()
-    for flag in sanitize.PATH_BUILDS.values():
-        monkeypatch.setattr(fused, flag, False)
-    for on in (True, False):
-        for lengths, H, HV, K, V, dtype, layout, l2, extras in calls:
-            sanitize._path_builds(extras if on else {})
-            wanted = {name: on and bool(extras.get(name)) for name in sanitize.PATH_BUILDS}
-            assert {name: getattr(fused, flag) for name, flag in sanitize.PATH_BUILDS.items()} == wanted
-            p = random_problem(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), layout=layout,
-                               l2=l2, ht=True)
-            call = plan_call(p, _device(132), engine=sm90)
-            if (K, V) != (128, 128) and not on:
-                assert not call.launches.fused
-                continue
-            assert call.launches.fused and call.launches.inverses_on_chip is wanted["aux_t"]
-            assert call.kernels == (("fused_fwd",) if call.launches.inverses_on_chip else ("wy_t_fwd", "fused_fwd"))
-            constexprs = call.launches.stage("fused_fwd").shared.constexprs
-            assert constexprs["EARLY_O1"] is wanted["early_o1"]
-            assert constexprs["STATE_SCORES"] is wanted["state_scores"]
-    sanitize._path_builds({})
-    clear_plan_cache()
+    builds = set()
+    try:
+        for on in (True, False):
+            for lengths, H, HV, K, V, dtype, layout, l2, extras in calls:
+                sanitize._path_builds(extras if on else {})
+                wanted = {name: bool(extras[name]) if on and name in extras else shipped[name]
+                          for name in sanitize.PATH_BUILDS}
+                assert {name: getattr(fused, flag) for name, flag in sanitize.PATH_BUILDS.items()} == wanted
+                p = random_problem(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype),
+                                   layout=layout, l2=l2, ht=True)
+                call = plan_call(p, _device(132), engine=sm90)
+                if (K, V) != (128, 128) and not wanted["small_heads"]:
+                    assert not call.launches.fused
+                    continue
+                assert call.launches.fused and call.launches.inverses_on_chip is wanted["aux_t"]
+                assert call.kernels == (("fused_fwd",) if wanted["aux_t"] else ("wy_t_fwd", "fused_fwd"))
+                constexprs = call.launches.stage("fused_fwd").shared.constexprs
+                assert constexprs["EARLY_O1"] is wanted["early_o1"]
+                scores = wanted["aux_t"] and wanted["early_o1"] and wanted["state_scores"]
+                assert constexprs["STATE_SCORES"] is scores
+                if on:
+                    builds.add(((K, V) != (128, 128), wanted["aux_t"], scores))
+    finally:
+        sanitize._path_builds({})
+        clear_plan_cache()
+    # Every build of the path, at K = V = 128 and at a head dim of 64.
+    assert builds == {(small, aux_t, scores) for small in (False, True)
+                      for aux_t, scores in ((False, False), (True, False), (True, True))}, builds
 
 
 @pytest.mark.parametrize("shape, extra, expected", [
-    (dict(batch=(4, 256), HV=32), {}, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
+    (dict(batch=(4, 256), HV=32), {}, "fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs)"),
     (dict(batch=(1, 256), HV=32), {}, "wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; not the "
                                       "warp-specialized path: 32 (sequence, v-head) programs, it needs 99)"),
     (dict(batch=(4, 256), HV=32), dict(use_qk_l2norm_in_kernel=True),
-     "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk l2 norm reduced "
+     "fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk l2 norm reduced "
      "in its kernels)"),
     (dict(batch=(4, 256), HV=64), dict(use_qk_l2norm_in_kernel=True),
-     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs; the qk "
+     "qk_l2norm_fwd, fused_fwd (warp-specialized: 256 (sequence, v-head) programs on 132 SMs; the qk "
      "l2 norm on normalized copies (4 v-heads per q/k head))"),
     (dict(batch=(4, 256), HV=32), dict(context_parallel=2),
      "wy_fwd, segment_map_fwd, segment_scan, state_output_fwd (state kernel V-blocks of 128 on 8 warps; "
      "not the warp-specialized path: segmented calls run the pipeline)"),
     (dict(batch=(4, 256), HV=32, dtype=torch.float16), dict(use_qk_l2norm_in_kernel=True),
-     "qk_l2norm_fwd, wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
+     "qk_l2norm_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
      "l2 norm on normalized copies (fp16))"),
     (dict(batch=(1, 256), HV=32, dtype=torch.float16), dict(use_qk_l2norm_in_kernel=True),
      "qk_l2norm_fwd, wy_fwd, state_output_fwd (state kernel V-blocks of 32 on 4 warps; the qk l2 norm on "
@@ -750,7 +797,7 @@ def test_the_norm_reads_q_and_k_where_tma_cannot(switch, H, copied, monkeypatch)
 
 
 @pytest.mark.parametrize("batch, switch, expected", [
-    ((4, 256), True, "wy_t_fwd, fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
+    ((4, 256), True, "fused_fwd (warp-specialized: 128 (sequence, v-head) programs on 132 SMs; the qk "
                      "l2 norm reduced in its kernels)"),
     ((4, 256), False, "wy_fwd, qk_rnorm_fwd, state_output_fwd (state kernel V-blocks of 128 on 8 warps; not the "
                       "warp-specialized path: the qk l2 norm (fused.QK_L2NORM is off))"),

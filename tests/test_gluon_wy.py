@@ -106,49 +106,96 @@ def test_blocks_of_w_and_u_are_planned_for_the_blocked_inverse_only(split, monke
             assert (launch.maxnreg == wy.WY_SPLIT_MAXNREG_SM90) is planned
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K128-V64-dense-fp16-gfp32-betafp32"])
-def test_w_and_u_in_blocks_compile_under_128_registers(spec, monkeypatch):
-    """With :data:`wy.WY_SPLIT_WU` the products w = T_w k and u = T_u v are [64, 64] wgmmas
-    only (K / 64 + V / 64 of them, 4 k-steps each, beside k k^T's K / 16), the blocked
-    inverse unchanged, at the 128-register cap within the spill allowance, in the same
-    shared memory."""
-    monkeypatch.setattr(wy, "WY_SPLIT_WU", True)
-    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec)
-    assert kernel.constexprs["SPLIT_WU"] is True and kernel.maxnreg == wy.WY_SPLIT_MAXNREG_SM90
-    report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes <= kernel.spill_bytes_allowed == wy.WY_SPLIT_SPILL_BYTES_SM90
-    assert report.registers <= wy.WY_SPLIT_MAXNREG_SM90
-    K, V = 128, (128 if "V128" in spec else 64)
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.", report.ptx)
-    assert set(wgmma) == {"m64n64k16"} and len(wgmma) == K // 16 + 4 * (K // 64 + V // 64)
-    assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
-    budget = 64 * (K + V) * 2 + 64 * 64 * 4
-    assert budget <= report.shared_bytes <= budget + 1024
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_early_rows_compile_without_spills(tails, monkeypatch):
-    """With :data:`wy.WY_EARLY_ROWS` the T kernel and the w/u kernel load the gate and beta
-    rows before waiting for k: the same mma.sync and wgmma counts, registers under each
-    kernel's cap, no spill bytes in the w/u kernel and no more than the T kernel's
-    allowance (its cap of five programs per SM keeps up to 16 bytes in local memory)."""
+def kernel_build(kind: str, spec: str) -> dict:
+    """The compile report of the sm_90a AOT entry ``spec`` of the w/u kernel (``kind``
+    "wy") or of the T kernel ("wy_t") in numbers, with the build flags as set (in a process
+    of its own: :func:`_in_inverse_build`)."""
     from gdn_dispatch.backends import gluon_sm90
     from gdn_dispatch.backends.gluon_common import wy_t
 
-    monkeypatch.setattr(wy, "WY_EARLY_ROWS", True)
+    kernels = (wy.wy_kernels_for_aot(SM90) if kind == "wy"
+               else wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE))
+    kernel = next(k for k in kernels if k.specialization == spec)
+    report = compile_kernel(kernel, SM90)
+    return {"constexprs": {name: value for name, value in kernel.constexprs.items() if isinstance(value, int)},
+            "maxnreg": kernel.maxnreg, "allowed": kernel.spill_bytes_allowed, "registers": report.registers,
+            "spills": report.spill_bytes, "shared": report.shared_bytes,
+            "products": blocked_inverse.ptx_products(report.ptx), "inverse": blocked_inverse.inverse_products(),
+            "wgmma": re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)}
+
+
+#: The blocked inverse's builds the compile checks below take: as shipped (fp16 products,
+#: fp16 tables, the diagonal blocks by the series) and on tf32 products (all three off).
+INVERSE_BUILDS = {"fp16": (True, True, True), "tf32": (False, False, False)}
+
+
+def _in_inverse_build(build: str, call: str, flags=()):
+    """``call`` (an expression over this module, ``m``) in a process of its own with the
+    inverse's build ``build`` of :data:`INVERSE_BUILDS` and ``flags`` set (the inverse's
+    flags are jit globals, fixed at their first compile)."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    inverse = [f"gluon_common.blocked_inverse.{name}={int(value)}"
+               for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES"), INVERSE_BUILDS[build])]
+    return call_in_fresh_process(Path(__file__), call, inverse + list(flags))
+
+
+def _k_k_t_steps(K: int, build: str) -> int:
+    """wgmma steps of k k^T [64, 64] at head dim K: once, and once more with the fp16
+    inverse, whose redo of a chunk past fp16's range forms A again."""
+    return K // 16 * (2 if build == "fp16" else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", list(INVERSE_BUILDS))
+@pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K128-V64-dense-fp16-gfp32-betafp32"])
+def test_w_and_u_in_blocks_compile_under_128_registers(spec, build):
+    """With :data:`wy.WY_SPLIT_WU` the products w = T_w k and u = T_u v are [64, 64] wgmmas
+    only (K / 64 + V / 64 of them, 4 k-steps each, beside k k^T's K / 16), the blocked
+    inverse unchanged, at the 128-register cap within the spill allowance of the inverse's
+    build (:func:`wy.split_spill_bytes`), in the same shared memory."""
+    b = _in_inverse_build(build, f"m.kernel_build('wy', {spec!r})", ["gluon_common.wy.WY_SPLIT_WU=1"])
+    assert b["constexprs"]["SPLIT_WU"] is True and b["maxnreg"] == wy.WY_SPLIT_MAXNREG_SM90
+    allowed = wy.WY_SPLIT_F16_SPILL_BYTES_SM90 if build == "fp16" else wy.WY_SPLIT_SPILL_BYTES_SM90
+    assert b["spills"] <= b["allowed"] == allowed, b
+    assert b["registers"] <= wy.WY_SPLIT_MAXNREG_SM90
+    K, V = 128, (128 if "V128" in spec else 64)
+    assert {shape for shape, _ in b["wgmma"]} == {"m64n64k16"}
+    assert len(b["wgmma"]) == _k_k_t_steps(K, build) + 4 * (K // 64 + V // 64)
+    assert b["products"] == b["inverse"] == ({"f16": 32, "tf32": 0} if build == "fp16" else {"f16": 0, "tf32": 60})
+    budget = 64 * (K + V) * 2 + 64 * 64 * 4
+    assert budget <= b["shared"] <= budget + 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", list(INVERSE_BUILDS))
+@pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
+def test_early_rows_compile_without_spills(tails, build):
+    """With :data:`wy.WY_EARLY_ROWS` the T kernel and the w/u kernel load the gate and beta
+    rows before waiting for k: the same mma.sync and wgmma counts, registers under each
+    kernel's cap; on tf32 products no spill bytes in the w/u kernel and no more than the T
+    kernel's allowance (its cap of five programs per SM keeps up to 16 bytes in local
+    memory); on fp16 products (whose redo of a chunk past fp16's range sits beside them)
+    each kernel within its fp16 allowance."""
+    from gdn_dispatch.backends.gluon_common import wy_t
+
     spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
-    t_kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
-                    if k.specialization == spec)
-    wy_kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec.replace("K128", "K128-V128"))
-    for kernel, wgmma in ((t_kernel, 8), (wy_kernel, 8 + 4 * 4)):
-        assert kernel.constexprs["EARLY_ROWS"] is True
-        report = compile_kernel(kernel, SM90)
-        assert report.registers <= kernel.maxnreg
-        assert report.spill_bytes <= (wy_t.WY_T_SPILL_BYTES_SM90 if kernel is t_kernel else 0)
-        assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
-        assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == wgmma
+    early = ["gluon_common.wy.WY_EARLY_ROWS=1"]
+    t_kernel = _in_inverse_build(build, f"m.kernel_build('wy_t', {spec!r})", early)
+    wy_kernel = _in_inverse_build(build, f"m.kernel_build('wy', {spec.replace('K128', 'K128-V128')!r})", early)
+    k_k_t = _k_k_t_steps(128, build)
+    for b, wgmma in ((t_kernel, k_k_t), (wy_kernel, k_k_t + 4 * 4)):
+        assert b["constexprs"]["EARLY_ROWS"] is True
+        assert b["registers"] <= b["maxnreg"]
+        assert b["products"] == b["inverse"]
+        assert len(b["wgmma"]) == wgmma
+    if build == "tf32":
+        assert t_kernel["spills"] <= wy_t.WY_T_SPILL_BYTES_SM90 and wy_kernel["spills"] == 0
+    else:
+        assert t_kernel["spills"] <= wy_t.WY_T_F16_SPILL_BYTES_SM90
+        assert wy_kernel["spills"] <= wy.WY_SPLIT_F16_SPILL_BYTES_SM90
 
 
 def t_kernel_build() -> dict:
@@ -317,26 +364,26 @@ def test_regs_variant_compiles_to_register_operands(capability):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("build", list(INVERSE_BUILDS))
 @pytest.mark.parametrize("spec", ["K128-V128-varlen-l2-bf16-gfp32-betafp32", "K64-V64-dense-fp16-gfp32-betafp32"])
-def test_blocked_variant_inverts_on_mma_sync(spec, monkeypatch):
-    """The w/u kernel's default sm_90a inverse: fifteen 16 x 16 x 16 products per warp on
-    mma.sync (:func:`.blocked_inverse.inverse_products`: 60 tf32 m16n8k8 as shipped), the 64 x 64 wgmmas left to k k^T, w and u (here as whole tiles,
-    :data:`wy.WY_SPLIT_WU` off: the test below takes them in blocks), no spills at the
-    168-register cap, and one fp32 tile of shared memory beside k and v (the tables, then
-    the T tiles)."""
+def test_blocked_variant_inverts_on_mma_sync(spec, build):
+    """The w/u kernel's default sm_90a inverse: 16 x 16 x 16 products per warp on mma.sync
+    (:func:`.blocked_inverse.inverse_products`: 32 fp16 m16n8k16 as shipped, 60 tf32
+    m16n8k8 on tf32 products), the 64 x 64 wgmmas left to k k^T (twice on fp16 products,
+    whose redo forms A again), w and u (here as whole tiles, :data:`wy.WY_SPLIT_WU` off:
+    the test above takes them in blocks), no spills at the 168-register cap, and one fp32
+    tile of shared memory beside k and v (the tables, then the T tiles)."""
     assert wy.WY_DEFAULT_VARIANT == "blocked"
-    monkeypatch.setattr(wy, "WY_SPLIT_WU", False)
-    kernel = next(k for k in wy.wy_kernels_for_aot(SM90) if k.specialization == spec)
-    assert (kernel.constexprs["BLOCKED_INVERSE"], kernel.constexprs["LHS_REGS"]) == (True, False)
-    report = compile_kernel(kernel, SM90)
+    b = _in_inverse_build(build, f"m.kernel_build('wy', {spec!r})", ["gluon_common.wy.WY_SPLIT_WU=0"])
+    assert (b["constexprs"]["BLOCKED_INVERSE"], b["constexprs"]["LHS_REGS"]) == (True, False)
     K, V = (128, 128) if spec.startswith("K128") else (64, 64)
     budget = 64 * (K + V) * 2 + 64 * 64 * 4
-    assert report.spill_bytes == 0 and report.registers <= wy.WY_MAXNREG_SM90
-    assert budget <= report.shared_bytes <= budget + 1024
-    assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.", report.ptx)
+    assert b["spills"] == 0 and b["registers"] <= wy.WY_MAXNREG_SM90
+    assert budget <= b["shared"] <= budget + 1024
+    assert b["products"] == b["inverse"] == ({"f16": 32, "tf32": 0} if build == "fp16" else {"f16": 0, "tf32": 60})
     # k k^T (n = 64, K / 16 steps), w = T k (n = K) and u = T v (n = V), 64 / 16 steps each.
-    assert sorted(map(int, wgmma)) == sorted([64] * (K // 16) + [K] * 4 + [V] * 4)
+    n = sorted(int(shape[len("m64n"):].split("k")[0]) for shape, _ in b["wgmma"] if shape.endswith("k16"))
+    assert n == sorted([64] * _k_k_t_steps(K, build) + [K] * 4 + [V] * 4)
     # On sm_100a the variant is "regs" (A lives in tensor memory there).
     sm100 = next(k for k in wy.wy_kernels_for_aot(SM100) if k.specialization == spec)
     assert (sm100.constexprs["BLOCKED_INVERSE"], sm100.constexprs["LHS_REGS"]) == (False, True)
@@ -365,28 +412,26 @@ def test_t_kernel_inverts_on_fp16_operands_with_a_tf32_redo(tails, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("build", list(INVERSE_BUILDS))
 @pytest.mark.parametrize("tails", [False, True], ids=["dense", "varlen"])
-def test_t_kernel_inverts_in_blocks_on_mma_sync(tails):
-    """The T kernel's default sm_90a inverse: fifteen 16 x 16 x 16 fp16 products per warp
-    (:func:`.blocked_inverse.inverse_products`: 60 tf32 mma.sync m16n8k8 as shipped), no fp16
-    wgmma operands, no redo, the 64 x 64 wgmmas left to
-    K K^T alone, and at its register cap (five programs per SM) no more spill bytes than the
-    allowance."""
-    from gdn_dispatch.backends import gluon_sm90
+def test_t_kernel_inverts_in_blocks_on_mma_sync(tails, build):
+    """The T kernel's default sm_90a inverse: 16 x 16 x 16 products per warp on mma.sync
+    (:func:`.blocked_inverse.inverse_products`: 32 fp16 m16n8k16 as shipped, 60 tf32
+    m16n8k8 on tf32 products), no fp16 wgmma operands, the 64 x 64 wgmmas left to k k^T
+    alone (twice on fp16 products, whose redo forms A again; no redo on tf32), and at its
+    register cap (five programs per SM) no more spill bytes than the build's allowance."""
     from gdn_dispatch.backends.gluon_common import wy_t
 
     assert wy_t.WY_T_BLOCKED_INVERSE is True
     spec = f"K128-{'varlen' if tails else 'dense'}-bf16-gfp32-betafp32"
-    kernel = next(k for k in wy_t.wy_t_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
-                  if k.specialization == spec)
-    assert (kernel.constexprs["BLOCKED_INVERSE"], kernel.constexprs["F16_INVERSE"]) == (True, False)
-    assert (kernel.maxnreg, kernel.spill_bytes_allowed) == (wy_t.WY_T_MAXNREG_SM90, wy_t.WY_T_SPILL_BYTES_SM90)
-    report = compile_kernel(kernel, SM90)
-    assert report.spill_bytes <= kernel.spill_bytes_allowed and report.registers <= wy_t.WY_T_MAXNREG_SM90
-    assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
-    assert not re.search(r"wgmma\S*\.f16\.f16", report.ptx)
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.", report.ptx)
-    assert {shape for shape, _ in wgmma} == {"m64n64k16"} and len(wgmma) == 128 // 16
+    b = _in_inverse_build(build, f"m.kernel_build('wy_t', {spec!r})")
+    assert (b["constexprs"]["BLOCKED_INVERSE"], b["constexprs"]["F16_INVERSE"]) == (True, False)
+    allowed = wy_t.WY_T_F16_SPILL_BYTES_SM90 if build == "fp16" else wy_t.WY_T_SPILL_BYTES_SM90
+    assert (b["maxnreg"], b["allowed"]) == (wy_t.WY_T_MAXNREG_SM90, allowed)
+    assert b["spills"] <= b["allowed"] and b["registers"] <= wy_t.WY_T_MAXNREG_SM90
+    assert b["products"] == b["inverse"] == ({"f16": 32, "tf32": 0} if build == "fp16" else {"f16": 0, "tf32": 60})
+    assert all(dtype != "f16" for _, dtype in b["wgmma"])
+    assert {shape for shape, _ in b["wgmma"]} == {"m64n64k16"} and len(b["wgmma"]) == _k_k_t_steps(128, build)
 
 
 def test_forward_plans_wy_first():

@@ -210,24 +210,25 @@ def test_host_path_and_kept_launch_tests_pass_on_the_native_layer(native_built):
     assert " passed" in result.stdout
 
 
-@pytest.mark.parametrize("cp_n", ["off", 4, "fused"])
+@pytest.mark.parametrize("cp_n", ["off", 4, "fused", "fused-t-kernel"])
 @pytest.mark.parametrize("layout, final", [("kv", True), ("vk", True), ("kv", False)])
-def test_call_buffers_are_what_the_launches_write(cp_n, layout, final):
+def test_call_buffers_are_what_the_launches_write(cp_n, layout, final, monkeypatch):
     """The Gluon forward's one-call allocation (:func:`.forward.call_buffers`) against the
-    shapes and dtypes its launching functions document, for the pipeline and for a
-    segmented call (with the Python allocator here; the slow tier's native one in
-    ``test_call_buffers_native``)."""
-    _check_call_buffers(cp_n, layout, final)
+    shapes and dtypes its launching functions document, for the pipeline, for a
+    segmented call and for the warp-specialized path, one launch or (``fused.AUX_T`` off)
+    with the T kernel's tiles (with the Python allocator here; the slow tier's native one
+    in ``test_call_buffers_native``)."""
+    _check_call_buffers(cp_n, layout, monkeypatch, final)
 
 
 @pytest.mark.slow
-def test_call_buffers_native(native_built):
+def test_call_buffers_native(native_built, monkeypatch):
     module, _ = native_built
-    for cp_n, layout in (("off", "kv"), (4, "vk"), ("fused", "kv")):
-        assert isinstance(_check_call_buffers(cp_n, layout), module.Allocator)
+    for cp_n, layout in (("off", "kv"), (4, "vk"), ("fused", "kv"), ("fused-t-kernel", "kv")):
+        assert isinstance(_check_call_buffers(cp_n, layout, monkeypatch), module.Allocator)
 
 
-def _check_call_buffers(cp_n, layout, final=True):
+def _check_call_buffers(cp_n, layout, monkeypatch, final=True):
     from gdn_dispatch.contract import make_problem
     from gdn_dispatch.context_parallel import plan_for_problem
     from gdn_dispatch.device import assumed_device
@@ -236,24 +237,31 @@ def _check_call_buffers(cp_n, layout, final=True):
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan
 
     from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows
+    from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
+    # The path forms the chunk inverses in its fused kernel as shipped; "fused-t-kernel":
+    # the T kernel writes them into t_tiles first.
+    monkeypatch.setattr(fused_module, "AUX_T", cp_n != "fused-t-kernel")
     clear_plan_cache()
     device = assumed_device("sm_90")
-    fused = cp_n == "fused"
+    fused = cp_n in ("fused", "fused-t-kernel")
     # The warp-specialized path: K = V = 128 and enough (sequence, v-head) programs.
     lengths, H, HV, K = ([300, 0, 170] * 12, 4, 8, 128) if fused else ([300, 0, 170], 2, 4, 64)
     call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=128, dtype=torch.bfloat16, seed=2, state_layout=layout)
     problem = make_problem(**call, output_final_state=final, context_parallel="off" if fused else cp_n)
     cp = plan_for_problem(problem, device.sm_count)
-    assert cp.enabled == (cp_n not in ("off", "fused"))
+    assert cp.enabled == (cp_n not in ("off", "fused", "fused-t-kernel"))
     launches = plan(problem, device=device, fused=fused)
     assert launches.fused == fused
-    t_rows = planned_t_tile_rows(launches.stage("wy_t_fwd").shared, problem.B * problem.T, problem.N) if fused else 0
+    assert launches.inverses_on_chip == (cp_n == "fused")
+    t_kernel = fused and not launches.inverses_on_chip
+    t_rows = planned_t_tile_rows(launches.stage("wy_t_fwd").shared, problem.B * problem.T, problem.N) if t_kernel else 0
     out = F.call_buffers(problem, launches, cp, t_rows)
     B, T, N, V, S = 1, sum(lengths), len(lengths), 128, cp.num_segments
     bf16, f32 = torch.bfloat16, torch.float32
     if fused:
-        assert t_rows > 0
+        # One launch: no T tiles (the fused kernel reads neither them nor g_cum).
+        assert (t_rows > 0) == t_kernel
         expected = [((B, T, HV, V), bf16), ((B, T, HV), f32), ((t_rows, 64), bf16)]
     else:
         expected = [((B, T, HV, K), bf16), ((B, T, HV, V), bf16), ((B, T, HV), f32), ((B, T, HV, V), bf16)]

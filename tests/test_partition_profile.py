@@ -29,7 +29,7 @@ SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
 #: The scopes of each kernel, as its sources open them (``aux.inverse``, the phases within
 #: it, the last three in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
-#: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``).
+#: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``; both shipped).
 AUX_T_PHASES = {"aux.inverse", "aux.store_t", "aux.kk", "aux.a", "aux.blocks", "state.scores"}
 FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
                 "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
@@ -115,8 +115,9 @@ def _instrumented():
 def test_instrumented_kernels_record_every_phase(monkeypatch):
     """Under the instrumentation passes each kernel compiles with two clock reads per scope
     (64-bit clocks: a low and a high half each) and a profile buffer; the scopes its source
-    opens are the phases the script reports (the fused kernel's ``aux.inverse`` in its
-    ``fused.AUX_T`` build, compiled third, with ``state.scores``)."""
+    opens are the phases the script reports (the fused kernel's ``aux.inverse`` and
+    ``state.scores`` as shipped; its two-launch build, ``fused.AUX_T`` off, compiled third,
+    without them)."""
     import triton
 
     from gdn_dispatch.backends import gluon_sm90
@@ -129,13 +130,13 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
     from gdn_dispatch.backends.gluon_common.compat import gluon_ast_source
 
     shipped = _kernels()
-    monkeypatch.setattr(fused, "AUX_T", True)
-    monkeypatch.setattr(fused, "STATE_SCORES", True)
+    monkeypatch.setattr(fused, "AUX_T", False)
     clear_plan_cache()
-    aux_t = fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[0]
+    t_kernel = fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)[0]
     clear_plan_cache()
-    assert aux_t.constexprs["AUX_T"] and aux_t.constexprs["STATE_SCORES"] and not shipped[0].constexprs["AUX_T"]
-    builds = zip((*shipped, aux_t), (FUSED_PHASES - AUX_T_PHASES, WALK_PHASES, FUSED_PHASES),
+    assert shipped[0].constexprs["AUX_T"] and shipped[0].constexprs["STATE_SCORES"]
+    assert not t_kernel.constexprs["AUX_T"] and not t_kernel.constexprs["STATE_SCORES"]
+    builds = zip((*shipped, t_kernel), (FUSED_PHASES, WALK_PHASES, FUSED_PHASES - AUX_T_PHASES),
                  (("backends/gluon_sm90/fused.py", "backends/gluon_common/wy.py"),
                   ("backends/gluon_common/state_output_ws.py",),
                   ("backends/gluon_sm90/fused.py", "backends/gluon_common/wy.py")))

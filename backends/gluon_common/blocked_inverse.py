@@ -1,6 +1,6 @@
 """The chunk inverse ``T = (I + A)^-1`` of a strictly lower fp32 [64, 64] tile in 16 x 16
-blocks, one warp per block row, on ``mma_v2`` (mma.sync; tf32 operands, fp16 ones with
-:data:`F16_OPERANDS`) instead of ten 64 x 64 products.
+blocks, one warp per block row, on ``mma_v2`` (mma.sync; fp16 operands with
+:data:`F16_OPERANDS`, the default, tf32 ones without) instead of ten 64 x 64 products.
 
 A 4-warp program holds A as a wgmma accumulator, where warp ``r`` owns rows ``16 r .. 16 r
 + 15``: its blocks ``A[r, r - d]`` come out into a rank-3 ``[4, 16, 16]`` mma.sync layout
@@ -28,8 +28,10 @@ threads; T goes back the same way. Per warp:
 Fifteen 16 x 16 x 16 products per warp, three CTA barriers: 60 mma.sync m16n8k8 on tf32
 operands (30 m16n8k16 on fp16 with :data:`F16_OPERANDS`). With :data:`DIAGONAL_SERIES`
 the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past size 4:
-sixteen products, nine dependent ones. On fp16 operands a result past fp16's range is
-redone in fp32 by the caller (:func:`lost_half_range`).
+sixteen products, nine dependent ones. As shipped (:data:`F16_OPERANDS`,
+:data:`HALF_TABLES`, :data:`DIAGONAL_SERIES`): 32 mma.sync m16n8k16, the tables in fp16.
+On fp16 operands a result past fp16's range is redone in fp32 by the caller
+(:func:`lost_half_range`).
 """
 
 from __future__ import annotations
@@ -43,29 +45,34 @@ from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrie
 BLOCKS = gl.constexpr(4)
 BLOCK = gl.constexpr(16)
 #: The block products' operands in fp16 (m16n8k16 mma.sync, fp32 accumulators) instead of
-#: tf32 (m16n8k8). fp16 keeps tf32's 10-bit mantissa, so each product rounds its inputs
-#: alike (the CPU model's error is tf32's at key cosines 0 to 0.99); a product's fp32
-#: accumulator becomes the next one's lhs by packing pairs in place (tf32's lhs fragment is
-#: not the accumulator's: the T kernel's inverse had 128 shuffles, 24 now), and each product
-#: is one k-step where tf32 chained two. Its range is fp16's: unit keys with beta in [0, 1]
-#: keep A and T inside it (|A| <= 1, and |T| <= 1 at key cosines up to 0.999 in the CPU
-#: model), but the contract takes any keys, so every kernel checks T
-#: (:func:`lost_half_range`) and redoes a chunk that left the range in fp32 by rows
-#: (:func:`inverse_by_rows`) from A formed again, or, in sm_90a's one-kernel fused build,
-#: from A kept in 16 KB of shared memory (:func:`redo_buffer`; tests/test_numerics.py:
-#: keys 300 times unit length). H100, triton 3.6.0, `flag_ab.py f16_inverse` without a
-#: redo: the T kernel 0.392-0.402 -> 0.365 ms on ragged16; the one-kernel build
-#: (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x 8192; outputs
-#: within 2.2e-4 of tf32's. With :data:`HALF_TABLES` and :data:`DIAGONAL_SERIES` too that
-#: build ran 0.499 ms at 4 x 8192, 0.918 on ragged16 and 0.966 at HV 64 (``python -m
-#: gdn_dispatch bench``, ``logs/h100_bench_one_kernel_f16.log``); with a first redo, A
-#: formed again and inverted by the blocked inverse in tf32, the aux partition's loop
-#: spilled (sm_90a 172 -> 420 bytes, 196 -> 656 with the norm on chip) and the build ran
-#: 0.674, 1.206 and 1.344 ms (``logs/h100_bench_f16_redo.log``), slower than tf32 products
-#: (no redo needed: the two-kernel path 0.577 / 1.075 / 1.110 ms). The redo by rows from
-#: the kept A spills 172 bytes there, as before any redo (320 with the norm on chip, 196
-#: before): not yet run on a GPU, so off.
-F16_OPERANDS = gl.constexpr(False)
+#: tf32 (m16n8k8), in every kernel that runs the inverse (on sm_90a: the one-kernel fused
+#: build's aux partition, the pipeline's w/u kernel, the T kernel). fp16 keeps tf32's 10-bit
+#: mantissa, so each product rounds its inputs alike (the CPU model's error is tf32's at key
+#: cosines 0 to 0.99); a product's fp32 accumulator becomes the next one's lhs by packing
+#: pairs in place (tf32's lhs fragment is not the accumulator's: the T kernel's inverse had
+#: 128 shuffles, 24 now), and each product is one k-step where tf32 chained two. Its range
+#: is fp16's: unit keys with beta in [0, 1] keep A and T inside it (|A| <= 1, and |T| <= 1
+#: at key cosines up to 0.999 in the CPU model), but the contract takes any keys, so every
+#: kernel checks T (:func:`lost_half_range`) and redoes a chunk that left the range in fp32
+#: by rows (:func:`inverse_by_rows`) from A formed again, or, in sm_90a's one-kernel fused
+#: build, from A kept in 16 KB of shared memory (:func:`redo_buffer`;
+#: tests/test_numerics.py: keys 300 times unit length). A redo by the blocked inverse in
+#: tf32 instead spilled the one-kernel build's aux loop (sm_90a 172 -> 420 bytes, 196 -> 656
+#: with the norm on chip) and cost it 35% on the H100 (0.499 -> 0.674 ms at H16-HV32 4 x
+#: 8192, ``logs/h100_bench_f16_redo.log``); with the redo by rows the loop spills 172 bytes,
+#: as without a redo (320 with the norm on chip). H100, triton 3.6.0, `flag_ab.py
+#: f16_inverse` without a redo: the T kernel 0.392-0.402 -> 0.365 ms on ragged16; the
+#: one-kernel build (fused.AUX_T with STATE_SCORES) 0.593-0.598 -> 0.551-0.553 ms at 4 x
+#: 8192; outputs within 2.2e-4 of tf32's. With the redo by rows, :data:`HALF_TABLES` and
+#: :data:`DIAGONAL_SERIES` (``flag_ab.py f16_inverse --with
+#: aux_t,state_scores,half_tables,diagonal_series``, ``logs/h100_f16_redo_rows_ab.log``)
+#: that build's calls took 0.552 ms at H16-HV32 4 x 8192 against 0.663 with tf32 products,
+#: 0.975 against 1.084 on ragged16, 1.074 against 1.282 at HV 64, o within 2.7e-4, and the
+#: GPU tests passed on it (1354; its 3 failures a planning fault of every build, since
+#: fixed; ``logs/h100_gpu_tests_f16_redo_rows.log``): on, with :data:`HALF_TABLES`,
+#: :data:`DIAGONAL_SERIES` and the one-kernel build (:data:`..gluon_sm90.fused.AUX_T` says
+#: what the default rests on).
+F16_OPERANDS = gl.constexpr(True)
 #: The tables the warps hand T's block diagonals down through hold fp16 (with
 #: :data:`F16_OPERANDS`), in the caller's fp32 buffer's first 6 KB: a block goes in by one
 #: stmatrix and each slot a warp reads as the next product's rhs comes out by one ldmatrix
@@ -76,8 +83,8 @@ F16_OPERANDS = gl.constexpr(False)
 #: SASS instructions per warp and chunk. H100, the one-kernel build with the fp16 inverse
 #: (``flag_ab.py half_tables --with aux_t,state_scores``, ``logs/h100_half_tables_ab.log``):
 #: the fused kernel 0.581 -> 0.509 ms at 4 x 8192, 1.059-1.061 -> 0.928-0.930 on ragged16, 1.151-1.153
-#: -> 1.016-1.019 at HV 64. Needs :data:`F16_OPERANDS`: off with it.
-HALF_TABLES = gl.constexpr(False)
+#: -> 1.016-1.019 at HV 64. Needs :data:`F16_OPERANDS` (fp32 tables without it): on with it.
+HALF_TABLES = gl.constexpr(True)
 #: Each diagonal block's inverse from its 4 x 4 blocks' by the series of
 #: :func:`_diagonal_block_inverse` (``(I - L + L^2 - L^3) x``: L x and L^2 side by side,
 #: then L^2 x and L^2 (L x)) instead of doubling to 8 and 16: five dependent products
@@ -87,9 +94,10 @@ HALF_TABLES = gl.constexpr(False)
 #: with the fp16 inverse and :data:`HALF_TABLES` (``flag_ab.py diagonal_series --with
 #: aux_t,state_scores,half_tables``, ``logs/h100_diagonal_series_ab.log``): the fused kernel
 #: 0.503-0.509 -> 0.506 ms at 4 x 8192, 0.927-0.937 -> 0.922-0.923 on ragged16, 0.983-1.001
-#: -> 0.992-0.997 at HV 64: within noise but for ragged16. Off with :data:`F16_OPERANDS`
-#: (not timed on tf32 products).
-DIAGONAL_SERIES = gl.constexpr(False)
+#: -> 0.992-0.997 at HV 64: within noise but for ragged16. On with :data:`F16_OPERANDS`
+#: (timed with it above); it applies to tf32 products too, where it was not timed: the
+#: tf32 build is all three flags off.
+DIAGONAL_SERIES = gl.constexpr(True)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -99,7 +107,8 @@ PRODUCT_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
 
 def ptx_products(ptx: str) -> dict:
     """Block products in ``ptx`` by operand type: ``{"f16": n, "tf32": m}`` (one inverse
-    is 60 tf32 ones, or 30 fp16 ones with :data:`F16_OPERANDS`)."""
+    is 60 tf32 ones, or 30 fp16 ones with :data:`F16_OPERANDS`, 32 with
+    :data:`DIAGONAL_SERIES` too, as shipped)."""
     return {kind: ptx.count(spelling) for kind, spelling in PRODUCT_PTX.items()}
 
 

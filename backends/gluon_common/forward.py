@@ -27,8 +27,12 @@ context parallelism, enough (sequence, v-head) programs to fill the SMs), the ca
 instead::
 
     q, k           = qk_l2norm_fwd(q, k)                  # qk l2 norm only: normalized copies
+    o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum, q, k)   # everything
+
+its fused kernel forming the chunk inverses itself (``t_tiles`` and ``g_cum`` unread), or,
+where it does not (gluon_sm90's ``fused.AUX_T`` off), with the T kernel first::
+
     t_tiles, g_cum = wy_t_fwd(k, g, beta)                 # the chunk inverses only
-    o, S           = engine.fused.fused_fwd(problem, t_tiles, g_cum, q, k)   # everything else
 
 The launching backend hands down the device the registry chose and its matrix engine
 (tcgen05 + TMEM for gluon_sm100, wgmma for gluon_sm90); everything else is one code path.

@@ -46,13 +46,15 @@ Two ways to feed those products (``plan_wy(..., variant=)``, the kernel's ``LHS_
   bound by instruction issue (masks, conversions, stores), not by the tensor cores.
 * "blocked" (sm_90a, the default; elsewhere as "regs"): no 64 x 64 products at all: A's
   16 x 16 blocks are taken out of the k k^T accumulator and inverted one warp per block
-  row on mma.sync (:mod:`.blocked_inverse`: fifteen 16 x 16 x 16 products per warp,
-  tables in one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared
-  memory, no spills at 168 registers). On the H200 the w/u kernel 12-14% faster than
+  row on mma.sync (:mod:`.blocked_inverse`: sixteen 16 x 16 x 16 products per warp on
+  fp16 operands with its redo past fp16's range as shipped, fifteen on tf32; tables in
+  one fp32 tile's bytes, which then hold both scaled T tiles: 48 KB of shared memory, no
+  spills at 168 registers). On the H200 (tf32 products) the w/u kernel 12-14% faster than
   "regs" (1 x 32768, H16-HV32: 0.505 -> 0.443 ms), outputs within 7e-5
   (``benchmarks/flag_ab.py wy_inverse``). Then w and u are formed in [64, 64] blocks of
   columns, one 32-register accumulator at a time (:data:`WY_SPLIT_WU`), at 128 registers:
-  four programs per SM, another 14-15% (1 x 32768: 0.449 -> 0.384 ms).
+  four programs per SM, another 14-15% (1 x 32768: 0.449 -> 0.384 ms; the fp16 inverse
+  keeps a few bytes in local memory there, :data:`WY_SPLIT_F16_SPILL_BYTES_SM90`).
 
 Rows past the sequence's end (the last chunk of a sequence only): their A rows and columns
 are selected to 0, so T is the identity there; beta reads 0 there, so T's scaled columns
@@ -739,10 +741,11 @@ WY_SPLIT_MAXNREG_SM90 = 128
 #: Spill bytes ptxas keeps there (``AotKernel.spill_bytes_allowed``) with the tf32 inverse:
 #: 0-16 by specialization with triton 3.6.0.
 WY_SPLIT_SPILL_BYTES_SM90 = 32
-#: The same with the fp16 inverse (:data:`.blocked_inverse.F16_OPERANDS`), whose check and
-#: redo of chunks past fp16's range (A formed again, T by rows) sit beside the products:
-#: 40-80 bytes by specialization with triton 3.6.0 (none at :data:`WY_MAXNREG_SM90` without
-#: :data:`WY_SPLIT_WU`). Not timed on a GPU.
+#: The same with the fp16 inverse (:data:`.blocked_inverse.F16_OPERANDS`, the default),
+#: whose check and redo of chunks past fp16's range (A formed again, T by rows) sit beside
+#: the products: 40-80 bytes by specialization with triton 3.6.0 (none at
+#: :data:`WY_MAXNREG_SM90` without :data:`WY_SPLIT_WU`). Not timed apart: the pipeline's
+#: shapes are in the bench A/B of :data:`..gluon_sm90.fused.AUX_T`.
 WY_SPLIT_F16_SPILL_BYTES_SM90 = 96
 
 

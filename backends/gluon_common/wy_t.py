@@ -9,8 +9,10 @@ multiplies by, and the gates' chunk-local cumsum.
 kernel then needs 8 KB per chunk and head from here (T_u alone; 16 KB with T_w) instead
 of w and u (32 KB each at K = V = 128): the inverse is a chain of ten dependent
 products, which many small programs per SM run side by side here, while the fused
-kernel's one aux warpgroup per SM would take them one chunk at a time. On sm_90a the
-inverse runs in 16 x 16 blocks on mma.sync (:mod:`.blocked_inverse`,
+kernel's one aux warpgroup per SM takes them one chunk at a time. sm_90a's fused kernel
+does form them itself by default (on fp16 products, :data:`..gluon_sm90.fused.AUX_T`):
+this kernel runs with that flag off, and for the sm_100a twin. On sm_90a the inverse
+runs in 16 x 16 blocks on mma.sync (:mod:`.blocked_inverse`,
 :data:`WY_T_BLOCKED_INVERSE`); turned off, on fp16 operands with a tf32 redo where T
 leaves fp16's range (the "f16" inverse of :mod:`.wy`).
 
@@ -232,10 +234,10 @@ WY_T_MAXNREG_SM90 = 96
 #: factors first: the kernel's time on the H100 unchanged by it, outputs within 7e-5).
 WY_T_SPILL_BYTES_SM90 = 64
 #: Spill bytes the same build keeps with the fp16 inverse
-#: (:data:`.blocked_inverse.F16_OPERANDS`, off), whose redo of chunks past fp16's range
-#: (A formed again, T by rows) sits beside it: 96-160 by specialization with triton 3.6.0
-#: with fp16 tables and the series (the varlen bf16 build 120-192 over fp16 or fp32 tables,
-#: series or doubling).
+#: (:data:`.blocked_inverse.F16_OPERANDS`, the default), whose redo of chunks past fp16's
+#: range (A formed again, T by rows) sits beside it: 96-160 by specialization with triton
+#: 3.6.0 with fp16 tables and the series, as shipped (the varlen bf16 build 120-192 over
+#: fp16 or fp32 tables, series or doubling).
 WY_T_F16_SPILL_BYTES_SM90 = 320
 #: The cap of the other sm_90a builds (the wgmma inverse, or T_w and T_u both): four
 #: programs per SM. With the wgmma inverse (49 KB of shared memory) ptxas keeps some bytes

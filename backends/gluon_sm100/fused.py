@@ -4,13 +4,13 @@ ahead of time only: it has not run on a Blackwell GPU, so the forward does not r
 calls to it (``gluon_sm100.ENGINE`` offers no fused path); it is built and checked in CI so
 that its structure holds while the Hopper path it mirrors changes.
 
-Two launches per call, as on Hopper::
+Two launches per call, as on Hopper with its :data:`..gluon_sm90.fused.AUX_T` off::
 
     t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_w, T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
-or one, with :data:`AUX_T` (off, as its Hopper twin's): ``o, S = fused_fwd(q, k, v, g,
-beta, S0)``, the aux partition forming each chunk's T_w and T_u itself (:func:`_aux_inverse`).
+or one, with :data:`AUX_T` (off here; its Hopper twin's is on): ``o, S = fused_fwd(q, k, v,
+g, beta, S0)``, the aux partition forming each chunk's T_w and T_u itself (:func:`_aux_inverse`).
 
 One program per (sequence, v-head), chunks of 64 rows, four partitions on mbarriers:
 
@@ -99,14 +99,15 @@ HEAD_DIM = 128
 #: inverse of the Hopper twin's :data:`..gluon_sm90.fused.AUX_T` on mma.sync), k k^T
 #: issued by the MMA partition into q k^T's tensor memory, T_w and T_u written into the T
 #: ring in place of the load partition's TMA loads: one launch per call, no T kernel, no
-#: gate cumsum written. Compiled and checked only, as the whole kernel; off, as on Hopper
-#: until timed there.
+#: gate cumsum written, the inverse on the products the blocked inverse's flags choose
+#: (fp16 as shipped). Compiled and checked only, as the whole kernel; off until it runs on
+#: a Blackwell GPU (the Hopper twin's is on, timed there).
 AUX_T = False
-#: Spill bytes the :data:`AUX_T` build keeps (the default build keeps none): 8 with triton
-#: 3.6.0 (one register of the aux partition across the inverse, stored and reloaded once
-#: a chunk), 132 with 3.9.0 (the kernel's scalars stored before the partitions' register
-#: reallocation and reloaded in them, as in the Hopper twin), at any aux budget from 152
-#: to 200 registers.
+#: Spill bytes the :data:`AUX_T` build keeps (the default build keeps none): 24 with triton
+#: 3.6.0 on fp16 products (8 on tf32: one register of the aux partition across the inverse,
+#: stored and reloaded once a chunk), 132 with 3.9.0 on tf32 (the kernel's scalars stored
+#: before the partitions' register reallocation and reloaded in them, as in the Hopper
+#: twin), at any aux budget from 152 to 200 registers.
 AUX_T_SPILL_BYTES = 192
 
 

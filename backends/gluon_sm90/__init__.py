@@ -43,7 +43,8 @@ CAPABILITIES = ((9, 0),)
 #: The matrix engine this backend hands the shared pipeline kernels (their ``ENGINE``).
 ENGINE = WGMMA
 #: Its warp-specialized path (:mod:`.fused`), which the shared planner offers on this
-#: engine: one T launch, then one kernel for the recurrence and the output.
+#: engine: one kernel for the chunk inverses, the recurrence and the output (a T launch
+#: first with ``fused.AUX_T`` off).
 ENGINE.fused = _fused_path
 
 
@@ -77,7 +78,8 @@ def plan(problem: GDNProblem, capability: tuple[int, int] = CAPABILITIES[0],
 
 def kernels_for_aot(capability: tuple[int, int] | None = None) -> list[AotKernel]:
     """Every Gluon kernel specialization of the backend, for sm_90a: the shared pipeline's
-    and the warp-specialized path's (the T kernel and the fused kernel)."""
+    and the warp-specialized path's (the fused kernel, and the T kernel its two-launch
+    build runs, ``fused.AUX_T`` off)."""
     shared = backend_kernels_for_aot(BACKEND, CAPABILITIES, capability, engine=ENGINE)  # checks the capability
     capability = tuple(capability or CAPABILITIES[0])
     return (shared + qk_norm_kernels_for_aot(capability, BACKEND, (("qk_l2norm_fwd", torch.bfloat16),))

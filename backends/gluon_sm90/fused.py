@@ -1,21 +1,26 @@
-"""The recurrence and the output in one warp-specialized launch on Hopper (sm_90a), fed
-by the chunk inverses of :mod:`..gluon_common.wy_t`: v_new, the causal scores and the
-gate vectors are formed on chip and never leave the SM.
+"""The recurrence and the output in one warp-specialized launch on Hopper (sm_90a): the
+chunk inverses, v_new, the causal scores and the gate vectors are formed on chip and never
+leave the SM.
 
-Two launches per call::
+One launch per call (:data:`AUX_T`, the default)::
+
+    o, S = fused_fwd(q, k, v, g, beta, S0)
+
+the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`, on the fp16
+products of :mod:`..gluon_common.blocked_inverse`) and the state partition the causal
+scores (:data:`STATE_SCORES`); or two, with :data:`AUX_T` off, the chunk inverses coming
+from :mod:`..gluon_common.wy_t`::
 
     t_tiles, g_cum = wy_t_fwd(k, g, beta)              # T_u per (chunk, v-head)
     o, S           = fused_fwd(q, k, v, t_tiles, g_cum, S0)
 
-or one, with :data:`AUX_T` (off: slower, see there): ``o, S = fused_fwd(q, k, v, g, beta, S0)``,
-the aux partition forming each chunk's T_u itself (:func:`_aux_inverse`; with
-:data:`STATE_SCORES` the state partition forms the causal scores).
-
 One program per (sequence, v-head) walks its sequence's chunks of 64 rows, in two
 partitions that share the program's shared memory through mbarrier rings:
 
-* **aux** (one warpgroup), one chunk ahead of the state: the causal scores ``q k^T
-  2^(g_i - g_j)`` [64, 64] and three gate vectors, into a two-slot ring.
+* **aux** (one warpgroup), one chunk ahead of the state: with :data:`AUX_T` the chunk's
+  T_u (k k^T, A, the blocked inverse) into a two-slot T ring, and the gate vectors and
+  the rows of the state's causal scores (:data:`STATE_SCORES`); without it the causal
+  scores ``q k^T 2^(g_i - g_j)`` [64, 64] and three gate vectors, into a two-slot ring.
 * **state** (two warpgroups, the default partition): the serial chain. The state is held
   transposed, ``S^T`` [V, K] fp32 in registers (64 rows per warpgroup), so every product
   of the chain takes a register operand on the left and nothing of the chain goes through
@@ -28,7 +33,8 @@ partitions that share the program's shared memory through mbarrier rings:
       O^T = 2^g (S_old^T q^T) + v_new^T scores^T ;  o = scale (O^T)^T  (TMA store)
 
   It refills the k/q ring (two slots) with chunk t + 2 when it is done with chunk t, and
-  the v (two) and T (two) slots it alone reads (:func:`_state` with ``CHAIN``).
+  the v (two) and, without :data:`AUX_T`, T (two) slots it alone reads (:func:`_state`
+  with ``CHAIN``).
   ``S_old^T q^T`` is issued right behind P^T and the update beside ``v_new^T scores^T``
   (:data:`EARLY_O1`): with the update and ``S_old^T q^T`` together ptxas serializes every
   wgmma of the kernel for want of registers.
@@ -54,7 +60,7 @@ What this kernel does not do (the pipeline of :mod:`..gluon_common.forward` runs
 calls): context-parallel segments, K or V other than 64 and 128 (128 alone with
 :data:`SMALL_HEADS` off), and the qk l2 norm when
 :data:`QK_L2NORM` is turned off. With the norm it reads normalized copies of q and k
-(:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the T kernel), as fla
+(:func:`..gluon_common.qk_norm.qk_l2norm_fwd`, one launch before the path's), as fla
 does; with :data:`QK_NORM_ON_CHIP` it reads raw q and k and reduces their row norms in the
 aux partition instead (``QK_NORM``). On sm_100a tcgen05 takes no register operand: the
 twin, :mod:`..gluon_sm100.fused`, keeps ``S^T`` in tensor memory (compiled and checked
@@ -870,13 +876,13 @@ MIN_SM_SHARE = 0.75
 #: two slots, always (:func:`plan_fused` refuses one).
 V_SLOTS = 2
 
-#: A one-warp partition refills the k/q, v and T slots (with T_u alone and two v slots):
-#: the state partition, which paces the kernel, spent 16% of its loop on the refills
-#: (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200,
-#: ``logs/h200_partition_profile.log``). Off: on the H200 (``python benchmarks/flag_ab.py
-#: load_warp``, ``logs/h200_load_warp.log``, one sample) the kernel 0.362 -> 0.350 ms at
-#: 4 x 8192 HV 32, 0.683 -> 0.679 on ragged16, 0.728 -> 0.702 at HV 64: less than the
-#: refills' share, and not yet through the sanitizer.
+#: A one-warp partition refills the k/q, v and T slots (with T_u alone, two v slots and the
+#: T kernel: :data:`AUX_T` off): the state partition, which paces the kernel, spent 16% of
+#: its loop on the refills (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``,
+#: H200, ``logs/h200_partition_profile.log``). Off: on the H200 (``python
+#: benchmarks/flag_ab.py load_warp``, ``logs/h200_load_warp.log``, one sample) the kernel
+#: 0.362 -> 0.350 ms at 4 x 8192 HV 32, 0.683 -> 0.679 on ragged16, 0.728 -> 0.702 at HV 64:
+#: less than the refills' share, and not yet through the sanitizer.
 LOAD_WARP = gl.constexpr(False)
 #: With T_u alone (``CHAIN``), the state partition issues the output's ``S_old^T q^T``
 #: right behind the chain's ``P^T = S^T k^T`` (both read the same bf16 S^T registers) and
@@ -904,32 +910,37 @@ LOAD_REGS = gl.constexpr(24)
 LOAD_WARP_AUX_REGS = gl.constexpr(104)
 
 #: The chunk inverses formed in the aux partition (:func:`_aux_inverse`) instead of by the T
-#: kernel: the call is one launch (with the qk l2 norm on normalized copies, two), T_u
-#: never leaves the SM and the gate cumsum is never written. The profile of the two-launch
-#: path (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200) has the aux
-#: partition waiting 70% of its loop (3,640 of 5,030 cycles a chunk) while the T kernel
-#: takes a third of the call (0.204 of 0.566 ms at H16-HV32 4 x 8192). With T_u alone and
-#: the blocked inverse only (:func:`aux_t_on`). Off: exact, but slower. H100 80GB HBM3,
-#: triton 3.6.0, with :data:`EARLY_O1` (``python benchmarks/flag_ab.py aux_t --with
-#: early_o1``, ``logs/h100_aux_t.log``, two rounds): calls 0.576 -> 0.701 ms at H16-HV32
-#: 4 x 8192, 1.077 -> 1.237 on ragged16, 1.108 -> 1.357 at HV 64, 0.625 -> 1.094 with the
-#: norm on chip. With the blocked inverse's factors formed first (ten dependent products
-#: per warp, not fifteen; ``benchmarks/tree_ab.py``): 0.697 -> 0.623 ms at 4 x 8192,
-#: 1.238 -> 1.118 on ragged16, 1.353 -> 1.226 at HV 64, against the two kernels' 0.576,
-#: 1.075 and 1.106. The single warpgroup still forms the inverse slower than the state
-#: consumes it: Proton's cycles read 2.25e5 in ``aux.inverse`` (75% of the aux's loop)
-#: against 4.18e5 in the state's ``state.wait_aux`` (62% of its loop;
-#: ``partition_profile.py --aux-t``, ``logs/h100_partition_profile_aux_t.log``). With
-#: :data:`STATE_SCORES` and the inverse on fp16 operands
-#: (:data:`.blocked_inverse.F16_OPERANDS`, on) it is the faster build on the H100: 0.553
-#: ms at 4 x 8192 against the two kernels' 0.579, 1.014 against 1.046 on ragged16, 1.094
-#: against 1.107 at HV 64 (``flag_ab.py f16_inverse [--with aux_t,state_scores]``,
-#: ``logs/h100_f16_inverse*.log``), and 0.499 ms with the fp16 tables and the series too
-#: (1,339 GPU tests passed with all of them on). Off with the fp16 inverse, which needs a
-#: redo of chunks past fp16's range (:data:`.blocked_inverse.F16_OPERANDS`; a tf32 one
-#: cost this build 35%, the one by rows from A kept in shared memory is not yet run): on
-#: tf32 products the two kernels are the faster (0.577 against 0.601 ms).
-AUX_T = False
+#: kernel: the call is one launch (with the qk l2 norm on normalized copies, two), T_u never
+#: leaves the SM and the gate cumsum is never written. The profile of the two-launch path
+#: (``benchmarks/partition_profile.py --shape H16-HV32-4x8192``, H200) has the aux partition
+#: waiting 70% of its loop (3,640 of 5,030 cycles a chunk) while the T kernel takes a third
+#: of the call (0.204 of 0.566 ms at H16-HV32 4 x 8192). With T_u alone and the blocked
+#: inverse only (:func:`aux_t_on`); off, the T kernel
+#: (:func:`~..gluon_common.wy_t.wy_t_fwd`) forms them in a launch of its own. On tf32
+#: products the two launches are the faster: H100 80GB HBM3, triton 3.6.0, with
+#: :data:`EARLY_O1` (``python benchmarks/flag_ab.py aux_t --with early_o1``,
+#: ``logs/h100_aux_t.log``, two rounds): calls 0.576 -> 0.701 ms at H16-HV32 4 x 8192, 1.077
+#: -> 1.237 on ragged16, 1.108 -> 1.357 at HV 64, 0.625 -> 1.094 with the norm on chip. With
+#: the blocked inverse's factors formed first (ten dependent products per warp, not fifteen;
+#: ``benchmarks/tree_ab.py``): 0.697 -> 0.623 ms at 4 x 8192, 1.238 -> 1.118 on ragged16,
+#: 1.353 -> 1.226 at HV 64, against the two kernels' 0.576, 1.075 and 1.106: the single
+#: warpgroup forms a tf32 inverse slower than the state consumes it (Proton's cycles read
+#: 2.25e5 in ``aux.inverse``, 75% of the aux's loop, against 4.18e5 in the state's
+#: ``state.wait_aux``, 62% of its loop; ``logs/h100_partition_profile_aux_t.log``). With
+#: :data:`STATE_SCORES` and the inverse on fp16 products
+#: (:data:`.blocked_inverse.F16_OPERANDS` with its redo by rows from A kept in shared
+#: memory, :data:`.blocked_inverse.HALF_TABLES`, :data:`.blocked_inverse.DIAGONAL_SERIES`)
+#: it is the faster build: ``flag_ab.py f16_inverse --with
+#: aux_t,state_scores,half_tables,diagonal_series`` (``logs/h100_f16_redo_rows_ab.log``, two
+#: rounds) ran its calls in 0.552 ms at H16-HV32 4 x 8192 against the same build's 0.663 on
+#: tf32 products, 0.975 against 1.084 on ragged16, 1.074 against 1.282 at HV 64 (the two
+#: kernels on tf32 products: 0.577 / 1.075 / 1.110 ms in another run,
+#: ``logs/h100_f16_inverse_ab.log``), and 1354 GPU tests passed on the five flags
+#: (``logs/h100_gpu_tests_f16_redo_rows.log``). This build is the default on a bench A/B, in
+#: one run, of the two-kernel build on tf32 products (these five flags off) against it at
+#: the bench's shapes (the pipeline's included: its w/u kernel runs the fp16 inverse too):
+#: TODO(bench numbers).
+AUX_T = True
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
 #: partition (``q k^T`` issued once P^T and S_old^T q^T are done and the aux's chunk is
@@ -940,9 +951,9 @@ AUX_T = False
 #: benchmarks/flag_ab.py state_scores --with aux_t``, ``logs/h100_state_scores_ab.log``,
 #: two rounds, outputs bit-equal): the fused kernel 0.631 -> 0.603 ms at H16-HV32 4 x
 #: 8192, 1.141 -> 1.144 on ragged16, 1.256 -> 1.191 at HV 64; the GPU tests' aux-t
-#: variants and fuzz cases pass with it, the sanitizers are clean. Off with AUX_T: the
-#: form AUX_T should ship with.
-STATE_SCORES = False
+#: variants and fuzz cases pass with it, the sanitizers are clean. On with :data:`AUX_T`
+#: (the one-kernel build ships with it); no effect without it.
+STATE_SCORES = True
 
 
 def aux_t_on(engine) -> bool:
