@@ -366,7 +366,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
                   if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)
     assert kernel.constexprs["AUX_T"] is True and kernel.constexprs["t_desc"] is None
     assert kernel.constexprs["STATE_SCORES"] is state_scores
-    assert kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
+    assert kernel.spill_bytes_allowed == fused.aux_t_spill_bytes(state_scores)
     report = compile_kernel(kernel, SM90)
     assert report.spill_bytes <= kernel.spill_bytes_allowed
     planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True,
@@ -489,7 +489,9 @@ def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=spec.endswith("l2"),
                                      aux_t=True, state_scores=True)
     assert planned <= state.shared_bytes <= planned + 1024
-    assert max(aux.spill_bytes, state.spill_bytes) <= state.kernel.spill_bytes_allowed
+    assert state.kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
+    assert aux.kernel.spill_bytes_allowed == fused.AUX_SCORES_SPILL_BYTES
+    assert state.spill_bytes <= state.kernel.spill_bytes_allowed and aux.spill_bytes <= aux.kernel.spill_bytes_allowed
     # q k^T: the wgmma reading two shared tiles in the state partition's code, not the aux's.
     def partition_products(ptx):
         parts = re.split(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", ptx)

@@ -834,6 +834,17 @@ SPILL_BYTES = 256
 #: 29 STL, 46 LDL) the stores are the aux partition's loop-invariant scalars at its entry,
 #: reloaded a few at a time in its chunk loop.
 AUX_T_SPILL_BYTES = 464
+#: The same with the scores in the aux partition (:data:`STATE_SCORES` off, not shipped):
+#: on fp16 products with the qk l2 norm on chip triton 3.9.0 keeps 692 bytes there (340
+#: with :data:`STATE_SCORES`; 324-332 under 3.6.0), the aux's loop scalars and the norm's
+#: beside the inverse and its redo.
+AUX_SCORES_SPILL_BYTES = 768
+
+
+def aux_t_spill_bytes(state_scores: bool) -> int:
+    """The spill bytes an :data:`AUX_T` build keeps, by where its causal scores are formed
+    (:data:`STATE_SCORES`)."""
+    return AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -1161,4 +1172,4 @@ def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) 
         if qk_norm_on_chip(engine):
             cases.append({**base, "K": K, "V": V, "l2": True})
     return fused_aot_kernels(cases, capability, backend, engine=engine, plan_fused=plan_fused, fn=_fused_fwd_kernel,
-                             spill_bytes_allowed=AUX_T_SPILL_BYTES if aux_t_on(engine) else SPILL_BYTES)
+                             spill_bytes_allowed=aux_t_spill_bytes(STATE_SCORES) if aux_t_on(engine) else SPILL_BYTES)
