@@ -947,10 +947,13 @@ LOAD_WARP_AUX_REGS = gl.constexpr(104)
 #: tf32 products, 0.975 against 1.084 on ragged16, 1.074 against 1.282 at HV 64 (the two
 #: kernels on tf32 products: 0.577 / 1.075 / 1.110 ms in another run,
 #: ``logs/h100_f16_inverse_ab.log``), and 1354 GPU tests passed on the five flags
-#: (``logs/h100_gpu_tests_f16_redo_rows.log``). This build is the default on a bench A/B, in
-#: one run, of the two-kernel build on tf32 products (these five flags off) against it at
-#: the bench's shapes (the pipeline's included: its w/u kernel runs the fp16 inverse too):
-#: TODO(bench numbers).
+#: (``logs/h100_gpu_tests_f16_redo_rows.log``). In one run against the two kernels on tf32
+#: products (``logs/h100_one_kernel_f16_vs_shipped.log``, ``bench --iters 20``, H100) the
+#: call took 0.539 ms at H16-HV32 4 x 8192 (0.571), 0.554 at 8 x 4096 (0.577), 0.968 on
+#: ragged16 (1.061). The pipeline's w/u kernel runs the fp16 inverse too, and at 32 and 64
+#: programs (not this path) it lost 0.8-1.5% at H16-HV32 1 x 8192 (0.2446 -> 0.2483 ms), 0.5-0.7%
+#: at 1 x 32768 and gained 0.5% at HV 64 1 x 8192: within a few microseconds, kept over a
+#: second operand type for the shared inverse.
 AUX_T = True
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
