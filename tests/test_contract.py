@@ -226,6 +226,23 @@ def test_debug_checks_are_off_by_default(mutate, monkeypatch):
     make_problem(**call)
 
 
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_host_offsets_meet_their_copy_once(debug, monkeypatch):
+    """CPU cu_seqlens with a host copy: one comparison per call, with or without the debug
+    checks (which compare device offsets only); a differing copy still raises."""
+    import gdn_dispatch.contract as contract
+
+    calls = []
+    check = contract._check_host_copy
+    monkeypatch.setattr(contract, "_check_host_copy", lambda *a: calls.append(1) or check(*a))
+    monkeypatch.setenv("GDN_DEBUG_CHECKS", debug)
+    make_problem(**varlen_call())
+    assert len(calls) == 1
+    with pytest.raises(GDNInputError, match="cu_seqlens_cpu: expected the values of cu_seqlens"):
+        make_problem(**varlen_call(cu_seqlens_cpu=_int([0, 4, 4, 10])))
+    assert len(calls) == 2
+
+
 class _NoReadBack(torch.Tensor):
     """A tensor whose values must not reach the host: every way of reading them raises."""
 
