@@ -744,8 +744,10 @@ WY_SPLIT_SPILL_BYTES_SM90 = 32
 #: The same with the fp16 inverse (:data:`.blocked_inverse.F16_OPERANDS`, the default),
 #: whose check and redo of chunks past fp16's range (A formed again, T by rows) sit beside
 #: the products: 40-80 bytes by specialization with triton 3.6.0 (none at
-#: :data:`WY_MAXNREG_SM90` without :data:`WY_SPLIT_WU`). Not timed apart: the pipeline's
-#: shapes are in the bench A/B of :data:`..gluon_sm90.fused.AUX_T`.
+#: :data:`WY_MAXNREG_SM90` without :data:`WY_SPLIT_WU`). The pipeline's calls on it against
+#: the tf32 inverse (H100, ``logs/h100_one_kernel_f16_vs_shipped.log``, two runs): 3-7 µs
+#: slower at H16-HV32 1 x 8192 (0.2446-0.2453 -> 0.2473-0.2483 ms) and 1 x 32768, 2-5 µs
+#: faster at H16-HV64 1 x 8192 (0.3918 -> 0.3863-0.3899).
 WY_SPLIT_F16_SPILL_BYTES_SM90 = 96
 
 
