@@ -80,7 +80,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
+    BLOCK, fp16_products, redo_buffer, table_layout, table_slots)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -694,7 +694,7 @@ def _fused_fwd_kernel(
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
         # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
-        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        tables = gl.allocate_shared_memory(gl.float32, [table_slots(), BLOCK, BLOCK], table_layout())
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
@@ -1085,13 +1085,14 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
-    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32; 32 with
+    :func:`..gluon_common.blocked_inverse.matrix_products`), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`); with ``state_scores``
     (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32 vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
-    inverse = 16 * 16 * 16 * 4 + 8 + redo if aux_t else 0
+    inverse = table_slots() * 16 * 16 * 4 + 8 + redo if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
