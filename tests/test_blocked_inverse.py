@@ -262,8 +262,8 @@ def tile_kernel():
 
     from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-        blocked_unit_lower_inverse, fp16_products, lost_half_range, matrix_products, matrix_unit_lower_inverse,
-        table_layout, table_slots, unit_lower_inverse_by_rows)
+        allocate_tables, blocked_unit_lower_inverse, fp16_products, lost_half_range, matrix_products,
+        matrix_unit_lower_inverse, unit_lower_inverse_by_rows)
     from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
 
@@ -273,14 +273,17 @@ def tile_kernel():
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
         off = gl.program_id(0).to(gl.int64) * 4096 + gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
-        tables = gl.allocate_shared_memory(gl.float32, [table_slots(), 16, 16], table_layout())
-        nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
-        for q in gl.static_range(table_slots() // 4):
-            tables.slice(4 * q, 4).store(nan)
-        thread_barrier()
+        tables = allocate_tables()
         if matrix_products():
+            for q in gl.static_range(4):
+                tables.index(q).store(gl.full([64, 64], float("nan"), gl.float16, ACC))
+            thread_barrier()
             t = matrix_unit_lower_inverse(gl.load(a_ptr + off), tables, ENGINE)
         else:
+            nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
+            for q in gl.static_range(4):
+                tables.slice(4 * q, 4).store(nan)
+            thread_barrier()
             t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
         if fp16_products():
             if lost_half_range(t):

@@ -315,13 +315,13 @@ def matrix_unit_lower_inverse(a, tables, ENGINE: gl.constexpr):
     """:func:`blocked_unit_lower_inverse` with the blocks below the diagonal by four fp16
     products on ``ENGINE`` (:data:`MATRIX_PRODUCTS`): the diagonal blocks' inverses ``Dg``
     per warp as there, then ``N = Dg A_off``, ``N^2``, ``P - N P`` (``P = I + N^2``) and
-    ``(P - N P) Dg``, each product's lhs read from registers and its rhs from one of three
-    fp16 [64, 64] operand tiles in ``tables``' bytes (:func:`table_slots` of them; free on
-    entry and exit): A_off then P in the first, N in the second, Dg in the third from the
-    start, so that only N and P wait in registers. Returns T in ``a``'s layout."""
+    ``(P - N P) Dg``, each product's lhs read from registers and its rhs from one of the
+    fp16 [64, 64] operand tiles ``tables`` (:func:`allocate_tables`; free on entry and
+    exit): A_off then P in the first, N in the second, Dg in the third from the start, so
+    that only N and P wait in registers. Returns T in ``a``'s layout."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
     BT: gl.constexpr = BLOCKS * BLOCK
-    gl.static_assert(tables.shape[0] * BLOCK * BLOCK * 4 >= 3 * BT * BT * 2, "three fp16 operand tiles")
+    gl.static_assert(tables.dtype == gl.float16, "the operand tiles of allocate_tables")
     LAYOUT: gl.constexpr = a.type.layout
     a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
     zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
@@ -331,8 +331,7 @@ def matrix_unit_lower_inverse(a, tables, ENGINE: gl.constexpr):
     dg = gl.reshape(gl.where(r == c, gl.expand_dims(gl.convert_layout(X, gl.SliceLayout(2, L4)), 2), 0.0),
                     [BT, BT])
     a_off = gl.reshape(gl.where(r == c, 0.0, a4), [BT, BT])
-    OPERAND: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float16)
-    rhs = reinterpret(tables, gl.float16, [3, BT, BT], OPERAND)
+    rhs = tables
     thread_barrier()
     rhs.index(2).store(dg.to(gl.float16))
     # N = Dg A_off (the store above fenced with A_off's)
@@ -369,10 +368,31 @@ def _engine_product(x, y, y_smem, ENGINE: gl.constexpr, layout: gl.constexpr):
 
 @gluon.constexpr_function
 def table_slots():
-    """16 x 16 fp32 slots a caller allocates for the inverse's tables (:func:`table_layout`):
-    16, or 32 with :func:`matrix_products` (its three fp16 [64, 64] operand tiles take 24;
-    shared-memory shapes are powers of two)."""
+    """16 x 16 fp32 slots' worth of shared memory the inverse's tables take
+    (:func:`allocate_tables`): 16, or 32 with :func:`matrix_products` (its three fp16
+    [64, 64] operand tiles take 24; shared-memory shapes are powers of two)."""
     return 32 if matrix_products() else 16
+
+
+@gluon.constexpr_function
+def matrix_operand_layout():
+    """The layout of :func:`matrix_unit_lower_inverse`'s fp16 [64, 64] operand tiles."""
+    tile = BLOCKS.value * BLOCK.value
+    return gl.NVMMASharedLayout.get_default_for([tile, tile], gl.float16)
+
+
+@gluon.jit
+def allocate_tables():
+    """The shared memory a caller hands the inverse as ``tables`` (:func:`table_slots`):
+    fp32 ``[16, 16, 16]`` in :func:`table_layout`, or with :func:`matrix_products` fp16
+    ``[4, 64, 64]`` in :func:`matrix_operand_layout` (allocated so, not viewed so: the operand
+    tiles' swizzle needs their 1024-byte alignment, which a table's layout does not ask
+    the allocator for)."""
+    if matrix_products():
+        tables = gl.allocate_shared_memory(gl.float16, [4, BLOCKS * BLOCK, BLOCKS * BLOCK], matrix_operand_layout())
+    else:
+        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+    return tables
 
 
 #: :func:`inverse_by_rows`' rows of A read per step (and rows of T with them).

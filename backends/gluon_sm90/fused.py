@@ -80,7 +80,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, fp16_products, redo_buffer, table_layout, table_slots)
+    allocate_tables, fp16_products, redo_buffer, table_slots)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -693,8 +693,9 @@ def _fused_fwd_kernel(
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
-        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
-        tables = gl.allocate_shared_memory(gl.float32, [table_slots(), BLOCK, BLOCK], table_layout())
+        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12 (the
+        # operand tiles of blocked_inverse.MATRIX_PRODUCTS instead, where it is on).
+        tables = allocate_tables()
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
