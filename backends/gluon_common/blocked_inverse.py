@@ -331,20 +331,19 @@ def matrix_unit_lower_inverse(a, tables, ENGINE: gl.constexpr):
     dg = gl.reshape(gl.where(r == c, gl.expand_dims(gl.convert_layout(X, gl.SliceLayout(2, L4)), 2), 0.0),
                     [BT, BT])
     a_off = gl.reshape(gl.where(r == c, 0.0, a4), [BT, BT])
-    rhs = tables
     thread_barrier()
-    rhs.index(2).store(dg.to(gl.float16))
+    tables.index(2).store(dg.to(gl.float16))
     # N = Dg A_off (the store above fenced with A_off's)
-    n = _engine_product(dg, a_off, rhs.index(0), ENGINE, LAYOUT)
+    n = _engine_product(dg, a_off, tables.index(0), ENGINE, LAYOUT)
     # P = I + N^2, then T1 = P - N P (P added after the product: as its accumulator's
     # start, written by plain instructions, ptxas serialized every wgmma of the kernel)
-    n2 = _engine_product(n, n, rhs.index(1), ENGINE, LAYOUT)
+    n2 = _engine_product(n, n, tables.index(1), ENGINE, LAYOUT)
     rows = gl.arange(0, BT, layout=gl.SliceLayout(1, LAYOUT))
     cols = gl.arange(0, BT, layout=gl.SliceLayout(0, LAYOUT))
     p = gl.where(gl.expand_dims(rows, 1) == gl.expand_dims(cols, 0), n2 + 1.0, n2)
-    t1 = p - _engine_product(n, p, rhs.index(0), ENGINE, LAYOUT)
+    t1 = p - _engine_product(n, p, tables.index(0), ENGINE, LAYOUT)
     # T = T1 Dg
-    t = _engine_product(t1, None, rhs.index(2), ENGINE, LAYOUT)
+    t = _engine_product(t1, None, tables.index(2), ENGINE, LAYOUT)
     # The operand tiles are read by the last products: free only once every warp is past.
     thread_barrier()
     return t
