@@ -315,12 +315,11 @@ def tile_kernel_products() -> dict:
 
     from gdn_dispatch.aot import AotKernel, compile_kernel
     from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_common.blocked_inverse import ptx_products
 
     kernel = AotKernel("gluon_sm90", "inverse_tile", "f32", tile_kernel(), {"a_ptr": "*fp32", "t_ptr": "*fp32",
                                                                              "ENGINE": "constexpr"},
                        {"ENGINE": gluon_sm90.ENGINE}, dialect="gluon", num_warps=4)
-    from gdn_dispatch.backends.gluon_common.blocked_inverse import ptx_products
-
     report = compile_kernel(kernel, (9, 0))
     return {**ptx_products(report.ptx), "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)),
             "spills": report.spill_bytes}

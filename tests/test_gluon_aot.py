@@ -410,7 +410,12 @@ def one_kernel_builds() -> list[dict]:
                        "allowed": kernel.spill_bytes_allowed, "serialized": report.wgmma_serialized,
                        "products": blocked_inverse.ptx_products(report.ptx), "ldmatrix": report.ptx.count("ldmatrix"),
                        "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)),
-                       "trap": "trap;" in report.ptx, "aux_t": kernel.constexprs["AUX_T"]})
+                       "trap": "trap;" in report.ptx, "aux_t": kernel.constexprs["AUX_T"],
+                       "shared": report.shared_bytes,
+                       "planned": fused90.fused_smem_bytes(128, 128, 2, v_slots=fused90.V_SLOTS, single_t=True,
+                                                           qk_norm=kernel.constexprs["QK_NORM"], aux_t=True,
+                                                           state_scores=kernel.constexprs["STATE_SCORES"])
+                       if arch == "sm90" else None})
     return builds
 
 
@@ -443,8 +448,9 @@ def test_one_kernel_builds_compile_with_matrix_products():
     """:data:`.blocked_inverse.MATRIX_PRODUCTS` in the one-kernel fused builds: on sm_90a the
     aux's blocks below the diagonal become four [64, 64] wgmma products (16 wgmma more than
     the shipped 44, the series' 14 mma.sync left of the tables' 32), every wgmma still in
-    flight, spills within the builds' allowance; sm_100a's twin does not hand its engine
-    to the inverse and keeps the tables' 32 products."""
+    flight, spills within the builds' allowance, shared memory as planned (the operand
+    tiles' 32 KB in place of the tables' 16); sm_100a's twin does not hand its engine to
+    the inverse and keeps the tables' 32 products."""
     from pathlib import Path
 
     from gdn_dispatch.testing import call_in_fresh_process
@@ -457,6 +463,8 @@ def test_one_kernel_builds_compile_with_matrix_products():
         assert b["products"] == {"f16": 14 if sm90 else 32, "tf32": 0}, b
         assert b["wgmma"] == (60 if sm90 else 0) and not b["serialized"] and not b["trap"], b
         assert b["spills"] <= b["allowed"], b
+        if sm90:
+            assert b["planned"] <= b["shared"] <= b["planned"] + 1024, b
 
 
 @pytest.mark.slow

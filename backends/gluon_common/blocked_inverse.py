@@ -118,8 +118,8 @@ DIAGONAL_SERIES = gl.constexpr(True)
 #: (``benchmarks/sass_counts.py``, bf16 varlen "kv"): the aux loop 1,376 SASS instructions
 #: per warp and chunk (1,355 shipped), spills 348 bytes (172), 436 with the qk l2 norm on
 #: chip (320), at most 444 over the AOT specializations, 199 KB of shared memory (183),
-#: every wgmma in flight. Off: compiled
-#: only, not yet run on a GPU (``python benchmarks/flag_ab.py matrix_products`` times it).
+#: every wgmma in flight. Off: compiled only, not yet run on a GPU (``python
+#: benchmarks/flag_ab.py matrix_products`` times it).
 MATRIX_PRODUCTS = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
@@ -351,7 +351,7 @@ def matrix_unit_lower_inverse(a, tables, ENGINE: gl.constexpr):
 
 @gluon.jit
 def _engine_product(x, y, y_smem, ENGINE: gl.constexpr, layout: gl.constexpr):
-    """``x @ y`` for [64, 64] registers ``x`` and ``y`` (fp32 or fp16), on ``ENGINE`` with
+    """``x @ y`` for fp32 [64, 64] registers ``x`` and ``y``, on ``ENGINE`` with
     fp16 operands: ``y`` stored into ``y_smem`` (which an earlier product read: every warp
     has waited for it) and fenced, or, with ``y`` None, read from ``y_smem`` as stored and
     fenced before; ``x`` read from registers. fp32, returned in ``layout``."""
@@ -368,8 +368,9 @@ def _engine_product(x, y, y_smem, ENGINE: gl.constexpr, layout: gl.constexpr):
 @gluon.constexpr_function
 def table_slots():
     """16 x 16 fp32 slots' worth of shared memory the inverse's tables take
-    (:func:`allocate_tables`): 16, or 32 with :func:`matrix_products` (its three fp16
-    [64, 64] operand tiles take 24; shared-memory shapes are powers of two)."""
+    (:func:`allocate_tables`, which allocates them): 16 (the blocked inverse's three tables
+    take 12; shared-memory shapes are powers of two), or 32 with :func:`matrix_products`
+    (its three fp16 [64, 64] operand tiles take 24)."""
     return 32 if matrix_products() else 16
 
 

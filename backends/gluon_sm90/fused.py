@@ -691,10 +691,8 @@ def _fused_fwd_kernel(
     gl.static_assert(not STATE_SCORES or (AUX_T and EARLY_O1), "the state forms the scores under AUX_T alone")
     gl.static_assert(not SINGLE_T or V_SLOTS == 2, "with T_u alone the state reads v slot t % 2")
     if AUX_T:
-        # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
+        # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
-        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12 (the
-        # operand tiles of blocked_inverse.MATRIX_PRODUCTS instead, where it is on).
         tables = allocate_tables()
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
@@ -846,6 +844,8 @@ def aux_t_spill_bytes(state_scores: bool) -> int:
     """The spill bytes an :data:`AUX_T` build keeps, by where its causal scores are formed
     (:data:`STATE_SCORES`)."""
     return AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES
+
+
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
