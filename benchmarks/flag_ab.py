@@ -26,14 +26,12 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
     python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: fp16 tables, ldmatrix (fp16 products)
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
-    python benchmarks/flag_ab.py matrix_products  # blocked_inverse.MATRIX_PRODUCTS: the off-diagonal blocks by 4 wgmma
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
-(``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``matrix_products``) measure a
+(``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -146,10 +144,6 @@ STUDIES = {
     # The diagonal blocks' inverses by a series in 4 x 4 blocks: nine dependent products, not ten.
     "diagonal_series": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "DIAGONAL_SERIES",
                         (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
-    # The one-kernel build's blocks below the diagonal by four [64, 64] wgmma products, not
-    # three diagonals of mma.sync through the tables (the other kernels keep the tables).
-    "matrix_products": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "MATRIX_PRODUCTS",
-                        (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),
@@ -218,9 +212,8 @@ if __name__ == "__main__":
     if args.study in TWO_LAUNCH_STUDIES and "aux_t" not in also + without:
         without.append("aux_t")
     f16_products = "f16_inverse" in [args.study] + also or (shipped_on("f16_inverse") and "f16_inverse" not in without)
-    for needs_f16 in ("half_tables", "matrix_products"):
-        if needs_f16 in [args.study] + also and not f16_products:
-            parser.error(f"{needs_f16}: needs the fp16 products (f16_inverse on in both arms)")
+    if "half_tables" in [args.study] + also and not f16_products:
+        parser.error("half_tables: the fp16 tables need the fp16 products (f16_inverse on in both arms)")
     _, flag, _, shapes = STUDIES[args.study]
     if args.shapes:
         picked = args.shapes.split(",")

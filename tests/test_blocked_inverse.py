@@ -110,19 +110,6 @@ def power_model(A: torch.Tensor, rnd) -> torch.Tensor:
     return out
 
 
-def matrix_model(A: torch.Tensor, rnd=lambda x: x) -> torch.Tensor:
-    """:func:`matrix_unit_lower_inverse` (:data:`MATRIX_PRODUCTS`) on one tile: the diagonal
-    blocks' inverses Dg by the series, then N = Dg A_off, P = I + N^2, T = (P - N P) Dg,
-    four [64, 64] products whose inputs ``rnd`` rounds (P is added after its product, in
-    fp32)."""
-    r, c = torch.arange(64)[:, None] // 16, torch.arange(64)[None, :] // 16
-    dg = torch.where(r == c, model(A, rnd, series=True), 0.0)
-    mm = lambda x, y: rnd(x) @ rnd(y)  # noqa: E731
-    n = mm(dg, torch.where(r == c, 0.0, A))
-    p = torch.eye(64, dtype=A.dtype) + mm(n, n)
-    return mm(p - mm(n, p), dg)
-
-
 def _rel(x, ref):
     return float((x - ref).norm() / ref.norm())
 
@@ -159,22 +146,6 @@ def test_series_diagonal_blocks_are_as_accurate_as_doubling(cosine, tiles):
         ref = torch.linalg.inv(eye + A[t])
         doubling, series = _rel(model(A[t], _f16), ref), _rel(model(A[t], _f16, series=True), ref)
         assert series <= 1.1 * doubling and series < 2e-3, (series, doubling)
-
-
-@pytest.mark.parametrize("tiles", ["decayed", "unit-beta"])
-@pytest.mark.parametrize("cosine", [0.0, 0.5, 0.9, 0.99, 0.999])
-def test_matrix_products_are_as_accurate_as_the_diagonals(cosine, tiles):
-    """:data:`MATRIX_PRODUCTS`: the four [64, 64] products invert I + A (1e-12 in float64)
-    and, with fp16 inputs, keep the shipped inverse's error (fp16 tables, the series)
-    within 5%, at decayed tiles and at beta = 1 with no decay up to key cosine 0.999."""
-    A = chunk_a(8, cosine, seed=9) if tiles == "decayed" else unit_key_a(8, cosine, seed=9)
-    eye = torch.eye(64, dtype=torch.float64)
-    for t in range(A.shape[0]):
-        ref = torch.linalg.inv(eye + A[t])
-        assert _rel(matrix_model(A[t]), ref) < 1e-12
-        shipped = _rel(model(A[t], _f16, half_tables=True, series=True), ref)
-        matrix = _rel(matrix_model(A[t], _f16), ref)
-        assert matrix <= 1.05 * shipped and matrix < 2e-3, (matrix, shipped)
 
 
 @pytest.mark.parametrize("cosine", [0.0, 0.9, 0.99])
@@ -251,85 +222,52 @@ def test_tf32_products_keep_correlated_keys_accurate():
     assert worst_power > 3 * worst_doubling
 
 
-def tile_kernel():
-    """The test's Gluon kernel: one program per [64, 64] tile of A (fp32, 4 warps), T into
-    ``t_ptr``; the inverse as the build's flags set it (they are jit globals, fixed at the
-    first compile), redone by rows where the result lost fp16's range
-    (:func:`lost_half_range`, as the kernels that run it do). The tables' buffer is NaN on
-    entry, so that a read of a slot the inverse did not write this call shows in T."""
+def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
+    """(unwritten elements, relative error against float64) of the kernel on 512 tiles, in
+    a process of its own with the build's flags set (:data:`KERNEL_BUILDS`; they are jit
+    globals, fixed at their first compile), redone by rows where the result lost fp16's
+    range (:func:`lost_half_range`, as the kernels that run it do). The tables' buffer is
+    NaN on entry, so that a read of a slot the inverse did not write this call shows in T.
+    ``scale``: A's row 1 multiplied by it (its key and beta that much larger)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-        allocate_tables, blocked_unit_lower_inverse, fp16_products, lost_half_range, matrix_products,
-        matrix_unit_lower_inverse, unit_lower_inverse_by_rows)
+        blocked_unit_lower_inverse, fp16_products, lost_half_range, table_layout, unit_lower_inverse_by_rows)
     from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
 
     @gluon.jit
-    def kernel(a_ptr, t_ptr, ENGINE: gl.constexpr):
+    def tile_kernel(a_ptr, t_ptr):
         ACC: gl.constexpr = wgmma_layout(64, 64, 4)
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
         off = gl.program_id(0).to(gl.int64) * 4096 + gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
-        tables = allocate_tables()
-        if matrix_products():
-            for q in gl.static_range(4):
-                tables.index(q).store(gl.full([64, 64], float("nan"), gl.float16, ACC))
-            thread_barrier()
-            t = matrix_unit_lower_inverse(gl.load(a_ptr + off), tables, ENGINE)
-        else:
-            nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
-            for q in gl.static_range(4):
-                tables.slice(4 * q, 4).store(nan)
-            thread_barrier()
-            t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
+        tables = gl.allocate_shared_memory(gl.float32, [16, 16, 16], table_layout())
+        nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
+        for q in gl.static_range(4):
+            tables.slice(4 * q, 4).store(nan)
+        thread_barrier()
+        t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
         if fp16_products():
             if lost_half_range(t):
                 t = unit_lower_inverse_by_rows(gl.load(a_ptr + off), tables)
         gl.store(t_ptr + off, t)
-
-    return kernel
-
-
-def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
-    """(unwritten elements, relative error against float64) of :func:`tile_kernel` on 512
-    tiles, in a process of its own with the build's flags set (:data:`KERNEL_BUILDS`).
-    ``scale``: A's row 1 multiplied by it (its key and beta that much larger)."""
-    from gdn_dispatch.backends import gluon_sm90
 
     A = chunk_a(512, cosine, seed=5)
     A[:, 1] *= scale
     ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + A)
     a = A.float().cuda()
     t = torch.full_like(a, float("nan"))
-    tile_kernel()[(A.shape[0],)](a, t, gluon_sm90.ENGINE, num_warps=4)
+    tile_kernel[(A.shape[0],)](a, t, num_warps=4)
     return int(torch.isnan(t).sum()), _rel(t.double().cpu(), ref)
 
 
-def tile_kernel_products() -> dict:
-    """:func:`tile_kernel` compiled for sm_90a with the build's flags as set: its block
-    products (mma.sync by operand type), wgmma count, spill bytes."""
-    import re
-
-    from gdn_dispatch.aot import AotKernel, compile_kernel
-    from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_common.blocked_inverse import ptx_products
-
-    kernel = AotKernel("gluon_sm90", "inverse_tile", "f32", tile_kernel(), {"a_ptr": "*fp32", "t_ptr": "*fp32",
-                                                                             "ENGINE": "constexpr"},
-                       {"ENGINE": gluon_sm90.ENGINE}, dialect="gluon", num_warps=4)
-    report = compile_kernel(kernel, (9, 0))
-    return {**ptx_products(report.ptx), "wgmma": len(re.findall(r"wgmma\.mma_async", report.ptx)),
-            "spills": report.spill_bytes}
-
-
-#: The kernel's builds the GPU test runs: (F16_OPERANDS, HALF_TABLES, DIAGONAL_SERIES,
-#: MATRIX_PRODUCTS) by name; the last one's products are wgmma (sm_90 only).
-KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, False, False),
-                 "f16-half-tables": (True, True, False, False), "f16-series": (True, False, True, False),
-                 "f16-all": (True, True, True, False), "f16-matrix": (True, True, True, True)}
+#: The kernel's builds the GPU test runs: (F16_OPERANDS, HALF_TABLES, DIAGONAL_SERIES) by
+#: name.
+KERNEL_BUILDS = {"tf32": (False, False, False), "f16": (True, False, False), "f16-half-tables": (True, True, False),
+                 "f16-series": (True, False, True), "f16-all": (True, True, True)}
 
 
 @pytest.mark.gpu
@@ -339,28 +277,10 @@ KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, Fals
 @pytest.mark.parametrize("cosine, scale", [(0.0, 1.0), (0.9, 1.0), (0.9, 2e5)],
                          ids=["cosine-0", "cosine-0.9", "past-fp16-range"])
 def test_kernel_matches_float64(cosine, scale, build):
-    if KERNEL_BUILDS[build][3] and CAPABILITY[0] != 9:
-        pytest.skip("the matrix products are wgmma: sm_90 only")
     flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
-             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES", "MATRIX_PRODUCTS"),
-                                    KERNEL_BUILDS[build])]
+             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES"), KERNEL_BUILDS[build])]
     unwritten, err = call_in_fresh_process(Path(__file__), f"m.kernel_error({cosine}, {scale})", flags, timeout=600)
     assert unwritten == 0, "elements left unwritten"
     # Past the range (A and T up to about 2e5 in 319 of the tiles): the CPU model's tf32
     # error is 5e-4 there; an fp16 result without the redo is not finite.
     assert err < (2e-4 if cosine == 0.0 else 2e-3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("build", ["f16-all", "f16-matrix"])
-def test_tile_kernel_compiles_for_sm90(build):
-    """The GPU test's tile kernel compiles for sm_90a in both shipped-inverse forms: the
-    tables' 32 fp16 mma.sync (16 products per warp), or with :data:`MATRIX_PRODUCTS` the
-    series' 14 for the diagonal blocks and four [64, 64] wgmma products of four k-steps
-    each; no spills."""
-    flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
-             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES", "MATRIX_PRODUCTS"),
-                                    KERNEL_BUILDS[build])]
-    built = call_in_fresh_process(Path(__file__), "m.tile_kernel_products()", flags, timeout=600)
-    matrix = KERNEL_BUILDS[build][3]
-    assert built == {"f16": 14 if matrix else 32, "tf32": 0, "wgmma": 16 if matrix else 0, "spills": 0}, built

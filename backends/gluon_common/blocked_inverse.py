@@ -31,9 +31,7 @@ the diagonal blocks take a series in 4 x 4 blocks instead of the doubling past s
 sixteen products, nine dependent ones. As shipped (:data:`F16_OPERANDS`,
 :data:`HALF_TABLES`, :data:`DIAGONAL_SERIES`): 32 mma.sync m16n8k16, the tables in fp16.
 On fp16 operands a result past fp16's range is redone in fp32 by the caller
-(:func:`lost_half_range`). :func:`matrix_unit_lower_inverse` (:data:`MATRIX_PRODUCTS`, off)
-forms the blocks below the diagonal by four [64, 64] products on the caller's matrix engine
-instead of the diagonals.
+(:func:`lost_half_range`).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier
 
@@ -101,26 +98,6 @@ HALF_TABLES = gl.constexpr(True)
 #: (timed with it above); it applies to tf32 products too, where it was not timed: the
 #: tf32 build is all three flags off.
 DIAGONAL_SERIES = gl.constexpr(True)
-#: The blocks below the diagonal by four dependent [64, 64] x [64, 64] fp16 products on the
-#: caller's matrix engine instead of three diagonals of 16 x 16 products through the tables
-#: (:func:`matrix_unit_lower_inverse`): with ``Dg`` the diagonal blocks' inverses (as
-#: above) and ``N = Dg A_off`` (A's blocks below the diagonal), ``N^4 = 0`` gives
-#: ``T = (I - N)(I + N^2) Dg = ((I + N^2) - N (I + N^2)) Dg``. The same algebra as the
-#: diagonals (the CPU model's error is theirs within 1% at key cosines 0 to 0.999). The
-#: diagonals' four dependent 16 x 16 products per warp (nine products in all, the
-#: tables' ldmatrix reads and shifts) become four dependent wgmma products (four k-steps
-#: each) on the tensor cores' asynchronous queue, each behind an 8 KB operand store, a
-#: fence and a barrier, as the tables' three. Where only one warpgroup forms the inverse
-#: (the one-kernel fused build's aux partition) the chain's latency sets the pace;
-#: elsewhere several programs per SM hide it. Applies where the caller hands its engine over
-#: (:func:`..wy.chunk_t_u_on_chip`: the sm_90a one-kernel build); needs
-#: :data:`F16_OPERANDS`; its tables take 32 KB instead of 16. sm_90a, triton 3.6.0
-#: (``benchmarks/sass_counts.py``, bf16 varlen "kv"): the aux loop 1,376 SASS instructions
-#: per warp and chunk (1,355 shipped), spills 348 bytes (172), 436 with the qk l2 norm on
-#: chip (320), at most 444 over the AOT specializations, 199 KB of shared memory (183),
-#: every wgmma in flight. Off: compiled only, not yet run on a GPU (``python
-#: benchmarks/flag_ab.py matrix_products`` times it).
-MATRIX_PRODUCTS = gl.constexpr(False)
 
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
@@ -310,91 +287,6 @@ def blocked_unit_lower_inverse(a, tables):
     return gl.convert_layout(gl.reshape(t4, [BLOCKS * BLOCK, BLOCKS * BLOCK]), a.type.layout)
 
 
-@gluon.jit
-def matrix_unit_lower_inverse(a, tables, ENGINE: gl.constexpr):
-    """:func:`blocked_unit_lower_inverse` with the blocks below the diagonal by four fp16
-    products on ``ENGINE`` (:data:`MATRIX_PRODUCTS`): the diagonal blocks' inverses ``Dg``
-    per warp as there, then ``N = Dg A_off``, ``N^2``, ``P - N P`` (``P = I + N^2``) and
-    ``(P - N P) Dg``, each product's lhs read from registers and its rhs from one of the
-    fp16 [64, 64] operand tiles ``tables`` (:func:`allocate_tables`; free on entry and
-    exit): A_off then P in the first, N in the second, Dg in the third from the start, so
-    that only N and P wait in registers. Returns T in ``a``'s layout."""
-    gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
-    BT: gl.constexpr = BLOCKS * BLOCK
-    gl.static_assert(tables.dtype == gl.float16, "the operand tiles of allocate_tables")
-    LAYOUT: gl.constexpr = a.type.layout
-    a4 = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK])
-    zero = gl.zeros([BLOCKS, BLOCK, BLOCK], gl.float32, block_mma_layout())
-    X = _diagonal_block_inverse(_diagonal(a4, 0), zero)
-    L4: gl.constexpr = a4.type.layout
-    r, c = _column_ids(L4)
-    dg = gl.reshape(gl.where(r == c, gl.expand_dims(gl.convert_layout(X, gl.SliceLayout(2, L4)), 2), 0.0),
-                    [BT, BT])
-    a_off = gl.reshape(gl.where(r == c, 0.0, a4), [BT, BT])
-    thread_barrier()
-    tables.index(2).store(dg.to(gl.float16))
-    # N = Dg A_off (the store above fenced with A_off's)
-    n = _engine_product(dg, a_off, tables.index(0), ENGINE, LAYOUT)
-    # P = I + N^2, then T1 = P - N P (P added after the product: as its accumulator's
-    # start, written by plain instructions, ptxas serialized every wgmma of the kernel)
-    n2 = _engine_product(n, n, tables.index(1), ENGINE, LAYOUT)
-    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, LAYOUT))
-    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, LAYOUT))
-    p = gl.where(gl.expand_dims(rows, 1) == gl.expand_dims(cols, 0), n2 + 1.0, n2)
-    t1 = p - _engine_product(n, p, tables.index(0), ENGINE, LAYOUT)
-    # T = T1 Dg
-    t = _engine_product(t1, None, tables.index(2), ENGINE, LAYOUT)
-    # The operand tiles are read by the last products: free only once every warp is past.
-    thread_barrier()
-    return t
-
-
-@gluon.jit
-def _engine_product(x, y, y_smem, ENGINE: gl.constexpr, layout: gl.constexpr):
-    """``x @ y`` for fp32 [64, 64] registers ``x`` and ``y``, on ``ENGINE`` with
-    fp16 operands: ``y`` stored into ``y_smem`` (which an earlier product read: every warp
-    has waited for it) and fenced, or, with ``y`` None, read from ``y_smem`` as stored and
-    fenced before; ``x`` read from registers. fp32, returned in ``layout``."""
-    BT: gl.constexpr = x.shape[0]
-    if y is not None:
-        thread_barrier()
-        y_smem.store(y.to(gl.float16))
-        fence_async_shared()
-    out = ENGINE.mma_reg_a(x, y_smem, y_smem, ENGINE.acc_alloc(BT, BT), False, None)
-    out = ENGINE.acc_read(ENGINE.mma_wait(out, None, 0))
-    return gl.convert_layout(out, layout)
-
-
-@gluon.constexpr_function
-def table_slots():
-    """16 x 16 fp32 slots' worth of shared memory the inverse's tables take
-    (:func:`allocate_tables`, which allocates them): 16 (the blocked inverse's three tables
-    take 12; shared-memory shapes are powers of two), or 32 with :func:`matrix_products`
-    (its three fp16 [64, 64] operand tiles take 24)."""
-    return 32 if matrix_products() else 16
-
-
-@gluon.constexpr_function
-def matrix_operand_layout():
-    """The layout of :func:`matrix_unit_lower_inverse`'s fp16 [64, 64] operand tiles."""
-    tile = BLOCKS.value * BLOCK.value
-    return gl.NVMMASharedLayout.get_default_for([tile, tile], gl.float16)
-
-
-@gluon.jit
-def allocate_tables():
-    """The shared memory a caller hands the inverse as ``tables`` (:func:`table_slots`):
-    fp32 ``[16, 16, 16]`` in :func:`table_layout`, or with :func:`matrix_products` fp16
-    ``[4, 64, 64]`` in :func:`matrix_operand_layout` (allocated so, not viewed so: the operand
-    tiles' swizzle needs their 1024-byte alignment, which a table's layout does not ask
-    the allocator for)."""
-    if matrix_products():
-        tables = gl.allocate_shared_memory(gl.float16, [4, BLOCKS * BLOCK, BLOCKS * BLOCK], matrix_operand_layout())
-    else:
-        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
-    return tables
-
-
 #: :func:`inverse_by_rows`' rows of A read per step (and rows of T with them).
 ROW_STEP = gl.constexpr(8)
 
@@ -531,13 +423,6 @@ def fp16_products():
     """Whether the inverse runs on fp16 products (:data:`F16_OPERANDS`, as set when the
     kernel compiles), so that its callers check its result and redo (:func:`lost_half_range`)."""
     return bool(F16_OPERANDS)
-
-
-@gluon.constexpr_function
-def matrix_products():
-    """Whether a caller that hands its engine over runs the blocks below the diagonal on it
-    (:data:`MATRIX_PRODUCTS`, on fp16 operands only), as set when the kernel compiles."""
-    return bool(MATRIX_PRODUCTS) and bool(F16_OPERANDS)
 
 
 @gluon.jit

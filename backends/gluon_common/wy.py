@@ -82,8 +82,7 @@ from gdn_dispatch.varlen import ChunkTable
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
     blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_by_rows,
-    inverse_layout, lost_half_range, matrix_products, matrix_unit_lower_inverse, redone_diagonals, table_layout,
-    unit_lower_inverse_by_rows)
+    inverse_layout, lost_half_range, redone_diagonals, table_layout, unit_lower_inverse_by_rows)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -508,7 +507,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
-                                  False, a_save, ENGINE)
+                                  False, a_save)
     if fp16_products():
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
@@ -519,7 +518,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None, REDO: gl.constexpr = False, a_save=None, ENGINE: gl.constexpr = None):
+                  r_k=None, REDO: gl.constexpr = False, a_save=None):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -529,9 +528,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
     :func:`_chunk_a` takes them; ``REDO``: the inverse's redo by rows
     (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
-    before the inverse (:func:`.blocked_inverse.redo_buffer`), or None; ``ENGINE``: the
-    caller's matrix engine, which :data:`.blocked_inverse.MATRIX_PRODUCTS` runs the blocks
-    below the diagonal on (None: the tables' products)."""
+    before the inverse (:func:`.blocked_inverse.redo_buffer`), or None."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
@@ -545,8 +542,6 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     enter("aux.blocks")
     if REDO:
         t = unit_lower_inverse_by_rows(a, tables)
-    elif matrix_products() and ENGINE is not None:
-        t = matrix_unit_lower_inverse(a, tables, ENGINE)
     else:
         t = blocked_unit_lower_inverse(a, tables)
     leave("aux.blocks")
