@@ -26,12 +26,15 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py f16_inverse  # blocked_inverse.F16_OPERANDS: the inverse's products on fp16
     python benchmarks/flag_ab.py half_tables  # blocked_inverse.HALF_TABLES: fp16 tables, ldmatrix (fp16 products)
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
+    python benchmarks/flag_ab.py shared_row_vectors  # wy.SHARED_ROW_VECTORS: the aux's row vectors through shared
+                                             # memory, one barrier instead of six layout converts
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
-(``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``) measure a
+(``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
+``shared_row_vectors``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -144,6 +147,12 @@ STUDIES = {
     # The diagonal blocks' inverses by a series in 4 x 4 blocks: nine dependent products, not ten.
     "diagonal_series": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "DIAGONAL_SERIES",
                         (gl.constexpr(False), gl.constexpr(True)), _INVERSE_SHAPES),
+    # The one-kernel build's gate cumsum and beta read in each layout from shared memory
+    # instead of converted between layouts (the aux partition's chain: 13 barriers fewer).
+    "shared_row_vectors": ("gdn_dispatch.backends.gluon_common.wy", "SHARED_ROW_VECTORS",
+                           (gl.constexpr(False), gl.constexpr(True)), {
+                               name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                                   "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -437,6 +437,50 @@ def test_one_kernel_builds_compile_with_half_tables(series):
         assert b["spills"] <= b["allowed"], b
 
 
+def aux_partition_builds() -> list[dict]:
+    """sm_90a's one-kernel fused builds as shipped (``AUX_T``, ``STATE_SCORES``; plain and
+    with the qk l2 norm on chip), compiled in this process with its jit globals as set:
+    the aux partition's barriers (its warpgroup is the kernel's one group of 128 threads),
+    spills and their allowance, wgmma serialization, shared memory and its plan."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    fused.AUX_T, fused.QK_NORM_ON_CHIP, fused.STATE_SCORES = True, True, True
+    builds = []
+    for l2 in (False, True):
+        kernel = next(k for k in fused.fused_kernels_for_aot(SM90, "gluon_sm90", engine=gluon_sm90.ENGINE)
+                      if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)
+        report = compile_kernel(kernel, SM90)
+        aux_barriers = re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\d+, 128;", report.ptx)
+        builds.append({"l2": l2, "aux_barriers": len(aux_barriers),
+                       "spills": report.spill_bytes, "allowed": kernel.spill_bytes_allowed,
+                       "serialized": report.wgmma_serialized, "shared": report.shared_bytes,
+                       "planned": fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2,
+                                                         aux_t=True, state_scores=True)})
+    return builds
+
+
+@pytest.mark.slow
+def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
+    """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
+    beta read in each layout from 1 KB of shared memory (in the plan) instead of six
+    ``convert_layout`` round trips and a reduction across the warps, 12 barriers fewer in
+    the aux partition's code (two a convert, three the reduction, one the stores' own);
+    spills within the allowance, wgmma in flight."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", ["gluon_common.wy.SHARED_ROW_VECTORS=1"],
+                               timeout=1800)
+    for before, after in zip(off, on):
+        assert after["aux_barriers"] <= before["aux_barriers"] - 12, (before, after)
+        assert after["planned"] == before["planned"] + 1024, (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
 def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):

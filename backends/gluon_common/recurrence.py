@@ -124,13 +124,21 @@ def gate_rows(g_cum, row, eos, i_h, HV, BT: gl.constexpr, row_layout: gl.constex
 
 
 @gluon.jit
-def gate_rows_of_cumsum(c, n_valid):
+def gate_rows_of_cumsum(c, n_valid, c_smem=None):
     """:func:`gate_rows` of a chunk whose gate cumsum ``c`` (fp32 [BT], any 1-D layout; rows
     past the end repeat the last sum, as :func:`.wy.gate_cumsum` leaves them) a kernel
-    formed itself: ``b_g`` (0 past the end, as loaded) and ``g_last``, the last valid row's."""
+    formed itself: ``b_g`` (0 past the end, as loaded) and ``g_last``, the last valid row's.
+    ``c_smem``: the same cumsum in shared memory (``[BT]``, stored past a barrier), whose
+    last element is ``g_last`` (rows past the end repeat it): read there, not reduced
+    across the warps."""
     BT: gl.constexpr = c.shape[0]
-    r = gl.arange(0, BT, layout=c.type.layout)
-    return gl.where(r < n_valid, c, 0.0), gl.sum(gl.where(r == gl.minimum(n_valid, BT) - 1, c, 0.0), 0)
+    layout: gl.constexpr = c.type.layout
+    r = gl.arange(0, BT, layout=layout)
+    if c_smem is not None:
+        g_last = gl.max(c_smem.slice(BT - 1, 1).load(layout), axis=0)
+    else:
+        g_last = gl.sum(gl.where(r == gl.minimum(n_valid, BT) - 1, c, 0.0), 0)
+    return gl.where(r < n_valid, c, 0.0), g_last
 
 
 @gluon.jit

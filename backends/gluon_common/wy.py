@@ -99,6 +99,38 @@ LOG2E = gl.constexpr(1.4426950408889634)
 #: :data:`gdn_dispatch.contract.GATE_FLOOR` inside the kernels (gates below it count as it).
 GATE_FLOOR = gl.constexpr(_GATE_FLOOR)
 
+#: One chunk-on-chip kernel's row vectors (the gate cumsum and beta) handed between layouts
+#: through shared memory (:func:`row_vector_slots`): stored once in the plain layout they are
+#: scanned and loaded in, then read back in each layout that uses them (A's rows and
+#: columns, T_u's column scale, the last row's cumsum), one barrier in all. Each
+#: ``convert_layout`` of a [64] vector between those layouts is a shared-memory round trip
+#: with two barriers of the warpgroup, on the chain of the aux partition that forms the
+#: chunk inverses (:func:`chunk_t_u_on_chip`), and ``gl.sum`` across warps for the last row
+#: three more. Off: the converts.
+SHARED_ROW_VECTORS = gl.constexpr(False)
+
+
+@gluon.constexpr_function
+def shared_row_vectors():
+    """Whether :func:`chunk_t_u_on_chip`'s callers hand it :func:`row_vector_slots`
+    (:data:`SHARED_ROW_VECTORS`, as set when the kernel compiles)."""
+    return bool(SHARED_ROW_VECTORS)
+
+
+#: Slots of :func:`row_vector_slots`: a chunk's two vectors alternate between two, so that
+#: a chunk's stores never meet the reads of the chunk before it.
+ROW_VECTOR_SLOTS = gl.constexpr(2)
+
+
+@gluon.jit
+def row_vector_slots(BT: gl.constexpr):
+    """The fp32 ``[2 * ROW_VECTOR_SLOTS, BT]`` shared memory :func:`chunk_t_u_on_chip` keeps
+    a chunk's gate cumsum (row ``2 s``) and beta rows (row ``2 s + 1``) in, slot ``s`` =
+    chunk % :data:`ROW_VECTOR_SLOTS` (:data:`SHARED_ROW_VECTORS`)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    return gl.allocate_shared_memory(gl.float32, [2 * ROW_VECTOR_SLOTS, BT], plain)
+
+
 
 # ----------------------------------------------------------------------------------------
 # Kernel
@@ -322,19 +354,29 @@ def _chunk_gates(g, s_g, g_cum, row0, n_valid, i_h, HV, BT: gl.constexpr, layout
 
 
 @gluon.jit
-def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr, b_raw=None, r_k=None):
+def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.constexpr, b_raw=None, r_k=None,
+             vectors=None, vector_row=0):
     """A from the raw ``k k^T`` (fp32 [64, 64] registers) and the rows' gate cumsum ``g_i``
     (in the row slice of kk's layout), and the fp32 [64] column scales of T for w
     (``beta 2^g r``) and for u (``beta``, token stride ``s_beta``; or its rows ``b_raw`` as
     :func:`chunk_rows_early` loaded them), in the column slice of kk's layout. With
     ``USE_L2NORM``, k's reciprocal row norms ``r_k`` (any 1-D layout), or None to reduce
-    them from ``k_smem`` here."""
+    them from ``k_smem`` here. ``vectors``: :func:`row_vector_slots`, whose rows
+    ``vector_row`` and ``vector_row + 1`` hold the chunk's gate cumsum and beta (stored and
+    past a barrier), read instead of ``g_i`` and ``b_raw``."""
     BT: gl.constexpr = kk.shape[0]
     layout: gl.constexpr = kk.type.layout
     rows: gl.constexpr = gl.SliceLayout(1, layout)
     cols: gl.constexpr = gl.SliceLayout(0, layout)
-    g_j = gl.convert_layout(g_i, cols)
-    if b_raw is None:
+    if vectors is not None:
+        g_i = vectors.index(vector_row).load(rows)
+        g_j = vectors.index(vector_row).load(cols)
+    else:
+        g_j = gl.convert_layout(g_i, cols)
+    if vectors is not None:
+        b_i = vectors.index(vector_row + 1).load(rows)
+        b_j = vectors.index(vector_row + 1).load(cols)
+    elif b_raw is None:
         b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
         b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
     else:
@@ -488,7 +530,8 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
 
 @gluon.jit
 def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
-                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None):
+                      USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None, vectors=None,
+                      vector_row=0):
     """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
     accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
     layout), for a kernel that keeps both on chip: nothing is written to global memory.
@@ -498,27 +541,41 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     mbarrier of k k^T, at its ``KK_PHASE``-th completion (mod 2); ``r_k``: with
     ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None);
     ``a_save``: with the fp16 inverse (:func:`.blocked_inverse.fp16_products`), the
-    :func:`.blocked_inverse.redo_buffer` A waits in for a redo."""
+    :func:`.blocked_inverse.redo_buffer` A waits in for a redo; ``vectors``: with
+    :data:`SHARED_ROW_VECTORS`, :func:`row_vector_slots`, whose rows ``vector_row`` and
+    ``vector_row + 1`` (the chunk's slot; free on entry: their reads two chunks back are
+    behind the caller's barriers) keep the gate cumsum and beta, also for the caller's
+    reads after this returns."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
+    if vectors is not None:
+        vectors.index(vector_row).store(c)
+        vectors.index(vector_row + 1).store(b_raw)
+        # Under k k^T: every warp's part of both vectors is in before any warp reads them.
+        thread_barrier()
     # Profile phases (the fused kernel's aux partition): k k^T's wait, A, the blocks.
     enter("aux.kk")
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
-                                  False, a_save)
+                                  False, a_save, vectors, vector_row)
     if fp16_products():
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
             t_layout: gl.constexpr = t.type.layout
             t = inverse_by_rows(a_save, t_layout)
-    return t * gl.expand_dims(gl.convert_layout(u_scale, gl.SliceLayout(0, t.type.layout)), 0), c
+    cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
+    if vectors is not None:
+        u_scale = vectors.index(vector_row + 1).load(cols)
+    else:
+        u_scale = gl.convert_layout(u_scale, cols)
+    return t * gl.expand_dims(u_scale, 0), c
 
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None, REDO: gl.constexpr = False, a_save=None):
+                  r_k=None, REDO: gl.constexpr = False, a_save=None, vectors=None, vector_row=0):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -528,14 +585,20 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     (:func:`chunk_rows_early`); ``k_smem``, ``r_k``: with ``USE_L2NORM``, as
     :func:`_chunk_a` takes them; ``REDO``: the inverse's redo by rows
     (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
-    before the inverse (:func:`.blocked_inverse.redo_buffer`), or None."""
+    before the inverse (:func:`.blocked_inverse.redo_buffer`), or None; ``vectors``,
+    ``vector_row``: as :func:`_chunk_a` takes them (the scales then stay in the column slice of T's layout,
+    where a caller that holds the vectors reads its scale again instead)."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
-    a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta, s_beta,
-                                   row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    w_scale = gl.convert_layout(w_scale, flat)
-    u_scale = gl.convert_layout(u_scale, flat)
+    if vectors is not None:
+        a, w_scale, u_scale = _chunk_a(kk, k_smem, c, beta, s_beta, row0, n_valid, i_h, USE_L2NORM, b_raw, r_k,
+                                       vectors, vector_row)
+    else:
+        a, w_scale, u_scale = _chunk_a(kk, k_smem, gl.convert_layout(c, gl.SliceLayout(1, kk.type.layout)), beta,
+                                       s_beta, row0, n_valid, i_h, USE_L2NORM, b_raw, r_k)
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        w_scale = gl.convert_layout(w_scale, flat)
+        u_scale = gl.convert_layout(u_scale, flat)
     leave("aux.a")
     if a_save is not None:
         a_save.store(a)

@@ -93,7 +93,8 @@ from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.wy import chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip
+from gdn_dispatch.backends.gluon_common.wy import (
+    ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, row_vector_slots, shared_row_vectors)
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
@@ -579,7 +580,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -590,7 +591,10 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     the k tile straight into its slot, then q k^T, the gate vectors and the scores. With
     ``STATE_SCORES`` the state forms the scores: the aux leaves it the gate rows instead
     (:func:`_store_gates_and_rows`). With ``SAVE_A`` (the fp16 inverse), ``a_save`` is where
-    A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`)."""
+    A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`). With
+    :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, ``row_vectors``
+    (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
+    layouts."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -629,14 +633,19 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
         else:
             rk = None
+        vector_row = 2 * (t % ROW_VECTOR_SLOTS)
+        vectors = row_vectors if shared_row_vectors() else None
         t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
-                                   ENGINE, rk, a_save if SAVE_A else None)
+                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.store_t")
         leave("aux.inverse")
         enter("aux.scores")
-        g_row, g_end = gate_rows_of_cumsum(c, n_valid)
+        if shared_row_vectors():
+            g_row, g_end = gate_rows_of_cumsum(c, n_valid, vectors.index(vector_row))
+        else:
+            g_row, g_end = gate_rows_of_cumsum(c, n_valid)
         if NG != 4:
             rq = g_row  # unused
             rk = g_row
@@ -703,6 +712,10 @@ def _fused_fwd_kernel(
             a_save = tables
         kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kk_bar.index(0), count=1)
+        if shared_row_vectors():
+            row_vectors = row_vector_slots(BT)
+        else:
+            row_vectors = tables  # not read
     elif SINGLE_T:
         # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
@@ -774,7 +787,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1087,11 +1100,14 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
-    (:func:`..gluon_common.blocked_inverse.redo_buffer`); with ``state_scores``
-    (:data:`STATE_SCORES`) the gate rows of the state's scores (2 x 2 fp32 vectors)."""
+    (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
+    :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
+    vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
+    scores (2 x 2 fp32 vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
-    inverse = 16 * 16 * 16 * 4 + 8 + redo if aux_t else 0
+    vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
+    inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
