@@ -463,14 +463,16 @@ def aux_partition_builds() -> list[dict]:
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six
-    ``convert_layout`` round trips and a reduction across the warps, 12 barriers fewer in
-    the aux partition's code (two a convert, three the reduction, one the stores' own);
-    spills within the allowance, wgmma in flight."""
+    ``convert_layout`` round trips and a reduction across the warps: at least 12 barriers
+    fewer in the aux partition's code (two a convert, three the reduction; the stores bring
+    their own); spills within the allowance, wgmma in flight. On as shipped; the test
+    compiles both."""
     from pathlib import Path
 
     from gdn_dispatch.testing import call_in_fresh_process
 
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [], timeout=1800)
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", ["gluon_common.wy.SHARED_ROW_VECTORS=0"],
+                                timeout=1800)
     on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", ["gluon_common.wy.SHARED_ROW_VECTORS=1"],
                                timeout=1800)
     for before, after in zip(off, on):
@@ -528,11 +530,15 @@ def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     assert not aux.wgmma_serialized and not state.wgmma_serialized
     count = lambda ptx: len(re.findall(r"wgmma\.mma_async", ptx))  # noqa: E731
     assert count(aux.ptx) == count(state.ptx)
-    assert state.shared_bytes - aux.shared_bytes == 2 * 2 * 64 * 4
     K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", spec).groups()) if spec.startswith("K") else (128, 128)
-    planned = fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=spec.endswith("l2"),
-                                     aux_t=True, state_scores=True)
-    assert planned <= state.shared_bytes <= planned + 1024
+    planned = {scores: fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
+                                              qk_norm=spec.endswith("l2"), aux_t=True, state_scores=scores)
+               for scores in (False, True)}
+    assert planned[True] - planned[False] == 2 * 2 * 64 * 4
+    # Each build within its plan (the compiler's scratch for layout conversions, which the
+    # plan does not count, differs between the two by a few bytes).
+    for report, scores in ((aux, False), (state, True)):
+        assert planned[scores] <= report.shared_bytes <= planned[scores] + 1024, (scores, report.shared_bytes)
     assert state.kernel.spill_bytes_allowed == fused.AUX_T_SPILL_BYTES
     assert aux.kernel.spill_bytes_allowed == fused.AUX_SCORES_SPILL_BYTES
     assert state.spill_bytes <= state.kernel.spill_bytes_allowed and aux.spill_bytes <= aux.kernel.spill_bytes_allowed

@@ -28,6 +28,7 @@ from gdn_dispatch.testing import (  # noqa: E402
 from gdn_dispatch.varlen import slot_starts  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products  # noqa: E402
+from gdn_dispatch.backends.gluon_common.wy import shared_row_vectors  # noqa: E402
 from gdn_dispatch.backends.gluon_common.forward import plan_call  # noqa: E402
 from gdn_dispatch.backends.gluon_common.launch_plan import has_tails  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache, plan  # noqa: E402
@@ -164,11 +165,13 @@ def test_launches_of_the_path(shape, kernel_variant):
     assert fused.blocks["smem_bytes"] <= 227 * 1024
     # T_u alone: two T tiles, two w and two u tiles fewer; on chip, the inverse's 16 KB of
     # tables and its barrier (with the fp16 inverse, the 16 KB A waits in for a redo; with
-    # the scores in the state, two slots' gate rows).
+    # the shared row vectors, two slots of two; with the scores in the state, two slots'
+    # gate rows).
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
         (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
-        (16 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0) if on_chip else 0) + \
+        (16 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0)
+         + (2 * 2 * 64 * 4 if shared_row_vectors() else 0) if on_chip else 0) + \
         (2 * 2 * 64 * 4 if kernel_variant == "default" else 0)
 
 

@@ -99,15 +99,24 @@ LOG2E = gl.constexpr(1.4426950408889634)
 #: :data:`gdn_dispatch.contract.GATE_FLOOR` inside the kernels (gates below it count as it).
 GATE_FLOOR = gl.constexpr(_GATE_FLOOR)
 
-#: One chunk-on-chip kernel's row vectors (the gate cumsum and beta) handed between layouts
-#: through shared memory (:func:`row_vector_slots`): stored once in the plain layout they are
-#: scanned and loaded in, then read back in each layout that uses them (A's rows and
-#: columns, T_u's column scale, the last row's cumsum), one barrier in all. Each
+#: The one-kernel build's row vectors (a chunk's gate cumsum and beta) handed between
+#: layouts through shared memory (:func:`row_vector_slots`): stored once in the plain
+#: layout they are scanned and loaded in, then read back in each layout that uses them (A's
+#: rows and columns, T_u's column scale, the last row's cumsum), one barrier in all. Each
 #: ``convert_layout`` of a [64] vector between those layouts is a shared-memory round trip
 #: with two barriers of the warpgroup, on the chain of the aux partition that forms the
-#: chunk inverses (:func:`chunk_t_u_on_chip`), and ``gl.sum`` across warps for the last row
-#: three more. Off: the converts.
-SHARED_ROW_VECTORS = gl.constexpr(False)
+#: chunk inverses (:func:`chunk_t_u_on_chip`), and the last row's cumsum reduced across
+#: the warps three more: sm_90a's aux partition has 22 barriers instead of 35 (29 instead
+#: of 43 with the qk l2 norm on chip), 1 KB more shared memory. H100 80GB HBM3, triton
+#: 3.6.0, bf16 K = V = 128 (``python benchmarks/flag_ab.py shared_row_vectors``,
+#: ``logs/h100_shared_row_vectors_ab.log``, two rounds, call ms off -> on): H16-HV32 4 x
+#: 8192 0.556 -> 0.518, HV 64 4 x 8192 1.073 -> 1.019, 4 x 8192 with the qk l2 norm on chip
+#: 0.714 -> 0.639; the ragged16 mix 0.977 -> 1.004 (kernel 0.988 -> 1.000, the off arm's
+#: two rounds 2.3% apart; its tails' build spills 16 bytes more in the state partition).
+#: Outputs o bit-equal; the final state of a sequence whose last chunk is a tail within
+#: 4.1e-5 (g_last is the scan's row 63, which repeats row ``n_valid - 1``'s sum in another
+#: order of fp32 additions).
+SHARED_ROW_VECTORS = gl.constexpr(True)
 
 
 @gluon.constexpr_function
