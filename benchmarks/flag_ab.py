@@ -28,13 +28,15 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
     python benchmarks/flag_ab.py shared_row_vectors  # wy.SHARED_ROW_VECTORS: the aux's row vectors through shared
                                              # memory, one barrier instead of six layout converts
+    python benchmarks/flag_ab.py separate_tables  # blocked_inverse.SEPARATE_TABLES: the one-kernel inverse's three
+                                             # tables in allocations of their own, two barriers fewer
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``) measure a
+``shared_row_vectors``, ``separate_tables``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -153,6 +155,11 @@ STUDIES = {
                            (gl.constexpr(False), gl.constexpr(True)), {
                                name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
                                                                    "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+    # The one-kernel build's inverse tables as three allocations (two barriers fewer).
+    "separate_tables": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "SEPARATE_TABLES",
+                        (gl.constexpr(False), gl.constexpr(True)), {
+                            name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                                "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

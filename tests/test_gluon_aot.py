@@ -484,6 +484,28 @@ def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
 
 
 @pytest.mark.slow
+def test_separate_tables_take_two_barriers_off_the_inverse():
+    """:data:`.blocked_inverse.SEPARATE_TABLES` in sm_90a's one-kernel builds: the
+    inverse's three tables as allocations of their own (12 KB, in the plan, against the
+    one 16 KB allocation), so that the stores of Y's and W's tables wait on no barrier for
+    the reads of the others: two barriers fewer in the aux partition's code; spills within
+    the allowance, wgmma in flight. Off as shipped; the test compiles both."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flag = "gluon_common.blocked_inverse.SEPARATE_TABLES"
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    for before, after in zip(off, on):
+        assert after["aux_barriers"] == before["aux_barriers"] - 2, (before, after)
+        assert after["planned"] == before["planned"] - 4096, (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
 def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
     """With :data:`fused.EARLY_O1` off (the state update and S_old^T q^T in flight together)

@@ -540,7 +540,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
 @gluon.jit
 def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
                       USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None, vectors=None,
-                      vector_row=0):
+                      vector_row=0, y_tables=None, w_tables=None):
     """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
     accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
     layout), for a kernel that keeps both on chip: nothing is written to global memory.
@@ -554,7 +554,9 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     :data:`SHARED_ROW_VECTORS`, :func:`row_vector_slots`, whose rows ``vector_row`` and
     ``vector_row + 1`` (the chunk's slot; free on entry: their reads two chunks back are
     behind the caller's barriers) keep the gate cumsum and beta, also for the caller's
-    reads after this returns."""
+    reads after this returns; ``y_tables``, ``w_tables``: with
+    :data:`.blocked_inverse.SEPARATE_TABLES`, the second and third of the inverse's tables
+    (``tables`` the first)."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
@@ -568,7 +570,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
-                                  False, a_save, vectors, vector_row)
+                                  False, a_save, vectors, vector_row, y_tables, w_tables)
     if fp16_products():
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
@@ -584,7 +586,8 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None, REDO: gl.constexpr = False, a_save=None, vectors=None, vector_row=0):
+                  r_k=None, REDO: gl.constexpr = False, a_save=None, vectors=None, vector_row=0, y_tables=None,
+                  w_tables=None):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -595,8 +598,9 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     :func:`_chunk_a` takes them; ``REDO``: the inverse's redo by rows
     (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
     before the inverse (:func:`.blocked_inverse.redo_buffer`), or None; ``vectors``,
-    ``vector_row``: as :func:`_chunk_a` takes them (the scales then stay in the column slice of T's layout,
-    where a caller that holds the vectors reads its scale again instead)."""
+    ``vector_row``: as :func:`_chunk_a` takes them (the scales then stay in the column
+    slice of T's layout, where a caller that holds the vectors reads its scale again
+    instead); ``y_tables``, ``w_tables``: as :func:`chunk_t_u_on_chip` takes them."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     if vectors is not None:
@@ -615,7 +619,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     if REDO:
         t = unit_lower_inverse_by_rows(a, tables)
     else:
-        t = blocked_unit_lower_inverse(a, tables)
+        t = blocked_unit_lower_inverse(a, tables, y_tables, w_tables)
     leave("aux.blocks")
     return t, w_scale, u_scale
 

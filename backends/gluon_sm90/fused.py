@@ -80,7 +80,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
+    BLOCK, BLOCKS, allocate_separate_tables, fp16_products, redo_buffer, separate_tables, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -580,7 +580,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, y_tables, w_tables):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -594,7 +594,9 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`). With
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, ``row_vectors``
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
-    layouts."""
+    layouts. With :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`, ``tables``,
+    ``y_tables`` and ``w_tables`` are the inverse's three tables
+    (:func:`..gluon_common.blocked_inverse.allocate_separate_tables`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -636,7 +638,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         vector_row = 2 * (t % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
         t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
-                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row)
+                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row,
+                                   y_tables if separate_tables() else None, w_tables if separate_tables() else None)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.store_t")
@@ -702,8 +705,13 @@ def _fused_fwd_kernel(
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
-        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
-        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        if separate_tables():
+            tables, y_tables, w_tables = allocate_separate_tables()
+        else:
+            # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
+            tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+            y_tables = tables  # not read
+            w_tables = tables  # not read
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
@@ -787,7 +795,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1098,7 +1106,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
-    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32; 12 KB with
+    :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
@@ -1107,7 +1116,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
-    inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
+    tables = (3 if separate_tables() else 4) * 4 * 16 * 16 * 4
+    inverse = tables + 8 + redo + vectors if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
