@@ -140,7 +140,6 @@ def row_vector_slots(BT: gl.constexpr):
     return gl.allocate_shared_memory(gl.float32, [2 * ROW_VECTOR_SLOTS, BT], plain)
 
 
-
 # ----------------------------------------------------------------------------------------
 # Kernel
 
@@ -380,17 +379,16 @@ def _chunk_a(kk, k_smem, g_i, beta, s_beta, row0, n_valid, i_h, USE_L2NORM: gl.c
     if vectors is not None:
         g_i = vectors.index(vector_row).load(rows)
         g_j = vectors.index(vector_row).load(cols)
-    else:
-        g_j = gl.convert_layout(g_i, cols)
-    if vectors is not None:
         b_i = vectors.index(vector_row + 1).load(rows)
         b_j = vectors.index(vector_row + 1).load(cols)
-    elif b_raw is None:
-        b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
-        b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
     else:
-        b_i = gl.convert_layout(b_raw, rows)
-        b_j = gl.convert_layout(b_raw, cols)
+        g_j = gl.convert_layout(g_i, cols)
+        if b_raw is None:
+            b_i = row_vector(beta, row0, n_valid, i_h, s_beta, BT, rows)
+            b_j = row_vector(beta, row0, n_valid, i_h, s_beta, BT, cols)
+        else:
+            b_i = gl.convert_layout(b_raw, rows)
+            b_j = gl.convert_layout(b_raw, cols)
     if USE_L2NORM:
         if r_k is None:
             r = row_rnorm(k_smem, tile_layout(BT, k_smem.shape[1], gl.num_warps()))
