@@ -488,17 +488,22 @@ def test_separate_tables_take_two_barriers_off_the_inverse():
     """:data:`.blocked_inverse.SEPARATE_TABLES` in sm_90a's one-kernel builds: the
     inverse's three tables as allocations of their own (12 KB, in the plan, against the
     one 16 KB allocation), so that the stores of Y's and W's tables wait on no barrier for
-    the reads of the others: two barriers fewer in the aux partition's code; spills within
-    the allowance, wgmma in flight. Off as shipped; the test compiles both."""
+    the reads of the others: two barriers fewer in the aux partition's code under Triton
+    3.6 (the GPUs' Triton here); newer Triton (3.9) tracks the slices of one allocation
+    apart and puts neither barrier there, so no more than before there. Spills within the
+    allowance, wgmma in flight. Off as shipped; the test compiles both."""
     from pathlib import Path
+
+    import triton
 
     from gdn_dispatch.testing import call_in_fresh_process
 
     flag = "gluon_common.blocked_inverse.SEPARATE_TABLES"
     off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
     on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    fewer = 2 if triton.__version__.startswith("3.6.") else 0
     for before, after in zip(off, on):
-        assert after["aux_barriers"] == before["aux_barriers"] - 2, (before, after)
+        assert after["aux_barriers"] == before["aux_barriers"] - fewer, (before, after)
         assert after["planned"] == before["planned"] - 4096, (before, after)
         for build in (before, after):
             assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
