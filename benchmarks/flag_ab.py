@@ -30,13 +30,15 @@ kernel's constexpr globals are fixed at its first compile).
                                              # memory, one barrier instead of six layout converts
     python benchmarks/flag_ab.py separate_tables  # blocked_inverse.SEPARATE_TABLES: the one-kernel inverse's three
                                              # tables in allocations of their own, two barriers fewer
+    python benchmarks/flag_ab.py stacked_row_stores  # recurrence.STACKED_ROW_STORES: a slot's row vectors
+                                             # with one store, not one a row
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``separate_tables``) measure a
+``shared_row_vectors``, ``separate_tables``, ``stacked_row_stores``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -160,6 +162,12 @@ STUDIES = {
                         (gl.constexpr(False), gl.constexpr(True)), {
                             name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
                                                                 "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+    # The one-kernel build's row vectors of one slot with one store each (2 barriers fewer,
+    # 5 with the qk l2 norm on chip).
+    "stacked_row_stores": ("gdn_dispatch.backends.gluon_common.recurrence", "STACKED_ROW_STORES",
+                           (gl.constexpr(False), gl.constexpr(True)), {
+                               name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
+                                                                   "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

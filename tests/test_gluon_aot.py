@@ -511,6 +511,36 @@ def test_separate_tables_take_two_barriers_off_the_inverse():
 
 
 @pytest.mark.slow
+def test_stacked_row_stores_take_the_per_row_barriers_off_the_aux_chain():
+    """:data:`.recurrence.STACKED_ROW_STORES` in sm_90a's one-kernel builds: each slot of
+    row vectors (the gate vectors, four rows a slot then, 512 bytes more in the plan without
+    the qk l2 norm; the state's gate rows; the aux's cumsum and beta) written with one store:
+    under Triton 3.6 (the GPUs' Triton here) the barriers between a slot's row stores go,
+    four in the plain build (two gate-vector rows, one of the gate rows, one of the row
+    vectors), five with the qk l2 norm on chip (three gate-vector rows); newer Triton tracks
+    the rows apart and puts fewer there already, so no more than before there. Spills
+    within the allowance, wgmma in flight. Off as shipped; the test compiles both."""
+    from pathlib import Path
+
+    import triton
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flag = "gluon_common.recurrence.STACKED_ROW_STORES"
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    for before, after in zip(off, on):
+        if triton.__version__.startswith("3.6."):
+            assert after["aux_barriers"] == before["aux_barriers"] - (5 if before["l2"] else 4), (before, after)
+        else:
+            assert after["aux_barriers"] <= before["aux_barriers"], (before, after)
+        assert after["planned"] == before["planned"] + (0 if before["l2"] else 512), (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("aux_t", [False, True], ids=["t-kernel", "aux-t"])
 def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
     """With :data:`fused.EARLY_O1` off (the state update and S_old^T q^T in flight together)

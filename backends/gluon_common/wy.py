@@ -92,6 +92,7 @@ from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.masks import (
     add, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
+from gdn_dispatch.backends.gluon_common.recurrence import ring_slot, stacked_row_stores, store_rows
 
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
@@ -559,8 +560,11 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
     if vectors is not None:
-        vectors.index(vector_row).store(c)
-        vectors.index(vector_row + 1).store(b_raw)
+        if stacked_row_stores():
+            store_rows(ring_slot(vectors, vector_row // 2, 2), c, b_raw)
+        else:
+            vectors.index(vector_row).store(c)
+            vectors.index(vector_row + 1).store(b_raw)
         # Under k k^T: every warp's part of both vectors is in before any warp reads them.
         thread_barrier()
     # Profile phases (the fused kernel's aux partition): k k^T's wait, A, the blocks.

@@ -88,7 +88,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import (
-    gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
+    gate_rows, gate_rows_of_cumsum, ring_slot, stacked_row_stores, store_gate_vectors, store_rows, walk_program)
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
@@ -539,7 +539,7 @@ def _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS: gl.constexp
     if NORMS:
         store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
     else:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, ROWS=_gates_per_slot(gate_ring.shape[0], 2))
 
 
 @gluon.jit
@@ -565,8 +565,14 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
     k's reciprocal row norms go into the exponents (``g + log2 rq``, ``g - log2 rk``), so
     that the state's one exp2 per score scales it by both."""
     _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS)
-    if NORMS:
-        layout: gl.constexpr = g_row.type.layout
+    layout: gl.constexpr = g_row.type.layout
+    if stacked_row_stores():
+        if NORMS:
+            store_rows(ring_slot(graw_ring, r, 2), g_row + gl.log2(gl.convert_layout(rq, layout)),
+                       g_row - gl.log2(gl.convert_layout(rk, layout)))
+        else:
+            store_rows(ring_slot(graw_ring, r, 2), g_row, g_row)
+    elif NORMS:
         graw_ring.index(2 * r).store(g_row + gl.log2(gl.convert_layout(rq, layout)))
         graw_ring.index(2 * r + 1).store(g_row - gl.log2(gl.convert_layout(rk, layout)))
     else:
@@ -580,7 +586,8 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, y_tables, w_tables):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, y_tables, w_tables,
+                 NORMS: gl.constexpr):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -596,11 +603,12 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
     layouts. With :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`, ``tables``,
     ``y_tables`` and ``w_tables`` are the inverse's three tables
-    (:func:`..gluon_common.blocked_inverse.allocate_separate_tables`)."""
+    (:func:`..gluon_common.blocked_inverse.allocate_separate_tables`). ``NORMS``: the qk l2
+    norm on chip (:data:`QK_NORM_ON_CHIP`; the gate ring has four rows a slot then, and
+    without it too under :data:`..gluon_common.recurrence.STACKED_ROW_STORES`)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
-    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
@@ -626,7 +634,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
         leave("aux.wait_state")
         enter("aux.inverse")
-        if NG == 4:
+        if NORMS:
             # q's and k's reciprocal row norms, in column halves, before the inverse and
             # kept in a register each (reduced under q k^T's accumulator, or over k's whole
             # rows inside A's formation, they spilled): k's scales A, both the scores and
@@ -637,7 +645,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rk = None
         vector_row = 2 * (t % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
-        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
+        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NORMS,
                                    ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row,
                                    y_tables if separate_tables() else None, w_tables if separate_tables() else None)
         enter("aux.store_t")
@@ -649,15 +657,15 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             g_row, g_end = gate_rows_of_cumsum(c, n_valid, vectors.index(vector_row))
         else:
             g_row, g_end = gate_rows_of_cumsum(c, n_valid)
-        if NG != 4:
+        if not NORMS:
             rq = g_row  # unused
             rk = g_row
         if STATE_SCORES:
-            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
         else:
             qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                                use_acc=False, is_async=True)
-            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
         leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
@@ -733,8 +741,9 @@ def _fused_fwd_kernel(
         u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     RING_S: gl.constexpr = 2
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
-    # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
-    NG: gl.constexpr = 4 if QK_NORM else 3
+    # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores),
+    # and in the one-kernel build with its slots stored whole (STACKED_ROW_STORES).
+    NG: gl.constexpr = 4 if QK_NORM or (AUX_T and stacked_row_stores()) else 3
     gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if STATE_SCORES:
         # The state's causal-gate exponents of each scores slot: rows, then columns.
@@ -795,7 +804,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables, QK_NORM)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1105,7 +1114,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
-    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
+    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot (with ``aux_t``
+    under :data:`..gluon_common.recurrence.STACKED_ROW_STORES` too); with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32; 12 KB with
     :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
@@ -1119,7 +1129,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     tables = (3 if separate_tables() else 4) * 4 * 16 * 16 * 4
     inverse = tables + 8 + redo + vectors if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
+            + ((4 if qk_norm or (aux_t and stacked_row_stores()) else 3) + (2 if state_scores else 0)) * 2 * BT * 4
+            + (10 + v_slots) * 8 + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
