@@ -455,7 +455,8 @@ def aux_partition_builds() -> list[dict]:
                        "spills": report.spill_bytes, "allowed": kernel.spill_bytes_allowed,
                        "serialized": report.wgmma_serialized, "shared": report.shared_bytes,
                        "planned": fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2,
-                                                         aux_t=True, state_scores=True)})
+                                                         aux_t=True, state_scores=True,
+                                                         aux_pair=fused.aux_pair_for(128, l2))})
     return builds
 
 
@@ -538,6 +539,37 @@ def test_stacked_row_stores_take_the_per_row_barriers_off_the_aux_chain():
         for build in (before, after):
             assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
+def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
+    """:data:`fused.AUX_PAIR` in sm_90a's one-kernel builds: the plain build runs the aux
+    partition twice (each partition's barriers as one's), each with its own inverse
+    buffers (in the plan: tables, redo buffer, row vectors and k k^T's barrier twice),
+    spills within the pair's allowance and no wgmma serialized, which is what the state's
+    192 registers buy; the build with the qk l2 norm on chip is left as it was. Off as
+    shipped; the test compiles both."""
+    from pathlib import Path
+
+    from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products, separate_tables
+    from gdn_dispatch.backends.gluon_common.wy import ROW_VECTOR_SLOTS, shared_row_vectors
+    from gdn_dispatch.backends.gluon_sm90 import fused
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flag = "gluon_sm90.fused.AUX_PAIR"
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    second = ((3 if separate_tables() else 4) * 4 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0)
+              + (ROW_VECTOR_SLOTS.value * 2 * 64 * 4 if shared_row_vectors() else 0))
+    for before, after in zip(off, on):
+        if before["l2"]:
+            assert after == {**before, "allowed": after["allowed"]}, (before, after)
+            continue
+        assert after["aux_barriers"] == 2 * before["aux_barriers"], (before, after)
+        assert after["planned"] == before["planned"] + second, (before, after)
+        assert after["planned"] <= after["shared"] <= after["planned"] + 1024, after
+        assert after["spills"] <= after["allowed"] == fused.AUX_PAIR_SPILL_BYTES, after
+        assert not after["serialized"], after
 
 
 @pytest.mark.slow

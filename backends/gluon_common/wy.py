@@ -327,12 +327,14 @@ def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr,
 
 
 @gluon.jit
-def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr):
+def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, STEP: gl.constexpr = 1):
     """For a loop over a sequence's chunks that keeps the raw rows a chunk ahead: this
     chunk's raw gate and beta rows (``rows``, as :func:`chunk_rows_early` loaded them a
     chunk early) and the next chunk's, loaded now (their latency then runs under this
-    chunk's work). ``row0``, ``n_valid``: this chunk's first row and valid row count."""
-    return rows[0], rows[1], chunk_rows_early(g, s_g, beta, s_beta, row0 + BT, n_valid - BT, i_h, BT, True)
+    chunk's work). ``row0``, ``n_valid``: this chunk's first row and valid row count;
+    ``STEP``: chunks from this one to the loop's next."""
+    return rows[0], rows[1], chunk_rows_early(g, s_g, beta, s_beta, row0 + STEP * BT, n_valid - STEP * BT, i_h, BT,
+                                              True)
 
 
 @gluon.jit

@@ -115,6 +115,31 @@ AUX_REGS = gl.constexpr(120)
 AUX_REGS_ONE_STATE_WARPGROUP = gl.constexpr(232)
 
 
+#: Two aux partitions (:func:`_aux_inverse` on alternate chunks, each with its own tables,
+#: redo buffer and row vectors: 33 KB more shared memory, 218 of the 227 KB) instead of
+#: one, so that two chunks' inverses are in flight at once: the aux partition, which paces
+#: the one-kernel build, is bound by the latency of its chain (dependent block products,
+#: barriers), not by issue. The state's two warpgroups keep their 192 registers (with
+#: fewer ptxas serializes every wgmma of the kernel, :data:`EARLY_O1`), which leaves each
+#: aux warpgroup :data:`AUX_PAIR_REGS`: 128 x (2 x 192 + 2 x 64) = 65536. sm_90a, triton
+#: 3.6.0, the plain varlen build: spills 652 bytes (188 with one aux partition), each aux
+#: loop 1,426-1,460 SASS a warp and chunk against the one partition's 1,321, the state's
+#: loop unchanged (883) and its wgmma in flight; with 80 registers each (the state 176)
+#: ptxas serializes them. Builds with V = 128 and without the qk l2 norm on chip alone
+#: (:func:`aux_pair_for`: at 64 registers the norm's build spills 1,680 bytes).
+AUX_PAIR = gl.constexpr(False)
+#: Registers per thread of each aux partition with :data:`AUX_PAIR`.
+AUX_PAIR_REGS = gl.constexpr(64)
+
+
+@gluon.constexpr_function
+def aux_pair_for(V, QK_NORM):
+    """Whether a one-kernel build of value head dim ``V`` (with the qk l2 norm on chip:
+    ``QK_NORM``) runs two aux partitions (:data:`AUX_PAIR`, as set when the kernel
+    compiles)."""
+    return bool(AUX_PAIR) and V == HEAD_DIM and not QK_NORM
+
+
 @gluon.constexpr_function
 def _aux_regs(V):
     """Registers of the aux partition beside the state of value head dim ``V``."""
@@ -587,7 +612,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
                  STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, y_tables, w_tables,
-                 NORMS: gl.constexpr):
+                 NORMS: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -605,7 +630,10 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     ``y_tables`` and ``w_tables`` are the inverse's three tables
     (:func:`..gluon_common.blocked_inverse.allocate_separate_tables`). ``NORMS``: the qk l2
     norm on chip (:data:`QK_NORM_ON_CHIP`; the gate ring has four rows a slot then, and
-    without it too under :data:`..gluon_common.recurrence.STACKED_ROW_STORES`)."""
+    without it too under :data:`..gluon_common.recurrence.STACKED_ROW_STORES`). ``FIRST``,
+    ``STEP``: the chunks this partition takes, ``FIRST``, ``FIRST + STEP``, ... (:data:`AUX_PAIR`:
+    two partitions, each with its own tables, alternate chunks, each the producer of one
+    slot of the rings)."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
@@ -615,13 +643,14 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     gl.static_assert(RING_S == 2, "the T slots are the scores slots: two")
     # Row vectors kept across the inverse: one register each.
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
-    for t in range(NT):
+    gl.static_assert(STEP == 1 or STEP == RING_S, "a partition of a pair owns one slot")
+    rows = chunk_rows_early(g, s_g, beta, s_beta, bos + FIRST * BT, eos - bos - FIRST * BT, i_h, BT, True)
+    for t in range(FIRST, NT, STEP):
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
         # The next chunk's raw rows, loaded under this chunk's inverse.
-        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT)
+        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT, STEP)
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         leave("aux.wait_tiles")
@@ -643,7 +672,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
         else:
             rk = None
-        vector_row = 2 * (t % ROW_VECTOR_SLOTS)
+        vector_row = 2 * ((t // STEP) % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
         t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NORMS,
                                    ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row,
@@ -796,7 +825,38 @@ def _fused_fwd_kernel(
         if SINGLE_T and not AUX_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    if AUX_T:
+    if AUX_T and aux_pair_for(V, QK_NORM):
+        # A second aux partition with its own inverse buffers: even chunks in one, odd in
+        # the other.
+        if separate_tables():
+            tables_b, y_tables_b, w_tables_b = allocate_separate_tables()
+        else:
+            tables_b = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+            y_tables_b = tables_b  # not read
+            w_tables_b = tables_b  # not read
+        if SAVE_A:
+            a_save_b = redo_buffer(BT)
+        else:
+            a_save_b = tables_b
+        kk_bar_b = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kk_bar_b.index(0), count=1)
+        if shared_row_vectors():
+            row_vectors_b = row_vector_slots(BT)
+        else:
+            row_vectors_b = tables_b  # not read
+        S = gl.warp_specialize([
+            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
+                      gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
+                      o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
+                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
+            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
+                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
+                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables, QK_NORM, 0, 2)),
+            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables_b, kq_ready, kq_empty, wu_ready, wu_empty,
+                            kk_bar_b.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
+                            STATE_SCORES, a_save_b, SAVE_A, row_vectors_b, y_tables_b, w_tables_b, QK_NORM, 1, 2)),
+        ], [AUX_WARPS, AUX_WARPS], [AUX_PAIR_REGS, AUX_PAIR_REGS])[0]
+    elif AUX_T:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
@@ -871,10 +931,16 @@ AUX_T_SPILL_BYTES = 464
 AUX_SCORES_SPILL_BYTES = 768
 
 
+#: The same with two aux partitions (:data:`AUX_PAIR`): each at 64 registers keeps the
+#: blocked inverse's scalars and some of its operands in local memory.
+AUX_PAIR_SPILL_BYTES = 768
+
+
 def aux_t_spill_bytes(state_scores: bool) -> int:
     """The spill bytes an :data:`AUX_T` build keeps, by where its causal scores are formed
-    (:data:`STATE_SCORES`)."""
-    return AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES
+    (:data:`STATE_SCORES`) and whether it runs two aux partitions (:data:`AUX_PAIR`)."""
+    return max(AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES,
+               AUX_PAIR_SPILL_BYTES if bool(AUX_PAIR) else 0)
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -1088,6 +1154,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         # No T tiles to read: the descriptor goes to the kernel as a None constexpr.
         descriptors = tuple(d for d in descriptors if d.arg != "t_desc")
         constexprs["t_desc"] = None
+    pair = on_chip_t and aux_pair_for(V, constexprs["QK_NORM"])
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
@@ -1096,12 +1163,12 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
                                                qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t,
-                                               state_scores=state_scores)},
+                                               state_scores=state_scores, aux_pair=pair)},
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state {state_warps(V) // 4} "
-               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux 1"
+               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux {2 if pair else 1}"
                + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")
                + ("; the scores in the state partition" if state_scores else "")),
     )
@@ -1110,7 +1177,7 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
                      single_t: bool = False, qk_norm: bool = False, aux_t: bool = False,
-                     state_scores: bool = False) -> int:
+                     state_scores: bool = False, aux_pair: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
@@ -1122,12 +1189,13 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
-    scores (2 x 2 fp32 vectors)."""
+    scores (2 x 2 fp32 vectors); with ``aux_pair`` (:data:`AUX_PAIR`, under ``aux_t``) the
+    inverse's buffers twice, one set for each aux partition."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
     tables = (3 if separate_tables() else 4) * 4 * 16 * 16 * 4
-    inverse = tables + 8 + redo + vectors if aux_t else 0
+    inverse = (tables + 8 + redo + vectors) * (2 if aux_pair else 1) if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm or (aux_t and stacked_row_stores()) else 3) + (2 if state_scores else 0)) * 2 * BT * 4
             + (10 + v_slots) * 8 + inverse)
