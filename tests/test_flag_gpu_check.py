@@ -1,0 +1,60 @@
+"""benchmarks/flag_gpu_check.py's commands (no GPU, nothing run): every timing study's flag
+is one ``--build-flag`` that :func:`gdn_dispatch.testing.set_build_flags` takes, and each
+step's command carries the study's and the ``--with`` studies' flags."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def check():
+    pytest.importorskip("triton.experimental.gluon")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import flag_gpu_check
+        yield flag_gpu_check
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_every_settable_study_names_a_flag_the_build_flags_take(check, monkeypatch):
+    import importlib
+
+    from gdn_dispatch.testing import set_build_flags
+
+    settable = 0
+    for study, (module_name, flag, (_, on), _) in sorted(check.STUDIES.items()):
+        try:
+            setting = check.build_flag(study)
+        except SystemExit:
+            continue
+        settable += 1
+        module = importlib.import_module(module_name)
+        # set_build_flags sets a module global: put it back once the study is checked.
+        monkeypatch.setattr(module, flag, getattr(module, flag))
+        assert list(set_build_flags([setting])) == [setting.split("=")[0]], study
+        held = getattr(module, flag)
+        assert getattr(held, "value", held) == getattr(on, "value", on), study
+    assert settable >= len(check.STUDIES) - 1
+
+
+def test_a_string_valued_flag_is_refused(check):
+    with pytest.raises(SystemExit, match="wy_inverse"):
+        check.build_flag("wy_inverse")
+
+
+def test_each_step_carries_the_study_and_its_companions(check):
+    commands = check.steps("aux_pair", ["separate_tables", "stacked_row_stores"], 4)
+    flags = ["gluon_sm90.fused.AUX_PAIR=1", "gluon_common.blocked_inverse.SEPARATE_TABLES=1",
+             "gluon_common.recurrence.STACKED_ROW_STORES=1"]
+    for name in ("tests", "fuzz", "sanitize"):
+        given = [commands[name][i + 1] for i, arg in enumerate(commands[name]) if arg == "--build-flag"]
+        assert given == flags, name
+    assert commands["ab"][-3:] == ["aux_pair", "--with", "separate_tables,stacked_row_stores"]
+    assert commands["fuzz"][-2:] == ["-k", "gluon_sm90"]
