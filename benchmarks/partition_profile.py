@@ -2,7 +2,7 @@
 intra-kernel profiler.
 
     python benchmarks/partition_profile.py [--shape NAME ...] [--ws-walk] [--t-kernel | --aux-scores] [--late-o1]
-                                           [--out DIR]
+                                           [--build-flag MODULE.NAME=VALUE ...] [--out DIR]
 
 Each shape is one public gluon_sm90 call (bf16, K = V = 128, initial + final state; the
 bench's gates) run once under a Proton session in instrumentation mode. Its kernels then
@@ -106,8 +106,16 @@ def main() -> None:
     parser.add_argument("--t-kernel", action="store_true", help="the T kernel forms the chunk inverses (two launches)")
     parser.add_argument("--aux-scores", action="store_true", help="the aux partition forms the causal scores")
     parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
+    parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel build flag (gdn_dispatch.testing.set_build_flags), e.g. "
+                             "gluon_sm90.fused.AUX_PAIR=1: two aux partitions, each walking half the chunks "
+                             "(its aux.* phases are averaged over both)")
     parser.add_argument("--out", default="partition_profile", help="directory of the hatchet files")
     args = parser.parse_args()
+    if args.build_flag:
+        from gdn_dispatch.testing import set_build_flags
+
+        set_build_flags(args.build_flag)
     if args.aux_scores and args.t_kernel:
         parser.error("--aux-scores: the state forms the scores in the one-launch build only (not with --t-kernel)")
     # Before the first launch (both are read at launch): every launch through the JIT and
@@ -132,6 +140,7 @@ def main() -> None:
         flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("t-kernel", args.t_kernel),
                                                           ("aux-scores", args.aux_scores),
                                                           ("late-o1", args.late_o1)) if on)
+        flags += "".join(f" (--build-flag {setting})" for setting in args.build_flag)
         print(f"\n{name}{flags}: {len(found)} phases, {chunks} chunks per walk")
         if not found:
             print("  (no partition.phase scopes in the profile: was the kernel instrumented?)")
