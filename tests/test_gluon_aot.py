@@ -542,6 +542,37 @@ def test_stacked_row_stores_take_the_per_row_barriers_off_the_aux_chain():
 
 
 @pytest.mark.slow
+def test_replicated_row_scan_keeps_the_gate_scan_inside_each_warp():
+    """:data:`.wy.REPLICATED_ROW_SCAN` in sm_90a's one-kernel builds: the gate rows (and
+    the norms they meet) in a layout whose every warp holds the whole chunk, so that the
+    gate cumsum's scan hands nothing between warps: at least one barrier fewer in the aux
+    partition's code, plain and with the qk l2 norm on chip. With the other two barrier
+    flags (:data:`.recurrence.STACKED_ROW_STORES`, whose tile then takes the rows' layout,
+    and :data:`.blocked_inverse.SEPARATE_TABLES`) under Triton 3.6: seven fewer plain, eight
+    with the norm (the loop's four store orderings, two of the inverse's, the scan's).
+    Spills within the allowance, wgmma in flight. Off as shipped; the test compiles each."""
+    from pathlib import Path
+
+    import triton
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flag = "gluon_common.wy.REPLICATED_ROW_SCAN"
+    others = ["gluon_common.recurrence.STACKED_ROW_STORES=1", "gluon_common.blocked_inverse.SEPARATE_TABLES=1"]
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    every = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"] + others, timeout=1800)
+    for before, after, all_three in zip(off, on, every):
+        assert after["aux_barriers"] <= before["aux_barriers"] - 1, (before, after)
+        if triton.__version__.startswith("3.6."):
+            assert all_three["aux_barriers"] == before["aux_barriers"] - (8 if before["l2"] else 7), (before, all_three)
+        assert after["planned"] == before["planned"], (before, after)
+        for build in (before, after, all_three):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
     """:data:`fused.AUX_PAIR` in sm_90a's one-kernel builds: the plain build runs the aux
     partition twice (each partition's barriers as one's), each with its own inverse

@@ -158,16 +158,27 @@ def stacked_row_stores():
     return bool(STACKED_ROW_STORES)
 
 
+@gluon.constexpr_function
+def _rows_tile(layout, num_warps):
+    """The 2-D layout :func:`store_rows` builds its tile in: each row distributed as the
+    1-D blocked ``layout`` of its first vector (``[R] x 32 lanes x num_warps``), so that
+    vectors already there move no data; the flat layout of a row a thread otherwise."""
+    if isinstance(layout, gl.BlockedLayout) and len(layout.size_per_thread) == 1:
+        return gl.BlockedLayout([1, layout.size_per_thread[0]], [1, layout.threads_per_warp[0]],
+                                [1, layout.warps_per_cta[0]], [1, 0])
+    return gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+
+
 @gluon.jit
 def store_rows(rows_smem, a, b, c=None, d=None):
     """The fp32 ``[BT]`` vectors ``a``, ``b`` (and ``c``, ``d`` where given; any 1-D
     layouts) into rows 0, 1 (2, 3) of ``rows_smem`` (fp32 ``[N, BT]``, N the vectors
     given) with one store: each vector in the layout of a row of a ``[N, BT]`` tile whose
-    rows sit in one thread's registers, the same distribution as the plain 1-D layout of
-    the vectors' producers (no data moves), then selected into place."""
+    rows sit in one thread's registers, distributed as ``a`` is (:func:`_rows_tile`; no
+    data moves for vectors in that layout), then selected into place."""
     N: gl.constexpr = rows_smem.shape[0]
     BT: gl.constexpr = rows_smem.shape[1]
-    tile: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, gl.num_warps()], [1, 0])
+    tile: gl.constexpr = _rows_tile(a.type.layout, gl.num_warps())
     row: gl.constexpr = gl.SliceLayout(0, tile)
     i = gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(1, tile)), 1)
     x = gl.where(i == 0, gl.expand_dims(gl.convert_layout(a, row), 0), gl.expand_dims(gl.convert_layout(b, row), 0))

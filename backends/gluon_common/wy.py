@@ -127,6 +127,26 @@ def shared_row_vectors():
     return bool(SHARED_ROW_VECTORS)
 
 
+#: The one-kernel build's raw gate and beta rows in :func:`replicated_rows` (each warp the
+#: whole chunk, two rows a lane) instead of the flat layout (a row a thread over two warps):
+#: the gate cumsum's scan then stays inside each warp (shuffles), with no barrier of the
+#: warpgroup for the hand-over between the two warps.
+REPLICATED_ROW_SCAN = gl.constexpr(False)
+
+
+@gluon.constexpr_function
+def replicated_row_scan():
+    """Whether the one-kernel build scans its gate rows in :func:`replicated_rows`
+    (:data:`REPLICATED_ROW_SCAN`, as set when the kernel compiles)."""
+    return bool(REPLICATED_ROW_SCAN)
+
+
+@gluon.constexpr_function
+def replicated_rows(BT, num_warps):
+    """A 1-D layout of ``BT`` rows whose every warp holds them all (``BT / 32`` a lane)."""
+    return gl.BlockedLayout([BT // 32], [32], [num_warps], [0])
+
+
 #: Slots of :func:`row_vector_slots`: a chunk's two vectors alternate between two, so that
 #: a chunk's stores never meet the reads of the chunk before it.
 ROW_VECTOR_SLOTS = gl.constexpr(2)
@@ -313,12 +333,17 @@ def _unsafe_entries(t):
 
 
 @gluon.jit
-def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr):
+def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr,
+                     REPLICATED: gl.constexpr = False):
     """With ``EARLY``, the chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end,
     in the flat layout :func:`_chunk_gates` scans in), loaded before the program waits for
     its k tile (:data:`WY_EARLY_ROWS`): their latency then runs under the tile's instead of
-    after k k^T. Else None: :func:`_chunk_a_of_k` loads them itself."""
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    after k k^T. Else None: :func:`_chunk_a_of_k` loads them itself. ``REPLICATED``
+    (:data:`REPLICATED_ROW_SCAN`): in :func:`replicated_rows` instead."""
+    if REPLICATED:
+        flat: gl.constexpr = replicated_rows(BT, gl.num_warps())
+    else:
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     if EARLY:
         rows = (row_vector(g, row0, n_valid, i_h, s_g, BT, flat), row_vector(beta, row0, n_valid, i_h, s_beta, BT, flat))
     else:
@@ -327,14 +352,16 @@ def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr,
 
 
 @gluon.jit
-def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, STEP: gl.constexpr = 1):
+def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, STEP: gl.constexpr = 1,
+                     REPLICATED: gl.constexpr = False):
     """For a loop over a sequence's chunks that keeps the raw rows a chunk ahead: this
     chunk's raw gate and beta rows (``rows``, as :func:`chunk_rows_early` loaded them a
     chunk early) and the next chunk's, loaded now (their latency then runs under this
     chunk's work). ``row0``, ``n_valid``: this chunk's first row and valid row count;
-    ``STEP``: chunks from this one to the loop's next."""
+    ``STEP``: chunks from this one to the loop's next; ``REPLICATED``: as
+    :func:`chunk_rows_early` takes it."""
     return rows[0], rows[1], chunk_rows_early(g, s_g, beta, s_beta, row0 + STEP * BT, n_valid - STEP * BT, i_h, BT,
-                                              True)
+                                              True, REPLICATED)
 
 
 @gluon.jit

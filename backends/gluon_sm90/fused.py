@@ -94,7 +94,8 @@ from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, s
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
 from gdn_dispatch.backends.gluon_common.wy import (
-    ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, row_vector_slots, shared_row_vectors)
+    ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, replicated_row_scan, replicated_rows,
+    row_vector_slots, shared_row_vectors)
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
@@ -642,15 +643,21 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
     gl.static_assert(RING_S == 2, "the T slots are the scores slots: two")
     # Row vectors kept across the inverse: one register each.
-    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    if replicated_row_scan():
+        # The gate rows' layout: the norms meet them with no exchange between warps.
+        c_layout: gl.constexpr = replicated_rows(BT, gl.num_warps())
+    else:
+        c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     gl.static_assert(STEP == 1 or STEP == RING_S, "a partition of a pair owns one slot")
-    rows = chunk_rows_early(g, s_g, beta, s_beta, bos + FIRST * BT, eos - bos - FIRST * BT, i_h, BT, True)
+    rows = chunk_rows_early(g, s_g, beta, s_beta, bos + FIRST * BT, eos - bos - FIRST * BT, i_h, BT, True,
+                            replicated_row_scan())
     for t in range(FIRST, NT, STEP):
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
         # The next chunk's raw rows, loaded under this chunk's inverse.
-        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT, STEP)
+        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT, STEP,
+                                              replicated_row_scan())
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         leave("aux.wait_tiles")
