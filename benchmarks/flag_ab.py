@@ -34,6 +34,7 @@ kernel's constexpr globals are fixed at its first compile).
                                              # with one store, not one a row
     python benchmarks/flag_ab.py aux_pair     # fused.AUX_PAIR: two aux partitions, alternate chunks' inverses
     python benchmarks/flag_ab.py replicated_row_scan  # wy.REPLICATED_ROW_SCAN: the gate scan inside each warp
+    python benchmarks/flag_ab.py kk_unjoined  # wy.KK_UNJOINED: k k^T issued without joining the aux's warps
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -41,7 +42,7 @@ call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between t
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
 ``shared_row_vectors``, ``separate_tables``, ``stacked_row_stores``, ``aux_pair``,
-``replicated_row_scan``) measure a
+``replicated_row_scan``, ``kk_unjoined``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -176,6 +177,9 @@ STUDIES = {
                             (gl.constexpr(False), gl.constexpr(True)), {
                                 name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
                                                                     "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+    # The one-kernel build's k k^T issued with no join of the warps first (one barrier fewer).
+    "kk_unjoined": ("gdn_dispatch.backends.gluon_common.wy", "KK_UNJOINED", (gl.constexpr(False), gl.constexpr(True)), {
+        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
     # Two aux partitions on alternate chunks, two chunk inverses in flight (64 registers each).
     "aux_pair": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_PAIR", (gl.constexpr(False), gl.constexpr(True)), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-8x4096", "H16-HV32-ragged16",

@@ -573,6 +573,26 @@ def test_replicated_row_scan_keeps_the_gate_scan_inside_each_warp():
 
 
 @pytest.mark.slow
+def test_kk_unjoined_takes_the_join_before_k_kt_off_the_aux_chain():
+    """:data:`.wy.KK_UNJOINED` in sm_90a's one-kernel builds: k k^T, whose operand only the
+    TMA unit wrote, issued without the engine's join of the warps first: one barrier fewer
+    in the plain build's aux partition (the build with the qk l2 norm on chip keeps one
+    there for its norms' exchange: no more than before). Spills as before, wgmma in flight.
+    Off as shipped; the test compiles both."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    flag = "gluon_common.wy.KK_UNJOINED"
+    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
+    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    for before, after in zip(off, on):
+        assert after["aux_barriers"] <= before["aux_barriers"] - (0 if before["l2"] else 1), (before, after)
+        assert after["planned"] == before["planned"] and after["spills"] == before["spills"], (before, after)
+        assert after["spills"] <= after["allowed"] and not after["serialized"], after
+
+
+@pytest.mark.slow
 def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
     """:data:`fused.AUX_PAIR` in sm_90a's one-kernel builds: the plain build runs the aux
     partition twice (each partition's barriers as one's), each with its own inverse

@@ -147,6 +147,19 @@ def replicated_rows(BT, num_warps):
     return gl.BlockedLayout([BT // 32], [32], [num_warps], [0])
 
 
+#: The one-kernel build's k k^T (:func:`chunk_t_u_on_chip`: k as the TMA unit loaded it,
+#: every thread past its mbarrier) issued with ``ENGINE.mma_loaded``: on wgmma the aux
+#: partition's warps are then not joined first (a barrier of the warpgroup a chunk fewer).
+KK_UNJOINED = gl.constexpr(False)
+
+
+@gluon.constexpr_function
+def kk_unjoined():
+    """Whether :func:`chunk_t_u_on_chip` issues k k^T with ``ENGINE.mma_loaded``
+    (:data:`KK_UNJOINED`, as set when the kernel compiles)."""
+    return bool(KK_UNJOINED)
+
+
 #: Slots of :func:`row_vector_slots`: a chunk's two vectors alternate between two, so that
 #: a chunk's stores never meet the reads of the chunk before it.
 ROW_VECTOR_SLOTS = gl.constexpr(2)
@@ -586,7 +599,10 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     :data:`.blocked_inverse.SEPARATE_TABLES`, the second and third of the inverse's tables
     (``tables`` the first)."""
     BT: gl.constexpr = k_smem.shape[0]
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    if kk_unjoined():
+        kk = ENGINE.mma_loaded(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    else:
+        kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
     if vectors is not None:
         if stacked_row_stores():
