@@ -35,6 +35,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py aux_pair     # fused.AUX_PAIR: two aux partitions, alternate chunks' inverses
     python benchmarks/flag_ab.py replicated_row_scan  # wy.REPLICATED_ROW_SCAN: the gate scan inside each warp
     python benchmarks/flag_ab.py kk_unjoined  # wy.KK_UNJOINED: k k^T issued without joining the aux's warps
+    python benchmarks/flag_ab.py aux_barriers  # the four flags above from separate_tables on, together (GROUPS)
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
@@ -221,21 +222,43 @@ def calls(shapes: dict) -> dict:
     return out
 
 
+#: Studies turned off and on together, by name: a group times its members' flags at once
+#: (on its first member's shapes), e.g. the one-kernel build's barrier flags.
+GROUPS = {"aux_barriers": ("separate_tables", "stacked_row_stores", "replicated_row_scan", "kk_unjoined")}
+
+
+def members(study: str) -> tuple[str, ...]:
+    """The studies whose flags ``study`` (a study or a group) turns."""
+    return GROUPS.get(study, (study,))
+
+
+def study_shapes(study: str) -> dict:
+    return STUDIES[members(study)[0]][3]
+
+
+def study_label(study: str) -> str:
+    return " + ".join(STUDIES[name][1] for name in members(study))
+
+
 def set_flag(study: str, arm: str) -> None:
-    module, flag, values, _ = STUDIES[study]
-    setattr(importlib.import_module(module), flag, values[arm == "on"])
+    for name in members(study):
+        module, flag, values, _ = STUDIES[name]
+        setattr(importlib.import_module(module), flag, values[arm == "on"])
 
 
 def shipped_on(study: str) -> bool:
-    """Whether the study's flag holds its on value as shipped."""
-    module, flag, values, _ = STUDIES[study]
-    shipped = getattr(importlib.import_module(module), flag)
-    return getattr(shipped, "value", shipped) == getattr(values[1], "value", values[1])
+    """Whether the study's flags hold their on values as shipped."""
+    for name in members(study):
+        module, flag, values, _ = STUDIES[name]
+        shipped = getattr(importlib.import_module(module), flag)
+        if getattr(shipped, "value", shipped) != getattr(values[1], "value", values[1]):
+            return False
+    return True
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", choices=sorted(STUDIES))
+    parser.add_argument("study", choices=sorted(STUDIES) + sorted(GROUPS))
     parser.add_argument("arm", nargs="?", choices=("off", "on"), help="run one arm in this process")
     parser.add_argument("--with", dest="also", default="", help="studies whose flags are on in both arms")
     parser.add_argument("--without", default="", help="studies whose flags are off in both arms")
@@ -245,7 +268,7 @@ if __name__ == "__main__":
     without = [name for name in args.without.split(",") if name]
     for option, names in (("--with", also), ("--without", without)):
         for name in names:
-            if name not in STUDIES or name == args.study:
+            if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
                 parser.error(f"{option}: {name!r} is not another study")
     if set(also) & set(without):
         parser.error(f"--with and --without both name {sorted(set(also) & set(without))}")
@@ -254,7 +277,7 @@ if __name__ == "__main__":
     f16_products = "f16_inverse" in [args.study] + also or (shipped_on("f16_inverse") and "f16_inverse" not in without)
     if "half_tables" in [args.study] + also and not f16_products:
         parser.error("half_tables: the fp16 tables need the fp16 products (f16_inverse on in both arms)")
-    _, flag, _, shapes = STUDIES[args.study]
+    flag, shapes = study_label(args.study), study_shapes(args.study)
     if args.shapes:
         picked = args.shapes.split(",")
         unknown = [name for name in picked if name not in shapes]

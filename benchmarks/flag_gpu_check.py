@@ -5,11 +5,12 @@ with the study's flag on (and ``--with`` studies' flags) through ``--build-flag`
 timing A/B of :mod:`flag_ab` (the study off against on, the others on in both arms). A table of
 the steps (passed / failed / ran out of time, seconds) comes last.
 
-    python benchmarks/flag_gpu_check.py aux_pair --with separate_tables,stacked_row_stores
+    python benchmarks/flag_gpu_check.py aux_pair --with aux_barriers
     python benchmarks/flag_gpu_check.py separate_tables --steps tests,ab --log out.log
 
-Studies and their flags are :data:`flag_ab.STUDIES`; a flag whose on value is not a bool or an
-int (``wy_inverse``) cannot be set from the command line and is refused.
+Studies and their flags are :data:`flag_ab.STUDIES` (and its :data:`flag_ab.GROUPS`, several
+flags at once); a flag whose on value is not a bool or an int (``wy_inverse``) cannot be set
+from the command line and is refused.
 """
 import argparse
 import subprocess
@@ -17,23 +18,26 @@ import sys
 import time
 from pathlib import Path
 
-from flag_ab import STUDIES
+from flag_ab import GROUPS, STUDIES, members
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "gdn_dispatch.backends."
 
 
-def build_flag(study: str) -> str:
-    """The ``--build-flag`` setting that turns ``study``'s flag on."""
-    module, flag, (_, on), _ = STUDIES[study]
-    value = getattr(on, "value", on)
-    if not isinstance(value, int):
-        raise SystemExit(f"{study}: its on value {value!r} is not a bool or an int")
-    return f"{module.removeprefix(PREFIX)}.{flag}={int(value)}"
+def build_flags(study: str) -> list[str]:
+    """The ``--build-flag`` settings that turn ``study``'s flags on (a group's: each member's)."""
+    settings = []
+    for name in members(study):
+        module, flag, (_, on), _ = STUDIES[name]
+        value = getattr(on, "value", on)
+        if not isinstance(value, int):
+            raise SystemExit(f"{name}: its on value {value!r} is not a bool or an int")
+        settings.append(f"{module.removeprefix(PREFIX)}.{flag}={int(value)}")
+    return settings
 
 
 def steps(study: str, also: list[str], workers: int) -> dict[str, list[str]]:
-    flags = [arg for name in [study] + also for arg in ("--build-flag", build_flag(name))]
+    flags = [arg for name in [study] + also for setting in build_flags(name) for arg in ("--build-flag", setting)]
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-n", str(workers)]
     ab = [sys.executable, "benchmarks/flag_ab.py", study] + (["--with", ",".join(also)] if also else [])
     return {"tests": pytest + flags + ["tests/test_gluon_fused.py", "tests/test_numerics.py"],
@@ -45,7 +49,7 @@ def steps(study: str, also: list[str], workers: int) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", choices=sorted(STUDIES))
+    parser.add_argument("study", choices=sorted(STUDIES) + sorted(GROUPS))
     parser.add_argument("--with", dest="also", default="", help="studies whose flags are on too (in both A/B arms)")
     parser.add_argument("--steps", default="tests,fuzz,sanitize,ab", help="which of tests, fuzz, sanitize, ab, in order")
     parser.add_argument("--timeout", type=int, default=240, help="seconds a step may run (default 240)")
@@ -54,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     also = [name for name in args.also.split(",") if name]
     for name in also:
-        if name not in STUDIES or name == args.study:
+        if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
             parser.error(f"--with: {name!r} is not another study")
     commands = steps(args.study, also, args.workers)
     picked = [name for name in args.steps.split(",") if name]

@@ -31,7 +31,7 @@ def test_every_settable_study_names_a_flag_the_build_flags_take(check, monkeypat
     settable = 0
     for study, (module_name, flag, (_, on), _) in sorted(check.STUDIES.items()):
         try:
-            setting = check.build_flag(study)
+            [setting] = check.build_flags(study)
         except SystemExit:
             continue
         settable += 1
@@ -46,7 +46,7 @@ def test_every_settable_study_names_a_flag_the_build_flags_take(check, monkeypat
 
 def test_a_string_valued_flag_is_refused(check):
     with pytest.raises(SystemExit, match="wy_inverse"):
-        check.build_flag("wy_inverse")
+        check.build_flags("wy_inverse")
 
 
 def test_each_step_carries_the_study_and_its_companions(check):
@@ -58,3 +58,11 @@ def test_each_step_carries_the_study_and_its_companions(check):
         assert given == flags, name
     assert commands["ab"][-3:] == ["aux_pair", "--with", "separate_tables,stacked_row_stores"]
     assert commands["fuzz"][-2:] == ["-k", "gluon_sm90"]
+
+
+def test_a_group_sets_each_members_flag(check):
+    commands = check.steps("aux_pair", ["aux_barriers"], 4)
+    given = [commands["tests"][i + 1] for i, arg in enumerate(commands["tests"]) if arg == "--build-flag"]
+    assert given == ["gluon_sm90.fused.AUX_PAIR=1"] + [s for name in check.GROUPS["aux_barriers"]
+                                                       for s in check.build_flags(name)]
+    assert len(given) == 1 + len(check.GROUPS["aux_barriers"])
