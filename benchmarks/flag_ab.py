@@ -270,6 +270,9 @@ if __name__ == "__main__":
         for name in names:
             if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
                 parser.error(f"{option}: {name!r} is not another study")
+    named = [member for name in also + without for member in members(name)]
+    if len(named) != len(set(named)):
+        parser.error(f"--with / --without name a flag twice: {sorted(name for name in set(named) if named.count(name) > 1)}")
     if set(also) & set(without):
         parser.error(f"--with and --without both name {sorted(set(also) & set(without))}")
     if args.study in TWO_LAUNCH_STUDIES and "aux_t" not in also + without:

@@ -60,6 +60,9 @@ def main() -> None:
     for name in also:
         if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
             parser.error(f"--with: {name!r} is not another study")
+    named = [member for name in also for member in members(name)]
+    if len(named) != len(set(named)):
+        parser.error(f"--with names a flag twice: {sorted(name for name in set(named) if named.count(name) > 1)}")
     commands = steps(args.study, also, args.workers)
     picked = [name for name in args.steps.split(",") if name]
     unknown = [name for name in picked if name not in commands]
