@@ -125,8 +125,8 @@ AUX_REGS_ONE_STATE_WARPGROUP = gl.constexpr(232)
 #: aux warpgroup :data:`AUX_PAIR_REGS`: 128 x (2 x 192 + 2 x 64) = 65536. sm_90a, triton
 #: 3.6.0, the plain varlen build: spills 652 bytes (188 with one aux partition), each aux
 #: loop 1,426-1,460 SASS a warp and chunk against the one partition's 1,321, the state's
-#: loop unchanged (883) and its wgmma in flight; with 80 registers each (the state 176)
-#: ptxas serializes them. Builds with V = 128 and without the qk l2 norm on chip alone
+#: loop unchanged (883) and its wgmma in flight; with 72 or 80 registers each (the state
+#: 184 or 176) ptxas serializes them. Builds with V = 128 and without the qk l2 norm on chip alone
 #: (:func:`aux_pair_for`: at 64 registers the norm's build spills 1,680 bytes).
 AUX_PAIR = gl.constexpr(False)
 #: Registers per thread of each aux partition with :data:`AUX_PAIR`.
