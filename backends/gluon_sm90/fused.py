@@ -708,6 +708,34 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
 
 
 @gluon.jit
+def _inverse_buffers(BT: gl.constexpr):
+    """The shared memory one aux partition forms the chunk inverses in (:data:`AUX_T`): the
+    blocked inverse's tables (one allocation, or three with
+    :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`; the unused two name the
+    first), A's redo buffer with the fp16 inverse, k k^T's mbarrier (initialized) and the
+    row vectors with :data:`..gluon_common.wy.SHARED_ROW_VECTORS` (else the tables stand
+    in, never touched)."""
+    if separate_tables():
+        tables, y_tables, w_tables = allocate_separate_tables()
+    else:
+        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
+        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        y_tables = tables
+        w_tables = tables
+    if fp16_products():
+        a_save = redo_buffer(BT)
+    else:
+        a_save = tables
+    kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kk_bar.index(0), count=1)
+    if shared_row_vectors():
+        row_vectors = row_vector_slots(BT)
+    else:
+        row_vectors = tables
+    return tables, y_tables, w_tables, a_save, kk_bar, row_vectors
+
+
+@gluon.jit
 def _loader(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready, slot_free,
             bos, NT, col_k, col_v, HV, i_h, slot0):
     """:data:`LOAD_WARP`: chunk t's k, q, v and T tiles into slot t % 2 once both the state
@@ -749,25 +777,8 @@ def _fused_fwd_kernel(
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
-        if separate_tables():
-            tables, y_tables, w_tables = allocate_separate_tables()
-        else:
-            # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
-            tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
-            y_tables = tables  # not read
-            w_tables = tables  # not read
-        # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
-        if SAVE_A:
-            a_save = redo_buffer(BT)
-        else:
-            a_save = tables
-        kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kk_bar.index(0), count=1)
-        if shared_row_vectors():
-            row_vectors = row_vector_slots(BT)
-        else:
-            row_vectors = tables  # not read
+        tables, y_tables, w_tables, a_save, kk_bar, row_vectors = _inverse_buffers(BT)
     elif SINGLE_T:
         # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
@@ -835,22 +846,7 @@ def _fused_fwd_kernel(
     if AUX_T and aux_pair_for(V, QK_NORM):
         # A second aux partition with its own inverse buffers: even chunks in one, odd in
         # the other.
-        if separate_tables():
-            tables_b, y_tables_b, w_tables_b = allocate_separate_tables()
-        else:
-            tables_b = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
-            y_tables_b = tables_b  # not read
-            w_tables_b = tables_b  # not read
-        if SAVE_A:
-            a_save_b = redo_buffer(BT)
-        else:
-            a_save_b = tables_b
-        kk_bar_b = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kk_bar_b.index(0), count=1)
-        if shared_row_vectors():
-            row_vectors_b = row_vector_slots(BT)
-        else:
-            row_vectors_b = tables_b  # not read
+        tables_b, y_tables_b, w_tables_b, a_save_b, kk_bar_b, row_vectors_b = _inverse_buffers(BT)
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
