@@ -178,6 +178,10 @@ def store_rows(rows_smem, a, b, c=None, d=None):
     data moves for vectors in that layout), then selected into place."""
     N: gl.constexpr = rows_smem.shape[0]
     BT: gl.constexpr = rows_smem.shape[1]
+    if d is not None:
+        gl.static_assert(N == 4 and c is not None, "four vectors: a slot of four rows")
+    else:
+        gl.static_assert(N == 2 and c is None, "two vectors: a slot of two rows (a view's rows are a power of 2)")
     tile: gl.constexpr = _rows_tile(a.type.layout, gl.num_warps())
     row: gl.constexpr = gl.SliceLayout(0, tile)
     i = gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(1, tile)), 1)
