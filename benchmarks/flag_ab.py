@@ -35,7 +35,8 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py aux_pair     # fused.AUX_PAIR: two aux partitions, alternate chunks' inverses
     python benchmarks/flag_ab.py replicated_row_scan  # wy.REPLICATED_ROW_SCAN: the gate scan inside each warp
     python benchmarks/flag_ab.py kk_unjoined  # wy.KK_UNJOINED: k k^T issued without joining the aux's warps
-    python benchmarks/flag_ab.py aux_barriers  # the four flags above from separate_tables on, together (GROUPS)
+    python benchmarks/flag_ab.py aux_barriers  # separate_tables, stacked_row_stores, replicated_row_scan and
+                                             # kk_unjoined, together (GROUPS)
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
