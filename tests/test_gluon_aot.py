@@ -577,7 +577,7 @@ def test_kk_unjoined_takes_the_join_before_k_kt_off_the_aux_chain():
     """:data:`.wy.KK_UNJOINED` in sm_90a's one-kernel builds: k k^T, whose operand only the
     TMA unit wrote, issued without the engine's join of the warps first: one barrier fewer
     in the plain build's aux partition (the build with the qk l2 norm on chip keeps one
-    there for its norms' exchange: no more than before). Spills as before, wgmma in flight.
+    there for its norms' exchange: no more than before). No more spills, wgmma in flight.
     Off as shipped; the test compiles both."""
     from pathlib import Path
 
@@ -588,8 +588,8 @@ def test_kk_unjoined_takes_the_join_before_k_kt_off_the_aux_chain():
     on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
     for before, after in zip(off, on):
         assert after["aux_barriers"] <= before["aux_barriers"] - (0 if before["l2"] else 1), (before, after)
-        assert after["planned"] == before["planned"] and after["spills"] == before["spills"], (before, after)
-        assert after["spills"] <= after["allowed"] and not after["serialized"], after
+        assert after["planned"] == before["planned"] and after["spills"] <= before["spills"], (before, after)
+        assert not after["serialized"], after
 
 
 @pytest.mark.slow
@@ -597,10 +597,12 @@ def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
     """:data:`fused.AUX_PAIR` in sm_90a's one-kernel builds: the plain build runs the aux
     partition twice (each partition's barriers as one's), each with its own inverse
     buffers (in the plan: tables, redo buffer, row vectors and k k^T's barrier twice),
-    spills within the pair's allowance and no wgmma serialized, which is what the state's
-    192 registers buy; the build with the qk l2 norm on chip is left as it was. Off as
+    spills within the pair's allowance (768 bytes under Triton 3.6, the GPUs' Triton) and no
+    wgmma serialized, which is what the state's 192 registers buy; the build with the qk l2 norm on chip is left as it was. Off as
     shipped; the test compiles both."""
     from pathlib import Path
+
+    import triton
 
     from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products, separate_tables
     from gdn_dispatch.backends.gluon_common.wy import ROW_VECTOR_SLOTS, shared_row_vectors
@@ -620,6 +622,9 @@ def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
         assert after["planned"] == before["planned"] + second, (before, after)
         assert after["planned"] <= after["shared"] <= after["planned"] + 1024, after
         assert after["spills"] <= after["allowed"] == fused.AUX_PAIR_SPILL_BYTES, after
+        if triton.__version__.startswith("3.6."):
+            # The GPUs' Triton: the allowance's margin is newer Triton's (see AUX_PAIR_SPILL_BYTES).
+            assert after["spills"] <= 768, after
         assert not after["serialized"], after
 
 

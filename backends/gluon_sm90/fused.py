@@ -935,8 +935,10 @@ AUX_SCORES_SPILL_BYTES = 768
 
 
 #: The same with two aux partitions (:data:`AUX_PAIR`): each at 64 registers keeps the
-#: blocked inverse's scalars and some of its operands in local memory.
-AUX_PAIR_SPILL_BYTES = 768
+#: blocked inverse's scalars and some of its operands in local memory: 604-660 bytes over
+#: the sm_90a specializations under triton 3.6.0 (the GPUs' Triton; 732 with the barrier
+#: flags), up to 1,404 under 3.9.0 (1,472 with them in the plain varlen one).
+AUX_PAIR_SPILL_BYTES = 1536
 
 
 def aux_t_spill_bytes(state_scores: bool) -> int:
