@@ -76,11 +76,14 @@ _WS_SHAPES = {
     "H16-HV32-ragged16": (16, 32, "ragged16", False), "H16-HV64-4x8192": (16, 64, (4, 8192), False),
     "H16-HV32-4x8192-l2": (16, 32, (4, 8192), True)}
 
+#: The one-kernel build's aux partition (the chunk inverses) at a uniform batch, the ragged
+#: mix, HV 64 and with the qk l2 norm on chip.
+_ONE_KERNEL_SHAPES = {name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
+                                                          "H16-HV32-4x8192-l2")}
+
 #: The blocked chunk inverse's calls: the path's (the T kernel, or the fused kernel's aux
 #: partition in the one-kernel build) and the w/u kernel's.
-_INVERSE_SHAPES = {**{name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                         "H16-HV64-4x8192", "H16-HV32-4x8192-l2")},
-                   **_WY_SHAPES}
+_INVERSE_SHAPES = {**_ONE_KERNEL_SHAPES, **_WY_SHAPES}
 
 #: study -> (module, flag, (off value, on value), shapes: name -> (H, HV, lengths or (B, T),
 #: qk l2 norm[, K, V])).
@@ -143,9 +146,7 @@ STUDIES = {
     "aux_t": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_T", (False, True), {
         **_WS_SHAPES, "H16-HV64-4x8192-l2": (16, 64, (4, 8192), True)}),
     # Under aux_t: the causal scores formed by the state partition, not the aux.
-    "state_scores": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", (False, True), {
-        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192",
-                                            "H16-HV32-4x8192-l2")}),
+    "state_scores": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_SCORES", (False, True), _ONE_KERNEL_SHAPES),
     # The chunk inverse's block products on fp16 operands, not tf32: the fused kernel's aux
     # partition (with --without aux_t: the T kernel), and the w/u kernel of the pipeline's
     # calls and of context parallelism's segmented ones (the 1 x 32768 shards).
@@ -160,25 +161,17 @@ STUDIES = {
     # The one-kernel build's gate cumsum and beta read in each layout from shared memory
     # instead of converted between layouts (the aux partition's chain: 13 barriers fewer).
     "shared_row_vectors": ("gdn_dispatch.backends.gluon_common.wy", "SHARED_ROW_VECTORS",
-                           (gl.constexpr(False), gl.constexpr(True)), {
-                               name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                                   "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+                           (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The one-kernel build's inverse tables as three allocations (two barriers fewer).
     "separate_tables": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "SEPARATE_TABLES",
-                        (gl.constexpr(False), gl.constexpr(True)), {
-                            name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                                "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
-    # The one-kernel build's row vectors of one slot with one store each (2 barriers fewer,
+                        (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The one-kernel build's row vectors of one slot with one store each (4 barriers fewer,
     # 5 with the qk l2 norm on chip).
     "stacked_row_stores": ("gdn_dispatch.backends.gluon_common.recurrence", "STACKED_ROW_STORES",
-                           (gl.constexpr(False), gl.constexpr(True)), {
-                               name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                                   "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+                           (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The one-kernel build's gate rows scanned inside each warp (one barrier fewer).
     "replicated_row_scan": ("gdn_dispatch.backends.gluon_common.wy", "REPLICATED_ROW_SCAN",
-                            (gl.constexpr(False), gl.constexpr(True)), {
-                                name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16",
-                                                                    "H16-HV64-4x8192", "H16-HV32-4x8192-l2")}),
+                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The one-kernel build's k k^T issued with no join of the warps first (one barrier fewer).
     "kk_unjoined": ("gdn_dispatch.backends.gluon_common.wy", "KK_UNJOINED", (gl.constexpr(False), gl.constexpr(True)), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
@@ -233,6 +226,12 @@ def members(study: str) -> tuple[str, ...]:
     return GROUPS.get(study, (study,))
 
 
+def repeated(studies: list[str]) -> list[str]:
+    """The member studies that more than one of ``studies`` (studies or groups) turns."""
+    named = [member for name in studies for member in members(name)]
+    return sorted(name for name in set(named) if named.count(name) > 1)
+
+
 def study_shapes(study: str) -> dict:
     return STUDIES[members(study)[0]][3]
 
@@ -271,9 +270,8 @@ if __name__ == "__main__":
         for name in names:
             if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
                 parser.error(f"{option}: {name!r} is not another study")
-    named = [member for name in also + without for member in members(name)]
-    if len(named) != len(set(named)):
-        parser.error(f"--with / --without name a flag twice: {sorted(name for name in set(named) if named.count(name) > 1)}")
+    if repeated(also + without):
+        parser.error(f"--with / --without name a flag twice: {repeated(also + without)}")
     if set(also) & set(without):
         parser.error(f"--with and --without both name {sorted(set(also) & set(without))}")
     if args.study in TWO_LAUNCH_STUDIES and "aux_t" not in also + without:

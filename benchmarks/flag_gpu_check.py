@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from flag_ab import GROUPS, STUDIES, members
+from flag_ab import GROUPS, STUDIES, members, repeated
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "gdn_dispatch.backends."
@@ -51,7 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study", choices=sorted(STUDIES) + sorted(GROUPS))
     parser.add_argument("--with", dest="also", default="", help="studies whose flags are on too (in both A/B arms)")
-    parser.add_argument("--steps", default="tests,fuzz,sanitize,ab", help="which of tests, fuzz, sanitize, ab, in order")
+    parser.add_argument("--steps", default="tests,fuzz,sanitize,ab",
+                        help="which of tests, fuzz, sanitize, ab, in order")
     parser.add_argument("--timeout", type=int, default=240, help="seconds a step may run (default 240)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the test steps (default 8)")
     parser.add_argument("--log", help="also write every step's output to this file")
@@ -60,9 +61,8 @@ def main() -> None:
     for name in also:
         if name not in STUDIES and name not in GROUPS or set(members(name)) & set(members(args.study)):
             parser.error(f"--with: {name!r} is not another study")
-    named = [member for name in also for member in members(name)]
-    if len(named) != len(set(named)):
-        parser.error(f"--with names a flag twice: {sorted(name for name in set(named) if named.count(name) > 1)}")
+    if repeated(also):
+        parser.error(f"--with names a flag twice: {repeated(also)}")
     commands = steps(args.study, also, args.workers)
     picked = [name for name in args.steps.split(",") if name]
     unknown = [name for name in picked if name not in commands]

@@ -460,6 +460,16 @@ def aux_partition_builds() -> list[dict]:
     return builds
 
 
+def aux_builds_with(settings: list[str]) -> list[dict]:
+    """:func:`aux_partition_builds` in a fresh process with the build flags ``settings``
+    (``MODULE.NAME=VALUE``) set."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    return call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", settings, timeout=1800)
+
+
 @pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
@@ -468,14 +478,8 @@ def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     fewer in the aux partition's code (two a convert, three the reduction; the stores bring
     their own); spills within the allowance, wgmma in flight. On as shipped; the test
     compiles both."""
-    from pathlib import Path
-
-    from gdn_dispatch.testing import call_in_fresh_process
-
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", ["gluon_common.wy.SHARED_ROW_VECTORS=0"],
-                                timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", ["gluon_common.wy.SHARED_ROW_VECTORS=1"],
-                               timeout=1800)
+    off = aux_builds_with(["gluon_common.wy.SHARED_ROW_VECTORS=0"])
+    on = aux_builds_with(["gluon_common.wy.SHARED_ROW_VECTORS=1"])
     for before, after in zip(off, on):
         assert after["aux_barriers"] <= before["aux_barriers"] - 12, (before, after)
         assert after["planned"] == before["planned"] + 1024, (before, after)
@@ -493,15 +497,11 @@ def test_separate_tables_take_two_barriers_off_the_inverse():
     3.6 (the GPUs' Triton here); newer Triton (3.9) tracks the slices of one allocation
     apart and puts neither barrier there, so no more than before there. Spills within the
     allowance, wgmma in flight. Off as shipped; the test compiles both."""
-    from pathlib import Path
-
     import triton
 
-    from gdn_dispatch.testing import call_in_fresh_process
-
     flag = "gluon_common.blocked_inverse.SEPARATE_TABLES"
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    off = aux_builds_with([f"{flag}=0"])
+    on = aux_builds_with([f"{flag}=1"])
     fewer = 2 if triton.__version__.startswith("3.6.") else 0
     for before, after in zip(off, on):
         assert after["aux_barriers"] == before["aux_barriers"] - fewer, (before, after)
@@ -521,15 +521,11 @@ def test_stacked_row_stores_take_the_per_row_barriers_off_the_aux_chain():
     vectors), five with the qk l2 norm on chip (three gate-vector rows); newer Triton tracks
     the rows apart and puts fewer there already, so no more than before there. Spills
     within the allowance, wgmma in flight. Off as shipped; the test compiles both."""
-    from pathlib import Path
-
     import triton
 
-    from gdn_dispatch.testing import call_in_fresh_process
-
     flag = "gluon_common.recurrence.STACKED_ROW_STORES"
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    off = aux_builds_with([f"{flag}=0"])
+    on = aux_builds_with([f"{flag}=1"])
     for before, after in zip(off, on):
         if triton.__version__.startswith("3.6."):
             assert after["aux_barriers"] == before["aux_barriers"] - (5 if before["l2"] else 4), (before, after)
@@ -551,17 +547,13 @@ def test_replicated_row_scan_keeps_the_gate_scan_inside_each_warp():
     and :data:`.blocked_inverse.SEPARATE_TABLES`) under Triton 3.6: seven fewer plain, eight
     with the norm (the loop's four store orderings, two of the inverse's, the scan's).
     Spills within the allowance, wgmma in flight. Off as shipped; the test compiles each."""
-    from pathlib import Path
-
     import triton
-
-    from gdn_dispatch.testing import call_in_fresh_process
 
     flag = "gluon_common.wy.REPLICATED_ROW_SCAN"
     others = ["gluon_common.recurrence.STACKED_ROW_STORES=1", "gluon_common.blocked_inverse.SEPARATE_TABLES=1"]
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
-    every = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"] + others, timeout=1800)
+    off = aux_builds_with([f"{flag}=0"])
+    on = aux_builds_with([f"{flag}=1"])
+    every = aux_builds_with([f"{flag}=1"] + others)
     for before, after, all_three in zip(off, on, every):
         assert after["aux_barriers"] <= before["aux_barriers"] - 1, (before, after)
         if triton.__version__.startswith("3.6."):
@@ -579,13 +571,9 @@ def test_kk_unjoined_takes_the_join_before_k_kt_off_the_aux_chain():
     in the plain build's aux partition (the build with the qk l2 norm on chip keeps one
     there for its norms' exchange: no more than before). No more spills, wgmma in flight.
     Off as shipped; the test compiles both."""
-    from pathlib import Path
-
-    from gdn_dispatch.testing import call_in_fresh_process
-
     flag = "gluon_common.wy.KK_UNJOINED"
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    off = aux_builds_with([f"{flag}=0"])
+    on = aux_builds_with([f"{flag}=1"])
     for before, after in zip(off, on):
         assert after["aux_barriers"] <= before["aux_barriers"] - (0 if before["l2"] else 1), (before, after)
         assert after["planned"] == before["planned"] and after["spills"] <= before["spills"], (before, after)
@@ -598,20 +586,17 @@ def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
     partition twice (each partition's barriers as one's), each with its own inverse
     buffers (in the plan: tables, redo buffer, row vectors and k k^T's barrier twice),
     spills within the pair's allowance (768 bytes under Triton 3.6, the GPUs' Triton) and no
-    wgmma serialized, which is what the state's 192 registers buy; the build with the qk l2 norm on chip is left as it was. Off as
-    shipped; the test compiles both."""
-    from pathlib import Path
-
+    wgmma serialized, which is what the state's 192 registers buy; the build with the qk l2
+    norm on chip is left as it was. Off as shipped; the test compiles both."""
     import triton
 
     from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products, separate_tables
     from gdn_dispatch.backends.gluon_common.wy import ROW_VECTOR_SLOTS, shared_row_vectors
     from gdn_dispatch.backends.gluon_sm90 import fused
-    from gdn_dispatch.testing import call_in_fresh_process
 
     flag = "gluon_sm90.fused.AUX_PAIR"
-    off = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=0"], timeout=1800)
-    on = call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", [f"{flag}=1"], timeout=1800)
+    off = aux_builds_with([f"{flag}=0"])
+    on = aux_builds_with([f"{flag}=1"])
     second = ((3 if separate_tables() else 4) * 4 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0)
               + (ROW_VECTOR_SLOTS.value * 2 * 64 * 4 if shared_row_vectors() else 0))
     for before, after in zip(off, on):

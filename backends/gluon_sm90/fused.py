@@ -161,6 +161,14 @@ def _gates_per_slot(gate_ring_rows, ring_slots):
 
 
 @gluon.constexpr_function
+def gate_vectors_per_slot(qk_norm, aux_t):
+    """Rows a gate-ring slot has (:func:`_gates_per_slot` reads them back off the ring):
+    four with the qk l2 norm on chip, and in the one-kernel build (``aux_t``) under
+    :data:`..gluon_common.recurrence.STACKED_ROW_STORES` (a slot is one store); else three."""
+    return 4 if qk_norm or (aux_t and stacked_row_stores()) else 3
+
+
+@gluon.constexpr_function
 def _output_gate(gates):
     """The output's row-decay vector within a gate slot (:func:`_gates_per_slot`)."""
     return 3 if gates == 4 else 1
@@ -788,9 +796,7 @@ def _fused_fwd_kernel(
         u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     RING_S: gl.constexpr = 2
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
-    # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores),
-    # and in the one-kernel build with its slots stored whole (STACKED_ROW_STORES).
-    NG: gl.constexpr = 4 if QK_NORM or (AUX_T and stacked_row_stores()) else 3
+    NG: gl.constexpr = gate_vectors_per_slot(QK_NORM, AUX_T)
     gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if STATE_SCORES:
         # The state's causal-gate exponents of each scores slot: rows, then columns.
@@ -946,6 +952,8 @@ def aux_t_spill_bytes(state_scores: bool) -> int:
     (:data:`STATE_SCORES`) and whether it runs two aux partitions (:data:`AUX_PAIR`)."""
     return max(AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES,
                AUX_PAIR_SPILL_BYTES if bool(AUX_PAIR) else 0)
+
+
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -1186,8 +1194,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
-    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot (with ``aux_t``
-    under :data:`..gluon_common.recurrence.STACKED_ROW_STORES` too); with ``aux_t``
+    the gate vectors :func:`gate_vectors_per_slot` a slot; with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32; 12 KB with
     :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
@@ -1202,7 +1209,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     tables = (3 if separate_tables() else 4) * 4 * 16 * 16 * 4
     inverse = (tables + 8 + redo + vectors) * (2 if aux_pair else 1) if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + ((4 if qk_norm or (aux_t and stacked_row_stores()) else 3) + (2 if state_scores else 0)) * 2 * BT * 4
+            + (gate_vectors_per_slot(qk_norm, aux_t) + (2 if state_scores else 0)) * 2 * BT * 4
             + (10 + v_slots) * 8 + inverse)
 
 
