@@ -35,6 +35,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py aux_pair     # fused.AUX_PAIR: two aux partitions, alternate chunks' inverses
     python benchmarks/flag_ab.py replicated_row_scan  # wy.REPLICATED_ROW_SCAN: the gate scan inside each warp
     python benchmarks/flag_ab.py kk_unjoined  # wy.KK_UNJOINED: k k^T issued without joining the aux's warps
+    python benchmarks/flag_ab.py scores_behind_v_new  # fused.SCORES_BEHIND_V_NEW: the state's q k^T off its chain
     python benchmarks/flag_ab.py aux_barriers  # separate_tables, stacked_row_stores, replicated_row_scan and
                                              # kk_unjoined, together (GROUPS)
 
@@ -179,6 +180,9 @@ STUDIES = {
     "aux_pair": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_PAIR", (gl.constexpr(False), gl.constexpr(True)), {
         name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-8x4096", "H16-HV32-ragged16",
                                             "H16-HV64-4x8192")}),
+    # The state's causal scores issued behind v_new^T's product, stored while the update runs.
+    "scores_behind_v_new": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_BEHIND_V_NEW",
+                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -287,8 +287,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     writes the T slots (ready with the scores): it refills v alone. With ``EARLY_O1`` (and
     ``CHAIN``) the output's S_old^T q^T is issued with P^T (:data:`EARLY_O1`). With
     ``SCORES`` (:data:`STATE_SCORES`) it forms the chunk's causal scores itself into its
-    scores slot, ``q k^T`` issued once those two products are done, gated with the rows
-    the aux partition leaves in ``graw_ring``."""
+    scores slot, ``q k^T`` issued once those two products are done (with
+    :data:`SCORES_BEHIND_V_NEW` behind v_new^T's product instead), gated with the rows the aux
+    partition leaves in ``graw_ring``."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -300,6 +301,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     # The early output product is an order of the T_u chain only.
     EARLY: gl.constexpr = CHAIN and EARLY_O1
+    # The state's causal scores off the chain (:data:`SCORES_BEHIND_V_NEW`).
+    LATE: gl.constexpr = EARLY and SCORES and SCORES_BEHIND_V_NEW
     for t in range(NT):
         s = t % 2
         phase = (t // 2) & 1
@@ -309,7 +312,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         sb = gl.convert_layout(S.to(dtype), lhs_s)
         if CHAIN:
             p, o1 = _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring,
-                                        graw_ring, s, acc_c, EARLY, SCORES)
+                                        graw_ring, s, acc_c, EARLY, SCORES and not LATE)
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -318,7 +321,12 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
         if not EARLY:
             b_d = gate_ring.index(NG * s).load(cols_c)
-        if CHAIN:
+        if LATE:
+            enter("state.v_new")
+            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(s), v_ready.index(s), t_ring.index(s),
+                                            gate_ring.index(NG * s + 1), phase, acc_c, k_tile, q_tile)
+            leave("state.v_new")
+        elif CHAIN:
             enter("state.v_new")
             vn = _v_new_of_t_u(p, v_ring.index(s), v_ready.index(s), t_ring.index(s), t_ready.index(s),
                                gate_ring.index(NG * s + 1), phase, acc_c, not AUX_T, EARLY)
@@ -328,7 +336,10 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             p = warpgroup_mma_wait(0, deps=(p,))
             vn = u - p
         enter("state.update_output")
-        if EARLY:
+        if LATE:
+            b_d = gate_ring.index(NG * s).load(cols_c)
+            S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, graw_ring, s)
+        elif EARLY:
             # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
             o1 = warpgroup_mma_wait(0, deps=(o1,))
             # Read here, not held through v_new^T beside the products in flight.
@@ -428,17 +439,43 @@ def _v_new_of_t_u(p, v_slot, v_bar, t_slot, t_bar, e_g_slot, phase, acc_c: gl.co
         # registers (S^T in bf16) are held until then, and beside v^T they were more than
         # the state has.
         p = warpgroup_mma_wait(0, deps=(p,))
-    e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
-    mbarrier.wait(v_bar, phase)
-    vt = v_slot.permute((1, 0)).load(acc_c).to(gl.float32)
-    if not ONE_BEHIND:
-        p = warpgroup_mma_wait(0, deps=(p,))
-    z = gl.convert_layout((vt - p * gl.expand_dims(e_g, 0)).to(v_slot.dtype), lhs_reg_layout(acc_c, 16))
+    z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, not ONE_BEHIND)
     if WAIT_T:
         mbarrier.wait(t_bar, phase)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
     return warpgroup_mma_wait(0, deps=(vn,))
+
+
+@gluon.jit
+def _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_P: gl.constexpr):
+    """``v^T - P^T diag(2^g)`` as the left operand of v_new^T's product: the decays and v^T
+    (its slot waited at ``phase``) read first, then P^T waited (with ``WAIT_P``; else the
+    caller has it)."""
+    e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
+    mbarrier.wait(v_bar, phase)
+    vt = v_slot.permute((1, 0)).load(acc_c).to(gl.float32)
+    if WAIT_P:
+        p = warpgroup_mma_wait(0, deps=(p,))
+    return gl.convert_layout((vt - p * gl.expand_dims(e_g, 0)).to(v_slot.dtype), lhs_reg_layout(acc_c, 16))
+
+
+@gluon.jit
+def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile):
+    """:data:`SCORES_BEHIND_V_NEW`: v_new^T as :func:`_v_new_of_t_u` forms it (T_u written by
+    the aux partition), with the chunk's ``q k^T`` issued behind its product. Returns v_new^T
+    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight)."""
+    BT: gl.constexpr = v_slot.shape[0]
+    BV: gl.constexpr = v_slot.shape[1]
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+    z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
+    vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
+                       is_async=True)
+    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                       use_acc=False, is_async=True)
+    vn = warpgroup_mma_wait(1, deps=(vn,))
+    return vn, o1, qk
 
 
 @gluon.jit
@@ -481,6 +518,28 @@ def _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
     S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+    o = warpgroup_mma(vnb, s_ring.index(s).permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True,
+                      is_async=True)
+    S, o = warpgroup_mma_wait(0, deps=(S, o))
+    return S, o
+
+
+@gluon.jit
+def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, graw_ring, s):
+    """:data:`SCORES_BEHIND_V_NEW`: the state update issued first, then the chunk's causal
+    scores stored from ``q k^T`` (in flight before it) while the update runs, then the output
+    ``O^T = 2^g O1^T + v_new^T scores^T``, as :func:`_update_and_output_of_o1` forms both.
+    Returns the new S^T and O^T."""
+    dtype: gl.constexpr = k_tile.dtype
+    acc_c: gl.constexpr = vn.type.layout
+    vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
+    S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
+    vnb = gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16))
+    # Every group but the update's: q k^T.
+    qk = warpgroup_mma_wait(1, deps=(qk,))
+    _gate_and_store_scores(qk, s_ring.index(s), graw_ring, s)
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
+    e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
     o = warpgroup_mma(vnb, s_ring.index(s).permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True,
                       is_async=True)
     S, o = warpgroup_mma_wait(0, deps=(S, o))
@@ -582,7 +641,12 @@ def _store_state_scores(qk, s_slot, graw_ring, r):
     scores slot ``s_slot`` from ``q k^T`` (in flight) and slot ``r``'s gate rows (the
     row and the column exponents, :func:`_store_gates_and_rows`); fenced for the output's
     wgmma and joined over the state's warps, each of which wrote a part of the slot."""
-    qk = warpgroup_mma_wait(0, deps=(qk,))
+    _gate_and_store_scores(warpgroup_mma_wait(0, deps=(qk,)), s_slot, graw_ring, r)
+
+
+@gluon.jit
+def _gate_and_store_scores(qk, s_slot, graw_ring, r):
+    """:func:`_store_state_scores` from ``q k^T`` done."""
     acc_bt: gl.constexpr = qk.type.layout
     g_i = graw_ring.index(2 * r).load(gl.SliceLayout(1, acc_bt))
     g_j = graw_ring.index(2 * r + 1).load(gl.SliceLayout(0, acc_bt))
@@ -1077,6 +1141,13 @@ AUX_T = True
 #: variants and fuzz cases pass with it, the sanitizers are clean. On with :data:`AUX_T`
 #: (the one-kernel build ships with it); no effect without it.
 STATE_SCORES = True
+
+#: With :data:`STATE_SCORES`: the state issues the chunk's ``q k^T`` behind v_new^T's product
+#: and gates and stores the scores while the state update runs
+#: (:func:`_v_new_then_scores`, :func:`_update_then_scores`), instead of between P^T and
+#: v_new^T, where its product, the gating and the join of the warps sat on the chain from
+#: one state to the next. The same products in the same order of accumulation.
+SCORES_BEHIND_V_NEW = gl.constexpr(False)
 
 
 def aux_t_on(engine) -> bool:
