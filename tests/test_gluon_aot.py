@@ -441,7 +441,8 @@ def aux_partition_builds() -> list[dict]:
     """sm_90a's one-kernel fused builds as shipped (``AUX_T``, ``STATE_SCORES``; plain and
     with the qk l2 norm on chip), compiled in this process with its jit globals as set:
     the aux partition's barriers (its warpgroup is the kernel's one group of 128 threads),
-    spills and their allowance, wgmma serialization, shared memory and its plan."""
+    the wgmma waits by the groups they leave in flight, spills and their allowance, wgmma
+    serialization, shared memory and its plan."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
     fused.AUX_T, fused.QK_NORM_ON_CHIP, fused.STATE_SCORES = True, True, True
@@ -451,7 +452,9 @@ def aux_partition_builds() -> list[dict]:
                       if k.constexprs["HAS_TAILS"] and k.constexprs["QK_NORM"] == l2)
         report = compile_kernel(kernel, SM90)
         aux_barriers = re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\d+, 128;", report.ptx)
+        waits = re.findall(r"\bwgmma\.wait_group\.sync\.aligned\s+(\d+);", report.ptx)
         builds.append({"l2": l2, "aux_barriers": len(aux_barriers),
+                       "wgmma_waits": {n: waits.count(n) for n in sorted(set(waits))},
                        "spills": report.spill_bytes, "allowed": kernel.spill_bytes_allowed,
                        "serialized": report.wgmma_serialized, "shared": report.shared_bytes,
                        "planned": fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2,
@@ -468,6 +471,23 @@ def aux_builds_with(settings: list[str]) -> list[dict]:
     from gdn_dispatch.testing import call_in_fresh_process
 
     return call_in_fresh_process(Path(__file__), "m.aux_partition_builds()", settings, timeout=1800)
+
+
+@pytest.mark.slow
+def test_scores_behind_v_new_take_the_state_scores_off_its_chain():
+    """:data:`fused.SCORES_BEHIND_V_NEW` in sm_90a's one-kernel builds: the state's q k^T
+    issued behind v_new^T's product and waited for with the state update in flight (two
+    waits that leave one group in flight, none in the other order), fewer waits in all, no
+    wgmma serialized, spills within the allowance, shared memory unchanged. On as shipped;
+    the test compiles both."""
+    off = aux_builds_with(["gluon_sm90.fused.SCORES_BEHIND_V_NEW=0"])
+    on = aux_builds_with(["gluon_sm90.fused.SCORES_BEHIND_V_NEW=1"])
+    for before, after in zip(off, on):
+        assert "1" not in before["wgmma_waits"] and after["wgmma_waits"]["1"] == 2, (before, after)
+        assert sum(after["wgmma_waits"].values()) < sum(before["wgmma_waits"].values()), (before, after)
+        assert after["shared"] == before["shared"] and after["planned"] == before["planned"], (before, after)
+        for build in (before, after):
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
 
 
 @pytest.mark.slow
