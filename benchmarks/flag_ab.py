@@ -28,24 +28,16 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py diagonal_series  # blocked_inverse.DIAGONAL_SERIES: 9 dependent products, not 10
     python benchmarks/flag_ab.py shared_row_vectors  # wy.SHARED_ROW_VECTORS: the aux's row vectors through shared
                                              # memory, one barrier instead of six layout converts
-    python benchmarks/flag_ab.py separate_tables  # blocked_inverse.SEPARATE_TABLES: the one-kernel inverse's three
-                                             # tables in allocations of their own, two barriers fewer
-    python benchmarks/flag_ab.py stacked_row_stores  # recurrence.STACKED_ROW_STORES: a slot's row vectors
-                                             # with one store, not one a row
-    python benchmarks/flag_ab.py aux_pair     # fused.AUX_PAIR: two aux partitions, alternate chunks' inverses
-    python benchmarks/flag_ab.py replicated_row_scan  # wy.REPLICATED_ROW_SCAN: the gate scan inside each warp
-    python benchmarks/flag_ab.py kk_unjoined  # wy.KK_UNJOINED: k k^T issued without joining the aux's warps
     python benchmarks/flag_ab.py scores_behind_v_new  # fused.SCORES_BEHIND_V_NEW: the state's q k^T off its chain
-    python benchmarks/flag_ab.py aux_barriers  # separate_tables, stacked_row_stores, replicated_row_scan and
-                                             # kk_unjoined, together (GROUPS)
+    python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
+                                             # the inverse on fp16 as shipped against tf32
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``separate_tables``, ``stacked_row_stores``, ``aux_pair``,
-``replicated_row_scan``, ``kk_unjoined``) measure a
+``shared_row_vectors``, ``scores_behind_v_new``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -163,23 +155,6 @@ STUDIES = {
     # instead of converted between layouts (the aux partition's chain: 13 barriers fewer).
     "shared_row_vectors": ("gdn_dispatch.backends.gluon_common.wy", "SHARED_ROW_VECTORS",
                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's inverse tables as three allocations (two barriers fewer).
-    "separate_tables": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "SEPARATE_TABLES",
-                        (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's row vectors of one slot with one store each (4 barriers fewer,
-    # 5 with the qk l2 norm on chip).
-    "stacked_row_stores": ("gdn_dispatch.backends.gluon_common.recurrence", "STACKED_ROW_STORES",
-                           (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's gate rows scanned inside each warp (one barrier fewer).
-    "replicated_row_scan": ("gdn_dispatch.backends.gluon_common.wy", "REPLICATED_ROW_SCAN",
-                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's k k^T issued with no join of the warps first (one barrier fewer).
-    "kk_unjoined": ("gdn_dispatch.backends.gluon_common.wy", "KK_UNJOINED", (gl.constexpr(False), gl.constexpr(True)), {
-        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-ragged16", "H16-HV64-4x8192")}),
-    # Two aux partitions on alternate chunks, two chunk inverses in flight (64 registers each).
-    "aux_pair": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_PAIR", (gl.constexpr(False), gl.constexpr(True)), {
-        name: _WS_SHAPES[name] for name in ("H16-HV32-4x8192", "H16-HV32-8x4096", "H16-HV32-ragged16",
-                                            "H16-HV64-4x8192")}),
     # The state's causal scores issued behind v_new^T's product, stored while the update runs.
     "scores_behind_v_new": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_BEHIND_V_NEW",
                             (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
@@ -221,8 +196,8 @@ def calls(shapes: dict) -> dict:
 
 
 #: Studies turned off and on together, by name: a group times its members' flags at once
-#: (on its first member's shapes), e.g. the one-kernel build's barrier flags.
-GROUPS = {"aux_barriers": ("separate_tables", "stacked_row_stores", "replicated_row_scan", "kk_unjoined")}
+#: (on its first member's shapes), e.g. the blocked inverse's three fp16 flags.
+GROUPS = {"fp16_inverse": ("f16_inverse", "half_tables", "diagonal_series")}
 
 
 def members(study: str) -> tuple[str, ...]:

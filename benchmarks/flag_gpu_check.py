@@ -5,8 +5,8 @@ with the study's flag on (and ``--with`` studies' flags) through ``--build-flag`
 timing A/B of :mod:`flag_ab` (the study off against on, the others on in both arms). A table of
 the steps (passed / failed / ran out of time, seconds) comes last.
 
-    python benchmarks/flag_gpu_check.py aux_pair --with aux_barriers
-    python benchmarks/flag_gpu_check.py separate_tables --steps tests,ab --log out.log
+    python benchmarks/flag_gpu_check.py scores_behind_v_new
+    python benchmarks/flag_gpu_check.py early_o1 --with fp16_inverse --steps tests,ab --log out.log
 
 Studies and their flags are :data:`flag_ab.STUDIES` (and its :data:`flag_ab.GROUPS`, several
 flags at once); a flag whose on value is not a bool or an int (``wy_inverse``) cannot be set

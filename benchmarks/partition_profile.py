@@ -108,8 +108,7 @@ def main() -> None:
     parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
     parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="a kernel build flag (gdn_dispatch.testing.set_build_flags), e.g. "
-                             "gluon_sm90.fused.AUX_PAIR=1: two aux partitions, each walking half the chunks "
-                             "(its aux.* phases are averaged over both)")
+                             "gluon_sm90.fused.SCORES_BEHIND_V_NEW=0: the state's scores between P^T and v_new^T")
     parser.add_argument("--out", default="partition_profile", help="directory of the hatchet files")
     args = parser.parse_args()
     if args.build_flag:

@@ -227,17 +227,14 @@ def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
     a process of its own with the build's flags set (:data:`KERNEL_BUILDS`; they are jit
     globals, fixed at their first compile), redone by rows where the result lost fp16's
     range (:func:`lost_half_range`, as the kernels that run it do). The tables' buffer is
-    NaN on entry, so that a read of a slot the inverse did not write this call shows in T
-    (with :data:`SEPARATE_TABLES` the inverse's three tables are their own NaN buffers, the
-    16 KB one the redo's). ``scale``: A's row 1 multiplied by it (its key and beta that
-    much larger)."""
+    NaN on entry, so that a read of a slot the inverse did not write this call shows in T.
+    ``scale``: A's row 1 multiplied by it (its key and beta that much larger)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-        allocate_separate_tables, blocked_unit_lower_inverse, fp16_products, lost_half_range, separate_tables,
-        table_layout, unit_lower_inverse_by_rows)
+        blocked_unit_lower_inverse, fp16_products, lost_half_range, table_layout, unit_lower_inverse_by_rows)
     from gdn_dispatch.backends.gluon_common.compat import thread_barrier
     from gdn_dispatch.backends.gluon_sm90.engine import wgmma_layout
 
@@ -251,16 +248,8 @@ def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
         nan = gl.full([4, 16, 16], float("nan"), gl.float32, blocked_inverse.block_mma_layout())
         for q in gl.static_range(4):
             tables.slice(4 * q, 4).store(nan)
-        if separate_tables():
-            x_tables, y_tables, w_tables = allocate_separate_tables()
-            x_tables.store(nan)
-            y_tables.store(nan)
-            w_tables.store(nan)
-            thread_barrier()
-            t = blocked_unit_lower_inverse(gl.load(a_ptr + off), x_tables, y_tables, w_tables)
-        else:
-            thread_barrier()
-            t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
+        thread_barrier()
+        t = blocked_unit_lower_inverse(gl.load(a_ptr + off), tables)
         if fp16_products():
             if lost_half_range(t):
                 t = unit_lower_inverse_by_rows(gl.load(a_ptr + off), tables)
@@ -275,12 +264,10 @@ def kernel_error(cosine: float, scale: float = 1.0) -> tuple[int, float]:
     return int(torch.isnan(t).sum()), _rel(t.double().cpu(), ref)
 
 
-#: The kernel's builds the GPU test runs: (F16_OPERANDS, HALF_TABLES, DIAGONAL_SERIES,
-#: SEPARATE_TABLES) by name.
-KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, False, False),
-                 "f16-half-tables": (True, True, False, False), "f16-series": (True, False, True, False),
-                 "f16-all": (True, True, True, False), "f16-all-separate": (True, True, True, True),
-                 "tf32-separate": (False, False, False, True)}
+#: The kernel's builds the GPU test runs: (F16_OPERANDS, HALF_TABLES, DIAGONAL_SERIES) by
+#: name.
+KERNEL_BUILDS = {"tf32": (False, False, False), "f16": (True, False, False), "f16-half-tables": (True, True, False),
+                 "f16-series": (True, False, True), "f16-all": (True, True, True)}
 
 
 @pytest.mark.gpu
@@ -291,8 +278,7 @@ KERNEL_BUILDS = {"tf32": (False, False, False, False), "f16": (True, False, Fals
                          ids=["cosine-0", "cosine-0.9", "past-fp16-range"])
 def test_kernel_matches_float64(cosine, scale, build):
     flags = [f"gluon_common.blocked_inverse.{name}={int(value)}"
-             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES", "SEPARATE_TABLES"),
-                                    KERNEL_BUILDS[build])]
+             for name, value in zip(("F16_OPERANDS", "HALF_TABLES", "DIAGONAL_SERIES"), KERNEL_BUILDS[build])]
     unwritten, err = call_in_fresh_process(Path(__file__), f"m.kernel_error({cosine}, {scale})", flags, timeout=600)
     assert unwritten == 0, "elements left unwritten"
     # Past the range (A and T up to about 2e5 in 319 of the tiles): the CPU model's tf32

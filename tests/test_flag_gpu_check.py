@@ -50,19 +50,19 @@ def test_a_string_valued_flag_is_refused(check):
 
 
 def test_each_step_carries_the_study_and_its_companions(check):
-    commands = check.steps("aux_pair", ["separate_tables", "stacked_row_stores"], 4)
-    flags = ["gluon_sm90.fused.AUX_PAIR=1", "gluon_common.blocked_inverse.SEPARATE_TABLES=1",
-             "gluon_common.recurrence.STACKED_ROW_STORES=1"]
+    commands = check.steps("scores_behind_v_new", ["shared_row_vectors", "half_tables"], 4)
+    flags = ["gluon_sm90.fused.SCORES_BEHIND_V_NEW=1", "gluon_common.wy.SHARED_ROW_VECTORS=1",
+             "gluon_common.blocked_inverse.HALF_TABLES=1"]
     for name in ("tests", "fuzz", "sanitize"):
         given = [commands[name][i + 1] for i, arg in enumerate(commands[name]) if arg == "--build-flag"]
         assert given == flags, name
-    assert commands["ab"][-3:] == ["aux_pair", "--with", "separate_tables,stacked_row_stores"]
+    assert commands["ab"][-3:] == ["scores_behind_v_new", "--with", "shared_row_vectors,half_tables"]
     assert commands["fuzz"][-2:] == ["-k", "gluon_sm90"]
 
 
 def test_a_group_sets_each_members_flag(check):
-    commands = check.steps("aux_pair", ["aux_barriers"], 4)
+    commands = check.steps("scores_behind_v_new", ["fp16_inverse"], 4)
     given = [commands["tests"][i + 1] for i, arg in enumerate(commands["tests"]) if arg == "--build-flag"]
-    assert given == ["gluon_sm90.fused.AUX_PAIR=1"] + [s for name in check.GROUPS["aux_barriers"]
-                                                       for s in check.build_flags(name)]
-    assert len(given) == 1 + len(check.GROUPS["aux_barriers"])
+    assert given == ["gluon_sm90.fused.SCORES_BEHIND_V_NEW=1"] + [s for name in check.GROUPS["fp16_inverse"]
+                                                                  for s in check.build_flags(name)]
+    assert len(given) == 1 + len(check.GROUPS["fp16_inverse"])

@@ -458,8 +458,7 @@ def aux_partition_builds() -> list[dict]:
                        "spills": report.spill_bytes, "allowed": kernel.spill_bytes_allowed,
                        "serialized": report.wgmma_serialized, "shared": report.shared_bytes,
                        "planned": fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2,
-                                                         aux_t=True, state_scores=True,
-                                                         aux_pair=fused.aux_pair_for(128, l2))})
+                                                         aux_t=True, state_scores=True)})
     return builds
 
 
@@ -506,131 +505,6 @@ def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
         for build in (before, after):
             assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
-
-
-@pytest.mark.slow
-def test_separate_tables_take_two_barriers_off_the_inverse():
-    """:data:`.blocked_inverse.SEPARATE_TABLES` in sm_90a's one-kernel builds: the
-    inverse's three tables as allocations of their own (12 KB, in the plan, against the
-    one 16 KB allocation), so that the stores of Y's and W's tables wait on no barrier for
-    the reads of the others: two barriers fewer in the aux partition's code under Triton
-    3.6 (the GPUs' Triton here); newer Triton (3.9) tracks the slices of one allocation
-    apart and puts neither barrier there, so no more than before there. Spills within the
-    allowance, wgmma in flight. Off as shipped; the test compiles both."""
-    import triton
-
-    flag = "gluon_common.blocked_inverse.SEPARATE_TABLES"
-    off = aux_builds_with([f"{flag}=0"])
-    on = aux_builds_with([f"{flag}=1"])
-    fewer = 2 if triton.__version__.startswith("3.6.") else 0
-    for before, after in zip(off, on):
-        assert after["aux_barriers"] == before["aux_barriers"] - fewer, (before, after)
-        assert after["planned"] == before["planned"] - 4096, (before, after)
-        for build in (before, after):
-            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
-            assert build["spills"] <= build["allowed"] and not build["serialized"], build
-
-
-@pytest.mark.slow
-def test_stacked_row_stores_take_the_per_row_barriers_off_the_aux_chain():
-    """:data:`.recurrence.STACKED_ROW_STORES` in sm_90a's one-kernel builds: each slot of
-    row vectors (the gate vectors, four rows a slot then, 512 bytes more in the plan without
-    the qk l2 norm; the state's gate rows; the aux's cumsum and beta) written with one store:
-    under Triton 3.6 (the GPUs' Triton here) the barriers between a slot's row stores go,
-    four in the plain build (two gate-vector rows, one of the gate rows, one of the row
-    vectors), five with the qk l2 norm on chip (three gate-vector rows); newer Triton tracks
-    the rows apart and puts fewer there already, so no more than before there. Spills
-    within the allowance, wgmma in flight. Off as shipped; the test compiles both."""
-    import triton
-
-    flag = "gluon_common.recurrence.STACKED_ROW_STORES"
-    off = aux_builds_with([f"{flag}=0"])
-    on = aux_builds_with([f"{flag}=1"])
-    for before, after in zip(off, on):
-        if triton.__version__.startswith("3.6."):
-            assert after["aux_barriers"] == before["aux_barriers"] - (5 if before["l2"] else 4), (before, after)
-        else:
-            assert after["aux_barriers"] <= before["aux_barriers"], (before, after)
-        assert after["planned"] == before["planned"] + (0 if before["l2"] else 512), (before, after)
-        for build in (before, after):
-            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
-            assert build["spills"] <= build["allowed"] and not build["serialized"], build
-
-
-@pytest.mark.slow
-def test_replicated_row_scan_keeps_the_gate_scan_inside_each_warp():
-    """:data:`.wy.REPLICATED_ROW_SCAN` in sm_90a's one-kernel builds: the gate rows (and
-    the norms they meet) in a layout whose every warp holds the whole chunk, so that the
-    gate cumsum's scan hands nothing between warps: at least one barrier fewer in the aux
-    partition's code, plain and with the qk l2 norm on chip. With the other two barrier
-    flags (:data:`.recurrence.STACKED_ROW_STORES`, whose tile then takes the rows' layout,
-    and :data:`.blocked_inverse.SEPARATE_TABLES`) under Triton 3.6: seven fewer plain, eight
-    with the norm (the loop's four store orderings, two of the inverse's, the scan's).
-    Spills within the allowance, wgmma in flight. Off as shipped; the test compiles each."""
-    import triton
-
-    flag = "gluon_common.wy.REPLICATED_ROW_SCAN"
-    others = ["gluon_common.recurrence.STACKED_ROW_STORES=1", "gluon_common.blocked_inverse.SEPARATE_TABLES=1"]
-    off = aux_builds_with([f"{flag}=0"])
-    on = aux_builds_with([f"{flag}=1"])
-    every = aux_builds_with([f"{flag}=1"] + others)
-    for before, after, all_three in zip(off, on, every):
-        assert after["aux_barriers"] <= before["aux_barriers"] - 1, (before, after)
-        if triton.__version__.startswith("3.6."):
-            assert all_three["aux_barriers"] == before["aux_barriers"] - (8 if before["l2"] else 7), (before, all_three)
-        assert after["planned"] == before["planned"], (before, after)
-        for build in (before, after, all_three):
-            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
-            assert build["spills"] <= build["allowed"] and not build["serialized"], build
-
-
-@pytest.mark.slow
-def test_kk_unjoined_takes_the_join_before_k_kt_off_the_aux_chain():
-    """:data:`.wy.KK_UNJOINED` in sm_90a's one-kernel builds: k k^T, whose operand only the
-    TMA unit wrote, issued without the engine's join of the warps first: one barrier fewer
-    in the plain build's aux partition (the build with the qk l2 norm on chip keeps one
-    there for its norms' exchange: no more than before). No more spills, wgmma in flight.
-    Off as shipped; the test compiles both."""
-    flag = "gluon_common.wy.KK_UNJOINED"
-    off = aux_builds_with([f"{flag}=0"])
-    on = aux_builds_with([f"{flag}=1"])
-    for before, after in zip(off, on):
-        assert after["aux_barriers"] <= before["aux_barriers"] - (0 if before["l2"] else 1), (before, after)
-        assert after["planned"] == before["planned"] and after["spills"] <= before["spills"], (before, after)
-        assert not after["serialized"], after
-
-
-@pytest.mark.slow
-def test_aux_pair_keeps_the_states_registers_and_its_wgmma_in_flight():
-    """:data:`fused.AUX_PAIR` in sm_90a's one-kernel builds: the plain build runs the aux
-    partition twice (each partition's barriers as one's), each with its own inverse
-    buffers (in the plan: tables, redo buffer, row vectors and k k^T's barrier twice),
-    spills within the pair's allowance (768 bytes under Triton 3.6, the GPUs' Triton) and no
-    wgmma serialized, which is what the state's 192 registers buy; the build with the qk l2
-    norm on chip is left as it was. Off as shipped; the test compiles both."""
-    import triton
-
-    from gdn_dispatch.backends.gluon_common.blocked_inverse import fp16_products, separate_tables
-    from gdn_dispatch.backends.gluon_common.wy import ROW_VECTOR_SLOTS, shared_row_vectors
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    flag = "gluon_sm90.fused.AUX_PAIR"
-    off = aux_builds_with([f"{flag}=0"])
-    on = aux_builds_with([f"{flag}=1"])
-    second = ((3 if separate_tables() else 4) * 4 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0)
-              + (ROW_VECTOR_SLOTS.value * 2 * 64 * 4 if shared_row_vectors() else 0))
-    for before, after in zip(off, on):
-        if before["l2"]:
-            assert after == {**before, "allowed": after["allowed"]}, (before, after)
-            continue
-        assert after["aux_barriers"] == 2 * before["aux_barriers"], (before, after)
-        assert after["planned"] == before["planned"] + second, (before, after)
-        assert after["planned"] <= after["shared"] <= after["planned"] + 1024, after
-        assert after["spills"] <= after["allowed"] == fused.AUX_PAIR_SPILL_BYTES, after
-        if triton.__version__.startswith("3.6."):
-            # The GPUs' Triton: the allowance's margin is newer Triton's (see AUX_PAIR_SPILL_BYTES).
-            assert after["spills"] <= 768, after
-        assert not after["serialized"], after
 
 
 @pytest.mark.slow

@@ -99,18 +99,6 @@ HALF_TABLES = gl.constexpr(True)
 #: tf32 build is all three flags off.
 DIAGONAL_SERIES = gl.constexpr(True)
 
-#: The three tables the warps hand T's diagonals down in (X, Y, W: :func:`blocked_inverse_diagonals`)
-#: as three shared-memory allocations (:func:`allocate_separate_tables`) instead of slices of one,
-#: in the kernel that passes them so (sm_90a's one-kernel fused build). Triton orders a store
-#: into an allocation after the partition's reads of any part of it with a barrier of its own:
-#: with one allocation, the stores of Y and W each wait on a barrier for the reads of X and Y
-#: before them, two barriers of the warpgroup on the inverse's chain that order nothing (the
-#: tables are distinct). Apart: sm_90a's aux partition 22 -> 20 barriers a chunk, 12 KB of
-#: tables instead of 16 (their slots 12-15 were never used), spills 188 -> 172 bytes (triton
-#: 3.6.0, the GPUs' here; triton 3.9.0 tracks the slices of one allocation apart and puts
-#: neither barrier there: 15 both ways).
-SEPARATE_TABLES = gl.constexpr(False)
-
 #: The block products' PTX instruction on fp16 operands and on tf32 ones (the only
 #: mma.sync of the kernels that run the inverse; compile checks count them).
 PRODUCT_PTX = {"f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
@@ -241,10 +229,10 @@ def _shifted(slots, first: gl.constexpr, s: gl.constexpr):
 
 @gluon.jit
 def _table_slots(tables):
-    """``tables`` (fp32 ``[n, 16, 16]``) as the slots the tables live in: itself, or its
-    bytes as fp16 ``[2 n, 16, 16]`` with :data:`HALF_TABLES` (fp16 products only)."""
+    """``tables`` (fp32 ``[16, 16, 16]``) as the slots the three tables live in: itself,
+    or its bytes as fp16 ``[32, 16, 16]`` with :data:`HALF_TABLES` (fp16 products only)."""
     if HALF_TABLES and F16_OPERANDS:
-        slots = reinterpret(tables, gl.float16, [2 * tables.shape[0], BLOCK, BLOCK], half_table_layout())
+        slots = reinterpret(tables, gl.float16, [2 * BLOCKS * BLOCKS, BLOCK, BLOCK], half_table_layout())
     else:
         slots = tables
     return slots
@@ -279,16 +267,15 @@ def _diagonal_block_inverse(D, zero):
 
 
 @gluon.jit
-def blocked_unit_lower_inverse(a, tables, y_tables=None, w_tables=None):
+def blocked_unit_lower_inverse(a, tables):
     """``(I + a)^-1`` of a strictly lower fp32 [64, 64] tile ``a`` held as a 4-warp wgmma
     accumulator (warp r: rows 16 r .. 16 r + 15), returned in ``a``'s layout.
 
     ``tables``: fp32 shared memory ``[16, 16, 16]`` (:func:`table_layout`; free on entry
     and exit; the first 12 KB used, 6 KB with :data:`HALF_TABLES`) for the diagonals of T
-    the warps hand down; or, with ``y_tables`` and ``w_tables``, the first of the three
-    tables of :func:`allocate_separate_tables` (:data:`SEPARATE_TABLES`).
+    the warps hand down.
     """
-    X, Y, W, Vb = blocked_inverse_diagonals(a, tables, y_tables, w_tables)
+    X, Y, W, Vb = blocked_inverse_diagonals(a, tables)
     # Back to the [64, 64] tile: block (r, c) is the diagonal r - c's block of row r.
     L4: gl.constexpr = gl.reshape(a, [BLOCKS, BLOCK, BLOCKS, BLOCK]).type.layout
     r, c = _column_ids(L4)
@@ -377,8 +364,8 @@ def redone_diagonals(a, tables):
 
 
 @gluon.jit
-def blocked_inverse_diagonals(a, tables, y_tables=None, w_tables=None):
-    """The four block diagonals of ``(I + a)^-1`` (``a`` and the tables as for
+def blocked_inverse_diagonals(a, tables):
+    """The four block diagonals of ``(I + a)^-1`` (``a`` and ``tables`` as for
     :func:`blocked_unit_lower_inverse`): ``[4, 16, 16]`` batches in :func:`block_mma_layout`
     whose block r is T's block ``(r, r - d)`` for diagonal d = 0, 1, 2, 3 (zeros for r < d)."""
     gl.static_assert(gl.num_warps() == 4, "one warp per 16-row block of the 64-row tile")
@@ -392,22 +379,12 @@ def blocked_inverse_diagonals(a, tables, y_tables=None, w_tables=None):
 
     slots = _table_slots(tables)
     MMA: gl.constexpr = block_mma_layout()
-    # X's, Y's and W's tables: slots 0, 4 and 8 of one allocation, or three allocations.
-    x_slots = slots
     XS: gl.constexpr = 0
-    if y_tables is not None:
-        y_slots = _table_slots(y_tables)
-        w_slots = _table_slots(w_tables)
-        YS: gl.constexpr = 0
-        WS: gl.constexpr = 0
-    else:
-        y_slots = slots
-        w_slots = slots
-        YS: gl.constexpr = BLOCKS
-        WS: gl.constexpr = 2 * BLOCKS
-    xs = x_slots.slice(XS, BLOCKS)
-    ys = y_slots.slice(YS, BLOCKS)
-    ws = w_slots.slice(WS, BLOCKS)
+    YS: gl.constexpr = BLOCKS
+    WS: gl.constexpr = 2 * BLOCKS
+    xs = slots.slice(XS, BLOCKS)
+    ys = slots.slice(YS, BLOCKS)
+    ws = slots.slice(WS, BLOCKS)
     # The warp's own factors of the three diagonals while the other warps reach the table;
     # X, Y and W are read back from the tables at the end, not held across the products.
     xs.store(X.to(slots.dtype))
@@ -416,18 +393,18 @@ def blocked_inverse_diagonals(a, tables, y_tables=None, w_tables=None):
     M3 = _mm(X, S3, zero)
     thread_barrier()
     # T[r, r-1] = -M1 X_{r-1}, and the first terms of the two diagonals below.
-    Y = -_mm(M1, _shifted(x_slots, XS, 1), zero)
-    W = _mm(M2, _shifted(x_slots, XS, 2), zero)
-    Vb = _mm(M3, _shifted(x_slots, XS, 3), zero)
+    Y = -_mm(M1, _shifted(slots, XS, 1), zero)
+    W = _mm(M2, _shifted(slots, XS, 2), zero)
+    Vb = _mm(M3, _shifted(slots, XS, 3), zero)
     ys.store(Y.to(slots.dtype))
     thread_barrier()
     # T[r, r-2] = -(M2 X_{r-2} + M1 T[r-1, r-2])
-    W = -_mm(M1, _shifted(y_slots, YS, 1), W)
-    Vb = _mm(M2, _shifted(y_slots, YS, 2), Vb)
+    W = -_mm(M1, _shifted(slots, YS, 1), W)
+    Vb = _mm(M2, _shifted(slots, YS, 2), Vb)
     ws.store(W.to(slots.dtype))
     thread_barrier()
     # T[r, r-3] = -(M3 X_{r-3} + M2 T[r-2, r-3] + M1 T[r-1, r-3])
-    Vb = -_mm(M1, _shifted(w_slots, WS, 1), Vb)
+    Vb = -_mm(M1, _shifted(slots, WS, 1), Vb)
     X = xs.load(MMA).to(gl.float32)
     Y = ys.load(MMA).to(gl.float32)
     W = ws.load(MMA).to(gl.float32)
@@ -439,24 +416,6 @@ def blocked_inverse_diagonals(a, tables, y_tables=None, w_tables=None):
 #: Largest |T| entry kept from fp16 products (:func:`lost_half_range`): half fp16's
 #: range, so that an entry that only grew near its top is redone too.
 HALF_RANGE = gl.constexpr(32768.0)
-
-
-@gluon.constexpr_function
-def separate_tables():
-    """Whether a kernel that can gives the inverse :func:`allocate_separate_tables`
-    (:data:`SEPARATE_TABLES`, as set when the kernel compiles)."""
-    return bool(SEPARATE_TABLES)
-
-
-@gluon.jit
-def allocate_separate_tables():
-    """The inverse's three tables as allocations of their own (:data:`SEPARATE_TABLES`):
-    fp32 ``[4, 16, 16]`` each in :func:`table_layout` (4 KB; the first half as fp16 slots
-    with :data:`HALF_TABLES`), for :func:`blocked_unit_lower_inverse`'s ``tables``,
-    ``y_tables``, ``w_tables``."""
-    return (gl.allocate_shared_memory(gl.float32, [BLOCKS, BLOCK, BLOCK], table_layout()),
-            gl.allocate_shared_memory(gl.float32, [BLOCKS, BLOCK, BLOCK], table_layout()),
-            gl.allocate_shared_memory(gl.float32, [BLOCKS, BLOCK, BLOCK], table_layout()))
 
 
 @gluon.constexpr_function

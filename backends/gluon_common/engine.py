@@ -32,9 +32,6 @@ Usage (for kernel authors)::
 * Before an MMA reads shared memory written from registers: ``smem.store(x)`` then
   ``fence_async_shared()`` (generic -> async proxy). ``mma`` issues a CTA barrier itself
   so that every warp's stores (and TMEM stores from ``acc_write``) precede the issue.
-  ``ENGINE.mma_loaded(...)`` (same arguments) is ``mma`` for operands only the TMA unit
-  wrote, each thread past their mbarrier: wgmma (register accumulators) joins no warps
-  then; tcgen05 still does (its accumulator's TMEM may hold other warps' reads).
 * Register layouts: ``ENGINE.acc_layout(M, N, num_warps)`` is where ``acc_read`` lands and
   what ``acc_write`` expects; rows as ``gl.SliceLayout(1, that)``. Use ``num_warps=4``
   (one warpgroup: wgmma's M = 64 per warpgroup, tcgen05's 128 TMEM lanes).
@@ -56,7 +53,7 @@ from triton.experimental.gluon import language as gl
 
 #: The functions every engine provides, by name.
 ENGINE_API = ("acc_alloc", "acc_alloc_tf32", "acc_in_flight", "acc_layout", "acc_read", "acc_write", "mma",
-              "mma_loaded", "mma_reg_a", "mma_wait", "mma_wait_until", "store_tail_rows")
+              "mma_reg_a", "mma_wait", "mma_wait_until", "store_tail_rows")
 
 
 class GluonEngine(str):

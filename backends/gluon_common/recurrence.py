@@ -18,7 +18,6 @@ from triton.experimental.gluon import language as gl
 
 from gdn_dispatch import varlen
 
-from gdn_dispatch.backends.gluon_common.compat import reinterpret
 from gdn_dispatch.backends.gluon_common.masks import row_rnorm, tile_layout
 
 
@@ -142,69 +141,8 @@ def gate_rows_of_cumsum(c, n_valid, c_smem=None):
     return gl.where(r < n_valid, c, 0.0), g_last
 
 
-#: A chunk's row vectors that share one shared-memory slot (the gate vectors, the state's
-#: gate rows, the aux partition's gate cumsum and beta) written with one store of an
-#: ``[N, BT]`` tile (:func:`store_rows`) instead of one store a row: Triton 3.6's barrier
-#: analysis puts a barrier of the warpgroup between any two stores into one allocation,
-#: rows apart or not (newer Triton tells the rows apart), and those barriers sit on the
-#: chain of the aux partition that forms the chunk inverses.
-STACKED_ROW_STORES = gl.constexpr(False)
-
-
-@gluon.constexpr_function
-def stacked_row_stores():
-    """Whether row vectors of one slot go in with one store (:data:`STACKED_ROW_STORES`,
-    as set when the kernel compiles)."""
-    return bool(STACKED_ROW_STORES)
-
-
-@gluon.constexpr_function
-def _rows_tile(layout, num_warps):
-    """The 2-D layout :func:`store_rows` builds its tile in: each row distributed as the
-    1-D blocked ``layout`` of its first vector (``[R] x 32 lanes x num_warps``), so that
-    vectors already there move no data; the flat layout of a row a thread otherwise."""
-    if isinstance(layout, gl.BlockedLayout) and len(layout.size_per_thread) == 1:
-        return gl.BlockedLayout([1, layout.size_per_thread[0]], [1, layout.threads_per_warp[0]],
-                                [1, layout.warps_per_cta[0]], [1, 0])
-    return gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-
-
 @gluon.jit
-def store_rows(rows_smem, a, b, c=None, d=None):
-    """The fp32 ``[BT]`` vectors ``a``, ``b`` (and ``c``, ``d`` where given; any 1-D
-    layouts) into rows 0, 1 (2, 3) of ``rows_smem`` (fp32 ``[N, BT]``, N the vectors
-    given) with one store: each vector in the layout of a row of a ``[N, BT]`` tile whose
-    rows sit in one thread's registers, distributed as ``a`` is (:func:`_rows_tile`; no
-    data moves for vectors in that layout), then selected into place."""
-    N: gl.constexpr = rows_smem.shape[0]
-    BT: gl.constexpr = rows_smem.shape[1]
-    if d is not None:
-        gl.static_assert(N == 4 and c is not None, "four vectors: a slot of four rows")
-    else:
-        gl.static_assert(N == 2 and c is None, "two vectors: a slot of two rows (a view's rows are a power of 2)")
-    tile: gl.constexpr = _rows_tile(a.type.layout, gl.num_warps())
-    row: gl.constexpr = gl.SliceLayout(0, tile)
-    i = gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(1, tile)), 1)
-    x = gl.where(i == 0, gl.expand_dims(gl.convert_layout(a, row), 0), gl.expand_dims(gl.convert_layout(b, row), 0))
-    if c is not None:
-        x = gl.where(i == 2, gl.expand_dims(gl.convert_layout(c, row), 0), x)
-    if d is not None:
-        x = gl.where(i == 3, gl.expand_dims(gl.convert_layout(d, row), 0), x)
-    gl.static_assert(x.shape[1] == BT, "the vectors are rows of the slot")
-    rows_smem.store(x)
-
-
-@gluon.jit
-def ring_slot(ring, s, N: gl.constexpr):
-    """Slot ``s`` of an fp32 ``[slots * N, BT]`` ring of row vectors (rows ``N s`` to
-    ``N s + N - 1``) as an ``[N, BT]`` view, for :func:`store_rows`."""
-    BT: gl.constexpr = ring.shape[1]
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    return reinterpret(ring, gl.float32, [ring.shape[0] // N, N, BT], plain).index(s)
-
-
-@gluon.jit
-def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None, ROWS: gl.constexpr = 3):
+def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None):
     """A warp-specialized kernel's three gate vectors of one chunk into gate-ring slot
     ``s`` (rows ``3 s .. 3 s + 2`` of the fp32 ``[6, BT]`` ring), from the chunk's
     :func:`gate_rows` (``g_row`` in any 1-D layout, ``g_end`` its ``g_last``): the state
@@ -213,10 +151,7 @@ def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None, RO
 
     With the rows' reciprocal l2 norms of k and q (``rk``, ``rq``: the qk l2 norm folded
     into the kernel), four vectors into rows ``4 s .. 4 s + 3``: the update's and the row
-    decay times ``rk``, the chunk decay, and the output's row decay ``2^g rq``.
-
-    ``ROWS``: rows a slot (:data:`STACKED_ROW_STORES`: 4 without the norms too, the
-    fourth the output's row decay ``2^g`` again, so that a slot is one store)."""
+    decay times ``rk``, the chunk decay, and the output's row decay ``2^g rq``."""
     BT: gl.constexpr = g_row.shape[0]
     layout: gl.constexpr = g_row.type.layout
     r = gl.arange(0, BT, layout=layout)
@@ -224,16 +159,9 @@ def store_gate_vectors(gate_ring, s, g_row, g_end, n_valid, rk=None, rq=None, RO
     decay = gl.exp2(g_row)
     chunk = gl.full([BT], 0.0, gl.float32, layout) + gl.exp2(g_end)
     if rk is None:
-        if ROWS == 4:
-            store_rows(ring_slot(gate_ring, s, 4), update, decay, chunk, decay)
-        else:
-            # Three rows a slot: no [3, BT] view (a shared-memory view's dims are powers of 2).
-            gate_ring.index(3 * s).store(update)
-            gate_ring.index(3 * s + 1).store(decay)
-            gate_ring.index(3 * s + 2).store(chunk)
-    elif stacked_row_stores():
-        rk = gl.convert_layout(rk, layout)
-        store_rows(ring_slot(gate_ring, s, 4), update * rk, decay * rk, chunk, decay * gl.convert_layout(rq, layout))
+        gate_ring.index(3 * s).store(update)
+        gate_ring.index(3 * s + 1).store(decay)
+        gate_ring.index(3 * s + 2).store(chunk)
     else:
         rk = gl.convert_layout(rk, layout)
         gate_ring.index(4 * s).store(update * rk)

@@ -92,7 +92,6 @@ from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.masks import (
     add, chunk_rows, row_rnorm, row_vector, store_chunk_tile, tile_layout)
-from gdn_dispatch.backends.gluon_common.recurrence import ring_slot, stacked_row_stores, store_rows
 
 
 #: log2(e): the gates are summed in natural-log units and used as powers of 2 (exp2).
@@ -125,39 +124,6 @@ def shared_row_vectors():
     """Whether :func:`chunk_t_u_on_chip`'s callers hand it :func:`row_vector_slots`
     (:data:`SHARED_ROW_VECTORS`, as set when the kernel compiles)."""
     return bool(SHARED_ROW_VECTORS)
-
-
-#: The one-kernel build's raw gate and beta rows in :func:`replicated_rows` (each warp the
-#: whole chunk, two rows a lane) instead of the flat layout (a row a thread over two warps):
-#: the gate cumsum's scan then stays inside each warp (shuffles), with no barrier of the
-#: warpgroup for the hand-over between the two warps.
-REPLICATED_ROW_SCAN = gl.constexpr(False)
-
-
-@gluon.constexpr_function
-def replicated_row_scan():
-    """Whether the one-kernel build scans its gate rows in :func:`replicated_rows`
-    (:data:`REPLICATED_ROW_SCAN`, as set when the kernel compiles)."""
-    return bool(REPLICATED_ROW_SCAN)
-
-
-@gluon.constexpr_function
-def replicated_rows(BT, num_warps):
-    """A 1-D layout of ``BT`` rows whose every warp holds them all (``BT / 32`` a lane)."""
-    return gl.BlockedLayout([BT // 32], [32], [num_warps], [0])
-
-
-#: The one-kernel build's k k^T (:func:`chunk_t_u_on_chip`: k as the TMA unit loaded it,
-#: every thread past its mbarrier) issued with ``ENGINE.mma_loaded``: on wgmma the aux
-#: partition's warps are then not joined first (a barrier of the warpgroup a chunk fewer).
-KK_UNJOINED = gl.constexpr(False)
-
-
-@gluon.constexpr_function
-def kk_unjoined():
-    """Whether :func:`chunk_t_u_on_chip` issues k k^T with ``ENGINE.mma_loaded``
-    (:data:`KK_UNJOINED`, as set when the kernel compiles)."""
-    return bool(KK_UNJOINED)
 
 
 #: Slots of :func:`row_vector_slots`: a chunk's two vectors alternate between two, so that
@@ -346,17 +312,12 @@ def _unsafe_entries(t):
 
 
 @gluon.jit
-def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr,
-                     REPLICATED: gl.constexpr = False):
+def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, EARLY: gl.constexpr):
     """With ``EARLY``, the chunk's raw gate and beta rows (fp32 [BT] each, 0 past the end,
     in the flat layout :func:`_chunk_gates` scans in), loaded before the program waits for
     its k tile (:data:`WY_EARLY_ROWS`): their latency then runs under the tile's instead of
-    after k k^T. Else None: :func:`_chunk_a_of_k` loads them itself. ``REPLICATED``
-    (:data:`REPLICATED_ROW_SCAN`): in :func:`replicated_rows` instead."""
-    if REPLICATED:
-        flat: gl.constexpr = replicated_rows(BT, gl.num_warps())
-    else:
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    after k k^T. Else None: :func:`_chunk_a_of_k` loads them itself."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     if EARLY:
         rows = (row_vector(g, row0, n_valid, i_h, s_g, BT, flat), row_vector(beta, row0, n_valid, i_h, s_beta, BT, flat))
     else:
@@ -365,16 +326,12 @@ def chunk_rows_early(g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr,
 
 
 @gluon.jit
-def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr, STEP: gl.constexpr = 1,
-                     REPLICATED: gl.constexpr = False):
+def chunk_rows_ahead(rows, g, s_g, beta, s_beta, row0, n_valid, i_h, BT: gl.constexpr):
     """For a loop over a sequence's chunks that keeps the raw rows a chunk ahead: this
     chunk's raw gate and beta rows (``rows``, as :func:`chunk_rows_early` loaded them a
     chunk early) and the next chunk's, loaded now (their latency then runs under this
-    chunk's work). ``row0``, ``n_valid``: this chunk's first row and valid row count;
-    ``STEP``: chunks from this one to the loop's next; ``REPLICATED``: as
-    :func:`chunk_rows_early` takes it."""
-    return rows[0], rows[1], chunk_rows_early(g, s_g, beta, s_beta, row0 + STEP * BT, n_valid - STEP * BT, i_h, BT,
-                                              True, REPLICATED)
+    chunk's work). ``row0``, ``n_valid``: this chunk's first row and valid row count."""
+    return rows[0], rows[1], chunk_rows_early(g, s_g, beta, s_beta, row0 + BT, n_valid - BT, i_h, BT, True)
 
 
 @gluon.jit
@@ -581,7 +538,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
 @gluon.jit
 def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
                       USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None, vectors=None,
-                      vector_row=0, y_tables=None, w_tables=None):
+                      vector_row=0):
     """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
     accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
     layout), for a kernel that keeps both on chip: nothing is written to global memory.
@@ -595,21 +552,13 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     :data:`SHARED_ROW_VECTORS`, :func:`row_vector_slots`, whose rows ``vector_row`` and
     ``vector_row + 1`` (the chunk's slot; free on entry: their reads two chunks back are
     behind the caller's barriers) keep the gate cumsum and beta, also for the caller's
-    reads after this returns; ``y_tables``, ``w_tables``: with
-    :data:`.blocked_inverse.SEPARATE_TABLES`, the second and third of the inverse's tables
-    (``tables`` the first)."""
+    reads after this returns."""
     BT: gl.constexpr = k_smem.shape[0]
-    if kk_unjoined():
-        kk = ENGINE.mma_loaded(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-    else:
-        kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     c = gate_cumsum(g_raw)
     if vectors is not None:
-        if stacked_row_stores():
-            store_rows(ring_slot(vectors, vector_row // 2, 2), c, b_raw)
-        else:
-            vectors.index(vector_row).store(c)
-            vectors.index(vector_row + 1).store(b_raw)
+        vectors.index(vector_row).store(c)
+        vectors.index(vector_row + 1).store(b_raw)
         # Under k k^T: every warp's part of both vectors is in before any warp reads them.
         thread_barrier()
     # Profile phases (the fused kernel's aux partition): k k^T's wait, A, the blocks.
@@ -617,7 +566,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
-                                  False, a_save, vectors, vector_row, y_tables, w_tables)
+                                  False, a_save, vectors, vector_row)
     if fp16_products():
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
@@ -633,8 +582,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
 
 @gluon.jit
 def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM: gl.constexpr, k_smem=None,
-                  r_k=None, REDO: gl.constexpr = False, a_save=None, vectors=None, vector_row=0, y_tables=None,
-                  w_tables=None):
+                  r_k=None, REDO: gl.constexpr = False, a_save=None, vectors=None, vector_row=0):
     """One chunk's unscaled ``T = (I + A)^-1`` from its raw ``k k^T`` (fp32 [64, 64]
     registers, any layout of 4 warps: converted to :func:`.blocked_inverse.inverse_layout`,
     which T comes back in) and its gate cumsum ``c`` (:func:`gate_cumsum`), by the blocked
@@ -645,9 +593,8 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     :func:`_chunk_a` takes them; ``REDO``: the inverse's redo by rows
     (:func:`.blocked_inverse.lost_half_range`); ``a_save``: a buffer A is stored into
     before the inverse (:func:`.blocked_inverse.redo_buffer`), or None; ``vectors``,
-    ``vector_row``: as :func:`_chunk_a` takes them (the scales then stay in the column
-    slice of T's layout, where a caller that holds the vectors reads its scale again
-    instead); ``y_tables``, ``w_tables``: as :func:`chunk_t_u_on_chip` takes them."""
+    ``vector_row``: as :func:`_chunk_a` takes them (the scales then stay in the column slice of T's layout,
+    where a caller that holds the vectors reads its scale again instead)."""
     enter("aux.a")
     kk = gl.convert_layout(kk, inverse_layout())
     if vectors is not None:
@@ -666,7 +613,7 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
     if REDO:
         t = unit_lower_inverse_by_rows(a, tables)
     else:
-        t = blocked_unit_lower_inverse(a, tables, y_tables, w_tables)
+        t = blocked_unit_lower_inverse(a, tables)
     leave("aux.blocks")
     return t, w_scale, u_scale
 

@@ -80,13 +80,6 @@ def mma(a, b, acc, use_acc, bar):
 
 
 @gluon.jit
-def mma_loaded(a, b, acc, use_acc, bar):
-    """:func:`mma` of operands only the TMA unit wrote: the same barrier first (the
-    accumulator's tensor memory may still be read by other warps)."""
-    return mma(a, b, acc, use_acc, bar)
-
-
-@gluon.jit
 def mma_wait(acc, bar, phase):
     """Wait until every MMA issued so far is complete; returns the (readable) accumulator."""
     mbarrier.wait(bar, phase)
@@ -145,7 +138,6 @@ def store_tail_rows(rows_desc, ptr, row_stride, smem, row0, col0, n_valid):
 #: tcgen05 + TMEM (sm_100a, sm_103a): the ``ENGINE`` of gluon_sm100's launches.
 TCGEN05 = GluonEngine(
     "tcgen05", is_sm100=True, acc_alloc=acc_alloc, acc_alloc_tf32=acc_alloc_tf32, acc_in_flight=acc_in_flight,
-    acc_layout=acc_layout, acc_read=acc_read, acc_write=acc_write, mma=mma, mma_loaded=mma_loaded,
-    mma_reg_a=mma_reg_a, mma_wait=mma_wait,
+    acc_layout=acc_layout, acc_read=acc_read, acc_write=acc_write, mma=mma, mma_reg_a=mma_reg_a, mma_wait=mma_wait,
     mma_wait_until=mma_wait_until, store_tail_rows=store_tail_rows,
 )

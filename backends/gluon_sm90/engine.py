@@ -83,14 +83,6 @@ def mma(a, b, acc, use_acc, bar):
 
 
 @gluon.jit
-def mma_loaded(a, b, acc, use_acc, bar):
-    """:func:`mma` of operands only the TMA unit wrote (every thread waited on their
-    mbarrier): no warp's stores to wait for and a register accumulator, so the warps are
-    not joined first."""
-    return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
-
-
-@gluon.jit
 def mma_wait(acc, bar, phase):
     """Wait until every MMA issued so far is complete; returns the (readable) accumulator."""
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -151,7 +143,6 @@ def store_tail_rows(rows_desc, ptr, row_stride, smem, row0, col0, n_valid):
 #: wgmma with register accumulators (sm_90a): the ``ENGINE`` of gluon_sm90's launches.
 WGMMA = GluonEngine(
     "wgmma", is_sm100=False, acc_alloc=acc_alloc, acc_alloc_tf32=acc_alloc_tf32, acc_in_flight=acc_in_flight,
-    acc_layout=acc_layout, acc_read=acc_read, acc_write=acc_write, mma=mma, mma_loaded=mma_loaded,
-    mma_reg_a=mma_reg_a, mma_wait=mma_wait,
+    acc_layout=acc_layout, acc_read=acc_read, acc_write=acc_write, mma=mma, mma_reg_a=mma_reg_a, mma_wait=mma_wait,
     mma_wait_until=mma_wait_until, store_tail_rows=store_tail_rows,
 )

@@ -80,7 +80,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, allocate_separate_tables, fp16_products, redo_buffer, separate_tables, table_layout)
+    BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -88,14 +88,13 @@ from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import (
-    gate_rows, gate_rows_of_cumsum, ring_slot, stacked_row_stores, store_gate_vectors, store_rows, walk_program)
+    gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
 from gdn_dispatch.backends.gluon_common.wy import (
-    ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, replicated_row_scan, replicated_rows,
-    row_vector_slots, shared_row_vectors)
+    ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, row_vector_slots, shared_row_vectors)
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
 from gdn_dispatch.backends.gluon_common.wy_t import first_t_slot, t_tile_rows, t_tiles_per_chunk
 from gdn_dispatch.backends.gluon_sm90.engine import lhs_reg_layout, wgmma_layout
@@ -116,31 +115,6 @@ AUX_REGS = gl.constexpr(120)
 AUX_REGS_ONE_STATE_WARPGROUP = gl.constexpr(232)
 
 
-#: Two aux partitions (:func:`_aux_inverse` on alternate chunks, each with its own tables,
-#: redo buffer and row vectors: 33 KB more shared memory, 218 of the 227 KB) instead of
-#: one, so that two chunks' inverses are in flight at once: the aux partition, which paces
-#: the one-kernel build, is bound by the latency of its chain (dependent block products,
-#: barriers), not by issue. The state's two warpgroups keep their 192 registers (with
-#: fewer ptxas serializes every wgmma of the kernel, :data:`EARLY_O1`), which leaves each
-#: aux warpgroup :data:`AUX_PAIR_REGS`: 128 x (2 x 192 + 2 x 64) = 65536. sm_90a, triton
-#: 3.6.0, the plain varlen build: spills 652 bytes (188 with one aux partition), each aux
-#: loop 1,426-1,460 SASS a warp and chunk against the one partition's 1,321, the state's
-#: loop unchanged (883) and its wgmma in flight; with 72 or 80 registers each (the state
-#: 184 or 176) ptxas serializes them. Builds with V = 128 and without the qk l2 norm on chip alone
-#: (:func:`aux_pair_for`: at 64 registers the norm's build spills 1,680 bytes).
-AUX_PAIR = gl.constexpr(False)
-#: Registers per thread of each aux partition with :data:`AUX_PAIR`.
-AUX_PAIR_REGS = gl.constexpr(64)
-
-
-@gluon.constexpr_function
-def aux_pair_for(V, QK_NORM):
-    """Whether a one-kernel build of value head dim ``V`` (with the qk l2 norm on chip:
-    ``QK_NORM``) runs two aux partitions (:data:`AUX_PAIR`, as set when the kernel
-    compiles)."""
-    return bool(AUX_PAIR) and V == HEAD_DIM and not QK_NORM
-
-
 @gluon.constexpr_function
 def _aux_regs(V):
     """Registers of the aux partition beside the state of value head dim ``V``."""
@@ -158,14 +132,6 @@ def _gates_per_slot(gate_ring_rows, ring_slots):
     the update's and Z's vectors carry k's reciprocal row norms, the fourth is the output's
     ``2^g`` times q's)."""
     return gate_ring_rows // ring_slots
-
-
-@gluon.constexpr_function
-def gate_vectors_per_slot(qk_norm, aux_t):
-    """Rows a gate-ring slot has (:func:`_gates_per_slot` reads them back off the ring):
-    four with the qk l2 norm on chip, and in the one-kernel build (``aux_t``) under
-    :data:`..gluon_common.recurrence.STACKED_ROW_STORES` (a slot is one store); else three."""
-    return 4 if qk_norm or (aux_t and stacked_row_stores()) else 3
 
 
 @gluon.constexpr_function
@@ -632,7 +598,7 @@ def _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS: gl.constexp
     if NORMS:
         store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, rk, rq)
     else:
-        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid, ROWS=_gates_per_slot(gate_ring.shape[0], 2))
+        store_gate_vectors(gate_ring, r, g_row, g_end, n_valid)
 
 
 @gluon.jit
@@ -663,14 +629,8 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
     k's reciprocal row norms go into the exponents (``g + log2 rq``, ``g - log2 rk``), so
     that the state's one exp2 per score scales it by both."""
     _store_gates(gate_ring, r, g_row, g_end, n_valid, rq, rk, NORMS)
-    layout: gl.constexpr = g_row.type.layout
-    if stacked_row_stores():
-        if NORMS:
-            store_rows(ring_slot(graw_ring, r, 2), g_row + gl.log2(gl.convert_layout(rq, layout)),
-                       g_row - gl.log2(gl.convert_layout(rk, layout)))
-        else:
-            store_rows(ring_slot(graw_ring, r, 2), g_row, g_row)
-    elif NORMS:
+    if NORMS:
+        layout: gl.constexpr = g_row.type.layout
         graw_ring.index(2 * r).store(g_row + gl.log2(gl.convert_layout(rq, layout)))
         graw_ring.index(2 * r + 1).store(g_row - gl.log2(gl.convert_layout(rk, layout)))
     else:
@@ -684,8 +644,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, y_tables, w_tables,
-                 NORMS: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -699,37 +658,24 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`). With
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, ``row_vectors``
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
-    layouts. With :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`, ``tables``,
-    ``y_tables`` and ``w_tables`` are the inverse's three tables
-    (:func:`..gluon_common.blocked_inverse.allocate_separate_tables`). ``NORMS``: the qk l2
-    norm on chip (:data:`QK_NORM_ON_CHIP`; the gate ring has four rows a slot then, and
-    without it too under :data:`..gluon_common.recurrence.STACKED_ROW_STORES`). ``FIRST``,
-    ``STEP``: the chunks this partition takes, ``FIRST``, ``FIRST + STEP``, ... (:data:`AUX_PAIR`:
-    two partitions, each with its own tables, alternate chunks, each the producer of one
-    slot of the rings)."""
+    layouts."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
     gl.static_assert(RING_S == 2, "the T slots are the scores slots: two")
     # Row vectors kept across the inverse: one register each.
-    if replicated_row_scan():
-        # The gate rows' layout: the norms meet them with no exchange between warps.
-        c_layout: gl.constexpr = replicated_rows(BT, gl.num_warps())
-    else:
-        c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    gl.static_assert(STEP == 1 or STEP == RING_S, "a partition of a pair owns one slot")
-    rows = chunk_rows_early(g, s_g, beta, s_beta, bos + FIRST * BT, eos - bos - FIRST * BT, i_h, BT, True,
-                            replicated_row_scan())
-    for t in range(FIRST, NT, STEP):
+    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
+    for t in range(NT):
         s = t % 2
         row = bos + t * BT
         n_valid = eos - row
         # The next chunk's raw rows, loaded under this chunk's inverse.
-        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT, STEP,
-                                              replicated_row_scan())
+        g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT)
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         leave("aux.wait_tiles")
@@ -742,7 +688,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
         leave("aux.wait_state")
         enter("aux.inverse")
-        if NORMS:
+        if NG == 4:
             # q's and k's reciprocal row norms, in column halves, before the inverse and
             # kept in a register each (reduced under q k^T's accumulator, or over k's whole
             # rows inside A's formation, they spilled): k's scales A, both the scores and
@@ -751,11 +697,10 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rq = gl.convert_layout(row_rnorm(q_tile, half, 2), c_layout)
         else:
             rk = None
-        vector_row = 2 * ((t // STEP) % ROW_VECTOR_SLOTS)
+        vector_row = 2 * (t % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
-        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NORMS,
-                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row,
-                                   y_tables if separate_tables() else None, w_tables if separate_tables() else None)
+        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
+                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
         leave("aux.store_t")
@@ -765,46 +710,18 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             g_row, g_end = gate_rows_of_cumsum(c, n_valid, vectors.index(vector_row))
         else:
             g_row, g_end = gate_rows_of_cumsum(c, n_valid)
-        if not NORMS:
+        if NG != 4:
             rq = g_row  # unused
             rk = g_row
         if STATE_SCORES:
-            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
+            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
         else:
             qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                                use_acc=False, is_async=True)
-            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
+            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
         leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
-
-
-@gluon.jit
-def _inverse_buffers(BT: gl.constexpr):
-    """The shared memory one aux partition forms the chunk inverses in (:data:`AUX_T`): the
-    blocked inverse's tables (one allocation, or three with
-    :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`; the unused two name the
-    first), A's redo buffer with the fp16 inverse, k k^T's mbarrier (initialized) and the
-    row vectors with :data:`..gluon_common.wy.SHARED_ROW_VECTORS` (else the tables stand
-    in, never touched)."""
-    if separate_tables():
-        tables, y_tables, w_tables = allocate_separate_tables()
-    else:
-        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
-        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
-        y_tables = tables
-        w_tables = tables
-    if fp16_products():
-        a_save = redo_buffer(BT)
-    else:
-        a_save = tables
-    kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kk_bar.index(0), count=1)
-    if shared_row_vectors():
-        row_vectors = row_vector_slots(BT)
-    else:
-        row_vectors = tables
-    return tables, y_tables, w_tables, a_save, kk_bar, row_vectors
 
 
 @gluon.jit
@@ -849,8 +766,20 @@ def _fused_fwd_kernel(
     if AUX_T:
         # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
+        # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
+        tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
+        # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
-        tables, y_tables, w_tables, a_save, kk_bar, row_vectors = _inverse_buffers(BT)
+        if SAVE_A:
+            a_save = redo_buffer(BT)
+        else:
+            a_save = tables
+        kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kk_bar.index(0), count=1)
+        if shared_row_vectors():
+            row_vectors = row_vector_slots(BT)
+        else:
+            row_vectors = tables  # not read
     elif SINGLE_T:
         # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
@@ -860,7 +789,8 @@ def _fused_fwd_kernel(
         u_ring = gl.allocate_shared_memory(dtype, [2, V, BT], E.smem_layout([V, BT], dtype))
     RING_S: gl.constexpr = 2
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
-    NG: gl.constexpr = gate_vectors_per_slot(QK_NORM, AUX_T)
+    # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
+    NG: gl.constexpr = 4 if QK_NORM else 3
     gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if STATE_SCORES:
         # The state's causal-gate exponents of each scores slot: rows, then columns.
@@ -913,10 +843,7 @@ def _fused_fwd_kernel(
         if SINGLE_T and not AUX_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
 
-    if AUX_T and aux_pair_for(V, QK_NORM):
-        # A second aux partition with its own inverse buffers: even chunks in one, odd in
-        # the other.
-        tables_b, y_tables_b, w_tables_b, a_save_b, kk_bar_b, row_vectors_b = _inverse_buffers(BT)
+    if AUX_T:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
@@ -924,20 +851,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables, QK_NORM, 0, 2)),
-            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables_b, kq_ready, kq_empty, wu_ready, wu_empty,
-                            kk_bar_b.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save_b, SAVE_A, row_vectors_b, y_tables_b, w_tables_b, QK_NORM, 1, 2)),
-        ], [AUX_WARPS, AUX_WARPS], [AUX_PAIR_REGS, AUX_PAIR_REGS])[0]
-    elif AUX_T:
-        S = gl.warp_specialize([
-            (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
-                      gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
-                      o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
-            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
-                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors, y_tables, w_tables, QK_NORM)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1004,20 +918,10 @@ AUX_T_SPILL_BYTES = 464
 AUX_SCORES_SPILL_BYTES = 768
 
 
-#: The same with two aux partitions (:data:`AUX_PAIR`): each at 64 registers keeps the
-#: blocked inverse's scalars and some of its operands in local memory: 604-660 bytes over
-#: the sm_90a specializations under triton 3.6.0 (the GPUs' Triton; 732 with the barrier
-#: flags), up to 1,404 under 3.9.0 (1,472 with them in the plain varlen one).
-AUX_PAIR_SPILL_BYTES = 1536
-
-
 def aux_t_spill_bytes(state_scores: bool) -> int:
     """The spill bytes an :data:`AUX_T` build keeps, by where its causal scores are formed
-    (:data:`STATE_SCORES`) and whether it runs two aux partitions (:data:`AUX_PAIR`)."""
-    return max(AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES,
-               AUX_PAIR_SPILL_BYTES if bool(AUX_PAIR) else 0)
-
-
+    (:data:`STATE_SCORES`)."""
+    return AUX_T_SPILL_BYTES if state_scores else AUX_SCORES_SPILL_BYTES
 #: Head dims the kernel is built for (the state tile and the rings fill the register file
 #: and shared memory at 128).
 HEAD_DIM = 128
@@ -1247,7 +1151,6 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
         # No T tiles to read: the descriptor goes to the kernel as a None constexpr.
         descriptors = tuple(d for d in descriptors if d.arg != "t_desc")
         constexprs["t_desc"] = None
-    pair = on_chip_t and aux_pair_for(V, constexprs["QK_NORM"])
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
@@ -1256,12 +1159,12 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
                                                qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t,
-                                               state_scores=state_scores, aux_pair=pair)},
+                                               state_scores=state_scores)},
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
         notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state {state_warps(V) // 4} "
-               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux {2 if pair else 1}"
+               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux 1"
                + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")
                + ("; the scores in the state partition" if state_scores else "")),
     )
@@ -1270,27 +1173,23 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
                      single_t: bool = False, qk_norm: bool = False, aux_t: bool = False,
-                     state_scores: bool = False, aux_pair: bool = False) -> int:
+                     state_scores: bool = False) -> int:
     """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
     tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
     ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
-    the gate vectors :func:`gate_vectors_per_slot` a slot; with ``aux_t``
-    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32; 12 KB with
-    :data:`..gluon_common.blocked_inverse.SEPARATE_TABLES`), k k^T's barrier and, with
+    with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
+    (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
-    scores (2 x 2 fp32 vectors); with ``aux_pair`` (:data:`AUX_PAIR`, under ``aux_t``) the
-    inverse's buffers twice, one set for each aux partition."""
+    scores (2 x 2 fp32 vectors)."""
     t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
-    tables = (3 if separate_tables() else 4) * 4 * 16 * 16 * 4
-    inverse = (tables + 8 + redo + vectors) * (2 if aux_pair else 1) if aux_t else 0
+    inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
     return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + (gate_vectors_per_slot(qk_norm, aux_t) + (2 if state_scores else 0)) * 2 * BT * 4
-            + (10 + v_slots) * 8 + inverse)
+            + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
