@@ -1035,7 +1035,7 @@ AUX_T = True
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
 #: partition (``q k^T`` issued once P^T and S_old^T q^T are done and the aux's chunk is
-#: in), which waits on the aux partition most of its loop there, instead of by the aux,
+#: in; :data:`SCORES_BEHIND_V_NEW` moves it behind v_new^T's product), which waits on the aux partition most of its loop there, instead of by the aux,
 #: whose inverse sets the pace (``aux.scores`` a fifth of its loop in the profile above);
 #: the aux hands the state its gate rows instead (:func:`_store_gates_and_rows`).
 #: Not serialized, 44 wgmma as without it. H100 80GB HBM3, triton 3.6.0 (``python
