@@ -502,8 +502,10 @@ def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, gr
     S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
     vnb = gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16))
     # Every group but the update's: q k^T.
+    enter("state.scores")
     qk = warpgroup_mma_wait(1, deps=(qk,))
     _gate_and_store_scores(qk, s_ring.index(s), graw_ring, s)
+    leave("state.scores")
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
     e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
     o = warpgroup_mma(vnb, s_ring.index(s).permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True,
