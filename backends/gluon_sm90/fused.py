@@ -664,7 +664,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
-    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
+    # The qk l2 norm on chip: the gate ring has four rows a slot then.
+    NORMS: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S) == 4
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
@@ -690,7 +691,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
         leave("aux.wait_state")
         enter("aux.inverse")
-        if NG == 4:
+        if NORMS:
             # q's and k's reciprocal row norms, in column halves, before the inverse and
             # kept in a register each (reduced under q k^T's accumulator, or over k's whole
             # rows inside A's formation, they spilled): k's scales A, both the scores and
@@ -701,7 +702,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rk = None
         vector_row = 2 * (t % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
-        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NG == 4,
+        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NORMS,
                                    ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
@@ -712,15 +713,15 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             g_row, g_end = gate_rows_of_cumsum(c, n_valid, vectors.index(vector_row))
         else:
             g_row, g_end = gate_rows_of_cumsum(c, n_valid)
-        if NG != 4:
+        if not NORMS:
             rq = g_row  # unused
             rk = g_row
         if STATE_SCORES:
-            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+            _store_gates_and_rows(gate_ring, graw_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
         else:
             qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                                use_acc=False, is_async=True)
-            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NG == 4)
+            _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
         leave("aux.scores")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
@@ -1037,9 +1038,10 @@ AUX_T = True
 
 #: With :data:`AUX_T`: the causal scores ``q k^T 2^(g_i - g_j)`` formed by the state
 #: partition (``q k^T`` issued once P^T and S_old^T q^T are done and the aux's chunk is
-#: in; :data:`SCORES_BEHIND_V_NEW` moves it behind v_new^T's product), which waits on the aux partition most of its loop there, instead of by the aux,
-#: whose inverse sets the pace (``aux.scores`` a fifth of its loop in the profile above);
-#: the aux hands the state its gate rows instead (:func:`_store_gates_and_rows`).
+#: in; :data:`SCORES_BEHIND_V_NEW` moves it behind v_new^T's product), which waits on the
+#: aux partition most of its loop there, instead of by the aux, whose inverse sets the pace
+#: (``aux.scores`` a fifth of its loop in the profile above); the aux hands the state its
+#: gate rows instead (:func:`_store_gates_and_rows`).
 #: Not serialized, 44 wgmma as without it. H100 80GB HBM3, triton 3.6.0 (``python
 #: benchmarks/flag_ab.py state_scores --with aux_t``, ``logs/h100_state_scores_ab.log``,
 #: two rounds, outputs bit-equal): the fused kernel 0.631 -> 0.603 ms at H16-HV32 4 x
