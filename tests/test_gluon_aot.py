@@ -454,6 +454,7 @@ def aux_partition_builds() -> list[dict]:
         aux_barriers = re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\d+, 128;", report.ptx)
         waits = re.findall(r"\bwgmma\.wait_group\.sync\.aligned\s+(\d+);", report.ptx)
         builds.append({"l2": l2, "aux_barriers": len(aux_barriers),
+                       "mbarriers": len(re.findall(r"\bmbarrier\.init\b", report.ptx)),
                        "wgmma_waits": {n: waits.count(n) for n in sorted(set(waits))},
                        "spills": report.spill_bytes, "allowed": kernel.spill_bytes_allowed,
                        "serialized": report.wgmma_serialized, "shared": report.shared_bytes,
@@ -477,15 +478,35 @@ def test_scores_behind_v_new_take_the_state_scores_off_its_chain():
     """:data:`fused.SCORES_BEHIND_V_NEW` in sm_90a's one-kernel builds: the state's q k^T
     issued behind v_new^T's product and waited for with the state update in flight (two
     waits that leave one group in flight, none in the other order), fewer waits in all, no
-    wgmma serialized, spills within the allowance, shared memory unchanged. On as shipped;
-    the test compiles both."""
+    wgmma serialized, spills within the allowance, shared memory unchanged (on rings of two
+    slots: :data:`fused.AUX_RING_SLOTS` past two needs this order). On as shipped; the test
+    compiles both."""
     off = aux_builds_with(["gluon_sm90.fused.SCORES_BEHIND_V_NEW=0"])
-    on = aux_builds_with(["gluon_sm90.fused.SCORES_BEHIND_V_NEW=1"])
+    on = aux_builds_with(["gluon_sm90.fused.SCORES_BEHIND_V_NEW=1", "gluon_sm90.fused.AUX_RING_SLOTS=2"])
     for before, after in zip(off, on):
         assert "1" not in before["wgmma_waits"] and after["wgmma_waits"]["1"] == 2, (before, after)
         assert sum(after["wgmma_waits"].values()) < sum(before["wgmma_waits"].values()), (before, after)
         assert after["shared"] == before["shared"] and after["planned"] == before["planned"], (before, after)
         for build in (before, after):
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
+def test_aux_ring_slots_let_the_aux_partition_run_two_chunks_ahead():
+    """:data:`fused.AUX_RING_SLOTS` in sm_90a's one-kernel builds: a third slot of the k/q,
+    T_u and gate rings (and of the state's gate rows) and its four mbarriers (k/q ready and
+    empty, the aux's chunk ready and done): 32 KB of k/q, 8 KB of T_u and the slot's gate
+    vectors more, as planned and within the SM's 227 KB; spills within the allowance, no
+    wgmma serialized. The test compiles two and three."""
+    two = aux_builds_with(["gluon_sm90.fused.AUX_RING_SLOTS=2"])
+    three = aux_builds_with(["gluon_sm90.fused.AUX_RING_SLOTS=3"])
+    for before, after in zip(two, three):
+        gates = 4 if after["l2"] else 3
+        slot = 2 * 64 * 128 * 2 + 64 * 64 * 2 + (gates + 2) * 64 * 4 + 4 * 8
+        assert after["planned"] - before["planned"] == slot, (before, after)
+        assert after["mbarriers"] == before["mbarriers"] + 4, (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= min(build["planned"] + 1024, SMEM_OPTIN[SM90]), build
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
 
 
@@ -539,7 +560,7 @@ def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
 def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     """:data:`fused.STATE_SCORES` (under AUX_T): the same wgmma count as the aux-scores
     build, one product fewer in the aux partition and one more in the state (q k^T moves),
-    not serialized, 1 KB more shared memory (the gate rows), as planned, and the spills
+    not serialized, 1 KB more shared memory (the gate rows) on two-slot rings, as planned, and the spills
     within the allowance."""
     from gdn_dispatch.backends.gluon_sm90 import fused
 
@@ -558,7 +579,9 @@ def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     planned = {scores: fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
                                               qk_norm=spec.endswith("l2"), aux_t=True, state_scores=scores)
                for scores in (False, True)}
-    assert planned[True] - planned[False] == 2 * 2 * 64 * 4
+    # The gate rows, on rings of two slots (with more, AUX_RING_SLOTS' slots come on top).
+    assert fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=spec.endswith("l2"),
+                                  aux_t=True, state_scores=True, ring=2) - planned[False] == 2 * 2 * 64 * 4
     # Each build within its plan (the compiler's scratch for layout conversions, which the
     # plan does not count, differs between the two by a few bytes).
     for report, scores in ((aux, False), (state, True)):

@@ -28,9 +28,10 @@ from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
 #: The scopes of each kernel, as its sources open them (``aux.inverse``, the phases within
-#: it, the last three in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
+#: it, the last six in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
 #: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``; both shipped).
-AUX_T_PHASES = {"aux.inverse", "aux.store_t", "aux.kk", "aux.a", "aux.blocks", "state.scores"}
+AUX_T_PHASES = {"aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk", "aux.a", "aux.save_a", "aux.blocks", "aux.check",
+                "state.scores"}
 FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
                 "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
 WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",

@@ -555,23 +555,28 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     reads after this returns."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    # Profile phases (the fused kernel's aux partition): the gate cumsum, k k^T's wait, A,
+    # A's copy for the redo, the blocks, the range check.
+    enter("aux.cumsum")
     c = gate_cumsum(g_raw)
     if vectors is not None:
         vectors.index(vector_row).store(c)
         vectors.index(vector_row + 1).store(b_raw)
         # Under k k^T: every warp's part of both vectors is in before any warp reads them.
         thread_barrier()
-    # Profile phases (the fused kernel's aux partition): k k^T's wait, A, the blocks.
+    leave("aux.cumsum")
     enter("aux.kk")
     kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
                                   False, a_save, vectors, vector_row)
     if fp16_products():
+        enter("aux.check")
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
             t_layout: gl.constexpr = t.type.layout
             t = inverse_by_rows(a_save, t_layout)
+        leave("aux.check")
     cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
     if vectors is not None:
         u_scale = vectors.index(vector_row + 1).load(cols)
@@ -608,7 +613,9 @@ def chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2
         u_scale = gl.convert_layout(u_scale, flat)
     leave("aux.a")
     if a_save is not None:
+        enter("aux.save_a")
         a_save.store(a)
+        leave("aux.save_a")
     enter("aux.blocks")
     if REDO:
         t = unit_lower_inverse_by_rows(a, tables)

@@ -264,14 +264,19 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     lhs_s: gl.constexpr = lhs_reg_layout(acc_c, 16)    # S^T as the left operand of P^T, O^T
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
-    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
+    # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`); v and scores keep two.
+    RING: gl.constexpr = kq_ring.shape[0] // 2
+    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING)
     # The early output product is an order of the T_u chain only.
     EARLY: gl.constexpr = CHAIN and EARLY_O1
     # The state's causal scores off the chain (:data:`SCORES_BEHIND_V_NEW`).
     LATE: gl.constexpr = EARLY and SCORES and SCORES_BEHIND_V_NEW
+    gl.static_assert(RING == 2 or LATE, "three ring slots: the state's scores behind v_new^T alone")
     for t in range(NT):
-        s = t % 2
-        phase = (t // 2) & 1
+        s = t % RING
+        phase = (t // RING) & 1
+        vs = t % 2
+        v_phase = (t // 2) & 1
         row = bos + t * BT
         k_tile = kq_ring.index(2 * s)
         q_tile = kq_ring.index(2 * s + 1)
@@ -289,8 +294,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             b_d = gate_ring.index(NG * s).load(cols_c)
         if LATE:
             enter("state.v_new")
-            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(s), v_ready.index(s), t_ring.index(s),
-                                            gate_ring.index(NG * s + 1), phase, acc_c, k_tile, q_tile)
+            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
+                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile)
             leave("state.v_new")
         elif CHAIN:
             enter("state.v_new")
@@ -304,7 +309,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         enter("state.update_output")
         if LATE:
             b_d = gate_ring.index(NG * s).load(cols_c)
-            S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, graw_ring, s)
+            S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs),
+                                       gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s)
         elif EARLY:
             # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
             o1 = warpgroup_mma_wait(0, deps=(o1,))
@@ -324,6 +330,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         enter("state.refill")
         if LOADER:
             mbarrier.arrive(slot_free.index(s), count=1)
+        elif RING > 2:
+            _refill_ahead(k_desc, q_desc, v_desc, kq_ring, v_ring, kq_ready, kq_empty, v_ready, s, phase, vs, row, t,
+                          NT, col_k, col_v)
         elif t + 2 < NT:
             _refill(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready,
                     s, phase, row + 2 * BT, slot0 + t + 2, col_k, col_v, HV, i_h, CHAIN, AUX_T)
@@ -388,6 +397,21 @@ def _refill(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, k
             _load_t(t_desc, t_ring, t_ready, s, t_slot, HV, i_h)
     mbarrier.wait(kq_empty.index(s), phase)
     _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row, col_k)
+
+
+@gluon.jit
+def _refill_ahead(k_desc, q_desc, v_desc, kq_ring, v_ring, kq_ready, kq_empty, v_ready, s, phase, vs, row, t, NT,
+                  col_k, col_v):
+    """:data:`AUX_RING_SLOTS` past two: the state's refills once it is done with chunk ``t``
+    (at ``row``): its v slot ``vs`` with chunk t + 2 (v keeps two slots, the state its only
+    reader), then k/q slot ``s`` with chunk t + RING, once the aux partition is done with it."""
+    BT: gl.constexpr = kq_ring.shape[1]
+    RING: gl.constexpr = kq_ring.shape[0] // 2
+    if t + 2 < NT:
+        _load_v(v_desc, v_ring, v_ready, vs, row + 2 * BT, col_v)
+    if t + RING < NT:
+        mbarrier.wait(kq_empty.index(s), phase)
+        _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row + RING * BT, col_k)
 
 
 @gluon.jit
@@ -491,11 +515,12 @@ def _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s
 
 
 @gluon.jit
-def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, graw_ring, s):
+def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, e_g_slot, graw_ring, s):
     """:data:`SCORES_BEHIND_V_NEW`: the state update issued first, then the chunk's causal
-    scores stored from ``q k^T`` (in flight before it) while the update runs, then the output
-    ``O^T = 2^g O1^T + v_new^T scores^T``, as :func:`_update_and_output_of_o1` forms both.
-    Returns the new S^T and O^T."""
+    scores stored into ``s_slot`` from ``q k^T`` (in flight before it; gated with slot ``s``
+    of ``graw_ring``) while the update runs, then the output ``O^T = 2^g O1^T + v_new^T
+    scores^T`` (the row decays ``2^g`` in ``e_g_slot``), as :func:`_update_and_output_of_o1`
+    forms both. Returns the new S^T and O^T."""
     dtype: gl.constexpr = k_tile.dtype
     acc_c: gl.constexpr = vn.type.layout
     vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
@@ -504,12 +529,10 @@ def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring, gate_ring, gr
     # Every group but the update's: q k^T.
     enter("state.scores")
     qk = warpgroup_mma_wait(1, deps=(qk,))
-    _gate_and_store_scores(qk, s_ring.index(s), graw_ring, s)
+    _gate_and_store_scores(qk, s_slot, graw_ring, s)
     leave("state.scores")
-    NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], s_ring.shape[0])
-    e_g = gate_ring.index(NG * s + _output_gate(NG)).load(gl.SliceLayout(0, acc_c))
-    o = warpgroup_mma(vnb, s_ring.index(s).permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True,
-                      is_async=True)
+    e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
+    o = warpgroup_mma(vnb, s_slot.permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True, is_async=True)
     S, o = warpgroup_mma_wait(0, deps=(S, o))
     return S, o
 
@@ -663,32 +686,33 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     layouts."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
-    RING_S: gl.constexpr = s_ring.shape[0]
+    # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`).
+    RING: gl.constexpr = t_ring.shape[0]
     # The qk l2 norm on chip: the gate ring has four rows a slot then.
-    NORMS: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S) == 4
+    NORMS: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING) == 4
     dtype: gl.constexpr = kq_ring.dtype
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     half: gl.constexpr = tile_layout(BT, K // 2, gl.num_warps())
-    gl.static_assert(RING_S == 2, "the T slots are the scores slots: two")
+    gl.static_assert(RING == s_ring.shape[0] or STATE_SCORES, "the aux's scores go to the T ring's slot")
     # Row vectors kept across the inverse: one register each.
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
     for t in range(NT):
-        s = t % 2
+        s = t % RING
         row = bos + t * BT
         n_valid = eos - row
         # The next chunk's raw rows, loaded under this chunk's inverse.
         g_raw, b_raw, rows = chunk_rows_ahead(rows, g, s_g, beta, s_beta, row, n_valid, i_h, BT)
         enter("aux.wait_tiles")
-        mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
+        mbarrier.wait(kq_ready.index(s), (t // RING) & 1)
         leave("aux.wait_tiles")
         k_tile = kq_ring.index(2 * s)
         q_tile = kq_ring.index(2 * s + 1)
         # Slot s of the T, scores and gate rings is free once the state is done with chunk
-        # t - 2: waited before the inverse, so that T_u goes to its slot as formed (held
-        # across the wait it spilled more), while the state works on chunk t - 1.
+        # t - RING: waited before the inverse, so that T_u goes to its slot as formed (held
+        # across the wait it spilled more), while the state works on a chunk before t.
         enter("aux.wait_state")
-        mbarrier.wait(wu_empty.index(s), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(wu_empty.index(s), ((t // RING) & 1) ^ 1)
         leave("aux.wait_state")
         enter("aux.inverse")
         if NORMS:
@@ -761,14 +785,17 @@ def _fused_fwd_kernel(
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
     slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
-    kq_ring = gl.allocate_shared_memory(dtype, [4, BT, K], k_desc.layout)
+    # Slots of the k/q ring, and of the T and gate rings of the one-kernel build
+    # (:data:`AUX_RING_SLOTS`); the other builds keep two.
+    RING: gl.constexpr = ring_slots(STATE_SCORES)
+    kq_ring = gl.allocate_shared_memory(dtype, [2 * RING, BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
     gl.static_assert(not STATE_SCORES or (AUX_T and EARLY_O1), "the state forms the scores under AUX_T alone")
     gl.static_assert(not SINGLE_T or V_SLOTS == 2, "with T_u alone the state reads v slot t % 2")
     if AUX_T:
-        # T_u formed on chip (no T kernel, no t_desc), two slots; the inverse's three tables.
-        t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], E.smem_layout([BT, BT], dtype))
+        # T_u formed on chip (no T kernel, no t_desc), a slot per k/q slot; the inverse's tables.
+        t_ring = gl.allocate_shared_memory(dtype, [RING, BT, BT], E.smem_layout([BT, BT], dtype))
         # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
         tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
@@ -794,18 +821,18 @@ def _fused_fwd_kernel(
     s_ring = gl.allocate_shared_memory(dtype, [RING_S, BT, BT], E.smem_layout([BT, BT], dtype))
     # Three gate vectors per slot (see _aux), four with the qk l2 norm on chip (_aux_scores).
     NG: gl.constexpr = 4 if QK_NORM else 3
-    gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    gate_ring = gl.allocate_shared_memory(gl.float32, [NG * RING, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if STATE_SCORES:
-        # The state's causal-gate exponents of each scores slot: rows, then columns.
-        graw_ring = gl.allocate_shared_memory(gl.float32, [2 * RING_S, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # The state's causal-gate exponents of each chunk's scores: rows, then columns.
+        graw_ring = gl.allocate_shared_memory(gl.float32, [2 * RING, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
         graw_ring = gate_ring  # not read
     o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
-    kq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kq_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    kq_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    wu_ready = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
-    wu_empty = gl.allocate_shared_memory(gl.int64, [RING_S, 1], mbarrier.MBarrierLayout())
+    wu_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    wu_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
     # LOAD_WARP: the state's releases of its slots to the load warp.
     LOADER: gl.constexpr = LOAD_WARP and SINGLE_T and V_SLOTS == 2 and not AUX_T
@@ -815,12 +842,13 @@ def _fused_fwd_kernel(
             mbarrier.init(slot_free.index(i), count=1)
     else:
         slot_free = kq_empty  # not read
-    for i in gl.static_range(2):
+    for i in gl.static_range(RING):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
-        mbarrier.init(t_ready.index(i), count=1)
         mbarrier.init(wu_ready.index(i), count=1)
         mbarrier.init(wu_empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(t_ready.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
         mbarrier.init(v_ready.index(i), count=1)
 
@@ -845,6 +873,9 @@ def _fused_fwd_kernel(
             _load_v(v_desc, v_ring, v_ready, 1, bos + BT, col_v)
         if SINGLE_T and not AUX_T:
             _load_t(t_desc, t_ring, t_ready, 1, slot0 + 1, HV, i_h)
+    for i in gl.static_range(2, RING):
+        if NT > i:
+            _load_kq(k_desc, q_desc, kq_ring, kq_ready, i, bos + i * BT, col_k)
 
     if AUX_T:
         S = gl.warp_specialize([
@@ -1066,6 +1097,21 @@ STATE_SCORES = True
 #: program.
 SCORES_BEHIND_V_NEW = gl.constexpr(True)
 
+#: With :data:`SCORES_BEHIND_V_NEW`: slots of the one-kernel build's k/q, T_u and gate rings.
+#: Two couple the partitions one chunk deep: the aux waits for chunk t's k/q tiles until the
+#: state is done with chunk t - 2 and refills their slot (Proton at 4 x 8192: ~11% of the
+#: aux's loop on that wait while its inverse runs ~88%). Three (40 KB more shared memory:
+#: 184 -> 221 KB of 227) let the aux run two chunks ahead; v and the state's scores keep two.
+#: Not yet timed: two as shipped.
+AUX_RING_SLOTS = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def ring_slots(state_scores: bool) -> int:
+    """Slots of the fused kernel's k/q ring: :data:`AUX_RING_SLOTS` in the one-kernel build
+    whose state forms the scores behind v_new^T, two in the others."""
+    return AUX_RING_SLOTS.value if state_scores and SCORES_BEHIND_V_NEW.value else 2
+
 
 def aux_t_on(engine) -> bool:
     """Whether ``engine``'s fused kernel forms the chunk inverses itself (:data:`AUX_T`,
@@ -1177,23 +1223,26 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
                      single_t: bool = False, qk_norm: bool = False, aux_t: bool = False,
-                     state_scores: bool = False) -> int:
-    """Shared memory of the kernel: k/q ring (2 slots), v (``v_slots`` slots), T ring (2 x 2
-    tiles), w, u and scores rings (2 slots), o, the gate vectors and the barriers; with
-    ``single_t`` (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of 2 x 1 tiles and no w or u;
+                     state_scores: bool = False, ring: int | None = None) -> int:
+    """Shared memory of the kernel: k/q ring (``ring`` slots; None: :func:`ring_slots`), v
+    (``v_slots`` slots), T ring (2 x 2 tiles), w, u and scores rings (2 slots), o, the gate
+    vectors (``ring`` slots) and the barriers; with ``single_t``
+    (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of ``ring`` x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
     the fp16 inverse, the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
-    scores (2 x 2 fp32 vectors)."""
-    t_and_wu = 2 * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
+    scores (``ring`` x 2 fp32 vectors)."""
+    ring = ring_slots(state_scores) if ring is None else ring
+    t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = BT * BT * 4 if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
-    return ((4 * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
-            + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * 2 * BT * 4 + (10 + v_slots) * 8 + inverse)
+    return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
+            + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * ring * BT * 4 + (4 * ring + 2 + v_slots) * 8
+            + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
