@@ -166,13 +166,16 @@ def test_launches_of_the_path(shape, kernel_variant):
     # T_u alone: two T tiles, two w and two u tiles fewer; on chip, the inverse's 16 KB of
     # tables and its barrier (with the fp16 inverse, the 16 KB A waits in for a redo; with
     # the shared row vectors, two slots of two; with the scores in the state, two slots'
-    # gate rows).
+    # gate rows, and with fused.AUX_RING_SLOTS past two each slot more of k/q, T_u, the gate
+    # vectors and rows and four barriers).
     tiles = 1 if wy_t_module.WY_T_SINGLE_TILE else 2
+    extra_slots = fused_module.ring_slots(kernel_variant == "default") - 2
     assert fused.blocks["smem_bytes"] == fused_smem_bytes(128, 128, 2, v_slots=1) + \
         (fused_module.V_SLOTS - 1) * (64 * 128 * 2 + 8) - (2 - tiles) * (2 * 64 * 64 + 4 * 64 * 128) * 2 + \
         (16 * 16 * 16 * 4 + 8 + (64 * 64 * 4 if fp16_products() else 0)
          + (2 * 2 * 64 * 4 if shared_row_vectors() else 0) if on_chip else 0) + \
-        (2 * 2 * 64 * 4 if kernel_variant == "default" else 0)
+        (2 * 2 * 64 * 4 if kernel_variant == "default" else 0) + \
+        extra_slots * (2 * 64 * 128 * 2 + 64 * 64 * 2 + (3 + 2) * 64 * 4 + 4 * 8)
 
 
 @pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
