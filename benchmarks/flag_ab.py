@@ -30,6 +30,8 @@ kernel's constexpr globals are fixed at its first compile).
                                              # memory, one barrier instead of six layout converts
     python benchmarks/flag_ab.py scores_behind_v_new  # fused.SCORES_BEHIND_V_NEW: the state's q k^T off its chain
     python benchmarks/flag_ab.py aux_ring_slots  # fused.AUX_RING_SLOTS 2 -> 3: the aux two chunks ahead
+    python benchmarks/flag_ab.py swizzled_redo_buffer  # blocked_inverse.SWIZZLED_REDO_BUFFER: A's copy for the
+                                             # fp16 inverse's redo without bank conflicts
     python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
                                              # the inverse on fp16 as shipped against tf32
 
@@ -38,7 +40,7 @@ call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between t
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``) measure a
+``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``, ``swizzled_redo_buffer``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -159,6 +161,9 @@ STUDIES = {
     # The state's causal scores issued behind v_new^T's product, stored while the update runs.
     "scores_behind_v_new": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_BEHIND_V_NEW",
                             (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The one-kernel build's A kept for the fp16 inverse's redo in a swizzled buffer.
+    "swizzled_redo_buffer": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "SWIZZLED_REDO_BUFFER",
+                             (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The one-kernel build's k/q, T_u and gate rings in three slots: the aux two chunks ahead.
     "aux_ring_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_RING_SLOTS",
                        (gl.constexpr(2), gl.constexpr(3)), _ONE_KERNEL_SHAPES),

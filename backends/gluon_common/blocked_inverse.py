@@ -297,12 +297,43 @@ def row_major_layout(rank=2):
     return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
 
+#: The redo buffer (:func:`redo_buffer`) swizzled: each 32-byte piece of a row moved by the
+#: row's index mod 8. A stored from the wgmma accumulator into unswizzled 256-byte rows put
+#: the eight rows a warp's store touches on the same banks: eight wavefronts a store where
+#: two carry its 256 bytes. Proton (H100, one-kernel build, H16-HV32 4 x 8192): that store
+#: took ~700 cycles per aux warp and chunk, 14% of its inverse phase. The redo (rare) then
+#: loads A back and runs by rows in the inverse's tables (:func:`unit_lower_inverse_by_rows`).
+#: The same 16 STS.64 a thread in the SASS. Not yet timed: off.
+SWIZZLED_REDO_BUFFER = gl.constexpr(False)
+
+
+@gluon.constexpr_function
+def redo_layout():
+    """The shared layout of :func:`redo_buffer` (:data:`SWIZZLED_REDO_BUFFER`)."""
+    if SWIZZLED_REDO_BUFFER:
+        return gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    return row_major_layout()
+
+
 @gluon.jit
 def redo_buffer(BT: gl.constexpr):
-    """A row-major fp32 [BT, BT] buffer (16 KB) a loop keeps each chunk's A in
-    (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for :func:`inverse_by_rows`, so that a chunk
+    """An fp32 [BT, BT] buffer (16 KB, :func:`redo_layout`) a loop keeps each chunk's A in
+    (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for :func:`redo_from_buffer`, so that a chunk
     the fp16 inverse lost (:func:`fp16_products`) needs A formed again no more."""
-    return gl.allocate_shared_memory(gl.float32, [BT, BT], row_major_layout())
+    return gl.allocate_shared_memory(gl.float32, [BT, BT], redo_layout())
+
+
+@gluon.jit
+def redo_from_buffer(a_save, tables, layout: gl.constexpr):
+    """``(I + A)^-1`` by rows (:func:`inverse_by_rows`) of the A kept in ``a_save``
+    (:func:`redo_buffer`), in ``layout``: in place when the buffer is row-major, else from
+    A loaded back in ``layout`` into ``tables`` (as for :func:`blocked_unit_lower_inverse`;
+    free on entry and exit)."""
+    if SWIZZLED_REDO_BUFFER:
+        t = unit_lower_inverse_by_rows(a_save.load(layout), tables)
+    else:
+        t = inverse_by_rows(a_save, layout)
+    return t
 
 
 @gluon.jit

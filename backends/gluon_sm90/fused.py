@@ -1100,9 +1100,13 @@ SCORES_BEHIND_V_NEW = gl.constexpr(True)
 #: With :data:`SCORES_BEHIND_V_NEW`: slots of the one-kernel build's k/q, T_u and gate rings.
 #: Two couple the partitions one chunk deep: the aux waits for chunk t's k/q tiles until the
 #: state is done with chunk t - 2 and refills their slot (Proton at 4 x 8192: ~11% of the
-#: aux's loop on that wait while its inverse runs ~88%). Three (40 KB more shared memory:
-#: 184 -> 221 KB of 227) let the aux run two chunks ahead; v and the state's scores keep two.
-#: Not yet timed: two as shipped.
+#: aux's loop on that wait). Three (41 KB more shared memory: 180 -> 221 KB of 227) let the
+#: aux run two chunks ahead; v and the state's scores keep two. H100 80GB HBM3, triton 3.6.0
+#: (``python benchmarks/flag_ab.py aux_ring_slots``, ``logs/h100_aux_ring_slots.log``, two
+#: rounds, outputs bit-equal): calls 0.526 -> 0.508 ms at H16-HV32 4 x 8192, 1.013 -> 0.988
+#: at HV 64, 0.647 -> 0.639 with the qk l2 norm on chip, but 0.937 -> 0.977 on ragged16. In
+#: Proton's profile the aux's wait for its tiles grows (859 -> 1,244 cycles a chunk): the
+#: loads take the memory system's time, however early they are issued. Two as shipped.
 AUX_RING_SLOTS = gl.constexpr(2)
 
 
