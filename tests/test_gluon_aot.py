@@ -511,6 +511,23 @@ def test_aux_ring_slots_let_the_aux_partition_run_two_chunks_ahead():
 
 
 @pytest.mark.slow
+def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
+    """:data:`.blocked_inverse.SWIZZLED_REDO_BUFFER` in sm_90a's one-kernel builds: A's copy
+    for the fp16 inverse's redo in the swizzled layout (the redo loads it back into the
+    tables) compiles to the same shared memory and barriers, spills within the allowance,
+    no wgmma serialized; the build with the qk l2 norm on chip keeps the row-major buffer
+    (its spills as without the flag). On as shipped; the test compiles both."""
+    off = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0"])
+    on = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=1"])
+    for before, after in zip(off, on):
+        assert after["shared"] == before["shared"] and after["mbarriers"] == before["mbarriers"], (before, after)
+        if after["l2"]:
+            assert after["spills"] == before["spills"], (before, after)
+        for build in (before, after):
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

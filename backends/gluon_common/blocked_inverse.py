@@ -303,33 +303,46 @@ def row_major_layout(rank=2):
 #: two carry its 256 bytes. Proton (H100, one-kernel build, H16-HV32 4 x 8192): that store
 #: took ~700 cycles per aux warp and chunk, 14% of its inverse phase. The redo (rare) then
 #: loads A back and runs by rows in the inverse's tables (:func:`unit_lower_inverse_by_rows`).
-#: The same 16 STS.64 a thread in the SASS. Not yet timed: off.
-SWIZZLED_REDO_BUFFER = gl.constexpr(False)
+#: The same 16 STS.64 a thread, at addresses no longer a base and immediates. H100 80GB
+#: HBM3, triton 3.6.0 (``python benchmarks/flag_ab.py swizzled_redo_buffer``,
+#: ``logs/h100_swizzled_redo_buffer.log``, two rounds, outputs bit-equal): calls 0.523 ->
+#: 0.498 ms at H16-HV32 4 x 8192, 0.939 -> 0.925 on ragged16, 1.019 -> 0.974 at HV 64, but
+#: 0.647 -> 0.681 with the qk l2 norm on chip, whose aux loop spills 64 bytes more for the
+#: swizzled addresses (240 -> 304 on sm_90a): on, but not in builds with the norm on chip
+#: (:func:`swizzled_redo`).
+SWIZZLED_REDO_BUFFER = gl.constexpr(True)
 
 
 @gluon.constexpr_function
-def redo_layout():
-    """The shared layout of :func:`redo_buffer` (:data:`SWIZZLED_REDO_BUFFER`)."""
-    if SWIZZLED_REDO_BUFFER:
+def swizzled_redo(l2_norm_on_chip):
+    """Whether a one-kernel build keeps A in the swizzled :func:`redo_buffer`
+    (:data:`SWIZZLED_REDO_BUFFER`; not with the qk l2 norm on chip)."""
+    return bool(SWIZZLED_REDO_BUFFER) and not l2_norm_on_chip
+
+
+@gluon.constexpr_function
+def redo_layout(swizzled):
+    """The shared layout of :func:`redo_buffer`: :func:`swizzled_redo`'s, else row-major."""
+    if swizzled:
         return gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     return row_major_layout()
 
 
 @gluon.jit
-def redo_buffer(BT: gl.constexpr):
+def redo_buffer(BT: gl.constexpr, SWIZZLED: gl.constexpr = False):
     """An fp32 [BT, BT] buffer (16 KB, :func:`redo_layout`) a loop keeps each chunk's A in
     (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for :func:`redo_from_buffer`, so that a chunk
     the fp16 inverse lost (:func:`fp16_products`) needs A formed again no more."""
-    return gl.allocate_shared_memory(gl.float32, [BT, BT], redo_layout())
+    return gl.allocate_shared_memory(gl.float32, [BT, BT], redo_layout(SWIZZLED))
 
 
 @gluon.jit
-def redo_from_buffer(a_save, tables, layout: gl.constexpr):
+def redo_from_buffer(a_save, tables, layout: gl.constexpr, SWIZZLED: gl.constexpr):
     """``(I + A)^-1`` by rows (:func:`inverse_by_rows`) of the A kept in ``a_save``
-    (:func:`redo_buffer`), in ``layout``: in place when the buffer is row-major, else from
-    A loaded back in ``layout`` into ``tables`` (as for :func:`blocked_unit_lower_inverse`;
-    free on entry and exit)."""
-    if SWIZZLED_REDO_BUFFER:
+    (:func:`redo_buffer`, ``SWIZZLED`` as allocated), in ``layout``: in place when the
+    buffer is row-major, else from A loaded back in ``layout`` into ``tables`` (as for
+    :func:`blocked_unit_lower_inverse`; free on entry and exit)."""
+    if SWIZZLED:
         t = unit_lower_inverse_by_rows(a_save.load(layout), tables)
     else:
         t = inverse_by_rows(a_save, layout)

@@ -80,7 +80,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, fp16_products, redo_buffer, table_layout)
+    BLOCK, BLOCKS, fp16_products, redo_buffer, swizzled_redo, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -801,7 +801,7 @@ def _fused_fwd_kernel(
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
-            a_save = redo_buffer(BT)
+            a_save = redo_buffer(BT, swizzled_redo(QK_NORM))
         else:
             a_save = tables
         kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
