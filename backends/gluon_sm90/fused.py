@@ -45,8 +45,10 @@ ring, loading v (:data:`V_SLOTS` slots) and the T tiles itself, and the state ta
 ``v_new^T = u^T - P^T`` (:func:`_aux`): one product fewer on the chain, 80 KB more
 shared memory.
 
-Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``)
-and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``; T_u alone: two slots, as k/q).
+Phases: chunk ``t`` uses k/q, T and w/u slot ``t % 2`` (ready phase ``(t // 2) & 1``;
+``t % AUX_RING_SLOTS`` in the one-kernel build's k/q, T_u and gate rings,
+:data:`AUX_RING_SLOTS`) and v slot ``t % V_SLOTS`` (phase ``(t // V_SLOTS) & 1``; T_u
+alone: two slots).
 "empty" barriers are waited with the opposite phase (a
 fresh barrier's previous phase counts as complete), so the first use of a slot does not
 wait. A partition of several warps joins its warps (a barrier within the partition)
