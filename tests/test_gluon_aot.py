@@ -528,6 +528,22 @@ def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
 
 
 @pytest.mark.slow
+def test_padded_redo_buffer_fits_its_plan():
+    """:data:`.blocked_inverse.PADDED_REDO_BUFFER` in sm_90a's one-kernel builds (with and
+    without the qk l2 norm on chip): 32 bytes of padding a row of A's copy, 2 KB more shared
+    memory as planned, the same barriers, spills within the allowance, no wgmma serialized.
+    Off as shipped; the test compiles both."""
+    off = aux_builds_with(["gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
+    on = aux_builds_with(["gluon_common.blocked_inverse.PADDED_REDO_BUFFER=1"])
+    for before, after in zip(off, on):
+        assert after["planned"] == before["planned"] + 64 * 8 * 4 and after["mbarriers"] == before["mbarriers"], \
+            (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

@@ -309,43 +309,61 @@ def row_major_layout(rank=2):
 #: 0.498 ms at H16-HV32 4 x 8192, 0.939 -> 0.925 on ragged16, 1.019 -> 0.974 at HV 64, but
 #: 0.647 -> 0.681 with the qk l2 norm on chip, whose aux loop spills 64 bytes more for the
 #: swizzled addresses (240 -> 304 on sm_90a): on, but not in builds with the norm on chip
-#: (:func:`swizzled_redo`).
+#: (:func:`redo_layout`).
 SWIZZLED_REDO_BUFFER = gl.constexpr(True)
+#: The redo buffer's rows padded instead (every build, the qk l2 norm's too): 32 bytes after
+#: each 256-byte row, so that a warp's eight rows fall on distinct banks four at a time (two
+#: wavefronts a store, as swizzled) while its 16 stores keep one base and immediate offsets.
+#: 2 KB more shared memory; sm_90a spills (triton 3.6.0) as row-major without the norm
+#: (swizzled +8 bytes), +24 with it (swizzled +64). Not yet timed: off.
+PADDED_REDO_BUFFER = gl.constexpr(False)
+#: fp32 elements of padding after each row of the padded redo buffer.
+REDO_ROW_PADDING = 8
 
 
 @gluon.constexpr_function
-def swizzled_redo(l2_norm_on_chip):
-    """Whether a one-kernel build keeps A in the swizzled :func:`redo_buffer`
-    (:data:`SWIZZLED_REDO_BUFFER`; not with the qk l2 norm on chip)."""
-    return bool(SWIZZLED_REDO_BUFFER) and not l2_norm_on_chip
-
-
-@gluon.constexpr_function
-def redo_layout(swizzled):
-    """The shared layout of :func:`redo_buffer`: :func:`swizzled_redo`'s, else row-major."""
-    if swizzled:
+def redo_layout(BT, l2_norm_on_chip):
+    """The shared layout of :func:`redo_buffer` in a one-kernel build with or without the
+    qk l2 norm on chip: padded (:data:`PADDED_REDO_BUFFER`), swizzled
+    (:data:`SWIZZLED_REDO_BUFFER`, not with the norm on chip) or row-major."""
+    if PADDED_REDO_BUFFER:
+        return gl.PaddedSharedLayout.with_identity_for([[BT, REDO_ROW_PADDING]], [BT, BT], [1, 0])
+    if SWIZZLED_REDO_BUFFER and not l2_norm_on_chip:
         return gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     return row_major_layout()
 
 
-@gluon.jit
-def redo_buffer(BT: gl.constexpr, SWIZZLED: gl.constexpr = False):
-    """An fp32 [BT, BT] buffer (16 KB, :func:`redo_layout`) a loop keeps each chunk's A in
-    (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for :func:`redo_from_buffer`, so that a chunk
-    the fp16 inverse lost (:func:`fp16_products`) needs A formed again no more."""
-    return gl.allocate_shared_memory(gl.float32, [BT, BT], redo_layout(SWIZZLED))
+@gluon.constexpr_function
+def redo_in_place(l2_norm_on_chip):
+    """Whether :func:`redo_from_buffer` runs in the buffer itself (row-major,
+    :func:`redo_layout`)."""
+    return not PADDED_REDO_BUFFER and not (SWIZZLED_REDO_BUFFER and not l2_norm_on_chip)
+
+
+def redo_buffer_bytes(BT: int) -> int:
+    """Shared memory of :func:`redo_buffer` (its padding with :data:`PADDED_REDO_BUFFER`)."""
+    return BT * (BT + (REDO_ROW_PADDING if PADDED_REDO_BUFFER else 0)) * 4
 
 
 @gluon.jit
-def redo_from_buffer(a_save, tables, layout: gl.constexpr, SWIZZLED: gl.constexpr):
+def redo_buffer(BT: gl.constexpr, L2: gl.constexpr = False):
+    """An fp32 [BT, BT] buffer (16 KB, :func:`redo_layout` with the qk l2 norm on chip or
+    not: ``L2``) a loop keeps each chunk's A in (:func:`.wy.chunk_t_of_kk`'s ``a_save``) for
+    :func:`redo_from_buffer`, so that a chunk the fp16 inverse lost (:func:`fp16_products`)
+    needs A formed again no more."""
+    return gl.allocate_shared_memory(gl.float32, [BT, BT], redo_layout(BT, L2))
+
+
+@gluon.jit
+def redo_from_buffer(a_save, tables, layout: gl.constexpr, L2: gl.constexpr):
     """``(I + A)^-1`` by rows (:func:`inverse_by_rows`) of the A kept in ``a_save``
-    (:func:`redo_buffer`, ``SWIZZLED`` as allocated), in ``layout``: in place when the
-    buffer is row-major, else from A loaded back in ``layout`` into ``tables`` (as for
-    :func:`blocked_unit_lower_inverse`; free on entry and exit)."""
-    if SWIZZLED:
-        t = unit_lower_inverse_by_rows(a_save.load(layout), tables)
-    else:
+    (:func:`redo_buffer`, ``L2`` as allocated), in ``layout``: in place when the buffer is
+    row-major (:func:`redo_in_place`), else from A loaded back in ``layout`` into ``tables``
+    (as for :func:`blocked_unit_lower_inverse`; free on entry and exit)."""
+    if redo_in_place(L2):
         t = inverse_by_rows(a_save, layout)
+    else:
+        t = unit_lower_inverse_by_rows(a_save.load(layout), tables)
     return t
 
 

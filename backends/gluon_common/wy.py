@@ -82,7 +82,7 @@ from gdn_dispatch.varlen import ChunkTable
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
     blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_layout,
-    lost_half_range, redo_from_buffer, redone_diagonals, swizzled_redo, table_layout, unit_lower_inverse_by_rows)
+    lost_half_range, redo_from_buffer, redone_diagonals, table_layout, unit_lower_inverse_by_rows)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -575,7 +575,7 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
         if lost_half_range(t):
             # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
             t_layout: gl.constexpr = t.type.layout
-            t = redo_from_buffer(a_save, tables, t_layout, swizzled_redo(USE_L2NORM))
+            t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
         leave("aux.check")
     cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
     if vectors is not None:

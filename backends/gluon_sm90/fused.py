@@ -82,7 +82,7 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, fp16_products, redo_buffer, swizzled_redo, table_layout)
+    BLOCK, BLOCKS, fp16_products, redo_buffer, redo_buffer_bytes, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -803,7 +803,7 @@ def _fused_fwd_kernel(
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
         SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
-            a_save = redo_buffer(BT, swizzled_redo(QK_NORM))
+            a_save = redo_buffer(BT, QK_NORM)
         else:
             a_save = tables
         kk_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -1243,7 +1243,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     scores (``ring`` x 2 fp32 vectors)."""
     ring = ring_slots(state_scores) if ring is None else ring
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    redo = BT * BT * 4 if fp16_products() else 0
+    redo = redo_buffer_bytes(BT) if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
     return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
