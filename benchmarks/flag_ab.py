@@ -34,6 +34,8 @@ kernel's constexpr globals are fixed at its first compile).
                                              # fp16 inverse's redo without bank conflicts
     python benchmarks/flag_ab.py padded_redo_buffer  # blocked_inverse.PADDED_REDO_BUFFER: the same buffer's
                                              # rows padded instead, in every build
+    python benchmarks/flag_ab.py late_range_check  # blocked_inverse.LATE_RANGE_CHECK: the fp16 range check's
+                                             # reduction across the warps behind the gate vectors' barrier
     python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
                                              # the inverse on fp16 as shipped against tf32
 
@@ -42,7 +44,7 @@ call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between t
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``, ``swizzled_redo_buffer``, ``padded_redo_buffer``) measure a
+``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``, ``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``) measure a
 flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
 studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
 ``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
@@ -169,6 +171,9 @@ STUDIES = {
     # The same buffer's rows padded instead (the qk l2 norm's build too).
     "padded_redo_buffer": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "PADDED_REDO_BUFFER",
                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The fp16 inverse's range check decided after the gate vectors' barrier.
+    "late_range_check": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "LATE_RANGE_CHECK",
+                         (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The one-kernel build's k/q, T_u and gate rings in three slots: the aux two chunks ahead.
     "aux_ring_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_RING_SLOTS",
                        (gl.constexpr(2), gl.constexpr(3)), _ONE_KERNEL_SHAPES),

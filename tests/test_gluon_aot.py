@@ -544,6 +544,22 @@ def test_padded_redo_buffer_fits_its_plan():
 
 
 @pytest.mark.slow
+def test_late_range_check_fits_its_plan():
+    """:data:`.blocked_inverse.LATE_RANGE_CHECK` in sm_90a's one-kernel builds (with and
+    without the qk l2 norm on chip): the warps' sums of T's squares through 16 bytes of
+    shared memory, as planned, the same mbarriers, spills within the allowance, no wgmma
+    serialized. Off as shipped; the test compiles both."""
+    off = aux_builds_with(["gluon_common.blocked_inverse.LATE_RANGE_CHECK=0"])
+    on = aux_builds_with(["gluon_common.blocked_inverse.LATE_RANGE_CHECK=1"])
+    for before, after in zip(off, on):
+        assert after["planned"] == before["planned"] + 16 and after["mbarriers"] == before["mbarriers"], \
+            (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
+@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

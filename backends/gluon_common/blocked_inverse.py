@@ -508,6 +508,37 @@ def lost_half_range(t):
     return not _squares_in_range(gl.sum(gl.sum(t * t, 1), 0))
 
 
+#: The one-kernel build's range check without its reduction across the warps on the aux's
+#: chain: each warp sums its own rows' squares (:func:`warp_squares`, no shared memory), the
+#: four sums go to shared memory before the barrier the gate vectors' stores already take,
+#: and the decision (:func:`squares_lost_half_range`) and a redo come after it, T_u stored
+#: again then. Proton (H100, H16-HV32 4 x 8192): the check took ~490 cycles per aux warp and
+#: chunk, 10% of its inverse phase. Not yet timed: off.
+LATE_RANGE_CHECK = gl.constexpr(False)
+
+
+@gluon.constexpr_function
+def late_range_check_set():
+    """:data:`LATE_RANGE_CHECK` as set when the kernel compiles (read by name here, so that
+    Triton's cache key of every kernel calling this follows the flag)."""
+    return bool(LATE_RANGE_CHECK)
+
+
+@gluon.jit
+def warp_squares(t):
+    """The sums of squares of each warp's 16 rows of the [64, 64] ``t``
+    (:func:`inverse_layout`: warp r holds rows 16 r .. 16 r + 15): fp32 [4], each reduced
+    within its warp."""
+    t3 = gl.reshape(t, [BLOCKS, BLOCK, t.shape[1]])
+    return gl.sum(gl.sum(t3 * t3, 2), 1)
+
+
+@gluon.jit
+def squares_lost_half_range(squares):
+    """:func:`lost_half_range` from :func:`warp_squares`' four sums (any 1-D layout)."""
+    return not _squares_in_range(gl.sum(squares, 0))
+
+
 @gluon.jit
 def diagonals_lost_half_range(X, Y, W, Vb):
     """:func:`lost_half_range` of the four diagonals :func:`blocked_inverse_diagonals`

@@ -82,7 +82,7 @@ from gdn_dispatch.varlen import ChunkTable
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
     blocked_inverse_diagonals, blocked_unit_lower_inverse, diagonals_lost_half_range, fp16_products, inverse_layout,
-    lost_half_range, redo_from_buffer, redone_diagonals, table_layout, unit_lower_inverse_by_rows)
+    lost_half_range, redo_from_buffer, redone_diagonals, table_layout, unit_lower_inverse_by_rows, warp_squares)
 from gdn_dispatch.backends.gluon_common.compat import arg_names, reinterpret, thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
@@ -538,7 +538,7 @@ def chunk_t_blocked(k_smem, g, s_g, g_cum, beta, s_beta, row0, n_valid, i_h, HV,
 @gluon.jit
 def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar, KK_PHASE: gl.constexpr,
                       USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None, a_save=None, vectors=None,
-                      vector_row=0):
+                      vector_row=0, LATE_CHECK: gl.constexpr = False):
     """One chunk's ``T_u = (I + A)^-1 diag(beta)`` (fp32 [64, 64] in the engine's
     accumulator layout) and its gate cumsum (:func:`gate_cumsum`, fp32 [64] in ``g_raw``'s
     layout), for a kernel that keeps both on chip: nothing is written to global memory.
@@ -552,7 +552,10 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     :data:`SHARED_ROW_VECTORS`, :func:`row_vector_slots`, whose rows ``vector_row`` and
     ``vector_row + 1`` (the chunk's slot; free on entry: their reads two chunks back are
     behind the caller's barriers) keep the gate cumsum and beta, also for the caller's
-    reads after this returns."""
+    reads after this returns. With ``LATE_CHECK``
+    (:data:`.blocked_inverse.LATE_RANGE_CHECK`) the fp16 inverse's range is not checked
+    here: the third value returned is T's :func:`.blocked_inverse.warp_squares`, for the
+    caller's check (else it is not to be read)."""
     BT: gl.constexpr = k_smem.shape[0]
     kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
     # Profile phases (the fused kernel's aux partition): the gate cumsum, k k^T's wait, A,
@@ -570,19 +573,23 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     leave("aux.kk")
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
                                   False, a_save, vectors, vector_row)
+    squares = c  # not read unless LATE_CHECK
     if fp16_products():
-        enter("aux.check")
-        if lost_half_range(t):
-            # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
-            t_layout: gl.constexpr = t.type.layout
-            t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
-        leave("aux.check")
+        if LATE_CHECK:
+            squares = warp_squares(t)
+        else:
+            enter("aux.check")
+            if lost_half_range(t):
+                # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
+                t_layout: gl.constexpr = t.type.layout
+                t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
+            leave("aux.check")
     cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
     if vectors is not None:
         u_scale = vectors.index(vector_row + 1).load(cols)
     else:
         u_scale = gl.convert_layout(u_scale, cols)
-    return t * gl.expand_dims(u_scale, 0), c
+    return t * gl.expand_dims(u_scale, 0), c, squares
 
 
 @gluon.jit

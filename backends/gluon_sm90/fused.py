@@ -82,7 +82,8 @@ from gdn_dispatch.contract import CHUNK_SIZE, GDNProblem
 
 from gdn_dispatch.backends.gluon_common import engine as E
 from gdn_dispatch.backends.gluon_common.blocked_inverse import (
-    BLOCK, BLOCKS, fp16_products, redo_buffer, redo_buffer_bytes, table_layout)
+    BLOCK, BLOCKS, fp16_products, inverse_layout, late_range_check_set, redo_buffer, redo_buffer_bytes,
+    redo_from_buffer, squares_lost_half_range, table_layout)
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier, tma_load
 from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, fused_aot_kernels
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
@@ -671,7 +672,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, check_slot):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -685,7 +686,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     A waits for its redo (:func:`..gluon_common.blocked_inverse.redo_buffer`). With
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, ``row_vectors``
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
-    layouts."""
+    layouts. With :func:`late_range_check`, ``check_slot`` (fp32 [4]) takes the warps' sums
+    of T's squares across the gate vectors' barrier."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`).
@@ -698,6 +700,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     gl.static_assert(RING == s_ring.shape[0] or STATE_SCORES, "the aux's scores go to the T ring's slot")
     # Row vectors kept across the inverse: one register each.
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    LATE_CHECK: gl.constexpr = late_range_check(SAVE_A, STATE_SCORES)
     rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
     for t in range(NT):
         s = t % RING
@@ -728,10 +731,15 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             rk = None
         vector_row = 2 * (t % ROW_VECTOR_SLOTS)
         vectors = row_vectors if shared_row_vectors() else None
-        t_u, c = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0, NORMS,
-                                   ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row)
+        t_u, c, squares = chunk_t_u_on_chip(k_tile, beta, s_beta, row, n_valid, i_h, g_raw, b_raw, tables, kk_bar, 0,
+                                            NORMS, ENGINE, rk, a_save if SAVE_A else None, vectors, vector_row,
+                                            LATE_CHECK)
         enter("aux.store_t")
         t_ring.index(s).store(t_u.to(dtype))
+        if LATE_CHECK:
+            # Read after the gate vectors' barrier; the next chunk's store follows the
+            # barriers of its inverse, which every warp reaches after its read.
+            check_slot.store(squares)
         leave("aux.store_t")
         leave("aux.inverse")
         enter("aux.scores")
@@ -749,8 +757,37 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
                                use_acc=False, is_async=True)
             _store_scores_and_gates(qk, s_ring, gate_ring, s, g_row, g_end, n_valid, rq, rk, NORMS)
         leave("aux.scores")
+        if LATE_CHECK:
+            enter("aux.check")
+            _redo_if_lost(check_slot, a_save, tables, t_ring.index(s), vectors.index(vector_row + 1), NORMS)
+            leave("aux.check")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
+
+
+@gluon.constexpr_function
+def late_range_check(save_a, state_scores):
+    """Whether the one-kernel build checks the fp16 inverse's range after the gate vectors'
+    barrier (:data:`..gluon_common.blocked_inverse.LATE_RANGE_CHECK`; with A kept for the
+    redo, the state's scores and the shared row vectors, as shipped)."""
+    return late_range_check_set() and bool(save_a) and bool(state_scores) and shared_row_vectors()
+
+
+@gluon.jit
+def _redo_if_lost(check_slot, a_save, tables, t_slot, beta_row, NORMS: gl.constexpr):
+    """:func:`late_range_check`: the four warps' sums of T's squares in ``check_slot``; where
+    they say the fp16 inverse lost its range, T by rows from the A kept in ``a_save``, scaled
+    by the chunk's ``beta_row`` into the T_u slot ``t_slot`` again, fenced for the state's
+    wgmma and joined over the warps."""
+    BT: gl.constexpr = t_slot.shape[0]
+    every: gl.constexpr = gl.BlockedLayout([BLOCKS], [32], [gl.num_warps()], [0])
+    if squares_lost_half_range(check_slot.load(every)):
+        layout: gl.constexpr = inverse_layout()
+        t = redo_from_buffer(a_save, tables, layout, NORMS)
+        u_scale = beta_row.load(gl.SliceLayout(0, layout))
+        t_slot.store((t * gl.expand_dims(u_scale, 0)).to(t_slot.dtype))
+        fence_async_shared()
+        thread_barrier()
 
 
 @gluon.jit
@@ -812,6 +849,11 @@ def _fused_fwd_kernel(
             row_vectors = row_vector_slots(BT)
         else:
             row_vectors = tables  # not read
+        if late_range_check(SAVE_A, STATE_SCORES):
+            # The warps' sums of T's squares (LATE_RANGE_CHECK).
+            check_slot = gl.allocate_shared_memory(gl.float32, [BLOCKS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            check_slot = tables  # not read
     elif SINGLE_T:
         # T_u alone, two slots; no w or u (the state partition forms v_new from T_u).
         t_ring = gl.allocate_shared_memory(dtype, [2, BT, BT], t_desc.layout)
@@ -887,7 +929,7 @@ def _fused_fwd_kernel(
                       True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1245,7 +1287,8 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = redo_buffer_bytes(BT) if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
-    inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors if aux_t else 0
+    check = 4 * 4 if late_range_check(fp16_products(), state_scores) else 0
+    inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors + check if aux_t else 0
     return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * ring * BT * 4 + (4 * ring + 2 + v_slots) * 8
             + inverse)
