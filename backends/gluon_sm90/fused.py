@@ -779,7 +779,6 @@ def _redo_if_lost(check_slot, a_save, tables, t_slot, beta_row, NORMS: gl.conste
     they say the fp16 inverse lost its range, T by rows from the A kept in ``a_save``, scaled
     by the chunk's ``beta_row`` into the T_u slot ``t_slot`` again, fenced for the state's
     wgmma and joined over the warps."""
-    BT: gl.constexpr = t_slot.shape[0]
     every: gl.constexpr = gl.BlockedLayout([BLOCKS], [32], [gl.num_warps()], [0])
     if squares_lost_half_range(check_slot.load(every)):
         layout: gl.constexpr = inverse_layout()
