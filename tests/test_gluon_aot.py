@@ -527,20 +527,28 @@ def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
 
 
+def assert_flag_fits_its_plan(setting: str, extra_bytes: int) -> None:
+    """The one-kernel builds (:func:`aux_builds_with`) with the boolean build flag
+    ``setting`` (``MODULE.NAME``) off and on: on plans ``extra_bytes`` more shared memory and
+    the same mbarriers; each build's shared memory within its plan, its spills within the
+    allowance, no wgmma serialized."""
+    off = aux_builds_with([f"{setting}=0"])
+    on = aux_builds_with([f"{setting}=1"])
+    for before, after in zip(off, on):
+        assert after["planned"] == before["planned"] + extra_bytes, (before, after)
+        assert after["mbarriers"] == before["mbarriers"], (before, after)
+        for build in (before, after):
+            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
+            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+
+
 @pytest.mark.slow
 def test_padded_redo_buffer_fits_its_plan():
     """:data:`.blocked_inverse.PADDED_REDO_BUFFER` in sm_90a's one-kernel builds (with and
     without the qk l2 norm on chip): 32 bytes of padding a row of A's copy, 2 KB more shared
     memory as planned, the same barriers, spills within the allowance, no wgmma serialized.
     Off as shipped; the test compiles both."""
-    off = aux_builds_with(["gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
-    on = aux_builds_with(["gluon_common.blocked_inverse.PADDED_REDO_BUFFER=1"])
-    for before, after in zip(off, on):
-        assert after["planned"] == before["planned"] + 64 * 8 * 4 and after["mbarriers"] == before["mbarriers"], \
-            (before, after)
-        for build in (before, after):
-            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
-            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+    assert_flag_fits_its_plan("gluon_common.blocked_inverse.PADDED_REDO_BUFFER", 64 * 8 * 4)
 
 
 @pytest.mark.slow
@@ -549,14 +557,7 @@ def test_late_range_check_fits_its_plan():
     without the qk l2 norm on chip): the warps' sums of T's squares through 16 bytes of
     shared memory, as planned, the same mbarriers, spills within the allowance, no wgmma
     serialized. Off as shipped; the test compiles both."""
-    off = aux_builds_with(["gluon_common.blocked_inverse.LATE_RANGE_CHECK=0"])
-    on = aux_builds_with(["gluon_common.blocked_inverse.LATE_RANGE_CHECK=1"])
-    for before, after in zip(off, on):
-        assert after["planned"] == before["planned"] + 16 and after["mbarriers"] == before["mbarriers"], \
-            (before, after)
-        for build in (before, after):
-            assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
-            assert build["spills"] <= build["allowed"] and not build["serialized"], build
+    assert_flag_fits_its_plan("gluon_common.blocked_inverse.LATE_RANGE_CHECK", 16)
 
 
 @pytest.mark.slow
