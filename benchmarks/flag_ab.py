@@ -44,11 +44,12 @@ call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between t
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``, ``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``) measure a
-flag on top of the others as shipped, all on. ``--with OTHER[,OTHER...]`` turns other
-studies' flags on in both arms (a flag measured on top of another one not shipped), e.g.
-``python benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns
-them off in both arms (a flag measured on top of a build without another), e.g. ``python
+``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``,
+``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``) measure a flag on
+top of the others as shipped. ``--with OTHER[,OTHER...]`` turns other studies' flags on in
+both arms (a flag measured on top of another one not shipped), e.g. ``python
+benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns them off
+in both arms (a flag measured on top of a build without another), e.g. ``python
 benchmarks/flag_ab.py aux_t --without f16_inverse,half_tables,diagonal_series``: the chunk
 inverses in the fused kernel or in the T kernel, both on tf32 products. The studies of the
 two-launch build (:data:`TWO_LAUNCH_STUDIES`) add ``--without aux_t`` themselves.

@@ -334,10 +334,10 @@ def redo_layout(BT, l2_norm_on_chip):
 
 
 @gluon.constexpr_function
-def redo_in_place(l2_norm_on_chip):
-    """Whether :func:`redo_from_buffer` runs in the buffer itself (row-major,
-    :func:`redo_layout`)."""
-    return not PADDED_REDO_BUFFER and not (SWIZZLED_REDO_BUFFER and not l2_norm_on_chip)
+def redo_in_place(BT, l2_norm_on_chip):
+    """Whether :func:`redo_from_buffer` runs in the buffer itself: :func:`redo_layout` is
+    row-major."""
+    return redo_layout(BT, l2_norm_on_chip) == row_major_layout()
 
 
 def redo_buffer_bytes(BT: int) -> int:
@@ -360,7 +360,7 @@ def redo_from_buffer(a_save, tables, layout: gl.constexpr, L2: gl.constexpr):
     (:func:`redo_buffer`, ``L2`` as allocated), in ``layout``: in place when the buffer is
     row-major (:func:`redo_in_place`), else from A loaded back in ``layout`` into ``tables``
     (as for :func:`blocked_unit_lower_inverse`; free on entry and exit)."""
-    if redo_in_place(L2):
+    if redo_in_place(a_save.shape[0], L2):
         t = inverse_by_rows(a_save, layout)
     else:
         t = unit_lower_inverse_by_rows(a_save.load(layout), tables)
