@@ -317,9 +317,10 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
     from gdn_dispatch.backends.gluon_common.forward import plan_call
 
     call = plan_call(problem, device, engine=module.ENGINE)
-    if call.context_parallel.chained:
-        # Chained segments: the front stages, pass 1 with N's blocks alone and the fused
-        # kernel over the segment slots with the call's flags (no scan).
+    if call.context_parallel.chained and not call.launches.fused:
+        # Chained segments on the pipeline: the front stages, pass 1 with N's blocks alone
+        # and the fused kernel over the segment slots with the call's flags (no scan). On
+        # the one-kernel build (the warm chain) the call's own launches are its keys.
         keys = {_launch_key(launch) for launch in call.launches.stages if launch.kernel != "state_output_fwd"}
         return frozenset(keys | {_launch_key(call.segment_map), _launch_key(call.state_output)})
     if call.segments is None:

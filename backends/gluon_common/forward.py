@@ -107,7 +107,7 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     # Plans read shapes, dtypes and flags, never strides: planned before any copy, so that
     # the path's own needs decide what is copied.
     cp = plan_for_problem(problem, device.sm_count)
-    launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
+    launches = call_launches(problem, cp, device, engine)
     # The common forms in one native call, where the layer is built (None: not taken).
     pass_two = None
     if cp.chained:
@@ -130,6 +130,8 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     chunks = problem.chunks
     if launches.fused:
         q, k = problem.q, problem.k
+        if cp.chained:
+            return warm_chained_fwd(problem, cp, launches, engine, q, k)
         if launches.inverses_on_chip:
             o, g_cum, t_tiles, final_state = call_buffers(problem, launches, cp, 0)
         else:
@@ -154,6 +156,38 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
         state_indices=problem.state_indices, out=buffers[3:],
     )
     return o, final_state
+
+
+def call_launches(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine) -> ForwardPlan:
+    """The launches of ``problem`` under its context-parallel plan ``cp``: the call's own
+    (the pipeline's front and fused kernel where ``cp`` segments it), or, for chained
+    segments on a class with the one-kernel build, that build over the segment slots
+    (:meth:`~.plan.ClassPlan.warm_chain`)."""
+    launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
+    if cp.chained:
+        warm = launches.cls.warm_chain(launches.rows, cp.num_segments)
+        if warm is not None:
+            return warm
+    return launches
+
+
+def warm_chained_fwd(problem: GDNProblem, cp: CPPlan, launches: ForwardPlan, engine, q: torch.Tensor,
+                     k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recurrence and output of ``problem`` over the chained segments of ``cp`` in one
+    launch of the one-kernel build (:mod:`.warm_chain`): each segment's program walks the
+    forgetting suffix before it again from zeros, or waits for the segment before it to
+    hand its end state over; no pass 1, no scan.
+
+    ``launches``: the call's :meth:`~.plan.ClassPlan.warm_chain`; ``q``, ``k``: the
+    (TMA-readable; with the qk l2 norm off chip, normalized) q and k the kernel reads.
+    Returns o and the final state as :func:`forward` does (pool rows written back with
+    ``inplace_final_state``)."""
+    HV, NSEG = problem.HV, cp.num_segments
+    hand = torch.empty(NSEG * HV, problem.K, problem.V, dtype=torch.float32, device=k.device)
+    flags = torch.empty(NSEG * HV + 1, dtype=torch.int32, device=k.device)
+    # The one-kernel build reads no T tiles and no g_cum: the hand-over buffer stands in.
+    return engine.fused.fused_fwd(problem, hand, hand, launches.stage("fused_fwd"), q=q, k=k,
+                                  chain=(hand, flags, cp.seg_len, NSEG))
 
 
 def tma_readable(problem: GDNProblem, names: tuple[str, ...] = ("q", "k", "v")) -> GDNProblem:
@@ -340,7 +374,9 @@ class CallPlan:
     Attributes
     ----------
     context_parallel : CPPlan, the planner's decision on the device's SM count.
-    launches : ForwardPlan of the call ([qk_l2norm_fwd,] wy_fwd, [qk_rnorm_fwd,] state_output_fwd).
+    launches : ForwardPlan of the call ([qk_l2norm_fwd,] wy_fwd, [qk_rnorm_fwd,] state_output_fwd;
+        or the path's, [qk_l2norm_fwd,] fused_fwd, with chained segments over the slots on
+        the one-kernel build: :func:`call_launches`).
     segments : ForwardPlan of the call over its segments (its state_output_fwd stage is
         pass 2), or None when the call runs unsegmented.
     """
@@ -365,8 +401,11 @@ class CallPlan:
 
     @property
     def segment_map(self):
-        """Pass 1's launch seen with the call's segment slots (None unsegmented)."""
+        """Pass 1's launch seen with the call's segment slots (None unsegmented, and on the
+        warm chain, which has none)."""
         cp, rows = self.context_parallel, self.launches.rows
+        if cp.chained and self.launches.fused:
+            return None  # the warm chain has no pass 1
         if cp.chained:
             return self._chained()[0].bind(rows, cp.num_segments)
         if self.segments is None:
@@ -377,7 +416,7 @@ class CallPlan:
     def state_output(self):
         """The LaunchPlan of the kernel that runs the recurrence (pass 2's when
         segmented; the warp-specialized kernel's on that path)."""
-        if self.context_parallel.chained:
+        if self.context_parallel.chained and not self.launches.fused:
             return self._chained()[1].bind(self.launches.rows, self.context_parallel.num_segments)
         launches = self.segments or self.launches
         return launches.stage("fused_fwd" if launches.fused else "state_output_fwd")
@@ -429,7 +468,7 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
     cp = plan_for_problem(problem, device.sm_count)
-    launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
+    launches = call_launches(problem, cp, device, engine)
     if not cp.enabled or cp.chained:
         return CallPlan(context_parallel=cp, launches=launches, segments=None)
     segments = segment_launches(problem, cp, device, engine, launches,

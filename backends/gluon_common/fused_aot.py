@@ -57,13 +57,16 @@ def fused_aot_kernels(cases: list[dict], capability: tuple[int, int], backend: s
         sig.update(o_ptr="*" + sig_dtype(case["dtype"]), g_cum="*fp32", h0="*" + sig_dtype(case["state_dtype"]),
                    ht="*fp32", state_indices="*" + sig_dtype(case["index_dtype"] if case["pool"] else case["cu_dtype"]),
                    cu_seqlens="*" + sig_dtype(case["cu_dtype"]), scale="fp32", HV="i32", GROUP="i32", pool_size="i32",
-                   g="*fp32", beta="*fp32", s_g="i32", s_beta="i32")
+                   g="*fp32", beta="*fp32", s_g="i32", s_beta="i32", k_ptr="*" + sig_dtype(case["dtype"]),
+                   hand="*fp32", chain_flags="*i32" if launch.constexprs.get("CHAIN") else "*" + sig_dtype(case["cu_dtype"]),
+                   s_k="i32", N="i32", L="i32", NSEG="i32")
         sig.update({name: "constexpr" for name in launch.constexprs})
         kernels.append(AotKernel(
             backend=backend, kernel="fused_fwd", specialization=case_tag(case), fn=fn,
             signature={name: sig[name] for name in arg_names(fn)},
             constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
             attrs=pointer_attrs(fn, [name for name in ("o_ptr", "g_cum", "g", "beta", "h0", "ht", "state_indices",
-                                                       "cu_seqlens") if name in arg_names(fn)]),
+                                                       "cu_seqlens", "k_ptr", "hand", "chain_flags")
+                                     if name in arg_names(fn)]),
             spill_bytes_allowed=spill_bytes_allowed))
     return kernels

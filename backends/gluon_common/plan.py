@@ -35,6 +35,7 @@ from gdn_dispatch.backends.gluon_common.launch_plan import (
 from gdn_dispatch.backends.gluon_common.qk_norm import (
     clear_norm_plans, needs_norm_copies, plan_qk_l2norm, plan_qk_rnorm)
 from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map, segment_map_supported
+from gdn_dispatch.backends.gluon_common import warm_chain
 from gdn_dispatch.backends.gluon_common.state_output import (
     chained_plan, plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -173,7 +174,7 @@ class ClassPlan:
     #: chunk (``forward.segment_launches``), made on use.
     segment_classes: dict = field(default_factory=dict, repr=False)
     #: Chained segments' (pass 1, pass 2) by the fused kernel's configuration
-    #: (:meth:`chained`), made on use.
+    #: (:meth:`chained`), and the warm chain's launches (:meth:`warm_chain`), made on use.
     chain_plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -204,6 +205,19 @@ class ClassPlan:
             got = self.chain_plans[id(state_output)] = (self.segment_map_chain, chained_plan(state_output))
         return got
 
+    def warm_chain(self, rows: int, num_segments: int) -> ForwardPlan | None:
+        """A chained call's launches on the class's one-kernel build (:mod:`.warm_chain`):
+        the path's launches with its fused kernel over the ``num_segments`` segment slots
+        (``CHAIN``), for ``rows = B * T`` tokens; None where the class has no one-kernel
+        build (its chained calls run the pipeline's passes, :meth:`chained`) or
+        :data:`.warm_chain.WARM_CHAIN` is off."""
+        if not warm_chain.WARM_CHAIN or self.fused is None or self.fused[-1].constexprs.get("AUX_T") is not True:
+            return None
+        launches = self.chain_plans.get(WARM_KEY)
+        if launches is None:
+            launches = self.chain_plans[WARM_KEY] = (*self.fused[:-1], warm_chain.warm_chain_plan(self.fused[-1]))
+        return ForwardPlan(self, launches, rows, num_segments)
+
     def for_call(self, rows: int, num_seqs: int, fused: bool = True, busy_seqs: int | None = None) -> ForwardPlan:
         """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
         ``busy_seqs`` of them holding tokens where the host knows it (memoized per counts,
@@ -218,6 +232,9 @@ class ClassPlan:
                                                       num_seqs)
         return fp
 
+
+#: The key of a class's warm-chain launches in its ``chain_plans``.
+WARM_KEY = "warm"
 
 #: (B * T, N) pairs a ClassPlan keeps the ForwardPlan of (one dict lookup per call; a
 #: server's counts vary, so the dict is emptied when it fills).

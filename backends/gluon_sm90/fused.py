@@ -96,6 +96,8 @@ from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
+from gdn_dispatch.backends.gluon_common.warm_chain import (
+    chain_item, chain_last_slot, wait_hand_over, warm_chain_plan, warm_row)
 from gdn_dispatch.backends.gluon_common.wy import (
     ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, row_vector_slots, shared_row_vectors)
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
@@ -248,7 +250,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
            LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False, graw_ring=None,
-           SCORES: gl.constexpr = False):
+           SCORES: gl.constexpr = False, store_from=0, WARM: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
@@ -258,7 +260,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     ``SCORES`` (:data:`STATE_SCORES`) it forms the chunk's causal scores itself into its
     scores slot, ``q k^T`` issued once those two products are done (with
     :data:`SCORES_BEHIND_V_NEW` behind v_new^T's product instead), gated with the rows the aux
-    partition leaves in ``graw_ring``."""
+    partition leaves in ``graw_ring``. With ``WARM`` (:mod:`..gluon_common.warm_chain`) the
+    chunks before row ``store_from`` are walked for the state alone: their o is not stored."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -341,7 +344,11 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
                     s, phase, row + 2 * BT, slot0 + t + 2, col_k, col_v, HV, i_h, CHAIN, AUX_T)
         leave("state.refill")
         enter("state.store")
-        _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
+        if WARM:
+            if row >= store_from:
+                _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
+        else:
+            _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
         leave("state.store")
     tma.store_wait(0)
     return (S,)
@@ -806,20 +813,30 @@ def _loader(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, k
         _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, bos + t * BT, col_k)
 
 
-@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "s_g", "s_beta"])
+@gluon.jit(do_not_specialize=["HV", "GROUP", "pool_size", "s_g", "s_beta", "s_k", "N", "L", "NSEG"])
 def _fused_fwd_kernel(
-    q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, g, beta, h0, ht, state_indices, cu_seqlens, scale,
-    HV, GROUP, pool_size, s_g, s_beta,
+    q_desc, k_desc, v_desc, t_desc, o_desc, o_ptr, g_cum, g, beta, h0, ht, state_indices, cu_seqlens, k_ptr, hand,
+    chain_flags, scale, HV, GROUP, pool_size, s_g, s_beta, s_k, N, L, NSEG,
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
     SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
-    STATE_SCORES: gl.constexpr,
+    STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
-    i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
+    gl.static_assert(not CHAIN or AUX_T, "chained segments on the one-kernel build alone")
+    if CHAIN:
+        # A segment slot (:mod:`..gluon_common.warm_chain`): the walk may start before it.
+        ticket = gl.atomic_add(chain_flags + NSEG * HV, 1)
+        slot, i_h, i_n, seq_bos, bos, eos = chain_item(ticket, cu_seqlens, N, L, HV)
+        col_k = (i_h // GROUP) * K
+        col_v = i_h * V
+        NT = gl.cdiv(eos - bos, BT)
+    else:
+        i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT,
+                                                                              True)
     block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
     slot0 = first_t_slot(bos, i_n, BT, HAS_TAILS)
 
@@ -897,7 +914,28 @@ def _fused_fwd_kernel(
 
     # S^T [V, K]: the initial state staged through the k/q ring before any load is issued.
     acc_s: gl.constexpr = wgmma_layout(V, K, gl.num_warps())
-    if USE_H0:
+    store_from = bos
+    if CHAIN:
+        later = bos > seq_bos
+        warm = bos * 0 - 1
+        if later:
+            warm = warm_row(g, s_g, beta, s_beta, k_ptr, s_k, col_k, i_h, seq_bos, bos, K, BT, QK_NORM)
+        if warm >= 0:
+            # The forgetting suffix before the segment walked again from zeros.
+            S = gl.zeros([V, K], gl.float32, acc_s)
+            bos = warm
+            NT = gl.cdiv(eos - bos, BT)
+        elif later:
+            prev = (slot - 1) * HV + i_h
+            wait_hand_over(chain_flags, prev)
+            S = state_in(hand, kq_ring, prev, 0, K, V, V, False, False, acc_s, True, True)
+        elif USE_H0:
+            S = state_in(h0, kq_ring, block, 0, K, V, V, STATE_VK, USE_POOL, acc_s, True)
+        else:
+            S = gl.zeros([V, K], gl.float32, acc_s)
+        fence_async_shared()
+        thread_barrier()
+    elif USE_H0:
         S = state_in(h0, kq_ring, block, 0, K, V, V, STATE_VK, USE_POOL, acc_s, True)
         fence_async_shared()
         thread_barrier()
@@ -925,7 +963,7 @@ def _fused_fwd_kernel(
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                       o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES)),
+                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES, store_from, CHAIN)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
                             STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot)),
@@ -962,7 +1000,19 @@ def _fused_fwd_kernel(
                     g_cum, HV, i_h, bos, eos, NT, slot0, col_v)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
 
-    if STORE_HT or INPLACE:
+    if CHAIN:
+        slot, i_h, i_n, seq_bos, bos, eos = chain_item(ticket, cu_seqlens, N, L, HV)
+        if slot == chain_last_slot(cu_seqlens, i_n, L):
+            if STORE_HT or INPLACE:
+                block = state_block(state_indices, i_n, i_h, HV, pool_size, USE_POOL)
+                state_out(ht, i_n * HV + i_h, h0, block, 0, S, kq_ring, K, V, V, STATE_VK, STORE_HT, INPLACE, True)
+        else:
+            # Handed over whether or not the next segment waits for it (it decides alone).
+            state_out(hand, slot * HV + i_h, hand, -1, 0, S, kq_ring, K, V, V, False, True, False, True)
+            # Every thread's part of the state is stored before the count says so.
+            thread_barrier()
+            gl.atomic_add(chain_flags + slot * HV + i_h, 1, sem="release")
+    elif STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
         # the register budget changes (ptxas kept them in local memory).
         i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
@@ -1218,9 +1268,12 @@ def fused_reason(problem: GDNProblem) -> str | None:
     return None
 
 
-def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
+def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> BoundLaunch:
     """Launch plan of :func:`fused_fwd` for ``problem`` (a dry run): one program per
-    (sequence, v-head), :func:`state_warps` for the state plus the aux warpgroup."""
+    (sequence, v-head), :func:`state_warps` for the state plus the aux warpgroup; with
+    ``chain`` one per (segment slot, v-head) of chained segments warmed up from their
+    forgetting suffix (``CHAIN``, :mod:`..gluon_common.warm_chain`; the one-kernel build
+    alone)."""
     H, HV, K, V, dtype = problem.H, problem.HV, problem.K, problem.V, problem.dtype
     BT = CHUNK_SIZE
     constexprs = {name: value for name, value in state_constexprs(problem, engine).items() if name != "USE_L2NORM"}
@@ -1237,6 +1290,9 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
     # The chain order that keeps the wgmma pipelined (T_u alone: the state forms v_new).
     constexprs["EARLY_O1"] = EARLY_O1 and t_tiles == 1
     state_scores = constexprs["STATE_SCORES"] = on_chip_t and constexprs["EARLY_O1"] and STATE_SCORES
+    if chain and not on_chip_t:
+        raise ValueError("plan_fused: chained segments run on the one-kernel build (fused.AUX_T) alone")
+    constexprs["CHAIN"] = False
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
@@ -1265,6 +1321,8 @@ def plan_fused(problem: GDNProblem, device, *, engine) -> BoundLaunch:
                + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")
                + ("; the scores in the state partition" if state_scores else "")),
     )
+    if chain:
+        launch = warm_chain_plan(launch)
     return launch.bind(problem.B * problem.T, problem.N)
 
 
@@ -1295,7 +1353,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
               *, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
-              out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+              out: tuple[torch.Tensor, torch.Tensor | None] | None = None, chain: tuple | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and output of ``problem`` (validated, TMA-readable q / k / v) from
     the call's :func:`~..gluon_common.wy_t.wy_t_fwd` (``t_tiles``, ``g_cum``), one launch.
@@ -1307,9 +1365,16 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     Returns o ``[B, T, HV, V]`` in q's dtype and the float32 final state (``[N, HV, K, V]``
     "kv" or ``[N, HV, V, K]`` "vk") or None unless ``problem.output_final_state``; with a
     pool and ``inplace_final_state`` the pool rows are written back too. ``out``: (o,
-    final state) allocated by the caller, or None to allocate them here.
+    final state) allocated by the caller, or None to allocate them here. ``chain``: with a
+    ``CHAIN`` plan (``plan_fused(..., chain=True)``), ``(hand, chain_flags, seg_len, NSEG)``:
+    the sequences walked as chained segments of ``seg_len`` tokens (a multiple of the
+    chunk) in ``NSEG`` slots (:mod:`gdn_dispatch.context_parallel`'s slots), ``hand`` a
+    float32 ``[NSEG * HV, K, V]`` hand-over buffer and ``chain_flags`` int32 ``[NSEG * HV +
+    1]`` (zeroed here, on the stream); None otherwise.
     """
     launch = launch.shared
+    if launch.constexprs["CHAIN"] != (chain is not None):
+        raise ValueError("chain: a CHAIN plan needs (hand, chain_flags, seg_len, NSEG), another plan none")
     q = problem.q if q is None else q
     k = problem.k if k is None else k
     v = problem.v
@@ -1327,21 +1392,28 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
         launch, q, k, v, t_tiles, o, g_cum, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, problem.state_indices if use_pool else cu, cu,
         float(problem.scale), h0.shape[0] if use_pool else 0, problem.g, problem.beta, token_stride(problem.g),
-        token_stride(problem.beta))
-    launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N)
+        token_stride(problem.beta), token_stride(k),
+        None if chain is None else (chain[0], chain[1], N, chain[2], chain[3]))
+    if chain is not None:
+        chain[1].zero_()
+    launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N if chain is None else chain[3])
     return o, final_state
 
 
 def fused_launch_args(launch: LaunchPlan, q, k, v, t_tiles, o, g_cum, h0, ht, state_indices, cu_seqlens, scale,
-                      pool_size, g, beta, s_g, s_beta) -> tuple[dict, dict]:
+                      pool_size, g, beta, s_g, s_beta, s_k, chain: tuple | None = None) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_fused_fwd_kernel`` launch, the
     unused pointers replaced by a stand-in (what :func:`fused_fwd` launches with;
     :mod:`..gluon_common.call_program` binds the same lists). ``g``, ``beta`` (token
-    strides ``s_g``, ``s_beta``): read with :data:`AUX_T` only."""
+    strides ``s_g``, ``s_beta``): read with :data:`AUX_T` only; k's rows by pointer (token
+    stride ``s_k``) by a ``CHAIN`` plan alone. ``chain``: a ``CHAIN``
+    plan's ``(hand, chain_flags, N, seg_len, NSEG)`` (:func:`fused_fwd`); else the chain's
+    pointers are stand-ins and its counts 0."""
+    hand, flags, num_seqs, seg_len, slots = chain if chain is not None else (g_cum, cu_seqlens, 0, 0, 0)
     return {"q": q, "k": k, "v": v, "t": t_tiles, "o": o}, dict(
         o_ptr=o, g_cum=g_cum, g=g, beta=beta, h0=h0, ht=ht, state_indices=state_indices, cu_seqlens=cu_seqlens,
-        scale=scale, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], pool_size=pool_size, s_g=s_g,
-        s_beta=s_beta)
+        k_ptr=k, hand=hand, chain_flags=flags, scale=scale, HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"],
+        pool_size=pool_size, s_g=s_g, s_beta=s_beta, s_k=s_k, N=num_seqs, L=seg_len, NSEG=slots)
 
 
 def fused_kernels_for_aot(capability: tuple[int, int], backend: str, *, engine) -> list[AotKernel]:
