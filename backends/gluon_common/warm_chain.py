@@ -33,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from gdn_dispatch.backends.gluon_common.launch_plan import LaunchPlan
 from gdn_dispatch.backends.gluon_common.masks import add
 from gdn_dispatch.backends.gluon_common.recurrence import slot_sequence
+from gdn_dispatch.backends.gluon_common.segment_chain import chain_last_slot
 from gdn_dispatch.backends.gluon_common.wy import GATE_FLOOR, LOG2E
 from gdn_dispatch.backends.triton_generic.segment_map import MAP_NEGLIGIBLE_LOG2
 
@@ -52,12 +53,6 @@ def chain_item(ticket, cu_seqlens, N, L, HV):
     n, seq_bos, seq_eos = slot_sequence(cu_seqlens, N, L, slot)
     start = seq_bos + (slot - (seq_bos // L + n)) * L
     return slot, i_h, n, seq_bos, gl.minimum(start, seq_eos), gl.minimum(start + L, seq_eos)
-
-
-@gluon.jit
-def chain_last_slot(cu_seqlens, n, L):
-    """The last segment slot of sequence ``n``."""
-    return gl.load(cu_seqlens + n + 1).to(gl.int32) // L + n
 
 
 @gluon.jit

@@ -96,8 +96,8 @@ from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
-from gdn_dispatch.backends.gluon_common.warm_chain import (
-    chain_item, chain_last_slot, wait_hand_over, warm_chain_plan, warm_row)
+from gdn_dispatch.backends.gluon_common.segment_chain import chain_last_slot
+from gdn_dispatch.backends.gluon_common.warm_chain import chain_item, wait_hand_over, warm_chain_plan, warm_row
 from gdn_dispatch.backends.gluon_common.wy import (
     ROW_VECTOR_SLOTS, chunk_rows_ahead, chunk_rows_early, chunk_t_u_on_chip, row_vector_slots, shared_row_vectors)
 from gdn_dispatch.backends.gluon_common import wy_t as _wy_t
