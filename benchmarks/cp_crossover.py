@@ -15,7 +15,9 @@ so every segment is walked whole (long-memory heads). ``--segments`` also times 
 shape with each of those forced segment counts (a column per count). ``--chain-fill X``
 runs "auto" under the planner's constants with ``chain_fill = X`` (chained segments
 between a quarter of the SMs and ``X`` of them; a backend without them refuses the call).
-Prints a markdown table last (median of 15 x 5 replays).
+``--warm-chain`` runs chained plans on gluon_sm90's one-kernel build, warmed up from each
+segment's forgetting suffix (``warm_chain.WARM_CHAIN`` on). ``--shapes 16/32/1/32768,...``
+times those (H/HV/N/tokens) alone. Prints a markdown table last (median of 15 x 5 replays).
 """
 import argparse
 import dataclasses
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated forced segment counts to time beside off and auto")
     parser.add_argument("--chain-fill", type=float, default=None,
                         help="plan 'auto' with chained segments below this fraction of the SMs")
+    parser.add_argument("--warm-chain", action="store_true",
+                        help="chained plans on the one-kernel build (warm_chain.WARM_CHAIN on)")
+    parser.add_argument("--shapes", type=lambda x: [tuple(int(n) for n in s.split("/")) for s in x.split(",")],
+                        default=None, help="comma-separated H/HV/N/tokens to time instead of the table's")
     return parser.parse_args(argv)
 
 
@@ -78,13 +84,17 @@ def main():
     args = parse_args()
     if args.chain_fill is not None:
         context_parallel.TUNING = dataclasses.replace(context_parallel.TUNING, chain_fill=args.chain_fill)
+    if args.warm_chain:
+        from gdn_dispatch.backends.gluon_common import warm_chain
+
+        warm_chain.WARM_CHAIN = True
     t0 = time.time()
     forced = "".join(f" {n} segs ms |" for n in args.segments)
     rows = [f"| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |{forced}",
             "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * len(args.segments)]
     print(f"gates: {args.gates} (logsigmoid(randn) / {GATE_DIVISORS[args.gates]:g}), backend {args.backend}, "
-          f"{context_parallel.TUNING}", flush=True)
-    for H, HV, N, L in SHAPES:
+          f"{context_parallel.TUNING}{', warm chain' if args.warm_chain else ''}", flush=True)
+    for H, HV, N, L in args.shapes or SHAPES:
         call = call_for(H, HV, N, L, GATE_DIVISORS[args.gates])
         plan = plan_for_problem(make_problem(**call), torch.cuda.get_device_properties(0).multi_processor_count)
         off, auto = graph_ms(call, "off", args.backend), graph_ms(call, "auto", args.backend)
