@@ -12,7 +12,8 @@ path), both state layouts,
 the in-kernel l2 norm, initial and final state on and off, every admitted dtype, and for a
 backend that runs context parallelism a forced segment count on about a third of the
 calls (drawn from a stream of its own, so the other draws stay as they were); those calls
-again as chained segments of the same length (:func:`_chained_plans`).
+again as chained segments of the same length (:func:`_chained_plans`), and gluon_sm90's on
+its warm chain (its one-kernel build over the segment slots, ``warm_chain.WARM_CHAIN``).
 
 Kernels specialize on the head shape and the feature flags, so a case draws those from a
 pool of a dozen *specializations* per seed, and its lengths and data freshly: hundreds of
@@ -477,6 +478,32 @@ def test_fuzz_gpu_chained(case, monkeypatch):
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     _chained_plans(monkeypatch)
     _check(case, "cuda")
+
+
+def _sm90_forced_cases(cases):
+    """The draw's forced-segment calls of gluon_sm90 (the backend with a warm chain)."""
+    return [(i, c) for i, c in _forced_cases(cases) if c.backend == "gluon_sm90"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params(_sm90_forced_cases, "-warm-chained")))
+def test_fuzz_gpu_warm_chained(case, monkeypatch):
+    """gluon_sm90's forced-segment calls as chained segments with the warm chain on (its
+    one-kernel build over the segment slots, where the call's class has that build),
+    against the reference."""
+    from gdn_dispatch.backends.gluon_common import warm_chain
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("GDN_BACKEND", raising=False)
+    _chained_plans(monkeypatch)
+    monkeypatch.setattr(warm_chain, "WARM_CHAIN", True)
+    clear_plan_cache()
+    try:
+        _check(case, "cuda")
+    finally:
+        clear_plan_cache()
 
 
 # --- CPU tier -----------------------------------------------------------------------------
