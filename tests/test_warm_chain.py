@@ -157,9 +157,9 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 
 def _gates(call: dict, per_head: list[float]) -> dict:
-    """v-head h's gates scaled by ``per_head[h % len(per_head)]``: 0.02 keeps a state alive
-    through every segment (hand-overs), 40 makes each chunk forget (about -75 bits a chunk,
-    the warm-up of one chunk)."""
+    """v-head h's gates scaled by ``per_head[h % len(per_head)]``: 0.002 keeps a state alive
+    through the warm-up window (about -6 bits over its 2048 tokens: hand-overs), 40 makes
+    each chunk forget (the warm-up of one chunk), 0.25 forgets in about three chunks."""
     HV = call["g"].shape[-1]
     scale = torch.tensor([per_head[h % len(per_head)] for h in range(HV)], dtype=call["g"].dtype,
                          device=call["g"].device)
@@ -195,16 +195,16 @@ def _chained(problem, seg_len: int):
 
 CASES = [
     # (lengths, dtype, segment length, gate factors per v-head, layout, initial state, l2, pool)
-    pytest.param([3000, 0, 1, 64, 700, 4097], torch.bfloat16, 256, [0.02, 40.0], "kv", True, False, None,
+    pytest.param([3000, 0, 1, 64, 700, 4097], torch.bfloat16, 256, [0.002, 40.0], "kv", True, False, None,
                  id="ragged-bf16-kv-mixed"),
     pytest.param([3000, 0, 1, 64, 700, 4097], torch.bfloat16, 256, [40.0], "vk", True, False, None,
                  id="ragged-bf16-vk-forget"),
-    pytest.param([3000, 0, 1, 64, 700, 4097], torch.float16, 256, [0.02], "kv", False, False, None,
+    pytest.param([3000, 0, 1, 64, 700, 4097], torch.float16, 256, [0.002], "kv", False, False, None,
                  id="ragged-fp16-kv-kept-no-h0"),
-    pytest.param([2048, 2048, 2048], torch.bfloat16, 512, [40.0, 0.02], "kv", True, True, None,
+    pytest.param([2048, 2048, 2048], torch.bfloat16, 512, [40.0, 0.002], "kv", True, True, None,
                  id="uniform-bf16-l2-mixed"),
     # About -18 bits a chunk: suffixes of three chunks.
-    pytest.param([5000, 0, 333], torch.bfloat16, 1024, [0.25, 0.02], "vk", True, False, torch.bfloat16,
+    pytest.param([5000, 0, 333], torch.bfloat16, 1024, [0.25, 0.002], "vk", True, False, torch.bfloat16,
                  id="pool-bf16-vk-slow-forget"),
 ]
 
@@ -232,9 +232,10 @@ def test_warm_chain_matches_the_reference(lengths, dtype, L, factors, layout, h0
     assert rel_rms_error(o.float().cpu(), o_ref.float()) < 5e-3
     assert rel_rms_error(ht.float().cpu(), ht_ref.float()) < 5e-3
     if pool is not None:
-        # The pool rows written back in place, as the unsegmented kernel writes them.
-        rows = extra["state_indices"].long()
-        assert torch.equal(call["initial_state"][rows], off_call["initial_state"][rows])
+        # The pool rows written back in place (the final states in the pool's dtype).
+        live = extra["state_indices"] >= 0
+        rows = extra["state_indices"][live].long()
+        assert rel_rms_error(call["initial_state"][rows].float().cpu(), ht_ref[live.cpu()].float()) < 5e-3
     NSEG = problem.B * problem.T // L + problem.N
     HV = problem.HV
     assert counts[NSEG * HV].item() == NSEG * HV, "every ticket taken once"
@@ -242,7 +243,7 @@ def test_warm_chain_matches_the_reference(lengths, dtype, L, factors, layout, h0
     last = {(int(problem.chunks.cu_seqlens[n + 1]) // L + n) for n in range(problem.N)}
     handed = [0 if slot in last else 1 for slot in range(NSEG) for _ in range(HV)]
     assert counts[:NSEG * HV].tolist() == handed
-    if all(f < 1.0 for f in factors):
+    if max(factors) <= 0.002:
         # Nothing forgets within the window: the same chunk steps as the unsegmented kernel,
         # the state handed over in float32.
         assert torch.equal(o, o_off) and torch.equal(ht, ht_off)
@@ -268,7 +269,7 @@ def test_the_warm_up_window_bounds_what_a_segment_walks_again():
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("factors", [[40.0, 0.02], [0.02]], ids=["mixed", "kept"])
+@pytest.mark.parametrize("factors", [[40.0, 0.002], [0.002]], ids=["mixed", "kept"])
 def test_the_public_call_on_the_warm_chain(factors, warm_routes):
     """The public call routed to the warm chain (a chained plan on the one-kernel build)
     against the reference, with the final state, its buffers poisoned first."""
@@ -276,7 +277,8 @@ def test_the_public_call_on_the_warm_chain(factors, warm_routes):
     from gdn_dispatch.device import default_probe
 
     warm_routes(True)
-    call = _gates(random_call(lengths=[4096, 100, 2000], H=1, HV=32, K=128, V=128, device="cuda", seed=8),
+    # 3 x 16 v-heads x 2 V-blocks = 96 programs: inside the chained band (chain_fill = 1).
+    call = _gates(random_call(lengths=[4096, 100, 2000], H=1, HV=16, K=128, V=128, device="cuda", seed=8),
                   factors)
     problem = make_problem(**call, output_final_state=True, backend="gluon_sm90")
     planned = forward.plan_call(problem, default_probe().for_torch_device(problem.device))
