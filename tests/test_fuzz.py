@@ -473,11 +473,20 @@ def _chained_plans(monkeypatch) -> None:
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
 @pytest.mark.parametrize("case", list(_gpu_params(_forced_cases, "-chained")))
 def test_fuzz_gpu_chained(case, monkeypatch):
-    """The draw's forced-segment calls as chained segments, against the reference."""
+    """The draw's forced-segment calls as chained segments on the pipeline's passes (the
+    warm chain off), against the reference."""
+    from gdn_dispatch.backends.gluon_common import warm_chain
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     _chained_plans(monkeypatch)
-    _check(case, "cuda")
+    monkeypatch.setattr(warm_chain, "WARM_CHAIN", False)
+    clear_plan_cache()
+    try:
+        _check(case, "cuda")
+    finally:
+        clear_plan_cache()
 
 
 def _sm90_forced_cases(cases):

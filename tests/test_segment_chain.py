@@ -84,10 +84,12 @@ def test_plans_read_the_replaced_tuning(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 def test_gluon_plan_call_runs_chained_segments(arch, monkeypatch):
-    """The dry run of a chained call: wy, pass 1 with N's blocks alone, and the fused kernel
+    """The dry run of a chained call on the pipeline (the warm chain off, as for a class
+    without the one-kernel build): wy, pass 1 with N's blocks alone, and the fused kernel
     in the unsegmented call's configuration with the call's own state flags (a "vk" pool
     written back in place, the final state) over the segment slots; no scan."""
     monkeypatch.setattr(cp_module, "TUNING", CHAIN)
+    _pipeline_chain(monkeypatch)
     call = random_call(lengths=[4096], H=1, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=1, state_layout="vk")
     idx = torch.tensor([0], dtype=torch.int32)
     problem = make_problem(**call, output_final_state=True, state_indices=idx, inplace_final_state=True)
@@ -137,6 +139,17 @@ def _gates(call: dict, per_head: list[float]) -> dict:
     return {**call, "g": call["g"] * scale}
 
 
+def _pipeline_chain(monkeypatch) -> None:
+    """Chained plans on the pipeline's passes (pass 1, the chained fused kernel) in every
+    Gluon class: the warm chain of the one-kernel build off (tests/test_warm_chain.py runs
+    it), plans computed afresh."""
+    from gdn_dispatch.backends.gluon_common import warm_chain
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    monkeypatch.setattr(warm_chain, "WARM_CHAIN", False)
+    clear_plan_cache()
+
+
 def _chained_plan(problem, seg_len: int) -> CPPlan:
     """Chained segments of ``seg_len`` tokens for ``problem``."""
     return CPPlan(enabled=True, seg_len=seg_len, num_segments=problem.B * problem.T // seg_len + problem.N,
@@ -162,6 +175,8 @@ def _chained_run(problem, seg_len: int, monkeypatch, backend: str = "triton_gene
     every buffer of the call poisoned first; returns (o, final state, forgetting starts
     ``[NSEG, HV]``, hand-over counts and ticket)."""
     plan = _chained_plan(problem, seg_len)
+    if backend != "triton_generic":
+        _pipeline_chain(monkeypatch)
     module = TG_FORWARD if backend == "triton_generic" else GLUON_FORWARD
     entry = TG_FORWARD.forward if backend == "triton_generic" else \
         importlib.import_module(f"gdn_dispatch.backends.{backend}").forward
@@ -341,8 +356,10 @@ def test_warmup_keys_name_the_chained_kernels(monkeypatch):
 def test_gluon_warmup_keys_name_the_chained_launches(monkeypatch):
     """A Gluon warm-up planned under a tuning that chains keeps the chained launches: pass 1
     and the fused kernel with CHAIN on (the unsegmented call's fused kernel is not among
-    them), and no scan."""
+    them), and no scan (the pipeline's chain: the warm chain off)."""
     from gdn_dispatch.warmup_plan import specialization_keys
+
+    _pipeline_chain(monkeypatch)
 
     problem = make_problem(**_band_call(4), output_final_state=True)
     device = assumed_device("sm_90")
@@ -433,6 +450,7 @@ def test_gluon_chained_orchestration_matches_the_reference_on_cpu(layout, pool, 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(native, "for_calls", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    _pipeline_chain(monkeypatch)
     stand_ins = _ChainedGluonStandIns()
     for name in ("wy_fwd", "segment_map_fwd", "state_output_fwd"):
         monkeypatch.setattr(GLUON_FORWARD, name, getattr(stand_ins, name))

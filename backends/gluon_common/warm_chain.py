@@ -130,10 +130,16 @@ def wait_hand_over(chain_flags, prev):
 # Host side
 
 #: Chained plans (``CPPlan.chained``) of a call class that has the one-kernel build run it
-#: warmed up (this module) instead of the pipeline's pass 1 and chained pass 2. Off until
-#: its GPU tests and timings are in (tests/test_warm_chain.py; only a caller's tuning asks
-#: for chained plans: ``context_parallel.TUNING.chain_fill``).
-WARM_CHAIN = False
+#: warmed up (this module) instead of the pipeline's pass 1 and chained pass 2 (only a
+#: caller's tuning asks for chained plans: ``context_parallel.TUNING.chain_fill``). H100
+#: 80GB HBM3, triton 3.6.0, CUDA-graph GPU time of the public call at H16-HV32 1 x 32768
+#: (``python benchmarks/cp_crossover.py --chain-fill 1.0 --warm-chain --gates G --shapes
+#: 16/32/1/32768``, ``logs/h100_warm_chain.log``): 0.499 ms against 0.945 off under the
+#: bench's gates (4 chained segments of 8192 tokens, each warmed up one chunk), 1.877
+#: against 0.935 under gates that never forget (the walk serial on the one-kernel build,
+#: 3.9 us a chunk on 32 programs, where "off" runs the pipeline's walk at BV = 32); the
+#: pipeline's chained passes measured 1.1-1.2x and 0.37-0.57x of "off" there. On.
+WARM_CHAIN = True
 
 
 def warm_chain_plan(launch: LaunchPlan) -> LaunchPlan:
