@@ -63,7 +63,11 @@ gates that never forget 0.37-0.57x where it would engage (a program that waits h
 SM while the one before it walks). The host cannot see the gates, so ``chain_fill`` is 0:
 the band is empty, and chained segments run only where a caller's tuning asks for them.
 Every backend with context parallelism runs chained plans (the reference computes their
-results as any segmented call's).
+results as any segmented call's); gluon_sm90 runs them in one launch of its one-kernel
+build where the call's class has it, each segment warmed up from its forgetting suffix
+instead of pass 1's N (``backends/gluon_common/warm_chain.py``: on an H100 at 16/32 heads x
+32768 tokens 1.89x faster than "off" under the bench's gates, 0.50x under gates that never
+forget).
 """
 
 from __future__ import annotations

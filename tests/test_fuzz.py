@@ -469,24 +469,30 @@ def _chained_plans(monkeypatch) -> None:
     monkeypatch.setattr(context_parallel, "_plan_kept", chained)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
-@pytest.mark.parametrize("case", list(_gpu_params(_forced_cases, "-chained")))
-def test_fuzz_gpu_chained(case, monkeypatch):
-    """The draw's forced-segment calls as chained segments on the pipeline's passes (the
-    warm chain off), against the reference."""
+def _check_chained(case, monkeypatch, warm: bool) -> None:
+    """``case`` as chained segments (:func:`_chained_plans`) with gluon_sm90's warm chain on
+    or off, on the GPU against the reference; plans computed afresh."""
     from gdn_dispatch.backends.gluon_common import warm_chain
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
     _chained_plans(monkeypatch)
-    monkeypatch.setattr(warm_chain, "WARM_CHAIN", False)
+    monkeypatch.setattr(warm_chain, "WARM_CHAIN", warm)
     clear_plan_cache()
     try:
         _check(case, "cuda")
     finally:
         clear_plan_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params(_forced_cases, "-chained")))
+def test_fuzz_gpu_chained(case, monkeypatch):
+    """The draw's forced-segment calls as chained segments on the pipeline's passes (the
+    warm chain off), against the reference."""
+    _check_chained(case, monkeypatch, warm=False)
 
 
 def _sm90_forced_cases(cases):
@@ -501,18 +507,7 @@ def test_fuzz_gpu_warm_chained(case, monkeypatch):
     """gluon_sm90's forced-segment calls as chained segments with the warm chain on (its
     one-kernel build over the segment slots, where the call's class has that build),
     against the reference."""
-    from gdn_dispatch.backends.gluon_common import warm_chain
-    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("GDN_BACKEND", raising=False)
-    _chained_plans(monkeypatch)
-    monkeypatch.setattr(warm_chain, "WARM_CHAIN", True)
-    clear_plan_cache()
-    try:
-        _check(case, "cuda")
-    finally:
-        clear_plan_cache()
+    _check_chained(case, monkeypatch, warm=True)
 
 
 # --- CPU tier -----------------------------------------------------------------------------

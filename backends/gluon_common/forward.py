@@ -21,6 +21,11 @@ sequence, so one wy launch serves both passes. Chained segments (``cp.chained``,
     seg_cu, N = segment_map_fwd(..., chain=(f_start, flags))  # pass 1: N where a segment forgets
     o, S      = state_output_fwd(..., chain=(N, f_start, flags, L, NSEG))  # each slot from the one before
 
+or, where the class has the one-kernel build (:func:`warm_chained_fwd`, :mod:`.warm_chain`),
+in one launch with no pass 1::
+
+    o, S = engine.fused.fused_fwd(..., chain=(hand, flags, L, NSEG))  # each slot warmed up or handed over
+
 Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
 :mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
 context parallelism, enough (sequence, v-head) programs to fill the SMs), the call is
