@@ -8,7 +8,8 @@ driver symbols otherwise count as API errors) and the parent reads the tool's er
 The calls cover ragged tails and empty sequences (the first one too), grouped value heads,
 both state layouts, K != V and the qk l2 norm, and per backend one call cut into segments
 (context parallelism, and one in chained segments, whose programs wait on each other's
-hand-overs), one on a state pool read and written in place (a -1 index among them) and
+hand-overs: on gluon_sm90 its one-kernel build's warm chain, and a call on the pipeline's
+chained passes too), one on a state pool read and written in place (a -1 index among them) and
 one on the views of a fused projection; each is also checked against the reference (pool
 rows too), so a run that is clean but wrong fails too. Every call runs :data:`REPEATS`
 times, so that with the native layer on the tools also see the calls a route runs (the
@@ -44,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: (lengths, H, HV, K, V, dtype, layout, l2[, extras]) per call; small, since racecheck is
 #: slow. extras: "cp" (a forced segment count), "chain" (chained segments: the planner's
-#: band over every program count, :data:`CHAIN_TUNING`), "pool" (the pool's dtype: a pool
+#: band over every program count, :data:`CHAIN_TUNING`; on gluon_sm90's one-kernel classes
+#: the warm chain, ``warm_chain.WARM_CHAIN``, or, with "warm" False, the pipeline's passes), "pool" (the pool's dtype: a pool
 #: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
 #: of one projection), "ws" (gluon_sm90: calls whose state-output walk is warp-specialized,
 #: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
@@ -102,6 +104,7 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([65, 0, 129], 32, 64, 128, 128, "bfloat16", "kv", True, {"early_o1": True, "aux_t": True, "state_scores": True}),
     ([63, 1, 129], 32, 128, 128, 128, "float16", "vk", True),
     ([300, 0, 129], 1, 4, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
+    ([700, 0, 129, 1000], 1, 4, 128, 128, "bfloat16", "kv", False, {"chain": True, "warm": False}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
@@ -159,6 +162,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
+        _warm_chain(extras.get("warm"))
         for _ in range(REPEATS):
             if pool is not None:
                 pool.copy_(before)
@@ -166,6 +170,7 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
             err = max(err, rel_rms_error(o, o_ref), rel_rms_error(ht, ht_ref))
         context_parallel.TUNING = kept
         _path_builds({})
+        _warm_chain(None)
         if pool is not None:
             rows = idx[live].long()
             err = max(err, rel_rms_error(pool[rows].float(), ht_ref[live]))
@@ -183,6 +188,24 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         print("WRONG: the native layer is on but no call went through a route", flush=True)
         status = 1
     return status
+
+
+def _warm_chain(on: bool | None) -> None:
+    """Chained plans on gluon_sm90's one-kernel build (the warm chain) or on the pipeline's
+    passes from the next call on; None: as shipped (the flag before the first call set it)."""
+    from gdn_dispatch.backends.gluon_common import warm_chain
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    if not _WARM_SHIPPED:
+        _WARM_SHIPPED.append(warm_chain.WARM_CHAIN)
+    want = _WARM_SHIPPED[0] if on is None else on
+    if warm_chain.WARM_CHAIN != want:
+        warm_chain.WARM_CHAIN = want
+        clear_plan_cache()
+
+
+#: ``warm_chain.WARM_CHAIN`` as shipped, kept by the first :func:`_warm_chain`.
+_WARM_SHIPPED: list = []
 
 
 def _walk_warp_specialized(on: bool) -> None:
