@@ -237,8 +237,9 @@ def build(problem: GDNProblem, launches: ForwardPlan, engine, module):
             wy_t = launches.stage("wy_t_fwd").shared
             steps.append((wy_t, wy_t_launch_args(wy_t, k, t_tiles, g, g_cum, beta, cu, n, HV, HV)))
         fused = launches.stage("fused_fwd").shared
+        # k's token stride 0: read by a chained launch alone, which no call program runs.
         steps.append((fused, engine.fused.fused_launch_args(fused, q, k, v, t_tiles, o, g_cum, h0, ht, indices, cu,
-                                                            SCALE, pool_size, g, beta, HV, HV, HK)))
+                                                            SCALE, pool_size, g, beta, HV, HV, 0)))
         outputs = [0]
     else:
         w, u, o = buffer_ref(0), buffer_ref(1), buffer_ref(3)

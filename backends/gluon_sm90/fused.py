@@ -1392,7 +1392,8 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
         launch, q, k, v, t_tiles, o, g_cum, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, problem.state_indices if use_pool else cu, cu,
         float(problem.scale), h0.shape[0] if use_pool else 0, problem.g, problem.beta, token_stride(problem.g),
-        token_stride(problem.beta), token_stride(k),
+        # k's rows are read by pointer in a chained launch alone (its warm-up bound).
+        token_stride(problem.beta), 0 if chain is None else token_stride(k),
         None if chain is None else (chain[0], chain[1], N, chain[2], chain[3]))
     if chain is not None:
         chain[1].zero_()
