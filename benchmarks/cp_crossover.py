@@ -98,7 +98,8 @@ def main():
         call = call_for(H, HV, N, L, GATE_DIVISORS[args.gates])
         plan = plan_for_problem(make_problem(**call), torch.cuda.get_device_properties(0).multi_processor_count)
         off, auto = graph_ms(call, "off", args.backend), graph_ms(call, "auto", args.backend)
-        seg = f"{plan.num_segments - N}{' chained' if plan.chained else ''} of {plan.seg_len}" if plan.enabled \
+        kind = ' picked' if plan.picked else ' chained' if plan.chained else ''
+        seg = f"{plan.num_segments - N}{kind} of {plan.seg_len}" if plan.enabled \
             else "off"
         more = "".join(f" {graph_ms(call, n, args.backend):.3f} |" for n in args.segments)
         rows.append(f"| {H}/{HV} | {N} x {L} | {off:.3f} | {auto:.3f} | {off / auto:.2f} | {seg} |{more}")

@@ -68,10 +68,23 @@ build where the call's class has it, each segment warmed up from its forgetting 
 instead of pass 1's N (``backends/gluon_common/warm_chain.py``: on an H100 at 16/32 heads x
 32768 tokens 1.89x faster than "off" under the bench's gates, 0.50x under gates that never
 forget).
+
+Picked plans (``CPPlan.picked``) take that band from the automatic rule after all, where the
+device can see the gates: from ``fill`` to ``pick_fill`` of the SMs (half: 16/32 heads on
+one sequence make 64 programs, below 66 on 132 SMs), for sequences of at least
+``pick_min_chunks`` chunks. A census kernel on the device counts the chained segments that
+cannot warm up from their forgetting suffix; then the warm chain's launch and the unsegmented
+pipeline's launches all run, each leaving at once unless the count names its plan
+(``backends/gluon_common/pick.py``): the warm chain where every segment warms up, "off"
+where one does not. So a picked call costs "off" plus a census and a few launches that
+leave at once where the gates keep their state, and runs the warm chain where they forget.
+Only gluon_sm90's classes with the one-kernel build can pick; every other backend and class
+runs a picked plan "off" (:meth:`CPPlan.unpicked`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -101,6 +114,12 @@ class CPTuning:
     chain_waves : float, a chained plan cuts the longest sequence into ``2^round(log2(
         chain_waves * SMs / programs))`` segments (at least 2, none under ``min_seg_chunks``
         chunks): each segment slot's programs fill ``1 / chain_waves`` of the SMs.
+    pick_fill : float, above the chained band and below ``pick_fill * SMs`` programs, a
+        picked plan (``CPPlan.picked``): chained segments where the device finds that every
+        segment warms up, else "off" (0: never).
+    pick_min_chunks : int, a picked plan needs a longest (or mean) sequence of at least this
+        many chunks: on shorter ones the census and the launches that leave at once weigh
+        against a walk too short to gain.
     """
 
     fill: float = 0.25
@@ -110,6 +129,8 @@ class CPTuning:
     min_seg_chunks: int = 4
     chain_fill: float = 0.0
     chain_waves: float = 2.0
+    pick_fill: float = 0.5
+    pick_min_chunks: int = 128
 
 
 DEFAULT_TUNING = CPTuning()
@@ -130,6 +151,9 @@ class CPPlan:
     reason : str, why, in one line (shown by ``explain`` and ``info``).
     chained : bool, pass 2 hands each segment's end state to the next (module docstring)
         instead of starting every segment from a scanned state.
+    picked : bool (with ``chained``), the device picks between these chained segments,
+        where every segment warms up from its forgetting suffix, and "off", where one does
+        not (module docstring); a backend that cannot pick runs the call as :meth:`unpicked`.
     """
 
     enabled: bool
@@ -137,12 +161,22 @@ class CPPlan:
     num_segments: int
     reason: str
     chained: bool = False
+    picked: bool = False
 
     def describe(self) -> str:
         if not self.enabled:
             return f"off ({self.reason})"
         kind = "chained segments" if self.chained else "segments"
+        if self.picked:
+            kind = "picked on the device: off, or " + kind
         return f"on, {kind} of {self.seg_len} tokens, {self.num_segments} segment slots ({self.reason})"
+
+    def unpicked(self, why: str) -> CPPlan:
+        """This plan where the backend cannot pick on the device: a picked plan is "off"
+        (``why`` names what is missing), any other plan itself."""
+        if not self.picked:
+            return self
+        return _off(f"{self.reason}; picked segments need {why}")
 
 
 def context_parallel_reason(value) -> str | None:
@@ -237,6 +271,8 @@ def plan_context_parallel(
     programs = N * HV * -(-V // COUNTED_BV)
     if tuning.fill * sm_count <= programs < tuning.chain_fill * sm_count:
         return _chained(programs, T_total, N, sm_count, max_len, tuning)
+    if tuning.fill * sm_count <= programs < tuning.pick_fill * sm_count:
+        return _chained(programs, T_total, N, sm_count, max_len, tuning, picked=True)
     if programs >= tuning.fill * sm_count:
         # Below one program per SM, segments still pay where the gates forget (pass 1 then
         # walks only what each segment remembers); the host cannot see the gates.
@@ -257,17 +293,23 @@ def plan_context_parallel(
                f"N x HV x V-blocks = {programs} programs < {tuning.fill:g} x {sm_count} SMs; {what} of {chunks} chunks")
 
 
-def _chained(programs: int, T_total: int, N: int, sm_count: int, max_len: int | None, tuning: CPTuning) -> CPPlan:
-    """The band between ``fill`` and ``chain_fill`` of the SMs: chained segments
-    (:func:`chain_segment_chunks`) where the longest (or mean) sequence gives two."""
+def _chained(programs: int, T_total: int, N: int, sm_count: int, max_len: int | None, tuning: CPTuning,
+             picked: bool = False) -> CPPlan:
+    """The band between ``fill`` and ``chain_fill`` of the SMs (``picked``: up to
+    ``pick_fill``): chained segments (:func:`chain_segment_chunks`) where the longest (or
+    mean) sequence gives two."""
     known = max_len is not None
     chunks = _chunks(max_len if known else T_total // N)
     what = "longest sequence" if known else "mean sequence"
     seg_chunks = chain_segment_chunks(programs, chunks, sm_count, tuning)
-    band = f"N x HV x V-blocks = {programs} programs in [{tuning.fill:g}, {tuning.chain_fill:g}) x {sm_count} SMs"
+    top = tuning.pick_fill if picked else tuning.chain_fill
+    band = f"N x HV x V-blocks = {programs} programs in [{tuning.fill:g}, {top:g}) x {sm_count} SMs"
     if chunks < 2 * seg_chunks:
         return _off(f"{band}; {what} of {chunks} chunks gives fewer than 2 chained segments of {seg_chunks}")
-    return _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True)
+    if picked and chunks < tuning.pick_min_chunks:
+        return _off(f"{band}; {what} of {chunks} chunks < {tuning.pick_min_chunks} for a picked plan")
+    plan = _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True)
+    return dataclasses.replace(plan, picked=True) if picked else plan
 
 
 def plan_for_problem(problem, sm_count: int, tuning: CPTuning | None = None) -> CPPlan:

@@ -437,7 +437,14 @@ def _context_parallel_note(problem, device: DeviceInfo, selected: str | None, ro
     spec = next((r for r in rows if r.name == selected), None)
     if decision.enabled and spec is not None and "context_parallel" not in spec.features:
         note += f"; {selected} does not run segments, so this call runs unsegmented"
+    elif decision.picked and spec is not None and selected not in PICKING_BACKENDS:
+        note += f"; {selected} cannot pick on the device, so this call runs unsegmented"
     return note
+
+
+#: Backends that run a picked plan (``CPPlan.picked``) as planned, where the call's class
+#: has the one-kernel build; the others run it "off".
+PICKING_BACKENDS = ("gluon_sm90",)
 
 
 @dataclass(frozen=True)

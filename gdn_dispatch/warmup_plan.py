@@ -317,6 +317,10 @@ def _gluon_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CPPlan | No
     from gdn_dispatch.backends.gluon_common.forward import plan_call
 
     call = plan_call(problem, device, engine=module.ENGINE)
+    if call.pipeline is not None:
+        # Picked on the device: every launch of both plans runs (each leaves at once where
+        # the census names the other), so both compile.
+        return frozenset(_launch_key(launch) for launch in (*call.launches.stages, *call.pipeline.stages))
     if call.context_parallel.chained and not call.launches.fused:
         # Chained segments on the pipeline: the front stages, pass 1 with N's blocks alone
         # and the fused kernel over the segment slots with the call's flags (no scan). On
@@ -344,7 +348,9 @@ def _triton_generic_keys(module, problem: GDNProblem, device: DeviceInfo, cp: CP
     segments (``cp.chained``) run no scan, and their state kernel takes the call's flags.
     """
     from gdn_dispatch.backends.triton_generic import configs
+    from gdn_dispatch.backends.triton_generic.call_program import UNPICKED
 
+    cp = None if cp is None else cp.unpicked(UNPICKED)
     elem = problem.q.element_size()
     capability = tuple(device.capability) if device.capability else None
     l2 = problem.use_qk_l2norm
@@ -451,6 +457,23 @@ def segmented_call(n: int, num_segments: int, tail: bool = True, **flags) -> War
     return WarmupCall((0,) * (n - 1) + (long,), None, context_parallel=-(-long // CHUNK_SIZE), **flags)
 
 
+def picked_calls(spec: WarmupSpec, n: int, device: DeviceInfo, **flags) -> list[WarmupCall]:
+    """Calls of ``n`` sequences that "auto" runs picked on the device (``CPPlan.picked``:
+    every launch of the warm chain and of the pipeline runs, so all compile), the last
+    sequence long enough for two chained segments, with a tail and without; none where
+    "auto" does not pick for ``n`` sequences."""
+    calls = []
+    for tail in (True, False):
+        for chunks in (16, 32, 64, 128, 256, 512):
+            long = CHUNK_SIZE * chunks + (17 if tail else 0)
+            total = long + CHUNK_SIZE * (n - 1)
+            if plan_context_parallel("auto", T_total=total, N=n, HV=spec.HV, V=spec.V, sm_count=device.sm_count,
+                                     max_len=long).picked:
+                calls.append(WarmupCall((CHUNK_SIZE,) * (n - 1) + (long,), None, **flags))
+                break
+    return calls
+
+
 @functools.lru_cache(maxsize=256)
 def segment_counts(spec: WarmupSpec, n: int, device: DeviceInfo, backend: str | None = None,
                    tensor_device: str = "cpu") -> tuple[int, ...]:
@@ -461,9 +484,10 @@ def segment_counts(spec: WarmupSpec, n: int, device: DeviceInfo, backend: str | 
     programs (``NSEG * HV * ceil(V / 64)``): planners size their tiles by whether the
     programs fill the SMs, and beyond that nothing changes."""
     longest = 1 << 30
-    if not plan_context_parallel("auto", T_total=longest, N=n, HV=spec.HV, V=spec.V, sm_count=device.sm_count,
-                                 max_len=longest).enabled:
-        return ()
+    auto = plan_context_parallel("auto", T_total=longest, N=n, HV=spec.HV, V=spec.V, sm_count=device.sm_count,
+                                 max_len=longest)
+    if not auto.enabled or auto.picked:
+        return ()  # picked calls: :func:`picked_calls`
     flags = dict(output_final_state=True, **state_variants(spec)[0])
     counts, seen, nseg = [], set(), n + 1
     while True:
@@ -486,6 +510,7 @@ def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tenso
         calls = [WarmupCall((CHUNK_SIZE,) * n, None, output_final_state=True, **state) for state in state_variants(spec)]
         calls += [segmented_call(n, nseg, tail, output_final_state=True, **state_variants(spec)[0])
                   for nseg in segment_counts(spec, n, device, backend, str(tensor_device)) for tail in (True, False)]
+        calls += picked_calls(spec, n, device, output_final_state=True, **state_variants(spec)[0])
         keys = frozenset().union(*(call_keys(spec, call, device, backend, tensor_device=tensor_device)[1]
                                    for call in calls))
         if keys != previous or n <= 2:
@@ -513,6 +538,9 @@ def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo,
         for nseg in segment_counts(spec, n, device, backend, str(tensor_device)):
             calls += [segmented_call(n, nseg, tail, host_offsets=spec.host_offsets[0], offset_dtype=dtype, **flags)
                       for tail in (True, False) for dtype in spec.offset_dtypes for flags in variants]
+        calls += [call for dtype in spec.offset_dtypes for flags in variants
+                  for call in picked_calls(spec, n, device, host_offsets=spec.host_offsets[0], offset_dtype=dtype,
+                                           **flags)]
     return calls
 
 

@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: (lengths, H, HV, K, V, dtype, layout, l2[, extras]) per call; small, since racecheck is
 #: slow. extras: "cp" (a forced segment count), "chain" (chained segments: the planner's
 #: band over every program count, :data:`CHAIN_TUNING`; on gluon_sm90's one-kernel classes
-#: the warm chain, ``warm_chain.WARM_CHAIN``, or, with "warm" False, the pipeline's passes), "pool" (the pool's dtype: a pool
+#: the warm chain, ``warm_chain.WARM_CHAIN``, or, with "warm" False, the pipeline's passes),
+#: "pick" (a picked plan, :data:`PICK_TUNING`; "gates" scales g: 40 forgets within a chunk,
+#: so the warm chain runs, 0.002 keeps the state, so the pipeline does), "pool" (the pool's dtype: a pool
 #: of N + 2 rows, one index -1, written back in place), "fused" (q, k, v, g, beta as views
 #: of one projection), "ws" (gluon_sm90: calls whose state-output walk is warp-specialized,
 #: as ``state_output.STATE_OUTPUT_WS`` plans by default; where racecheck fails its control
@@ -105,10 +107,15 @@ CALLS["gluon_sm90"] = CALLS["gluon_sm100"] + [
     ([63, 1, 129], 32, 128, 128, 128, "float16", "vk", True),
     ([300, 0, 129], 1, 4, 64, 64, "bfloat16", "vk", True, {"cp": 3}),
     ([700, 0, 129, 1000], 1, 4, 128, 128, "bfloat16", "kv", False, {"chain": True, "warm": False}),
+    ([700, 0, 129, 1000], 1, 4, 128, 128, "bfloat16", "vk", True, {"pick": True, "gates": 40.0, "pool": "float32"}),
+    ([700, 0, 129, 1000], 1, 4, 128, 128, "float16", "kv", True, {"pick": True, "gates": 0.002}),
 ]
 #: The planner's constants for a "chain" call: chained segments at any program count, two
 #: segments on the longest sequence of segments as short as one chunk.
 CHAIN_TUNING = dict(fill=0.0, chain_fill=float("inf"), chain_waves=1e-9, min_seg_chunks=1)
+#: The same for a "pick" call: a picked plan (the census, then the warm chain or the
+#: pipeline), at any sequence length.
+PICK_TUNING = dict(fill=0.0, pick_fill=float("inf"), chain_waves=1e-9, min_seg_chunks=1, pick_min_chunks=1)
 #: Runs of each call (a pool call from the same pool rows each time).
 REPEATS = 3
 TOL = {"float32": 1e-5, "bfloat16": 5e-3, "float16": 5e-3}
@@ -138,6 +145,8 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
             continue
         call = random_call(lengths=lengths, H=H, HV=HV, K=K, V=V, dtype=getattr(torch, dtype), device="cuda",
                            seed=i, state_layout=layout, normalize_qk=not l2)
+        if "gates" in extras:
+            call["g"] = call["g"] * extras["gates"]
         flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
         ref_call, ours = dict(call), dict(call)
         if extras.get("fused"):
@@ -162,6 +171,9 @@ def run_calls(backend: str, skip_ws: bool = False) -> int:
         if extras.get("chain"):
             context_parallel.TUNING = context_parallel.CPTuning(**CHAIN_TUNING)
             assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).chained
+        if extras.get("pick"):
+            context_parallel.TUNING = context_parallel.CPTuning(**PICK_TUNING)
+            assert context_parallel.plan_for_problem(make_problem(**ours, **flags), 132).picked
         _warm_chain(extras.get("warm"))
         for _ in range(REPEATS):
             if pool is not None:

@@ -1012,13 +1012,16 @@ def test_ours_caller_passes_context_parallel():
 
 
 def test_auto_decision_on_the_tp_shapes():
-    # Segmented up to 32 programs (N x HV x 2 V blocks); 16/32 heads and 8 sequences of
-    # 2/4 heads make 64, which ran faster unsegmented on the H200.
-    on = {"tp-H2-HV4-1x32768", "tp-H4-HV8-1x32768", "tp-H2-HV8-1x32768", "tp-H8-HV16-1x32768"}
+    # Segmented up to 32 programs (N x HV x 2 V blocks); 16/32 heads make 64, picked on the
+    # device (the warm chain or "off"); 8 sequences of 2/4 heads make 64 too, with 8
+    # chunks a sequence: too short for two chained segments.
+    on = {"tp-H2-HV4-1x32768", "tp-H4-HV8-1x32768", "tp-H2-HV8-1x32768", "tp-H8-HV16-1x32768",
+          "tp-H16-HV32-1x32768"}
     assert on < {s.name for s in bench_shapes.tp_shapes()}
     for shape in bench_shapes.tp_shapes():
         decision = bench_cp.auto_decision(shape, H200_SMS)
         assert decision.enabled == (shape.name in on), shape.name
+        assert decision.picked == (shape.name == "tp-H16-HV32-1x32768"), shape.name
         if decision.enabled:
             assert decision.num_segments == shape.tokens // decision.seg_len + shape.N
     big = next(s for s in bench_shapes.default_shapes() if s.name == "H16-HV64-8x4096")

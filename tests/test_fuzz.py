@@ -454,30 +454,32 @@ def test_fuzz_gpu_bf16_maps(case, monkeypatch):
     _check(case, "cuda")
 
 
-def _chained_plans(monkeypatch) -> None:
+def _chained_plans(monkeypatch, picked: bool = False) -> None:
     """Every segmented plan made from now on chained (the same segments, handed over instead
-    of mapped and scanned): the planners' one memoized entry returns the plan it would,
-    chained where it is on (routes then decline the call and the forwards launch it)."""
+    of mapped and scanned; ``picked``: the device picks between them and "off"): the
+    planners' one memoized entry returns the plan it would, chained where it is on (routes
+    then decline the call and the forwards launch it)."""
     from gdn_dispatch import context_parallel
 
     planned = context_parallel._plan_kept
 
     def chained(*args):
         plan = planned(*args)
-        return dataclasses.replace(plan, chained=True) if plan.enabled else plan
+        return dataclasses.replace(plan, chained=True, picked=picked) if plan.enabled else plan
 
     monkeypatch.setattr(context_parallel, "_plan_kept", chained)
 
 
-def _check_chained(case, monkeypatch, warm: bool) -> None:
-    """``case`` as chained segments (:func:`_chained_plans`) with gluon_sm90's warm chain on
-    or off, on the GPU against the reference; plans computed afresh."""
+def _check_chained(case, monkeypatch, warm: bool, picked: bool = False) -> None:
+    """``case`` as chained segments (:func:`_chained_plans`; ``picked``: picked on the
+    device) with gluon_sm90's warm chain on or off, on the GPU against the reference; plans
+    computed afresh."""
     from gdn_dispatch.backends.gluon_common import warm_chain
     from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("GDN_BACKEND", raising=False)
-    _chained_plans(monkeypatch)
+    _chained_plans(monkeypatch, picked)
     monkeypatch.setattr(warm_chain, "WARM_CHAIN", warm)
     clear_plan_cache()
     try:
@@ -508,6 +510,16 @@ def test_fuzz_gpu_warm_chained(case, monkeypatch):
     one-kernel build over the segment slots, where the call's class has that build),
     against the reference."""
     _check_chained(case, monkeypatch, warm=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU; the CPU tier below runs the interpreter")
+@pytest.mark.parametrize("case", list(_gpu_params(_sm90_forced_cases, "-picked")))
+def test_fuzz_gpu_picked(case, monkeypatch):
+    """gluon_sm90's forced-segment calls as picked plans: the census, then the warm chain
+    or the unsegmented pipeline as it picks (a class without a warm chain runs "off"),
+    against the reference."""
+    _check_chained(case, monkeypatch, warm=True, picked=True)
 
 
 # --- CPU tier -----------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def setup(monkeypatch, runtime):
 
     def args(**over):
         a = dict(w_ptr=w, u_ptr=u, g=p.g, g_cum=g_cum, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens,
-                 N=p.N, HV=launch.scalars["HV"],
+                 pick=p.chunks.cu_seqlens, N=p.N, HV=launch.scalars["HV"],
                  GROUP=launch.scalars["GROUP"], s_g=p.HV, s_beta=p.HV)
         a.update(over)
         return a
@@ -165,7 +165,8 @@ def test_new_lengths_launch_the_kept_kernel_with_their_own_grid_and_rows(setup, 
         u = torch.full_like(p.v, float("nan"))
         before = len(fn.compiled.calls)
         L.launch_planned(fn, launch.shared, {"k": p.k, "v": p.v, "w": w, "u": u},
-                         args(w_ptr=w, u_ptr=u, g=p.g, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens, N=p.N),
+                         args(w_ptr=w, u_ptr=u, g=p.g, beta=p.beta, cu_seqlens=p.chunks.cu_seqlens,
+                              pick=p.chunks.cu_seqlens, N=p.N),
                          rows=rows, num_seqs=p.N)
         assert len(fn.bound) == 1 and len(fn.compiled.calls) == before + 1
         call = fn.compiled.calls[-1]

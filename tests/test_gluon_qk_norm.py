@@ -23,7 +23,8 @@ def test_l2_forward_plans_the_norms_between_wy_and_the_fused_kernel(capability):
     assert [s.kernel for s in fp.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
     norms = fp.stage("qk_rnorm_fwd")
     rows = p.B * p.T * p.H
-    assert norms.scalars == {"rows": rows} and norms.constexprs == {"K": 64, "BLOCK_ROWS": qk_norm.BLOCK_ROWS}
+    assert norms.scalars == {"rows": rows} and norms.constexprs == {"K": 64, "BLOCK_ROWS": qk_norm.BLOCK_ROWS,
+                                                              "PICK": False}
     assert norms.grid == (-(-rows // qk_norm.BLOCK_ROWS), 2) and norms.descriptors == ()
     without = plan(random_problem(lengths=[1, 63], H=2, HV=4, seed=2), capability)
     assert [s.kernel for s in without.stages] == ["wy_fwd", "state_output_fwd"]

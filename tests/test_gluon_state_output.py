@@ -76,7 +76,7 @@ def test_plan_grid_and_descriptors(shape, H, HV, layout, capability):
                                  "USE_L2NORM": False, "HAS_TAILS": has_tails(p), "ENGINE": _engine(capability),
                                  "DEFER_OUT": not ws and so.state_output_defers(K, BV, capability == SM100,
                                                                                 launch.num_warps),
-                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False, "WS": ws,
+                                 "USE_POOL": False, "INPLACE": False, "CHAIN": False, "WS": ws, "PICK": False,
                                  "NUM_BUF": so.state_output_ring_slots(K, BV, 2, launch.num_warps,
                                                                        smem_per_block=SMEM_OPTIN[capability], ws=ws),
                                  **({} if scatters else {"o_rows_desc": None})}
@@ -406,7 +406,7 @@ def test_plan_flags():
     assert launch.constexprs == {"USE_H0": False, "STORE_HT": False, "STATE_VK": True, "USE_L2NORM": True,
                                  "HAS_TAILS": True, "ENGINE": _engine(SM90), "DEFER_OUT": False,
                                  "o_rows_desc": None, "USE_POOL": False, "INPLACE": False, "NUM_BUF": 3,
-                                 "CHAIN": False, "WS": True}
+                                 "CHAIN": False, "WS": True, "PICK": False}
     assert launch.blocks["BV"] == 32  # not the register-bound BV = 64 build: a third slot
     assert launch.desc("q_desc").signature.startswith("tensordesc<fp16[64, 128],NVMMASharedLayout(")
     assert launch.maxnreg is None and so.plan_state_output(p, SM100).maxnreg == 255

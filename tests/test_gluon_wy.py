@@ -55,7 +55,8 @@ def test_plan_wy_uniform_batch(capability):
                                  "LHS_REGS": wy.WY_DEFAULT_VARIANT != "smem" and not blocked,
                                  "F16_INVERSE": wy.WY_DEFAULT_VARIANT == "f16" and capability == SM90,
                                  "BLOCKED_INVERSE": blocked, "SPLIT_WU": blocked and wy.WY_SPLIT_WU,
-                                 "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS, "w_rows_desc": None, "u_rows_desc": None}
+                                 "EARLY_ROWS": blocked and wy.WY_EARLY_ROWS, "PICK": False, "w_rows_desc": None,
+                                 "u_rows_desc": None}
     assert launch.scalars == {"HV": 4, "GROUP": 2}
     k = launch.desc("k_desc")
     assert (k.tensor, k.shape, k.strides, k.block_shape) == ("k", (256, 2 * 128), (256, 1), (64, 128))
@@ -76,7 +77,7 @@ def test_plan_wy_varlen_tails_l2_fp16():
                                  "BLOCKED_INVERSE": wy.WY_DEFAULT_VARIANT == "blocked",
                                  "SPLIT_WU": wy.WY_DEFAULT_VARIANT == "blocked" and wy.WY_SPLIT_WU,
                                  "EARLY_ROWS": wy.WY_DEFAULT_VARIANT == "blocked" and wy.WY_EARLY_ROWS,
-                                 "w_rows_desc": None, "u_rows_desc": None}
+                                 "PICK": False, "w_rows_desc": None, "u_rows_desc": None}
     assert launch.constexprs["HAS_TAILS"] == has_tails(p)
     assert launch.desc("v_desc").signature.startswith("tensordesc<fp16[64, 128],")
 

@@ -289,3 +289,175 @@ def test_the_public_call_on_the_warm_chain(factors, warm_routes):
     o, ht = chunk_gated_delta_rule(**call, output_final_state=True, backend="gluon_sm90")
     assert rel_rms_error(o.float().cpu(), o_ref.float()) < 5e-3
     assert rel_rms_error(ht.float().cpu(), ht_ref.float()) < 5e-3
+
+
+# --- picked on the device: the census, then the warm chain or the pipeline ------------------
+
+@pytest.fixture
+def picked_routes(monkeypatch):
+    """The automatic rule's picked band over every program count below the SMs, for any
+    sequence long enough for two chained segments; plans computed afresh."""
+    from gdn_dispatch import context_parallel as cp_module
+    from gdn_dispatch.context_parallel import CPTuning
+
+    monkeypatch.setattr(cp_module, "TUNING", CPTuning(fill=0.0, pick_fill=1.0, pick_min_chunks=1))
+    clear_plan_cache()
+    yield
+    clear_plan_cache()
+
+
+@pytest.mark.parametrize("l2, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float16)],
+                         ids=["plain", "l2-bf16", "l2-fp16"])
+def test_a_picked_call_launches_the_census_both_plans_and_the_copies_once(l2, dtype):
+    """A 16/32-head call of 32768 tokens on the H200 is picked on the device: the census and
+    the warm chain, then the pipeline, every launch ``PICK`` but the normalized copies (run
+    once, read by both); its warm-up keys hold both plans'; sm_100 (no warm chain routed)
+    and a class whose warm chain is off run "off"."""
+    from gdn_dispatch.backends.gluon_common import forward, warm_chain
+    from gdn_dispatch.warmup_plan import specialization_keys
+
+    clear_plan_cache()
+    call = random_call(lengths=[32768], H=16, HV=32, K=128, V=128, dtype=dtype, seed=1)
+    problem = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    device = assumed_device("sm_90")
+    planned = forward.plan_call(problem, device)
+    cp = planned.context_parallel
+    assert cp.picked and cp.seg_len == 8192 and cp.num_segments == 5
+    copies = ("qk_l2norm_fwd",) if dtype == torch.float16 else ()
+    rnorm = ("qk_rnorm_fwd",) if l2 and dtype == torch.bfloat16 else ()
+    assert planned.kernels == (*copies, "warm_census", "fused_fwd", "wy_fwd", *rnorm, "state_output_fwd")
+    stages = (*planned.launches.stages, *planned.pipeline.stages)
+    assert all(s.constexprs.get("PICK", False) is (s.kernel not in ("qk_l2norm_fwd", "warm_census")) for s in stages)
+    census = planned.launches.stage("warm_census")
+    assert census.grid == (5 * 32,) and census.constexprs["UNIT_KEYS"] is (l2 and dtype == torch.bfloat16)
+    assert planned.launches.stage("fused_fwd").constexprs["CHAIN"] is True
+    # The pipeline's state kernel over the call's own sequence (not the slots).
+    assert planned.pipeline.stage("state_output_fwd").num_seqs == 1
+    keys = {key[1][0] for key in specialization_keys("gluon_sm90", problem, device)}
+    assert keys == {*copies, "warm_census", "fused_fwd", "wy_fwd", *rnorm, "state_output_fwd"}
+    off = forward.plan_call(problem, assumed_device("sm_100"))
+    assert not off.context_parallel.enabled and "picked segments need" in off.context_parallel.reason
+    assert off.pipeline is None and "warm_census" not in off.kernels
+    warm_chain.WARM_CHAIN = False
+    try:
+        clear_plan_cache()
+        assert not forward.plan_call(problem, device).context_parallel.enabled
+    finally:
+        warm_chain.WARM_CHAIN = True
+        clear_plan_cache()
+
+
+def test_a_picked_plan_and_its_pick_word_go_together():
+    from gdn_dispatch.backends.gluon_common import forward
+
+    clear_plan_cache()
+    call = random_call(lengths=[32768], H=16, HV=32, K=128, V=128, seed=1)
+    problem = make_problem(**call, output_final_state=True)
+    planned = forward.plan_call(problem, assumed_device("sm_90"))
+    from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
+    from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+
+    with pytest.raises(ValueError, match="a PICK plan needs the pick word"):
+        wy_fwd(problem.k, problem.v, problem.g, problem.beta, problem.chunks, planned.pipeline.stage("wy_fwd"))
+    with pytest.raises(ValueError, match="a PICK plan needs the pick word"):
+        state_output_fwd(problem.q, problem.k, problem.k, problem.v, problem.g, problem.chunks,
+                         planned.pipeline.stage("state_output_fwd"), scale=1.0)
+
+
+@pytest.mark.slow
+def test_the_picked_launches_compile_for_sm90a():
+    """The census (keys read and on chip) and the ``PICK`` builds of the warm chain, wy, the
+    state kernel and the reciprocal norms compile for sm_90a, each within its plain build's
+    spills; the census's count is an atomic add."""
+    import dataclasses
+    import functools
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_gluon_aot import SM90 as AOT_SM90, compile_kernel
+
+    from gdn_dispatch.aot import AotKernel
+    from gdn_dispatch.backends.gluon_common import qk_norm, state_output, warm_chain, wy
+    from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, fused_aot_kernels
+    from gdn_dispatch.backends.gluon_common.launch_plan import pointer_attrs
+
+    def picked(kernel, pointer):
+        return dataclasses.replace(kernel, constexprs={**kernel.constexprs, "PICK": True},
+                                   signature={**kernel.signature, pointer: "*i32"})
+
+    plan = functools.partial(fused.plan_fused, chain=True)
+    (chain,) = fused_aot_kernels([BASE_CASE], AOT_SM90, "gluon_sm90", engine=_engine(), plan_fused=plan,
+                                 fn=fused._fused_fwd_kernel,
+                                 spill_bytes_allowed=fused.aux_t_spill_bytes(fused.STATE_SCORES))
+    plain = [chain,
+             next(k for k in wy.wy_kernels_for_aot(AOT_SM90, engine=_engine()) if k.specialization.startswith("K128-V128")),
+             next(k for k in state_output.state_output_kernels_for_aot(AOT_SM90, "gluon_sm90", engine=_engine())
+                  if k.constexprs.get("USE_L2NORM") is False),
+             next(k for k in qk_norm.qk_norm_kernels_for_aot(AOT_SM90, "gluon_sm90") if k.kernel == "qk_rnorm_fwd")]
+    pointers = {"fused_fwd": "chain_flags", "wy_fwd": "pick", "state_output_fwd": "chain_flags",
+                "qk_rnorm_fwd": "pick"}
+    for kernel in plain:
+        report = compile_kernel(picked(kernel, pointers[kernel.kernel]), AOT_SM90)
+        assert report.spill_bytes <= max(kernel.spill_bytes_allowed, compile_kernel(kernel, AOT_SM90).spill_bytes)
+    fn = warm_chain._warm_census_kernel
+    for unit in (False, True):
+        signature = dict(g="*fp32", beta="*bf16", k_ptr="*bf16", cu_seqlens="*i32", chain_flags="*i32", s_g="i32",
+                         s_beta="i32", s_k="i32", N="i32", L="i32", NSEG="i32", HV="i32", GROUP="i32",
+                         K="constexpr", BT="constexpr", UNIT_KEYS="constexpr")
+        census = AotKernel(backend="gluon_sm90", kernel="warm_census", specialization=f"unit-{unit}", fn=fn,
+                           signature=signature, constexprs={"K": 128, "BT": 64, "UNIT_KEYS": unit}, dialect="gluon",
+                           num_warps=4, attrs=pointer_attrs(fn, ["g", "beta", "k_ptr", "cu_seqlens", "chain_flags"]))
+        report = compile_kernel(census, AOT_SM90)
+        assert report.spill_bytes == 0
+        assert "atom.global" in report.ptx or "red.global" in report.ptx
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("factors, warm", [([40.0], True), ([0.002], False), ([40.0, 0.002], False),
+                                           ([0.25], True)], ids=["forget", "kept", "mixed", "slow-forget"])
+@pytest.mark.parametrize("l2, dtype, pool", [(False, torch.bfloat16, None), (True, torch.bfloat16, torch.float32),
+                                             (True, torch.float16, torch.bfloat16)],
+                         ids=["bf16", "l2-bf16-pool", "l2-fp16-bf16-pool"])
+def test_a_picked_call_matches_the_reference(factors, warm, l2, dtype, pool, picked_routes):
+    """The public call under a picked plan against the reference, its buffers poisoned
+    first, a pool written back in place: the census counts no waiting segment where every
+    gate forgets within the window (the warm chain runs) and some where one does not (the
+    pipeline runs); either way the result is the call's."""
+    from gdn_dispatch.backends.gluon_common import forward
+    from gdn_dispatch.backends.gluon_common.warm_chain import warm_census_fwd
+    from gdn_dispatch.device import default_probe
+
+    lengths = [3000, 0, 4097, 700]
+    call = _gates(random_call(lengths=lengths, H=2, HV=4, K=128, V=128, dtype=dtype, device="cuda", seed=5,
+                              initial_state=True, normalize_qk=not l2), factors)
+    extra, ref_call = {}, dict(call)
+    if pool is not None:
+        dims = tuple(call["initial_state"].shape[2:])
+        rows, idx, ref_call["initial_state"] = padded_pool(len(lengths), 4, dims, pool, seed=9, device="cuda")
+        extra = dict(state_indices=idx, inplace_final_state=True)
+        call = {**call, "initial_state": rows}
+    flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
+    problem = make_problem(**call, **flags, **extra, backend="gluon_sm90")
+    planned = forward.plan_call(problem, default_probe().for_torch_device(problem.device))
+    cp = planned.context_parallel
+    assert cp.picked and planned.pipeline is not None, cp.describe()
+    # The census alone, on the keys the chain reads: 0 where every segment warms up.
+    census = planned.launches.stage("warm_census")
+    k = problem.k
+    if census.constexprs["UNIT_KEYS"] is False and l2:
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(k.dtype)
+    counts = torch.zeros(cp.num_segments * 4 + 2, dtype=torch.int32, device="cuda")
+    word = warm_census_fwd(problem.g, problem.beta, k, problem.chunks.cu_seqlens, problem.N, cp.seg_len,
+                           cp.num_segments, counts, census)
+    assert (word.item() == 0) == warm, word.item()
+    cpu = {k_: v.cpu() if torch.is_tensor(v) else v for k_, v in ref_call.items()}
+    o_ref, ht_ref = chunk_gated_delta_rule(**cpu, **flags, backend="reference")
+    poison_cuda_allocator()
+    o, ht = chunk_gated_delta_rule(**call, **flags, **extra, backend="gluon_sm90")
+    torch.cuda.synchronize()
+    assert rel_rms_error(o.float().cpu(), o_ref.float()) < 5e-3
+    assert rel_rms_error(ht.float().cpu(), ht_ref.float()) < 5e-3
+    if pool is not None:
+        live = extra["state_indices"] >= 0
+        got = call["initial_state"][extra["state_indices"][live].long()].float().cpu()
+        assert rel_rms_error(got, ht_ref[live.cpu()].float()) < 5e-3

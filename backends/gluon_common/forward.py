@@ -26,6 +26,14 @@ in one launch with no pass 1::
 
     o, S = engine.fused.fused_fwd(..., chain=(hand, flags, L, NSEG))  # each slot warmed up or handed over
 
+A picked plan (``cp.picked``, :func:`picked_fwd`, :mod:`.pick`) runs both, each launch
+leaving at once unless the census's count names its plan::
+
+    pick = warm_census_fwd(g, beta, k, cu_seqlens, ...)   # segments that cannot warm up
+    o, S = engine.fused.fused_fwd(..., chain=...)         # PICK: runs where the count is 0
+    w, u, g_cum = wy_fwd(..., pick=pick)                  # PICK: the unsegmented pipeline,
+    o, S = state_output_fwd(..., pick=pick)               #   where the count is not 0
+
 Where the engine offers a warp-specialized path (gluon_sm90: ``engine.fused``, see
 :mod:`gdn_dispatch.backends.gluon_sm90.fused`) and the plan takes it (head dims 128, no
 context parallelism, enough (sequence, v-head) programs to fill the SMs), the call is
@@ -82,6 +90,7 @@ from gdn_dispatch.backends.gluon_common.segment_map import segment_map_fwd
 from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
 from gdn_dispatch.backends.gluon_common.wy import wy_fwd
+from gdn_dispatch.backends.gluon_common.warm_chain import warm_census_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
 from gdn_dispatch.backends.triton_generic.segment_chain import chain_buffers
@@ -111,8 +120,9 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
             return forward(problem, device, engine=engine)
     # Plans read shapes, dtypes and flags, never strides: planned before any copy, so that
     # the path's own needs decide what is copied.
-    cp = plan_for_problem(problem, device.sm_count)
-    launches = call_launches(problem, cp, device, engine)
+    cp, launches, pipeline = call_launches(problem, plan_for_problem(problem, device.sm_count), device, engine)
+    if pipeline is not None:
+        return picked_fwd(problem, cp, launches, pipeline, engine)
     # The common forms in one native call, where the layer is built (None: not taken).
     pass_two = None
     if cp.chained:
@@ -163,17 +173,65 @@ def forward(problem: GDNProblem, device: DeviceInfo, *, engine) -> tuple[torch.T
     return o, final_state
 
 
-def call_launches(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine) -> ForwardPlan:
-    """The launches of ``problem`` under its context-parallel plan ``cp``: the call's own
-    (the pipeline's front and fused kernel where ``cp`` segments it), or, for chained
-    segments on a class with the one-kernel build, that build over the segment slots
-    (:meth:`~.plan.ClassPlan.warm_chain`)."""
+def call_launches(problem: GDNProblem, cp: CPPlan, device: DeviceInfo, engine
+                  ) -> tuple[CPPlan, ForwardPlan, ForwardPlan | None]:
+    """The launches of ``problem`` under its context-parallel plan ``cp``: ``(cp, launches,
+    None)`` with the call's own launches (the pipeline's front and fused kernel where ``cp``
+    segments it), or, for chained segments on a class with the one-kernel build, that build
+    over the segment slots (:meth:`~.plan.ClassPlan.warm_chain`). A picked plan
+    (``cp.picked``) gives ``(cp, warm, pipeline)``, both ``PICK``
+    (:meth:`~.plan.ClassPlan.picked`), where the class can pick, else runs "off"
+    (:meth:`~gdn_dispatch.context_parallel.CPPlan.unpicked`)."""
+    if cp.picked:
+        off = plan(problem, device=device, engine=engine)
+        both = off.cls.picked(off.rows, off.num_seqs, cp.num_segments)
+        if both is not None:
+            return cp, both[0], both[1]
+        return cp.unpicked("the one-kernel build's warm chain and an unsegmented pipeline"), off, None
     launches = plan(problem, device=device, engine=engine, fused=not cp.enabled)
     if cp.chained:
         warm = launches.cls.warm_chain(launches.rows, cp.num_segments)
         if warm is not None:
-            return warm
-    return launches
+            return cp, warm, None
+    return cp, launches, None
+
+
+def picked_fwd(problem: GDNProblem, cp: CPPlan, warm: ForwardPlan, pipeline: ForwardPlan, engine
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``problem`` under a picked plan (``cp.picked``, :mod:`.pick`): the census counts the
+    chained segments that cannot warm up, then the warm chain's launch and the unsegmented
+    pipeline's run, each leaving at once unless the count names its plan (0: the chain).
+    Both write the same o and final state; no value comes back to the host.
+
+    ``warm``, ``pipeline``: :meth:`~.plan.ClassPlan.picked`'s launches. Returns o and the
+    final state as :func:`forward` does."""
+    if warm.norm_copies:
+        q, k = qk_l2norm_fwd(problem.q, problem.k, warm.stage("qk_l2norm_fwd"))
+        problem = replace_fields(problem, q=q, k=k, use_qk_l2norm=False)
+    # The pipeline's rnorm kernel reads q and k by pointer: both plans read the TMA's rows.
+    problem = tma_readable(problem)
+    HV, NSEG, chunks = problem.HV, cp.num_segments, problem.chunks
+    hand = torch.empty(NSEG * HV, problem.K, problem.V, dtype=torch.float32, device=problem.k.device)
+    flags = torch.zeros(NSEG * HV + 2, dtype=torch.int32, device=problem.k.device)
+    pick = warm_census_fwd(problem.g, problem.beta, problem.k, chunks.cu_seqlens, chunks.num_seqs, cp.seg_len, NSEG,
+                           flags, warm.stage("warm_census"))
+    w, u, g_cum, o, final_state = call_buffers(problem, pipeline, OFF)
+    # The one-kernel build reads no T tiles and no g_cum: the hand-over buffer stands in.
+    engine.fused.fused_fwd(problem, hand, hand, warm.stage("fused_fwd"), out=(o, final_state),
+                           chain=(hand, flags, cp.seg_len, NSEG))
+    wy_fwd(problem.k, problem.v, problem.g, problem.beta, chunks, pipeline.stage("wy_fwd"), out=(w, u, g_cum),
+           pick=pick)
+    rnorm = None
+    if problem.use_qk_l2norm:
+        rnorm = qk_rnorm_fwd(problem.q, problem.k, pipeline.stage("qk_rnorm_fwd"), pick)
+    return state_output_fwd(
+        problem.q, problem.k, w, u, g_cum, chunks, pipeline.stage("state_output_fwd"), scale=problem.scale,
+        initial_state=problem.initial_state, output_final_state=problem.output_final_state, rnorm=rnorm,
+        state_indices=problem.state_indices, out=(o, final_state), pick=pick)
+
+
+#: The plan a picked call's pipeline allocates its buffers under (its unsegmented form).
+OFF = CPPlan(enabled=False, seg_len=0, num_segments=0, reason="picked pipeline")
 
 
 def warm_chained_fwd(problem: GDNProblem, cp: CPPlan, launches: ForwardPlan, engine, q: torch.Tensor,
@@ -384,17 +442,25 @@ class CallPlan:
         the one-kernel build: :func:`call_launches`).
     segments : ForwardPlan of the call over its segments (its state_output_fwd stage is
         pass 2), or None when the call runs unsegmented.
+    pipeline : with a picked plan (``context_parallel.picked``), the unsegmented pipeline's
+        launches (``launches`` are then the warm chain's, census first; :func:`picked_fwd`),
+        else None.
     """
 
     context_parallel: CPPlan
     launches: ForwardPlan
     segments: ForwardPlan | None
+    pipeline: ForwardPlan | None = None
 
     @property
     def kernels(self) -> tuple[str, ...]:
         """The launches, in order: Gluon stages by their plan's kernel name (pass 1,
         ``segment_map_fwd``, writes the segment table too), the plain-Triton scan as
-        ``segment_scan`` (none with chained segments)."""
+        ``segment_scan`` (none with chained segments); a picked call's warm chain, then its
+        pipeline (the normalized copies, which both read, once)."""
+        if self.pipeline is not None:
+            ours = tuple(s.kernel for s in self.launches.stages)
+            return ours + tuple(s.kernel for s in self.pipeline.stages if s.kernel not in ours)
         if self.launches.fused:
             return tuple(s.kernel for s in self.launches.stages)
         front = tuple(s.kernel for s in self.launches.stages if s.kernel != "state_output_fwd")
@@ -441,6 +507,10 @@ def describe_call(problem: GDNProblem, device: DeviceInfo, *, engine) -> str:
         norm = f"; the qk l2 norm on normalized copies ({why})"
     elif problem.use_qk_l2norm:
         norm = "; the qk l2 norm reduced in its kernels"
+    if call.pipeline is not None:
+        cp = call.context_parallel
+        return f"{text} (picked on the device: the one-kernel build over {cp.num_segments} chained segment slots " \
+               f"where every segment warms up, else the unsegmented pipeline{norm})"
     if call.launches.fused:
         return f"{text} (warp-specialized: {problem.N * problem.HV} (sequence, v-head) programs on " \
                f"{device.sm_count} SMs{norm})"
@@ -472,10 +542,9 @@ def plan_call(problem: GDNProblem, device: DeviceInfo, *, engine=None) -> CallPl
     device : DeviceInfo the launches are sized for (its SM count decides "auto").
     engine : the launching backend's matrix engine; None: the one registry.toml admits.
     """
-    cp = plan_for_problem(problem, device.sm_count)
-    launches = call_launches(problem, cp, device, engine)
+    cp, launches, pipeline = call_launches(problem, plan_for_problem(problem, device.sm_count), device, engine)
     if not cp.enabled or cp.chained:
-        return CallPlan(context_parallel=cp, launches=launches, segments=None)
+        return CallPlan(context_parallel=cp, launches=launches, segments=None, pipeline=pipeline)
     segments = segment_launches(problem, cp, device, engine, launches,
                                 segment_host_offsets(problem.chunks, cp.seg_len))
     return CallPlan(context_parallel=cp, launches=launches, segments=segments)

@@ -36,6 +36,7 @@ from gdn_dispatch.backends.gluon_common.qk_norm import (
     clear_norm_plans, needs_norm_copies, plan_qk_l2norm, plan_qk_rnorm)
 from gdn_dispatch.backends.gluon_common.segment_map import plan_segment_map, segment_map_supported
 from gdn_dispatch.backends.gluon_common import warm_chain
+from gdn_dispatch.backends.gluon_common.pick import picked_plan
 from gdn_dispatch.backends.gluon_common.state_output import (
     chained_plan, plan_state_output, state_output_config, state_output_configs)
 from gdn_dispatch.backends.gluon_common.wy import plan_wy
@@ -218,6 +219,27 @@ class ClassPlan:
             launches = self.chain_plans[WARM_KEY] = (*self.fused[:-1], warm_chain.warm_chain_plan(self.fused[-1]))
         return ForwardPlan(self, launches, rows, num_segments)
 
+    def picked(self, rows: int, num_seqs: int, num_segments: int) -> tuple[ForwardPlan, ForwardPlan] | None:
+        """A picked call's launches (:mod:`.pick`, ``CPPlan.picked``): the warm chain's
+        (:meth:`warm_chain`, the census before its fused kernel) and the unsegmented
+        pipeline's, every one ``PICK`` but the qk l2 norm's normalized copies, which both
+        read (run once). None where the class has no warm chain, or where its unsegmented
+        call takes the warp-specialized path or reads other copies than the chain: then
+        there is no pipeline to pick, and the call runs "off"."""
+        warm = self.warm_chain(rows, num_segments)
+        off = self.for_call(rows, num_seqs)
+        if warm is None or off.fused or warm.norm_copies != off.norm_copies:
+            return None
+        key = (PICK_KEY, id(off.launches[-1]))
+        got = self.chain_plans.get(key)
+        if got is None:
+            fused = warm.launches[-1]
+            census = warm_chain.census_plan(self.K, self.HV, fused.constexprs["QK_NORM"])
+            got = self.chain_plans[key] = (
+                (*warm.launches[:-1], census, picked_plan(fused)),
+                tuple(s if s.kernel == "qk_l2norm_fwd" else picked_plan(s) for s in off.launches))
+        return ForwardPlan(self, got[0], rows, num_segments), ForwardPlan(self, got[1], rows, num_seqs)
+
     def for_call(self, rows: int, num_seqs: int, fused: bool = True, busy_seqs: int | None = None) -> ForwardPlan:
         """The ForwardPlan of a call of ``rows = B * T`` tokens in ``num_seqs`` sequences,
         ``busy_seqs`` of them holding tokens where the host knows it (memoized per counts,
@@ -233,8 +255,10 @@ class ClassPlan:
         return fp
 
 
-#: The key of a class's warm-chain launches in its ``chain_plans``.
+#: The key of a class's warm-chain launches in its ``chain_plans``; with the state
+#: kernel's plan, of its picked launches.
 WARM_KEY = "warm"
+PICK_KEY = "pick"
 
 #: (B * T, N) pairs a ClassPlan keeps the ForwardPlan of (one dict lookup per call; a
 #: server's counts vary, so the dict is emptied when it fills).

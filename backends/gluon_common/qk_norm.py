@@ -31,10 +31,12 @@ from triton.experimental.gluon import language as gl
 
 from gdn_dispatch.contract import GDNProblem, token_rows_stride
 
+from gdn_dispatch.backends.gluon_common.compat import arg_names
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, PLAN_CACHE_SIZE, BoundLaunch, GridRule, LaunchPlan, pointer_attrs, sig_dtype)
 from gdn_dispatch.backends.gluon_common.masks import L2NORM_EPS, tile_layout
+from gdn_dispatch.backends.gluon_common.pick import picked_elsewhere
 
 #: Rows (token, head) one program reduces: 16 KB of bf16 at K = 128 per program.
 BLOCK_ROWS = 64
@@ -61,7 +63,12 @@ def _row_block(q, k, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexp
 
 
 @gluon.jit(do_not_specialize=["rows", "H"])
-def _qk_rnorm_fwd_kernel(q, k, rnorm, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+def _qk_rnorm_fwd_kernel(q, k, rnorm, pick, rows, H, s_q, s_k, K: gl.constexpr, BLOCK_ROWS: gl.constexpr,
+                         PICK: gl.constexpr):
+    if PICK:
+        # A picked call's pipeline (:mod:`.pick`): the census may have picked the warm chain.
+        if picked_elsewhere(pick, False):
+            return
     x, norm, which, r, c, mask = _row_block(q, k, rows, H, s_q, s_k, K, BLOCK_ROWS)
     # (q, k) pairs side by side: the fused kernel loads both norms of a row together.
     gl.store(rnorm + r.to(gl.int64) * 2 + which, norm, mask=r < rows)
@@ -131,7 +138,7 @@ def _norm_plan(kernel: str, K: int) -> LaunchPlan:
         grid_rule=GridRule(row_block=BLOCK_ROWS, ceil=True, minimum=1, more=(2,)),
         num_warps=NUM_WARPS,
         blocks={"BLOCK_ROWS": BLOCK_ROWS, "K": K},
-        constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+        constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS, **({"PICK": False} if kernel == "qk_rnorm_fwd" else {})},
         row_scalars=("rows",),
         notes=f"B*T*H (token, head) rows of q and of k, {BLOCK_ROWS} per program",
     )
@@ -150,7 +157,8 @@ def clear_norm_plans() -> None:
     plan_qk_rnorm_rows.cache_clear()
 
 
-def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLaunch) -> torch.Tensor:
+def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLaunch,
+                 pick: torch.Tensor | None = None) -> torch.Tensor:
     """The reciprocal l2 norms of q's and k's rows (one launch).
 
     Parameters
@@ -159,6 +167,8 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLau
         normalized).
     launch : the ``qk_rnorm_fwd`` plan (:func:`qk_rnorm_plan`, or a dry run's
         :func:`plan_qk_rnorm`); the grid and ``rows`` follow from q's shape.
+    pick : with a ``PICK`` plan, the pick word (:mod:`.pick`): the launch leaves where it
+        names the warm chain.
 
     Returns
     -------
@@ -167,7 +177,7 @@ def qk_rnorm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLau
     """
     B, T, H, _ = q.shape
     rnorm = torch.empty(B * T, H, 2, dtype=torch.float32, device=q.device)
-    _launch_norms(q, k, rnorm, launch)
+    _launch_norms(q, k, rnorm, launch, pick)
     return rnorm
 
 
@@ -190,8 +200,10 @@ def qk_l2norm_fwd(q: torch.Tensor, k: torch.Tensor, launch: LaunchPlan | BoundLa
     return out[0], out[1]
 
 
-def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: LaunchPlan | BoundLaunch) -> None:
-    """One launch of ``launch``'s norm kernel over q's and k's rows into ``out``."""
+def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: LaunchPlan | BoundLaunch,
+                  pick: torch.Tensor | None = None) -> None:
+    """One launch of ``launch``'s norm kernel over q's and k's rows into ``out`` (``pick``:
+    a ``PICK`` plan's pick word)."""
     B, T, H, K = q.shape
     launch = launch.shared
     name = launch.kernel
@@ -205,15 +217,21 @@ def _launch_norms(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, launch: L
     rows = B * T * H
     if rows == 0:
         return
+    if launch.constexprs.get("PICK", False) != (pick is not None):
+        raise ValueError(f"{name}: a PICK plan needs the pick word, another plan none")
     kernel, _ = _norm_kernel(name)
-    tensors, args = norm_launch_args(launch, q, k, out, rows, H, s_q, s_k)
+    tensors, args = norm_launch_args(launch, q, k, out, rows, H, s_q, s_k, pick)
     launch_planned(kernel, launch, tensors, args, rows=rows, num_seqs=0)
 
 
-def norm_launch_args(launch: LaunchPlan, q, k, out, rows, H, s_q, s_k) -> tuple[dict, dict]:
+def norm_launch_args(launch: LaunchPlan, q, k, out, rows, H, s_q, s_k, pick=None) -> tuple[dict, dict]:
     """The descriptor tensors (none) and runtime arguments of one launch of ``launch``'s
-    norm kernel over ``rows`` (token, head) rows (:mod:`.call_program` binds the same lists)."""
-    return {}, {"q": q, "k": k, _norm_kernel(launch.kernel)[1]: out, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k}
+    norm kernel over ``rows`` (token, head) rows (:mod:`.call_program` binds the same lists).
+    The reciprocal norms' kernel reads a pick word (``pick``, a ``PICK`` plan's; else ``out``
+    stands in)."""
+    name = _norm_kernel(launch.kernel)[1]
+    picked = {"pick": out if pick is None else pick} if name == "rnorm" else {}
+    return {}, {"q": q, "k": k, name: out, **picked, "rows": rows, "H": H, "s_q": s_q, "s_k": s_k}
 
 
 #: The pipeline's norm kernels: the reciprocal norms of bf16 calls, fp16's normalized copies.
@@ -235,12 +253,17 @@ def qk_norm_kernels_for_aot(capability: tuple[int, int], backend: str,
             out_type = "*fp32" if out_name == "rnorm" else ptr
             signature = {"q": ptr, "k": ptr, out_name: out_type, "rows": "i32", "H": "i32", "s_q": "i32",
                          "s_k": "i32", "K": "constexpr", "BLOCK_ROWS": "constexpr"}
+            picked = out_name == "rnorm"
+            if picked:
+                signature.update(pick=out_type, PICK="constexpr")
+            signature = {name: signature[name] for name in arg_names(fn)}
+            constexprs = {"K": K, "BLOCK_ROWS": BLOCK_ROWS, **({"PICK": False} if picked else {})}
             kernels.append(AotKernel(
                 backend=backend, kernel=name, specialization=f"K{K}-{sig_dtype(dtype)}",
-                fn=fn, signature=signature, constexprs={"K": K, "BLOCK_ROWS": BLOCK_ROWS},
+                fn=fn, signature=signature, constexprs=constexprs,
                 dialect="gluon", num_warps=NUM_WARPS,
                 # Token strides H * K of contiguous inputs, and of most fused projections, are
                 # multiples of 16, as a launch specializes them.
-                attrs=pointer_attrs(fn, ["q", "k", out_name, "s_q", "s_k"]),
+                attrs=pointer_attrs(fn, ["q", "k", out_name, "s_q", "s_k", *(["pick"] if picked else [])]),
             ))
     return kernels

@@ -28,6 +28,7 @@ from gdn_dispatch.varlen import ChunkTable
 
 from gdn_dispatch.backends.gluon_common.compat import arg_names
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.pick import picked_elsewhere
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     MAX_STATE_TILE, NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, drop_unused_scatter, has_tails,
     pointer_attrs, resolve_engine, sig_dtype, tile_desc)
@@ -80,7 +81,12 @@ def _state_output_fwd_kernel(
     V: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr,
     USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, DEFER_OUT: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, NUM_BUF: gl.constexpr, CHAIN: gl.constexpr, WS: gl.constexpr,
+    PICK: gl.constexpr,
 ):
+    if PICK:
+        # A picked call's pipeline: ``chain_flags`` is the pick word (:mod:`.warm_chain`).
+        if picked_elsewhere(chain_flags, False):
+            return
     BT: gl.constexpr = w_desc.block_type.shape[0]
     K: gl.constexpr = w_desc.block_type.shape[1]
     BV: gl.constexpr = u_desc.block_type.shape[1]
@@ -315,7 +321,7 @@ def plan_state_output(problem: GDNProblem, device, *, block_v: int | None = None
         l2=problem.use_qk_l2norm)
     descriptors, constexprs = drop_unused_scatter(
         descriptors, {**state_constexprs(problem, engine), "DEFER_OUT": defer, "NUM_BUF": slots, "CHAIN": False,
-                      "WS": ws})
+                      "WS": ws, "PICK": False})
     launch = LaunchPlan(
         kernel="state_output_fwd",
         # (sequence, v-head, V-block) programs.
@@ -354,6 +360,7 @@ def state_output_fwd(
     state_indices: torch.Tensor | None = None,
     chain: tuple | None = None,
     out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    pick: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recurrence and the output of every chunk in one launch (stages 4 + 5 fused):
     per chunk ``v_new = u - w h``, ``o = scale (2^g (q h) + causal(q k^T 2^(g_i - g_j))
@@ -390,6 +397,8 @@ def state_output_fwd(
         segment forgets, the forgetting starts and the zeroed counts); None otherwise.
     out : (o, final_state) allocated by the caller (contiguous, as returned below; the
         final state None unless ``output_final_state``), or None to allocate them here.
+    pick : with a ``PICK`` plan (:mod:`.pick`), the pick word: the launch leaves at once
+        where it names the warm chain (then o and the final state are the chain's).
 
     Returns
     -------
@@ -418,9 +427,13 @@ def state_output_fwd(
         rnorm = g_cum  # not read
     if launch.constexprs["CHAIN"] != (chain is not None):
         raise ValueError("chain: a CHAIN plan needs (hand, f_start, chain_flags, seg_len, NSEG), another plan none")
-    # Without a chain its pointers are stand-ins and its counts 0 (as the call programs bind them).
+    if launch.constexprs["PICK"] != (pick is not None):
+        raise ValueError("pick: a PICK plan needs the pick word, another plan none")
+    # Without a chain its pointers are stand-ins and its counts 0 (as the call programs bind
+    # them); a picked launch reads its pick word where the chain's counts would be.
     hand, f_start, flags, seg_len, slots = chain if chain is not None else (g_cum, chunks.cu_seqlens,
-                                                                            chunks.cu_seqlens, 0, 0)
+                                                                            chunks.cu_seqlens if pick is None else pick,
+                                                                            0, 0)
     tensors, args = state_output_launch_args(
         launch, q, k, w, u, o, g_cum, rnorm, h0 if h0 is not None else g_cum,
         final_state if final_state is not None else g_cum, state_indices if use_pool else chunks.cu_seqlens,

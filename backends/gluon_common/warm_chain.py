@@ -21,17 +21,30 @@ chunk a segment under the bench's gates (about -75 bits a chunk); under gates th
 forget the walk is as serial as one program per sequence, plus a hand-over per segment.
 No segment map, no scan and no first launch: the hand-over counts and the ticket are
 zeroed on the stream before the launch.
+
+The pick between this chain and the unsegmented pipeline is made on the device, where the
+gates are (:func:`warm_census_fwd`): a census kernel runs :func:`warm_row` for every work
+item the chain would run and counts the items that would wait into a pick word. The chain's
+launch (``PICK``) leaves at once unless the count is 0 (every segment warms up, so they all
+run in parallel); the pipeline's launches (their ``PICK``) leave at once unless it is not
+(gates that keep the start state: the pipeline walks at its own pace, where the one-kernel
+walk is about twice as slow). Exactly one of the two writes o and the final state, so a
+state pool is read and written back once. Nothing is read back to the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gdn_dispatch.backends.gluon_common.launch_plan import LaunchPlan
+from gdn_dispatch.backends.gluon_common.launch import launch_planned
+from gdn_dispatch.backends.gluon_common.launch_plan import NUM_WARPS, GridRule, LaunchPlan, token_stride
 from gdn_dispatch.backends.gluon_common.masks import add
+from gdn_dispatch.backends.gluon_common.pick import PICK_WORD
 from gdn_dispatch.backends.gluon_common.recurrence import slot_sequence
 from gdn_dispatch.backends.gluon_common.segment_chain import chain_last_slot
 from gdn_dispatch.backends.gluon_common.wy import GATE_FLOOR, LOG2E
@@ -126,6 +139,17 @@ def wait_hand_over(chain_flags, prev):
         waiting = gl.atomic_add(chain_flags + prev, 0, sem="acquire") < 1
 
 
+@gluon.jit(do_not_specialize=["s_g", "s_beta", "s_k", "N", "L", "NSEG", "HV", "GROUP"])
+def _warm_census_kernel(g, beta, k_ptr, cu_seqlens, chain_flags, s_g, s_beta, s_k, N, L, NSEG, HV, GROUP,
+                        K: gl.constexpr, BT: gl.constexpr, UNIT_KEYS: gl.constexpr):
+    # Work item = program id: the ticket order of the chain, the same items.
+    slot, i_h, i_n, seq_bos, bos, eos = chain_item(gl.program_id(0), cu_seqlens, N, L, HV)
+    if bos > seq_bos:
+        warm = warm_row(g, s_g, beta, s_beta, k_ptr, s_k, (i_h // GROUP) * K, i_h, seq_bos, bos, K, BT, UNIT_KEYS)
+        if warm < 0:
+            gl.atomic_add(chain_flags + NSEG * HV + 1, 1)
+
+
 # ----------------------------------------------------------------------------------------
 # Host side
 
@@ -151,3 +175,46 @@ def warm_chain_plan(launch: LaunchPlan) -> LaunchPlan:
 
 #: What a warm chain's plan notes.
 WARM_NOTE = "chained segments warmed up from their forgetting suffix, slots in ticket order"
+
+
+@functools.lru_cache(maxsize=64)
+def census_plan(K: int, HV: int, unit_keys: bool) -> LaunchPlan:
+    """The census launch at head dim ``K`` over ``HV`` v-heads (``unit_keys``: the qk l2
+    norm is on chip, so no key is read): one program per work item of the chain, ``NSEG x
+    HV`` (the launch's ``num_seqs`` is the slot count)."""
+    return LaunchPlan(
+        kernel="warm_census",
+        grid_rule=GridRule(per_seq=1, times=HV),
+        num_warps=NUM_WARPS,
+        blocks={"K": K, "BT": 64},
+        constexprs={"K": K, "BT": 64, "UNIT_KEYS": unit_keys},
+        notes="NSEG x HV chain items, each its warm-up bound; counts the items that would wait",
+    )
+
+
+def warm_census_fwd(g: torch.Tensor, beta: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, num_seqs: int,
+                    seg_len: int, num_segments: int, chain_flags: torch.Tensor, launch) -> torch.Tensor:
+    """Count the work items of a chained call that cannot warm up into its pick word.
+
+    Parameters
+    ----------
+    g, beta : Tensors ``[B, T, HV]`` in token rows (any float dtype, any token stride).
+    k : Tensor ``[B, T, H, K]``: the keys the chain's kernel reads (read unless the plan's
+        ``UNIT_KEYS``), in token rows.
+    cu_seqlens : the call's offsets ``[N + 1]`` (int32 or int64); ``num_seqs``: N.
+    seg_len, num_segments : the chained plan's ``L`` and slot count ``NSEG``.
+    chain_flags : int32 ``[NSEG * HV + 2]``, zeroed on the stream; its last word
+        (:data:`.pick.PICK_WORD`) receives the count (0: every segment that does not start its
+        sequence warms up from its forgetting suffix).
+    launch : :func:`census_plan` of the call (or its bound stage).
+
+    Returns ``chain_flags[PICK_WORD:]``: the pick word, as the picked launches read it."""
+    HV = g.shape[2]
+    if tuple(chain_flags.shape) != (num_segments * HV + 2,) or chain_flags.dtype != torch.int32:
+        raise ValueError(f"chain_flags: expected int32 [{num_segments * HV + 2}], got {chain_flags.dtype} "
+                         f"{tuple(chain_flags.shape)}")
+    args = dict(g=g, beta=beta, k_ptr=k, cu_seqlens=cu_seqlens, chain_flags=chain_flags,
+                s_g=token_stride(g), s_beta=token_stride(beta), s_k=token_stride(k), N=num_seqs,
+                L=seg_len, NSEG=num_segments, HV=HV, GROUP=HV // k.shape[2])
+    launch_planned(_warm_census_kernel, launch.shared, {}, args, rows=0, num_seqs=num_segments)
+    return chain_flags[PICK_WORD:]

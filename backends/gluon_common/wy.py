@@ -88,6 +88,7 @@ from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import (
     NUM_WARPS, BoundLaunch, GridRule, LaunchPlan, as_device, chunks_have_tails, drop_unused_scatter,
     has_tails, pointer_attrs, resolve_engine, sig_dtype, tile_desc, token_stride)
+from gdn_dispatch.backends.gluon_common.pick import picked_elsewhere
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
 from gdn_dispatch.backends.gluon_common.masks import (
@@ -694,11 +695,15 @@ def _split_product(t_smem, x_smem, bar, desc, rows_desc, ptr, row_stride, row0, 
 @gluon.jit(do_not_specialize=["HV", "GROUP", "s_g", "s_beta", "N"])
 def _wy_fwd_kernel(
     k_desc, v_desc, w_desc, u_desc, w_rows_desc, u_rows_desc, w_ptr, u_ptr,
-    g, g_cum, beta, cu_seqlens, N, HV, GROUP, s_g, s_beta,
+    g, g_cum, beta, cu_seqlens, pick, N, HV, GROUP, s_g, s_beta,
     HAS_TAILS: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr,
     LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, SPLIT_WU: gl.constexpr,
-    EARLY_ROWS: gl.constexpr,
+    EARLY_ROWS: gl.constexpr, PICK: gl.constexpr,
 ):
+    if PICK:
+        # A picked call's pipeline (:mod:`.warm_chain`): the census may have picked the chain.
+        if picked_elsewhere(pick, False):
+            return
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
@@ -907,7 +912,7 @@ def wy_plan(H, HV, K, V, dtype, tails, l2norm, info: DeviceInfo, variant: str | 
         wy_descriptors(H, HV, K, V, dtype),
         {"HAS_TAILS": tails, "USE_L2NORM": l2norm, "ENGINE": engine, "LHS_REGS": lhs_regs,
          "F16_INVERSE": variant == "f16" and not is_sm100, "BLOCKED_INVERSE": blocked, "SPLIT_WU": split,
-         "EARLY_ROWS": early})
+         "EARLY_ROWS": early, "PICK": False})
     elem = torch.finfo(dtype).bits // 8
     return LaunchPlan(
         kernel="wy_fwd",
@@ -946,6 +951,7 @@ def wy_fwd(
     use_qk_l2norm: bool = False,
     device_info: DeviceInfo | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pick: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The WY vectors of each chunk, ``w = T (beta 2^g_cum k)``, ``u = T (beta v)`` with
     ``T = (I + A)^-1`` formed in the kernel, and the gates' chunk-local cumsum (one launch).
@@ -967,6 +973,8 @@ def wy_fwd(
         ``device_info`` (then required), which are ignored when ``launch`` is given.
     out : (w, u, g_cum) allocated by the caller (contiguous, the shapes and dtypes below),
         or None to allocate them here.
+    pick : with a ``PICK`` plan (:mod:`.pick`), the pick word: the launch leaves at once
+        where it names the warm chain (nothing written).
 
     Returns
     -------
@@ -991,19 +999,23 @@ def wy_fwd(
             raise ValueError("wy_fwd: pass launch (a plan_wy plan) or device_info to plan one")
         launch = wy_plan(H, HV, K, V, k.dtype, chunks_have_tails(chunks, T), use_qk_l2norm, device_info)
     launch = launch.shared
+    if launch.constexprs["PICK"] != (pick is not None):
+        raise ValueError("pick: a PICK plan needs the pick word, another plan none")
     tensors, args = wy_launch_args(launch, k, v, w, u, g, g_cum, beta, chunks.cu_seqlens, chunks.num_seqs,
-                                   token_stride(g), token_stride(beta))
+                                   token_stride(g), token_stride(beta), pick)
     launch_planned(_wy_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=chunks.num_seqs)
     return w, u, g_cum
 
 
-def wy_launch_args(launch: LaunchPlan, k, v, w, u, g, g_cum, beta, cu_seqlens, num_seqs, s_g, s_beta
+def wy_launch_args(launch: LaunchPlan, k, v, w, u, g, g_cum, beta, cu_seqlens, num_seqs, s_g, s_beta, pick=None
                    ) -> tuple[dict, dict]:
     """The descriptor tensors and runtime arguments of one ``_wy_fwd_kernel`` launch (what
     :func:`wy_fwd` launches with; a call program binds the same lists to its call's values,
-    :mod:`.call_program`)."""
+    :mod:`.call_program`). ``pick``: a ``PICK`` plan's pick word (:mod:`.warm_chain`); else
+    ``cu_seqlens`` stands in."""
     return {"k": k, "v": v, "w": w, "u": u}, dict(
-        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=cu_seqlens, N=num_seqs,
+        w_ptr=w, u_ptr=u, g=g, g_cum=g_cum, beta=beta, cu_seqlens=cu_seqlens,
+        pick=cu_seqlens if pick is None else pick, N=num_seqs,
         HV=launch.scalars["HV"], GROUP=launch.scalars["GROUP"], s_g=s_g, s_beta=s_beta)
 
 
@@ -1015,7 +1027,7 @@ def wy_signature(launch: LaunchPlan | BoundLaunch, dtype: torch.dtype, beta_dtyp
     ptr = "*" + sig_dtype(dtype)
     sig.update(w_ptr=ptr, u_ptr=ptr, g="*" + sig_dtype(g_dtype), g_cum="*fp32",
                beta="*" + sig_dtype(beta_dtype or dtype),
-               cu_seqlens="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
+               cu_seqlens="*" + sig_dtype(cu_dtype), pick="*" + sig_dtype(cu_dtype), N="i32", HV="i32", GROUP="i32", s_g="i32", s_beta="i32")
     sig.update({name: "constexpr" for name in launch.constexprs})
     return {name: sig[name] for name in arg_names(_wy_fwd_kernel)}
 
@@ -1062,7 +1074,7 @@ def wy_kernels_for_aot(capability: tuple[int, int], backend: str | None = None, 
                             signature=wy_signature(launch, dtype, beta_dtype, g_dtype, cu_dtype),
                             constexprs=dict(launch.constexprs), dialect="gluon", num_warps=launch.num_warps,
                             maxnreg=launch.maxnreg, attrs=pointer_attrs(_wy_fwd_kernel, [
-                                "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens"]),
+                                "w_ptr", "u_ptr", "g", "g_cum", "beta", "cu_seqlens", "pick"]),
                             spill_bytes_allowed=split_spill_bytes() if launch.constexprs["SPLIT_WU"] else 0,
                         ))
     return kernels

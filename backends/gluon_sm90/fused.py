@@ -89,6 +89,7 @@ from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc, token_stride
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
+from gdn_dispatch.backends.gluon_common.pick import picked_elsewhere
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import (
     gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
@@ -820,7 +821,7 @@ def _fused_fwd_kernel(
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
     SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
-    STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr,
+    STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr, PICK: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -828,6 +829,10 @@ def _fused_fwd_kernel(
     dtype: gl.constexpr = k_desc.dtype
     gl.static_assert(not CHAIN or AUX_T, "chained segments on the one-kernel build alone")
     if CHAIN:
+        if PICK:
+            # The census picked the pipeline (:func:`..gluon_common.warm_chain.warm_census_fwd`).
+            if picked_elsewhere(chain_flags + NSEG * HV + 1, True):
+                return
         # A segment slot (:mod:`..gluon_common.warm_chain`): the walk may start before it.
         ticket = gl.atomic_add(chain_flags + NSEG * HV, 1)
         slot, i_h, i_n, seq_bos, bos, eos = chain_item(ticket, cu_seqlens, N, L, HV)
@@ -1293,6 +1298,7 @@ def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> B
     if chain and not on_chip_t:
         raise ValueError("plan_fused: chained segments run on the one-kernel build (fused.AUX_T) alone")
     constexprs["CHAIN"] = False
+    constexprs["PICK"] = False
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
@@ -1370,7 +1376,9 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
     the sequences walked as chained segments of ``seg_len`` tokens (a multiple of the
     chunk) in ``NSEG`` slots (:mod:`gdn_dispatch.context_parallel`'s slots), ``hand`` a
     float32 ``[NSEG * HV, K, V]`` hand-over buffer and ``chain_flags`` int32 ``[NSEG * HV +
-    1]`` (zeroed here, on the stream); None otherwise.
+    1]`` (zeroed here, on the stream); with a ``PICK`` plan ``[NSEG * HV + 2]``, zeroed by
+    the caller before the census wrote its pick word (:mod:`..gluon_common.pick`); None
+    otherwise.
     """
     launch = launch.shared
     if launch.constexprs["CHAIN"] != (chain is not None):
@@ -1395,7 +1403,7 @@ def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, l
         # k's rows are read by pointer in a chained launch alone (its warm-up bound).
         token_stride(problem.beta), 0 if chain is None else token_stride(k),
         None if chain is None else (chain[0], chain[1], N, chain[2], chain[3]))
-    if chain is not None:
+    if chain is not None and not launch.constexprs["PICK"]:
         chain[1].zero_()
     launch_planned(_fused_fwd_kernel, launch, tensors, args, rows=B * T, num_seqs=N if chain is None else chain[3])
     return o, final_state

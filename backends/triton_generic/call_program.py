@@ -61,6 +61,10 @@ _PROGRAMS: dict[tuple, tuple] = {}
 PROGRAMS_KEPT = 256
 
 
+#: Why a picked plan (``CPPlan.picked``) runs "off" here: this backend has no warm chain.
+UNPICKED = "the one-kernel build's warm chain (gluon_sm90)"
+
+
 def clear_programs() -> None:
     """Forget every program, and the routes that lead to them (tests and benchmarks that
     start from fresh launch sites)."""
@@ -180,6 +184,7 @@ def route_runner(problem: GDNProblem, device: DeviceInfo):
         if decided is None:
             return None
         offsets, cp = decided
+        cp = cp.unpicked(UNPICKED)
         if cp.chained:
             return None  # no program for chained segments: the forward launches them
         rows = B * T

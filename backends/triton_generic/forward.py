@@ -25,7 +25,7 @@ from gdn_dispatch.contract import GDNProblem, StateLayout
 from gdn_dispatch.backends.triton_generic._jit import interpreting
 from gdn_dispatch.backends.triton_generic.buffers import call_buffers
 from gdn_dispatch.backends.triton_generic.call_program import route_runner as _route_runner
-from gdn_dispatch.backends.triton_generic.call_program import run_call, run_segmented_call
+from gdn_dispatch.backends.triton_generic.call_program import UNPICKED, run_call, run_segmented_call
 from gdn_dispatch.backends.triton_generic.configs import device_facts, fuse_solve_into_wu
 from gdn_dispatch.backends.triton_generic.context_parallel import chained_fwd, segmented_fwd
 from gdn_dispatch.backends.triton_generic.kkt_solve import kkt_solve_fwd
@@ -59,7 +59,7 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
 def _forward(problem: GDNProblem, selection) -> tuple[torch.Tensor, torch.Tensor | None]:
     chunks, l2 = problem.chunks, problem.use_qk_l2norm
     sm_count = selection.device.sm_count if selection is not None else device_facts(problem.device)[1]
-    plan = plan_for_problem(problem, sm_count)
+    plan = plan_for_problem(problem, sm_count).unpicked(UNPICKED)
     # The common forms in one native call, where the layer is built (None: not taken).
     # (Chained segments have no call program yet: the launches below run them.)
     if plan.chained:
