@@ -89,8 +89,8 @@ from gdn_dispatch.backends.gluon_common.qk_norm import needs_norm_copies, qk_l2n
 from gdn_dispatch.backends.gluon_common.segment_map import segment_map_fwd
 from gdn_dispatch.backends.gluon_common.segments import SegmentOffsets, segment_facts, segment_host_offsets
 from gdn_dispatch.backends.gluon_common.state_output import state_output_fwd
-from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.warm_chain import warm_census_fwd
+from gdn_dispatch.backends.gluon_common.wy import wy_fwd
 from gdn_dispatch.backends.gluon_common.wy_t import planned_t_tile_rows, wy_t_fwd
 from gdn_dispatch.backends.triton_generic.context_parallel import segment_start_states, segment_table
 from gdn_dispatch.backends.triton_generic.segment_chain import chain_buffers

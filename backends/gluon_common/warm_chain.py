@@ -154,8 +154,9 @@ def _warm_census_kernel(g, beta, k_ptr, cu_seqlens, chain_flags, s_g, s_beta, s_
 # Host side
 
 #: Chained plans (``CPPlan.chained``) of a call class that has the one-kernel build run it
-#: warmed up (this module) instead of the pipeline's pass 1 and chained pass 2 (only a
-#: caller's tuning asks for chained plans: ``context_parallel.TUNING.chain_fill``). H100
+#: warmed up (this module) instead of the pipeline's pass 1 and chained pass 2 (a caller's
+#: tuning asks for chained plans, ``context_parallel.TUNING.chain_fill``; the automatic
+#: rule makes picked ones, which need this chain: off, they run "off"). H100
 #: 80GB HBM3, triton 3.6.0, CUDA-graph GPU time of the public call at H16-HV32 1 x 32768
 #: (``python benchmarks/cp_crossover.py --chain-fill 1.0 --warm-chain --gates G --shapes
 #: 16/32/1/32768``, ``logs/h100_warm_chain.log``): 0.499 ms against 0.945 off under the
