@@ -198,7 +198,8 @@ def forward(problem: GDNProblem, selection=None) -> tuple[torch.Tensor, torch.Te
     """
     size = problem.chunks.chunk_size
     sm_count = selection.device.sm_count if selection is not None else 0
-    decision = plan_for_problem(problem, sm_count)
+    # A picked plan is the device's choice of a kernel backend; here it is "off".
+    decision = plan_for_problem(problem, sm_count).unpicked("a kernel backend")
     if decision.enabled:
         return _run(problem, lambda *args: _segmented_sequence(*args, chunk_size=size, seg_len=decision.seg_len))
     return _run(problem, lambda *args: _chunked_sequence(*args, chunk_size=size))

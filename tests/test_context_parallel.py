@@ -932,6 +932,13 @@ def test_gluon_rows_run_segments_and_auto_engages(monkeypatch):
         assert explanation.selected == GLUON_BY_MAJOR[int(arch[3:-1])]
         assert explanation.context_parallel.startswith("on, segments of ")
         assert "does not run segments" not in explanation.context_parallel
+    # 16/32 heads: picked on the device by gluon_sm90; gluon_sm100 runs it "off" (no warm
+    # chain there), and says so.
+    wide = make_problem(**random_call(batch=(1, 32768), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16))
+    notes = {arch: explain(assumed_device(arch), CallSpec.from_problem(wide), problem=wide).context_parallel
+             for arch in ("sm_90", "sm_100")}
+    assert notes["sm_90"].startswith("on, picked on the device") and "cannot pick" not in notes["sm_90"]
+    assert notes["sm_100"].endswith("gluon_sm100 cannot pick on the device, so this call runs unsegmented")
 
 
 class _GluonStandIns:
