@@ -700,15 +700,15 @@ def _wy_fwd_kernel(
     LHS_REGS: gl.constexpr, F16_INVERSE: gl.constexpr, BLOCKED_INVERSE: gl.constexpr, SPLIT_WU: gl.constexpr,
     EARLY_ROWS: gl.constexpr, PICK: gl.constexpr,
 ):
+    if PICK:
+        # A picked call's pipeline (:mod:`.pick`): the census may have picked the warm chain.
+        if picked_elsewhere(pick, False):
+            return
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     i_c, i_h, row0, n_valid = chunk_program(cu_seqlens, N, HV, BT, HAS_TAILS)
-    if PICK:
-        # A picked call's pipeline (:mod:`.pick`): the census may have picked the warm chain.
-        # One exit with the idle slots', so the pick word's load overlaps the offsets'.
-        n_valid = gl.where(picked_elsewhere(pick, False), 0, n_valid)
     if n_valid <= 0:
         return
 
