@@ -41,6 +41,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from gdn_dispatch.contract import CHUNK_SIZE
+
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import NUM_WARPS, GridRule, LaunchPlan, token_stride
 from gdn_dispatch.backends.gluon_common.masks import add
@@ -187,8 +189,8 @@ def census_plan(K: int, HV: int, unit_keys: bool) -> LaunchPlan:
         kernel="warm_census",
         grid_rule=GridRule(per_seq=1, times=HV),
         num_warps=NUM_WARPS,
-        blocks={"K": K, "BT": 64},
-        constexprs={"K": K, "BT": 64, "UNIT_KEYS": unit_keys},
+        blocks={"K": K, "BT": CHUNK_SIZE},
+        constexprs={"K": K, "BT": CHUNK_SIZE, "UNIT_KEYS": unit_keys},
         notes="NSEG x HV chain items, each its warm-up bound; counts the items that would wait",
     )
 
