@@ -88,7 +88,6 @@ runs a picked plan "off" (:meth:`CPPlan.unpicked`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -202,9 +201,10 @@ def _off(reason: str) -> CPPlan:
     return CPPlan(enabled=False, seg_len=0, num_segments=0, reason=reason)
 
 
-def _on(seg_chunks: int, T_total: int, N: int, reason: str, chained: bool = False) -> CPPlan:
+def _on(seg_chunks: int, T_total: int, N: int, reason: str, chained: bool = False, picked: bool = False) -> CPPlan:
     L = seg_chunks * CHUNK
-    return CPPlan(enabled=True, seg_len=L, num_segments=T_total // L + N, reason=reason, chained=chained)
+    return CPPlan(enabled=True, seg_len=L, num_segments=T_total // L + N, reason=reason, chained=chained,
+                  picked=picked)
 
 
 def chain_segment_chunks(programs: int, chunks: int, sm_count: int, tuning: CPTuning) -> int:
@@ -312,8 +312,7 @@ def _chained(programs: int, T_total: int, N: int, sm_count: int, max_len: int | 
         return _off(f"{band}; {what} of {chunks} chunks gives fewer than 2 chained segments of {seg_chunks}")
     if picked and chunks < tuning.pick_min_chunks:
         return _off(f"{band}; {what} of {chunks} chunks < {tuning.pick_min_chunks} for a picked plan")
-    plan = _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True)
-    return dataclasses.replace(plan, picked=True) if picked else plan
+    return _on(seg_chunks, T_total, N, f"{band}; {what} of {chunks} chunks", chained=True, picked=picked)
 
 
 def plan_for_problem(problem, sm_count: int, tuning: CPTuning | None = None) -> CPPlan:

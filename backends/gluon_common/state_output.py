@@ -84,7 +84,7 @@ def _state_output_fwd_kernel(
     PICK: gl.constexpr,
 ):
     if PICK:
-        # A picked call's pipeline: ``chain_flags`` is the pick word (:mod:`.warm_chain`).
+        # A picked call's pipeline: ``chain_flags`` is the pick word (:mod:`.pick`).
         if picked_elsewhere(chain_flags, False):
             return
     BT: gl.constexpr = w_desc.block_type.shape[0]
