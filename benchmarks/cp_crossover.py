@@ -4,23 +4,29 @@ kernel split of two segmented calls (torch profiler). GPU time, not host time: a
 replays its layers in CUDA graphs, so the rule is fitted to what the GPU spends.
 
 Usage (a CUDA machine, repository root): ``python benchmarks/cp_crossover.py [BACKEND]
-[--gates crossover|bench|weak] [--segments 2,4,8]`` (default gluon_sm90). Inputs: bf16,
+[--gates crossover|bench|weak|model] [--segments 2,4,8]`` (default gluon_sm90). Inputs: bf16,
 K = V = 128, l2-normalized q and k, an initial state and the final state, varlen with a
 host copy of cu_seqlens. The gates decide how much of a segment the Gluon pass 1 walks
 (it drops what a segment provably forgets): ``crossover`` (default, the table's)
 ``logsigmoid(randn) / 16``, about -4.6 bits a chunk, forgets a 2048-token segment's first
 23 chunks; ``bench`` the bench's ``logsigmoid(randn)``, about -75 bits a chunk, all but
 the last chunk; ``weak`` ``logsigmoid(randn) / 1024``, about -0.07 bits a chunk, nothing,
-so every segment is walked whole (long-memory heads). ``--segments`` also times each
+so every segment is walked whole (long-memory heads); ``model`` per-head decay rates drawn as
+Qwen3-Next's gated delta layer initializes them, ``g = -A softplus(a + dt_bias)`` with ``A ~
+U(0, 16)``, ``dt_bias`` the inverse softplus of ``dt ~ logU(1e-3, 1e-1)`` and ``a ~ N(0, 1)``
+per token: most heads forget within a few chunks, a few (``A dt`` below about 0.014 a token)
+keep their state for longer than 2048 tokens. ``--segments`` also times each
 shape with each of those forced segment counts (a column per count). ``--chain-fill X``
 runs "auto" under the planner's constants with ``chain_fill = X`` (chained segments
 between a quarter of the SMs and ``X`` of them; a backend without them refuses the call).
-``--warm-chain`` runs chained plans on gluon_sm90's one-kernel build, warmed up from each
+``--picking`` runs "auto" under ``context_parallel.PICKING`` (picked plans on, a caller's
+opt-in). ``--warm-chain`` runs chained plans on gluon_sm90's one-kernel build, warmed up from each
 segment's forgetting suffix (``warm_chain.WARM_CHAIN`` on). ``--shapes 16/32/1/32768,...``
 times those (H/HV/N/tokens) alone. Prints a markdown table last (median of 15 x 5 replays).
 """
 import argparse
 import dataclasses
+import math
 import time
 
 import torch, torch.nn.functional as F
@@ -31,8 +37,19 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch import context_parallel
 from gdn_dispatch.context_parallel import plan_for_problem
 
-#: Divisor of logsigmoid(randn) per --gates choice.
-GATE_DIVISORS = {"crossover": 16.0, "bench": 1.0, "weak": 1024.0}
+#: Divisor of logsigmoid(randn) per --gates choice (``model``: :func:`model_gates`).
+GATE_DIVISORS = {"crossover": 16.0, "bench": 1.0, "weak": 1024.0, "model": None}
+
+
+def model_gates(T, HV, generator):
+    """Gates ``[1, T, HV]`` of per-head decay rates as Qwen3-Next's layer initializes them
+    (see the module docstring)."""
+    A = torch.rand(HV, device="cuda", generator=generator) * 16.0
+    log_dt = math.log(1e-3) + torch.rand(HV, device="cuda", generator=generator) * math.log(100.0)
+    dt = log_dt.exp().clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    a = torch.randn(1, T, HV, device="cuda", generator=generator)
+    return -A * F.softplus(a + dt_bias)
 
 
 def call_for(H, HV, N, L, gate_divisor=GATE_DIVISORS["crossover"]):
@@ -41,7 +58,10 @@ def call_for(H, HV, N, L, gate_divisor=GATE_DIVISORS["crossover"]):
     q = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
     k = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1).bfloat16()
     v = torch.randn(1, T, HV, 128, device="cuda", generator=g).bfloat16()
-    gate = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=g)) / gate_divisor
+    if gate_divisor is None:
+        gate = model_gates(T, HV, g)
+    else:
+        gate = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=g)) / gate_divisor
     beta = torch.rand(1, T, HV, device="cuda", generator=g).sigmoid()
     cu = torch.arange(0, T + 1, L, dtype=torch.int32)
     h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=g)
@@ -73,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated forced segment counts to time beside off and auto")
     parser.add_argument("--chain-fill", type=float, default=None,
                         help="plan 'auto' with chained segments below this fraction of the SMs")
+    parser.add_argument("--picking", action="store_true",
+                        help="plan 'auto' with picked plans on (context_parallel.PICKING)")
     parser.add_argument("--warm-chain", action="store_true",
                         help="chained plans on the one-kernel build (warm_chain.WARM_CHAIN on)")
     parser.add_argument("--shapes", type=lambda x: [tuple(int(n) for n in s.split("/")) for s in x.split(",")],
@@ -82,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main():
     args = parse_args()
+    if args.picking:
+        context_parallel.TUNING = context_parallel.PICKING
     if args.chain_fill is not None:
         context_parallel.TUNING = dataclasses.replace(context_parallel.TUNING, chain_fill=args.chain_fill)
     if args.warm_chain:
@@ -92,7 +116,9 @@ def main():
     forced = "".join(f" {n} segs ms |" for n in args.segments)
     rows = [f"| H/HV | N x tokens | off ms | auto ms | off/auto | auto's segments |{forced}",
             "| --- | --- | ---: | ---: | ---: | --- |" + " ---: |" * len(args.segments)]
-    print(f"gates: {args.gates} (logsigmoid(randn) / {GATE_DIVISORS[args.gates]:g}), backend {args.backend}, "
+    divisor = GATE_DIVISORS[args.gates]
+    gates = "per-head rates as the model initializes them" if divisor is None else f"logsigmoid(randn) / {divisor:g}"
+    print(f"gates: {args.gates} ({gates}), backend {args.backend}, "
           f"{context_parallel.TUNING}{', warm chain' if args.warm_chain else ''}", flush=True)
     for H, HV, N, L in args.shapes or SHAPES:
         call = call_for(H, HV, N, L, GATE_DIVISORS[args.gates])

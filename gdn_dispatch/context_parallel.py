@@ -69,10 +69,9 @@ instead of pass 1's N (``backends/gluon_common/warm_chain.py``: on an H100 at 16
 32768 tokens 1.89x faster than "off" under the bench's gates, 0.50x under gates that never
 forget).
 
-Picked plans (``CPPlan.picked``) take that band from the automatic rule after all, where the
-device can see the gates: from ``fill`` to ``pick_fill`` of the SMs (half: 16/32 heads on
-one sequence make 64 programs, below 66 on 132 SMs), for sequences of at least
-``pick_min_chunks`` chunks. A census kernel on the device counts the chained segments that
+Picked plans (``CPPlan.picked``) serve that band where the device can see the gates: from
+``fill`` to ``pick_fill`` of the SMs (:data:`PICKING`'s half: 16/32 heads on one sequence
+make 64 programs, below 66 on 132 SMs), for sequences of at least ``pick_min_chunks`` chunks. A census kernel on the device counts the chained segments that
 cannot warm up from their forgetting suffix; then the warm chain's launch and the unsegmented
 pipeline's launches all run, each leaving at once unless the count names its plan
 (``backends/gluon_common/pick.py``): the warm chain where every segment warms up, "off"
@@ -81,7 +80,12 @@ leave at once where the gates keep their state, and runs the warm chain where th
 (H100, 16/32 heads, CUDA-graph GPU time, ``python benchmarks/cp_crossover.py --gates
 bench|weak --shapes 16/32/1/32768,16/32/1/8192``: 0.513 ms against 0.951 off at 32768
 tokens and 0.165 against 0.252 at 8192 under the bench's gates; 0.972 against 0.947 and
-0.265 against 0.252 under gates that never forget).
+0.265 against 0.252 under gates that never forget). A model's gates keep the state on a few
+heads: drawn as Qwen3-Next's layer initializes its decay rates (``cp_crossover.py --gates
+model``), 2 to 6 of 32 v-heads keep more than 2^-40 of their state over 2048 tokens, so the
+census finds segments that cannot warm up on nearly every call, and a picked plan would cost
+"off" plus its census on those calls. So ``pick_fill`` is 0 by default: picked plans run only
+where a caller whose gates forget on every head asks for them (``TUNING = PICKING``).
 Only gluon_sm90's classes with the one-kernel build can pick; every other backend and class
 runs a picked plan "off" (:meth:`CPPlan.unpicked`).
 """
@@ -132,11 +136,15 @@ class CPTuning:
     min_seg_chunks: int = 4
     chain_fill: float = 0.0
     chain_waves: float = 2.0
-    pick_fill: float = 0.5
+    pick_fill: float = 0.0
     pick_min_chunks: int = 128
 
 
 DEFAULT_TUNING = CPTuning()
+#: The automatic rule with picked plans on (``pick_fill`` at half the SMs): for a caller
+#: whose gates forget on every head (module docstring), ``context_parallel.TUNING =
+#: PICKING``.
+PICKING = CPTuning(pick_fill=0.5)
 #: The constants the planners read when a call gives none: a benchmark that re-fits the
 #: rule (or times chained segments, ``chain_fill``) replaces it for its run.
 TUNING = DEFAULT_TUNING

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_dispatch.context_parallel import COUNTED_BV, CPPlan, plan_context_parallel, plan_for_problem
+from gdn_dispatch import context_parallel
+from gdn_dispatch.context_parallel import COUNTED_BV, CPPlan, CPTuning, plan_context_parallel, plan_for_problem
 from gdn_dispatch.contract import (
     CHUNK_SIZE, MAX_HEAD_DIM, GDNInputError, GDNProblem, StateLayout, make_problem, token_rows_stride,
 )
@@ -476,16 +477,18 @@ def picked_calls(spec: WarmupSpec, n: int, device: DeviceInfo, **flags) -> list[
 
 @functools.lru_cache(maxsize=256)
 def segment_counts(spec: WarmupSpec, n: int, device: DeviceInfo, backend: str | None = None,
-                   tensor_device: str = "cpu") -> tuple[int, ...]:
+                   tensor_device: str = "cpu", tuning: CPTuning | None = None) -> tuple[int, ...]:
     """Segment-slot counts ``NSEG`` whose segmented calls of ``n`` sequences tell every
     launch a segmented call can make apart: () where the planner ("auto") never segments
     ``n`` sequences (they fill the SMs), else the smallest ``NSEG`` of each key set among
     ``NSEG = n + 1 ...`` (what "auto" can give), up to twice the SMs in the state kernel's
     programs (``NSEG * HV * ceil(V / 64)``): planners size their tiles by whether the
-    programs fill the SMs, and beyond that nothing changes."""
+    programs fill the SMs, and beyond that nothing changes. ``tuning``: the planner's
+    constants (None: ``context_parallel.TUNING``; callers pass it, so that the memo keeps
+    a tuning's counts apart)."""
     longest = 1 << 30
     auto = plan_context_parallel("auto", T_total=longest, N=n, HV=spec.HV, V=spec.V, sm_count=device.sm_count,
-                                 max_len=longest)
+                                 max_len=longest, tuning=tuning)
     if not auto.enabled or auto.picked:
         return ()  # picked calls: :func:`picked_calls`
     flags = dict(output_final_state=True, **state_variants(spec)[0])
@@ -509,7 +512,7 @@ def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tenso
     for n in range(1, spec.max_num_seqs + 1):
         calls = [WarmupCall((CHUNK_SIZE,) * n, None, output_final_state=True, **state) for state in state_variants(spec)]
         calls += [segmented_call(n, nseg, tail, output_final_state=True, **state_variants(spec)[0])
-                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device)) for tail in (True, False)]
+                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device), context_parallel.TUNING) for tail in (True, False)]
         calls += picked_calls(spec, n, device, output_final_state=True, **state_variants(spec)[0])
         keys = frozenset().union(*(call_keys(spec, call, device, backend, tensor_device=tensor_device)[1]
                                    for call in calls))
@@ -535,7 +538,7 @@ def candidate_calls(spec: WarmupSpec, seq_counts: list[int], device: DeviceInfo,
                       for host in spec.host_offsets for dtype in spec.offset_dtypes]
             shapes.append(dict(lengths=None, batch=(n, last)))
             calls += [WarmupCall(**shape, **flags) for shape in shapes for flags in variants]
-        for nseg in segment_counts(spec, n, device, backend, str(tensor_device)):
+        for nseg in segment_counts(spec, n, device, backend, str(tensor_device), context_parallel.TUNING):
             calls += [segmented_call(n, nseg, tail, host_offsets=spec.host_offsets[0], offset_dtype=dtype, **flags)
                       for tail in (True, False) for dtype in spec.offset_dtypes for flags in variants]
         calls += [call for dtype in spec.offset_dtypes for flags in variants

@@ -940,7 +940,7 @@ def test_gpu_backends_follow_the_registry():
 
 # --------------------------------------------------------------------------- context parallelism
 
-from gdn_dispatch import bench_cp  # noqa: E402
+from gdn_dispatch import bench_cp, context_parallel  # noqa: E402
 from gdn_dispatch.testing import rel_rms_error  # noqa: E402
 
 H200_SMS = 132
@@ -1011,19 +1011,22 @@ def test_ours_caller_passes_context_parallel():
         bench_timing.ours_caller("reference", context_parallel=0)(x)
 
 
-def test_auto_decision_on_the_tp_shapes():
-    # Segmented up to 32 programs (N x HV x 2 V blocks); 16/32 heads make 64, picked on the
-    # device (the warm chain or "off"); 8 sequences of 2/4 heads make 64 too, with 8
-    # chunks a sequence: too short for two chained segments.
-    on = {"tp-H2-HV4-1x32768", "tp-H4-HV8-1x32768", "tp-H2-HV8-1x32768", "tp-H8-HV16-1x32768",
-          "tp-H16-HV32-1x32768"}
+def test_auto_decision_on_the_tp_shapes(monkeypatch):
+    # Segmented up to 32 programs (N x HV x 2 V blocks); 16/32 heads make 64: off, or picked
+    # on the device (the warm chain or "off") under a tuning that asks for it; 8 sequences of
+    # 2/4 heads make 64 too, with 8 chunks a sequence: too short for two chained segments.
+    on = {"tp-H2-HV4-1x32768", "tp-H4-HV8-1x32768", "tp-H2-HV8-1x32768", "tp-H8-HV16-1x32768"}
     assert on < {s.name for s in bench_shapes.tp_shapes()}
     for shape in bench_shapes.tp_shapes():
         decision = bench_cp.auto_decision(shape, H200_SMS)
-        assert decision.enabled == (shape.name in on), shape.name
-        assert decision.picked == (shape.name == "tp-H16-HV32-1x32768"), shape.name
+        assert decision.enabled == (shape.name in on) and not decision.picked, shape.name
         if decision.enabled:
             assert decision.num_segments == shape.tokens // decision.seg_len + shape.N
+    monkeypatch.setattr(context_parallel, "TUNING", context_parallel.PICKING)
+    for shape in bench_shapes.tp_shapes():
+        decision = bench_cp.auto_decision(shape, H200_SMS)
+        assert decision.enabled == (shape.name in on | {"tp-H16-HV32-1x32768"}), shape.name
+        assert decision.picked == (shape.name == "tp-H16-HV32-1x32768"), shape.name
     big = next(s for s in bench_shapes.default_shapes() if s.name == "H16-HV64-8x4096")
     assert not bench_cp.auto_decision(big, H200_SMS).enabled
     assert not bench_cp.auto_decision(bench_shapes.tp_shapes()[0], 0).enabled

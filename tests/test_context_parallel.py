@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gdn_dispatch import GDNInputError, chunk_gated_delta_rule, reference
-from gdn_dispatch.context_parallel import (CPTuning, auto_segment_chunks, context_parallel_reason,
+from gdn_dispatch import context_parallel
+from gdn_dispatch.context_parallel import (PICKING, CPTuning, auto_segment_chunks, context_parallel_reason,
                                            plan_context_parallel, plan_for_problem)
 from gdn_dispatch import contract
 from gdn_dispatch.contract import make_problem
@@ -42,11 +43,14 @@ def test_auto_stays_off_when_the_heads_fill_the_device():
     assert "forced count" not in plan.reason  # a program per SM and more: nothing to fill
     # A quarter of the SMs is enough for segments with maps: 2 sequences x 16 v-heads x 2 V
     # blocks = 64 programs (unsegmented was faster at every segment count on the H200 under
-    # gates that never forget); up to half of them, the device picks the warm chain or "off".
+    # gates that never forget); by default off there too, picked on the device (the warm
+    # chain or "off") up to half of them where a caller's tuning asks for it.
     quarter = _auto(N=2, HV=16, T_total=2 * 32768)
+    assert not quarter.enabled and quarter.reason.endswith("a forced count gains only where the gates forget")
+    quarter = _auto(N=2, HV=16, T_total=2 * 32768, tuning=PICKING)
     assert quarter.enabled and quarter.chained and quarter.picked
     assert "64 programs in [0.25, 0.5) x 132 SMs" in quarter.reason
-    half = _auto(N=2, HV=17, T_total=2 * 32768)
+    half = _auto(N=2, HV=17, T_total=2 * 32768, tuning=PICKING)
     assert not half.enabled and half.reason.endswith("a forced count gains only where the gates forget")
     assert _auto(N=1, HV=16).enabled and not _auto(N=1, HV=16).chained
 
@@ -54,18 +58,19 @@ def test_auto_stays_off_when_the_heads_fill_the_device():
 def test_a_picked_plan_is_off_where_the_backend_cannot_pick():
     from gdn_dispatch.context_parallel import CPTuning
 
-    picked = _auto(N=1, HV=32, T_total=32768)
+    assert not _auto(N=1, HV=32, T_total=32768).enabled  # picked plans are a caller's opt-in
+    picked = _auto(N=1, HV=32, T_total=32768, tuning=PICKING)
     # 4 segments: 2^round(log2(2 x 132 / 64)); the slot past the tail makes 5.
     assert picked.picked and picked.seg_len == 8192 and picked.num_segments == 5
     assert "picked on the device: off, or chained segments of 8192 tokens" in picked.describe()
     off = picked.unpicked("a warm chain")
     assert not off.enabled and off.reason == picked.reason + "; picked segments need a warm chain"
-    mapped = _auto(N=1, HV=8, T_total=32768)
+    mapped = _auto(N=1, HV=8, T_total=32768, tuning=PICKING)
     assert mapped.unpicked("a warm chain") is mapped
     # A picked plan needs 128 chunks: shorter walks gain too little against its launches.
-    short = _auto(N=1, HV=32, T_total=127 * 64, max_len=127 * 64)
+    short = _auto(N=1, HV=32, T_total=127 * 64, max_len=127 * 64, tuning=PICKING)
     assert not short.enabled and "127 chunks < 128 for a picked plan" in short.reason
-    assert _auto(N=1, HV=32, T_total=128 * 64, max_len=128 * 64).picked
+    assert _auto(N=1, HV=32, T_total=128 * 64, max_len=128 * 64, tuning=PICKING).picked
     # No band with pick_fill at the fill; the chained band (a caller's opt-in) comes first.
     assert not _auto(N=1, HV=32, T_total=32768, tuning=CPTuning(pick_fill=0.25)).enabled
     chained = _auto(N=1, HV=32, T_total=32768, tuning=CPTuning(chain_fill=1.0))
@@ -103,8 +108,8 @@ def test_segment_rule_and_its_constants():
     assert auto_segment_chunks(1, 1, 16, 132, CPTuning(min_seg_chunks=2)) == 2
     assert auto_segment_chunks(1, 4, 512, 132, CPTuning(seg_factor=3.0)) == 16  # FlashQLA's factor
     assert _auto(sm_count=1000).seg_len == 512  # 6 * sqrt(4 * 512 / 1000) = 8.6 -> 8 chunks
-    assert not _auto(HV=4, sm_count=16, V=64, tuning=CPTuning(pick_fill=0)).enabled  # 4 programs >= 0.25 x 16
-    assert _auto(HV=4, sm_count=16, V=64).picked  # below half of them: picked on the device
+    assert not _auto(HV=4, sm_count=16, V=64).enabled  # 4 programs >= 0.25 x 16
+    assert _auto(HV=4, sm_count=16, V=64, tuning=PICKING).picked  # below half of them: picked on the device
     assert _auto(HV=4, sm_count=16, V=64, tuning=CPTuning(fill=1.0)).enabled
 
 
@@ -932,9 +937,13 @@ def test_gluon_rows_run_segments_and_auto_engages(monkeypatch):
         assert explanation.selected == GLUON_BY_MAJOR[int(arch[3:-1])]
         assert explanation.context_parallel.startswith("on, segments of ")
         assert "does not run segments" not in explanation.context_parallel
-    # 16/32 heads: picked on the device by gluon_sm90; gluon_sm100 runs it "off" (no warm
-    # chain there), and says so.
+    # 16/32 heads: off by default; where a caller's tuning asks for picked plans, picked on
+    # the device by gluon_sm90, while gluon_sm100 runs it "off" (no warm chain there), and
+    # says so.
     wide = make_problem(**random_call(batch=(1, 32768), H=16, HV=32, K=128, V=128, dtype=torch.bfloat16))
+    note = explain(assumed_device("sm_90"), CallSpec.from_problem(wide), problem=wide).context_parallel
+    assert note.startswith("off (") and "gates forget" in note
+    monkeypatch.setattr(context_parallel, "TUNING", PICKING)
     notes = {arch: explain(assumed_device(arch), CallSpec.from_problem(wide), problem=wide).context_parallel
              for arch in ("sm_90", "sm_100")}
     assert notes["sm_90"].startswith("on, picked on the device") and "cannot pick" not in notes["sm_90"]

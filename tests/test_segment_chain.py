@@ -37,11 +37,13 @@ def _auto(tuning=CHAIN, **over):
 
 
 def test_the_chain_band_is_empty_by_default():
-    # The call falls in the picked band instead: chained only where the device finds that
-    # every segment warms up.
+    # And the picked band too: the call runs "off" unless a caller's tuning asks for a plan
+    # the device picks (chained only where it finds that every segment warms up).
     plan = _auto(tuning=None)
-    assert plan.chained and plan.picked
-    assert cp_module.TUNING.chain_fill == 0.0
+    assert not plan.enabled and not plan.chained
+    assert cp_module.TUNING.chain_fill == 0.0 and cp_module.TUNING.pick_fill == 0.0
+    picked = _auto(tuning=cp_module.PICKING)
+    assert picked.chained and picked.picked
 
 
 def test_chained_segments_between_a_quarter_of_the_sms_and_chain_fill():

@@ -308,11 +308,13 @@ def picked_routes(monkeypatch):
 
 @pytest.mark.parametrize("l2, dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float16)],
                          ids=["plain", "l2-bf16", "l2-fp16"])
-def test_a_picked_call_launches_the_census_both_plans_and_the_copies_once(l2, dtype):
-    """A 16/32-head call of 32768 tokens on the H200 is picked on the device: the census and
+def test_a_picked_call_launches_the_census_both_plans_and_the_copies_once(l2, dtype, monkeypatch, request):
+    """A 16/32-head call of 32768 tokens on the H200, "off" by default, is picked on the
+    device under a tuning that asks for picked plans (``PICKING``): the census and
     the warm chain, then the pipeline, every launch ``PICK`` but the normalized copies (run
     once, read by both); its warm-up keys hold both plans'; sm_100 (no warm chain routed)
     and a class whose warm chain is off run "off"."""
+    from gdn_dispatch import context_parallel as cp_module
     from gdn_dispatch.backends.gluon_common import forward, warm_chain
     from gdn_dispatch.warmup_plan import specialization_keys
 
@@ -320,6 +322,10 @@ def test_a_picked_call_launches_the_census_both_plans_and_the_copies_once(l2, dt
     call = random_call(lengths=[32768], H=16, HV=32, K=128, V=128, dtype=dtype, seed=1)
     problem = make_problem(**call, output_final_state=True, use_qk_l2norm_in_kernel=l2)
     device = assumed_device("sm_90")
+    assert not forward.plan_call(problem, device).context_parallel.enabled  # the default tuning
+    monkeypatch.setattr(cp_module, "TUNING", cp_module.PICKING)
+    request.addfinalizer(clear_plan_cache)
+    clear_plan_cache()
     planned = forward.plan_call(problem, device)
     cp = planned.context_parallel
     assert cp.picked and cp.seg_len == 8192 and cp.num_segments == 5
@@ -347,9 +353,12 @@ def test_a_picked_call_launches_the_census_both_plans_and_the_copies_once(l2, dt
         clear_plan_cache()
 
 
-def test_a_picked_plan_and_its_pick_word_go_together():
+def test_a_picked_plan_and_its_pick_word_go_together(monkeypatch, request):
+    from gdn_dispatch import context_parallel as cp_module
     from gdn_dispatch.backends.gluon_common import forward
 
+    monkeypatch.setattr(cp_module, "TUNING", cp_module.PICKING)
+    request.addfinalizer(clear_plan_cache)
     clear_plan_cache()
     call = random_call(lengths=[32768], H=16, HV=32, K=128, V=128, seed=1)
     problem = make_problem(**call, output_final_state=True)

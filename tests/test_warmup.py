@@ -19,7 +19,7 @@ from gdn_dispatch.warmup import CompileCounter, warmup
 from gdn_dispatch.context_parallel import plan_for_problem
 from gdn_dispatch.warmup_plan import (
     LAST_LENGTHS, LONG_LENGTH, WarmupCall, WarmupSpec, call_keys, candidate_calls, choose_backend, make_call,
-    plan_warmup, segment_counts, segmented_call, specialization_keys,
+    plan_warmup, segment_counts, segmented_call, specialization_keys, state_variants,
 )
 from gdn_dispatch.warmup_plan import random_ragged_stream as random_stream
 
@@ -41,6 +41,31 @@ def test_plan_covers_every_specialization_of_a_random_stream(arch, dims, l2):
     # Greedy cover: each chosen call adds at least one specialization.
     assert plan.keys and not plan.unadmitted and len(plan.calls) <= len(plan.keys)
     assert_plan_covers(plan, spec, device, random_stream(60, seed=7, spec=spec))
+
+
+def test_plan_covers_the_picked_plans_where_the_tuning_picks(monkeypatch):
+    """16/32 heads on one long prompt: no picked plan under the default tuning, so nothing of
+    the census to warm; under ``PICKING`` the plan compiles the census and both plans' launches
+    (every launch of a picked call runs), and a stream of long prompts compiles nothing more."""
+    from gdn_dispatch import context_parallel
+    from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache
+
+    device = assumed_device("sm_90")
+    spec = WarmupSpec(**QWEN35, use_qk_l2norm=True, max_num_seqs=3)
+    long = [WarmupCall(lengths, None, output_final_state=final, **state)
+            for lengths in ((8192 + 17,), (20000,), (32768,), (64, 16384 + 5))
+            for final in (True, False) for state in state_variants(spec)]
+    kernels = lambda plan: {key[1][0] for key in plan.keys}  # noqa: E731
+    assert "warm_census" not in kernels(plan_warmup(spec, device))
+    monkeypatch.setattr(context_parallel, "TUNING", context_parallel.PICKING)
+    clear_plan_cache()
+    try:
+        assert all(call_keys(spec, call, device)[1] for call in long)
+        plan = plan_warmup(spec, device)
+        assert "warm_census" in kernels(plan)
+        assert_plan_covers(plan, spec, device, long + random_stream(20, seed=3, spec=spec))
+    finally:
+        clear_plan_cache()
 
 
 def assert_plan_covers(plan, spec: WarmupSpec, device, stream, backend: str | None = None) -> None:
