@@ -71,14 +71,15 @@ forget).
 
 Picked plans (``CPPlan.picked``) serve that band where the device can see the gates: from
 ``fill`` to ``pick_fill`` of the SMs (:data:`PICKING`'s half: 16/32 heads on one sequence
-make 64 programs, below 66 on 132 SMs), for sequences of at least ``pick_min_chunks`` chunks. A census kernel on the device counts the chained segments that
-cannot warm up from their forgetting suffix; then the warm chain's launch and the unsegmented
-pipeline's launches all run, each leaving at once unless the count names its plan
+make 64 programs, below 66 on 132 SMs), for sequences of at least ``pick_min_chunks``
+chunks. A census kernel on the device counts the chained segments that cannot warm up from
+their forgetting suffix; then the warm chain's launch and the unsegmented pipeline's
+launches all run, each leaving at once unless the count names its plan
 (``backends/gluon_common/pick.py``): the warm chain where every segment warms up, "off"
 where one does not. So a picked call costs "off" plus a census and a few launches that
 leave at once where the gates keep their state, and runs the warm chain where they forget
-(H100, 16/32 heads, CUDA-graph GPU time, ``python benchmarks/cp_crossover.py --gates
-bench|weak --shapes 16/32/1/32768,16/32/1/8192``: 0.513 ms against 0.951 off at 32768
+(H100, 16/32 heads, CUDA-graph GPU time, ``python benchmarks/cp_crossover.py --picking
+--gates bench|weak --shapes 16/32/1/32768,16/32/1/8192``: 0.513 ms against 0.951 off at 32768
 tokens and 0.165 against 0.252 at 8192 under the bench's gates; 0.972 against 0.947 and
 0.265 against 0.252 under gates that never forget). A model's gates keep the state on a few
 heads: drawn as Qwen3-Next's layer initializes its decay rates (``cp_crossover.py --gates

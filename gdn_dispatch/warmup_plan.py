@@ -511,8 +511,9 @@ def _seq_counts(spec: WarmupSpec, device: DeviceInfo, backend: str | None, tenso
     counts, previous = [], None
     for n in range(1, spec.max_num_seqs + 1):
         calls = [WarmupCall((CHUNK_SIZE,) * n, None, output_final_state=True, **state) for state in state_variants(spec)]
+        nsegs = segment_counts(spec, n, device, backend, str(tensor_device), context_parallel.TUNING)
         calls += [segmented_call(n, nseg, tail, output_final_state=True, **state_variants(spec)[0])
-                  for nseg in segment_counts(spec, n, device, backend, str(tensor_device), context_parallel.TUNING) for tail in (True, False)]
+                  for nseg in nsegs for tail in (True, False)]
         calls += picked_calls(spec, n, device, output_final_state=True, **state_variants(spec)[0])
         keys = frozenset().union(*(call_keys(spec, call, device, backend, tensor_device=tensor_device)[1]
                                    for call in calls))
