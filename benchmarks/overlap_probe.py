@@ -5,16 +5,19 @@ timed alone, one after the other on one stream (as a call runs them), and on two
 once. The state kernel reads w and u a first ``wy_fwd`` wrote, so both launches do their
 usual work; the concurrent ``wy_fwd`` rewrites the same values. Timing only (no result is
 checked): the two-stream time bounds what one launch that overlaps them, the walk consuming
-each chunk's w and u as they are published, could reach. Eager launches, CUDA events,
-median of 20, no input rotation. A CUDA machine, repository root:
+each chunk's w and u as they are published, could reach. Inputs: cp_crossover's (bf16, K =
+V = 128, the bench's gates, an initial state). Eager launches, CUDA events
+(``bench_ceiling.median_event_ms``: median of 20 after 3), no input rotation. A CUDA
+machine, repository root:
 
     python benchmarks/overlap_probe.py [--shapes 16/32/1/32768,...]
 """
 import argparse
 
 import torch
-import torch.nn.functional as F
 
+from cp_crossover import GATE_DIVISORS, call_for
+from gdn_dispatch.bench_ceiling import median_event_ms
 from gdn_dispatch.backends import gluon_sm90
 from gdn_dispatch.backends.gluon_common import forward
 from gdn_dispatch.backends.gluon_common.buffers import call_buffers
@@ -28,38 +31,9 @@ from gdn_dispatch.device import default_probe
 SHAPES = [(16, 32, 1, 32768), (16, 32, 1, 8192), (16, 64, 1, 8192), (8, 16, 1, 32768)]
 
 
-def bench_call(H: int, HV: int, N: int, L: int) -> dict:
-    """bf16, K = V = 128, l2-normalized q and k, the bench's gates, an initial state."""
-    T = N * L
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=gen), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=gen), dim=-1).bfloat16()
-    v = torch.randn(1, T, HV, 128, device="cuda", generator=gen).bfloat16()
-    g = F.logsigmoid(torch.randn(1, T, HV, device="cuda", generator=gen))
-    beta = torch.rand(1, T, HV, device="cuda", generator=gen).sigmoid()
-    cu = torch.arange(0, T + 1, L, dtype=torch.int32)
-    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu.cuda(),
-                cu_seqlens_cpu=cu)
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
-
-
 def probe(H: int, HV: int, N: int, L: int, device) -> str:
     """One table row for the shape, or why it has none."""
-    problem = make_problem(**bench_call(H, HV, N, L))
+    problem = make_problem(**call_for(H, HV, N, L, GATE_DIVISORS["bench"]))
     off = plan_context_parallel("off", T_total=N * L, N=N, HV=HV, V=128, sm_count=device.sm_count)
     cp, launches, _ = forward.call_launches(problem, off, device, gluon_sm90.ENGINE)
     if launches.fused:
@@ -85,8 +59,8 @@ def probe(H: int, HV: int, N: int, L: int, device) -> str:
         torch.cuda.current_stream().wait_stream(side)
 
     wy()
-    t_wy, t_state = median_ms(wy), median_ms(state)
-    serial, overlapped = median_ms(lambda: (wy(), state())), median_ms(both)
+    t_wy, t_state = median_event_ms(wy, iters=20), median_event_ms(state, iters=20)
+    serial, overlapped = median_event_ms(lambda: (wy(), state()), iters=20), median_event_ms(both, iters=20)
     return (f"| {H}/{HV} | {N} x {L} | {t_wy:.3f} | {t_state:.3f} | {serial:.3f} | {overlapped:.3f} | "
             f"{serial / overlapped:.2f} |")
 
