@@ -10,7 +10,12 @@ V = 128, the bench's gates, an initial state). Eager launches, CUDA events
 (``bench_ceiling.median_event_ms``: median of 20 after 3), no input rotation. A CUDA
 machine, repository root:
 
-    python benchmarks/overlap_probe.py [--shapes 16/32/1/32768,...]
+    python benchmarks/overlap_probe.py [--shapes 16/32/1/32768,...] [--light]
+
+``--light`` builds the state kernel with two ring slots and one output partition (as
+shipped it takes three slots and two partitions: at one program per SM its shared memory
+and registers leave no room for a ``wy_fwd`` program beside it), to see whether a walk that
+leaves room for one runs the two at once.
 """
 import argparse
 
@@ -69,9 +74,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=lambda x: [tuple(int(n) for n in s.split("/")) for s in x.split(",")],
                         default=SHAPES, help="comma-separated H/HV/N/tokens")
+    parser.add_argument("--light", action="store_true",
+                        help="state kernel with two ring slots and one output partition")
     args = parser.parse_args()
+    if args.light:
+        from triton.experimental.gluon import language as gl
+        from gdn_dispatch.backends.gluon_common import state_output, state_output_ws
+        state_output.RING_SLOTS_MAX = 2
+        state_output_ws.OUTPUT_PARTITIONS = gl.constexpr(1)
     device = default_probe().for_torch_device(torch.device("cuda"))
-    print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}"
+          f"{', state kernel light (two slots, one output partition)' if args.light else ''}")
     print("| H/HV | N x tokens | wy ms | state ms | one stream ms | two streams ms | one / two |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for shape in args.shapes:
