@@ -516,9 +516,12 @@ def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
     for the fp16 inverse's redo in the swizzled layout (the redo loads it back into the
     tables) compiles to the same shared memory and barriers, spills within the allowance,
     no wgmma serialized; the build with the qk l2 norm on chip keeps the row-major buffer
-    (its spills as without the flag). On as shipped; the test compiles both."""
-    off = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0"])
-    on = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=1"])
+    (its spills as without the flag). On as shipped; the test compiles both, against the
+    row-major buffer (:data:`.blocked_inverse.PADDED_REDO_BUFFER` off in both)."""
+    off = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",
+                           "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
+    on = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=1",
+                          "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
     for before, after in zip(off, on):
         assert after["shared"] == before["shared"] and after["mbarriers"] == before["mbarriers"], (before, after)
         if after["l2"]:
@@ -527,15 +530,16 @@ def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
 
 
-def assert_flag_fits_its_plan(setting: str, extra_bytes: int) -> None:
+def assert_flag_fits_its_plan(setting: str, extra_bytes) -> None:
     """The one-kernel builds (:func:`aux_builds_with`) with the boolean build flag
-    ``setting`` (``MODULE.NAME``) off and on: on plans ``extra_bytes`` more shared memory and
-    the same mbarriers; each build's shared memory within its plan, its spills within the
-    allowance, no wgmma serialized."""
+    ``setting`` (``MODULE.NAME``) off and on: on plans ``extra_bytes`` more shared memory (a
+    number, or a function of the build's record) and the same mbarriers; each build's shared
+    memory within its plan, its spills within the allowance, no wgmma serialized."""
     off = aux_builds_with([f"{setting}=0"])
     on = aux_builds_with([f"{setting}=1"])
     for before, after in zip(off, on):
-        assert after["planned"] == before["planned"] + extra_bytes, (before, after)
+        extra = extra_bytes(after) if callable(extra_bytes) else extra_bytes
+        assert after["planned"] == before["planned"] + extra, (before, after)
         assert after["mbarriers"] == before["mbarriers"], (before, after)
         for build in (before, after):
             assert build["planned"] <= build["shared"] <= build["planned"] + 1024, build
@@ -545,10 +549,19 @@ def assert_flag_fits_its_plan(setting: str, extra_bytes: int) -> None:
 @pytest.mark.slow
 def test_padded_redo_buffer_fits_its_plan():
     """:data:`.blocked_inverse.PADDED_REDO_BUFFER` in sm_90a's one-kernel builds (with and
-    without the qk l2 norm on chip): 32 bytes of padding a row of A's copy, 2 KB more shared
-    memory as planned, the same barriers, spills within the allowance, no wgmma serialized.
-    Off as shipped; the test compiles both."""
-    assert_flag_fits_its_plan("gluon_common.blocked_inverse.PADDED_REDO_BUFFER", 64 * 8 * 4)
+    without the qk l2 norm on chip), off and on: 32 bytes of padding a row of A's copy where
+    the copy is not swizzled (the builds with the norm on chip, as shipped), 2 KB more shared
+    memory there as planned and none elsewhere, the same barriers, spills within the
+    allowance, no wgmma serialized; and with the swizzled buffer off, padded in every build."""
+    assert_flag_fits_its_plan("gluon_common.blocked_inverse.PADDED_REDO_BUFFER",
+                              lambda build: 64 * 8 * 4 if build["l2"] else 0)
+    off = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",
+                           "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
+    on = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",
+                          "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=1"])
+    for before, after in zip(off, on):
+        assert after["planned"] == before["planned"] + 64 * 8 * 4, (before, after)
+        assert after["planned"] <= after["shared"] <= after["planned"] + 1024, after
 
 
 @pytest.mark.slow

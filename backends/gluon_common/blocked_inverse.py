@@ -311,12 +311,19 @@ def row_major_layout(rank=2):
 #: swizzled addresses (240 -> 304 on sm_90a): on, but not in builds with the norm on chip
 #: (:func:`redo_layout`).
 SWIZZLED_REDO_BUFFER = gl.constexpr(True)
-#: The redo buffer's rows padded instead (every build, the qk l2 norm's too): 32 bytes after
-#: each 256-byte row, so that a warp's eight rows fall on distinct banks four at a time (two
-#: wavefronts a store, as swizzled) while its 16 stores keep one base and immediate offsets.
-#: 2 KB more shared memory; sm_90a spills (triton 3.6.0) as row-major without the norm
-#: (swizzled +8 bytes), +24 with it (swizzled +64). Not yet timed: off.
-PADDED_REDO_BUFFER = gl.constexpr(False)
+#: The redo buffer's rows padded, where it is not swizzled (the builds with the qk l2 norm
+#: on chip; every build with :data:`SWIZZLED_REDO_BUFFER` off): 32 bytes after each 256-byte
+#: row, so that a warp's eight rows fall on distinct banks four at a time (two wavefronts a
+#: store, as swizzled) while its 16 stores keep one base and immediate offsets. 2 KB more
+#: shared memory; sm_90a spills (triton 3.6.0) as row-major without the norm (swizzled +8
+#: bytes), +24 with it (swizzled +64). H100 80GB HBM3, triton 3.6.0, padded in every build
+#: against the shipped layouts (``python benchmarks/flag_gpu_check.py padded_redo_buffer
+#: --steps ab,tests``, ``logs/h100_padded_redo_buffer.log``, two rounds, outputs bit-equal;
+#: the fused path's and the numerics' GPU tests passed with it, 242): 4 x 8192 with the
+#: norm on chip 0.649 / 0.650 -> 0.627 / 0.629 ms; where it replaces the swizzled buffer
+#: 0.497 / 0.499 -> 0.499 / 0.499 at 4 x 8192, 0.923 / 0.923 -> 0.929 / 0.930 on ragged16,
+#: 0.969 / 0.975 -> 0.978 / 0.977 at HV 64. So on, under the swizzled buffer where that is.
+PADDED_REDO_BUFFER = gl.constexpr(True)
 #: fp32 elements of padding after each row of the padded redo buffer.
 REDO_ROW_PADDING = 8
 
@@ -324,12 +331,12 @@ REDO_ROW_PADDING = 8
 @gluon.constexpr_function
 def redo_layout(BT, l2_norm_on_chip):
     """The shared layout of :func:`redo_buffer` in a one-kernel build with or without the
-    qk l2 norm on chip: padded (:data:`PADDED_REDO_BUFFER`), swizzled
-    (:data:`SWIZZLED_REDO_BUFFER`, not with the norm on chip) or row-major."""
-    if PADDED_REDO_BUFFER:
-        return gl.PaddedSharedLayout.with_identity_for([[BT, REDO_ROW_PADDING]], [BT, BT], [1, 0])
+    qk l2 norm on chip: swizzled (:data:`SWIZZLED_REDO_BUFFER`, not with the norm on chip),
+    else padded (:data:`PADDED_REDO_BUFFER`), else row-major."""
     if SWIZZLED_REDO_BUFFER and not l2_norm_on_chip:
         return gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    if PADDED_REDO_BUFFER:
+        return gl.PaddedSharedLayout.with_identity_for([[BT, REDO_ROW_PADDING]], [BT, BT], [1, 0])
     return row_major_layout()
 
 
@@ -340,9 +347,11 @@ def redo_in_place(BT, l2_norm_on_chip):
     return redo_layout(BT, l2_norm_on_chip) == row_major_layout()
 
 
-def redo_buffer_bytes(BT: int) -> int:
-    """Shared memory of :func:`redo_buffer` (its padding with :data:`PADDED_REDO_BUFFER`)."""
-    return BT * (BT + (REDO_ROW_PADDING if PADDED_REDO_BUFFER else 0)) * 4
+def redo_buffer_bytes(BT: int, l2_norm_on_chip: bool = False) -> int:
+    """Shared memory of :func:`redo_buffer` in a build with or without the qk l2 norm on
+    chip (its rows padded where :func:`redo_layout` pads them)."""
+    padded = PADDED_REDO_BUFFER and not (SWIZZLED_REDO_BUFFER and not l2_norm_on_chip)
+    return BT * (BT + (REDO_ROW_PADDING if padded else 0)) * 4
 
 
 @gluon.jit

@@ -1348,7 +1348,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     scores (``ring`` x 2 fp32 vectors)."""
     ring = ring_slots(state_scores) if ring is None else ring
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    redo = redo_buffer_bytes(BT) if fp16_products() else 0
+    redo = redo_buffer_bytes(BT, qk_norm) if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
     check = 4 * 4 if late_range_check(fp16_products(), state_scores) else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors + check if aux_t else 0
