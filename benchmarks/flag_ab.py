@@ -18,6 +18,7 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py ring_slots   # state_output.RING_SLOTS_MAX 2 -> 3: loads two chunks ahead
     python benchmarks/flag_ab.py state_output_ws  # state_output.STATE_OUTPUT_WS: chain and output warpgroups
     python benchmarks/flag_ab.py ws_outputs   # state_output_ws.OUTPUT_PARTITIONS 1 -> 2: alternate chunks
+    python benchmarks/flag_ab.py ws_hv_slots  # state_output_ws.HV_SLOTS_MAX 2 -> 3: the chain three chunks ahead
     python benchmarks/flag_ab.py load_warp    # fused.LOAD_WARP: a load warp refills the fused kernel's slots
     python benchmarks/flag_ab.py aux_t        # fused.AUX_T: the inverses in the aux partition, one launch
     python benchmarks/flag_ab.py small_heads  # fused.SMALL_HEADS: K or V of 64 on the path, not the pipeline
@@ -33,7 +34,8 @@ kernel's constexpr globals are fixed at its first compile).
     python benchmarks/flag_ab.py swizzled_redo_buffer  # blocked_inverse.SWIZZLED_REDO_BUFFER: A's copy for the
                                              # fp16 inverse's redo without bank conflicts
     python benchmarks/flag_ab.py padded_redo_buffer  # blocked_inverse.PADDED_REDO_BUFFER: the same buffer's
-                                             # rows padded instead, in every build
+                                             # rows padded where it is not swizzled (qk l2 norm on chip;
+                                             # every build --without swizzled_redo_buffer)
     python benchmarks/flag_ab.py late_range_check  # blocked_inverse.LATE_RANGE_CHECK: the fp16 range check's
                                              # reduction across the warps behind the gate vectors' barrier
     python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
@@ -172,6 +174,11 @@ STUDIES = {
     # The same buffer's rows padded instead (the qk l2 norm's build too).
     "padded_redo_buffer": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "PADDED_REDO_BUFFER",
                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The warp-specialized walk's chain three chunks ahead of the output partitions (BV = 32;
+    # at BV = 64 the ring's two slots keep two, a control).
+    "ws_hv_slots": ("gdn_dispatch.backends.gluon_common.state_output_ws", "HV_SLOTS_MAX",
+                    (gl.constexpr(2), gl.constexpr(3)), {
+                        name: _WY_SHAPES[name] for name in ("H16-HV32-1x8192", "H16-HV32-1x32768", "H16-HV64-1x8192")}),
     # The fp16 inverse's range check decided after the gate vectors' barrier.
     "late_range_check": ("gdn_dispatch.backends.gluon_common.blocked_inverse", "LATE_RANGE_CHECK",
                          (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),

@@ -124,15 +124,16 @@ def state_output_smem_bytes(K: int, BV: int, elem: int, BT: int = CHUNK_SIZE, sl
     """Shared memory of the fused kernel with ``slots`` ring slots: the w/k/q ring (three
     tiles [BT, K] a slot, which also stages the fp32 initial/final state), the u ring, h,
     v_new, vs, o and A tiles and the barriers (the compiler's layout-conversion scratch
-    comes on top). ``ws``: the warp-specialized walk (:mod:`.state_output_ws`), with a
-    second h and v_new tile, an A and o tile per output partition (their count depends on
-    the qk l2 norm, ``l2``) and a third barrier per slot."""
+    comes on top). ``ws``: the warp-specialized walk (:mod:`.state_output_ws`), with more
+    h and v_new tiles (:func:`.state_output_ws.hv_slots` in all), an A and o tile per output
+    partition (their count depends on the qk l2 norm, ``l2``) and a third barrier per slot."""
     rings = slots * (3 * BT * K + BT * BV) * elem
     tiles = (K * BV + 3 * BT * BV + BT * BT) * elem
     if ws:
         more = state_output_ws.output_partitions(BV, l2) - 1
-        return (rings + tiles + (K * BV + BT * BV + more * (BT * BT + BT * BV)) * elem
-                + (3 * slots + 4 + 2 + 3 * (more + 1)) * 8)
+        hv = state_output_ws.hv_slots(slots)
+        return (rings + tiles + ((hv - 1) * (K * BV + BT * BV) + more * (BT * BT + BT * BV)) * elem
+                + (3 * slots + 2 * hv + 2 + 3 * (more + 1)) * 8)
     return rings + tiles + (2 * slots + 5) * 8
 
 

@@ -8,8 +8,8 @@ the state update, ``A v_new``) goes through one warpgroup's wgmma queue, which r
 issue order, and the scores, the output's scaling and the store of o run on the same
 warps as the chain. Here:
 
-* **chain** (the default partition, four warps): per chunk ``h_t = S`` -> ``h_smem[t % 2]``;
-  ``P = w h_t``; ``v_new = u - P`` -> ``vn_smem[t % 2]``, its scaled rows -> ``vs_smem``;
+* **chain** (the default partition, four warps): per chunk ``h_t = S`` -> ``h_smem[t % HV_SLOTS]``;
+  ``P = w h_t``; ``v_new = u - P`` -> ``vn_smem[t % HV_SLOTS]``, its scaled rows -> ``vs_smem``;
   ``S = 2^g_last S + k^T vs``. Nothing else: the gate rows of the next chunk are loaded a
   chunk early, and its wgmma queue holds its own two products only.
 * **output** (:data:`OUTPUT_PARTITIONS` workers of four warps, taking alternate chunks):
@@ -20,28 +20,32 @@ warps as the chain. Here:
   with chunk t too.
 
 Barriers (each completes once per use of its slot; chunk t's phase of a ring slot is
-``(t // NUM_BUF) & 1``, of an h / v_new slot ``(t // 2) & 1``):
+``(t // NUM_BUF) & 1``, of an h / v_new slot ``(t // HV_SLOTS) & 1``, ``HV_SLOTS`` two or
+three, :func:`hv_slots`):
 
 * ``wkq_ready`` / ``u_ready`` [NUM_BUF]: TMA transactions of the chunk's w, k, q / u
   (the chain and the chunk's output partition wait ``wkq_ready``; the chain alone reads u).
 * ``chain_done`` [NUM_BUF]: the chain's last read of the slot (its state update waited;
   u was read into registers before the update's fence).
-* ``hv_ready`` [2]: h_t and v_new stored and fenced by every chain warp.
-* ``hv_empty`` [2]: the MMAs of chunk t's output partition reading h_t and v_new are
-  complete (slot t % 2: with two output partitions, each its own). The chain waits
-  it with the opposite phase before storing h_(t+2) (a fresh barrier's previous phase
-  counts as complete, so chunks 0 and 1 do not wait).
+* ``hv_ready`` [HV_SLOTS]: h_t and v_new stored and fenced by every chain warp.
+* ``hv_empty`` [HV_SLOTS]: the MMAs of chunk t's output partition reading h_t and v_new
+  are complete (slot t % HV_SLOTS; with two slots and two output partitions each its own).
+  The chain waits it with the opposite phase before storing h_(t+HV_SLOTS) (a fresh
+  barrier's previous phase counts as complete, so the first HV_SLOTS chunks do not wait).
+  An output partition at chunk t has passed chunk t - 2, so the chain has stored chunk
+  t - HV_SLOTS, and cannot have stored t + HV_SLOTS: it waits within one phase.
 
-No wait cycle: the chain at chunk t needs chunk t - 2's output partition done with it
-(and the ring's chunk t, which chunk t - NUM_BUF's output partition issued when done
-with that chunk, t - NUM_BUF <= t - 2); an output partition at chunk j needs the chain
-done with chunk j, and its own chunks go in order. A partition of several warps joins its
-warps (a barrier within the partition) before its one elected arrive or TMA issue.
+No wait cycle: the chain at chunk t needs chunk t - HV_SLOTS's output partition done
+with it (and the ring's chunk t, which chunk t - NUM_BUF's output partition issued when
+done with that chunk, t - NUM_BUF <= t - HV_SLOTS); an output partition at chunk j needs
+the chain done with chunk j, and its own chunks go in order. A partition of several
+warps joins its warps (a barrier within the partition) before its one elected arrive or
+TMA issue.
 
 The initial state is staged through the idle ring before the partitions start, and the
 final state after they return (:mod:`.state_io`), as in the one-warpgroup walk. Shared
-memory: the walk's plus a second h and v_new tile and an A and o tile per further output
-partition (:func:`.state_output.state_output_smem_bytes`).
+memory: the walk's plus ``HV_SLOTS - 1`` more h and v_new tiles and an A and o tile per further
+output partition (:func:`.state_output.state_output_smem_bytes`).
 """
 
 from __future__ import annotations
@@ -89,10 +93,30 @@ def output_regs(partitions):
     return 240 if partitions == 1 else 144
 
 
+#: h / v_new slots of a walk whose ring has three slots or more (:func:`hv_slots`): three let
+#: the chain run three chunks ahead of the output partitions instead of two. H100 (16/32 x
+#: 32768, BV = 32, two output partitions; ``python benchmarks/partition_profile.py
+#: --ws-walk``, ``logs/h100_partition_profile_ws_walk.log``): with two slots the chain waits
+#: for its slot 24% of its loop and the output partitions for the chain 33% of theirs. The
+#: third slot takes 12 KB at BV = 32 (three ring slots then fill 221 KB); at BV = 64 the
+#: ring has two slots, which hold the chain two chunks ahead whatever this says. Not yet
+#: timed: two.
+HV_SLOTS_MAX = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def hv_slots(ring_slots):
+    """h / v_new slots of a walk with ``ring_slots`` ring slots: :data:`HV_SLOTS_MAX`, but no
+    more than the ring's (the chain at chunk t waits for chunk t's tiles, which the output
+    partition of chunk t - ring_slots issues when done with that chunk). Callable from the
+    host too."""
+    return max(2, min(HV_SLOTS_MAX.value, ring_slots))
+
+
 @gluon.jit
 def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
            p_bar, s_bar, g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
-           NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr):
+           NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, HV_SLOTS: gl.constexpr):
     """The serial chain (module docstring); returns the final state."""
     BT: gl.constexpr = ring.shape[1]
     BV: gl.constexpr = u_smem.shape[2]
@@ -107,7 +131,7 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
     for t in range(NT):
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
-        hs = t % 2
+        hs = t % HV_SLOTS
         row = bos + t * BT
         m_t, b_d, decay = gate_decays(b_g, g_last, row, eos, BT)
         if USE_L2NORM:
@@ -119,9 +143,9 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
             _, b_rk = norm_rows(rnorm, row + BT, eos, i_hk, H, BT, row_layout)
 
         s_reg = ENGINE.acc_read(S)
-        # h / v_new slot hs is free once the output partition is done with chunk t - 2.
+        # h / v_new slot hs is free once the output partition is done with chunk t - HV_SLOTS.
         enter("chain.wait_output")
-        mbarrier.wait(hv_empty.index(hs), ((t // 2) & 1) ^ 1)
+        mbarrier.wait(hv_empty.index(hs), ((t // HV_SLOTS) & 1) ^ 1)
         leave("chain.wait_output")
         h_tile = h_smem.index(hs)
         h_tile.store(s_reg.to(dtype))
@@ -154,7 +178,7 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
             qk_bar, o_bar, pv_bar, w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr,
             g_cum, rnorm, scale, bos, eos, NT, i_h, HV, GROUP, col_w, col_k, col_v,
             V: gl.constexpr, NUM_BUF: gl.constexpr, USE_L2NORM: gl.constexpr, HAS_TAILS: gl.constexpr,
-            ENGINE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
+            ENGINE: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr, HV_SLOTS: gl.constexpr):
     """Everything off the chain (module docstring), and the ring's refills, for chunks
     ``FIRST, FIRST + STEP, ...`` (``p_smem``, ``o_smem``: this partition's A and o tiles)."""
     BT: gl.constexpr = ring.shape[1]
@@ -172,7 +196,7 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
     for t in range(FIRST, NT, STEP):
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
-        hs = t % 2
+        hs = t % HV_SLOTS
         row = bos + t * BT
         g_row = b_g
         rq = b_rq
@@ -188,7 +212,7 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         q_tile = ring.index(3 * buf + 2)
         qk = ENGINE.mma(q_tile, ring.index(3 * buf + 1).permute((1, 0)), overwrite_acc(QK, ENGINE), False, qk_bar)
         enter("output.wait_chain")
-        mbarrier.wait(hv_ready.index(hs), (t // 2) & 1)
+        mbarrier.wait(hv_ready.index(hs), (t // HV_SLOTS) & 1)
         leave("output.wait_chain")
         enter("output.products")
         o = ENGINE.mma(q_tile, h_smem.index(hs), overwrite_acc(O, ENGINE), False, o_bar)
@@ -236,8 +260,9 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
 
     ring = gl.allocate_shared_memory(dtype, [3 * NUM_BUF, BT, K], w_desc.layout)
     u_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BT, BV], u_desc.layout)
-    h_smem = gl.allocate_shared_memory(dtype, [2, K, BV], E.smem_layout([K, BV], dtype))
-    vn_smem = gl.allocate_shared_memory(dtype, [2, BT, BV], u_desc.layout)
+    HV_SLOTS: gl.constexpr = hv_slots(NUM_BUF)
+    h_smem = gl.allocate_shared_memory(dtype, [HV_SLOTS, K, BV], E.smem_layout([K, BV], dtype))
+    vn_smem = gl.allocate_shared_memory(dtype, [HV_SLOTS, BT, BV], u_desc.layout)
     vs_smem = gl.allocate_shared_memory(dtype, [BT, BV], u_desc.layout)
     PARTS: gl.constexpr = output_partitions(BV, USE_L2NORM)
     p_smem = gl.allocate_shared_memory(dtype, [PARTS, BT, BT], E.smem_layout([BT, BT], dtype))
@@ -245,8 +270,8 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
     wkq_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     u_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     chain_done = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    hv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    hv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    hv_ready = gl.allocate_shared_memory(gl.int64, [HV_SLOTS, 1], mbarrier.MBarrierLayout())
+    hv_empty = gl.allocate_shared_memory(gl.int64, [HV_SLOTS, 1], mbarrier.MBarrierLayout())
     # One barrier per MMA site (the engine contract; wgmma does not read them): w h, k^T vs
     # in the chain; q k^T, q h, A v_new in each output partition.
     NBARS: gl.constexpr = 2 + 3 * PARTS
@@ -255,7 +280,7 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
         mbarrier.init(wkq_ready.index(i), count=1)
         mbarrier.init(u_ready.index(i), count=1)
         mbarrier.init(chain_done.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(HV_SLOTS):
         mbarrier.init(hv_ready.index(i), count=1)
         mbarrier.init(hv_empty.index(i), count=1)
     for i in gl.static_range(NBARS):
@@ -279,25 +304,28 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
         S = gl.warp_specialize([
             (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
                       mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
-                      NUM_BUF, USE_L2NORM, ENGINE)),
+                      NUM_BUF, USE_L2NORM, ENGINE, HV_SLOTS)),
             (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(0), o_smem.index(0), wkq_ready, u_ready,
                        chain_done, hv_ready, hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4),
                        w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
-                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 0, 2)),
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE,
+                       0, 2, HV_SLOTS)),
             (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(1), o_smem.index(1), wkq_ready, u_ready,
                        chain_done, hv_ready, hv_empty, mma_bars.index(5), mma_bars.index(6), mma_bars.index(7),
                        w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
-                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 1, 2)),
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE,
+                       1, 2, HV_SLOTS)),
         ], [OUTPUT_WARPS, OUTPUT_WARPS], [output_regs(2), output_regs(2)])[0]
     else:
         S = gl.warp_specialize([
             (_chain, (S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_done, hv_ready, hv_empty,
                       mma_bars.index(0), mma_bars.index(1), g_cum, rnorm, bos, eos, NT, i_h, HV, GROUP,
-                      NUM_BUF, USE_L2NORM, ENGINE)),
+                      NUM_BUF, USE_L2NORM, ENGINE, HV_SLOTS)),
             (_output, (ring, u_smem, h_smem, vn_smem, p_smem.index(0), o_smem.index(0), wkq_ready, u_ready,
                        chain_done, hv_ready, hv_empty, mma_bars.index(2), mma_bars.index(3), mma_bars.index(4),
                        w_desc, k_desc, q_desc, u_desc, o_desc, o_rows_desc, o_ptr, g_cum, rnorm, scale, bos, eos,
-                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE, 0, 1)),
+                       NT, i_h, HV, GROUP, col_w, col_k, col_v, V, NUM_BUF, USE_L2NORM, HAS_TAILS, ENGINE,
+                       0, 1, HV_SLOTS)),
         ], [OUTPUT_WARPS], [output_regs(1)])[0]
 
     # The ring is idle: every load landed and every MMA reading it was waited on.
@@ -307,7 +335,7 @@ def state_output_ws_walk(q_desc, k_desc, w_desc, u_desc, o_desc, o_rows_desc, o_
         mbarrier.invalidate(wkq_ready.index(i))
         mbarrier.invalidate(u_ready.index(i))
         mbarrier.invalidate(chain_done.index(i))
-    for i in gl.static_range(2):
+    for i in gl.static_range(HV_SLOTS):
         mbarrier.invalidate(hv_ready.index(i))
         mbarrier.invalidate(hv_empty.index(i))
     for i in gl.static_range(NBARS):
