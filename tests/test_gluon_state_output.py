@@ -367,7 +367,7 @@ _OTHER_BUILD = """
 import json, sys, torch
 from triton.experimental.gluon import language as gl
 from gdn_dispatch.backends.gluon_common import state_output_ws
-state_output_ws.OUTPUT_PARTITIONS = gl.constexpr(int(sys.argv[1]))
+setattr(state_output_ws, sys.argv[1], gl.constexpr(int(sys.argv[2])))
 from gdn_dispatch.aot import compile_kernel
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.backends.gluon_common import state_output as so
@@ -377,7 +377,7 @@ for BV, l2 in ((32, False), (64, True)):
                  state_dtype=torch.float32, index_dtype=torch.int32, cu_dtype=torch.int32)
     launch = so.plan_state_output(so._aot_problem(128, 128, **flags), assumed_device("sm_90"), block_v=BV, ws=True)
     report = compile_kernel(so.state_output_aot_kernel("gluon_sm90", launch, torch.bfloat16, "ws"), (9, 0))
-    out.append([report.spill_bytes, report.shared_bytes, launch.blocks["smem_bytes"]])
+    out.append([report.spill_bytes, report.shared_bytes, launch.blocks["smem_bytes"], launch.constexprs["NUM_BUF"]])
 print(json.dumps(out))
 """
 
@@ -387,15 +387,39 @@ def test_the_other_output_partition_count_compiles():
     """:data:`.state_output_ws.OUTPUT_PARTITIONS` is read by the kernel at compile time
     (fixed per process): the count not shipped builds in a child process, at BV = 32 and
     (with the qk l2 norm) 64, without spills and within the shared memory its plan counts."""
+    other = 3 - state_output_ws.OUTPUT_PARTITIONS.value
+    for spills, shared, planned, _ in _other_builds("OUTPUT_PARTITIONS", other):
+        assert spills == 0 and planned <= shared <= planned + so.SMEM_SCRATCH <= SMEM_OPTIN[SM90]
+
+
+def _other_builds(flag: str, value: int) -> list:
+    """[spill bytes, shared bytes, planned bytes, ring slots] of :data:`_OTHER_BUILD`'s two
+    builds with ``state_output_ws.<flag>`` at ``value``, compiled in a child process."""
     import json
     import subprocess
     import sys
 
-    other = 3 - state_output_ws.OUTPUT_PARTITIONS.value
-    done = subprocess.run([sys.executable, "-c", _OTHER_BUILD, str(other)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _OTHER_BUILD, flag, str(value)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for spills, shared, planned in json.loads(done.stdout.strip().splitlines()[-1]):
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_third_h_v_new_slot_compiles_where_the_ring_has_three():
+    """:data:`.state_output_ws.HV_SLOTS_MAX` at three (off as shipped): at BV = 32 the ring
+    keeps its three slots and the walk takes a third h / v_new slot, 12 KB more than the
+    shipped plan and within the SM's shared memory, without spills; at BV = 64 (with the qk
+    l2 norm) the ring has two slots, so the walk keeps two and compiles as shipped."""
+    shipped = state_output_ws.HV_SLOTS_MAX.value
+    (spills32, shared32, planned32, ring32), (spills64, shared64, planned64, ring64) = _other_builds(
+        "HV_SLOTS_MAX", 3)
+    assert shipped == 2 and ring32 == 3 and ring64 == 2
+    assert state_output_ws.hv_slots(3) == 2 and state_output_ws.hv_slots(2) == 2
+    extra = (128 * 32 + 64 * 32) * 2 + 2 * 8
+    assert planned32 == so.state_output_smem_bytes(128, 32, 2, slots=3, ws=True) + extra
+    assert planned64 == so.state_output_smem_bytes(128, 64, 2, slots=2, ws=True, l2=True)
+    for spills, shared, planned in ((spills32, shared32, planned32), (spills64, shared64, planned64)):
         assert spills == 0 and planned <= shared <= planned + so.SMEM_SCRATCH <= SMEM_OPTIN[SM90]
 
 
