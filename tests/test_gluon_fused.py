@@ -348,9 +348,11 @@ def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch, aux_t):
     """With fused.QK_NORM_ON_CHIP the path runs its kernels alone on raw q and k for groups
     of up to fused.QK_NORM_ON_CHIP_MAX_GROUP v-heads: the fused kernel's aux partition
     reduces q's and k's norms (QK_NORM: four gate vectors a slot, 64 x 4 bytes more per
-    scores slot), and in the two-launch build (:data:`fused.AUX_T` off) the T kernel k's
-    (USE_L2NORM). Larger groups, whose v-heads would each reduce the same norms again, run
-    on normalized copies."""
+    scores slot; in the one-launch build the fp16 inverse's redo buffer padded instead of
+    swizzled, 2 KB more), and in the two-launch build (:data:`fused.AUX_T` off) the T kernel
+    k's (USE_L2NORM). Larger groups, whose v-heads would each reduce the same norms again,
+    run on normalized copies."""
+    from gdn_dispatch.backends.gluon_common import blocked_inverse
     from gdn_dispatch.backends.gluon_sm90 import fused as fused_module
 
     sm90, _ = _engines()
@@ -376,7 +378,11 @@ def test_the_qk_l2_norm_on_chip_launches_no_norm_kernel(monkeypatch, aux_t):
                 assert launches.stage("wy_t_fwd").constexprs["USE_L2NORM"] is True
             plain = plan(random_problem(lengths=[70, 300, 1] * 3, H=H, HV=32, K=128, V=128, ht=True),
                          device=_device(132), engine=sm90).stage("fused_fwd")
-            assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4
+            redo = 0
+            if aux_t and blocked_inverse.fp16_products():
+                redo = blocked_inverse.redo_buffer_bytes(64, True) - blocked_inverse.redo_buffer_bytes(64, False)
+                assert redo == 64 * blocked_inverse.REDO_ROW_PADDING * 4
+            assert fused.blocks["smem_bytes"] == plain.blocks["smem_bytes"] + 2 * 64 * 4 + redo
             # The pipeline keeps its reciprocal norms.
             pipe = plan(p, device=_device(132), engine=sm90, fused=False)
             assert [s.kernel for s in pipe.stages] == ["wy_fwd", "qk_rnorm_fwd", "state_output_fwd"]
