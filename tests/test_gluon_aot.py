@@ -530,13 +530,14 @@ def test_swizzled_redo_buffer_keeps_the_one_kernel_build():
             assert build["spills"] <= build["allowed"] and not build["serialized"], build
 
 
-def assert_flag_fits_its_plan(setting: str, extra_bytes) -> None:
+def assert_flag_fits_its_plan(setting: str, extra_bytes, others: tuple[str, ...] = ()) -> None:
     """The one-kernel builds (:func:`aux_builds_with`) with the boolean build flag
-    ``setting`` (``MODULE.NAME``) off and on: on plans ``extra_bytes`` more shared memory (a
-    number, or a function of the build's record) and the same mbarriers; each build's shared
-    memory within its plan, its spills within the allowance, no wgmma serialized."""
-    off = aux_builds_with([f"{setting}=0"])
-    on = aux_builds_with([f"{setting}=1"])
+    ``setting`` (``MODULE.NAME``) off and on, ``others`` (``MODULE.NAME=VALUE``) set in both:
+    on plans ``extra_bytes`` more shared memory (a number, or a function of the build's
+    record) and the same mbarriers; each build's shared memory within its plan, its spills
+    within the allowance, no wgmma serialized."""
+    off = aux_builds_with([*others, f"{setting}=0"])
+    on = aux_builds_with([*others, f"{setting}=1"])
     for before, after in zip(off, on):
         extra = extra_bytes(after) if callable(extra_bytes) else extra_bytes
         assert after["planned"] == before["planned"] + extra, (before, after)
@@ -555,13 +556,8 @@ def test_padded_redo_buffer_fits_its_plan():
     allowance, no wgmma serialized; and with the swizzled buffer off, padded in every build."""
     assert_flag_fits_its_plan("gluon_common.blocked_inverse.PADDED_REDO_BUFFER",
                               lambda build: 64 * 8 * 4 if build["l2"] else 0)
-    off = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",
-                           "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=0"])
-    on = aux_builds_with(["gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",
-                          "gluon_common.blocked_inverse.PADDED_REDO_BUFFER=1"])
-    for before, after in zip(off, on):
-        assert after["planned"] == before["planned"] + 64 * 8 * 4, (before, after)
-        assert after["planned"] <= after["shared"] <= after["planned"] + 1024, after
+    assert_flag_fits_its_plan("gluon_common.blocked_inverse.PADDED_REDO_BUFFER", 64 * 8 * 4,
+                              others=("gluon_common.blocked_inverse.SWIZZLED_REDO_BUFFER=0",))
 
 
 @pytest.mark.slow

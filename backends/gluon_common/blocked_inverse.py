@@ -350,7 +350,7 @@ def redo_in_place(BT, l2_norm_on_chip):
 def redo_buffer_bytes(BT: int, l2_norm_on_chip: bool = False) -> int:
     """Shared memory of :func:`redo_buffer` in a build with or without the qk l2 norm on
     chip (its rows padded where :func:`redo_layout` pads them)."""
-    padded = PADDED_REDO_BUFFER and not (SWIZZLED_REDO_BUFFER and not l2_norm_on_chip)
+    padded = isinstance(redo_layout(BT, l2_norm_on_chip), gl.PaddedSharedLayout)
     return BT * (BT + (REDO_ROW_PADDING if padded else 0)) * 4
 
 
