@@ -17,8 +17,16 @@ inverses in a launch of its own (``fused.AUX_T`` off), with ``--aux-scores`` the
 partition forms the scores (``fused.STATE_SCORES`` off), with ``--late-o1`` the state chain
 issues the output's first product after the update (``fused.EARLY_O1`` off). The
 profile is written to ``DIR/NAME.hatchet`` and every phase printed with its metrics as
-Proton reports them (its cycle counts are per warp, averaged over warps and programs), and
-per chunk of the program's walk.
+Proton reports them (``cycles``: summed over every warp of every program that ran the
+phase; ``normalized_cycles``: that sum over all the kernel's warps, whichever partition
+they are in), then per warp of its partition and per chunk step (the sum over the
+partition's warps and over every (chunk, v-head, value block) the kernel walked), and
+each partition's loop: its ``PARTITION.walk`` (the fused kernel's, recorded once around
+its loop) beside the sum of the phases within it, what they miss the difference; else its
+top-level phases summed.
+The record buffer is sized for every event of the walk (:func:`buffer_bytes`): Proton's
+default keeps a warp's last 2,048 and drops the first, which cut the aux partition's
+record of a 128-chunk walk to its last 93 chunks.
 
 Shapes: ``H16-HV32-4x8192`` (the fused kernel), ``H16-HV32-1x32768`` (the pipeline: the
 walk at BV = 32 with ``--ws-walk``), ``H2-HV4-1x32768`` (context parallelism's pass 2 at
@@ -37,18 +45,54 @@ from pathlib import Path
 
 import torch
 
-#: name -> (H, HV, lengths or (B, T)).
-SHAPES = {"H16-HV32-4x8192": (16, 32, (4, 8192)), "H16-HV32-1x32768": (16, 32, [32768]),
-          "H2-HV4-1x32768": (2, 4, [32768])}
+#: name -> (H, HV, lengths or (B, T), value block of the kernel profiled: the fused kernel's
+#: whole V, the walk's BV).
+SHAPES = {"H16-HV32-4x8192": (16, 32, (4, 8192), 128), "H16-HV32-1x32768": (16, 32, [32768], 32),
+          "H2-HV4-1x32768": (2, 4, [32768], 64)}
+#: The shape whose call is the fused kernel (the others run the walk).
+FUSED_SHAPE = "H16-HV32-4x8192"
 CHUNK = 64
+V = 128
+#: Events a warp records per chunk at most: an enter and a leave of each of its partition's
+#: phases (the aux partition's eleven are the most), with room to spare.
+EVENTS_PER_CHUNK = 32
+#: Bytes of one Proton record.
+EVENT_BYTES = 8
+def buffer_bytes(chunks: int, warps: int) -> int:
+    """Proton's record buffer of one program of ``warps`` warps for a walk of ``chunks``
+    chunks: split evenly between its warps (each share a power of two, as Proton requires),
+    every warp's every event kept."""
+    need = chunks * EVENTS_PER_CHUNK * EVENT_BYTES
+    return warps << (need - 1).bit_length()
+
+
+def partition_warps(kernel_walk: bool, block_v: int) -> dict[str, int]:
+    """Warps of each partition (the prefix of its phases) of the kernel profiled: the fused
+    kernel's state and aux, or the warp-specialized walk's chain and its output partitions
+    (their ``output.*`` records summed over all of them)."""
+    from gdn_dispatch.backends.gluon_common import state_output_ws
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    if kernel_walk:
+        outputs = state_output_ws.output_partitions(block_v, False)
+        return {"chain": 4, "output": outputs * state_output_ws.OUTPUT_WARPS.value}
+    return {"state": fused.state_warps(V), "aux": fused.AUX_WARPS.value}
+
+
+def chunk_steps(name: str) -> int:
+    """(chunk, v-head, value block) steps the profiled kernel walks in all: a segmented
+    call walks the same chunks, cut between more programs."""
+    H, HV, tokens, block_v = SHAPES[name]
+    lengths = [tokens[1]] * tokens[0] if isinstance(tokens, tuple) else tokens
+    return sum(-(-n // CHUNK) for n in lengths) * HV * (V // block_v)
 
 
 def make_call(name: str) -> dict:
     from gdn_dispatch.testing import random_call
 
-    H, HV, tokens = SHAPES[name]
+    H, HV, tokens, _ = SHAPES[name]
     shape = dict(batch=tokens) if isinstance(tokens, tuple) else dict(lengths=tokens)
-    call = random_call(**shape, H=H, HV=HV, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=3)
+    call = random_call(**shape, H=H, HV=HV, K=128, V=V, dtype=torch.bfloat16, device="cuda", seed=3)
     call["output_final_state"] = True
     return call
 
@@ -66,24 +110,55 @@ def walk_chunks(name: str) -> int:
     return -(-(cp.seg_len if cp.enabled else problem.T) // CHUNK)
 
 
-def phases(tree) -> list[tuple[str, dict]]:
+def _is_phase(name: str) -> bool:
+    return "." in name
+
+
+def phases(tree, *, depth: int | None = None) -> list[tuple[str, dict]]:
     """(name, numeric metrics) of every node of a hatchet tree whose frame name is a
-    ``partition.phase`` (the format's other nodes, the kernel and its roots, left out)."""
+    ``partition.phase`` (the format's other nodes, the kernel and its roots, left out);
+    with ``depth`` only those with that many phases above them (0: the top level)."""
     out = []
-    stack = list(tree) if isinstance(tree, list) else [tree]
+    stack = [(node, 0) for node in (tree if isinstance(tree, list) else [tree])]
     while stack:
-        node = stack.pop()
+        node, above = stack.pop()
         if not isinstance(node, dict):
             continue
         name = (node.get("frame") or {}).get("name", "")
         metrics = {k: v for k, v in (node.get("metrics") or {}).items() if isinstance(v, (int, float))}
-        if "." in name and metrics:
+        if _is_phase(name) and metrics and depth in (None, above):
             out.append((name, metrics))
-        stack.extend(node.get("children") or [])
+        stack.extend((child, above + _is_phase(name)) for child in node.get("children") or [])
     return sorted(out)
 
 
-def profile(name: str, out_dir: Path) -> list[tuple[str, dict]]:
+def per_warp_and_step(found: list[tuple[str, dict]], warps: dict[str, int], steps: int) -> dict[str, float]:
+    """Each phase's ``cycles`` per warp of its partition and per chunk step."""
+    out = {}
+    for name, metrics in found:
+        partition = name.split(".", 1)[0]
+        if partition not in warps:
+            raise ValueError(f"phase {name!r}: no partition {partition!r} in {sorted(warps)}")
+        out[name] = metrics.get("cycles", 0) / (warps[partition] * steps)
+    return out
+
+
+def partition_loops(tree, warps: dict[str, int], steps: int) -> dict[str, tuple[float, float]]:
+    """Each partition's loop per warp and chunk step, and the share of it its phases record:
+    with a ``PARTITION.walk`` phase (the whole walk, recorded once) that and the sum of the
+    phases within it; else the sum of its top-level phases, twice."""
+    top = per_warp_and_step(phases(tree, depth=0), warps, steps)
+    inner = per_warp_and_step(phases(tree, depth=1), warps, steps)
+    loops = {}
+    for partition in warps:
+        walk = top.get(f"{partition}.walk")
+        recorded = sum(v for name, v in (inner if walk is not None else top).items()
+                       if name.split(".", 1)[0] == partition)
+        loops[partition] = (recorded if walk is None else walk, recorded)
+    return loops
+
+
+def profile(name: str, out_dir: Path):
     import triton.profiler as proton
 
     from gdn_dispatch import chunk_gated_delta_rule
@@ -92,11 +167,13 @@ def profile(name: str, out_dir: Path) -> list[tuple[str, dict]]:
     chunk_gated_delta_rule(**call, backend="gluon_sm90")  # compiles the plain kernels and plans
     torch.cuda.synchronize()
     path = out_dir / name
-    proton.start(str(path), backend="instrumentation", mode=proton.mode.Default(buffer_type="global"))
+    warps = sum(partition_warps(name != FUSED_SHAPE, SHAPES[name][3]).values())
+    mode = proton.mode.Default(buffer_type="global", buffer_size=buffer_bytes(walk_chunks(name), warps))
+    proton.start(str(path), backend="instrumentation", mode=mode)
     chunk_gated_delta_rule(**call, backend="gluon_sm90")
     torch.cuda.synchronize()
     proton.finalize()
-    return phases(json.loads(path.with_suffix(".hatchet").read_text()))
+    return json.loads(path.with_suffix(".hatchet").read_text())
 
 
 def main() -> None:
@@ -135,7 +212,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shape or list(SHAPES):
         chunks = walk_chunks(name)
-        found = profile(name, out_dir)
+        tree = profile(name, out_dir)
+        found = phases(tree)
+        warps = partition_warps(name != FUSED_SHAPE, SHAPES[name][3])
+        steps = chunk_steps(name)
         flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("t-kernel", args.t_kernel),
                                                           ("aux-scores", args.aux_scores),
                                                           ("late-o1", args.late_o1)) if on)
@@ -144,12 +224,15 @@ def main() -> None:
         if not found:
             print("  (no partition.phase scopes in the profile: was the kernel instrumented?)")
         keys = sorted({k for _, m in found for k in m})
-        print("| phase | " + " | ".join(keys) + " | per chunk (" + (keys[0] if keys else "-") + ") |")
+        each = per_warp_and_step(found, warps, steps)
+        print("| phase | " + " | ".join(keys) + " | cycles per warp and chunk step |")
         for phase, metrics in found:
-            first = metrics.get(keys[0], 0) if keys else 0
             cells = " | ".join(f"{metrics.get(k, 0):.4g}" for k in keys)
-            print(f"| {phase} | {cells} | {first / chunks:.4g} |")
-
+            print(f"| {phase} | {cells} | {each[phase]:,.0f} |")
+        loops = partition_loops(tree, warps, steps)
+        print(f"loop per warp and chunk step ({steps:,} steps; " + ", ".join(
+            f"{p}: {w} warps" for p, w in warps.items()) + "): " + ", ".join(
+            f"{p} {loop:,.0f} (its phases {recorded:,.0f})" for p, (loop, recorded) in loops.items()))
 
 if __name__ == "__main__":
     main()

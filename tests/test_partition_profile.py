@@ -27,13 +27,13 @@ from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
-#: The scopes of each kernel, as its sources open them (``aux.inverse``, the phases within
-#: it, the last six in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
+#: The scopes of each kernel, as its sources open them (``aux.walk``, ``aux.inverse``, the
+#: phases within it, the last six in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
 #: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``; both shipped).
-AUX_T_PHASES = {"aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk", "aux.a", "aux.save_a", "aux.blocks", "aux.check",
-                "state.scores"}
-FUSED_PHASES = {"state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output", "state.refill",
-                "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
+AUX_T_PHASES = {"aux.walk", "aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk", "aux.a", "aux.save_a",
+                "aux.blocks", "aux.check", "state.scores"}
+FUSED_PHASES = {"state.walk", "state.operand", "state.issue", "state.decay", "state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output",
+                "state.release", "state.refill", "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
 WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",
                "output.wait_chain", "output.products", "output.refill", "output.store"}
 
@@ -157,3 +157,44 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
         parts = state_output_ws.output_partitions(32, False)  # the walk's build here: BV = 32, no norm
         copies = {name: parts if name.startswith("output.") else 1 for name in names}
         assert len(re.findall(r"%clock\b", ptx)) == 2 * sum(copies.values()), kernel.kernel
+
+
+def test_the_script_counts_each_partitions_loop_per_warp_and_chunk_step():
+    """Cycles per warp of the phase's own partition and per chunk step; a partition's loop
+    is its walk (recorded once around it) beside the sum of the phases within it, or else
+    the sum of its top-level phases, those nested in another left out."""
+    script = _script()
+    tree = [{"frame": {"name": "_fused_fwd_kernel"}, "metrics": {}, "children": [
+        {"frame": {"name": "state.walk"}, "metrics": {"cycles": 1200.0}, "children": [
+            {"frame": {"name": "state.v_new"}, "metrics": {"cycles": 800.0}},
+            {"frame": {"name": "state.store"}, "metrics": {"cycles": 160.0}}]},
+        {"frame": {"name": "aux.inverse"}, "metrics": {"cycles": 600.0}, "children": [
+            {"frame": {"name": "aux.blocks"}, "metrics": {"cycles": 360.0}}]},
+        {"frame": {"name": "aux.scores"}, "metrics": {"cycles": 40.0}}]}]
+    warps, steps = {"state": 8, "aux": 4}, 10
+    found = script.phases(tree)
+    assert [name for name, _ in script.phases(tree, depth=0)] == ["aux.inverse", "aux.scores", "state.walk"]
+    assert [name for name, _ in script.phases(tree, depth=1)] == ["aux.blocks", "state.store", "state.v_new"]
+    assert script.per_warp_and_step(found, warps, steps) == {"aux.blocks": 9.0, "aux.inverse": 15.0,
+                                                             "aux.scores": 1.0, "state.store": 2.0,
+                                                             "state.v_new": 10.0, "state.walk": 15.0}
+    assert script.partition_loops(tree, warps, steps) == {"state": (15.0, 12.0), "aux": (16.0, 16.0)}
+    with pytest.raises(ValueError, match="chain"):
+        script.per_warp_and_step([("chain.p", {"cycles": 1})], warps, steps)
+
+
+def test_the_script_sizes_the_record_buffer_for_every_event_of_the_walk():
+    """Proton splits a program's buffer evenly between its warps (a power of two each) and keeps
+    8 bytes an event:
+    the aux partition's enter and leave of its eleven phases a chunk (22 events) fit, for
+    the fused shape's 128 chunks and the walk's 512."""
+    script = _script()
+    for chunks in (128, 512):
+        share = script.buffer_bytes(chunks, 12) // 12
+        assert share & (share - 1) == 0 and script.buffer_bytes(chunks, 12) == 12 * share
+        assert share // script.EVENT_BYTES >= 22 * chunks
+    assert script.chunk_steps("H16-HV32-4x8192") == 4 * 128 * 32
+    assert script.chunk_steps("H16-HV32-1x32768") == 512 * 32 * 4
+    assert script.chunk_steps("H2-HV4-1x32768") == 512 * 4 * 2
+    assert script.partition_warps(False, 128) == {"state": 8, "aux": 4}
+    assert script.partition_warps(True, 32) == {"chain": 4, "output": 4 * state_output_ws.output_partitions(32, False)}

@@ -279,6 +279,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     # The state's causal scores off the chain (:data:`SCORES_BEHIND_V_NEW`).
     LATE: gl.constexpr = EARLY and SCORES and SCORES_BEHIND_V_NEW
     gl.static_assert(RING == 2 or LATE, "three ring slots: the state's scores behind v_new^T alone")
+    # The whole walk, recorded once: its length against the phases' sum is what they miss.
+    enter("state.walk")
     for t in range(NT):
         s = t % RING
         phase = (t // RING) & 1
@@ -287,7 +289,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         row = bos + t * BT
         k_tile = kq_ring.index(2 * s)
         q_tile = kq_ring.index(2 * s + 1)
+        enter("state.operand")
         sb = gl.convert_layout(S.to(dtype), lhs_s)
+        leave("state.operand")
         if CHAIN:
             p, o1 = _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring,
                                         graw_ring, s, acc_c, EARLY, SCORES and not LATE)
@@ -296,7 +300,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             # The chain: P^T alone, then the state update; O^T after, off the chain.
             p = warpgroup_mma(sb, w_ring.index(s).permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                               use_acc=False, is_async=True)
+        enter("state.decay")
         decay = gl.max(gate_ring.index(NG * s + 2).slice(0, 1).load(one), axis=0)
+        leave("state.decay")
         if not EARLY:
             b_d = gate_ring.index(NG * s).load(cols_c)
         if LATE:
@@ -328,12 +334,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             S, o = _update_and_output(S, sb, vn, b_d, decay, k_tile, q_tile, s_ring, gate_ring, s, kq_ready,
                                       phase, not CHAIN)
         leave("state.update_output")
+        enter("state.release")
         if CHAIN:
             # v was read by plain shared loads: ordered before its TMA refill below.
             fence_async_shared()
         # Every warp's MMAs reading the slots are complete (each waited its own).
         thread_barrier()
         mbarrier.arrive(wu_empty.index(s), count=1)
+        leave("state.release")
         enter("state.refill")
         if LOADER:
             mbarrier.arrive(slot_free.index(s), count=1)
@@ -351,6 +359,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         else:
             _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
         leave("state.store")
+    leave("state.walk")
     tma.store_wait(0)
     return (S,)
 
@@ -369,12 +378,14 @@ def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, g
     enter("state.wait_tiles")
     mbarrier.wait(kq_ready.index(s), phase)
     leave("state.wait_tiles")
+    enter("state.issue")
     p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                       use_acc=False, is_async=True)
     if EARLY:
         # The output's S_old^T q^T behind it, from the same left operand.
         o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                            use_acc=False, is_async=True)
+    leave("state.issue")
     enter("state.wait_aux")
     mbarrier.wait(wu_ready.index(s), phase)
     leave("state.wait_aux")
@@ -710,6 +721,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     LATE_CHECK: gl.constexpr = late_range_check(SAVE_A, STATE_SCORES)
     rows = chunk_rows_early(g, s_g, beta, s_beta, bos, eos - bos, i_h, BT, True)
+    enter("aux.walk")
     for t in range(NT):
         s = t % RING
         row = bos + t * BT
@@ -771,6 +783,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             leave("aux.check")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
+    leave("aux.walk")
 
 
 @gluon.constexpr_function
