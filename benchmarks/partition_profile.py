@@ -21,9 +21,9 @@ Proton reports them (``cycles``: summed over every warp of every program that ra
 phase; ``normalized_cycles``: that sum over all the kernel's warps, whichever partition
 they are in), then per warp of its partition and per chunk step (the sum over the
 partition's warps and over every (chunk, v-head, value block) the kernel walked), and
-each partition's loop: its ``PARTITION.walk`` (the fused kernel's, recorded once around
-its loop) beside the sum of the phases within it, what they miss the difference; else its
-top-level phases summed.
+each partition's loop: its ``PARTITION.walk`` (recorded once around its loop) beside the
+sum of the phases within it, what they miss the difference; else its top-level phases
+summed.
 The record buffer is sized for every event of the walk (:func:`buffer_bytes`): Proton's
 default keeps a warp's last 2,048 and drops the first, which cut the aux partition's
 record of a 128-chunk walk to its last 93 chunks.

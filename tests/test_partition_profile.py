@@ -34,8 +34,9 @@ AUX_T_PHASES = {"aux.walk", "aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk"
                 "aux.blocks", "aux.check", "state.scores"}
 FUSED_PHASES = {"state.walk", "state.operand", "state.issue", "state.decay", "state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output",
                 "state.release", "state.refill", "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
-WALK_PHASES = {"chain.wait_output", "chain.wait_tiles", "chain.p", "chain.update", "output.wait_tiles",
-               "output.wait_chain", "output.products", "output.refill", "output.store"}
+WALK_PHASES = {"chain.walk", "chain.wait_output", "chain.h_store", "chain.wait_tiles", "chain.p", "chain.update",
+               "chain.release", "output.walk", "output.wait_tiles", "output.wait_chain", "output.products",
+               "output.release", "output.refill", "output.store"}
 
 
 def _script():

@@ -132,6 +132,8 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
     b_g, g_last = gate_rows(g_cum, bos, eos, i_h, HV, BT, row_layout)
     if USE_L2NORM:
         _, b_rk = norm_rows(rnorm, bos, eos, i_hk, H, BT, row_layout)
+    # The whole walk, recorded once: its length against the phases' sum is what they miss.
+    enter("chain.walk")
     for t in range(NT):
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
@@ -151,9 +153,11 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
         enter("chain.wait_output")
         mbarrier.wait(hv_empty.index(hs), ((t // HV_SLOTS) & 1) ^ 1)
         leave("chain.wait_output")
+        enter("chain.h_store")
         h_tile = h_smem.index(hs)
         h_tile.store(s_reg.to(dtype))
         fence_async_shared()  # generic writes -> MMA reads (async proxy)
+        leave("chain.h_store")
         enter("chain.wait_tiles")
         mbarrier.wait(wkq_ready.index(buf), ready_phase)
         leave("chain.wait_tiles")
@@ -171,9 +175,12 @@ def _chain(S, ring, u_smem, h_smem, vn_smem, vs_smem, wkq_ready, u_ready, chain_
         mbarrier.arrive(hv_ready.index(hs), count=1)
         S = ENGINE.mma_wait(S, s_bar, t & 1)
         leave("chain.update")
+        enter("chain.release")
         # Every warp's update MMA (the last reader of w and k here) is complete.
         thread_barrier()
         mbarrier.arrive(chain_done.index(buf), count=1)
+        leave("chain.release")
+    leave("chain.walk")
     return (S,)
 
 
@@ -197,6 +204,7 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         b_rq, b_rk = norm_rows(rnorm, bos + FIRST * BT, eos, i_hk, H, BT, row_layout)
     else:
         b_rq, b_rk = b_g, b_g  # unused
+    enter("output.walk")
     for t in range(FIRST, NT, STEP):
         buf = t % NUM_BUF
         ready_phase = (t // NUM_BUF) & 1
@@ -225,9 +233,11 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         o = state_output_pv(o, qk, g_row, rk, eos - row, p_smem, vn_smem.index(hs), pv_bar, USE_L2NORM, ENGINE)
         o = ENGINE.mma_wait(o, pv_bar, t & 1)
         leave("output.products")
+        enter("output.release")
         # Every warp's MMAs reading h_t, v_new and the slot's q and k are complete.
         thread_barrier()
         mbarrier.arrive(hv_empty.index(hs), count=1)
+        leave("output.release")
         if t + NUM_BUF < NT:
             # The slot takes chunk t + NUM_BUF once the chain is done with it too.
             enter("output.refill")
@@ -242,6 +252,7 @@ def _output(ring, u_smem, h_smem, vn_smem, p_smem, o_smem, wkq_ready, u_ready, c
         state_output_epilogue(ENGINE.acc_read(o), r_scale, o_smem, o_desc, o_rows_desc, o_ptr,
                               HV * V, row, col_v, eos - row, HAS_TAILS, ENGINE)
         leave("output.store")
+    leave("output.walk")
     tma.store_wait(0)  # shared memory must outlive the bulk stores reading it
 
 
