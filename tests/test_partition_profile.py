@@ -28,12 +28,14 @@ from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
 SM90 = (9, 0)
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "partition_profile.py"
 #: The scopes of each kernel, as its sources open them (``aux.walk``, ``aux.inverse``, the
-#: phases within it, the last six in ``wy.py``'s chunk inverse, and ``state.scores``: the fused kernel
-#: built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``; both shipped).
+#: phases within it, the last six in ``wy.py``'s chunk inverse, and ``state.scores``: the
+#: fused kernel built with ``fused.AUX_T`` only, the last with its ``STATE_SCORES``; both
+#: shipped).
 AUX_T_PHASES = {"aux.walk", "aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk", "aux.a", "aux.save_a",
                 "aux.blocks", "aux.check", "state.scores"}
-FUSED_PHASES = {"state.walk", "state.operand", "state.issue", "state.decay", "state.wait_tiles", "state.wait_aux", "state.v_new", "state.update_output",
-                "state.release", "state.refill", "state.store", "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
+FUSED_PHASES = {"state.walk", "state.operand", "state.issue", "state.decay", "state.wait_tiles", "state.wait_aux",
+                "state.v_new", "state.update_output", "state.release", "state.refill", "state.store",
+                "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
 WALK_PHASES = {"chain.walk", "chain.wait_output", "chain.h_store", "chain.wait_tiles", "chain.p", "chain.update",
                "chain.release", "output.walk", "output.wait_tiles", "output.wait_chain", "output.products",
                "output.release", "output.refill", "output.store"}
