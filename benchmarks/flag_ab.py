@@ -40,17 +40,13 @@ kernel's constexpr globals are fixed at its first compile).
                                              # reduction across the warps behind the gate vectors' barrier
     python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
                                              # the inverse on fp16 as shipped against tf32
-    python benchmarks/flag_ab.py aux_refills --with aux_ring_slots  # fused.AUX_REFILLS: the aux partition
-                                             # refills the k/q and v slots (three ring slots in both arms)
-    python benchmarks/flag_ab.py aux_refills_3  # aux_ring_slots and aux_refills together (GROUPS) against
-                                             # the shipped build
 
 Public calls, bf16, K = V = 128 (unless a shape names its own), initial + final state, on the shapes the flag changes:
 call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between the two.
 ``--shapes NAME[,NAME...]`` times those of the study's shapes alone.
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
-``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``, ``aux_refills``,
+``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``,
 ``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``) measure a flag on
 top of the others as shipped. ``--with OTHER[,OTHER...]`` turns other studies' flags on in
 both arms (a flag measured on top of another one not shipped), e.g. ``python
@@ -189,9 +185,6 @@ STUDIES = {
     # The one-kernel build's k/q, T_u and gate rings in three slots: the aux two chunks ahead.
     "aux_ring_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_RING_SLOTS",
                        (gl.constexpr(2), gl.constexpr(3)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's k/q and v refills issued by the aux partition, not the state.
-    "aux_refills": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_REFILLS",
-                    (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),
@@ -231,8 +224,7 @@ def calls(shapes: dict) -> dict:
 
 #: Studies turned off and on together, by name: a group times its members' flags at once
 #: (on its first member's shapes), e.g. the blocked inverse's three fp16 flags.
-GROUPS = {"fp16_inverse": ("f16_inverse", "half_tables", "diagonal_series"),
-          "aux_refills_3": ("aux_ring_slots", "aux_refills")}
+GROUPS = {"fp16_inverse": ("f16_inverse", "half_tables", "diagonal_series")}
 
 
 def members(study: str) -> tuple[str, ...]:

@@ -36,8 +36,6 @@ AUX_T_PHASES = {"aux.walk", "aux.inverse", "aux.store_t", "aux.cumsum", "aux.kk"
 FUSED_PHASES = {"state.walk", "state.operand", "state.issue", "state.decay", "state.wait_tiles", "state.wait_aux",
                 "state.v_new", "state.update_output", "state.release", "state.refill", "state.store",
                 "aux.wait_tiles", "aux.wait_state", "aux.scores"} | AUX_T_PHASES
-#: Phases of builds a flag not shipped turns on (``fused.AUX_REFILLS``).
-FLAG_PHASES = {"aux.refill"}
 WALK_PHASES = {"chain.walk", "chain.wait_output", "chain.h_store", "chain.wait_tiles", "chain.p", "chain.update",
                "chain.release", "output.walk", "output.wait_tiles", "output.wait_chain", "output.products",
                "output.release", "output.refill", "output.store"}
@@ -150,7 +148,7 @@ def test_instrumented_kernels_record_every_phase(monkeypatch):
         opened = {name for source in sources for name in
                   re.findall(r'enter\("([a-z_]+\.[a-z_]+)"\)', (SCRIPT.parents[1] / source).read_text())}
         source = sources[0]
-        assert names <= opened and opened - names <= AUX_T_PHASES | FLAG_PHASES, source
+        assert names <= opened and opened - names <= AUX_T_PHASES, source
         with _instrumented() as mode_str:
             compiled = triton.compile(gluon_ast_source(kernel.fn, kernel.signature, kernel.constexprs, kernel.attrs),
                                       target=_gpu_target(SM90),

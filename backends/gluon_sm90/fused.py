@@ -251,7 +251,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
            LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False, graw_ring=None,
-           SCORES: gl.constexpr = False, store_from=0, WARM: gl.constexpr = False, REFILLS: gl.constexpr = True):
+           SCORES: gl.constexpr = False, store_from=0, WARM: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
@@ -262,8 +262,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     scores slot, ``q k^T`` issued once those two products are done (with
     :data:`SCORES_BEHIND_V_NEW` behind v_new^T's product instead), gated with the rows the aux
     partition leaves in ``graw_ring``. With ``WARM`` (:mod:`..gluon_common.warm_chain`) the
-    chunks before row ``store_from`` are walked for the state alone: their o is not stored.
-    Without ``REFILLS`` (:data:`AUX_REFILLS`) the aux partition refills the k/q and v slots."""
+    chunks before row ``store_from`` are walked for the state alone: their o is not stored."""
     BT: gl.constexpr = kq_ring.shape[1]
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -344,9 +343,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         mbarrier.arrive(wu_empty.index(s), count=1)
         leave("state.release")
         enter("state.refill")
-        if not REFILLS:
-            pass
-        elif LOADER:
+        if LOADER:
             mbarrier.arrive(slot_free.index(s), count=1)
         elif RING > 2:
             _refill_ahead(k_desc, q_desc, v_desc, kq_ring, v_ring, kq_ready, kq_empty, v_ready, s, phase, vs, row, t,
@@ -694,8 +691,7 @@ def _store_gates_and_rows(gate_ring, graw_ring, r, g_row, g_end, n_valid, rq, rk
 @gluon.jit
 def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty, kk_bar,
                  g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE: gl.constexpr, graw_ring,
-                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, check_slot,
-                 refills=None, REFILLS: gl.constexpr = False):
+                 STATE_SCORES: gl.constexpr, a_save, SAVE_A: gl.constexpr, row_vectors, check_slot):
     """:data:`AUX_T`: the aux work of :func:`_aux_scores` plus the chunk inverse the T
     kernel would have sent (:func:`..gluon_common.wy.chunk_t_u_on_chip`: k k^T, the gate
     cumsum, A, the blocked inverse, beta's column scale), written as T_u into the T slot
@@ -710,9 +706,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, ``row_vectors``
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
     layouts. With :func:`late_range_check`, ``check_slot`` (fp32 [4]) takes the warps' sums
-    of T's squares across the gate vectors' barrier. With ``REFILLS`` (:data:`AUX_REFILLS`;
-    ``refills``: the k, q and v descriptors, the v ring, its barriers and the tiles'
-    columns) it refills the k/q and v slots the state is done with (:func:`_aux_refill`)."""
+    of T's squares across the gate vectors' barrier."""
     BT: gl.constexpr = kq_ring.shape[1]
     K: gl.constexpr = kq_ring.shape[2]
     # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`).
@@ -789,27 +783,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
             leave("aux.check")
         mbarrier.arrive(kq_empty.index(s), count=1)
         mbarrier.arrive(wu_ready.index(s), count=1)
-        if REFILLS:
-            enter("aux.refill")
-            _aux_refill(kq_ring, kq_ready, wu_empty, refills, t, row, NT)
-            leave("aux.refill")
     leave("aux.walk")
-
-
-@gluon.jit
-def _aux_refill(kq_ring, kq_ready, wu_empty, refills, t, row, NT):
-    """:data:`AUX_REFILLS`, after the aux's chunk ``t`` (at ``row``): once the state is done
-    with chunk t - 1, its k/q slot takes chunk t - 1 + RING and v's slot (t + 1) % 2 chunk
-    t + 1 (its previous chunk, t - 1, read). The loads have the state's whole next chunk to
-    land (the state reads chunk t + 1 after chunk t), the aux's at least its chunk t + 1."""
-    BT: gl.constexpr = kq_ring.shape[1]
-    RING: gl.constexpr = kq_ring.shape[0] // 2
-    k_desc, q_desc, v_desc, v_ring, v_ready, col_k, col_v = refills
-    if t >= 1 and t + 1 < NT:
-        mbarrier.wait(wu_empty.index((t - 1) % RING), ((t - 1) // RING) & 1)
-        if t - 1 + RING < NT:
-            _load_kq(k_desc, q_desc, kq_ring, kq_ready, (t - 1) % RING, row + (RING - 1) * BT, col_k)
-        _load_v(v_desc, v_ring, v_ready, (t + 1) % 2, row + BT, col_v)
 
 
 @gluon.constexpr_function
@@ -1007,11 +981,10 @@ def _fused_fwd_kernel(
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
                       o_desc, o_ptr, HV * V, scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE,
-                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES, store_from, CHAIN, not AUX_REFILLS)),
+                      True, False, True, EARLY_O1, graw_ring, STATE_SCORES, store_from, CHAIN)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot,
-                            (k_desc, q_desc, v_desc, v_ring, v_ready, col_k, col_v), AUX_REFILLS)),
+                            STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot)),
         ], [AUX_WARPS], [_aux_regs(V)])[0]
     elif SINGLE_T:
         # w_ring, u_ring: not allocated; the state's arguments take the T ring in their place.
@@ -1246,15 +1219,6 @@ SCORES_BEHIND_V_NEW = gl.constexpr(True)
 #: Proton's profile the aux's wait for its tiles grows (859 -> 1,244 cycles a chunk): the
 #: loads take the memory system's time, however early they are issued. Two as shipped.
 AUX_RING_SLOTS = gl.constexpr(2)
-
-#: With :data:`AUX_T`: the aux partition, not the state, refills the k/q and v slots, each
-#: once the state is done with the chunk before the aux's (:func:`_aux_refill`): the state's
-#: loop loses its TMA issue and the waits and barriers around it (Proton at 4 x 8192, three
-#: ring slots: ``state.refill`` 1,214 cycles a chunk of its loop), the aux, which waits on
-#: tiles ~1,600 a chunk, takes it. With :data:`AUX_RING_SLOTS` at three the aux runs one
-#: chunk ahead and the loads have a chunk's time to land; at two the aux would wait on each
-#: load it issues.
-AUX_REFILLS = gl.constexpr(False)
 
 
 @gluon.constexpr_function
