@@ -9,7 +9,8 @@ bench's gates) run once under a Proton session in instrumentation mode. Its kern
 compile with the phases of ``gdn_dispatch.backends.gluon_common.scopes`` recorded: every
 warp's cycles in each ``partition.phase`` of the warp-specialized path's fused kernel
 (``state.*``, ``aux.*``) and of the warp-specialized state-output walk (``chain.*``,
-``output.*``; taken with ``--ws-walk``, which sets ``state_output.STATE_OUTPUT_WS``). As
+``output.*``; shipped on, ``state_output.STATE_OUTPUT_WS``, which ``--ws-walk`` sets in a
+build that turned it off). As
 shipped the fused kernel forms the chunk inverses in its aux partition (``fused.AUX_T``;
 ``aux.inverse`` is one of its phases) and its state partition the causal scores
 (``fused.STATE_SCORES``, ``state.scores``); with ``--t-kernel`` the T kernel forms the
@@ -29,7 +30,7 @@ default keeps a warp's last 2,048 and drops the first, which cut the aux partiti
 record of a 128-chunk walk to its last 93 chunks.
 
 Shapes: ``H16-HV32-4x8192`` (the fused kernel), ``H16-HV32-1x32768`` (the pipeline: the
-walk at BV = 32 with ``--ws-walk``), ``H2-HV4-1x32768`` (context parallelism's pass 2 at
+walk at BV = 32), ``H2-HV4-1x32768`` (context parallelism's pass 2 at
 BV = 64). Every launch goes through Triton's JIT here (``GDN_DISPATCH_JIT_LAUNCH=1``, the
 native layer off), so that Proton's launch hook hands each instrumented kernel its buffer.
 The records cost cycles of their own (ptxas keeps a few more bytes in local memory): read
@@ -179,7 +180,7 @@ def profile(name: str, out_dir: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
-    parser.add_argument("--ws-walk", action="store_true", help="the state-output walk warp-specialized")
+    parser.add_argument("--ws-walk", action="store_true", help="the state-output walk warp-specialized (as shipped)")
     parser.add_argument("--t-kernel", action="store_true", help="the T kernel forms the chunk inverses (two launches)")
     parser.add_argument("--aux-scores", action="store_true", help="the aux partition forms the causal scores")
     parser.add_argument("--late-o1", action="store_true", help="the fused kernel's output product issued after the update")
