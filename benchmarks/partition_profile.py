@@ -98,13 +98,12 @@ def make_call(name: str) -> dict:
     return call
 
 
-def walk_chunks(name: str) -> int:
-    """Chunks one program walks: its sequence's, or its segment's where the call is cut
-    into segments (the planner's decision on this GPU)."""
+def walk_chunks(call: dict) -> int:
+    """Chunks one program of ``call`` (:func:`make_call`) walks: its sequence's, or its
+    segment's where the call is cut into segments (the planner's decision on this GPU)."""
     from gdn_dispatch.context_parallel import plan_for_problem
     from gdn_dispatch.contract import make_problem
 
-    call = make_call(name)
     problem = make_problem(**call)
     cp = plan_for_problem(problem, torch.cuda.get_device_properties(0).multi_processor_count)
     # Every shape here is one sequence per batch row (T tokens each).
@@ -159,17 +158,18 @@ def partition_loops(tree, warps: dict[str, int], steps: int) -> dict[str, tuple[
     return loops
 
 
-def profile(name: str, out_dir: Path):
+def profile(name: str, call: dict, out_dir: Path, buffer_size: int):
+    """``call`` run once under Proton's instrumentation (a record buffer of ``buffer_size``
+    bytes a program, :func:`buffer_bytes`); its hatchet tree, also written to
+    ``out_dir / name``."""
     import triton.profiler as proton
 
     from gdn_dispatch import chunk_gated_delta_rule
 
-    call = make_call(name)
     chunk_gated_delta_rule(**call, backend="gluon_sm90")  # compiles the plain kernels and plans
     torch.cuda.synchronize()
     path = out_dir / name
-    warps = sum(partition_warps(name != FUSED_SHAPE, SHAPES[name][3]).values())
-    mode = proton.mode.Default(buffer_type="global", buffer_size=buffer_bytes(walk_chunks(name), warps))
+    mode = proton.mode.Default(buffer_type="global", buffer_size=buffer_size)
     proton.start(str(path), backend="instrumentation", mode=mode)
     chunk_gated_delta_rule(**call, backend="gluon_sm90")
     torch.cuda.synchronize()
@@ -212,10 +212,12 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.shape or list(SHAPES):
-        chunks = walk_chunks(name)
-        tree = profile(name, out_dir)
-        found = phases(tree)
+        call = make_call(name)
+        chunks = walk_chunks(call)
         warps = partition_warps(name != FUSED_SHAPE, SHAPES[name][3])
+        tree = profile(name, call, out_dir, buffer_bytes(chunks, sum(warps.values())))
+        del call  # the next shape's inputs take its place
+        found = phases(tree)
         steps = chunk_steps(name)
         flags = "".join(f" (--{name})" for name, on in (("ws-walk", args.ws_walk), ("t-kernel", args.t_kernel),
                                                           ("aux-scores", args.aux_scores),
@@ -234,6 +236,7 @@ def main() -> None:
         print(f"loop per warp and chunk step ({steps:,} steps; " + ", ".join(
             f"{p}: {w} warps" for p, w in warps.items()) + "): " + ", ".join(
             f"{p} {loop:,.0f} (its phases {recorded:,.0f})" for p, (loop, recorded) in loops.items()))
+
 
 if __name__ == "__main__":
     main()
