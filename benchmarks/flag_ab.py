@@ -185,6 +185,9 @@ STUDIES = {
     # The one-kernel build's k/q, T_u and gate rings in three slots: the aux two chunks ahead.
     "aux_ring_slots": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_RING_SLOTS",
                        (gl.constexpr(2), gl.constexpr(3)), _ONE_KERNEL_SHAPES),
+    # The state's causal mask of its scores formed in each chunk from its valid rows.
+    "scores_mask_in_loop": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_MASK_IN_LOOP",
+                            (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

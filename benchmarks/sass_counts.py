@@ -77,6 +77,34 @@ def loops(sass: str, min_bytes: int = 2000) -> list:
     return spans
 
 
+def local_loads(instructions: list, start: int, end: int) -> int:
+    """LDL instructions (reloads of spilled values) among :func:`attribute`'s
+    ``instructions`` from address ``start`` to ``end``."""
+    return sum(1 for at, _, opcode in instructions if start <= at <= end and opcode == "LDL")
+
+
+def fused_sass(l2: bool = False, dense: bool = False):
+    """gluon_sm90's fused kernel at its first AOT specialization of the kind (with the qk l2
+    norm on chip under ``l2``, without ragged tails under ``dense``), compiled for sm_90a
+    with the build flags as set in this process: ``(kernel, report, sass)``, the SASS as
+    nvdisasm prints it with line info."""
+    import triton
+
+    from gdn_dispatch.aot import compile_kernel
+    from gdn_dispatch.backends import gluon_sm90
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    kernel = next(k for k in fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)
+                  if k.constexprs["HAS_TAILS"] != dense and bool(k.constexprs.get("QK_NORM")) == l2)
+    report = compile_kernel(kernel, (9, 0))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(report.cubin)
+        cubin.flush()
+        sass = subprocess.run([nvdisasm, "-c", "-g", cubin.name], capture_output=True, text=True, check=True).stdout
+    return kernel, report, sass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE")
@@ -87,20 +115,7 @@ def main() -> None:
     from gdn_dispatch.testing import set_build_flags
 
     set_build_flags(args.build_flag)
-    import triton
-
-    from gdn_dispatch.aot import compile_kernel
-    from gdn_dispatch.backends import gluon_sm90
-    from gdn_dispatch.backends.gluon_sm90 import fused
-
-    kernel = next(k for k in fused.fused_kernels_for_aot((9, 0), "gluon_sm90", engine=gluon_sm90.ENGINE)
-                  if k.constexprs["HAS_TAILS"] != args.dense and bool(k.constexprs.get("QK_NORM")) == args.l2)
-    report = compile_kernel(kernel, (9, 0))
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(report.cubin)
-        cubin.flush()
-        sass = subprocess.run([nvdisasm, "-c", "-g", cubin.name], capture_output=True, text=True, check=True).stdout
+    kernel, report, sass = fused_sass(l2=args.l2, dense=args.dense)
     instructions = attribute(sass)
     print(f"fused {kernel.specialization}, flags {args.build_flag or 'as shipped'}: {len(instructions)} instructions, "
           f"{report.registers} registers, {report.spill_bytes} spill bytes")
@@ -111,11 +126,11 @@ def main() -> None:
     for owner, count in by_function.most_common(30):
         top = ", ".join(f"{op} {n}" for op, n in opcodes[owner].most_common(5))
         print(f"{count:6d}  {owner:48s} {top}")
-    print("loops (first address, last, instructions, top functions):")
+    print("loops (first address, last, instructions, local loads of spilled values, top functions):")
     for start, end in loops(sass):
         inside = collections.Counter(owner for at, owner, _ in instructions if start <= at <= end)
         top = ", ".join(f"{owner} {n}" for owner, n in inside.most_common(4))
-        print(f"  {start:#07x}-{end:#07x} {sum(inside.values()):6d}  {top}")
+        print(f"  {start:#07x}-{end:#07x} {sum(inside.values()):6d} {local_loads(instructions, start, end):3d}  {top}")
 
 
 if __name__ == "__main__":

@@ -569,6 +569,47 @@ def test_late_range_check_fits_its_plan():
     assert_flag_fits_its_plan("gluon_common.blocked_inverse.LATE_RANGE_CHECK", 16)
 
 
+def state_loop_local_loads(dense: bool) -> dict:
+    """sm_90a's one-kernel fused build as shipped (with ragged tails unless ``dense``),
+    compiled in this process with its jit globals as set: the local loads (reloads of
+    spilled values) in the state partition's chunk loop, the loop that holds its update
+    (``benchmarks/sass_counts.py``'s reading of nvdisasm), and the kernel's spill bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py"
+    spec = importlib.util.spec_from_file_location("sass_counts_of_the_state_loop", path)
+    counts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts)
+    _, report, sass = counts.fused_sass(dense=dense)
+    instructions = counts.attribute(sass)
+    for start, end in counts.loops(sass):
+        if any(start <= at <= end and owner == "fused.py:_update_then_scores" for at, owner, _ in instructions):
+            return {"local_loads": counts.local_loads(instructions, start, end), "spills": report.spill_bytes}
+    raise AssertionError("no chunk loop holds the state partition's update")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dense", [False, True], ids=["tails", "dense"])
+def test_state_loop_forms_its_scores_mask_in_the_loop(dense):
+    """:data:`.gluon_sm90.fused.SCORES_MASK_IN_LOOP` (on): the state partition forms its
+    scores' causal mask in each chunk, so its chunk loop reloads fewer spilled values than
+    the build that hoists the mask before the walk (whose words ptxas spilled and reloaded
+    every chunk, 15-18 local loads in the loop against 8 under triton 3.6.0), and the kernel
+    spills fewer bytes."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    call = f"m.state_loop_local_loads({dense})"
+    shipped = call_in_fresh_process(Path(__file__), call, [], timeout=900)
+    hoisted = call_in_fresh_process(Path(__file__), call, ["gluon_sm90.fused.SCORES_MASK_IN_LOOP=0"], timeout=900)
+    assert shipped["local_loads"] < hoisted["local_loads"], (shipped, hoisted)
+    assert shipped["spills"] < hoisted["spills"], (shipped, hoisted)
+    if triton.__version__.startswith("3.6."):
+        assert shipped["local_loads"] <= 8 and hoisted["local_loads"] >= 15, (shipped, hoisted)
+
+
 @pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and

@@ -322,7 +322,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         enter("state.update_output")
         if LATE:
             b_d = gate_ring.index(NG * s).load(cols_c)
-            S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs),
+            S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs), eos - row,
                                        gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s)
         elif EARLY:
             # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
@@ -537,7 +537,7 @@ def _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s
 
 
 @gluon.jit
-def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, e_g_slot, graw_ring, s):
+def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, n_valid, e_g_slot, graw_ring, s):
     """:data:`SCORES_BEHIND_V_NEW`: the state update issued first, then the chunk's causal
     scores stored into ``s_slot`` from ``q k^T`` (in flight before it; gated with slot ``s``
     of ``graw_ring``) while the update runs, then the output ``O^T = 2^g O1^T + v_new^T
@@ -551,7 +551,7 @@ def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, e_g_slot, gra
     # Every group but the update's: q k^T.
     enter("state.scores")
     qk = warpgroup_mma_wait(1, deps=(qk,))
-    _gate_and_store_scores(qk, s_slot, graw_ring, s)
+    _gate_and_store_scores(qk, s_slot, graw_ring, s, n_valid)
     leave("state.scores")
     e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
     o = warpgroup_mma(vnb, s_slot.permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True, is_async=True)
@@ -658,12 +658,16 @@ def _store_state_scores(qk, s_slot, graw_ring, r):
 
 
 @gluon.jit
-def _gate_and_store_scores(qk, s_slot, graw_ring, r):
-    """:func:`_store_state_scores` from ``q k^T`` done."""
+def _gate_and_store_scores(qk, s_slot, graw_ring, r, n_valid=None):
+    """:func:`_store_state_scores` from ``q k^T`` done; ``n_valid``: the chunk's valid rows
+    (:func:`..gluon_common.masks.causal_gate`, with :data:`SCORES_MASK_IN_LOOP`), or None."""
     acc_bt: gl.constexpr = qk.type.layout
     g_i = graw_ring.index(2 * r).load(gl.SliceLayout(1, acc_bt))
     g_j = graw_ring.index(2 * r + 1).load(gl.SliceLayout(0, acc_bt))
-    s_slot.store(causal_gate(qk, g_i, g_j).to(s_slot.dtype))
+    if SCORES_MASK_IN_LOOP:
+        s_slot.store(causal_gate(qk, g_i, g_j, n_valid).to(s_slot.dtype))
+    else:
+        s_slot.store(causal_gate(qk, g_i, g_j).to(s_slot.dtype))
     fence_async_shared()
     thread_barrier()
 
@@ -1219,6 +1223,19 @@ SCORES_BEHIND_V_NEW = gl.constexpr(True)
 #: Proton's profile the aux's wait for its tiles grows (859 -> 1,244 cycles a chunk): the
 #: loads take the memory system's time, however early they are issued. Two as shipped.
 AUX_RING_SLOTS = gl.constexpr(2)
+
+#: The state partition's causal mask of its scores (behind v_new^T) formed in each chunk
+#: from the chunk's valid rows and ids the compiler may not hoist
+#: (:func:`..gluon_common.masks.causal_gate`'s ``n_valid``), instead of once before the
+#: walk: hoisted, its words were spilled and reloaded every chunk, and the scores' selects
+#: waited on the local loads (Nsight Compute's source counters, H100, 4 x 8192: ~10% of the
+#: state warps' stall samples on those reloads). sm_90a, triton 3.6.0, the varlen build:
+#: spills 112 -> 68 bytes, the state loop's local loads 18 -> 8 a chunk (15 -> 8 without
+#: tails; ``python benchmarks/sass_counts.py``). H100 80GB HBM3 (``python
+#: benchmarks/flag_ab.py scores_mask_in_loop``, two rounds, outputs bit-equal): calls 0.501
+#: -> 0.477 ms at H16-HV32 4 x 8192, 0.975 -> 0.938 at HV 64, ragged16 0.917 -> 0.922
+#: (kernel 0.941 -> 0.932). On.
+SCORES_MASK_IN_LOOP = gl.constexpr(True)
 
 
 @gluon.constexpr_function
