@@ -622,6 +622,15 @@ def test_aux_keeps_a_fits_its_plan():
 
 
 @pytest.mark.slow
+def test_early_b_d_fits_its_plan():
+    """:data:`.gluon_sm90.fused.EARLY_B_D` in sm_90a's one-kernel builds (with and without
+    the qk l2 norm on chip): the update's column scale read under v_new^T's product takes
+    no shared memory or mbarrier more, keeps the spills within the allowance and every
+    wgmma in flight. Off as shipped; the test compiles both."""
+    assert_flag_fits_its_plan("gluon_sm90.fused.EARLY_B_D", 0)
+
+
+@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

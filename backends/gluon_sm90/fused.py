@@ -307,8 +307,9 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             b_d = gate_ring.index(NG * s).load(cols_c)
         if LATE:
             enter("state.v_new")
-            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
-                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile)
+            vn, o1, qk, b_d = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
+                                                 gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile,
+                                                 gate_ring.index(NG * s))
             leave("state.v_new")
         elif CHAIN:
             enter("state.v_new")
@@ -321,7 +322,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             vn = u - p
         enter("state.update_output")
         if LATE:
-            b_d = gate_ring.index(NG * s).load(cols_c)
+            if not EARLY_B_D:
+                b_d = gate_ring.index(NG * s).load(cols_c)
             S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs), eos - row,
                                        gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s)
         elif EARLY:
@@ -473,10 +475,13 @@ def _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_
 
 
 @gluon.jit
-def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile):
+def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
+                       b_d_slot):
     """:data:`SCORES_BEHIND_V_NEW`: v_new^T as :func:`_v_new_of_t_u` forms it (T_u written by
     the aux partition), with the chunk's ``q k^T`` issued behind its product. Returns v_new^T
-    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight)."""
+    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T), ``q k^T`` (in flight) and,
+    with :data:`EARLY_B_D`, the update's column scale read from ``b_d_slot`` while v_new^T's
+    product runs (else a placeholder, not to be read)."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
@@ -486,8 +491,12 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
                        is_async=True)
     qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                        use_acc=False, is_async=True)
+    if EARLY_B_D:
+        b_d = b_d_slot.load(gl.SliceLayout(0, acc_c))
+    else:
+        b_d = o1  # not read
     vn = warpgroup_mma_wait(1, deps=(vn,))
-    return vn, o1, qk
+    return vn, o1, qk, b_d
 
 
 @gluon.jit
@@ -1247,6 +1256,11 @@ SCORES_MASK_IN_LOOP = gl.constexpr(True)
 #: bytes (176 -> 232 with the qk l2 norm on chip), the aux loop's local loads 4 -> 3 (8 ->
 #: 13). Not yet timed (``python benchmarks/flag_ab.py redo_forms_a``): on.
 AUX_KEEPS_A = gl.constexpr(True)
+
+#: The state's column scale of its update (``diag(2^(g_end - g_r))``, and beta's share)
+#: read from its gate slot while v_new^T's product runs, instead of after it: Nsight
+#: Compute put 5.7% of the kernel's stall samples on the first use of that shared load.
+EARLY_B_D = gl.constexpr(False)
 
 
 @gluon.constexpr_function
