@@ -351,6 +351,20 @@ def set_build_flags(settings: list[str]) -> dict:
     return done
 
 
+def script_module(path, name: str):
+    """The script at ``path`` (a benchmark or tool, not a package module) loaded as a module
+    named ``name``, registered under that name (a dataclass of the script looks its module
+    up there)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def call_in_fresh_process(path, call: str, build_flags=(), timeout: float = 900.0):
     """The value of ``call``, a Python expression over the module at ``path`` (named ``m``
     in it), evaluated in a new interpreter with ``build_flags`` set first

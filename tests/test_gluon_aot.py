@@ -574,13 +574,12 @@ def state_loop_local_loads(dense: bool) -> dict:
     compiled in this process with its jit globals as set: the local loads (reloads of
     spilled values) in the state partition's chunk loop, the loop that holds its update
     (``benchmarks/sass_counts.py``'s reading of nvdisasm), and the kernel's spill bytes."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py"
-    spec = importlib.util.spec_from_file_location("sass_counts_of_the_state_loop", path)
-    counts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(counts)
+    from gdn_dispatch.testing import script_module
+
+    counts = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py",
+                           "sass_counts_of_the_state_loop")
     _, report, sass = counts.fused_sass(dense=dense)
     instructions = counts.attribute(sass)
     for start, end in counts.loops(sass):

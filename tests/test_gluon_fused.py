@@ -644,14 +644,11 @@ def test_the_load_warp_build_compiles():
 
 def _sanitize_module():
     """tests/sanitize.py as a module (it is a script, not a package module)."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent / "sanitize.py"
-    spec = importlib.util.spec_from_file_location("sanitize_under_test", path)
-    sanitize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sanitize)
-    return sanitize
+    from gdn_dispatch.testing import script_module
+
+    return script_module(Path(__file__).resolve().parent / "sanitize.py", "sanitize_under_test")
 
 
 def test_the_sanitizer_names_the_warp_specialized_kernel():

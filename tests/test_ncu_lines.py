@@ -4,10 +4,10 @@ lines with their SASS rows, samples grouped by how often each instruction ran.""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import random
-import sys
 from pathlib import Path
+
+from gdn_dispatch.testing import script_module
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_lines.py"
 
@@ -17,12 +17,7 @@ HEADER = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Sa
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ncu_lines_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    # Its dataclass looks its module up by name.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SCRIPT, "ncu_lines_under_test")
 
 
 def _sass_row(rng, address, instruction, executed):

@@ -11,7 +11,6 @@ walk compile with a clock read at every phase boundary; the script's tree walk f
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from gdn_dispatch.device import assumed_device  # noqa: E402
+from gdn_dispatch.testing import script_module  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common import state_output as so  # noqa: E402
 from gdn_dispatch.backends.gluon_common import state_output_ws  # noqa: E402
@@ -42,10 +42,7 @@ WALK_PHASES = {"chain.walk", "chain.wait_output", "chain.h_store", "chain.wait_t
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("partition_profile_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SCRIPT, "partition_profile_under_test")
 
 
 def _kernels():

@@ -4,17 +4,15 @@ branches only."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from gdn_dispatch.testing import script_module
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sass_counts_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(SCRIPT, "sass_counts_under_test")
 
 
 def test_instructions_count_for_the_function_of_their_line(tmp_path):
