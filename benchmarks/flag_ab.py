@@ -188,12 +188,6 @@ STUDIES = {
     # The state's causal mask of its scores formed in each chunk from its valid rows.
     "scores_mask_in_loop": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_MASK_IN_LOOP",
                             (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # The one-kernel build's fp16 redo from A formed again instead of A kept in shared memory.
-    "redo_forms_a": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_KEEPS_A", (gl.constexpr(True), gl.constexpr(False)),
-                     _ONE_KERNEL_SHAPES),
-    # The one-kernel build's state reading its update's column scale under v_new^T's product.
-    "early_b_d": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_B_D", (gl.constexpr(False), gl.constexpr(True)),
-                  _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -610,26 +610,6 @@ def test_state_loop_forms_its_scores_mask_in_the_loop(dense):
 
 
 @pytest.mark.slow
-def test_aux_keeps_a_fits_its_plan():
-    """:data:`.gluon_sm90.fused.AUX_KEEPS_A` in sm_90a's one-kernel builds (with and without
-    the qk l2 norm on chip): A kept for the fp16 inverse's redo is the redo buffer's bytes
-    (swizzled, or padded with the norm on chip) more than the build that forms A again for
-    a redo; the same mbarriers, spills within the allowance, no wgmma serialized. On as
-    shipped; the test compiles both."""
-    assert_flag_fits_its_plan("gluon_sm90.fused.AUX_KEEPS_A",
-                              lambda build: blocked_inverse.redo_buffer_bytes(64, build["l2"]))
-
-
-@pytest.mark.slow
-def test_early_b_d_fits_its_plan():
-    """:data:`.gluon_sm90.fused.EARLY_B_D` in sm_90a's one-kernel builds (with and without
-    the qk l2 norm on chip): the update's column scale read under v_new^T's product takes
-    no shared memory or mbarrier more, keeps the spills within the allowance and every
-    wgmma in flight. Off as shipped; the test compiles both."""
-    assert_flag_fits_its_plan("gluon_sm90.fused.EARLY_B_D", 0)
-
-
-@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

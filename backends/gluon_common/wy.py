@@ -581,16 +581,9 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
         else:
             enter("aux.check")
             if lost_half_range(t):
-                if a_save is not None:
-                    # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
-                    t_layout: gl.constexpr = t.type.layout
-                    t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
-                else:
-                    # The same from A formed again: k's tile is still in its slot.
-                    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-                    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE ^ 1))
-                    t, _, _ = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM,
-                                            k_smem, r_k, True, None, vectors, vector_row)
+                # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
+                t_layout: gl.constexpr = t.type.layout
+                t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
             leave("aux.check")
     cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
     if vectors is not None:

@@ -307,9 +307,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             b_d = gate_ring.index(NG * s).load(cols_c)
         if LATE:
             enter("state.v_new")
-            vn, o1, qk, b_d = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
-                                                 gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile,
-                                                 gate_ring.index(NG * s))
+            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
+                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile)
             leave("state.v_new")
         elif CHAIN:
             enter("state.v_new")
@@ -322,8 +321,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             vn = u - p
         enter("state.update_output")
         if LATE:
-            if not EARLY_B_D:
-                b_d = gate_ring.index(NG * s).load(cols_c)
+            b_d = gate_ring.index(NG * s).load(cols_c)
             S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs), eos - row,
                                        gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s)
         elif EARLY:
@@ -475,13 +473,10 @@ def _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_
 
 
 @gluon.jit
-def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
-                       b_d_slot):
+def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile):
     """:data:`SCORES_BEHIND_V_NEW`: v_new^T as :func:`_v_new_of_t_u` forms it (T_u written by
     the aux partition), with the chunk's ``q k^T`` issued behind its product. Returns v_new^T
-    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T), ``q k^T`` (in flight) and,
-    with :data:`EARLY_B_D`, the update's column scale read from ``b_d_slot`` while v_new^T's
-    product runs (else a placeholder, not to be read)."""
+    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight)."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
@@ -491,12 +486,8 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
                        is_async=True)
     qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                        use_acc=False, is_async=True)
-    if EARLY_B_D:
-        b_d = b_d_slot.load(gl.SliceLayout(0, acc_c))
-    else:
-        b_d = o1  # not read
     vn = warpgroup_mma_wait(1, deps=(vn,))
-    return vn, o1, qk, b_d
+    return vn, o1, qk
 
 
 @gluon.jit
@@ -885,7 +876,7 @@ def _fused_fwd_kernel(
         # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
         tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
-        SAVE_A: gl.constexpr = keeps_a()
+        SAVE_A: gl.constexpr = fp16_products()
         if SAVE_A:
             a_save = redo_buffer(BT, QK_NORM)
         else:
@@ -1246,29 +1237,6 @@ AUX_RING_SLOTS = gl.constexpr(2)
 #: (kernel 0.941 -> 0.932). On.
 SCORES_MASK_IN_LOOP = gl.constexpr(True)
 
-#: With the fp16 inverse: the one-kernel build's aux keeps each chunk's A in 16 KB of
-#: shared memory for the redo of a chunk past fp16's range; off, a redo forms A again from
-#: k k^T (k's tile stays in its slot until the state is done with the chunk), and the aux
-#: loses A's store from its chain (Proton, H100, 4 x 8192: ``aux.save_a`` 779 cycles of
-#: its ~9,700 a chunk), which paces the kernel since ``SCORES_MASK_IN_LOOP`` as much as the
-#: state (Nsight Compute: the state's wait for the aux's T_u slot its largest stall line).
-#: sm_90a, triton 3.6.0 (``python benchmarks/sass_counts.py [--l2]``): spills 68 -> 72
-#: bytes (176 -> 232 with the qk l2 norm on chip), the aux loop's local loads 4 -> 3 (8 ->
-#: 13). Not yet timed (``python benchmarks/flag_ab.py redo_forms_a``): on.
-AUX_KEEPS_A = gl.constexpr(True)
-
-#: The state's column scale of its update (``diag(2^(g_end - g_r))``, and beta's share)
-#: read from its gate slot while v_new^T's product runs, instead of after it: Nsight
-#: Compute put 5.7% of the kernel's stall samples on the first use of that shared load.
-EARLY_B_D = gl.constexpr(False)
-
-
-@gluon.constexpr_function
-def keeps_a() -> bool:
-    """Whether the one-kernel build's aux keeps A for the fp16 inverse's redo (the fp16
-    inverse with :data:`AUX_KEEPS_A`)."""
-    return fp16_products() and bool(AUX_KEEPS_A)
-
 
 @gluon.constexpr_function
 def ring_slots(state_scores: bool) -> int:
@@ -1403,16 +1371,16 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of ``ring`` x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
-    the fp16 inverse (and :data:`AUX_KEEPS_A`), the 16 KB A waits in for its redo
+    the fp16 inverse, the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
     scores (``ring`` x 2 fp32 vectors)."""
     ring = ring_slots(state_scores) if ring is None else ring
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    redo = redo_buffer_bytes(BT, qk_norm) if keeps_a() else 0
+    redo = redo_buffer_bytes(BT, qk_norm) if fp16_products() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
-    check = 4 * 4 if late_range_check(keeps_a(), state_scores) else 0
+    check = 4 * 4 if late_range_check(fp16_products(), state_scores) else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors + check if aux_t else 0
     return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * ring * BT * 4 + (4 * ring + 2 + v_slots) * 8
