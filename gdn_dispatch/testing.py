@@ -375,12 +375,10 @@ def call_in_fresh_process(path, call: str, build_flags=(), timeout: float = 900.
     import subprocess
     import sys
 
-    code = ("import importlib.util, json\n"
-            "from gdn_dispatch.testing import set_build_flags\n"
+    code = ("import json\n"
+            "from gdn_dispatch.testing import script_module, set_build_flags\n"
             f"set_build_flags({list(build_flags)!r})\n"
-            f"spec = importlib.util.spec_from_file_location('m', {str(path)!r})\n"
-            "m = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(m)\n"
+            f"m = script_module({str(path)!r}, 'm')\n"
             f"print(json.dumps({call}))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
