@@ -188,6 +188,9 @@ STUDIES = {
     # The state's causal mask of its scores formed in each chunk from its valid rows.
     "scores_mask_in_loop": ("gdn_dispatch.backends.gluon_sm90.fused", "SCORES_MASK_IN_LOOP",
                             (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The state's P^T and S_old^T q^T as one product of k's and q's rows together.
+    "wide_kq": ("gdn_dispatch.backends.gluon_sm90.fused", "WIDE_KQ",
+                (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -609,6 +609,46 @@ def test_state_loop_forms_its_scores_mask_in_the_loop(dense):
         assert shipped["local_loads"] <= 8 and hoisted["local_loads"] >= 15, (shipped, hoisted)
 
 
+def state_products(l2: bool) -> dict:
+    """sm_90a's one-kernel fused build as shipped (with ragged tails, with the qk l2 norm on
+    chip under ``l2``), compiled in this process with its jit globals as set: its wgmma by
+    shape (``m64nNk16`` -> count), shared bytes, spills and whether ptxas serialized them."""
+    import collections
+    from pathlib import Path
+
+    from gdn_dispatch.testing import script_module
+
+    counts = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py",
+                           "sass_counts_of_the_state_products")
+    _, report, _ = counts.fused_sass(l2=l2)
+    shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", report.ptx))
+    return {"shapes": dict(shapes), "shared": report.shared_bytes, "spills": report.spill_bytes,
+            "allowed": report.kernel.spill_bytes_allowed, "serialized": report.wgmma_serialized}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("l2", [False, True], ids=["raw", "l2"])
+def test_state_issues_its_register_products_as_one(l2):
+    """:data:`.gluon_sm90.fused.WIDE_KQ` (on): the state's ``P^T = S^T k^T`` and ``S_old^T
+    q^T`` go out as one product over the k/q slot's rows (k's then q's in one tile): eight
+    m64n128k16 wgmma in place of sixteen m64n64k16 (K = 128 in steps of 16), every other
+    product as before, the same shared memory, nothing serialized, spills within the
+    kernel's allowance."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import call_in_fresh_process
+
+    call = f"m.state_products({l2})"
+    wide = call_in_fresh_process(Path(__file__), call, [], timeout=900)
+    narrow = call_in_fresh_process(Path(__file__), call, ["gluon_sm90.fused.WIDE_KQ=0"], timeout=900)
+    moved = {shape: wide["shapes"].get(shape, 0) - narrow["shapes"].get(shape, 0)
+             for shape in set(wide["shapes"]) | set(narrow["shapes"])}
+    assert {shape: n for shape, n in moved.items() if n} == {"m64n128k16": 8, "m64n64k16": -16}, (wide, narrow)
+    assert wide["shared"] == narrow["shared"], (wide, narrow)
+    for build in (wide, narrow):
+        assert not build["serialized"] and build["spills"] <= build["allowed"], build
+
+
 @pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and

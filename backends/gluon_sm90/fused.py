@@ -147,11 +147,19 @@ def _output_gate(gates):
 
 
 @gluon.jit
+def _kq_tile(kq_ring, s, j: gl.constexpr):
+    """Chunk slot ``s``'s k (``j`` 0) or q (``j`` 1) tile, [BT, K]: rows ``j * BT`` on of
+    the slot's [2 BT, K] tile, so that k and q together are one operand (:data:`WIDE_KQ`)."""
+    BT: gl.constexpr = kq_ring.shape[1] // 2
+    return kq_ring.index(s).slice(j * BT, BT)
+
+
+@gluon.jit
 def _load_kq(k_desc, q_desc, kq_ring, kq_ready, s, row, col_k):
     """TMA loads of one chunk's k and q tiles into k/q slot ``s``."""
     mbarrier.expect(kq_ready.index(s), 2 * k_desc.block_type.nbytes)
-    tma_load(k_desc, [row, col_k], kq_ready.index(s), kq_ring.index(2 * s))
-    tma_load(q_desc, [row, col_k], kq_ready.index(s), kq_ring.index(2 * s + 1))
+    tma_load(k_desc, [row, col_k], kq_ready.index(s), _kq_tile(kq_ring, s, 0))
+    tma_load(q_desc, [row, col_k], kq_ready.index(s), _kq_tile(kq_ring, s, 1))
 
 
 @gluon.jit
@@ -177,7 +185,7 @@ def _load_t(t_desc, t_ring, t_ready, s, slot, HV, i_h):
 def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_ring,
          kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty,
          g_cum, HV, i_h, bos, eos, NT, slot0, col_v):
-    BT: gl.constexpr = kq_ring.shape[1]
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = v_ring.shape[2]
     V_SLOTS: gl.constexpr = v_ring.shape[0]
@@ -193,8 +201,8 @@ def _aux(v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u_ring, s_ring, gate_r
         row = bos + t * BT
         n_valid = eos - row
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
-        k_tile = kq_ring.index(2 * s)
-        q_tile = kq_ring.index(2 * s + 1)
+        k_tile = _kq_tile(kq_ring, s, 0)
+        q_tile = _kq_tile(kq_ring, s, 1)
         qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                            use_acc=False, is_async=True)
         g_row = b_g
@@ -263,7 +271,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     :data:`SCORES_BEHIND_V_NEW` behind v_new^T's product instead), gated with the rows the aux
     partition leaves in ``graw_ring``. With ``WARM`` (:mod:`..gluon_common.warm_chain`) the
     chunks before row ``store_from`` are walked for the state alone: their o is not stored."""
-    BT: gl.constexpr = kq_ring.shape[1]
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
     nw: gl.constexpr = gl.num_warps()
@@ -272,13 +280,15 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     cols_c: gl.constexpr = gl.SliceLayout(0, acc_c)
     one: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
     # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`); v and scores keep two.
-    RING: gl.constexpr = kq_ring.shape[0] // 2
+    RING: gl.constexpr = kq_ring.shape[0]
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING)
     # The early output product is an order of the T_u chain only.
     EARLY: gl.constexpr = CHAIN and EARLY_O1
     # The state's causal scores off the chain (:data:`SCORES_BEHIND_V_NEW`).
     LATE: gl.constexpr = EARLY and SCORES and SCORES_BEHIND_V_NEW
     gl.static_assert(RING == 2 or LATE, "three ring slots: the state's scores behind v_new^T alone")
+    # P^T and S_old^T q^T as one product (:data:`WIDE_KQ`): split where v_new^T waits them.
+    WIDE: gl.constexpr = LATE and WIDE_KQ
     # The whole walk, recorded once: its length against the phases' sum is what they miss.
     enter("state.walk")
     for t in range(NT):
@@ -287,14 +297,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         vs = t % 2
         v_phase = (t // 2) & 1
         row = bos + t * BT
-        k_tile = kq_ring.index(2 * s)
-        q_tile = kq_ring.index(2 * s + 1)
+        k_tile = _kq_tile(kq_ring, s, 0)
+        q_tile = _kq_tile(kq_ring, s, 1)
         enter("state.operand")
         sb = gl.convert_layout(S.to(dtype), lhs_s)
         leave("state.operand")
         if CHAIN:
-            p, o1 = _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring,
-                                        graw_ring, s, acc_c, EARLY, SCORES and not LATE)
+            p, o1 = _t_u_chain_products(sb, kq_ring, kq_ready, wu_ready, phase, s_ring,
+                                        graw_ring, s, acc_c, EARLY, SCORES and not LATE, WIDE)
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -308,7 +318,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         if LATE:
             enter("state.v_new")
             vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
-                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile)
+                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile, WIDE)
             leave("state.v_new")
         elif CHAIN:
             enter("state.v_new")
@@ -365,23 +375,33 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
-def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, graw_ring, s, acc_c: gl.constexpr,
-                        EARLY: gl.constexpr, SCORES: gl.constexpr):
+def _t_u_chain_products(sb, kq_ring, kq_ready, wu_ready, phase, s_ring, graw_ring, s, acc_c: gl.constexpr,
+                        EARLY: gl.constexpr, SCORES: gl.constexpr, WIDE: gl.constexpr = False):
     """The T_u chain's products of one chunk, issued from S^T's operand ``sb`` once its k/q
     tiles of slot ``s`` landed: ``P^T = S^T k^T`` (the state's own product), with ``EARLY`` the output's
     ``S_old^T q^T`` behind it (else ``P^T`` again, unread); then the wait for the aux partition's slot and,
     with ``SCORES``, the chunk's causal scores into slot ``s`` of ``s_ring``. Returns the two products
-    (in flight unless ``SCORES`` waited them)."""
-    BT: gl.constexpr = k_tile.shape[0]
+    (in flight unless ``SCORES`` waited them); with ``WIDE`` (:data:`WIDE_KQ`) the two are one
+    [BV, 2 BT] product of the slot's k and q rows, returned twice (in flight)."""
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     BV: gl.constexpr = sb.shape[0]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
+    k_tile = _kq_tile(kq_ring, s, 0)
+    q_tile = _kq_tile(kq_ring, s, 1)
     enter("state.wait_tiles")
     mbarrier.wait(kq_ready.index(s), phase)
     leave("state.wait_tiles")
     enter("state.issue")
-    p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
-                      use_acc=False, is_async=True)
-    if EARLY:
+    if WIDE:
+        # P^T and S_old^T q^T as one product (:data:`WIDE_KQ`), split where it is waited.
+        acc_w: gl.constexpr = wgmma_layout(BV, 2 * BT, gl.num_warps())
+        kq_slot = kq_ring.index(s)
+        p = warpgroup_mma(gl.convert_layout(sb, lhs_reg_layout(acc_w, 16)), kq_slot.permute((1, 0)),
+                          gl.zeros([BV, 2 * BT], gl.float32, acc_w), use_acc=False, is_async=True)
+    else:
+        p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
+                          use_acc=False, is_async=True)
+    if EARLY and not WIDE:
         # The output's S_old^T q^T behind it, from the same left operand.
         o1 = warpgroup_mma(sb, q_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                            use_acc=False, is_async=True)
@@ -401,8 +421,9 @@ def _t_u_chain_products(sb, k_tile, q_tile, kq_ready, wu_ready, phase, s_ring, g
                            use_acc=False, is_async=True)
         _store_state_scores(qk, s_ring.index(s), graw_ring, s)
         leave("state.scores")
-    if not EARLY:
-        # A jit function returns no None: the caller reads no early output product then.
+    if not EARLY or WIDE:
+        # A jit function returns no None: the caller reads no early output product then
+        # (or finds it in P^T's wide product).
         o1 = p
     return p, o1
 
@@ -427,8 +448,8 @@ def _refill_ahead(k_desc, q_desc, v_desc, kq_ring, v_ring, kq_ready, kq_empty, v
     """:data:`AUX_RING_SLOTS` past two: the state's refills once it is done with chunk ``t``
     (at ``row``): its v slot ``vs`` with chunk t + 2 (v keeps two slots, the state its only
     reader), then k/q slot ``s`` with chunk t + RING, once the aux partition is done with it."""
-    BT: gl.constexpr = kq_ring.shape[1]
-    RING: gl.constexpr = kq_ring.shape[0] // 2
+    BT: gl.constexpr = kq_ring.shape[1] // 2
+    RING: gl.constexpr = kq_ring.shape[0]
     if t + 2 < NT:
         _load_v(v_desc, v_ring, v_ready, vs, row + 2 * BT, col_v)
     if t + RING < NT:
@@ -473,14 +494,20 @@ def _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_
 
 
 @gluon.jit
-def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile):
+def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
+                       WIDE: gl.constexpr = False):
     """:data:`SCORES_BEHIND_V_NEW`: v_new^T as :func:`_v_new_of_t_u` forms it (T_u written by
     the aux partition), with the chunk's ``q k^T`` issued behind its product. Returns v_new^T
-    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight)."""
+    (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight).
+    With ``WIDE`` (:data:`WIDE_KQ`), ``p`` is the two products' [BV, 2 BT] product, split here."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
-    p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+    if WIDE:
+        pq = warpgroup_mma_wait(0, deps=(p,))
+        p, o1 = _column_halves(pq, acc_c)
+    else:
+        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
@@ -488,6 +515,15 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
                        use_acc=False, is_async=True)
     vn = warpgroup_mma_wait(1, deps=(vn,))
     return vn, o1, qk
+
+
+@gluon.jit
+def _column_halves(x, layout: gl.constexpr):
+    """The two [M, N / 2] column halves of ``x`` ([M, N]), each in ``layout``."""
+    M: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, N // 2]), (0, 2, 1)))
+    return gl.convert_layout(a, layout), gl.convert_layout(b, layout)
 
 
 @gluon.jit
@@ -579,7 +615,7 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
     (:data:`QK_NORM_ON_CHIP`) it reduces q's and k's row norms from their tiles too: the
     scores take both, the gate vectors k's and q's
     (:func:`..gluon_common.recurrence.store_gate_vectors`)."""
-    BT: gl.constexpr = kq_ring.shape[1]
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     K: gl.constexpr = kq_ring.shape[2]
     RING_S: gl.constexpr = s_ring.shape[0]
     NG: gl.constexpr = _gates_per_slot(gate_ring.shape[0], RING_S)
@@ -594,15 +630,15 @@ def _aux_scores(kq_ring, s_ring, gate_ring, kq_ready, kq_empty, wu_ready, wu_emp
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // 2) & 1)
         leave("aux.wait_tiles")
-        qk = warpgroup_mma(kq_ring.index(2 * s + 1), kq_ring.index(2 * s).permute((1, 0)),
+        qk = warpgroup_mma(_kq_tile(kq_ring, s, 1), _kq_tile(kq_ring, s, 0).permute((1, 0)),
                            gl.zeros([BT, BT], gl.float32, acc_bt), use_acc=False, is_async=True)
         g_row = b_g
         g_end = g_last
         b_g, g_last = gate_rows(g_cum, row + BT, eos, i_h, HV, BT, gate_layout)
         if NG == 4:
             # While q k^T runs: the rows' reciprocal l2 norms, in column halves (registers).
-            rq = row_rnorm(kq_ring.index(2 * s + 1), half, 2)
-            rk = row_rnorm(kq_ring.index(2 * s), half, 2)
+            rq = row_rnorm(_kq_tile(kq_ring, s, 1), half, 2)
+            rk = row_rnorm(_kq_tile(kq_ring, s, 0), half, 2)
         else:
             rq = g_row  # unused
             rk = g_row
@@ -711,7 +747,7 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
     (:func:`..gluon_common.wy.row_vector_slots`) hands the gate cumsum and beta between
     layouts. With :func:`late_range_check`, ``check_slot`` (fp32 [4]) takes the warps' sums
     of T's squares across the gate vectors' barrier."""
-    BT: gl.constexpr = kq_ring.shape[1]
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     K: gl.constexpr = kq_ring.shape[2]
     # Slots of the k/q, T and gate rings (:data:`AUX_RING_SLOTS`).
     RING: gl.constexpr = t_ring.shape[0]
@@ -735,8 +771,8 @@ def _aux_inverse(kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty,
         enter("aux.wait_tiles")
         mbarrier.wait(kq_ready.index(s), (t // RING) & 1)
         leave("aux.wait_tiles")
-        k_tile = kq_ring.index(2 * s)
-        q_tile = kq_ring.index(2 * s + 1)
+        k_tile = _kq_tile(kq_ring, s, 0)
+        q_tile = _kq_tile(kq_ring, s, 1)
         # Slot s of the T, scores and gate rings is free once the state is done with chunk
         # t - RING: waited before the inverse, so that T_u goes to its slot as formed (held
         # across the wait it spilled more), while the state works on a chunk before t.
@@ -820,7 +856,7 @@ def _loader(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, k
     """:data:`LOAD_WARP`: chunk t's k, q, v and T tiles into slot t % 2 once both the state
     (``slot_free``) and the aux partition (``kq_empty``) are done with chunk t - 2 (the
     prologue loads chunks 0 and 1)."""
-    BT: gl.constexpr = kq_ring.shape[1]
+    BT: gl.constexpr = kq_ring.shape[1] // 2
     for t in range(2, NT):
         s = t % 2
         phase = ((t - 2) // 2) & 1
@@ -865,7 +901,7 @@ def _fused_fwd_kernel(
     # Slots of the k/q ring, and of the T and gate rings of the one-kernel build
     # (:data:`AUX_RING_SLOTS`); the other builds keep two.
     RING: gl.constexpr = ring_slots(STATE_SCORES)
-    kq_ring = gl.allocate_shared_memory(dtype, [2 * RING, BT, K], k_desc.layout)
+    kq_ring = gl.allocate_shared_memory(dtype, [RING, 2 * BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
     gl.static_assert(not STATE_SCORES or (AUX_T and EARLY_O1), "the state forms the scores under AUX_T alone")
@@ -1236,6 +1272,19 @@ AUX_RING_SLOTS = gl.constexpr(2)
 #: -> 0.477 ms at H16-HV32 4 x 8192, 0.975 -> 0.938 at HV 64, ragged16 0.917 -> 0.922
 #: (kernel 0.941 -> 0.932). On.
 SCORES_MASK_IN_LOOP = gl.constexpr(True)
+
+#: With :data:`SCORES_BEHIND_V_NEW`: the state's two products from its register operand S^T,
+#: ``P^T = S^T k^T`` and the output's ``S_old^T q^T``, issued as one [V, 2 BT] product of
+#: the slot's k and q rows together (:func:`_kq_tile`: q's rows follow k's in one tile),
+#: then split: half the register-operand wgmma (eight m64n128k16 for sixteen m64n64k16),
+#: which the state's chain spent most of its issue on. The same products in the same
+#: order of accumulation: outputs bit-equal. sm_90a, triton 3.6.0: the state loop 953 ->
+#: 912 instructions, its local loads 16 -> 5 (``python benchmarks/sass_counts.py``), shared
+#: memory unchanged. H100 80GB HBM3 (``python benchmarks/flag_ab.py wide_kq``,
+#: ``logs/h100_wide_kq_ab.log``, two rounds): calls 0.927 -> 0.855 ms on ragged16, 0.481 ->
+#: 0.481 at H16-HV32 4 x 8192, 0.930 -> 0.928 at HV 64, 0.623 -> 0.618 with the qk l2 norm
+#: on chip. On.
+WIDE_KQ = gl.constexpr(True)
 
 
 @gluon.constexpr_function
