@@ -355,7 +355,8 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     """With :data:`fused.AUX_T` the fused kernel forms T_u in its aux partition: the plan
     has no T descriptor, the aux partition issues k k^T beside q k^T (44 wgmma in all, 8
     more than the T_u-alone build; q k^T in the state partition with
-    :data:`fused.STATE_SCORES`) and the blocked inverse's block products (:func:`.blocked_inverse.inverse_products`), and reads
+    :data:`fused.STATE_SCORES`, whose P^T and S_old^T q^T then go out as one product with
+    :data:`fused.WIDE_KQ`: 8 wgmma fewer) and the blocked inverse's block products (:func:`.blocked_inverse.inverse_products`), and reads
     the raw gate and beta rows itself; the state partition refills k / q and v only (no T
     load anywhere); shared memory as planned (the inverse's 16 KB of tables more), the
     register budgets as without it, spills within the allowance."""
@@ -372,7 +373,8 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True,
                                      state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
-    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == 44
+    wide = state_scores and fused.SCORES_BEHIND_V_NEW.value and fused.WIDE_KQ.value
+    assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == (36 if wide else 44)
     assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
     budgets = _register_budgets(report.ptx)
     assert {120, 192} <= budgets, budgets
@@ -381,7 +383,9 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     aux_dots = 1 if state_scores else 2
     assert ops["partition0"][dot] == aux_dots and load not in ops["partition0"] and ops["partition0"][plain] >= 4, ops
     # k, q and v (T was the fourth), and the prologue's two chunks of them.
-    assert ops["default"][dot] == 7 - aux_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
+    # The state's dots: one fewer with P^T and S_old^T q^T as one (WIDE_KQ).
+    state_dots = 7 - aux_dots - (1 if wide else 0)
+    assert ops["default"][dot] == state_dots and ops["default"][load] == 3 and ops["outside"][load] == 6, ops
 
 
 def one_kernel_builds() -> list[dict]:
@@ -698,7 +702,9 @@ def test_sm90_fused_chain_order_keeps_the_wgmma_pipelined(aux_t, build_flags):
 @pytest.mark.parametrize("spec", ["bf16-varlen-kv-h0-ht", "bf16-varlen-kv-h0-ht-l2", "K128-V64-bf16-varlen-kv-h0-ht"])
 def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     """:data:`fused.STATE_SCORES` (under AUX_T): the same wgmma count as the aux-scores
-    build, one product fewer in the aux partition and one more in the state (q k^T moves),
+    build (8 fewer with :data:`fused.WIDE_KQ`, which the state's scores build takes: its P^T
+    and S_old^T q^T as one product), one product fewer in the aux partition and one more in
+    the state (q k^T moves),
     not serialized, 1 KB more shared memory (the gate rows) on two-slot rings, as planned, and the spills
     within the allowance."""
     from gdn_dispatch.backends.gluon_sm90 import fused
@@ -713,7 +719,8 @@ def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     aux, state = build(False), build(True)
     assert not aux.wgmma_serialized and not state.wgmma_serialized
     count = lambda ptx: len(re.findall(r"wgmma\.mma_async", ptx))  # noqa: E731
-    assert count(aux.ptx) == count(state.ptx)
+    wide = fused.SCORES_BEHIND_V_NEW.value and fused.WIDE_KQ.value
+    assert count(aux.ptx) == count(state.ptx) + (8 if wide else 0)
     K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", spec).groups()) if spec.startswith("K") else (128, 128)
     planned = {scores: fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
                                               qk_norm=spec.endswith("l2"), aux_t=True, state_scores=scores)
