@@ -902,6 +902,9 @@ def _fused_fwd_kernel(
     # Slots of the k/q ring, and of the T and gate rings of the one-kernel build
     # (:data:`AUX_RING_SLOTS`); the other builds keep two.
     RING: gl.constexpr = ring_slots(STATE_SCORES)
+    # One [2 BT, K] tile a slot, k's rows then q's (:func:`_kq_tile`): the 128-byte swizzle
+    # lays it out as [2 BT, 64] column slabs, so both row halves are operands as they are and
+    # the whole tile is one (:data:`WIDE_KQ`); two [BT, K] tiles side by side would not be.
     kq_ring = gl.allocate_shared_memory(dtype, [RING, 2 * BT, K], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_SLOTS, BT, V], v_desc.layout)
     gl.static_assert(not AUX_T or SINGLE_T, "the aux partition forms T_u alone")
