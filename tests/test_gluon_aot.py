@@ -596,10 +596,13 @@ def state_loop_local_loads(dense: bool) -> dict:
 @pytest.mark.parametrize("dense", [False, True], ids=["tails", "dense"])
 def test_state_loop_forms_its_scores_mask_in_the_loop(dense):
     """:data:`.gluon_sm90.fused.SCORES_MASK_IN_LOOP` (on): the state partition forms its
-    scores' causal mask in each chunk, so its chunk loop reloads fewer spilled values than
-    the build that hoists the mask before the walk (whose words ptxas spilled and reloaded
-    every chunk, 15-18 local loads in the loop against 8 under triton 3.6.0), and the kernel
-    spills fewer bytes."""
+    scores' causal mask in each chunk, so the kernel spills fewer bytes than the build that
+    hoists the mask before the walk and, under triton 3.6.0 (the toolchain the flag was
+    timed on), its chunk loop reloads fewer spilled values (the hoisted mask's words were
+    spilled and reloaded every chunk: 17-18 local loads in the loop against 5-7 as
+    shipped). Under 3.9.0 ptxas places the spills otherwise: with ragged tails the two
+    loops' reloads came within one of each other (25 against 24), while the spills stayed
+    fewer (132 bytes against 204)."""
     from pathlib import Path
 
     from gdn_dispatch.testing import call_in_fresh_process
@@ -607,9 +610,9 @@ def test_state_loop_forms_its_scores_mask_in_the_loop(dense):
     call = f"m.state_loop_local_loads({dense})"
     shipped = call_in_fresh_process(Path(__file__), call, [], timeout=900)
     hoisted = call_in_fresh_process(Path(__file__), call, ["gluon_sm90.fused.SCORES_MASK_IN_LOOP=0"], timeout=900)
-    assert shipped["local_loads"] < hoisted["local_loads"], (shipped, hoisted)
     assert shipped["spills"] < hoisted["spills"], (shipped, hoisted)
     if triton.__version__.startswith("3.6."):
+        assert shipped["local_loads"] < hoisted["local_loads"], (shipped, hoisted)
         assert shipped["local_loads"] <= 8 and hoisted["local_loads"] >= 15, (shipped, hoisted)
 
 

@@ -1282,9 +1282,10 @@ SCORES_MASK_IN_LOOP = gl.constexpr(True)
 #: the slot's k and q rows together (:func:`_kq_tile`: q's rows follow k's in one tile),
 #: then split: half the register-operand wgmma (eight m64n128k16 for sixteen m64n64k16),
 #: which the state's chain spent most of its issue on. The same products in the same
-#: order of accumulation: outputs bit-equal. sm_90a, triton 3.6.0: the state loop 953 ->
-#: 912 instructions, its local loads 16 -> 5 (``python benchmarks/sass_counts.py``), shared
-#: memory unchanged. H100 80GB HBM3 (``python benchmarks/flag_ab.py wide_kq``,
+#: order of accumulation: outputs bit-equal. sm_90a, the varlen build (``python
+#: benchmarks/sass_counts.py``): triton 3.6.0 spills 188 -> 84 bytes, the state loop 953 ->
+#: 912 instructions and 16 -> 5 local loads; 3.9.0 224 -> 132 bytes, 31 -> 25 local loads;
+#: shared memory unchanged. H100 80GB HBM3 (``python benchmarks/flag_ab.py wide_kq``,
 #: ``logs/h100_wide_kq_ab.log``, two rounds): calls 0.927 -> 0.855 ms on ragged16, 0.481 ->
 #: 0.481 at H16-HV32 4 x 8192, 0.930 -> 0.928 at HV 64, 0.623 -> 0.618 with the qk l2 norm
 #: on chip. On.
