@@ -191,6 +191,9 @@ STUDIES = {
     # The state's P^T and S_old^T q^T as one product of k's and q's rows together.
     "wide_kq": ("gdn_dispatch.backends.gluon_sm90.fused", "WIDE_KQ",
                 (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
+    # The one-kernel build's fp16 redo from A formed again instead of A kept in shared memory.
+    "redo_forms_a": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_KEEPS_A", (gl.constexpr(True), gl.constexpr(False)),
+                     _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -657,6 +657,17 @@ def test_state_issues_its_register_products_as_one(l2):
 
 
 @pytest.mark.slow
+def test_aux_keeps_a_fits_its_plan():
+    """:data:`.gluon_sm90.fused.AUX_KEEPS_A` in sm_90a's one-kernel builds (with and without
+    the qk l2 norm on chip): A kept for the fp16 inverse's redo is the redo buffer's bytes
+    (swizzled, or padded with the norm on chip) more than the build that forms A again for
+    a redo; the same mbarriers, spills within the allowance, no wgmma serialized. On as
+    shipped; the test compiles both."""
+    assert_flag_fits_its_plan("gluon_sm90.fused.AUX_KEEPS_A",
+                              lambda build: blocked_inverse.redo_buffer_bytes(64, build["l2"]))
+
+
+@pytest.mark.slow
 def test_shared_row_vectors_take_the_aux_partitions_converts_off_its_chain():
     """:data:`.wy.SHARED_ROW_VECTORS` in sm_90a's one-kernel builds: the gate cumsum and
     beta read in each layout from 1 KB of shared memory (in the plan) instead of six

@@ -549,7 +549,8 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     mbarrier of k k^T, at its ``KK_PHASE``-th completion (mod 2); ``r_k``: with
     ``USE_L2NORM``, k's reciprocal row norms as the caller reduced them (or None);
     ``a_save``: with the fp16 inverse (:func:`.blocked_inverse.fp16_products`), the
-    :func:`.blocked_inverse.redo_buffer` A waits in for a redo; ``vectors``: with
+    :func:`.blocked_inverse.redo_buffer` A waits in for a redo (None: a redo forms A again
+    from ``k_smem``, which stays in its slot until the caller is done); ``vectors``: with
     :data:`SHARED_ROW_VECTORS`, :func:`row_vector_slots`, whose rows ``vector_row`` and
     ``vector_row + 1`` (the chunk's slot; free on entry: their reads two chunks back are
     behind the caller's barriers) keep the gate cumsum and beta, also for the caller's
@@ -581,9 +582,16 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
         else:
             enter("aux.check")
             if lost_half_range(t):
-                # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
-                t_layout: gl.constexpr = t.type.layout
-                t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
+                if a_save is not None:
+                    # Rare (entries of A or T past fp16's range): T in fp32 from the saved A.
+                    t_layout: gl.constexpr = t.type.layout
+                    t = redo_from_buffer(a_save, tables, t_layout, USE_L2NORM)
+                else:
+                    # The same from A formed again: k's tile is still in its slot.
+                    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+                    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE ^ 1))
+                    t, _, _ = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM,
+                                            k_smem, r_k, True, None, vectors, vector_row)
             leave("aux.check")
     cols: gl.constexpr = gl.SliceLayout(0, t.type.layout)
     if vectors is not None:

@@ -916,7 +916,7 @@ def _fused_fwd_kernel(
         # 16 slots of 16 x 16 (shapes are powers of two): the inverse takes the first 12.
         tables = gl.allocate_shared_memory(gl.float32, [BLOCKS * BLOCKS, BLOCK, BLOCK], table_layout())
         # With the fp16 inverse, A kept for its redo (else a placeholder, never touched).
-        SAVE_A: gl.constexpr = fp16_products()
+        SAVE_A: gl.constexpr = keeps_a()
         if SAVE_A:
             a_save = redo_buffer(BT, QK_NORM)
         else:
@@ -1291,6 +1291,24 @@ SCORES_MASK_IN_LOOP = gl.constexpr(True)
 #: on chip. On.
 WIDE_KQ = gl.constexpr(True)
 
+#: With the fp16 inverse: the one-kernel build's aux keeps each chunk's A in 16 KB of
+#: shared memory for the redo of a chunk past fp16's range; off, a redo forms A again from
+#: k k^T (k's tile stays in its slot until the state is done with the chunk), and the aux
+#: loses A's store from its chain. Before :data:`WIDE_KQ`, while the state alone set the
+#: pace, off was no faster (H100, ``python benchmarks/flag_ab.py redo_forms_a``, two
+#: rounds: 4 x 8192 0.477 -> 0.474 ms, ragged16 0.925 -> 0.930). With it the two
+#: partitions' loops are equal at 4 x 8192 and ``aux.save_a`` is 927 of the aux's 8,054
+#: cycles a chunk (Proton, ``logs/h100_partition_profile_wide_kq.log``): not yet timed
+#: there. On.
+AUX_KEEPS_A = gl.constexpr(True)
+
+
+@gluon.constexpr_function
+def keeps_a() -> bool:
+    """Whether the one-kernel build's aux keeps A for the fp16 inverse's redo (the fp16
+    inverse with :data:`AUX_KEEPS_A`)."""
+    return fp16_products() and bool(AUX_KEEPS_A)
+
 
 @gluon.constexpr_function
 def ring_slots(state_scores: bool) -> int:
@@ -1425,16 +1443,16 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     (:data:`.wy_t.WY_T_SINGLE_TILE`) a T ring of ``ring`` x 1 tiles and no w or u;
     with ``qk_norm`` (:data:`QK_NORM_ON_CHIP`) four gate vectors a slot; with ``aux_t``
     (:data:`AUX_T`) the blocked inverse's tables (16 KB, fp32), k k^T's barrier and, with
-    the fp16 inverse, the 16 KB A waits in for its redo
+    the fp16 inverse (and :data:`AUX_KEEPS_A`), the 16 KB A waits in for its redo
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
     scores (``ring`` x 2 fp32 vectors)."""
     ring = ring_slots(state_scores) if ring is None else ring
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
-    redo = redo_buffer_bytes(BT, qk_norm) if fp16_products() else 0
+    redo = redo_buffer_bytes(BT, qk_norm) if keeps_a() else 0
     vectors = ROW_VECTOR_SLOTS.value * 2 * BT * 4 if shared_row_vectors() else 0
-    check = 4 * 4 if late_range_check(fp16_products(), state_scores) else 0
+    check = 4 * 4 if late_range_check(keeps_a(), state_scores) else 0
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors + check if aux_t else 0
     return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * ring * BT * 4 + (4 * ring + 2 + v_slots) * 8
