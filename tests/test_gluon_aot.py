@@ -373,7 +373,7 @@ def test_sm90_fused_kernel_forms_the_inverses_itself(l2, state_scores, build_fla
     planned = fused.fused_smem_bytes(128, 128, 2, v_slots=fused.V_SLOTS, single_t=True, qk_norm=l2, aux_t=True,
                                      state_scores=kernel.constexprs["STATE_SCORES"])
     assert planned <= report.shared_bytes <= planned + 1024 and report.shared_bytes <= SMEM_OPTIN[SM90]
-    wide = state_scores and fused.SCORES_BEHIND_V_NEW.value and fused.WIDE_KQ.value
+    wide = state_scores and _wide_kq()
     assert len(re.findall(r"wgmma\.mma_async", report.ptx)) == (36 if wide else 44)
     assert blocked_inverse.ptx_products(report.ptx) == blocked_inverse.inverse_products()
     budgets = _register_budgets(report.ptx)
@@ -573,17 +573,30 @@ def test_late_range_check_fits_its_plan():
     assert_flag_fits_its_plan("gluon_common.blocked_inverse.LATE_RANGE_CHECK", 16)
 
 
+def _sass_counts():
+    """``benchmarks/sass_counts.py`` as a module (it compiles the fused kernel and reads its SASS)."""
+    from pathlib import Path
+
+    from gdn_dispatch.testing import script_module
+
+    return script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py",
+                         "sass_counts_of_the_fused_kernel")
+
+
+def _wide_kq() -> bool:
+    """Whether the one-kernel build with the state's scores issues P^T and S_old^T q^T as one
+    product (:data:`.gluon_sm90.fused.WIDE_KQ`, which needs :data:`.fused.SCORES_BEHIND_V_NEW`)."""
+    from gdn_dispatch.backends.gluon_sm90 import fused
+
+    return bool(fused.SCORES_BEHIND_V_NEW.value and fused.WIDE_KQ.value)
+
+
 def state_loop_local_loads(dense: bool) -> dict:
     """sm_90a's one-kernel fused build as shipped (with ragged tails unless ``dense``),
     compiled in this process with its jit globals as set: the local loads (reloads of
     spilled values) in the state partition's chunk loop, the loop that holds its update
     (``benchmarks/sass_counts.py``'s reading of nvdisasm), and the kernel's spill bytes."""
-    from pathlib import Path
-
-    from gdn_dispatch.testing import script_module
-
-    counts = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py",
-                           "sass_counts_of_the_state_loop")
+    counts = _sass_counts()
     _, report, sass = counts.fused_sass(dense=dense)
     instructions = counts.attribute(sass)
     for start, end in counts.loops(sass):
@@ -621,13 +634,8 @@ def state_products(l2: bool) -> dict:
     chip under ``l2``), compiled in this process with its jit globals as set: its wgmma by
     shape (``m64nNk16`` -> count), shared bytes, spills and whether ptxas serialized them."""
     import collections
-    from pathlib import Path
 
-    from gdn_dispatch.testing import script_module
-
-    counts = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "sass_counts.py",
-                           "sass_counts_of_the_state_products")
-    _, report, _ = counts.fused_sass(l2=l2)
+    _, report, _ = _sass_counts().fused_sass(l2=l2)
     shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", report.ptx))
     return {"shapes": dict(shapes), "shared": report.shared_bytes, "spills": report.spill_bytes,
             "allowed": report.kernel.spill_bytes_allowed, "serialized": report.wgmma_serialized}
@@ -733,8 +741,7 @@ def test_sm90_state_scores_move_q_k_product_to_the_state(spec, build_flags):
     aux, state = build(False), build(True)
     assert not aux.wgmma_serialized and not state.wgmma_serialized
     count = lambda ptx: len(re.findall(r"wgmma\.mma_async", ptx))  # noqa: E731
-    wide = fused.SCORES_BEHIND_V_NEW.value and fused.WIDE_KQ.value
-    assert count(aux.ptx) == count(state.ptx) + (8 if wide else 0)
+    assert count(aux.ptx) == count(state.ptx) + (8 if _wide_kq() else 0)
     K, V = (int(x) for x in re.match(r"K(\d+)-V(\d+)", spec).groups()) if spec.startswith("K") else (128, 128)
     planned = {scores: fused.fused_smem_bytes(K, V, 2, v_slots=fused.V_SLOTS, single_t=True,
                                               qk_norm=spec.endswith("l2"), aux_t=True, state_scores=scores)

@@ -149,8 +149,9 @@ def _output_gate(gates):
 
 @gluon.jit
 def _kq_tile(kq_ring, s, j: gl.constexpr):
-    """Chunk slot ``s``'s k (``j`` 0) or q (``j`` 1) tile, [BT, K]: rows ``j * BT`` on of
-    the slot's [2 BT, K] tile, so that k and q together are one operand (:data:`WIDE_KQ`)."""
+    """Chunk slot ``s``'s k (``j`` 0) or q (``j`` 1) tile, [BT, K]: rows ``j * BT`` to
+    ``(j + 1) * BT`` of the slot's [2 BT, K] tile, so that k and q together are one operand
+    (:data:`WIDE_KQ`)."""
     BT: gl.constexpr = kq_ring.shape[1] // 2
     return kq_ring.index(s).slice(j * BT, BT)
 
