@@ -1299,8 +1299,11 @@ WIDE_KQ = gl.constexpr(True)
 #: pace, off was no faster (H100, ``python benchmarks/flag_ab.py redo_forms_a``, two
 #: rounds: 4 x 8192 0.477 -> 0.474 ms, ragged16 0.925 -> 0.930). With it the two
 #: partitions' loops are equal at 4 x 8192 and ``aux.save_a`` is 927 of the aux's 8,054
-#: cycles a chunk (Proton, ``logs/h100_partition_profile_wide_kq.log``): not yet timed
-#: there. On.
+#: cycles a chunk (Proton, ``logs/h100_partition_profile_wide_kq.log``), yet off is slower
+#: there too (the same study on that build, ``logs/h100_redo_forms_a_wide_kq_ab.log``: the
+#: fused kernel 0.456 / 0.457 -> 0.471 / 0.467 ms at 4 x 8192, ragged16 0.862 / 0.862 ->
+#: 0.864 / 0.857): off also moves the range check back before T_u's store
+#: (:func:`late_range_check` needs A kept). On.
 AUX_KEEPS_A = gl.constexpr(True)
 
 
