@@ -24,14 +24,14 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
 from ab_timing import run_variant
 from flag_ab import STUDIES, calls
 from gdn_dispatch.backends.gluon_common.compat import thread_barrier
 from gdn_dispatch.backends.gluon_common.wy import gate_cumsum
 from gdn_dispatch.backends.gluon_sm90 import fused
-from gdn_dispatch.backends.gluon_sm90.fused import _column_halves, _v_new_operand, wgmma_layout
+from gdn_dispatch.backends.gluon_sm90.fused import _chain_products_done, _v_new_operand, wgmma_layout
 
 VARIANTS = ("base", "no_vn", "light_aux", "no_vn+light_aux")
 SHAPES = ("H16-HV32-4x8192", "H16-HV32-ragged16")
@@ -43,11 +43,7 @@ def v_new_without_product(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: 
     """``fused._v_new_then_scores`` with ``v_new^T = z`` (``no_vn``)."""
     BT: gl.constexpr = v_slot.shape[0]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
-    if WIDE:
-        pq = warpgroup_mma_wait(0, deps=(p,))
-        p, o1 = _column_halves(pq, acc_c)
-    else:
-        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+    p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     vn = gl.convert_layout(z, acc_c).to(gl.float32)
     qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),

@@ -505,11 +505,7 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
-    if WIDE:
-        pq = warpgroup_mma_wait(0, deps=(p,))
-        p, o1 = _column_halves(pq, acc_c)
-    else:
-        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+    p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
@@ -517,6 +513,18 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
                        use_acc=False, is_async=True)
     vn = warpgroup_mma_wait(1, deps=(vn,))
     return vn, o1, qk
+
+
+@gluon.jit
+def _chain_products_done(p, o1, acc_c: gl.constexpr, WIDE: gl.constexpr):
+    """P^T and ``O1^T = S_old^T q^T`` waited for, each [V, 64] in ``acc_c``; with ``WIDE``
+    (:data:`WIDE_KQ`) ``p`` is their one [V, 128] product and ``o1`` unused."""
+    if WIDE:
+        pq = warpgroup_mma_wait(0, deps=(p,))
+        p, o1 = _column_halves(pq, acc_c)
+    else:
+        p, o1 = warpgroup_mma_wait(0, deps=(p, o1))
+    return p, o1
 
 
 @gluon.jit
