@@ -1310,8 +1310,9 @@ WIDE_KQ = gl.constexpr(True)
 #: cycles a chunk (Proton, ``logs/h100_partition_profile_wide_kq.log``), yet off is slower
 #: there too (the same study on that build, ``logs/h100_redo_forms_a_wide_kq_ab.log``: the
 #: fused kernel 0.456 / 0.457 -> 0.471 / 0.467 ms at 4 x 8192, ragged16 0.862 / 0.862 ->
-#: 0.864 / 0.857): off also moves the range check back before T_u's store
-#: (:func:`late_range_check` needs A kept). On.
+#: 0.864 / 0.857): off, the redo's second formation of A sits in the aux loop's code
+#: (sm_90a: that loop 1,385 -> 1,603 SASS instructions, ``_chunk_a`` 220 -> 398; the kernel
+#: spills 92 bytes against 84, the state loop reloads 7 spilled values against 5). On.
 AUX_KEEPS_A = gl.constexpr(True)
 
 
