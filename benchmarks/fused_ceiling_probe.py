@@ -8,8 +8,10 @@ Variants, each compiled in its own process with one function of the kernel swapp
 
 * ``base``: as shipped.
 * ``no_vn``: the state partition's ``v_new^T = z T_u^T`` product left out (``v_new^T = z``):
-  the chain one dependent [V, 64] x [64, 64] product shorter, what a state chain that forms
-  its next ``k S`` ahead (``benchmarks/chain_lookahead_model.py``) would save at most.
+  the chain one dependent [V, 64] x [64, 64] product shorter, of the order of what a state
+  chain that forms its next ``k S`` ahead (``benchmarks/chain_lookahead_model.py``) takes
+  off it (one chunk ahead the update leaves the chain; two ahead the update and the
+  ``S [q; k]`` product both do, more than this variant).
 * ``light_aux``: the aux partition's chunk inverse left out (T_u from k k^T alone: no A, no
   blocked inverse, no copy of A, no range check), its loads, k k^T, gate cumsum, stores
   and barriers kept: the state's pace with the aux nearly free.
