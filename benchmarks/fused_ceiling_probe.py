@@ -1,8 +1,8 @@
 """How much faster the one-kernel build of gluon_sm90's fused kernel would run with less on
 either partition's chain: a diagnostic, whose outputs are wrong by design (never a build).
 
-    python benchmarks/fused_ceiling_probe.py [--rounds N]   # every variant, N rounds (2), alternating
-    python benchmarks/fused_ceiling_probe.py VARIANT    # one variant in this process
+    python benchmarks/fused_ceiling_probe.py [--rounds N] [--shapes A,B]   # every variant, N rounds (2)
+    python benchmarks/fused_ceiling_probe.py VARIANT [--shapes A,B]        # one variant in this process
 
 Variants, each compiled in its own process with one function of the kernel swapped:
 
@@ -81,8 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("variant", nargs="?", choices=VARIANTS, help="run this variant in this process")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = parser.parse_args()
-    shapes = {name: STUDIES["wide_kq"][3][name] for name in SHAPES}
+    picked = args.shapes.split(",")
+    if set(picked) - set(SHAPES):
+        parser.error(f"--shapes: {sorted(set(picked) - set(SHAPES))} not among {SHAPES}")
+    shapes = {name: STUDIES["wide_kq"][3][name] for name in picked}
     if args.variant:
         swap(args.variant)
         run_variant("ceiling", args.variant, calls(shapes))
@@ -90,7 +94,8 @@ def main() -> None:
     print("| variant | shape | call ms | enqueue µs | kernels ms |", flush=True)
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            run = subprocess.run([sys.executable, __file__, variant], stderr=subprocess.PIPE, text=True)
+            run = subprocess.run([sys.executable, __file__, variant, "--shapes", args.shapes], stderr=subprocess.PIPE,
+                                 text=True)
             if run.returncode:
                 sys.exit(f"{variant} failed:\n" + "\n".join(run.stderr.splitlines()[-25:]))
 
