@@ -30,8 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
 from ab_timing import run_variant
 from flag_ab import STUDIES, calls
-from gdn_dispatch.backends.gluon_common.compat import thread_barrier
-from gdn_dispatch.backends.gluon_common.wy import gate_cumsum
+from gdn_dispatch.backends.gluon_common.wy import chunk_kk_and_cumsum
 from gdn_dispatch.backends.gluon_sm90 import fused
 from gdn_dispatch.backends.gluon_sm90.fused import _chain_products_done, _v_new_operand, wgmma_layout
 
@@ -57,15 +56,9 @@ def v_new_without_product(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: 
 def t_u_without_inverse(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, tables, kk_bar,
                         KK_PHASE: gl.constexpr, USE_L2NORM: gl.constexpr, ENGINE: gl.constexpr, r_k=None,
                         a_save=None, vectors=None, vector_row=0, LATE_CHECK: gl.constexpr = False):
-    """``wy.chunk_t_u_on_chip`` with ``T_u = k k^T / 1000`` (``light_aux``)."""
-    BT: gl.constexpr = k_smem.shape[0]
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-    c = gate_cumsum(g_raw)
-    if vectors is not None:
-        vectors.index(vector_row).store(c)
-        vectors.index(vector_row + 1).store(b_raw)
-        thread_barrier()
-    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
+    """``wy.chunk_t_u_on_chip`` with ``T_u = k k^T / 1000`` (``light_aux``): its first steps
+    (:func:`~gdn_dispatch.backends.gluon_common.wy.chunk_kk_and_cumsum`) and nothing after."""
+    kk, c = chunk_kk_and_cumsum(k_smem, g_raw, b_raw, kk_bar, KK_PHASE, ENGINE, vectors, vector_row)
     return kk * 0.001, c, c
 
 

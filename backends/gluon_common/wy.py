@@ -559,20 +559,9 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     here: the third value returned is T's :func:`.blocked_inverse.warp_squares`, for the
     caller's check (else it is not to be read)."""
     BT: gl.constexpr = k_smem.shape[0]
-    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
-    # Profile phases (the fused kernel's aux partition): the gate cumsum, k k^T's wait, A,
-    # A's copy for the redo, the blocks, the range check.
-    enter("aux.cumsum")
-    c = gate_cumsum(g_raw)
-    if vectors is not None:
-        vectors.index(vector_row).store(c)
-        vectors.index(vector_row + 1).store(b_raw)
-        # Under k k^T: every warp's part of both vectors is in before any warp reads them.
-        thread_barrier()
-    leave("aux.cumsum")
-    enter("aux.kk")
-    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
-    leave("aux.kk")
+    # Profile phases (the fused kernel's aux partition): the gate cumsum, k k^T's wait
+    # (:func:`chunk_kk_and_cumsum`), A, A's copy for the redo, the blocks, the range check.
+    kk, c = chunk_kk_and_cumsum(k_smem, g_raw, b_raw, kk_bar, KK_PHASE, ENGINE, vectors, vector_row)
     t, _, u_scale = chunk_t_of_kk(kk, c, beta, s_beta, row0, n_valid, i_h, b_raw, tables, USE_L2NORM, k_smem, r_k,
                                   False, a_save, vectors, vector_row)
     squares = c  # not read unless LATE_CHECK
@@ -599,6 +588,29 @@ def chunk_t_u_on_chip(k_smem, beta, s_beta, row0, n_valid, i_h, g_raw, b_raw, ta
     else:
         u_scale = gl.convert_layout(u_scale, cols)
     return t * gl.expand_dims(u_scale, 0), c, squares
+
+
+@gluon.jit
+def chunk_kk_and_cumsum(k_smem, g_raw, b_raw, kk_bar, KK_PHASE: gl.constexpr, ENGINE: gl.constexpr, vectors=None,
+                        vector_row=0):
+    """The first steps of :func:`chunk_t_u_on_chip` (arguments as it takes them): the chunk's
+    raw ``k k^T`` (fp32 [BT, BT], read from the engine's accumulator) and its gate cumsum
+    (:func:`gate_cumsum`, in ``g_raw``'s layout), with the cumsum and beta stored into
+    ``vectors`` under the product where it is given."""
+    BT: gl.constexpr = k_smem.shape[0]
+    kk = ENGINE.mma(k_smem, k_smem.permute((1, 0)), ENGINE.acc_alloc(BT, BT), False, kk_bar)
+    enter("aux.cumsum")
+    c = gate_cumsum(g_raw)
+    if vectors is not None:
+        vectors.index(vector_row).store(c)
+        vectors.index(vector_row + 1).store(b_raw)
+        # Under k k^T: every warp's part of both vectors is in before any warp reads them.
+        thread_barrier()
+    leave("aux.cumsum")
+    enter("aux.kk")
+    kk = ENGINE.acc_read(ENGINE.mma_wait(kk, kk_bar, KK_PHASE))
+    leave("aux.kk")
+    return kk, c
 
 
 @gluon.jit
