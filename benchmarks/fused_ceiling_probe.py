@@ -3,6 +3,7 @@ either partition's chain: a diagnostic, whose outputs are wrong by design (never
 
     python benchmarks/fused_ceiling_probe.py [--rounds N] [--shapes A,B]   # every variant, N rounds (2)
     python benchmarks/fused_ceiling_probe.py VARIANT [--shapes A,B]        # one variant in this process
+    python benchmarks/fused_ceiling_probe.py --build-flag gluon_sm90.fused.STATE_HALVES=1  # on another build
 
 Variants, each compiled in its own process with one function of the kernel swapped:
 
@@ -18,7 +19,11 @@ Variants, each compiled in its own process with one function of the kernel swapp
 * ``no_vn+light_aux``: both.
 
 Shapes: H16-HV32 4 x 8192 and the ragged16 mix (bf16, K = V = 128, initial + final state),
-timed as ``flag_ab.py`` times them (public call and kernel medians).
+timed as ``flag_ab.py`` times them (public call and kernel medians). ``--build-flag
+MODULE.NAME=VALUE`` (repeatable, :func:`gdn_dispatch.testing.set_build_flags`): every variant
+on a build not shipped, e.g. the state as two halves (``fused.STATE_HALVES``), whose
+``light_aux`` row is then that build's pace with the aux nearly free (its ``no_vn`` spills
+24 bytes more than its base, 48; the shipped build's variants spill no more than it).
 """
 import argparse
 import subprocess
@@ -26,13 +31,13 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
 from ab_timing import run_variant
 from flag_ab import STUDIES, calls
 from gdn_dispatch.backends.gluon_common.wy import chunk_kk_and_cumsum
 from gdn_dispatch.backends.gluon_sm90 import fused
-from gdn_dispatch.backends.gluon_sm90.fused import _chain_products_done, _v_new_operand, wgmma_layout
+from gdn_dispatch.backends.gluon_sm90.fused import (
+    _chain_products_done, _pass_turn, _scores_product, _take_turn, _v_new_operand)
 
 VARIANTS = ("base", "no_vn", "light_aux", "no_vn+light_aux")
 SHAPES = ("H16-HV32-4x8192", "H16-HV32-ragged16")
@@ -40,15 +45,15 @@ SHAPES = ("H16-HV32-4x8192", "H16-HV32-ragged16")
 
 @gluon.jit
 def v_new_without_product(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
-                          WIDE: gl.constexpr = False):
+                          WIDE: gl.constexpr = False, IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0,
+                          HALVES: gl.constexpr = False):
     """``fused._v_new_then_scores`` with ``v_new^T = z`` (``no_vn``)."""
-    BT: gl.constexpr = v_slot.shape[0]
-    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     vn = gl.convert_layout(z, acc_c).to(gl.float32)
-    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                       use_acc=False, is_async=True)
+    _take_turn(IN_TURN, HALF)
+    qk = _scores_product(q_tile, k_tile, HALF, HALVES)
+    _pass_turn(IN_TURN, HALF)
     return vn, o1, qk
 
 
@@ -75,20 +80,26 @@ def main() -> None:
     parser.add_argument("variant", nargs="?", choices=VARIANTS, help="run this variant in this process")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--build-flag", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="every variant on this build flag (repeatable)")
     args = parser.parse_args()
     picked = args.shapes.split(",")
     if set(picked) - set(SHAPES):
         parser.error(f"--shapes: {sorted(set(picked) - set(SHAPES))} not among {SHAPES}")
     shapes = {name: STUDIES["wide_kq"][3][name] for name in picked}
     if args.variant:
+        from gdn_dispatch.testing import set_build_flags
+
+        set_build_flags(args.build_flag)
         swap(args.variant)
         run_variant("ceiling", args.variant, calls(shapes))
         return
     print("| variant | shape | call ms | enqueue µs | kernels ms |", flush=True)
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            run = subprocess.run([sys.executable, __file__, variant, "--shapes", args.shapes], stderr=subprocess.PIPE,
-                                 text=True)
+            flags = [arg for setting in args.build_flag for arg in ("--build-flag", setting)]
+            run = subprocess.run([sys.executable, __file__, variant, "--shapes", args.shapes] + flags,
+                                 stderr=subprocess.PIPE, text=True)
             if run.returncode:
                 sys.exit(f"{variant} failed:\n" + "\n".join(run.stderr.splitlines()[-25:]))
 

@@ -570,26 +570,35 @@ def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.
     With ``WIDE`` (:data:`WIDE_KQ`), ``p`` is the two products' [BV, 2 BT] product, split here.
     ``IN_TURN``, ``HALF``: the two products issued in the half's turn
     (:func:`_t_u_chain_products`). With ``HALVES`` (:data:`STATE_HALVES`) the half's
-    rows of the scores alone, transposed: ``k q^T`` [BT, BT / 2] over q's rows ``HALF * BT
-    / 2 ..``."""
+    rows of the scores alone (:func:`_scores_product`)."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
-    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     _take_turn(IN_TURN, HALF)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
+    qk = _scores_product(q_tile, k_tile, HALF, HALVES)
+    _pass_turn(IN_TURN, HALF)
+    vn = warpgroup_mma_wait(1, deps=(vn,))
+    return vn, o1, qk
+
+
+@gluon.jit
+def _scores_product(q_tile, k_tile, HALF: gl.constexpr = 0, HALVES: gl.constexpr = False):
+    """The chunk's ``q k^T`` ([BT, BT], in flight); with ``HALVES`` (:data:`STATE_HALVES`)
+    state half ``HALF``'s rows of it alone, transposed: ``k q^T`` [BT, BT / 2] over q's rows
+    ``HALF * BT / 2 ..``."""
+    BT: gl.constexpr = q_tile.shape[0]
     if HALVES:
         acc_half: gl.constexpr = wgmma_layout(BT, BT // 2, gl.num_warps())
         qk = warpgroup_mma(k_tile, q_tile.slice(HALF * (BT // 2), BT // 2).permute((1, 0)),
                            gl.zeros([BT, BT // 2], gl.float32, acc_half), use_acc=False, is_async=True)
     else:
+        acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
         qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
                            use_acc=False, is_async=True)
-    _pass_turn(IN_TURN, HALF)
-    vn = warpgroup_mma_wait(1, deps=(vn,))
-    return vn, o1, qk
+    return qk
 
 
 @gluon.jit
