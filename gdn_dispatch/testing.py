@@ -221,6 +221,17 @@ def padded_pool(num_seqs: int, num_v_heads: int, dims: tuple[int, ...], dtype: t
     return pool, idx, gathered
 
 
+def pooled_call(call: dict, dtype: torch.dtype, seed: int = 9) -> tuple[dict, dict, dict]:
+    """``call`` (a :func:`random_call` with an initial state) on a :func:`padded_pool` of
+    ``dtype`` instead: ``(the call reading and writing back the pool's rows, its extra
+    keywords state_indices and inplace_final_state, the call the reference takes: the
+    gathered float32 initial states)``."""
+    N, HV, *dims = call["initial_state"].shape
+    rows, idx, gathered = padded_pool(N, HV, tuple(dims), dtype, seed=seed, device=call["v"].device)
+    extra = dict(state_indices=idx, inplace_final_state=True)
+    return {**call, "initial_state": rows}, extra, {**call, "initial_state": gathered}
+
+
 def random_problem(*, layout: str = "kv", h0: bool = True, ht: bool = False, l2: bool = False, **call):
     """A validated GDNProblem of one :func:`random_call` (``call``: its shape, head, dtype,
     device and seed keywords), with the initial state ``h0`` in ``layout``, the final

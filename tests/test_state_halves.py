@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from gdn_dispatch import chunk_gated_delta_rule  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, SMEM_OPTIN, assumed_device  # noqa: E402
-from gdn_dispatch.testing import padded_pool, poison_cuda_allocator, random_call, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import poison_cuda_allocator, pooled_call, random_call, rel_rms_error  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common.named_barriers import FIRST_ID  # noqa: E402
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
@@ -155,10 +155,7 @@ def test_the_halves_match_the_reference_and_the_shipped_build(lengths, dtype, la
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     extra, ref_call = {}, dict(call)
     if pool is not None:
-        N, dims = len(lengths), tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(N, call["v"].shape[2], dims, pool, seed=9, device="cuda")
-        extra = dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool)
     cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in ref_call.items()}
     o_ref, ht_ref = chunk_gated_delta_rule(**cpu, **flags, backend="reference")
     shipped_call = {**call, "initial_state": call["initial_state"].clone()} if pool is not None else call

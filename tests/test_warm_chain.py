@@ -19,7 +19,7 @@ pytest.importorskip("triton.experimental.gluon")
 from gdn_dispatch import chunk_gated_delta_rule  # noqa: E402
 from gdn_dispatch.contract import make_problem  # noqa: E402
 from gdn_dispatch.device import DeviceInfo, assumed_device  # noqa: E402
-from gdn_dispatch.testing import padded_pool, poison_cuda_allocator, random_call, rel_rms_error  # noqa: E402
+from gdn_dispatch.testing import poison_cuda_allocator, pooled_call, random_call, rel_rms_error  # noqa: E402
 
 from gdn_dispatch.backends.gluon_common.plan import clear_plan_cache  # noqa: E402
 from gdn_dispatch.backends.gluon_common.warm_chain import WARM_CHUNKS  # noqa: E402
@@ -218,10 +218,7 @@ def test_warm_chain_matches_the_reference(lengths, dtype, L, factors, layout, h0
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     extra, ref_call = {}, dict(call)
     if pool is not None:
-        N, dims = len(lengths), tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(N, call["v"].shape[2], dims, pool, seed=9, device="cuda")
-        extra = dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool)
     cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in ref_call.items()}
     o_ref, ht_ref = chunk_gated_delta_rule(**cpu, **flags, backend="reference")
     off_call = {**call, "initial_state": call["initial_state"].clone()} if pool is not None else call
@@ -441,10 +438,7 @@ def test_a_picked_call_matches_the_reference(factors, warm, l2, dtype, pool, pic
                               initial_state=True, normalize_qk=not l2), factors)
     extra, ref_call = {}, dict(call)
     if pool is not None:
-        dims = tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(len(lengths), 4, dims, pool, seed=9, device="cuda")
-        extra = dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool)
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     problem = make_problem(**call, **flags, **extra, backend="gluon_sm90")
     planned = forward.plan_call(problem, default_probe().for_torch_device(problem.device))
