@@ -5,8 +5,8 @@ flight (the wait is a loop of ``try_wait``) makes ptxas serialize every wgmma of
 (its note C7512), while a named barrier is one instruction.
 
 Ids :data:`FIRST_ID` and up; Triton's own partition barriers take the low ids (0 for the
-whole CTA, then one per partition), so a kernel checks its PTX for the ids it uses
-(``tests/test_gluon_aot.py``).
+whole CTA, then one per partition), so a kernel's compile test checks its PTX for the ids
+it uses (``tests/test_state_halves.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ sequence reads (and, in place, writes back) is ``state_indices[n]``.
 Global memory is read and written coalesced (16-byte vectors along the contiguous axis of
 the layout in memory); the tile changes register layout, and for "vk" is transposed, by a
 round trip through shared memory: the w/k ring of the kernel, idle before the first chunk's
-loads and after the last chunk's MMAs. So "vk" needs no transpose kernel.
+loads and after the last chunk's MMAs. So "vk" needs no transpose kernel. A partition
+holding some rows of the state while the ring is in use reads and writes them straight in
+its register layout instead (:func:`state_rows_in`, :func:`state_rows_out`).
 """
 
 from __future__ import annotations

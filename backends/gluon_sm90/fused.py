@@ -39,6 +39,9 @@ partitions that share the program's shared memory through mbarrier rings:
   (:data:`EARLY_O1`): with the update and ``S_old^T q^T`` together ptxas serializes every
   wgmma of the kernel for want of registers. Each k/q slot is one [128, K] tile, k's rows
   then q's, so that the two go out as one product ``S^T [k; q]^T`` (:data:`WIDE_KQ`).
+  With :data:`STATE_HALVES` (not shipped) the two warpgroups are two partitions, each
+  S^T's 64 rows with its own waits and its products in turn with the other's
+  (:func:`_state_half`).
 
 With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` off (T_w and T_u both written) the aux
 partition forms ``w = T_w k`` [64, K] and ``u^T = (T_u v)^T`` [V, 64] too, into a w/u
