@@ -62,13 +62,14 @@ def test_the_halves_plan_one_warpgroup_each_and_half_wide_o_boxes(halves):
     halves()
     split = fused.plan_fused(problem, _device(), engine=_engine())
     assert shipped.constexprs["HALVES"] is False and split.constexprs["HALVES"] is True
+    assert shipped.constexprs["IN_TURN"] is False and split.constexprs["IN_TURN"] is True
     assert shipped.num_warps == 8 and split.num_warps == 4
     o_box = {d.arg: d.block_shape for d in split.descriptors}["o_desc"]
     assert o_box == (64, 64) and {d.arg: d.block_shape for d in shipped.descriptors}["o_desc"] == (64, 128)
     assert "2 halves" in split.notes
-    # Everything else as shipped: the same rings, the same constexprs but the one.
-    assert {k: v for k, v in split.constexprs.items() if k != "HALVES"} == \
-        {k: v for k, v in shipped.constexprs.items() if k != "HALVES"}
+    # Everything else as shipped: the same rings, the same constexprs but those two.
+    assert {k: v for k, v in split.constexprs.items() if k not in ("HALVES", "IN_TURN")} == \
+        {k: v for k, v in shipped.constexprs.items() if k not in ("HALVES", "IN_TURN")}
     assert split.blocks["smem_bytes"] == shipped.blocks["smem_bytes"] + 8 * 2  # the halves_done barriers
 
 
@@ -102,6 +103,7 @@ def test_the_halves_build_compiles_for_sm90a(in_turn, halves):
                  "bf16-varlen-kv-h0-ht-l2"):
         kernel = kernels[name]
         assert kernel.constexprs["HALVES"] is True and kernel.num_warps == 4, name
+        assert kernel.constexprs["IN_TURN"] is in_turn, name
         report = compile_kernel(kernel, SM90)
         assert not report.wgmma_serialized, name
         assert report.spill_bytes <= kernel.spill_bytes_allowed, (name, report.spill_bytes)

@@ -405,13 +405,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 def _state_half(k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
                 v_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HV, i_h,
                 slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, graw_ring, halves_done,
-                HALF: gl.constexpr, h0, ht, block, i_nh, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, INPLACE: gl.constexpr):
+                HALF: gl.constexpr, IN_TURN: gl.constexpr, h0, ht, block, i_nh, USE_H0: gl.constexpr,
+                STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, INPLACE: gl.constexpr):
     """:data:`STATE_HALVES`: state half ``HALF`` of the one-kernel build, one warpgroup:
     S^T's rows ``64 HALF ..`` read from the initial state (block ``block`` of ``h0``) or
     zeros, the chain of :func:`_state` on its views of the v and o slots (``o_smem`` its
     own; the v slot's columns of its rows), then its rows of the final
-    state written (block ``i_nh`` of ``ht``; back to the pool's block with ``INPLACE``)."""
+    state written (block ``i_nh`` of ``ht``; back to the pool's block with ``INPLACE``). With
+    ``IN_TURN`` (:data:`HALVES_IN_TURN`, as planned) the halves issue their products in turn."""
     K: gl.constexpr = kq_ring.shape[2]
     BV: gl.constexpr = o_smem.shape[1]
     V: gl.constexpr = v_ring.shape[2]
@@ -423,7 +424,7 @@ def _state_half(k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ri
     S = _state(S, k_desc, q_desc, v_desc, None, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring, o_smem,
                kq_ready, kq_empty, v_ready, v_ready, wu_ready, wu_empty, kq_empty, o_desc, o_ptr, row_stride, scale,
                bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True, False, True, True, graw_ring,
-               True, bos, False, halves_done, HALVES_IN_TURN, HALF)[0]
+               True, bos, False, halves_done, IN_TURN, HALF)[0]
     if STORE_HT or INPLACE:
         state_rows_out(ht, i_nh, h0, block, HALF * BV, S, K, V, STATE_VK, STORE_HT, INPLACE)
 
@@ -1004,6 +1005,7 @@ def _fused_fwd_kernel(
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
     SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
     STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr, PICK: gl.constexpr, HALVES: gl.constexpr = False,
+    IN_TURN: gl.constexpr = False,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
@@ -1167,13 +1169,13 @@ def _fused_fwd_kernel(
             (_state_half, (k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
                            o_smem.index(0), kq_ready, kq_empty, v_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V,
                            scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, graw_ring,
-                           halves_done, 0, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK, USE_POOL,
-                           INPLACE)),
+                           halves_done, 0, IN_TURN, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK,
+                           USE_POOL, INPLACE)),
             (_state_half, (k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
                            o_smem.index(1), kq_ready, kq_empty, v_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V,
                            scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, graw_ring,
-                           halves_done, 1, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK, USE_POOL,
-                           INPLACE)),
+                           halves_done, 1, IN_TURN, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK,
+                           USE_POOL, INPLACE)),
             (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
                             kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
                             STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot)),
@@ -1630,6 +1632,8 @@ def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> B
     constexprs["CHAIN"] = False
     constexprs["PICK"] = False
     halves = constexprs["HALVES"] = state_halves(V, state_scores, chain)
+    # A constexpr of the launch, so that a build's cache key follows the flag.
+    constexprs["IN_TURN"] = halves and bool(HALVES_IN_TURN)
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
