@@ -38,8 +38,6 @@ kernel's constexpr globals are fixed at its first compile).
                                              # every build --without swizzled_redo_buffer)
     python benchmarks/flag_ab.py late_range_check  # blocked_inverse.LATE_RANGE_CHECK: the fp16 range check's
                                              # reduction across the warps behind the gate vectors' barrier
-    python benchmarks/flag_ab.py state_halves  # fused.STATE_HALVES: the state as two one-warpgroup partitions
-    python benchmarks/flag_ab.py halves_in_turn --with state_halves  # fused.HALVES_IN_TURN: their products in turn
     python benchmarks/flag_ab.py fp16_inverse  # f16_inverse, half_tables and diagonal_series together (GROUPS):
                                              # the inverse on fp16 as shipped against tf32
 
@@ -49,7 +47,7 @@ call time and per-kernel GPU time (:mod:`ab_timing`); outputs compared between t
 Every other flag keeps its default in both arms: the studies of the one-kernel build
 (``aux_t``, ``state_scores``, ``f16_inverse``, ``half_tables``, ``diagonal_series``,
 ``shared_row_vectors``, ``scores_behind_v_new``, ``aux_ring_slots``,
-``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``, ``state_halves``) measure a flag on
+``swizzled_redo_buffer``, ``padded_redo_buffer``, ``late_range_check``) measure a flag on
 top of the others as shipped. ``--with OTHER[,OTHER...]`` turns other studies' flags on in
 both arms (a flag measured on top of another one not shipped), e.g. ``python
 benchmarks/flag_ab.py v_slots --with t_pair``; ``--without OTHER[,OTHER...]`` turns them off
@@ -196,12 +194,6 @@ STUDIES = {
     # The one-kernel build's fp16 redo from A formed again instead of A kept in shared memory.
     "redo_forms_a": ("gdn_dispatch.backends.gluon_sm90.fused", "AUX_KEEPS_A", (gl.constexpr(True), gl.constexpr(False)),
                      _ONE_KERNEL_SHAPES),
-    # The one-kernel build's state as two one-warpgroup partitions (S^T's row halves).
-    "state_halves": ("gdn_dispatch.backends.gluon_sm90.fused", "STATE_HALVES",
-                     (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
-    # With state_halves: the halves' product groups issued in turn (named barriers).
-    "halves_in_turn": ("gdn_dispatch.backends.gluon_sm90.fused", "HALVES_IN_TURN",
-                       (gl.constexpr(False), gl.constexpr(True)), _ONE_KERNEL_SHAPES),
     # The fused kernel's state chain in the order ptxas keeps pipelined (the other order's
     # register peak makes it serialize every wgmma of the kernel).
     "early_o1": ("gdn_dispatch.backends.gluon_sm90.fused", "EARLY_O1", (False, True), _WS_SHAPES),

@@ -3,7 +3,7 @@ either partition's chain: a diagnostic, whose outputs are wrong by design (never
 
     python benchmarks/fused_ceiling_probe.py [--rounds N] [--shapes A,B]   # every variant, N rounds (2)
     python benchmarks/fused_ceiling_probe.py VARIANT [--shapes A,B]        # one variant in this process
-    python benchmarks/fused_ceiling_probe.py --build-flag gluon_sm90.fused.STATE_HALVES=1  # on another build
+    python benchmarks/fused_ceiling_probe.py --build-flag MODULE.NAME=VALUE  # every variant on another build
 
 Variants, each compiled in its own process with one function of the kernel swapped:
 
@@ -21,9 +21,8 @@ Variants, each compiled in its own process with one function of the kernel swapp
 Shapes: H16-HV32 4 x 8192 and the ragged16 mix (bf16, K = V = 128, initial + final state),
 timed as ``flag_ab.py`` times them (public call and kernel medians). ``--build-flag
 MODULE.NAME=VALUE`` (repeatable, :func:`gdn_dispatch.testing.set_build_flags`): every variant
-on a build not shipped, e.g. the state as two halves (``fused.STATE_HALVES``), whose
-``light_aux`` row is then that build's pace with the aux nearly free (its ``no_vn`` spills
-24 bytes more than its base, 48; the shipped build's variants spill no more than it).
+on a build not shipped (its ``light_aux`` row is then that build's pace with the aux nearly
+free).
 """
 import argparse
 import subprocess
@@ -31,13 +30,13 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
 from ab_timing import run_variant
 from flag_ab import STUDIES, calls
 from gdn_dispatch.backends.gluon_common.wy import chunk_kk_and_cumsum
 from gdn_dispatch.backends.gluon_sm90 import fused
-from gdn_dispatch.backends.gluon_sm90.fused import (
-    _chain_products_done, _pass_turn, _scores_product, _take_turn, _v_new_operand)
+from gdn_dispatch.backends.gluon_sm90.fused import _chain_products_done, _v_new_operand, wgmma_layout
 
 VARIANTS = ("base", "no_vn", "light_aux", "no_vn+light_aux")
 SHAPES = ("H16-HV32-4x8192", "H16-HV32-ragged16")
@@ -45,15 +44,15 @@ SHAPES = ("H16-HV32-4x8192", "H16-HV32-ragged16")
 
 @gluon.jit
 def v_new_without_product(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
-                          WIDE: gl.constexpr = False, IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0,
-                          HALVES: gl.constexpr = False):
+                          WIDE: gl.constexpr = False):
     """``fused._v_new_then_scores`` with ``v_new^T = z`` (``no_vn``)."""
+    BT: gl.constexpr = v_slot.shape[0]
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
     vn = gl.convert_layout(z, acc_c).to(gl.float32)
-    _take_turn(IN_TURN, HALF)
-    qk = _scores_product(q_tile, k_tile, HALF, HALVES)
-    _pass_turn(IN_TURN, HALF)
+    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                       use_acc=False, is_async=True)
     return vn, o1, qk
 
 

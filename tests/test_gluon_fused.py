@@ -147,8 +147,7 @@ def test_launches_of_the_path(shape, kernel_variant):
                 "USE_POOL": False, "INPLACE": False, "V_SLOTS": fused_module.V_SLOTS,
                 "SINGLE_T": wy_t_module.WY_T_SINGLE_TILE, "QK_NORM": False, "AUX_T": on_chip,
                 "EARLY_O1": kernel_variant != "late-o1" and wy_t_module.WY_T_SINGLE_TILE,
-                "STATE_SCORES": kernel_variant == "default", "CHAIN": False, "PICK": False, "HALVES": False,
-                "IN_TURN": False}
+                "STATE_SCORES": kernel_variant == "default", "CHAIN": False, "PICK": False}
     if on_chip:
         expected["t_desc"] = None  # no descriptor built or encoded
     assert fused.constexprs == expected

@@ -108,21 +108,20 @@ def _causal_gate_scalar(s, g_row, g_col, n_allowed, group, bit):
 
 
 @gluon.jit
-def opaque(x):
-    """``x`` (int32) through a move the compiler may not look through or hoist (an asm with
-    effects): what is formed from its result stays where it is used."""
+def _opaque(x):
+    # A move the compiler may not look through or hoist (an asm with effects): what is
+    # formed from its result stays where it is used.
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def causal_gate(s, g_row, g_col, n_valid=None, ROW0: gl.constexpr = 0):
+def causal_gate(s, g_row, g_col, n_valid=None):
     """``P[i, j] = s[i, j] * 2^(g_i - g_j)`` for ``j <= i``, exactly 0 above the diagonal.
 
     Parameters
     ----------
-    s : fp32 ``[R, BT]`` register tile (any distributed layout ``L``): rows ``ROW0 .. ROW0
-        + R`` of the chunk's ``[BT, BT]`` (R = BT, ROW0 = 0: all of it).
-    g_row : fp32 ``[R]`` in ``SliceLayout(1, L)``: log2 gate cumsum of the rows.
+    s : fp32 ``[BT, BT]`` register tile (any distributed layout ``L``).
+    g_row : fp32 ``[BT]`` in ``SliceLayout(1, L)``: log2 gate cumsum of the rows.
     g_col : fp32 ``[BT]`` in ``SliceLayout(0, L)``: the same values, for the columns.
     n_valid : int32 scalar or None: the chunk's valid rows; columns from it on are 0 too
         (rows from it on are the caller's to drop). Given, the mask is formed where it is
@@ -130,17 +129,16 @@ def causal_gate(s, g_row, g_col, n_valid=None, ROW0: gl.constexpr = 0):
         a chunk, where a loop over chunks would otherwise hold the mask's words across it
         (sm_90a's one-kernel build spilled them and waited on their reloads every chunk).
     """
-    R: gl.constexpr = s.shape[0]
-    BT: gl.constexpr = s.shape[1]
+    BT: gl.constexpr = s.shape[0]
     layout: gl.constexpr = s.type.layout
-    rows = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
     if n_valid is None:
-        n_allowed = gl.expand_dims(rows + (ROW0 + 1), 1)
+        n_allowed = gl.expand_dims(rows + 1, 1)
     else:
-        rows = opaque(rows)
-        cols = opaque(cols)
-        n_allowed = gl.expand_dims(gl.minimum(rows + (ROW0 + 1), n_valid), 1)
+        rows = _opaque(rows)
+        cols = _opaque(cols)
+        n_allowed = gl.expand_dims(gl.minimum(rows + 1, n_valid), 1)
     group = gl.expand_dims(cols & ~15, 0)
     bit = gl.expand_dims(cols & 15, 0)
     return gl.map_elementwise(_causal_gate_scalar, s, gl.expand_dims(g_row, 1), gl.expand_dims(g_col, 0),

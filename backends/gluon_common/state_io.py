@@ -7,9 +7,7 @@ sequence reads (and, in place, writes back) is ``state_indices[n]``.
 Global memory is read and written coalesced (16-byte vectors along the contiguous axis of
 the layout in memory); the tile changes register layout, and for "vk" is transposed, by a
 round trip through shared memory: the w/k ring of the kernel, idle before the first chunk's
-loads and after the last chunk's MMAs. So "vk" needs no transpose kernel. A partition
-holding some rows of the state while the ring is in use reads and writes them straight in
-its register layout instead (:func:`state_rows_in`, :func:`state_rows_out`).
+loads and after the last chunk's MMAs. So "vk" needs no transpose kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from gdn_dispatch.backends.gluon_common.compat import reinterpret, thread_barrier
-from gdn_dispatch.backends.gluon_common.masks import opaque
 
 
 @gluon.constexpr_function
@@ -161,58 +158,3 @@ def state_init(S, h0, ring, block, i_v, K: gl.constexpr, V: gl.constexpr, BV: gl
     else:
         s0 = gl.zeros([K, BV], gl.float32, layout=s_layout)
     return ENGINE.acc_write(S, s0)
-
-
-@gluon.jit
-def _rows_offsets(row0, ROWS: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STATE_VK: gl.constexpr,
-                  layout: gl.constexpr, FRESH: gl.constexpr = False):
-    """Offsets within a state block of S^T's rows ``row0 .. row0 + ROWS`` ([ROWS, K], v by k,
-    in ``layout``): ``v * K + k`` in a "vk" block, ``k * V + v`` in a "kv" one. ``FRESH``:
-    from ids the compiler may not reuse from an earlier call (:func:`.masks.opaque`)."""
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c = gl.arange(0, K, layout=gl.SliceLayout(0, layout))
-    if FRESH:
-        r = opaque(r)
-        c = opaque(c)
-    r = r + row0
-    if STATE_VK:
-        offs = gl.expand_dims(r * K, 1) + gl.expand_dims(c, 0)
-    else:
-        offs = gl.expand_dims(r, 1) + gl.expand_dims(c * V, 0)
-    return offs
-
-
-@gluon.jit
-def state_rows_in(h0, block, row0, ROWS: gl.constexpr, K: gl.constexpr, V: gl.constexpr, STATE_VK: gl.constexpr,
-                  USE_POOL: gl.constexpr, layout: gl.constexpr):
-    """Rows ``row0 .. row0 + ROWS`` of S^T ([ROWS, K] fp32 in ``layout``, v by k) of block
-    ``block`` of ``h0`` (as :func:`state_in` reads it; zeros for block -1), read straight
-    into ``layout`` with no staging: for a partition that holds part of the state while the
-    others hold the rings :func:`state_in` stages through. In a wgmma accumulator layout
-    each instruction's 32 lanes still fill whole 32-byte sectors (eight v by four k pairs),
-    so the bytes read are the tile's; only the instructions are more."""
-    base, limit = _block_base(h0, block, K, V)
-    offs = _rows_offsets(row0, ROWS, K, V, STATE_VK, layout)
-    if USE_POOL:
-        x = gl.load(base + offs, mask=offs < limit, other=0.0)
-    else:
-        x = gl.load(base + offs)
-    return x.to(gl.float32)
-
-
-@gluon.jit
-def state_rows_out(ht, i_nh, h0, block, row0, s, K: gl.constexpr, V: gl.constexpr, STATE_VK: gl.constexpr,
-                   STORE_HT: gl.constexpr, INPLACE: gl.constexpr):
-    """The mirror of :func:`state_rows_in`: S^T's rows ``row0 ..`` held in ``s`` ([ROWS, K]
-    fp32) to block ``i_nh`` of the float32 final state ``ht`` with ``STORE_HT``, and back to
-    block ``block`` of the pool ``h0`` in its dtype with ``INPLACE`` (not for block -1), as
-    :func:`state_out` writes them."""
-    ROWS: gl.constexpr = s.shape[0]
-    layout: gl.constexpr = s.type.layout
-    # Formed again here, not kept from the read across the walk (ptxas spilled them).
-    offs = _rows_offsets(row0, ROWS, K, V, STATE_VK, layout, True)
-    if STORE_HT:
-        gl.store(ht + i_nh.to(gl.int64) * (K * V) + offs, s)
-    if INPLACE:
-        if block >= 0:
-            gl.store(h0 + block.to(gl.int64) * (K * V) + offs, s.to(h0.dtype.element_ty))

@@ -39,9 +39,6 @@ partitions that share the program's shared memory through mbarrier rings:
   (:data:`EARLY_O1`): with the update and ``S_old^T q^T`` together ptxas serializes every
   wgmma of the kernel for want of registers. Each k/q slot is one [128, K] tile, k's rows
   then q's, so that the two go out as one product ``S^T [k; q]^T`` (:data:`WIDE_KQ`).
-  With :data:`STATE_HALVES` (not shipped) the two warpgroups are two partitions, each
-  S^T's 64 rows with its own waits and its products in turn with the other's
-  (:func:`_state_half`).
 
 With :data:`..gluon_common.wy_t.WY_T_SINGLE_TILE` off (T_w and T_u both written) the aux
 partition forms ``w = T_w k`` [64, K] and ``u^T = (T_u v)^T`` [V, 64] too, into a w/u
@@ -93,14 +90,12 @@ from gdn_dispatch.backends.gluon_common.fused_aot import BASE_CASE, core_cases, 
 from gdn_dispatch.backends.gluon_common.launch import launch_planned
 from gdn_dispatch.backends.gluon_common.launch_plan import BoundLaunch, GridRule, LaunchPlan, tile_desc, token_stride
 from gdn_dispatch.backends.gluon_common.masks import causal_gate, row_rnorm, store_chunk_tile, tile_layout
-from gdn_dispatch.backends.gluon_common.named_barriers import FIRST_ID, named_arrive, named_sync
 from gdn_dispatch.backends.gluon_common.pick import picked_elsewhere
 from gdn_dispatch.backends.gluon_common.qk_norm import l2_flags
 from gdn_dispatch.backends.gluon_common.recurrence import (
     gate_rows, gate_rows_of_cumsum, store_gate_vectors, walk_program)
 from gdn_dispatch.backends.gluon_common.scopes import enter, leave
-from gdn_dispatch.backends.gluon_common.state_io import (
-    state_block, state_in, state_out, state_rows_in, state_rows_out)
+from gdn_dispatch.backends.gluon_common.state_io import state_block, state_in, state_out
 from gdn_dispatch.backends.gluon_common.state_output import (
     fill_final_state_of_empty_call, state_buffers, state_constexprs)
 from gdn_dispatch.backends.gluon_common.segment_chain import chain_last_slot
@@ -266,8 +261,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
            kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free, o_desc, o_ptr, row_stride, scale, bos,
            eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, CHAIN: gl.constexpr,
            LOADER: gl.constexpr, AUX_T: gl.constexpr = False, EARLY_O1: gl.constexpr = False, graw_ring=None,
-           SCORES: gl.constexpr = False, store_from=0, WARM: gl.constexpr = False, halves_done=None,
-           IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0):
+           SCORES: gl.constexpr = False, store_from=0, WARM: gl.constexpr = False):
     """The serial chain (module docstring); returns the final S^T. With ``CHAIN`` (T_u
     alone) it forms v_new from T_u and refills the v and T slots it alone reads; ``w_ring``
     and ``u_ring`` are then unused. With ``LOADER`` (:data:`LOAD_WARP`) it refills nothing
@@ -278,12 +272,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     scores slot, ``q k^T`` issued once those two products are done (with
     :data:`SCORES_BEHIND_V_NEW` behind v_new^T's product instead), gated with the rows the aux
     partition leaves in ``graw_ring``. With ``WARM`` (:mod:`..gluon_common.warm_chain`) the
-    chunks before row ``store_from`` are walked for the state alone: their o is not stored.
-    With ``halves_done`` (:data:`STATE_HALVES`) this is state half ``HALF`` (S^T's rows and
-    its o tile, as the caller views them; its columns of the v slot): it forms its rows of
-    each chunk's scores into the shared slot and joins the other there; the first half
-    arrives on ``halves_done`` when it is done with a chunk, and the second refills the
-    slot once both are; with ``IN_TURN`` the halves issue their product groups in turn."""
+    chunks before row ``store_from`` are walked for the state alone: their o is not stored."""
     BT: gl.constexpr = kq_ring.shape[1] // 2
     BV: gl.constexpr = o_smem.shape[1]
     dtype: gl.constexpr = kq_ring.dtype
@@ -302,11 +291,6 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
     gl.static_assert(RING == 2 or LATE, "three ring slots: the state's scores behind v_new^T alone")
     # P^T and S_old^T q^T as one product (:data:`WIDE_KQ`): split where v_new^T waits them.
     WIDE: gl.constexpr = LATE and WIDE_KQ
-    HALVES: gl.constexpr = halves_done is not None
-    gl.static_assert(not HALVES or (WIDE and RING == 2), "state halves: the wide product and two ring slots alone")
-    if IN_TURN and HALF == 1:
-        # The first half's first turn.
-        named_arrive(TURN_IDS, HALVES_THREADS)
     # The whole walk, recorded once: its length against the phases' sum is what they miss.
     enter("state.walk")
     for t in range(NT):
@@ -322,7 +306,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         leave("state.operand")
         if CHAIN:
             p, o1 = _t_u_chain_products(sb, kq_ring, kq_ready, wu_ready, phase, s_ring,
-                                        graw_ring, s, acc_c, EARLY, SCORES and not LATE, WIDE, IN_TURN, HALF)
+                                        graw_ring, s, acc_c, EARLY, SCORES and not LATE, WIDE)
         else:
             mbarrier.wait(wu_ready.index(s), phase)
             # The chain: P^T alone, then the state update; O^T after, off the chain.
@@ -335,9 +319,8 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             b_d = gate_ring.index(NG * s).load(cols_c)
         if LATE:
             enter("state.v_new")
-            vn, o1, qk = _v_new_then_scores(p, o1, _v_columns(v_ring, vs, BV, HALF), v_ready.index(vs),
-                                            t_ring.index(s), gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile,
-                                            q_tile, WIDE, IN_TURN, HALF, HALVES)
+            vn, o1, qk = _v_new_then_scores(p, o1, v_ring.index(vs), v_ready.index(vs), t_ring.index(s),
+                                            gate_ring.index(NG * s + 1), v_phase, acc_c, k_tile, q_tile, WIDE)
             leave("state.v_new")
         elif CHAIN:
             enter("state.v_new")
@@ -352,8 +335,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         if LATE:
             b_d = gate_ring.index(NG * s).load(cols_c)
             S, o = _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_ring.index(vs), eos - row,
-                                       gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s, IN_TURN, HALF,
-                                       HALVES)
+                                       gate_ring.index(NG * s + _output_gate(NG)), graw_ring, s)
         elif EARLY:
             # Retired with v_new^T (groups retire in issue order): the wait only takes its value.
             o1 = warpgroup_mma_wait(0, deps=(o1,))
@@ -371,21 +353,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
         # Every warp's MMAs reading the slots are complete (each waited its own).
         thread_barrier()
         mbarrier.arrive(wu_empty.index(s), count=1)
-        if HALVES and HALF == 0:
-            mbarrier.arrive(halves_done.index(s), count=1)
         leave("state.release")
         enter("state.refill")
         if LOADER:
             mbarrier.arrive(slot_free.index(s), count=1)
-        elif HALVES and HALF == 0:
-            # The second half refills the slot, once the first is done with it.
-            pass
         elif RING > 2:
             _refill_ahead(k_desc, q_desc, v_desc, kq_ring, v_ring, kq_ready, kq_empty, v_ready, s, phase, vs, row, t,
                           NT, col_k, col_v)
         elif t + 2 < NT:
-            if HALVES:
-                mbarrier.wait(halves_done.index(s), phase)
             _refill(k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, kq_ready, kq_empty, v_ready, t_ready,
                     s, phase, row + 2 * BT, slot0 + t + 2, col_k, col_v, HV, i_h, CHAIN, AUX_T)
         leave("state.refill")
@@ -394,7 +369,7 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
             if row >= store_from:
                 _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
         else:
-            _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v + HALF * BV, eos, HAS_TAILS, ENGINE)
+            _store_o(o, o_smem, scale, o_desc, o_ptr, row_stride, row, col_v, eos, HAS_TAILS, ENGINE)
         leave("state.store")
     leave("state.walk")
     tma.store_wait(0)
@@ -402,55 +377,14 @@ def _state(S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, w_ring, u
 
 
 @gluon.jit
-def _state_half(k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring, o_smem, kq_ready, kq_empty,
-                v_ready, wu_ready, wu_empty, o_desc, o_ptr, row_stride, scale, bos, eos, NT, col_k, col_v, HV, i_h,
-                slot0, HAS_TAILS: gl.constexpr, ENGINE: gl.constexpr, graw_ring, halves_done,
-                HALF: gl.constexpr, IN_TURN: gl.constexpr, h0, ht, block, i_nh, USE_H0: gl.constexpr,
-                STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, USE_POOL: gl.constexpr, INPLACE: gl.constexpr):
-    """:data:`STATE_HALVES`: state half ``HALF`` of the one-kernel build, one warpgroup:
-    S^T's rows ``64 HALF ..`` read from the initial state (block ``block`` of ``h0``) or
-    zeros, the chain of :func:`_state` on its views of the v and o slots (``o_smem`` its
-    own; the v slot's columns of its rows), then its rows of the final
-    state written (block ``i_nh`` of ``ht``; back to the pool's block with ``INPLACE``). With
-    ``IN_TURN`` (:data:`HALVES_IN_TURN`, as planned) the halves issue their products in turn."""
-    K: gl.constexpr = kq_ring.shape[2]
-    BV: gl.constexpr = o_smem.shape[1]
-    V: gl.constexpr = v_ring.shape[2]
-    acc_s: gl.constexpr = wgmma_layout(BV, K, gl.num_warps())
-    if USE_H0:
-        S = state_rows_in(h0, block, HALF * BV, BV, K, V, STATE_VK, USE_POOL, acc_s)
-    else:
-        S = gl.zeros([BV, K], gl.float32, acc_s)
-    S = _state(S, k_desc, q_desc, v_desc, None, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring, gate_ring, o_smem,
-               kq_ready, kq_empty, v_ready, v_ready, wu_ready, wu_empty, kq_empty, o_desc, o_ptr, row_stride, scale,
-               bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, True, False, True, True, graw_ring,
-               True, bos, False, halves_done, IN_TURN, HALF)[0]
-    if STORE_HT or INPLACE:
-        state_rows_out(ht, i_nh, h0, block, HALF * BV, S, K, V, STATE_VK, STORE_HT, INPLACE)
-
-
-@gluon.jit
-def _v_columns(v_ring, vs, BV: gl.constexpr, HALF: gl.constexpr):
-    """v slot ``vs``'s columns ``HALF * BV ..`` ([BT, BV]: the whole slot where it is BV
-    wide; a state half's, :data:`STATE_HALVES`, else)."""
-    slot = v_ring.index(vs)
-    if slot.shape[1] != BV:
-        slot = slot.slice(HALF * BV, BV, 1)
-    return slot
-
-
-@gluon.jit
 def _t_u_chain_products(sb, kq_ring, kq_ready, wu_ready, phase, s_ring, graw_ring, s, acc_c: gl.constexpr,
-                        EARLY: gl.constexpr, SCORES: gl.constexpr, WIDE: gl.constexpr = False,
-                        IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0):
+                        EARLY: gl.constexpr, SCORES: gl.constexpr, WIDE: gl.constexpr = False):
     """The T_u chain's products of one chunk, issued from S^T's operand ``sb`` once its k/q
     tiles of slot ``s`` landed: ``P^T = S^T k^T`` (the state's own product), with ``EARLY`` the output's
     ``S_old^T q^T`` behind it (else ``P^T`` again, unread); then the wait for the aux partition's slot and,
     with ``SCORES``, the chunk's causal scores into slot ``s`` of ``s_ring``. Returns the two products
     (in flight unless ``SCORES`` waited them); with ``WIDE`` (:data:`WIDE_KQ`) the two are one
-    [BV, 2 BT] product of the slot's k and q rows, returned twice (in flight). With
-    ``IN_TURN`` the wide product is issued in state half ``HALF``'s turn
-    (:data:`HALVES_IN_TURN`)."""
+    [BV, 2 BT] product of the slot's k and q rows, returned twice (in flight)."""
     BT: gl.constexpr = kq_ring.shape[1] // 2
     BV: gl.constexpr = sb.shape[0]
     acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
@@ -464,11 +398,8 @@ def _t_u_chain_products(sb, kq_ring, kq_ready, wu_ready, phase, s_ring, graw_rin
         # P^T and S_old^T q^T as one product (:data:`WIDE_KQ`), split where it is waited.
         acc_w: gl.constexpr = wgmma_layout(BV, 2 * BT, gl.num_warps())
         kq_slot = kq_ring.index(s)
-        sw = gl.convert_layout(sb, lhs_reg_layout(acc_w, 16))
-        _take_turn(IN_TURN, HALF)
-        p = warpgroup_mma(sw, kq_slot.permute((1, 0)), gl.zeros([BV, 2 * BT], gl.float32, acc_w), use_acc=False,
-                          is_async=True)
-        _pass_turn(IN_TURN, HALF)
+        p = warpgroup_mma(gl.convert_layout(sb, lhs_reg_layout(acc_w, 16)), kq_slot.permute((1, 0)),
+                          gl.zeros([BV, 2 * BT], gl.float32, acc_w), use_acc=False, is_async=True)
     else:
         p = warpgroup_mma(sb, k_tile.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c),
                           use_acc=False, is_async=True)
@@ -566,43 +497,22 @@ def _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c: gl.constexpr, WAIT_
 
 @gluon.jit
 def _v_new_then_scores(p, o1, v_slot, v_bar, t_slot, e_g_slot, phase, acc_c: gl.constexpr, k_tile, q_tile,
-                       WIDE: gl.constexpr = False, IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0,
-                       HALVES: gl.constexpr = False):
+                       WIDE: gl.constexpr = False):
     """:data:`SCORES_BEHIND_V_NEW`: v_new^T as :func:`_v_new_of_t_u` forms it (T_u written by
     the aux partition), with the chunk's ``q k^T`` issued behind its product. Returns v_new^T
     (done), the output's ``O1^T = S_old^T q^T`` (done with P^T) and ``q k^T`` (in flight).
-    With ``WIDE`` (:data:`WIDE_KQ`), ``p`` is the two products' [BV, 2 BT] product, split here.
-    ``IN_TURN``, ``HALF``: the two products issued in the half's turn
-    (:func:`_t_u_chain_products`). With ``HALVES`` (:data:`STATE_HALVES`) the half's
-    rows of the scores alone (:func:`_scores_product`)."""
+    With ``WIDE`` (:data:`WIDE_KQ`), ``p`` is the two products' [BV, 2 BT] product, split here."""
     BT: gl.constexpr = v_slot.shape[0]
     BV: gl.constexpr = v_slot.shape[1]
+    acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
     p, o1 = _chain_products_done(p, o1, acc_c, WIDE)
     z = _v_new_operand(p, v_slot, v_bar, e_g_slot, phase, acc_c, False)
-    _take_turn(IN_TURN, HALF)
     vn = warpgroup_mma(z, t_slot.permute((1, 0)), gl.zeros([BV, BT], gl.float32, acc_c), use_acc=False,
                        is_async=True)
-    qk = _scores_product(q_tile, k_tile, HALF, HALVES)
-    _pass_turn(IN_TURN, HALF)
+    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
+                       use_acc=False, is_async=True)
     vn = warpgroup_mma_wait(1, deps=(vn,))
     return vn, o1, qk
-
-
-@gluon.jit
-def _scores_product(q_tile, k_tile, HALF: gl.constexpr = 0, HALVES: gl.constexpr = False):
-    """The chunk's ``q k^T`` ([BT, BT], in flight); with ``HALVES`` (:data:`STATE_HALVES`)
-    state half ``HALF``'s rows of it alone, transposed: ``k q^T`` [BT, BT / 2] over q's rows
-    ``HALF * BT / 2 ..``."""
-    BT: gl.constexpr = q_tile.shape[0]
-    if HALVES:
-        acc_half: gl.constexpr = wgmma_layout(BT, BT // 2, gl.num_warps())
-        qk = warpgroup_mma(k_tile, q_tile.slice(HALF * (BT // 2), BT // 2).permute((1, 0)),
-                           gl.zeros([BT, BT // 2], gl.float32, acc_half), use_acc=False, is_async=True)
-    else:
-        acc_bt: gl.constexpr = wgmma_layout(BT, BT, gl.num_warps())
-        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_bt),
-                           use_acc=False, is_async=True)
-    return qk
 
 
 @gluon.jit
@@ -673,39 +583,24 @@ def _update_and_output_of_o1(S, o1, vn, b_d, decay, k_tile, s_ring, gate_ring, s
 
 
 @gluon.jit
-def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, n_valid, e_g_slot, graw_ring, s,
-                        IN_TURN: gl.constexpr = False, HALF: gl.constexpr = 0, HALVES: gl.constexpr = False):
+def _update_then_scores(S, o1, vn, qk, b_d, decay, k_tile, s_slot, n_valid, e_g_slot, graw_ring, s):
     """:data:`SCORES_BEHIND_V_NEW`: the state update issued first, then the chunk's causal
     scores stored into ``s_slot`` from ``q k^T`` (in flight before it; gated with slot ``s``
     of ``graw_ring``) while the update runs, then the output ``O^T = 2^g O1^T + v_new^T
     scores^T`` (the row decays ``2^g`` in ``e_g_slot``), as :func:`_update_and_output_of_o1`
-    forms both. Returns the new S^T and O^T. ``IN_TURN``, ``HALF``: the update and the
-    output each issued in the half's turn (:func:`_t_u_chain_products`). With ``HALVES``
-    (:data:`STATE_HALVES`) ``qk`` is the half's ``k q^T`` (:func:`_v_new_then_scores`): its
-    rows of the scores go into the shared slot, and the output waits for both halves' rows
-    (:data:`SCORES_JOIN_ID`; a named barrier, as the update is in flight)."""
+    forms both. Returns the new S^T and O^T."""
     dtype: gl.constexpr = k_tile.dtype
     acc_c: gl.constexpr = vn.type.layout
     vs = gl.convert_layout((vn * gl.expand_dims(b_d, 0)).to(dtype), lhs_reg_layout(S.type.layout, 16))
-    Sd = S * decay
-    _take_turn(IN_TURN, HALF)
-    S = warpgroup_mma(vs, k_tile, Sd, use_acc=True, is_async=True)
-    _pass_turn(IN_TURN, HALF)
+    S = warpgroup_mma(vs, k_tile, S * decay, use_acc=True, is_async=True)
     vnb = gl.convert_layout(vn.to(dtype), lhs_reg_layout(acc_c, 16))
     # Every group but the update's: q k^T.
     enter("state.scores")
     qk = warpgroup_mma_wait(1, deps=(qk,))
-    if HALVES:
-        _gate_and_store_half_scores(qk, s_slot, graw_ring, s, n_valid, HALF)
-        named_sync(SCORES_JOIN_ID, HALVES_THREADS)
-    else:
-        _gate_and_store_scores(qk, s_slot, graw_ring, s, n_valid)
+    _gate_and_store_scores(qk, s_slot, graw_ring, s, n_valid)
     leave("state.scores")
     e_g = e_g_slot.load(gl.SliceLayout(0, acc_c))
-    o1 = o1 * gl.expand_dims(e_g, 0)
-    _take_turn(IN_TURN, HALF)
-    o = warpgroup_mma(vnb, s_slot.permute((1, 0)), o1, use_acc=True, is_async=True)
-    _pass_turn(IN_TURN, HALF)
+    o = warpgroup_mma(vnb, s_slot.permute((1, 0)), o1 * gl.expand_dims(e_g, 0), use_acc=True, is_async=True)
     S, o = warpgroup_mma_wait(0, deps=(S, o))
     return S, o
 
@@ -821,21 +716,6 @@ def _gate_and_store_scores(qk, s_slot, graw_ring, r, n_valid=None):
         s_slot.store(causal_gate(qk, g_i, g_j).to(s_slot.dtype))
     fence_async_shared()
     thread_barrier()
-
-
-@gluon.jit
-def _gate_and_store_half_scores(kq, s_slot, graw_ring, r, n_valid, HALF: gl.constexpr):
-    """:data:`STATE_HALVES`: state half ``HALF``'s rows ``HALF * BT / 2 ..`` of the causal
-    scores from its ``k q^T`` (done, [BT, BT / 2]: the rows transposed) into the shared
-    scores slot, gated as :func:`_gate_and_store_scores` gates the whole; fenced for the
-    output's wgmma (the caller joins the halves)."""
-    ROWS: gl.constexpr = kq.shape[1]
-    qk = gl.permute(kq, (1, 0))
-    layout: gl.constexpr = qk.type.layout
-    g_i = graw_ring.index(2 * r).slice(HALF * ROWS, ROWS).load(gl.SliceLayout(1, layout))
-    g_j = graw_ring.index(2 * r + 1).load(gl.SliceLayout(0, layout))
-    s_slot.slice(HALF * ROWS, ROWS).store(causal_gate(qk, g_i, g_j, n_valid, HALF * ROWS).to(s_slot.dtype))
-    fence_async_shared()
 
 
 @gluon.jit
@@ -1004,15 +884,13 @@ def _fused_fwd_kernel(
     USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STATE_VK: gl.constexpr, HAS_TAILS: gl.constexpr,
     USE_POOL: gl.constexpr, INPLACE: gl.constexpr, ENGINE: gl.constexpr, V_SLOTS: gl.constexpr,
     SINGLE_T: gl.constexpr, QK_NORM: gl.constexpr, AUX_T: gl.constexpr, EARLY_O1: gl.constexpr,
-    STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr, PICK: gl.constexpr, HALVES: gl.constexpr = False,
-    IN_TURN: gl.constexpr = False,
+    STATE_SCORES: gl.constexpr, CHAIN: gl.constexpr, PICK: gl.constexpr,
 ):
     BT: gl.constexpr = k_desc.block_type.shape[0]
     K: gl.constexpr = k_desc.block_type.shape[1]
     V: gl.constexpr = v_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     gl.static_assert(not CHAIN or AUX_T, "chained segments on the one-kernel build alone")
-    gl.static_assert(not HALVES or (AUX_T and STATE_SCORES and not CHAIN), "state halves: the one-kernel build")
     if CHAIN:
         if PICK:
             # The census picked the pipeline (:func:`..gluon_common.warm_chain.warm_census_fwd`).
@@ -1080,11 +958,7 @@ def _fused_fwd_kernel(
         graw_ring = gl.allocate_shared_memory(gl.float32, [2 * RING, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
         graw_ring = gate_ring  # not read
-    if HALVES:
-        # A [BT, V / 2] tile a half, o's descriptor a box of that size.
-        o_smem = gl.allocate_shared_memory(dtype, [2, BT, V // 2], o_desc.layout)
-    else:
-        o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BT, V], o_desc.layout)
     kq_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     kq_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     t_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1099,17 +973,11 @@ def _fused_fwd_kernel(
             mbarrier.init(slot_free.index(i), count=1)
     else:
         slot_free = kq_empty  # not read
-    if HALVES:
-        # The first half's releases of its slots to the second, which refills them.
-        halves_done = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(RING):
-            mbarrier.init(halves_done.index(i), count=1)
     for i in gl.static_range(RING):
         mbarrier.init(kq_ready.index(i), count=1)
         mbarrier.init(kq_empty.index(i), count=1)
         mbarrier.init(wu_ready.index(i), count=1)
-        # Both state halves release a slot (:data:`STATE_HALVES`).
-        mbarrier.init(wu_empty.index(i), count=2 if HALVES else 1)
+        mbarrier.init(wu_empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(t_ready.index(i), count=1)
     for i in gl.static_range(V_SLOTS):
@@ -1138,9 +1006,6 @@ def _fused_fwd_kernel(
             S = gl.zeros([V, K], gl.float32, acc_s)
         fence_async_shared()
         thread_barrier()
-    elif HALVES:
-        # Each half reads its rows of the state in its partition.
-        S = 0
     elif USE_H0:
         S = state_in(h0, kq_ring, block, 0, K, V, V, STATE_VK, USE_POOL, acc_s, True)
         fence_async_shared()
@@ -1164,23 +1029,7 @@ def _fused_fwd_kernel(
         if NT > i:
             _load_kq(k_desc, q_desc, kq_ring, kq_ready, i, bos + i * BT, col_k)
 
-    if HALVES:
-        gl.warp_specialize([
-            (_state_half, (k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
-                           o_smem.index(0), kq_ready, kq_empty, v_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V,
-                           scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, graw_ring,
-                           halves_done, 0, IN_TURN, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK,
-                           USE_POOL, INPLACE)),
-            (_state_half, (k_desc, q_desc, v_desc, kq_ring, v_ring, t_ring, s_ring, gate_ring,
-                           o_smem.index(1), kq_ready, kq_empty, v_ready, wu_ready, wu_empty, o_desc, o_ptr, HV * V,
-                           scale, bos, eos, NT, col_k, col_v, HV, i_h, slot0, HAS_TAILS, ENGINE, graw_ring,
-                           halves_done, 1, IN_TURN, h0, ht, block, i_nh, USE_H0, STORE_HT, STATE_VK,
-                           USE_POOL, INPLACE)),
-            (_aux_inverse, (kq_ring, t_ring, s_ring, gate_ring, tables, kq_ready, kq_empty, wu_ready, wu_empty,
-                            kk_bar.index(0), g, s_g, beta, s_beta, HV, i_h, bos, eos, NT, ENGINE, graw_ring,
-                            STATE_SCORES, a_save, SAVE_A, row_vectors, check_slot)),
-        ], [4, AUX_WARPS], [HALF_REGS, _aux_regs(V)])
-    elif AUX_T:
+    if AUX_T:
         S = gl.warp_specialize([
             (_state, (S, k_desc, q_desc, v_desc, t_desc, kq_ring, v_ring, t_ring, t_ring, t_ring, s_ring,
                       gate_ring, o_smem, kq_ready, kq_empty, v_ready, t_ready, wu_ready, wu_empty, slot_free,
@@ -1234,7 +1083,7 @@ def _fused_fwd_kernel(
             # Every thread's part of the state is stored before the count says so.
             thread_barrier()
             gl.atomic_add(chain_flags + slot * HV + i_h, 1, sem="release")
-    elif (STORE_HT or INPLACE) and not HALVES:
+    elif STORE_HT or INPLACE:
         # The program's indices again rather than kept live across the partitions, where
         # the register budget changes (ptxas kept them in local memory).
         i_n, i_nh, i_h, i_v, bos, eos, NT, col_w, col_k, col_v = walk_program(cu_seqlens, HV, GROUP, K, V, V, BT, True)
@@ -1467,72 +1316,6 @@ WIDE_KQ = gl.constexpr(True)
 AUX_KEEPS_A = gl.constexpr(True)
 
 
-#: The one-kernel build's state in two partitions of one warpgroup each, S^T's rows 0-63 and
-#: 64-127 (V = 128), instead of one partition of two warpgroups: each walks the chunks
-#: with its own waits and barriers, reads its half of the v slot and stores its half of o (a
-#: [64, 64] TMA box), forms its 32 rows of each chunk's causal scores (``k q^T`` over its
-#: rows of q) into the shared scores slot, where the two join before their output products,
-#: and reads and writes its rows of the state straight from and to global memory
-#: (:func:`..gluon_common.state_io.state_rows_in`); the second refills the rings once the
-#: first is done with the chunk (``halves_done``). In the two-warpgroup partition both issue
-#: each product together and wait together at its barriers: their products share the
-#: tensor pipe at once, and both then do the register work between products while it idles
-#: (Nsight Compute at H16-HV32 4 x 8192: the tensor pipe 38% busy; Proton: the first
-#: product's issue 1,221 cycles a chunk, at the pipe's pace). With
-#: :data:`HALVES_IN_TURN` the halves issue each product group in turn, the first half
-#: first, so that one half's register work runs under the other's products (FlashInfer's
-#: Hopper GDN prefill orders its two state warpgroups' MMAs the same way). V = 128 with the
-#: state's scores behind v_new^T, the wide k/q product and two ring slots (the shipped
-#: one-kernel build); not for chained segments. sm_90a, triton 3.6.0 (``python
-#: benchmarks/sass_counts.py --build-flag gluon_sm90.fused.STATE_HALVES=1``, the varlen
-#: build): the halves' loops 929 and 834 SASS instructions with no reloads of spilled values
-#: (the two-warpgroup state's loop: 912, 5 reloads), the aux's 1,382 (3 against 4); 24
-#: spill bytes against 84 (with the qk l2 norm on chip 72 against 108); no wgmma serialized
-#: (a half waiting on an mbarrier while its state update was in flight made ptxas serialize
-#: every wgmma of the kernel: the halves' turns and their join at the scores are named
-#: barriers, :mod:`..gluon_common.named_barriers`); shared memory 180 bytes more.
-#: Compiled and checked only; not yet run on a GPU: off.
-STATE_HALVES = gl.constexpr(False)
-#: With :data:`STATE_HALVES`: the halves take turns issuing each of their four product
-#: groups a chunk (the wide P^T / S_old^T q^T product; v_new^T with q k^T; the state update;
-#: the output), on two named barriers (:data:`TURN_IDS`) each waits at and the other
-#: arrives at.
-HALVES_IN_TURN = gl.constexpr(True)
-#: Named barriers of the halves (:mod:`..gluon_common.named_barriers`): the first half's
-#: turn, the second's, and the join of both halves' rows of a chunk's scores.
-TURN_IDS = gl.constexpr(FIRST_ID)
-SCORES_JOIN_ID = gl.constexpr(FIRST_ID.value + 2)
-#: Threads of the two halves together.
-HALVES_THREADS = gl.constexpr(256)
-#: Registers asked for the second state half (a worker partition; the first, the default
-#: partition, gets the rest): 2 x 192 + :data:`AUX_REGS` as with one state partition.
-HALF_REGS = gl.constexpr(192)
-
-
-@gluon.constexpr_function
-def state_halves(V, state_scores, chain=False) -> bool:
-    """Whether a one-kernel build of ``V`` columns runs its state as two halves
-    (:data:`STATE_HALVES`): V = 128 with the state's scores behind v_new^T, the wide k/q
-    product and two ring slots, not for chained segments."""
-    return (bool(STATE_HALVES) and V == 2 * 64 and bool(state_scores) and bool(SCORES_BEHIND_V_NEW)
-            and bool(WIDE_KQ) and AUX_RING_SLOTS.value == 2 and not chain)
-
-
-@gluon.jit
-def _take_turn(IN_TURN: gl.constexpr, HALF: gl.constexpr):
-    """:data:`HALVES_IN_TURN`: wait until the other half issued its last product group (the
-    second half arrives once at the first half's barrier before its walk)."""
-    if IN_TURN:
-        named_sync(TURN_IDS + HALF, HALVES_THREADS)
-
-
-@gluon.jit
-def _pass_turn(IN_TURN: gl.constexpr, HALF: gl.constexpr):
-    """The other half's turn, once this half issued its product group."""
-    if IN_TURN:
-        named_arrive(TURN_IDS + 1 - HALF, HALVES_THREADS)
-
-
 @gluon.constexpr_function
 def keeps_a() -> bool:
     """Whether the one-kernel build's aux keeps A for the fp16 inverse's redo (the fp16
@@ -1631,15 +1414,12 @@ def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> B
         raise ValueError("plan_fused: chained segments run on the one-kernel build (fused.AUX_T) alone")
     constexprs["CHAIN"] = False
     constexprs["PICK"] = False
-    halves = constexprs["HALVES"] = state_halves(V, state_scores, chain)
-    # A constexpr of the launch, so that a build's cache key follows the flag.
-    constexprs["IN_TURN"] = halves and bool(HALVES_IN_TURN)
     descriptors = (
         tile_desc("q_desc", "q", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("k_desc", "k", dtype, H * K, (BT, K), token_rows=True),
         tile_desc("v_desc", "v", dtype, HV * V, (BT, V), token_rows=True),
         tile_desc("t_desc", "t", dtype, BT, (BT, BT)),
-        tile_desc("o_desc", "o", dtype, HV * V, (BT, V // 2 if halves else V)),
+        tile_desc("o_desc", "o", dtype, HV * V, (BT, V)),
     )
     if on_chip_t:
         # No T tiles to read: the descriptor goes to the kernel as a None constexpr.
@@ -1648,18 +1428,17 @@ def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> B
     launch = LaunchPlan(
         kernel="fused_fwd",
         grid_rule=GridRule(per_seq=1, times=HV),
-        num_warps=4 if halves else state_warps(V),
+        num_warps=state_warps(V),
         blocks={"BT": BT, "K": K, "V": V,
                 "smem_bytes": fused_smem_bytes(K, V, torch.finfo(dtype).bits // 8, v_slots=V_SLOTS,
                                                single_t=t_tiles == 1,
                                                qk_norm=constexprs["QK_NORM"], aux_t=on_chip_t,
-                                               state_scores=state_scores, halves=halves)},
+                                               state_scores=state_scores)},
         constexprs=constexprs,
         descriptors=descriptors,
         scalars={"HV": HV, "GROUP": HV // H},
-        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state "
-               + ("2 halves of 1 warpgroup" if halves else
-                  f"{state_warps(V) // 4} warpgroup{'s' if V == HEAD_DIM else ''}") + " + aux 1"
+        notes=(f"N x {HV} (sequence, v-head) programs, warp-specialized: state {state_warps(V) // 4} "
+               f"warpgroup{'s' if V == HEAD_DIM else ''} + aux 1"
                + ("; the chunk inverses formed in the aux partition" if on_chip_t else "")
                + ("; the scores in the state partition" if state_scores else "")),
     )
@@ -1670,7 +1449,7 @@ def plan_fused(problem: GDNProblem, device, *, engine, chain: bool = False) -> B
 
 def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots: int = 1,
                      single_t: bool = False, qk_norm: bool = False, aux_t: bool = False,
-                     state_scores: bool = False, ring: int | None = None, halves: bool = False) -> int:
+                     state_scores: bool = False, ring: int | None = None) -> int:
     """Shared memory of the kernel: k/q ring (``ring`` slots; None: :func:`ring_slots`), v
     (``v_slots`` slots), T ring (2 x 2 tiles), w, u and scores rings (2 slots), o, the gate
     vectors (``ring`` slots) and the barriers; with ``single_t``
@@ -1681,8 +1460,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     (:func:`..gluon_common.blocked_inverse.redo_buffer`) and, with
     :data:`..gluon_common.wy.SHARED_ROW_VECTORS`, its row vectors (2 slots x 2 fp32
     vectors); with ``state_scores`` (:data:`STATE_SCORES`) the gate rows of the state's
-    scores (``ring`` x 2 fp32 vectors); with ``halves`` (:data:`STATE_HALVES`) the halves'
-    barriers (``ring``)."""
+    scores (``ring`` x 2 fp32 vectors)."""
     ring = ring_slots(state_scores) if ring is None else ring
     t_and_wu = ring * BT * BT if single_t else 4 * BT * BT + 2 * BT * K + 2 * V * BT
     redo = redo_buffer_bytes(BT, qk_norm) if keeps_a() else 0
@@ -1691,7 +1469,7 @@ def fused_smem_bytes(K: int, V: int, elem: int, BT: int = CHUNK_SIZE, *, v_slots
     inverse = 16 * 16 * 16 * 4 + 8 + redo + vectors + check if aux_t else 0
     return ((2 * ring * BT * K + v_slots * BT * V + t_and_wu + 2 * BT * BT + BT * V) * elem
             + ((4 if qk_norm else 3) + (2 if state_scores else 0)) * ring * BT * 4 + (4 * ring + 2 + v_slots) * 8
-            + (ring * 8 if halves else 0) + inverse)
+            + inverse)
 
 
 def fused_fwd(problem: GDNProblem, t_tiles: torch.Tensor, g_cum: torch.Tensor, launch: LaunchPlan | BoundLaunch,
