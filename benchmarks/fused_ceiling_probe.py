@@ -94,9 +94,9 @@ def main() -> None:
         run_variant("ceiling", args.variant, calls(shapes))
         return
     print("| variant | shape | call ms | enqueue µs | kernels ms |", flush=True)
+    flags = [arg for setting in args.build_flag for arg in ("--build-flag", setting)]
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            flags = [arg for setting in args.build_flag for arg in ("--build-flag", setting)]
             run = subprocess.run([sys.executable, __file__, variant, "--shapes", args.shapes] + flags,
                                  stderr=subprocess.PIPE, text=True)
             if run.returncode:

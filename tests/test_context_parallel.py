@@ -16,7 +16,7 @@ from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.op import context_parallel_arg, context_parallel_str
 from gdn_dispatch.registry import CallSpec, call_reason, explain, load_registry
-from gdn_dispatch.testing import padded_pool, poison_cuda_allocator, random_call, rel_rms_error
+from gdn_dispatch.testing import padded_pool, poison_cuda_allocator, pooled_call, random_call, rel_rms_error
 
 H200_SMS = 132
 
@@ -640,12 +640,8 @@ def test_triton_generic_segmented_matches_the_reference(dtype, cpu, gpu, layout,
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     extra, ref_call = {}, dict(call)
     if pool is not None:
-        N = len(cpu["lengths"] if device.type == "cpu" else gpu["lengths"])
-        dims = tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(N, call["v"].shape[2], dims, pool, seed=9, device=device)
-        expected_pool = rows.clone()
-        extra = dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool)
+        expected_pool = call["initial_state"].clone()
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
     problem = make_problem(**call, **flags, **extra, context_parallel=n, backend="triton_generic")
     plan = plan_for_problem(problem, 1)
@@ -654,6 +650,7 @@ def test_triton_generic_segmented_matches_the_reference(dtype, cpu, gpu, layout,
     assert rel_rms_error(o, o_ref) <= TOL[dtype]
     assert rel_rms_error(ht, ht_ref) <= TOL[dtype]
     if pool is not None:
+        idx = extra["state_indices"]
         live = idx >= 0
         expected_pool[idx[live].long()] = ht_ref[live].to(pool)
         assert rel_rms_error(call["initial_state"], expected_pool) <= max(TOL[dtype], TOL[pool])

@@ -16,7 +16,7 @@ from gdn_dispatch.context_parallel import CPPlan, CPTuning, plan_context_paralle
 from gdn_dispatch.contract import make_problem
 from gdn_dispatch.device import assumed_device
 from gdn_dispatch.registry import CallSpec, explain
-from gdn_dispatch.testing import padded_pool, random_call, rel_rms_error
+from gdn_dispatch.testing import pooled_call, random_call, rel_rms_error
 
 from gdn_dispatch.backends.gluon_common import state_output as so
 from gdn_dispatch.backends.gluon_common.state_output import state_output_config
@@ -223,10 +223,8 @@ def test_chained_segments_match_off_and_the_reference(shape, dtype, L, factors, 
     flags = dict(use_qk_l2norm_in_kernel=l2, output_final_state=True)
     extra, ref_call, expected_pool = {}, dict(call), None
     if pool is not None:
-        N, dims = len(shape["lengths"]), tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(N, call["v"].shape[2], dims, pool, seed=9, device="cpu")
-        expected_pool, extra = rows.clone(), dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool)
+        expected_pool = call["initial_state"].clone()
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
     off_call = {**call, "initial_state": call["initial_state"].clone()} if pool is not None else call
     o_off, ht_off = chunk_gated_delta_rule(**off_call, **flags, **extra, context_parallel="off",
@@ -464,10 +462,8 @@ def test_gluon_chained_orchestration_matches_the_reference_on_cpu(layout, pool, 
                               state_layout=layout), [0.1, 40.0])
     flags, extra, ref_call = dict(output_final_state=True), {}, dict(call)
     if pool is not None:
-        dims = tuple(call["initial_state"].shape[2:])
-        rows, idx, ref_call["initial_state"] = padded_pool(len(lengths), 2, dims, pool, seed=3, device="cpu")
-        expected_pool, extra = rows.clone(), dict(state_indices=idx, inplace_final_state=True)
-        call = {**call, "initial_state": rows}
+        call, extra, ref_call = pooled_call(call, pool, seed=3)
+        expected_pool = call["initial_state"].clone()
     o_ref, ht_ref = reference.forward(make_problem(**ref_call, **flags, context_parallel="off"))
     problem = make_problem(**call, **flags, **extra)
     plan = _chained_plan(problem, 128)
@@ -481,6 +477,7 @@ def test_gluon_chained_orchestration_matches_the_reference_on_cpu(layout, pool, 
     assert (f_start >= 0).any() and (f_start < 0).any()  # some segments forget, some hand over
     assert rel_rms_error(o, o_ref) <= TOL[torch.bfloat16] and rel_rms_error(ht, ht_ref) <= TOL[torch.bfloat16]
     if pool is not None:
+        idx = extra["state_indices"]
         live = idx >= 0
         expected_pool[idx[live].long()] = ht_ref[live].to(pool)
         assert rel_rms_error(call["initial_state"], expected_pool) <= TOL[pool]
